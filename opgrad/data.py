@@ -293,13 +293,13 @@ def _parse_mnist_csv(path: Path) -> tuple[npt.NDArray[np.uint8], IntArray]:
     """
     text = _read_maybe_gzip(path)
     n_cols = IMAGE_SIZE * IMAGE_SIZE + 1
+    if not text.strip():
+        raise DataError(f"{path}: empty: no rows")
     try:
         table = np.loadtxt(io.BytesIO(text), delimiter=",", dtype=np.int64, ndmin=2, encoding="ascii")
     except (ValueError, UnicodeDecodeError) as exc:
         _diagnose_csv(path, text, n_cols)
         raise DataError(f"{path}: corrupt CSV ({exc})") from None  # the re-scan found nothing better
-    if table.shape[0] == 0:
-        raise DataError(f"{path}: empty: no rows")
     if table.shape[1] != n_cols:
         raise DataError(f"{path}: row 1 has {table.shape[1]} columns, expected {n_cols} (784 pixels + label)")
     pixels, labels = table[:, :-1], table[:, -1]
