@@ -194,7 +194,14 @@ def load_checkpoint(path: str | os.PathLike[str], expected: ExpectedSpec | None 
     try:
         with np.load(source, allow_pickle=False) as npz:
             contents = {name: npz[name] for name in npz.files}
-    except (zipfile.BadZipFile, EOFError, zlib.error, ValueError, OSError, KeyError) as exc:
+    except zipfile.BadZipFile as exc:
+        if "not a zip file" in str(exc):  # starts like a zip but its end-of-file index is gone
+            raise CheckpointError(
+                f"{source}: corrupt or truncated checkpoint (the zip index at the end of the file is "
+                f"missing; {source.stat().st_size} bytes on disk)"
+            ) from None
+        raise CheckpointError(f"{source}: corrupt or truncated checkpoint ({exc})") from None
+    except (EOFError, zlib.error, ValueError, OSError, KeyError) as exc:
         # A truncated zip loses its central directory (BadZipFile); a damaged member gives
         # EOFError/zlib.error/ValueError; a member needing pickle gives ValueError.
         raise CheckpointError(
