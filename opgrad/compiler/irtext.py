@@ -1,0 +1,251 @@
+"""A small emitter of textual LLVM IR (opaque pointers, LLVM >= 17).
+
+We write IR text rather than use ``llvmlite.ir`` because the kernels need vector GEPs, masked
+gathers/scatters and fast-math flags on arbitrary instructions, all of which are one line of text.
+Mutable values (loop counters, accumulators) live in entry-block allocas; SROA/mem2reg in the O3
+pipeline turns them into registers, which keeps this emitter free of phi bookkeeping.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+#: LLVM scalar type for each supported numpy dtype name.
+LLVM_TYPE = {"float32": "float", "float64": "double"}
+BYTES = {"float32": 4, "float64": 8}
+
+#: Fast-math flags used on reductions: reassociation lets them vectorize; nsz/contract are harmless.
+FAST = "reassoc nsz contract"
+
+
+def float_const(value: float, llvm_type: str) -> str:
+    """An exact textual constant: LLVM accepts floats only as decimal that round-trips, or hex doubles."""
+    if llvm_type == "float":
+        value = struct.unpack("<f", struct.pack("<f", value))[0]
+    elif llvm_type != "double":
+        raise ValueError(f"not a float type: {llvm_type}")
+    bits = struct.unpack("<Q", struct.pack("<d", value))[0]
+    return f"0x{bits:016X}"
+
+
+def vec(n: int, elem: str) -> str:
+    return f"<{n} x {elem}>"
+
+
+def splat_const(n: int, elem: str, value: str) -> str:
+    """A constant vector with every lane equal to the constant text ``value``."""
+    return "<" + ", ".join(f"{elem} {value}" for _ in range(n)) + ">"
+
+
+def iota_const(n: int, elem: str = "i32", start: int = 0) -> str:
+    return "<" + ", ".join(f"{elem} {start + i}" for i in range(n)) + ">"
+
+
+class ModuleEmitter:
+    """Collects declarations, globals and function bodies of one LLVM module."""
+
+    def __init__(self, name: str = "opgrad") -> None:
+        self.name = name
+        self._decls: dict[str, str] = {}
+        self._globals: list[str] = []
+        self._functions: list[str] = []
+        self._names: set[str] = set()
+
+    def declare(self, name: str, decl: str) -> str:
+        """Declare an external or intrinsic function once; returns ``@name``."""
+        self._decls.setdefault(name, decl)
+        return "@" + name
+
+    def intrinsic(self, base: str, ret: str, args: list[str], suffix: str) -> str:
+        """Declare ``llvm.<base>.<suffix>`` with the given signature (intrinsics need hand declarations)."""
+        name = f"llvm.{base}.{suffix}"
+        return self.declare(name, f"declare {ret} @{name}({', '.join(args)})")
+
+    def fma(self, ty: str) -> str:
+        """``llvm.fma`` for a scalar or vector float type."""
+        return self.intrinsic("fma", ty, [ty, ty, ty], _mangle(ty))
+
+    def add_global(self, text: str) -> None:
+        self._globals.append(text)
+
+    def add_function(self, text: str) -> None:
+        self._functions.append(text)
+
+    def unique(self, base: str) -> str:
+        """A function name not used before in this module."""
+        name, i = base, 1
+        while name in self._names:
+            i += 1
+            name = f"{base}.{i}"
+        self._names.add(name)
+        return name
+
+    def text(self) -> str:
+        parts = [f"; ModuleID = '{self.name}'", *self._globals, *self._decls.values(), *self._functions]
+        return "\n".join(parts) + "\n"
+
+
+def _mangle(ty: str) -> str:
+    ty = ty.strip()
+    if ty.startswith("<"):
+        n, _, elem = ty[1:-1].partition(" x ")
+        return f"v{n.strip()}{_mangle(elem)}"
+    return {"float": "f32", "double": "f64", "i32": "i32", "i64": "i64", "i1": "i1", "ptr": "p0"}[ty]
+
+
+class FunctionEmitter:
+    """Emits one function body. Values are SSA names (``%x``) or constant text."""
+
+    def __init__(
+        self,
+        module: ModuleEmitter,
+        name: str,
+        params: list[tuple[str, str]],
+        ret: str = "void",
+        linkage: str = "",
+        attrs: str = "nounwind",
+    ) -> None:
+        self.module = module
+        self.name = name
+        self.ret = ret
+        self._header = (
+            f"define {linkage + ' ' if linkage else ''}{ret} @{name}("
+            + ", ".join(f"{t} %{n}" for t, n in params)
+            + f") {attrs} {{"
+        )
+        self._allocas: list[str] = []
+        self._body: list[str] = []
+        self._counter = 0
+        self._terminated = False
+        self.params = {n: f"%{n}" for _, n in params}
+
+    # ----- naming and raw emission -----
+
+    def fresh(self, hint: str = "t") -> str:
+        self._counter += 1
+        return f"%{hint}.{self._counter}"
+
+    def emit(self, text: str) -> None:
+        self._body.append("  " + text)
+
+    def val(self, text: str, hint: str = "t") -> str:
+        """Emit ``%name = text`` and return the name."""
+        name = self.fresh(hint)
+        self.emit(f"{name} = {text}")
+        return name
+
+    def label(self, hint: str) -> str:
+        self._counter += 1
+        return f"{hint}.{self._counter}"
+
+    def block(self, label: str) -> None:
+        self._body.append(f"{label}:")
+
+    def br(self, label: str) -> None:
+        self.emit(f"br label %{label}")
+
+    def cbr(self, cond: str, then: str, other: str) -> None:
+        self.emit(f"br i1 {cond}, label %{then}, label %{other}")
+
+    # ----- memory -----
+
+    def alloca(self, ty: str, hint: str = "v", align: int = 0) -> str:
+        name = self.fresh(hint)
+        self._allocas.append(f"  {name} = alloca {ty}" + (f", align {align}" if align else ""))
+        return name
+
+    def var(self, ty: str, init: str, hint: str = "v") -> str:
+        """An entry-block variable initialised here; read with :meth:`load`, write with :meth:`store`."""
+        ptr = self.alloca(ty, hint)
+        self.store(ty, init, ptr)
+        return ptr
+
+    def load(self, ty: str, ptr: str, align: int = 0, hint: str = "ld") -> str:
+        return self.val(f"load {ty}, ptr {ptr}" + (f", align {align}" if align else ""), hint)
+
+    def store(self, ty: str, value: str, ptr: str, align: int = 0) -> None:
+        self.emit(f"store {ty} {value}, ptr {ptr}" + (f", align {align}" if align else ""))
+
+    def gep(self, elem: str, ptr: str, index: str, index_ty: str = "i64", hint: str = "p") -> str:
+        return self.val(f"getelementptr inbounds {elem}, ptr {ptr}, {index_ty} {index}", hint)
+
+    # ----- integer helpers (i64 unless told) -----
+
+    def add(self, a: str, b: str | int, ty: str = "i64") -> str:
+        return self.val(f"add {ty} {a}, {b}", "add")
+
+    def mul(self, a: str, b: str | int, ty: str = "i64") -> str:
+        return self.val(f"mul {ty} {a}, {b}", "mul")
+
+    def sub(self, a: str, b: str | int, ty: str = "i64") -> str:
+        return self.val(f"sub {ty} {a}, {b}", "sub")
+
+    def icmp(self, pred: str, a: str, b: str | int, ty: str = "i64") -> str:
+        return self.val(f"icmp {pred} {ty} {a}, {b}", "c")
+
+    def select(self, cond: str, ty: str, a: str, b: str) -> str:
+        return self.val(f"select i1 {cond}, {ty} {a}, {ty} {b}", "sel")
+
+    def smin(self, a: str, b: str | int, ty: str = "i64") -> str:
+        return self.select(self.icmp("slt", a, b, ty), ty, a, str(b))
+
+    def splat(self, n: int, elem: str, scalar: str) -> str:
+        """Broadcast a scalar value to all ``n`` lanes."""
+        v = self.val(f"insertelement <{n} x {elem}> poison, {elem} {scalar}, i32 0", "ins")
+        return self.val(
+            f"shufflevector <{n} x {elem}> {v}, <{n} x {elem}> poison, <{n} x i32> zeroinitializer", "splat"
+        )
+
+    def call(
+        self, ret: str, fn: str, args: list[tuple[str, str]], flags: str = "", hint: str = "call"
+    ) -> str:
+        arg_text = ", ".join(f"{t} {v}" for t, v in args)
+        text = f"call {flags + ' ' if flags else ''}{ret} {fn}({arg_text})"
+        if ret == "void":
+            self.emit(text)
+            return ""
+        return self.val(text, hint)
+
+    # ----- structured control flow -----
+
+    @contextmanager
+    def loop(self, lo: str | int, hi: str | int, step: int = 1, hint: str = "i") -> Iterator[str]:
+        """``for (i = lo; i < hi; i += step)`` over i64; yields the induction value inside the body."""
+        counter = self.var("i64", str(lo), hint + ".addr")
+        head, body, done = self.label(hint + ".head"), self.label(hint + ".body"), self.label(hint + ".end")
+        self.br(head)
+        self.block(head)
+        i = self.load("i64", counter, hint=hint)
+        self.cbr(self.icmp("slt", i, hi), body, done)
+        self.block(body)
+        yield i
+        self.store("i64", self.add(i, step), counter)
+        self.br(head)
+        self.block(done)
+
+    @contextmanager
+    def if_then(self, cond: str, hint: str = "if") -> Iterator[None]:
+        then, done = self.label(hint + ".then"), self.label(hint + ".end")
+        self.cbr(cond, then, done)
+        self.block(then)
+        yield
+        self.br(done)
+        self.block(done)
+
+    def if_else(self, cond: str, hint: str = "ife") -> tuple[str, str, str]:
+        """Start an if/else: returns (then, else, end) labels; caller emits blocks and branches."""
+        then, other, done = self.label(hint + ".then"), self.label(hint + ".else"), self.label(hint + ".end")
+        self.cbr(cond, then, other)
+        return then, other, done
+
+    def ret_void(self) -> None:
+        self.emit("ret void")
+
+    def finish(self) -> str:
+        """Close the function and add it to the module; returns its text."""
+        lines = [self._header, "entry:", *self._allocas, "  br label %body0", "body0:", *self._body, "}"]
+        text = "\n".join(lines)
+        self.module.add_function(text)
+        return text

@@ -1,0 +1,233 @@
+"""A spin-then-sleep thread pool written in JIT code, shared by every compiled kernel.
+
+Why in JIT code: a Python ThreadPoolExecutor round trip costs ~30 µs, more than many kernels. Here a
+kernel calls ``opgrad_parallel_for(task, ctx)`` directly; the workers spin on a sequence word (with
+``pause``) for a short while and then sleep in ``futex`` with a timeout, so a dispatch to a hot
+worker costs well under a microsecond and an idle pool costs no CPU.
+
+The worker OS threads are Python ``threading.Thread`` objects whose target is the JIT'd worker loop
+called through ctypes (which releases the GIL), so no ``pthread_create`` is needed in JIT code. An
+``atexit`` hook stops and joins them; they are daemons so a missed stop can never block exit.
+
+Contract for tasks: ``void task(ptr ctx, i32 tid, i32 nthreads)`` must do the share ``tid`` of
+``nthreads`` and must produce results that do not depend on ``nthreads`` (split over outputs,
+never split a reduction). If the pool is busy (another Python thread, or a nested call) the
+dispatcher runs all shares inline, one after the other; results are the same by that contract.
+"""
+
+from __future__ import annotations
+
+import atexit
+import ctypes
+import ctypes.util
+import os
+import platform
+import threading
+
+from .irtext import FunctionEmitter, ModuleEmitter
+from .jit import NativeModule, host_target, register_symbol
+
+#: Symbol that kernels declare as ``declare void @opgrad_parallel_for(ptr, ptr)``.
+PARALLEL_FOR = "opgrad_parallel_for"
+PARALLEL_FOR_DECL = f"declare void @{PARALLEL_FOR}(ptr, ptr)"
+
+_SPINS = 20000  # ~50-100 µs of spinning before sleeping: keeps back-to-back kernels hot
+_SLEEP_NS = 2_000_000  # futex timeout: a lost wake-up costs at most this, never a deadlock
+_FUTEX_WAIT_PRIVATE = 128
+_FUTEX_WAKE_PRIVATE = 129
+_SYS_FUTEX = {"x86_64": 202, "aarch64": 98}
+
+
+def _runtime_ir() -> str:
+    m = ModuleEmitter("opgrad_runtime")
+    for name, ty in (("seq", "i32"), ("done", "i32"), ("busy", "i32"), ("stop", "i32"), ("sleepers", "i32")):
+        m.add_global(f"@pool.{name} = internal global {ty} 0, align 64")
+    m.add_global("@pool.nthreads = internal global i32 1, align 64")
+    m.add_global("@pool.fn = internal global ptr null, align 64")
+    m.add_global("@pool.ctx = internal global ptr null, align 64")
+    m.add_global(f"@pool.timeout = internal constant [2 x i64] [i64 0, i64 {_SLEEP_NS}], align 8")
+    m.declare("syscall", "declare i64 @syscall(i64, ...)")
+    m.declare("sched_yield", "declare i32 @sched_yield()")
+    sys_futex = _SYS_FUTEX.get(platform.machine(), 202)
+    pause = ""
+    if host_target().is_x86:  # `pause` keeps a spinning core from starving its SMT sibling
+        pause = m.declare("llvm.x86.sse2.pause", "declare void @llvm.x86.sse2.pause()")
+
+    def relax(f: FunctionEmitter) -> None:
+        if pause:
+            f.call("void", pause, [])
+
+    # void opgrad_pool_set_size(i32 n)
+    f = FunctionEmitter(m, "opgrad_pool_set_size", [("i32", "n")])
+    f.emit("store atomic i32 %n, ptr @pool.nthreads seq_cst, align 4")
+    f.ret_void()
+    f.finish()
+
+    # void opgrad_pool_worker(i32 tid): runs jobs until stop is set
+    f = FunctionEmitter(m, "opgrad_pool_worker", [("i32", "tid")])
+    seen = f.var("i32", f.val("load atomic i32, ptr @pool.seq acquire, align 4"), "seen")
+    spins = f.var("i64", "0", "spins")
+    labels = ("head", "run", "idle", "sleep", "woke", "out")
+    head, run, idle, sleep, wait_end, out = (f.label(x) for x in labels)
+    f.br(head)
+    f.block(head)
+    stop = f.val("load atomic i32, ptr @pool.stop acquire, align 4")
+    is_stop = f.icmp("ne", stop, "0", "i32")
+    chk = f.label("chk")
+    f.cbr(is_stop, out, chk)
+    f.block(chk)
+    s = f.val("load atomic i32, ptr @pool.seq acquire, align 4")
+    old = f.load("i32", seen)
+    f.cbr(f.icmp("ne", s, old, "i32"), run, idle)
+    f.block(run)
+    f.store("i32", s, seen)
+    f.store("i64", "0", spins)
+    fn = f.val("load ptr, ptr @pool.fn, align 8")
+    ctx = f.val("load ptr, ptr @pool.ctx, align 8")
+    nt = f.val("load i32, ptr @pool.nthreads, align 4")
+    f.emit(f"call void {fn}(ptr {ctx}, i32 %tid, i32 {nt})")
+    f.emit("atomicrmw add ptr @pool.done, i32 1 release")
+    f.br(head)
+    f.block(idle)
+    n = f.add(f.load("i64", spins), 1)
+    f.store("i64", n, spins)
+    relax(f)
+    f.cbr(f.icmp("slt", n, _SPINS), head, sleep)
+    f.block(sleep)
+    f.emit("atomicrmw add ptr @pool.sleepers, i32 1 seq_cst")
+    s2 = f.val("load atomic i32, ptr @pool.seq seq_cst, align 4")
+    st2 = f.val("load atomic i32, ptr @pool.stop seq_cst, align 4")
+    same = f.val(f"and i1 {f.icmp('eq', s2, old, 'i32')}, {f.icmp('eq', st2, '0', 'i32')}")
+    do_wait = f.label("futex")
+    f.cbr(same, do_wait, wait_end)
+    f.block(do_wait)
+    old64 = f.val(f"zext i32 {old} to i64")
+    f.emit(
+        f"call i64 (i64, ...) @syscall(i64 {sys_futex}, ptr @pool.seq, i32 {_FUTEX_WAIT_PRIVATE}, "
+        f"i64 {old64}, ptr @pool.timeout)"
+    )
+    f.br(wait_end)
+    f.block(wait_end)
+    f.emit("atomicrmw sub ptr @pool.sleepers, i32 1 seq_cst")
+    f.store("i64", "0", spins)
+    f.br(head)
+    f.block(out)
+    f.ret_void()
+    f.finish()
+
+    # void opgrad_parallel_for(ptr fn, ptr ctx)
+    f = FunctionEmitter(m, PARALLEL_FOR, [("ptr", "fn"), ("ptr", "ctx")])
+    nt = f.val("load atomic i32, ptr @pool.nthreads acquire, align 4")
+    single, try_lock, serial, pooled = (f.label(x) for x in ("single", "trylock", "serial", "pooled"))
+    f.cbr(f.icmp("sle", nt, "1", "i32"), single, try_lock)
+    f.block(single)
+    f.emit("call void %fn(ptr %ctx, i32 0, i32 1)")
+    f.ret_void()
+    f.block(try_lock)
+    pair = f.val("cmpxchg ptr @pool.busy, i32 0, i32 1 acquire monotonic")
+    got = f.val(f"extractvalue {{ i32, i1 }} {pair}, 1")
+    f.cbr(got, pooled, serial)
+    f.block(serial)  # pool busy: run every share here, results are identical by contract
+    nt64 = f.val(f"sext i32 {nt} to i64")
+    with f.loop(0, nt64, hint="t") as t:
+        t32 = f.val(f"trunc i64 {t} to i32")
+        f.emit(f"call void %fn(ptr %ctx, i32 {t32}, i32 {nt})")
+    f.ret_void()
+    f.block(pooled)
+    f.emit("store ptr %fn, ptr @pool.fn, align 8")
+    f.emit("store ptr %ctx, ptr @pool.ctx, align 8")
+    f.emit("store atomic i32 0, ptr @pool.done seq_cst, align 4")
+    f.emit("atomicrmw add ptr @pool.seq, i32 1 seq_cst")
+    nsl = f.val("load atomic i32, ptr @pool.sleepers seq_cst, align 4")
+    with f.if_then(f.icmp("ne", nsl, "0", "i32"), "wake"):
+        f.emit(
+            f"call i64 (i64, ...) @syscall(i64 {sys_futex}, ptr @pool.seq, i32 {_FUTEX_WAKE_PRIVATE}, "
+            "i32 2147483647)"
+        )
+    f.emit(f"call void %fn(ptr %ctx, i32 0, i32 {nt})")
+    want = f.val(f"sub i32 {nt}, 1")
+    spins = f.var("i64", "0", "wspins")
+    wait, waited = f.label("wait"), f.label("waited")
+    f.br(wait)
+    f.block(wait)
+    d = f.val("load atomic i32, ptr @pool.done acquire, align 4")
+    more = f.label("more")
+    f.cbr(f.icmp("sge", d, want, "i32"), waited, more)
+    f.block(more)
+    k = f.add(f.load("i64", spins), 1)
+    f.store("i64", k, spins)
+    relax(f)
+    with f.if_then(f.icmp("sgt", k, _SPINS), "yield"):
+        f.call("i32", "@sched_yield", [])
+    f.br(wait)
+    f.block(waited)
+    f.emit("store atomic i32 0, ptr @pool.busy release, align 4")
+    f.ret_void()
+    f.finish()
+
+    # void opgrad_pool_stop(): wake everyone and make them return
+    f = FunctionEmitter(m, "opgrad_pool_stop", [])
+    f.emit("store atomic i32 1, ptr @pool.stop seq_cst, align 4")
+    f.emit("atomicrmw add ptr @pool.seq, i32 1 seq_cst")
+    f.emit(
+        f"call i64 (i64, ...) @syscall(i64 {sys_futex}, ptr @pool.seq, i32 {_FUTEX_WAKE_PRIVATE}, "
+        "i32 2147483647)"
+    )
+    f.ret_void()
+    f.finish()
+    return m.text()
+
+
+def default_num_threads() -> int:
+    """``$OPGRAD_NUM_THREADS`` or the number of CPUs this process may run on."""
+    env = os.environ.get("OPGRAD_NUM_THREADS")
+    if env:
+        return max(1, int(env))
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # not Linux
+        return max(1, os.cpu_count() or 1)
+
+
+class ThreadPool:
+    """The process-wide pool; construct through :func:`pool`."""
+
+    def __init__(self, nthreads: int) -> None:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or None)
+        register_symbol("syscall", ctypes.cast(libc.syscall, ctypes.c_void_p).value or 0)
+        register_symbol("sched_yield", ctypes.cast(libc.sched_yield, ctypes.c_void_p).value or 0)
+        self.module = NativeModule(_runtime_ir())
+        register_symbol(PARALLEL_FOR, self.module.address(PARALLEL_FOR))
+        self._worker = self.module.cfunc("opgrad_pool_worker", None, ctypes.c_int32)
+        self._stop = self.module.cfunc("opgrad_pool_stop", None)
+        self._set_size = self.module.cfunc("opgrad_pool_set_size", None, ctypes.c_int32)
+        self.parallel_for_address = self.module.address(PARALLEL_FOR)
+        self.nthreads = nthreads
+        self._threads: list[threading.Thread] = []
+        self._set_size(nthreads)
+        for tid in range(1, nthreads):
+            t = threading.Thread(target=self._worker, args=(tid,), name=f"opgrad-worker-{tid}", daemon=True)
+            t.start()
+            self._threads.append(t)
+        atexit.register(self.shutdown)
+
+    def shutdown(self) -> None:
+        """Stop the workers; afterwards every parallel_for runs on the calling thread."""
+        self._set_size(1)
+        self._stop()
+        for t in self._threads:
+            t.join(timeout=1.0)
+        self._threads.clear()
+
+
+_pool: ThreadPool | None = None
+_pool_lock = threading.Lock()
+
+
+def pool() -> ThreadPool:
+    """The process-wide pool, created on first use (must exist before kernels are finalized)."""
+    global _pool
+    with _pool_lock:
+        if _pool is None:
+            _pool = ThreadPool(default_num_threads())
+        return _pool
