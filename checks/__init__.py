@@ -1,0 +1,1 @@
+"""Verification tooling for registered gradients (see docs/checking.md)."""

@@ -1,0 +1,162 @@
+"""Reverse-mode automatic differentiation through the registered gradients.
+
+The result of differentiation is ordinary IR built from registered operators, so it can be
+printed, evaluated, compiled, and differentiated again (second order).
+
+Two jobs are done here, centrally, so that no gradient rule can get them wrong:
+* un-broadcasting: a rule may return a gradient with the output's broadcast shape; it is summed
+  back to the input's shape with ``collapse_sum_like``;
+* fan-out: when an expression feeds several calls, the gradients are accumulated with ``add``.
+Each rule's result is then checked against its input's type, naming the rule if it is off.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from opgrad.dtypes import collapses_to
+from opgrad.errors import GradientError
+from opgrad.ir import Call, Expr, Function, Var, topological_order
+
+
+def _ops():  # noqa: ANN202 - late import: registry modules import this package
+    from opgrad import ops
+
+    return ops
+
+
+def _describe(call: Call) -> str:
+    args = ", ".join(str(a.type) for a in call.args)
+    attrs = "".join(f", {k}={v!r}" for k, v in call.attrs.items())
+    return f"{call.op.name}({args}{attrs}) -> {call.type}"
+
+
+def _fit_to_input(call: Call, index: int, grad: Expr) -> Expr:
+    """Sum a broadcast-shaped gradient back to the input's shape and check its type."""
+    target = call.args[index]
+    spec = call.op.inputs[index]
+    if not isinstance(grad, Expr):
+        raise GradientError(
+            f"gradient of {call.op.name!r} returned {grad!r} for input {spec.name!r}; "
+            "expected an opgrad expression or None"
+        )
+    if grad.shape != target.shape:
+        if not collapses_to(grad.shape, target.shape):
+            raise GradientError(
+                f"gradient of {call.op.name!r} for input {spec.name!r} has shape {grad.shape}, "
+                f"which cannot be summed to the input's shape {target.shape} (call: {_describe(call)})"
+            )
+        grad = _ops().collapse_sum_like(grad, target)
+    if grad.dtype != target.dtype:
+        raise GradientError(
+            f"gradient of {call.op.name!r} for input {spec.name!r} has dtype {grad.dtype}, "
+            f"expected {target.dtype} (call: {_describe(call)})"
+        )
+    return grad
+
+
+def _depends_on(outputs: Sequence[Expr], wrt: Sequence[Expr]) -> set[int]:
+    """Ids of the nodes whose value depends on any of ``wrt`` (only these carry gradients)."""
+    active = {w._uid for w in wrt}
+    for node in topological_order(outputs):
+        if isinstance(node, Call) and any(a._uid in active for a in node.args):
+            active.add(node._uid)
+    return active
+
+
+def gradients(output: Expr, wrt: Sequence[Expr], cotangent: Expr | None = None) -> list[Expr]:
+    """Vector-Jacobian products of ``output`` with respect to each of ``wrt``.
+
+    ``cotangent`` defaults to ones (so a scalar output gives its gradient). Expressions in
+    ``wrt`` that ``output`` does not depend on get ``zeros_like``.
+    """
+    ops = _ops()
+    if cotangent is None:
+        cotangent = ops.ones_like(output)
+    elif cotangent.type != output.type:
+        raise GradientError(f"cotangent has type {cotangent.type}, expected the output's type {output.type}")
+    active = _depends_on([output], wrt)
+    pending: dict[int, list[Expr]] = {output._uid: [cotangent]}
+    totals: dict[int, Expr] = {}
+    for node in reversed(topological_order([output])):
+        parts = pending.pop(node._uid, None)
+        if parts is None or node._uid not in active:
+            continue
+        total = parts[0]
+        for extra in parts[1:]:
+            total = ops.add(total, extra)
+        totals[node._uid] = total
+        if not isinstance(node, Call):
+            continue
+        needs = [
+            spec.differentiable and arg._uid in active for spec, arg in zip(node.op.inputs, node.args)
+        ]
+        if not any(needs):
+            continue
+        rule = node.op.gradient_rule
+        if rule is None:
+            status = node.op.gradient_status
+            raise GradientError(
+                f"cannot differentiate through {node.op.name!r}: its gradient is not implemented "
+                f"({status.reason}); call: {_describe(node)}"
+            )
+        grads = list(rule(node, total))
+        if len(grads) != len(node.args):
+            raise GradientError(
+                f"gradient of {node.op.name!r} returned {len(grads)} entries for {len(node.args)} inputs"
+            )
+        for index, (need, grad) in enumerate(zip(needs, grads)):
+            if not need:
+                continue
+            if grad is None:
+                raise GradientError(
+                    f"gradient of {node.op.name!r} returned None for differentiable input "
+                    f"{node.op.inputs[index].name!r} (call: {_describe(node)})"
+                )
+            fitted = _fit_to_input(node, index, grad)
+            pending.setdefault(node.args[index]._uid, []).append(fitted)
+    results = []
+    for w in wrt:
+        found = totals.get(w._uid)
+        results.append(found if found is not None else ops.zeros_like(w))
+    return results
+
+
+def _resolve_wrt(fn: Function, wrt: Sequence[int | str | Var] | int | str | Var | None) -> list[Var]:
+    if wrt is None:
+        return [p for p in fn.params if p.type.is_float]
+    items = wrt if isinstance(wrt, (list, tuple)) else [wrt]
+    chosen: list[Var] = []
+    for item in items:
+        if isinstance(item, Var):
+            if item not in fn.params:
+                raise ValueError(f"wrt variable {item.name!r} is not a parameter of the function")
+            chosen.append(item)
+        elif isinstance(item, int):
+            chosen.append(fn.params[item])
+        else:
+            match = [p for p in fn.params if p.name == item]
+            if not match:
+                raise ValueError(f"no parameter named {item!r}; parameters: {[p.name for p in fn.params]}")
+            chosen.append(match[0])
+    for v in chosen:
+        if not v.type.is_float:
+            raise ValueError(f"cannot differentiate with respect to {v.name!r} of dtype {v.dtype}")
+    return chosen
+
+
+def grad(fn: Function, wrt: Sequence[int | str | Var] | int | str | Var | None = None) -> Function:
+    """A function of the same parameters returning ``(value, grad_1, ..., grad_k)``.
+
+    ``fn`` must return one scalar. ``wrt`` selects parameters by position, name or variable;
+    it defaults to every float parameter (integer parameters such as labels are skipped).
+    """
+    if fn.returns_tuple or fn.outputs[0].shape != ():
+        shapes = ", ".join(str(o.type) for o in fn.outputs)
+        raise GradientError(
+            f"opgrad.grad needs a function returning one scalar, got ({shapes}); reduce it first "
+            "(e.g. opgrad.ops.sum) or use opgrad.gradients with a cotangent"
+        )
+    targets = _resolve_wrt(fn, wrt)
+    value = fn.outputs[0]
+    return Function(fn.params, (value, *gradients(value, targets)))

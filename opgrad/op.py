@@ -1,0 +1,366 @@
+"""Operator declarations.
+
+An operator is declared once, in one file of ``registry/``::
+
+    dense = Operator(
+        "dense",
+        inputs=[Input("data", dims=("N", "K")), Input("weight", dims=("U", "K"))],
+        doc="Fully connected layer: data @ weight.T, weight shaped (units, in_features).",
+        linear_in=("data", "weight"),
+    )
+
+    @dense.shape_rule
+    def _dense_shape(data, weight, attrs): ...      # TensorTypes in, TensorType out
+
+    @dense.reference
+    def _dense_forward(data, weight): ...           # numpy, float32 and float64
+
+    @dense.gradient
+    def _dense_gradient(call, grad):
+        '''d_data = grad @ weight ; d_weight = grad.T @ data'''
+        ...
+
+Everything else (the graph builders in ``opgrad.ops``, autodiff, the reference backend, the
+compiler, the checker, ``opgrad ops``, the operator reference in the docs) reads the declaration.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from opgrad.dtypes import FLOAT_DTYPES, INT_DTYPES, TensorType
+from opgrad.errors import OpCallError, ShapeError
+
+if TYPE_CHECKING:
+    from opgrad.ir import Call, Expr
+
+Attrs = Mapping[str, Any]
+GradientRule = Callable[["Call", "Expr"], Sequence["Expr | None"]]
+ShapeRule = Callable[..., TensorType]
+
+_NO_DEFAULT = object()
+
+
+@dataclass(frozen=True)
+class Interval:
+    """A closed interval of input values the checker may draw from."""
+
+    low: float
+    high: float
+
+
+DEFAULT_DOMAIN: tuple[Interval, ...] = (Interval(-2.0, 2.0),)
+
+
+@dataclass(frozen=True)
+class Input:
+    """One operator input.
+
+    ``kind`` is ``"float"`` (float32/float64, all float inputs of a call share one dtype) or
+    ``"int"`` (int32/int64, e.g. class labels; never differentiable). ``dims`` names each axis
+    with a symbol shared across inputs (``("N", "K")``) or an int; ``None`` means any shape.
+    ``domain`` is where the checker draws values; ``int_range`` bounds an int input, given as
+    ``(low, high_attr_or_symbol)``, e.g. labels in ``[0, C)``.
+    ``differentiable=False`` says the op is piecewise constant or only reads the input's shape.
+    """
+
+    name: str
+    kind: str = "float"
+    differentiable: bool = True
+    dims: tuple[str | int, ...] | None = None
+    domain: tuple[Interval, ...] = DEFAULT_DOMAIN
+    int_range: tuple[int, str] | None = None
+    doc: str = ""
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("float", "int"):
+            raise ValueError(f"input {self.name!r}: kind must be 'float' or 'int', got {self.kind!r}")
+        if self.kind == "int" and self.differentiable:
+            object.__setattr__(self, "differentiable", False)
+
+
+@dataclass(frozen=True)
+class Attr:
+    """One operator attribute: a default, and a ``convert`` that normalizes and validates it.
+
+    ``convert`` receives the user's value and returns the canonical value (e.g. an int stride
+    becomes a pair) or raises ``ValueError`` saying what was expected.
+    With ``uses_types=True`` it is called as ``convert(value, input_types, earlier_attrs)`` so
+    that it can resolve values that depend on the inputs' ranks or on attributes declared before
+    it (negative axes, ``None`` meaning all axes, a ``-1`` in a shape, strides defaulting to the
+    pool size); the call then stores the resolved, canonical value.
+    ``sample`` optionally returns a hypothesis strategy of values for the checker.
+    """
+
+    name: str
+    default: Any = _NO_DEFAULT
+    convert: Callable[..., Any] | None = None
+    doc: str = ""
+    sample: Callable[[], Any] | None = None
+    uses_types: bool = False
+
+    @property
+    def required(self) -> bool:
+        return self.default is _NO_DEFAULT
+
+
+@dataclass(frozen=True)
+class Kink:
+    """Where an operator is not differentiable, and the subgradient convention it uses there.
+
+    ``distance(inputs, attrs)`` returns how far the inputs are from the nearest kink (the
+    checker keeps it above its margin so finite differences are valid).
+    ``place(rng, inputs, attrs)`` returns inputs moved exactly onto kinks.
+    ``subgradient(inputs, cotangent, attrs)`` is the numpy VJP the convention prescribes there.
+    """
+
+    convention: str
+    distance: Callable[[Sequence[np.ndarray], Attrs], float]
+    place: Callable[[np.random.Generator, list[np.ndarray], Attrs], list[np.ndarray]] | None = None
+    subgradient: Callable[[Sequence[np.ndarray], np.ndarray, Attrs], list[np.ndarray | None]] | None = None
+
+
+@dataclass(frozen=True)
+class GradientStatus:
+    """How ``opgrad ops`` reports an operator's gradient."""
+
+    registered: bool
+    reason: str = ""
+
+
+class Operator:
+    """A registered operator: declaration plus the rules attached with its decorators.
+
+    Calling the operator builds a graph node: ``opgrad.ops.dense(x, w)`` returns a ``Call``
+    whose type is inferred immediately, so a bad call fails where it is written.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        *,
+        inputs: Sequence[Input],
+        attrs: Sequence[Attr] = (),
+        doc: str = "",
+        linear_in: Sequence[str] = (),
+        jointly_linear: bool = False,
+        kinks: Kink | None = None,
+        broadcast: bool = False,
+    ) -> None:
+        self.name = name
+        self.inputs: tuple[Input, ...] = tuple(inputs)
+        self.attrs: tuple[Attr, ...] = tuple(attrs)
+        self.doc = doc
+        self.linear_in: tuple[str, ...] = tuple(linear_in)
+        self.jointly_linear = jointly_linear
+        self.kinks = kinks
+        self.broadcast = broadcast
+        self._shape_rule: ShapeRule | None = None
+        self._reference: Callable[..., np.ndarray] | None = None
+        self._gradient: GradientRule | None = None
+        self._gradient_reason = "no gradient declared"
+        self._lowering: Callable[..., Any] | None = None
+        self._sampler: Callable[..., Any] | None = None
+        self.module: str = ""
+        names = [i.name for i in self.inputs]
+        if len(set(names)) != len(names):
+            raise ValueError(f"operator {name!r}: duplicate input names {names}")
+        for lin in self.linear_in:
+            if lin not in names:
+                raise ValueError(f"operator {name!r}: linear_in names unknown input {lin!r}")
+
+    # ----- decorators used by registry files -----
+
+    def shape_rule(self, fn: ShapeRule) -> ShapeRule:
+        """Attach ``fn(*input_types, attrs) -> TensorType``; raise ``ShapeError`` on a bad call."""
+        self._shape_rule = fn
+        return fn
+
+    def reference(self, fn: Callable[..., np.ndarray]) -> Callable[..., np.ndarray]:
+        """Attach the numpy forward ``fn(*arrays, **attrs) -> ndarray``."""
+        self._reference = fn
+        return fn
+
+    def gradient(self, fn: GradientRule) -> GradientRule:
+        """Attach the gradient ``fn(call, grad) -> [expr | None per input]``.
+
+        Each entry is built from registered ops. It may have the broadcast shape of the output;
+        autodiff sums it back to the input's shape with ``collapse_sum_like``.
+        """
+        self._gradient = fn
+        return fn
+
+    def gradient_not_implemented(self, reason: str) -> None:
+        """Declare, visibly, that this operator has no gradient (and why)."""
+        self._gradient = None
+        self._gradient_reason = reason
+
+    def lowering(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        """Attach the LLVM lowering used by ``opgrad.compile`` (see ``docs/compiler.md``)."""
+        self._lowering = fn
+        return fn
+
+    def sampler(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        """Attach a hypothesis case generator for ops whose shapes and attrs are tied together."""
+        self._sampler = fn
+        return fn
+
+    # ----- queries -----
+
+    @property
+    def gradient_rule(self) -> GradientRule | None:
+        return self._gradient
+
+    @property
+    def reference_fn(self) -> Callable[..., np.ndarray]:
+        if self._reference is None:
+            raise NotImplementedError(f"operator {self.name!r} has no numpy reference")
+        return self._reference
+
+    @property
+    def lowering_fn(self) -> Callable[..., Any] | None:
+        return self._lowering
+
+    @property
+    def sampler_fn(self) -> Callable[..., Any] | None:
+        return self._sampler
+
+    @property
+    def gradient_status(self) -> GradientStatus:
+        if self._gradient is not None:
+            return GradientStatus(True)
+        if not any(i.differentiable for i in self.inputs):
+            return GradientStatus(False, "no differentiable inputs")
+        return GradientStatus(False, self._gradient_reason)
+
+    def input(self, name: str) -> Input:
+        for spec in self.inputs:
+            if spec.name == name:
+                return spec
+        raise KeyError(f"operator {self.name!r} has no input {name!r}")
+
+    # ----- building calls -----
+
+    def normalize_attrs(self, given: Mapping[str, Any], arg_types: Sequence[TensorType]) -> dict[str, Any]:
+        """Fill defaults, convert and validate attributes; unknown names are errors."""
+        known = {a.name: a for a in self.attrs}
+        unknown = sorted(set(given) - set(known))
+        if unknown:
+            raise self._call_error(
+                arg_types, dict(given),
+                f"unknown attribute(s) {', '.join(unknown)}; "
+                f"accepted: {', '.join(known) or 'none'}",
+            )
+        out: dict[str, Any] = {}
+        for attr in self.attrs:
+            if attr.name in given:
+                value = given[attr.name]
+            elif attr.required:
+                raise self._call_error(arg_types, dict(given), f"missing required attribute {attr.name!r}")
+            else:
+                value = attr.default
+            if attr.convert is not None:
+                try:
+                    value = attr.convert(value, arg_types, out) if attr.uses_types else attr.convert(value)
+                except (ValueError, TypeError, ShapeError) as exc:
+                    raise self._call_error(arg_types, dict(given), f"attribute {attr.name}={value!r}: {exc}") from None
+            out[attr.name] = value
+        return out
+
+    def infer_type(self, arg_types: Sequence[TensorType], attrs: Mapping[str, Any]) -> TensorType:
+        """Check input count, kinds and dtypes, then run the shape rule; errors carry context."""
+        if len(arg_types) != len(self.inputs):
+            raise self._call_error(
+                arg_types, attrs,
+                f"expected {len(self.inputs)} input(s) ({', '.join(i.name for i in self.inputs)}), "
+                f"got {len(arg_types)}",
+            )
+        float_dtypes = set()
+        for spec, t in zip(self.inputs, arg_types):
+            allowed = FLOAT_DTYPES if spec.kind == "float" else INT_DTYPES
+            if t.dtype not in allowed:
+                raise self._call_error(
+                    arg_types, attrs, f"input {spec.name!r} has dtype {t.dtype}; expected one of {', '.join(allowed)}"
+                )
+            if spec.kind == "float":
+                float_dtypes.add(t.dtype)
+        if len(float_dtypes) > 1:
+            raise self._call_error(
+                arg_types, attrs,
+                "float inputs mix dtypes " + ", ".join(sorted(float_dtypes))
+                + "; opgrad never promotes implicitly, cast one side first",
+            )
+        if self._shape_rule is None:
+            raise NotImplementedError(f"operator {self.name!r} has no shape rule")
+        try:
+            result = self._shape_rule(*arg_types, attrs)
+        except ShapeError as exc:
+            raise self._call_error(arg_types, attrs, str(exc)) from None
+        if not isinstance(result, TensorType):
+            raise TypeError(f"shape rule of {self.name!r} returned {result!r}, not a TensorType")
+        return result
+
+    def _call_error(self, arg_types: Sequence[TensorType], attrs: Mapping[str, Any], problem: str) -> OpCallError:
+        described = ", ".join(
+            f"{spec.name}: {t}" for spec, t in zip(self.inputs, arg_types)
+        ) if len(arg_types) == len(self.inputs) else ", ".join(str(t) for t in arg_types)
+        attr_text = ", ".join(f"{k}={v!r}" for k, v in attrs.items()) or "none"
+        return OpCallError(
+            f"opgrad.ops.{self.name}: invalid call\n"
+            f"  inputs: {described}\n"
+            f"  attrs:  {attr_text}\n"
+            f"  problem: {problem}"
+        )
+
+    def __call__(self, *args: Any, **attrs: Any) -> Call:
+        from opgrad.ir import make_call
+
+        return make_call(self, args, attrs)
+
+    def __repr__(self) -> str:
+        return f"<Operator {self.name}>"
+
+
+# ----- helpers shared by shape rules and attribute converters -----
+
+
+def int_tuple(length: int, *, minimum: int = 0) -> Callable[[Any], tuple[int, ...]]:
+    """Converter: an int or a sequence of ``length`` ints, each ``>= minimum``."""
+
+    def convert(value: Any) -> tuple[int, ...]:
+        if isinstance(value, (int, np.integer)) and not isinstance(value, bool):
+            items = (int(value),) * length
+        else:
+            try:
+                items = tuple(int(v) for v in value)
+            except TypeError:
+                raise ValueError(f"expected an int or {length} ints") from None
+            if len(items) != length:
+                raise ValueError(f"expected {length} ints, got {len(items)}")
+        if any(v < minimum for v in items):
+            raise ValueError(f"every entry must be >= {minimum}")
+        return items
+
+    return convert
+
+
+def require(condition: bool, message: str) -> None:
+    """Raise ``ShapeError(message)`` unless ``condition`` holds (for shape rules)."""
+    if not condition:
+        raise ShapeError(message)
+
+
+def same_dtype(*types: TensorType) -> str:
+    return types[0].dtype
+
+
+@dataclass
+class Case:
+    """One generated checker case: input shapes, attributes, and optional fixed input arrays."""
+
+    shapes: list[tuple[int, ...]]
+    attrs: dict[str, Any] = field(default_factory=dict)

@@ -1,0 +1,68 @@
+"""The numpy reference backend: evaluates any function with each operator's declared forward.
+
+It is the ground truth the compiler and the checker compare against, so it stays simple and
+checks everything: arguments against parameters, and each reference result against the type
+its shape rule promised (a contributor's forward returning the wrong shape is caught here).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from opgrad.errors import ArgumentError, OpgradError
+from opgrad.ir import Call, Const, Expr, Function, Var, topological_order
+
+
+def check_arguments(fn: Function, arrays: Sequence[Any], *, who: str = "opgrad.evaluate") -> list[np.ndarray]:
+    """Validate ``arrays`` against ``fn.params``: count, shape and dtype (no silent casts)."""
+    if len(arrays) != len(fn.params):
+        sig = ", ".join(f"{p.name}: {p.type}" for p in fn.params)
+        raise ArgumentError(f"{who}: expected {len(fn.params)} argument(s) ({sig}), got {len(arrays)}")
+    checked = []
+    for param, value in zip(fn.params, arrays):
+        arr = value if isinstance(value, np.ndarray) else np.asarray(value)
+        if arr.dtype.name != param.dtype:
+            raise ArgumentError(
+                f"{who}: argument {param.name!r} has dtype {arr.dtype.name}, expected {param.dtype} "
+                f"(shape {param.type.shape}); convert it with .astype(np.{param.dtype})"
+            )
+        if arr.shape != param.type.shape:
+            raise ArgumentError(
+                f"{who}: argument {param.name!r} has shape {arr.shape}, expected {param.type.shape} "
+                f"({param.type})"
+            )
+        checked.append(arr)
+    return checked
+
+
+def evaluate_exprs(outputs: Sequence[Expr], env: dict[int, np.ndarray]) -> list[np.ndarray]:
+    """Evaluate ``outputs`` given values for variables (keyed by node id)."""
+    values: dict[int, np.ndarray] = dict(env)
+    for node in topological_order(outputs):
+        if node._uid in values:
+            continue
+        if isinstance(node, Const):
+            values[node._uid] = node.value
+        elif isinstance(node, Var):
+            raise OpgradError(f"no value given for variable {node.name!r}")
+        elif isinstance(node, Call):
+            args = [values[a._uid] for a in node.args]
+            result = np.asarray(node.op.reference_fn(*args, **node.attrs))
+            if result.shape != node.type.shape:
+                raise OpgradError(
+                    f"reference forward of {node.op.name!r} returned shape {result.shape}, but its "
+                    f"shape rule promised {node.type.shape}; the declaration is inconsistent"
+                )
+            values[node._uid] = result.astype(node.type.dtype, copy=False)
+    return [values[o._uid] for o in outputs]
+
+
+def evaluate(fn: Function, *arrays: Any) -> np.ndarray | tuple[np.ndarray, ...]:
+    """Run ``fn`` with numpy; returns an array, or a tuple for a tuple-returning function."""
+    checked = check_arguments(fn, arrays)
+    env = {p._uid: a for p, a in zip(fn.params, checked)}
+    results = evaluate_exprs(fn.outputs, env)
+    return tuple(results) if fn.returns_tuple else results[0]

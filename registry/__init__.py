@@ -1,0 +1,70 @@
+"""The operator registry: one module per operator (or tight family), discovered automatically.
+
+Adding an operator means adding (or editing) one file in this package; every module-level
+``Operator`` it defines is registered under its name. Nothing else needs editing.
+
+    >>> from opgrad import registry
+    >>> registry.get("dense").inputs[0].name
+    'data'
+    >>> [op.name for op in registry.all_ops()][:3]   # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+import threading
+
+from opgrad.errors import RegistryError
+from opgrad.op import Operator
+
+_ops: dict[str, Operator] = {}
+_loaded = False
+_lock = threading.RLock()
+
+
+def _load() -> None:
+    global _loaded
+    with _lock:
+        if _loaded:
+            return
+        found: dict[str, Operator] = {}
+        for info in sorted(pkgutil.iter_modules(__path__), key=lambda m: m.name):
+            if info.name.startswith("_"):
+                continue
+            module = importlib.import_module(f"{__name__}.{info.name}")
+            for value in vars(module).values():
+                if isinstance(value, Operator) and value.name not in found:
+                    value.module = info.name
+                    found[value.name] = value
+                elif isinstance(value, Operator) and found[value.name] is not value:
+                    raise RegistryError(
+                        f"operator {value.name!r} declared twice: in {found[value.name].module}.py "
+                        f"and {info.name}.py"
+                    )
+        _ops.update(found)
+        _loaded = True
+
+
+def get(name: str) -> Operator:
+    """The operator called ``name``; an unknown name lists close matches."""
+    _load()
+    try:
+        return _ops[name]
+    except KeyError:
+        import difflib
+
+        close = difflib.get_close_matches(name, _ops, n=3)
+        hint = f"; did you mean {', '.join(close)}?" if close else ""
+        raise RegistryError(f"no operator named {name!r} is registered{hint}") from None
+
+
+def all_ops() -> list[Operator]:
+    """Every registered operator, sorted by name."""
+    _load()
+    return [_ops[n] for n in sorted(_ops)]
+
+
+def names() -> list[str]:
+    _load()
+    return sorted(_ops)

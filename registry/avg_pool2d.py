@@ -1,0 +1,72 @@
+"""avg_pool2d and its backward operator.
+
+Padding counts as zeros and the divisor is always kh*kw (count_include_pad), which keeps the
+operator linear with a simple adjoint: avg_pool2d_backward spreads grad/(kh*kw) over each window.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from opgrad import ops
+from opgrad.dtypes import TensorType
+from opgrad.op import Input, Operator, require
+from opgrad.registry._pooling import pool_attrs, pool_shape, scatter_windows, windows
+
+avg_pool2d = Operator(
+    "avg_pool2d",
+    inputs=[Input("data", dims=("N", "C", "H", "W"), doc="NCHW")],
+    attrs=pool_attrs(),
+    doc="Mean over each pool window (NCHW); zero padding counts in the mean.",
+    jointly_linear=True,
+)
+avg_pool2d.shape_rule(pool_shape)
+
+
+@avg_pool2d.reference
+def _avg_pool2d_forward(data: np.ndarray, pool_size: Any, strides: Any, padding: Any) -> np.ndarray:
+    return windows(data, pool_size, strides, padding, 0.0).mean(axis=(4, 5))
+
+
+@avg_pool2d.gradient
+def _avg_pool2d_gradient(call, grad):
+    """d_data = avg_pool2d_backward(grad, data): grad / (kh*kw) spread over each window"""
+    return [ops.avg_pool2d_backward(grad, call.args[0], **call.attrs)]
+
+
+avg_pool2d_backward = Operator(
+    "avg_pool2d_backward",
+    inputs=[
+        Input("grad", dims=("N", "C", "OH", "OW"), doc="gradient of avg_pool2d's output"),
+        Input("data", differentiable=False, dims=("N", "C", "H", "W"), doc="only its shape is read"),
+    ],
+    attrs=pool_attrs(),
+    doc="Gradient of avg_pool2d: spread grad / (kh*kw) over each window of data's shape.",
+    jointly_linear=True,
+)
+
+
+@avg_pool2d_backward.shape_rule
+def _avg_pool2d_backward_shape(grad: TensorType, data: TensorType, attrs: Any) -> TensorType:
+    expect = pool_shape(data, attrs)
+    require(
+        grad.shape == expect.shape,
+        f"grad has shape {grad.shape} but avg_pool2d of data {data.shape} gives {expect.shape}",
+    )
+    return TensorType(data.shape, grad.dtype)
+
+
+@avg_pool2d_backward.reference
+def _avg_pool2d_backward_forward(grad: np.ndarray, data: np.ndarray, pool_size: Any, strides: Any,
+                                 padding: Any) -> np.ndarray:
+    share = grad / (pool_size[0] * pool_size[1])
+    spread = np.broadcast_to(share[..., None, None], (*grad.shape, *pool_size))
+    return scatter_windows(spread, None, data.shape, pool_size, strides, padding)
+
+
+@avg_pool2d_backward.gradient
+def _avg_pool2d_backward_gradient(call, grad):
+    """d_grad = avg_pool2d(c): the adjoint of spreading is averaging"""
+    return [ops.avg_pool2d(grad, **call.attrs), None]

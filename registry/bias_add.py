@@ -1,0 +1,60 @@
+"""bias_add: add a 1-D bias along one axis (the channel axis 1 of NCHW by default)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from opgrad import ops
+from opgrad.dtypes import TensorType
+from opgrad.op import Attr, Input, Operator, require
+
+
+def _axis(value: Any, types: Sequence[TensorType], _attrs: Any = None) -> int:
+    ndim = types[0].ndim if types else 0
+    axis = int(value)
+    if not -ndim <= axis < ndim:
+        raise ValueError(f"axis {axis} is out of range for a rank-{ndim} data")
+    return axis % ndim
+
+
+bias_add = Operator(
+    "bias_add",
+    inputs=[Input("data"), Input("bias", doc="1-D, length data.shape[axis]")],
+    attrs=[Attr("axis", default=1, convert=_axis, uses_types=True, doc="the axis bias runs along")],
+    doc="data + bias broadcast along `axis`.",
+    jointly_linear=True,
+)
+
+
+@bias_add.shape_rule
+def _bias_add_shape(data: TensorType, bias: TensorType, attrs: Any) -> TensorType:
+    axis = attrs["axis"]
+    require(bias.ndim == 1, f"bias must be 1-D, got shape {bias.shape}")
+    require(
+        bias.shape[0] == data.shape[axis],
+        f"bias has length {bias.shape[0]} but data has {data.shape[axis]} entries along axis {axis}; "
+        f"expected bias shape ({data.shape[axis]},)",
+    )
+    return data
+
+
+def _along(bias: np.ndarray, ndim: int, axis: int) -> np.ndarray:
+    shape = [1] * ndim
+    shape[axis] = bias.shape[0]
+    return bias.reshape(shape)
+
+
+@bias_add.reference
+def _bias_add_forward(data: np.ndarray, bias: np.ndarray, axis: int) -> np.ndarray:
+    return data + _along(bias, data.ndim, axis)
+
+
+@bias_add.gradient
+def _bias_add_gradient(call, grad):
+    """d_data = grad ; d_bias = sum(grad, all axes but axis)"""
+    axis = call.attrs["axis"]
+    others = tuple(i for i in range(grad.ndim) if i != axis)
+    return [grad, ops.sum(grad, axis=others)]

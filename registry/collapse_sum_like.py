@@ -1,0 +1,55 @@
+"""collapse_sum_like: the adjoint of broadcasting.
+
+If ``like`` broadcasts to ``data``'s shape, collapse_sum_like(data, like) sums ``data`` over
+the axes that broadcasting added or stretched, giving ``like``'s shape. Autodiff applies it to
+every gradient whose shape differs from its input's, which is why elementwise rules may ignore
+broadcasting (the seed-003 forum thread shows users unsure what it is for: this is what).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from opgrad import ops
+from opgrad.dtypes import TensorType, collapses_to
+from opgrad.op import Input, Operator, require
+
+
+def sum_to_shape(data: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+    """Sum ``data`` down to ``shape`` (the inverse of numpy broadcasting)."""
+    lead = data.ndim - len(shape)
+    axes = tuple(range(lead)) + tuple(
+        lead + i for i, d in enumerate(shape) if d == 1 and data.shape[lead + i] != 1
+    )
+    return data.sum(axis=axes, keepdims=True).reshape(shape) if axes else data.reshape(shape)
+
+
+collapse_sum_like = Operator(
+    "collapse_sum_like",
+    inputs=[Input("data"), Input("like", differentiable=False, doc="only its shape is read")],
+    doc="Sum data down to like's shape (like must broadcast to data's shape).",
+    jointly_linear=True,
+)
+
+
+@collapse_sum_like.shape_rule
+def _collapse_sum_like_shape(data: TensorType, like: TensorType, attrs: Any) -> TensorType:
+    require(
+        collapses_to(data.shape, like.shape),
+        f"like's shape {like.shape} does not broadcast to data's shape {data.shape}, "
+        "so data cannot be summed down to it",
+    )
+    return TensorType(like.shape, data.dtype)
+
+
+@collapse_sum_like.reference
+def _collapse_sum_like_forward(data: np.ndarray, like: np.ndarray) -> np.ndarray:
+    return sum_to_shape(data, like.shape)
+
+
+@collapse_sum_like.gradient
+def _collapse_sum_like_gradient(call, grad):
+    """d_data = broadcast_to(grad, data.shape)"""
+    return [ops.broadcast_to(grad, shape=call.args[0].shape), None]

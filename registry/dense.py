@@ -1,0 +1,53 @@
+"""dense: a fully connected layer, data @ weight.T with weight shaped (units, in_features).
+
+This is Relay's/TVM's convention (and Keras' kernel transposed). Its gradient was wrong in TVM
+for a year because every test shape contained a 1; the checker draws non-square shapes.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from opgrad import ops
+from opgrad.dtypes import TensorType
+from opgrad.op import Input, Operator, require
+
+dense = Operator(
+    "dense",
+    inputs=[
+        Input("data", dims=("N", "K"), doc="(batch, in_features)"),
+        Input("weight", dims=("U", "K"), doc="(units, in_features)"),
+    ],
+    doc="data @ weight.T: (N, K) x (U, K) -> (N, U).",
+    linear_in=("data", "weight"),
+)
+
+
+@dense.shape_rule
+def _dense_shape(data: TensorType, weight: TensorType, attrs: Any) -> TensorType:
+    require(data.ndim == 2, f"data must be 2-D (batch, in_features), got shape {data.shape}")
+    require(weight.ndim == 2, f"weight must be 2-D (units, in_features), got shape {weight.shape}")
+    require(
+        data.shape[1] == weight.shape[1],
+        f"data has {data.shape[1]} features but weight expects {weight.shape[1]}; "
+        f"expected weight shape (units, {data.shape[1]}) -- note opgrad's weight is (units, in), "
+        "the transpose of a Keras kernel",
+    )
+    return TensorType((data.shape[0], weight.shape[0]), data.dtype)
+
+
+@dense.reference
+def _dense_forward(data: np.ndarray, weight: np.ndarray) -> np.ndarray:
+    return data @ weight.T
+
+
+@dense.gradient
+def _dense_gradient(call, grad):
+    """d_data = grad @ weight ; d_weight = grad.T @ data"""
+    data, weight = call.args
+    return [
+        ops.dense(grad, ops.transpose(weight)),
+        ops.dense(ops.transpose(grad), ops.transpose(data)),
+    ]

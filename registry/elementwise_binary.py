@@ -1,0 +1,107 @@
+"""Elementwise binary arithmetic with numpy broadcasting: add, subtract, multiply, divide.
+
+Every gradient here may keep the broadcast shape: autodiff sums it back to each input's shape
+with collapse_sum_like, so these rules never un-broadcast by hand.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from opgrad import ops
+from opgrad.op import Input, Operator
+from opgrad.registry._common import AWAY_FROM_ZERO, broadcast_rule
+
+# ----- add -----
+
+add = Operator(
+    "add",
+    inputs=[Input("lhs"), Input("rhs")],
+    doc="lhs + rhs, broadcasting.",
+    jointly_linear=True,
+    broadcast=True,
+)
+add.shape_rule(broadcast_rule)
+
+
+@add.reference
+def _add_forward(lhs: np.ndarray, rhs: np.ndarray) -> np.ndarray:
+    return lhs + rhs
+
+
+@add.gradient
+def _add_gradient(call, grad):
+    """d_lhs = grad ; d_rhs = grad"""
+    return [grad, grad]
+
+
+# ----- subtract -----
+
+subtract = Operator(
+    "subtract",
+    inputs=[Input("lhs"), Input("rhs")],
+    doc="lhs - rhs, broadcasting.",
+    jointly_linear=True,
+    broadcast=True,
+)
+subtract.shape_rule(broadcast_rule)
+
+
+@subtract.reference
+def _subtract_forward(lhs: np.ndarray, rhs: np.ndarray) -> np.ndarray:
+    return lhs - rhs
+
+
+@subtract.gradient
+def _subtract_gradient(call, grad):
+    """d_lhs = grad ; d_rhs = -grad"""
+    return [grad, ops.negative(grad)]
+
+
+# ----- multiply -----
+
+multiply = Operator(
+    "multiply",
+    inputs=[Input("lhs"), Input("rhs")],
+    doc="lhs * rhs elementwise, broadcasting.",
+    linear_in=("lhs", "rhs"),
+    broadcast=True,
+)
+multiply.shape_rule(broadcast_rule)
+
+
+@multiply.reference
+def _multiply_forward(lhs: np.ndarray, rhs: np.ndarray) -> np.ndarray:
+    return lhs * rhs
+
+
+@multiply.gradient
+def _multiply_gradient(call, grad):
+    """d_lhs = grad * rhs ; d_rhs = grad * lhs"""
+    lhs, rhs = call.args
+    return [ops.multiply(grad, rhs), ops.multiply(grad, lhs)]
+
+
+# ----- divide -----
+
+divide = Operator(
+    "divide",
+    inputs=[Input("lhs"), Input("rhs", domain=AWAY_FROM_ZERO)],
+    doc="lhs / rhs elementwise, broadcasting.",
+    linear_in=("lhs",),
+    broadcast=True,
+)
+divide.shape_rule(broadcast_rule)
+
+
+@divide.reference
+def _divide_forward(lhs: np.ndarray, rhs: np.ndarray) -> np.ndarray:
+    return lhs / rhs
+
+
+@divide.gradient
+def _divide_gradient(call, grad):
+    """d_lhs = grad / rhs ; d_rhs = -grad * out / rhs"""
+    _, rhs = call.args
+    d_lhs = ops.divide(grad, rhs)
+    return [d_lhs, ops.negative(ops.multiply(d_lhs, call))]

@@ -1,0 +1,120 @@
+"""Smooth elementwise unary functions: negative, exp, log, sqrt, sigmoid, tanh.
+
+Their gradients reuse the forward's output (``call``) where that is cheaper, as frameworks do:
+exp' = exp, sigmoid' = s (1 - s), tanh' = 1 - t^2, sqrt' = 1 / (2 sqrt).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from opgrad import ops
+from opgrad.op import Input, Operator
+from opgrad.registry._common import POSITIVE, same_as_first
+
+# ----- negative -----
+
+negative = Operator("negative", inputs=[Input("data")], doc="-data.", jointly_linear=True)
+negative.shape_rule(same_as_first)
+
+
+@negative.reference
+def _negative_forward(data: np.ndarray) -> np.ndarray:
+    return -data
+
+
+@negative.gradient
+def _negative_gradient(call, grad):
+    """d_data = -grad"""
+    return [ops.negative(grad)]
+
+
+# ----- exp -----
+
+exp = Operator("exp", inputs=[Input("data")], doc="e ** data.")
+exp.shape_rule(same_as_first)
+
+
+@exp.reference
+def _exp_forward(data: np.ndarray) -> np.ndarray:
+    return np.exp(data)
+
+
+@exp.gradient
+def _exp_gradient(call, grad):
+    """d_data = grad * exp(data)"""
+    return [ops.multiply(grad, call)]
+
+
+# ----- log -----
+
+log = Operator("log", inputs=[Input("data", domain=POSITIVE)], doc="Natural logarithm (data > 0).")
+log.shape_rule(same_as_first)
+
+
+@log.reference
+def _log_forward(data: np.ndarray) -> np.ndarray:
+    return np.log(data)
+
+
+@log.gradient
+def _log_gradient(call, grad):
+    """d_data = grad / data"""
+    return [ops.divide(grad, call.args[0])]
+
+
+# ----- sqrt -----
+
+sqrt = Operator("sqrt", inputs=[Input("data", domain=POSITIVE)], doc="Square root (data > 0); used by Adam.")
+sqrt.shape_rule(same_as_first)
+
+
+@sqrt.reference
+def _sqrt_forward(data: np.ndarray) -> np.ndarray:
+    return np.sqrt(data)
+
+
+@sqrt.gradient
+def _sqrt_gradient(call, grad):
+    """d_data = grad / (2 sqrt(data))"""
+    return [ops.divide(ops.multiply(grad, 0.5), call)]
+
+
+# ----- sigmoid -----
+
+sigmoid = Operator("sigmoid", inputs=[Input("data")], doc="1 / (1 + e ** -data).")
+sigmoid.shape_rule(same_as_first)
+
+
+@sigmoid.reference
+def _sigmoid_forward(data: np.ndarray) -> np.ndarray:
+    # Two branches so that neither exp overflows for large |data|.
+    out = np.empty_like(data)
+    pos = data >= 0
+    out[pos] = 1.0 / (1.0 + np.exp(-data[pos]))
+    e = np.exp(data[~pos])
+    out[~pos] = e / (1.0 + e)
+    return out
+
+
+@sigmoid.gradient
+def _sigmoid_gradient(call, grad):
+    """d_data = grad * s * (1 - s), s = sigmoid(data)"""
+    return [ops.multiply(grad, ops.multiply(call, ops.subtract(1.0, call)))]
+
+
+# ----- tanh -----
+
+tanh = Operator("tanh", inputs=[Input("data")], doc="Hyperbolic tangent.")
+tanh.shape_rule(same_as_first)
+
+
+@tanh.reference
+def _tanh_forward(data: np.ndarray) -> np.ndarray:
+    return np.tanh(data)
+
+
+@tanh.gradient
+def _tanh_gradient(call, grad):
+    """d_data = grad * (1 - t^2), t = tanh(data)"""
+    return [ops.multiply(grad, ops.subtract(1.0, ops.multiply(call, call)))]

@@ -1,0 +1,174 @@
+"""max_pool2d, its backward operator, and the gather that is the backward's adjoint.
+
+Where a window holds several equal maxima (a kink), the whole gradient goes to the first of
+them in row-major window order (as PyTorch and TVM do). The argmax is recomputed from the data
+by the backward operator, so no index tensor has to flow through the graph.
+
+    y  = max_pool2d(x)
+    dx = max_pool2d_backward(dy, x)     scatter dy to each window's argmax
+         max_pool2d_gather(c, x)        read c at each window's argmax (the adjoint in dy)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from opgrad import ops
+from opgrad.dtypes import TensorType
+from opgrad.op import Attrs, Input, Kink, Operator, require
+from opgrad.registry._pooling import pool_attrs, pool_shape, pooled_hw, scatter_windows, windows
+
+
+def argmax_positions(data: np.ndarray, pool_size: Any, strides: Any, padding: Any) -> tuple[np.ndarray, np.ndarray]:
+    """(row, col) inside each window of its first maximum; padding never wins (it is -inf)."""
+    win = windows(data, pool_size, strides, padding, -np.inf)
+    flat = win.reshape(*win.shape[:4], -1)
+    index = np.argmax(flat, axis=-1)  # numpy returns the first of equal maxima
+    return index // pool_size[1], index % pool_size[1]
+
+
+def _gap_to_runner_up(inputs: Sequence[np.ndarray], attrs: Attrs) -> float:
+    win = windows(inputs[0], attrs["pool_size"], attrs["strides"], attrs["padding"], -np.inf)
+    flat = np.sort(win.reshape(*win.shape[:4], -1), axis=-1)
+    if flat.shape[-1] < 2 or flat.size == 0:
+        return float("inf")
+    gaps = flat[..., -1] - flat[..., -2]
+    return float(np.min(gaps))
+
+
+def _place_ties(rng: np.random.Generator, inputs: list[np.ndarray], attrs: Attrs) -> list[np.ndarray]:
+    """Copy each window's maximum onto another element of the window, making exact ties."""
+    data = inputs[0].copy()
+    (kh, kw), (sh, sw), (ph, pw) = attrs["pool_size"], attrs["strides"], attrs["padding"]
+    if kh * kw < 2:
+        return [data]
+    rows, cols = argmax_positions(data, attrs["pool_size"], attrs["strides"], attrs["padding"])
+    n, c, oh, ow = rows.shape
+    for index in np.ndindex(n, c, oh, ow):
+        if rng.random() < 0.5:
+            continue
+        r0, c0 = index[2] * sh - ph, index[3] * sw - pw
+        best = data[index[0], index[1], r0 + rows[index], c0 + cols[index]]
+        i, j = int(rng.integers(kh)), int(rng.integers(kw))
+        if 0 <= r0 + i < data.shape[2] and 0 <= c0 + j < data.shape[3]:
+            data[index[0], index[1], r0 + i, c0 + j] = best
+    return [data]
+
+
+def _max_pool_subgradient(inputs: Sequence[np.ndarray], cotangent: np.ndarray, attrs: Attrs) -> list[np.ndarray | None]:
+    return [_scatter_to_argmax(cotangent, inputs[0], **attrs)]
+
+
+def _scatter_to_argmax(grad: np.ndarray, data: np.ndarray, pool_size: Any, strides: Any, padding: Any) -> np.ndarray:
+    positions = argmax_positions(data, pool_size, strides, padding)
+    return scatter_windows(grad, positions, data.shape, pool_size, strides, padding)
+
+
+# ----- max_pool2d -----
+
+max_pool2d = Operator(
+    "max_pool2d",
+    inputs=[Input("data", dims=("N", "C", "H", "W"), doc="NCHW")],
+    attrs=pool_attrs(),
+    doc="Maximum over each pool window (NCHW); padding never wins.",
+    kinks=Kink(
+        convention="ties inside a window: the whole gradient goes to the first maximum in row-major order",
+        distance=_gap_to_runner_up,
+        place=_place_ties,
+        subgradient=_max_pool_subgradient,
+    ),
+)
+max_pool2d.shape_rule(pool_shape)
+
+
+@max_pool2d.reference
+def _max_pool2d_forward(data: np.ndarray, pool_size: Any, strides: Any, padding: Any) -> np.ndarray:
+    return windows(data, pool_size, strides, padding, -np.inf).max(axis=(4, 5))
+
+
+@max_pool2d.gradient
+def _max_pool2d_gradient(call, grad):
+    """d_data = max_pool2d_backward(grad, data): grad scattered to each window's argmax"""
+    return [ops.max_pool2d_backward(grad, call.args[0], **call.attrs)]
+
+
+# ----- max_pool2d_backward -----
+
+
+def _pooled_pair_shape(pooled: TensorType, data: TensorType, attrs: Any, pooled_name: str) -> None:
+    require(data.ndim == 4, f"data must be 4-D NCHW, got shape {data.shape}")
+    expect = (data.shape[0], data.shape[1], *pooled_hw(data.shape[2:], attrs))
+    require(
+        pooled.shape == expect,
+        f"{pooled_name} has shape {pooled.shape} but max_pool2d of data {data.shape} gives {expect}",
+    )
+
+
+max_pool2d_backward = Operator(
+    "max_pool2d_backward",
+    inputs=[
+        Input("grad", dims=("N", "C", "OH", "OW"), doc="gradient of max_pool2d's output"),
+        Input("data", differentiable=False, dims=("N", "C", "H", "W"),
+              doc="the forward input; argmax is piecewise constant in it"),
+    ],
+    attrs=pool_attrs(),
+    doc="Gradient of max_pool2d: scatter grad to the first maximum of each window of data.",
+    linear_in=("grad",),
+    kinks=max_pool2d.kinks,
+)
+
+
+@max_pool2d_backward.shape_rule
+def _max_pool2d_backward_shape(grad: TensorType, data: TensorType, attrs: Any) -> TensorType:
+    _pooled_pair_shape(grad, data, attrs, "grad")
+    return TensorType(data.shape, grad.dtype)
+
+
+max_pool2d_backward.reference(_scatter_to_argmax)
+
+
+@max_pool2d_backward.gradient
+def _max_pool2d_backward_gradient(call, grad):
+    """d_grad = max_pool2d_gather(c, data): c read at each window's argmax"""
+    return [ops.max_pool2d_gather(grad, call.args[1], **call.attrs), None]
+
+
+# ----- max_pool2d_gather -----
+
+max_pool2d_gather = Operator(
+    "max_pool2d_gather",
+    inputs=[
+        Input("values", dims=("N", "C", "H", "W"), doc="read at the argmax positions"),
+        Input("data", differentiable=False, dims=("N", "C", "H", "W"), doc="decides the argmax"),
+    ],
+    attrs=pool_attrs(),
+    doc="values at the first maximum of each pool window of data (the adjoint of max_pool2d_backward).",
+    linear_in=("values",),
+    kinks=Kink(
+        convention="ties inside a window: read at the first maximum in row-major order",
+        distance=lambda inputs, attrs: _gap_to_runner_up(inputs[1:], attrs),
+    ),
+)
+
+
+@max_pool2d_gather.shape_rule
+def _max_pool2d_gather_shape(values: TensorType, data: TensorType, attrs: Any) -> TensorType:
+    require(values.shape == data.shape, f"values {values.shape} and data {data.shape} must have one shape")
+    return pool_shape(data, attrs)
+
+
+@max_pool2d_gather.reference
+def _max_pool2d_gather_forward(values: np.ndarray, data: np.ndarray, pool_size: Any, strides: Any,
+                               padding: Any) -> np.ndarray:
+    rows, cols = argmax_positions(data, pool_size, strides, padding)
+    win = windows(values, pool_size, strides, padding, 0.0)
+    return np.take_along_axis(win.reshape(*win.shape[:4], -1), (rows * pool_size[1] + cols)[..., None], -1)[..., 0]
+
+
+@max_pool2d_gather.gradient
+def _max_pool2d_gather_gradient(call, grad):
+    """d_values = max_pool2d_backward(grad, data)"""
+    return [ops.max_pool2d_backward(grad, call.args[1], **call.attrs), None]

@@ -1,0 +1,70 @@
+"""sum over axes (with keepdims); the reduction the losses and bias gradients need."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from opgrad import ops
+from opgrad.dtypes import TensorType
+from opgrad.op import Attr, Input, Operator
+from opgrad.registry._common import optional_axes
+
+
+def _axes(value: Any, types: Sequence[TensorType], _attrs: Any = None) -> tuple[int, ...]:
+    ndim = types[0].ndim if types else 0
+    axes = optional_axes(value)
+    if axes is None:
+        return tuple(range(ndim))
+    resolved = []
+    for a in axes:
+        if not -ndim <= a < ndim:
+            raise ValueError(f"axis {a} is out of range for a rank-{ndim} input")
+        resolved.append(a % ndim)
+    if len(set(resolved)) != len(resolved):
+        raise ValueError("an axis is repeated")
+    return tuple(sorted(resolved))
+
+
+def _bool(value: Any) -> bool:
+    if not isinstance(value, (bool, np.bool_)):
+        raise ValueError("expected True or False")
+    return bool(value)
+
+
+sum = Operator(  # noqa: A001 - the operator is called sum, as in numpy
+    "sum",
+    inputs=[Input("data")],
+    attrs=[
+        Attr("axis", default=None, convert=_axes, uses_types=True,
+             doc="int, tuple of ints, or None for all axes"),
+        Attr("keepdims", default=False, convert=_bool),
+    ],
+    doc="Sum of data over `axis`.",
+    jointly_linear=True,
+)
+
+
+@sum.shape_rule
+def _sum_shape(data: TensorType, attrs: Any) -> TensorType:
+    axes = attrs["axis"]
+    if attrs["keepdims"]:
+        shape = tuple(1 if i in axes else d for i, d in enumerate(data.shape))
+    else:
+        shape = tuple(d for i, d in enumerate(data.shape) if i not in axes)
+    return TensorType(shape, data.dtype)
+
+
+@sum.reference
+def _sum_forward(data: np.ndarray, axis: tuple[int, ...], keepdims: bool) -> np.ndarray:
+    return np.sum(data, axis=axis, keepdims=keepdims)
+
+
+@sum.gradient
+def _sum_gradient(call, grad):
+    """d_data = broadcast_to(reshape(grad, kept dims), data.shape)"""
+    data = call.args[0]
+    kept = tuple(1 if i in call.attrs["axis"] else d for i, d in enumerate(data.shape))
+    return [ops.broadcast_to(ops.reshape(grad, shape=kept), shape=data.shape)]

@@ -1,0 +1,53 @@
+"""relu: max(data, 0), with the subgradient 0 at the kink data == 0 (as PyTorch, JAX, TF)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from opgrad import ops
+from opgrad.op import Attrs, Input, Kink, Operator
+from opgrad.registry._common import same_as_first
+
+
+def _distance_to_zero(inputs: Sequence[np.ndarray], attrs: Attrs) -> float:
+    data = inputs[0]
+    return float(np.min(np.abs(data))) if data.size else float("inf")
+
+
+def _place_on_zero(rng: np.random.Generator, inputs: list[np.ndarray], attrs: Attrs) -> list[np.ndarray]:
+    data = inputs[0].copy()
+    mask = rng.random(data.shape) < 0.5
+    data[mask] = 0.0
+    return [data]
+
+
+def _relu_subgradient(inputs: Sequence[np.ndarray], cotangent: np.ndarray, attrs: Attrs) -> list[np.ndarray | None]:
+    return [cotangent * (inputs[0] > 0)]
+
+
+relu = Operator(
+    "relu",
+    inputs=[Input("data")],
+    doc="max(data, 0).",
+    kinks=Kink(
+        convention="relu'(0) = 0: the gradient at exactly zero is zero",
+        distance=_distance_to_zero,
+        place=_place_on_zero,
+        subgradient=_relu_subgradient,
+    ),
+)
+relu.shape_rule(same_as_first)
+
+
+@relu.reference
+def _relu_forward(data: np.ndarray) -> np.ndarray:
+    return np.maximum(data, 0).astype(data.dtype, copy=False)
+
+
+@relu.gradient
+def _relu_gradient(call, grad):
+    """d_data = grad * (data > 0)"""
+    data = call.args[0]
+    return [ops.multiply(grad, ops.greater(data, ops.zeros_like(data)))]

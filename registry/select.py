@@ -1,0 +1,60 @@
+"""Comparisons and selection: greater (a float 0/1 mask) and where.
+
+Masks are float tensors of the operands' dtype (1.0 true, 0.0 false) rather than a bool dtype:
+they multiply straight into gradients (relu' = grad * mask) and every kernel stays float.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from opgrad import ops
+from opgrad.op import Input, Operator
+from opgrad.registry._common import broadcast_rule
+
+# ----- greater -----
+
+greater = Operator(
+    "greater",
+    inputs=[
+        Input("lhs", differentiable=False, doc="piecewise constant: zero gradient almost everywhere"),
+        Input("rhs", differentiable=False),
+    ],
+    doc="1.0 where lhs > rhs else 0.0, broadcasting; a float mask in the operands' dtype.",
+    broadcast=True,
+)
+greater.shape_rule(broadcast_rule)
+
+
+@greater.reference
+def _greater_forward(lhs: np.ndarray, rhs: np.ndarray) -> np.ndarray:
+    return (lhs > rhs).astype(np.result_type(lhs, rhs))
+
+
+# ----- where -----
+
+where = Operator(
+    "where",
+    inputs=[
+        Input("condition", differentiable=False, doc="a float mask: nonzero selects on_true"),
+        Input("on_true"),
+        Input("on_false"),
+    ],
+    doc="on_true where condition != 0 else on_false, broadcasting all three.",
+    broadcast=True,
+    linear_in=("on_true", "on_false"),
+)
+where.shape_rule(broadcast_rule)
+
+
+@where.reference
+def _where_forward(condition: np.ndarray, on_true: np.ndarray, on_false: np.ndarray) -> np.ndarray:
+    return np.where(condition != 0, on_true, on_false)
+
+
+@where.gradient
+def _where_gradient(call, grad):
+    """d_on_true = where(c, grad, 0) ; d_on_false = where(c, 0, grad)"""
+    condition = call.args[0]
+    zeros = ops.zeros_like(grad)
+    return [None, ops.where(condition, grad, zeros), ops.where(condition, zeros, grad)]

@@ -1,0 +1,161 @@
+"""Layout operators that move or replicate elements without arithmetic:
+transpose, reshape, flatten, broadcast_to. All are linear; each gradient is the inverse move.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from opgrad import ops
+from opgrad.dtypes import TensorType, broadcast_shapes
+from opgrad.op import Attr, Input, Operator, require
+from opgrad.registry._common import shape_tuple
+
+
+def _permutation(value: Any, types: Sequence[TensorType], _attrs: Any = None) -> tuple[int, ...]:
+    ndim = types[0].ndim if types else 0
+    if value is None:
+        return tuple(reversed(range(ndim)))
+    axes = tuple(int(a) % ndim if ndim else int(a) for a in value)
+    if sorted(axes) != list(range(ndim)):
+        raise ValueError(f"expected a permutation of range({ndim}) for a rank-{ndim} input")
+    return axes
+
+
+# ----- transpose -----
+
+transpose = Operator(
+    "transpose",
+    inputs=[Input("data")],
+    attrs=[Attr("axes", default=None, convert=_permutation, uses_types=True,
+                doc="a permutation of the axes; None reverses them")],
+    doc="Permute the axes of data (numpy.transpose).",
+    jointly_linear=True,
+)
+
+
+@transpose.shape_rule
+def _transpose_shape(data: TensorType, attrs: Any) -> TensorType:
+    return TensorType(tuple(data.shape[a] for a in attrs["axes"]), data.dtype)
+
+
+@transpose.reference
+def _transpose_forward(data: np.ndarray, axes: tuple[int, ...]) -> np.ndarray:
+    return np.transpose(data, axes).copy()
+
+
+@transpose.gradient
+def _transpose_gradient(call, grad):
+    """d_data = transpose(grad, argsort(axes))"""
+    inverse = tuple(int(i) for i in np.argsort(call.attrs["axes"]))
+    return [ops.transpose(grad, axes=inverse)]
+
+
+# ----- reshape -----
+
+
+def _target_shape(value: Any, types: Sequence[TensorType], _attrs: Any = None) -> tuple[int, ...]:
+    shape = list(shape_tuple(value))
+    size = types[0].size if types else 0
+    if shape.count(-1) > 1:
+        raise ValueError("at most one dimension may be -1")
+    if -1 in shape:
+        known = int(np.prod([d for d in shape if d != -1], dtype=np.int64))
+        if known == 0 or size % known:
+            raise ValueError(f"cannot infer the -1 dimension: {size} elements do not divide by {known}")
+        shape[shape.index(-1)] = size // known
+    if any(d < 0 for d in shape):
+        raise ValueError("dimensions must be >= 0 (or a single -1)")
+    return tuple(shape)
+
+
+reshape = Operator(
+    "reshape",
+    inputs=[Input("data")],
+    attrs=[Attr("shape", convert=_target_shape, uses_types=True,
+                doc="the new shape, same element count; one entry may be -1")],
+    doc="Same elements in row-major order, new shape.",
+    jointly_linear=True,
+)
+
+
+@reshape.shape_rule
+def _reshape_shape(data: TensorType, attrs: Any) -> TensorType:
+    new = attrs["shape"]
+    size = int(np.prod(new, dtype=np.int64))
+    require(size == data.size, f"cannot reshape {data.size} elements {data.shape} into {new} ({size} elements)")
+    return TensorType(new, data.dtype)
+
+
+@reshape.reference
+def _reshape_forward(data: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+    return data.reshape(shape)
+
+
+@reshape.gradient
+def _reshape_gradient(call, grad):
+    """d_data = reshape(grad, data.shape)"""
+    return [ops.reshape(grad, shape=call.args[0].shape)]
+
+
+# ----- flatten -----
+
+flatten = Operator(
+    "flatten",
+    inputs=[Input("data")],
+    doc="(N, d1, d2, ...) -> (N, d1*d2*...): keeps the batch axis, as Keras Flatten.",
+    jointly_linear=True,
+)
+
+
+@flatten.shape_rule
+def _flatten_shape(data: TensorType, attrs: Any) -> TensorType:
+    require(data.ndim >= 1, "data must have a batch axis (rank >= 1), got a scalar")
+    rest = int(np.prod(data.shape[1:], dtype=np.int64))
+    return TensorType((data.shape[0], rest), data.dtype)
+
+
+@flatten.reference
+def _flatten_forward(data: np.ndarray) -> np.ndarray:
+    return data.reshape(data.shape[0], -1)
+
+
+@flatten.gradient
+def _flatten_gradient(call, grad):
+    """d_data = reshape(grad, data.shape)"""
+    return [ops.reshape(grad, shape=call.args[0].shape)]
+
+
+# ----- broadcast_to -----
+
+broadcast_to = Operator(
+    "broadcast_to",
+    inputs=[Input("data")],
+    attrs=[Attr("shape", convert=shape_tuple, doc="target shape; data must broadcast to it")],
+    doc="Replicate data to `shape` by numpy broadcasting.",
+    jointly_linear=True,
+)
+
+
+@broadcast_to.shape_rule
+def _broadcast_to_shape(data: TensorType, attrs: Any) -> TensorType:
+    target = attrs["shape"]
+    require(
+        broadcast_shapes(data.shape, target) == target,
+        f"data of shape {data.shape} does not broadcast to {target}",
+    )
+    return TensorType(target, data.dtype)
+
+
+@broadcast_to.reference
+def _broadcast_to_forward(data: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+    return np.broadcast_to(data, shape).copy()
+
+
+@broadcast_to.gradient
+def _broadcast_to_gradient(call, grad):
+    """d_data = collapse_sum_like(grad, data)"""
+    return [ops.collapse_sum_like(grad, call.args[0])]

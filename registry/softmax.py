@@ -1,0 +1,70 @@
+"""softmax and log_softmax along one axis, computed stably (max subtracted)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from opgrad import ops
+from opgrad.dtypes import TensorType
+from opgrad.op import Attr, Input, Operator
+from opgrad.registry._common import same_as_first
+
+
+def _axis(value: Any, types: Sequence[TensorType], _attrs: Any = None) -> int:
+    ndim = types[0].ndim if types else 0
+    axis = int(value)
+    if not -ndim <= axis < ndim:
+        raise ValueError(f"axis {axis} is out of range for a rank-{ndim} input")
+    return axis % ndim
+
+
+def stable_log_softmax(data: np.ndarray, axis: int) -> np.ndarray:
+    shifted = data - np.max(data, axis=axis, keepdims=True)
+    return shifted - np.log(np.sum(np.exp(shifted), axis=axis, keepdims=True))
+
+
+softmax = Operator(
+    "softmax",
+    inputs=[Input("data")],
+    attrs=[Attr("axis", default=-1, convert=_axis, uses_types=True)],
+    doc="exp(data) / sum(exp(data), axis).",
+)
+softmax.shape_rule(same_as_first)
+
+
+@softmax.reference
+def _softmax_forward(data: np.ndarray, axis: int) -> np.ndarray:
+    return np.exp(stable_log_softmax(data, axis))
+
+
+@softmax.gradient
+def _softmax_gradient(call, grad):
+    """d_data = y * (grad - sum(grad * y, axis, keepdims)), y = softmax(data)"""
+    axis = call.attrs["axis"]
+    inner = ops.sum(ops.multiply(grad, call), axis=axis, keepdims=True)
+    return [ops.multiply(call, ops.subtract(grad, inner))]
+
+
+log_softmax = Operator(
+    "log_softmax",
+    inputs=[Input("data")],
+    attrs=[Attr("axis", default=-1, convert=_axis, uses_types=True)],
+    doc="data - log(sum(exp(data), axis)).",
+)
+log_softmax.shape_rule(same_as_first)
+
+
+@log_softmax.reference
+def _log_softmax_forward(data: np.ndarray, axis: int) -> np.ndarray:
+    return stable_log_softmax(data, axis)
+
+
+@log_softmax.gradient
+def _log_softmax_gradient(call, grad):
+    """d_data = grad - exp(y) * sum(grad, axis, keepdims), y = log_softmax(data)"""
+    axis = call.attrs["axis"]
+    total = ops.sum(grad, axis=axis, keepdims=True)
+    return [ops.subtract(grad, ops.multiply(ops.exp(call), total))]
