@@ -39,6 +39,7 @@ __all__ = [
     "FORMAT_VERSION",
     "Checkpoint",
     "CheckpointError",
+    "ExpectedSpec",
     "atomic_writer",
     "load_checkpoint",
     "save_checkpoint",

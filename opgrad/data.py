@@ -38,6 +38,8 @@ __all__ = [
     "NUM_CLASSES",
     "DataError",
     "Dataset",
+    "embedded_mnist_path",
+    "embedded_split_indices",
     "iterate_batches",
     "load_embedded_mnist",
     "load_idx",
@@ -138,9 +140,30 @@ def _read_maybe_gzip(path: Path) -> bytes:
     try:
         return gzip.decompress(raw)
     except EOFError:
-        raise DataError(f"{path}: truncated gzip data (the compressed stream ends early)") from None
+        partial = _decompress_prefix(raw)
+        raise _TruncatedGzip(
+            f"{path}: truncated gzip data: the compressed stream ends early "
+            f"(an incomplete download?) after {len(partial)} decompressed bytes",
+            partial,
+        ) from None
     except (gzip.BadGzipFile, zlib.error, OSError) as exc:
         raise DataError(f"{path}: corrupt gzip data ({exc})") from None
+
+
+class _TruncatedGzip(DataError):
+    """A cut-short gzip stream; carries what did decompress so the IDX reader can say more."""
+
+    def __init__(self, message: str, partial: bytes) -> None:
+        super().__init__(message)
+        self.partial = partial
+
+
+def _decompress_prefix(raw: bytes) -> bytes:
+    """Decompress as much of a truncated gzip stream as possible (for error messages only)."""
+    try:
+        return zlib.decompressobj(wbits=31).decompress(raw)
+    except zlib.error:
+        return b""
 
 
 def load_idx(
@@ -155,7 +178,21 @@ def load_idx(
     trailing bytes as corruption, since either means the file is not what its header claims.
     """
     p = Path(path)
-    data = _read_maybe_gzip(p)
+    try:
+        data = _read_maybe_gzip(p)
+    except _TruncatedGzip as exc:
+        # Report it in IDX terms ("header says 60000 images ... only 1234 bytes follow") when
+        # the partial data allows; the gzip-level message is the fallback.
+        try:
+            _parse_idx(p, exc.partial, kind)
+        except DataError as idx_error:
+            raise DataError(f"{idx_error} (the gzip stream is cut short)") from None
+        raise DataError(str(exc)) from None
+    return _parse_idx(p, data, kind)
+
+
+def _parse_idx(p: Path, data: bytes, kind: Literal["images", "labels"] | None) -> npt.NDArray[np.uint8]:
+    """Validate an IDX header and payload (see :func:`load_idx`) and return the array."""
     if len(data) < 4:
         raise DataError(f"{p}: truncated: {len(data)} bytes, too short for an IDX header")
     (magic,) = struct.unpack(">I", data[:4])

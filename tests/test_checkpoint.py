@@ -7,6 +7,7 @@ import zipfile
 from pathlib import Path
 
 import numpy as np
+import numpy.typing as npt
 import pytest
 
 from opgrad import checkpoint
@@ -54,7 +55,9 @@ def test_shape_mismatch_message(tmp_path: Path) -> None:
     p = tmp_path / "ckpt.npz"
     arrays = model_arrays()
     save_checkpoint(p, arrays, META)
-    expected = {name: (a.shape, a.dtype) for name, a in arrays.items()}
+    expected: dict[str, tuple[tuple[int, ...], npt.DTypeLike]] = {
+        name: (a.shape, a.dtype) for name, a in arrays.items()
+    }
     expected["conv1.weight"] = ((32, 1, 3, 3), np.float32)
     with pytest.raises(CheckpointError) as err:
         load_checkpoint(p, expected)
@@ -66,7 +69,7 @@ def test_shape_mismatch_message(tmp_path: Path) -> None:
 def test_missing_extra_and_dtype(tmp_path: Path) -> None:
     p = tmp_path / "ckpt.npz"
     save_checkpoint(p, model_arrays(), META)
-    expected = {
+    expected: dict[str, tuple[tuple[int, ...], npt.DTypeLike]] = {
         "conv1.weight": ((16, 1, 3, 3), "float64"),
         "conv1.bias": ((16,), np.float32),
         "conv2.weight": ((8, 16, 3, 3), np.float32),

@@ -154,8 +154,18 @@ def test_bad_gzip(tmp_path: Path) -> None:
     good = gzip.compress(idx_labels(np.arange(1000) % 10))
     truncated = tmp_path / "truncated.gz"
     truncated.write_bytes(good[: len(good) // 2])
-    with pytest.raises(DataError, match=r"truncated\.gz: truncated gzip data"):
+    with pytest.raises(
+        DataError,
+        match=r"truncated\.gz: truncated: header says 1000 labels \(1000 bytes\) but only \d+ bytes "
+        r"follow \(the gzip stream is cut short\)",
+    ):
         load_idx(truncated)
+    trailer_cut = tmp_path / "trailer.gz"  # all data present, only the CRC/size trailer lost
+    trailer_cut.write_bytes(good[:-3])
+    with pytest.raises(
+        DataError, match=r"trailer\.gz: truncated gzip data: the compressed stream ends early"
+    ):
+        load_idx(trailer_cut)
     corrupt = tmp_path / "corrupt.gz"
     corrupt.write_bytes(good[:12] + bytes(b ^ 0xFF for b in good[12:40]) + good[40:])
     with pytest.raises(DataError, match=r"corrupt\.gz: (corrupt|truncated) gzip data"):
