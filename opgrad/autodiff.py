@@ -19,7 +19,7 @@ from opgrad.errors import GradientError
 from opgrad.ir import Call, Expr, Function, Var, topological_order
 
 
-def _ops():  # noqa: ANN202 - late import: registry modules import this package
+def _ops():
     from opgrad import ops
 
     return ops

@@ -34,7 +34,7 @@ def _bool(value: Any) -> bool:
     return bool(value)
 
 
-sum = Operator(  # noqa: A001 - the operator is called sum, as in numpy
+sum = Operator(  # shadows the builtin on purpose: the op is called sum, as in numpy
     "sum",
     inputs=[Input("data")],
     attrs=[
