@@ -46,8 +46,14 @@ def iota_const(n: int, elem: str = "i32", start: int = 0) -> str:
 class ModuleEmitter:
     """Collects declarations, globals and function bodies of one LLVM module."""
 
-    def __init__(self, name: str = "opgrad") -> None:
+    def __init__(self, name: str = "opgrad", function_attrs: str | None = None) -> None:
         self.name = name
+        if function_attrs is None:
+            from .jit import host_target  # late import: irtext stays usable without a JIT
+
+            function_attrs = host_target().function_attrs
+        #: Attributes put on every function (e.g. keep 512-bit vectors unsplit on AVX-512 hosts).
+        self.function_attrs = function_attrs
         self._decls: dict[str, str] = {}
         self._globals: list[str] = []
         self._functions: list[str] = []
@@ -113,7 +119,7 @@ class FunctionEmitter:
         self._header = (
             f"define {linkage + ' ' if linkage else ''}{ret} @{name}("
             + ", ".join(f"{t} %{n}" for t, n in params)
-            + f") {attrs} {{"
+            + f") {attrs} {module.function_attrs} {{"
         )
         self._allocas: list[str] = []
         self._body: list[str] = []

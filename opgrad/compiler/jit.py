@@ -65,6 +65,20 @@ class HostTarget:
     def has_avx512(self) -> bool:
         return "+avx512f" in self.features.split(",")
 
+    @property
+    def vector_registers(self) -> int:
+        """Architectural vector registers: the budget for a GEMM register tile."""
+        if self.has_avx512:
+            return 32
+        return 16 if self.is_x86 else 32
+
+    @property
+    def function_attrs(self) -> str:
+        """Without these, x86 backends tuned for 256-bit vectors split our explicit 512-bit ones."""
+        if self.has_avx512:
+            return '"prefer-vector-width"="512" "min-legal-vector-width"="512"'
+        return ""
+
     def vector_width(self, dtype_bytes: int) -> int:
         """Lanes in the widest native vector register for elements of ``dtype_bytes`` bytes."""
         if self.has_avx512:

@@ -1,0 +1,255 @@
+"""conv2d (NCHW input, OIHW weight) forward, backward-data and backward-weight on the GEMM engine.
+
+Forward and backward-weight are single GEMMs whose im2col operand is an index map with a padding
+window: the gather happens while packing, so the im2col matrix never exists in memory.
+
+Backward-data is ``col = W^T @ dY`` followed by col2im (a scatter-add). The direct "transposed
+convolution" GEMM would multiply by zeros wherever the output is smaller than the kernel (the
+seed CNN's 12x12 conv on a 12x12 input does ~150x the useful work that way), so instead the batch
+is cut into fixed segments of images whose ``col`` fits in ~2 MB; each segment runs a parallel
+GEMM and then a parallel col2im split over (image, channel) planes. Segments depend only on the
+shapes, so results are bitwise identical for any thread count.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from .gemm import GemmSpec, IndexMap, Operand, _round_up, emit_gemm
+from .irtext import BYTES, LLVM_TYPE, FunctionEmitter, ModuleEmitter
+from .threads import PARALLEL_FOR
+
+_COL_BUDGET_BYTES = 2 << 20
+
+
+def _pair(v: int | Sequence[int]) -> tuple[int, int]:
+    if isinstance(v, int):
+        return v, v
+    a, b = v
+    return int(a), int(b)
+
+
+@dataclass(frozen=True)
+class Conv2dGeometry:
+    """Shapes and attributes of one conv2d; ``pads`` = (top, bottom, left, right)."""
+
+    n: int
+    c: int
+    h: int
+    w: int
+    o: int
+    kh: int
+    kw: int
+    stride: tuple[int, int] = (1, 1)
+    pads: tuple[int, int, int, int] = (0, 0, 0, 0)
+    dilation: tuple[int, int] = (1, 1)
+    dtype: str = "float32"
+
+    @staticmethod
+    def make(
+        x_shape: tuple[int, ...], w_shape: tuple[int, ...], stride: int | Sequence[int] = 1,
+        padding: int | Sequence[int] = 0, dilation: int | Sequence[int] = 1, dtype: str = "float32",
+    ) -> Conv2dGeometry:
+        n, c, h, w = x_shape
+        o, c2, kh, kw = w_shape
+        assert c == c2, "groups are not supported"
+        if isinstance(padding, int):
+            pads = (padding,) * 4
+        elif len(padding) == 2:
+            pads = (padding[0], padding[0], padding[1], padding[1])
+        else:
+            pads = tuple(int(p) for p in padding)
+        geom = Conv2dGeometry(n, c, h, w, o, kh, kw, _pair(stride), pads, _pair(dilation), dtype)  # type: ignore[arg-type]
+        assert geom.oh >= 1 and geom.ow >= 1, "empty output"
+        return geom
+
+    @property
+    def oh(self) -> int:
+        return (self.h + self.pads[0] + self.pads[1] - self.dilation[0] * (self.kh - 1) - 1) // self.stride[0] + 1
+
+    @property
+    def ow(self) -> int:
+        return (self.w + self.pads[2] + self.pads[3] - self.dilation[1] * (self.kw - 1) - 1) // self.stride[1] + 1
+
+    @property
+    def out_shape(self) -> tuple[int, int, int, int]:
+        return self.n, self.o, self.oh, self.ow
+
+    @property
+    def ckk(self) -> int:
+        return self.c * self.kh * self.kw
+
+    def flops(self) -> int:
+        """Multiply-adds x 2 of one pass (all three passes cost the same)."""
+        return 2 * self.n * self.o * self.oh * self.ow * self.ckk
+
+    # ----- index maps of the implicit im2col matrix [C*KH*KW, N*OH*OW] -----
+
+    def patch_map(self) -> IndexMap:
+        """(c, kh, kw) -> offset inside an input image and the tap's (h, w) displacement."""
+        dh, dw = self.dilation
+        return IndexMap((self.c, self.kh, self.kw), (self.h * self.w, dh * self.w, dw), 0, (0, dh, 0), 0, (0, 0, dw), 0)
+
+    def pixel_map(self) -> IndexMap:
+        """(n, oh, ow) -> offset of the window's top-left input pixel and its (h, w) position."""
+        sh, sw = self.stride
+        top, left = self.pads[0], self.pads[2]
+        return IndexMap(
+            (self.n, self.oh, self.ow), (self.c * self.h * self.w, sh * self.w, sw), -(top * self.w + left),
+            (0, sh, 0), -top, (0, 0, sw), -left,
+        )
+
+    def output_pixels(self, images: int | None = None) -> IndexMap:
+        """(n, oh*ow) -> offset in an NCHW tensor with ``o`` channels (dY or Y)."""
+        p = self.oh * self.ow
+        return IndexMap((images or self.n, p), (self.o * p, 1))
+
+
+@dataclass(frozen=True)
+class ConvEntry:
+    """An emitted entry ``void entry(ptr, ptr, ptr, ptr ws)`` and its scratch need per thread."""
+
+    entry: str
+    workspace_per_thread: int
+
+
+def emit_conv2d_forward(m: ModuleEmitter, g: Conv2dGeometry, name: str) -> ConvEntry:
+    """``conv2d_forward(x, w, y, ws)``: Y[o, (n,p)] = W[o, (c,kh,kw)] @ im2col(X)."""
+    p = g.oh * g.ow
+    spec = GemmSpec(
+        g.o, g.n * p, g.ckk,
+        a=Operand.matrix(g.o, g.ckk, g.ckk, 1),
+        b=Operand(g.patch_map(), g.pixel_map(), (g.h, g.w)),
+        c=Operand(IndexMap.strided(g.o, p), g.output_pixels()),
+        dtype=g.dtype,
+    )
+    plan = emit_gemm(m, spec, name + ".gemm")
+    _emit_forwarder(m, name, plan.names["entry"], ("x", "w", "y"), ("w", "x", "y"))
+    return ConvEntry(name, plan.workspace_per_thread)
+
+
+def emit_conv2d_backward_weight(m: ModuleEmitter, g: Conv2dGeometry, name: str) -> ConvEntry:
+    """``conv2d_backward_weight(x, dy, dw, ws)``: dW[o, (c,kh,kw)] = dY[o, (n,p)] @ im2col(X)^T."""
+    p = g.oh * g.ow
+    spec = GemmSpec(
+        g.o, g.ckk, g.n * p,
+        a=Operand(IndexMap.strided(g.o, p), g.output_pixels()),
+        b=Operand(g.pixel_map(), g.patch_map(), (g.h, g.w)),
+        c=Operand.matrix(g.o, g.ckk, g.ckk, 1),
+        dtype=g.dtype,
+    )
+    plan = emit_gemm(m, spec, name + ".gemm")
+    _emit_forwarder(m, name, plan.names["entry"], ("x", "dy", "dw"), ("dy", "x", "dw"))
+    return ConvEntry(name, plan.workspace_per_thread)
+
+
+def _emit_forwarder(m: ModuleEmitter, name: str, target: str, params: tuple[str, ...], order: tuple[str, ...]) -> None:
+    f = FunctionEmitter(m, name, [("ptr", p) for p in (*params, "ws")])
+    f.call("void", "@" + target, [("ptr", "%" + a) for a in (*order, "ws")])
+    f.ret_void()
+    f.finish()
+
+
+def emit_conv2d_backward_data(m: ModuleEmitter, g: Conv2dGeometry, name: str) -> ConvEntry:
+    """``conv2d_backward_data(dy, w, dx, ws)``: per image segment, col = W^T @ dY, then col2im."""
+    esize, t = BYTES[g.dtype], LLVM_TYPE[g.dtype]
+    p = g.oh * g.ow
+    per_image = g.ckk * p * esize
+    seg = max(1, min(g.n, _COL_BUDGET_BYTES // per_image))
+    sizes = sorted({seg, g.n % seg} - {0}, reverse=True)
+    gemms = {}
+    for imgs in sizes:
+        spec = GemmSpec(
+            g.ckk, imgs * p, g.o,
+            a=Operand.matrix(g.ckk, g.o, 1, g.ckk),
+            b=Operand(IndexMap.strided(g.o, p), g.output_pixels(imgs)),
+            c=Operand.matrix(g.ckk, imgs * p, imgs * p, 1),
+            dtype=g.dtype,
+        )
+        gemms[imgs] = emit_gemm(m, spec, f"{name}.gemm{imgs}")
+    col_bytes = _round_up(g.ckk * seg * p * esize, 64)
+    gemm_ws = max(plan.workspace_per_thread for plan in gemms.values())
+    col2im = _emit_col2im(m, g, name + ".col2im", t)
+    # The col buffer is shared by all threads, so it sits before the per-thread GEMM scratch.
+    # Workspace per thread is reported as (col + gemm) so ``ws_per_thread * nthreads`` covers it.
+    f = FunctionEmitter(m, name, [("ptr", "dy"), ("ptr", "w"), ("ptr", "dx"), ("ptr", "ws")])
+    col = "%ws"
+    ws = f.gep("i8", "%ws", str(col_bytes))
+    ctx = f.alloca("[3 x ptr]", "ctx", align=8)
+    nimg = f.alloca("i64", "nimg")
+    start = 0
+    while start < g.n:
+        imgs = min(seg, g.n - start)
+        dy = f.gep(t, "%dy", str(start * g.o * p))
+        f.call("void", "@" + gemms[imgs].names["entry"], [("ptr", "%w"), ("ptr", dy), ("ptr", col), ("ptr", ws)])
+        f.store("ptr", col, f.gep("ptr", ctx, "0"))
+        f.store("ptr", f.gep(t, "%dx", str(start * g.c * g.h * g.w)), f.gep("ptr", ctx, "1"))
+        f.store("i64", str(imgs), nimg)
+        f.store("ptr", nimg, f.gep("ptr", ctx, "2"))
+        f.call("void", "@" + PARALLEL_FOR, [("ptr", "@" + col2im), ("ptr", ctx)])
+        start += imgs
+    f.ret_void()
+    f.finish()
+    return ConvEntry(name, col_bytes + gemm_ws)
+
+
+def _emit_col2im(m: ModuleEmitter, g: Conv2dGeometry, name: str, t: str) -> str:
+    """Task: dx planes (image, channel) of this thread = sum over taps of the matching col rows."""
+    p = g.oh * g.ow
+    sh, sw = g.stride
+    dh, dw = g.dilation
+    top, left = g.pads[0], g.pads[2]
+    add_row = _emit_add_strided(m, name + ".row", t)
+    f = FunctionEmitter(m, name, [("ptr", "ctx"), ("i32", "tid"), ("i32", "nt")], linkage="internal")
+    col = f.load("ptr", f.gep("ptr", "%ctx", "0"))
+    dx = f.load("ptr", f.gep("ptr", "%ctx", "1"))
+    imgs = f.load("i64", f.load("ptr", f.gep("ptr", "%ctx", "2")))
+    tid, nt = f.val("sext i32 %tid to i64"), f.val("sext i32 %nt to i64")
+    planes = f.mul(imgs, g.c)
+    lo = f.val(f"udiv i64 {f.mul(tid, planes)}, {nt}")
+    hi = f.val(f"udiv i64 {f.mul(f.add(tid, 1), planes)}, {nt}")
+    ld_col = f.mul(imgs, p)
+    with f.loop(lo, hi, hint="pl") as plane:
+        img = f.val(f"udiv i64 {plane}, {g.c}")
+        ch = f.val(f"urem i64 {plane}, {g.c}")
+        dplane = f.gep(t, dx, f.mul(plane, g.h * g.w))
+        f.emit(f"call void @llvm.memset.p0.i64(ptr align 4 {dplane}, i8 0, i64 {g.h * g.w * BYTES[g.dtype]}, i1 false)")
+        with f.loop(0, g.kh, hint="kh") as kh:
+            with f.loop(0, g.kw, hint="kw") as kw:
+                row = f.add(f.mul(f.add(f.mul(ch, g.kh), kh), g.kw), kw)
+                crow = f.gep(t, col, f.add(f.mul(row, ld_col), f.mul(img, p)))
+                # valid ow: 0 <= ow*sw + kw*dw - left < W
+                num = f.sub(str(left), f.mul(kw, dw))
+                lo_ow = f.select(f.icmp("sle", num, "0"), "i64", "0", f.val(f"sdiv i64 {f.add(num, sw - 1)}, {sw}"))
+                num2 = f.add(num, g.w - 1)
+                hi_ow = f.select(f.icmp("slt", num2, "0"), "i64", "0", f.smin(f.add(f.val(f"sdiv i64 {num2}, {sw}"), 1), g.ow))
+                cnt = f.sub(hi_ow, lo_ow)
+                with f.if_then(f.icmp("sgt", cnt, "0"), "any"):
+                    iw0 = f.sub(f.add(f.mul(lo_ow, sw), f.mul(kw, dw)), left)
+                    with f.loop(0, g.oh, hint="oh") as oh:
+                        ih = f.sub(f.add(f.mul(oh, sh), f.mul(kh, dh)), top)
+                        ok = f.val(f"icmp ult i64 {ih}, {g.h}")
+                        with f.if_then(ok, "ihok"):
+                            dst = f.gep(t, dplane, f.add(f.mul(ih, g.w), iw0))
+                            src = f.gep(t, crow, f.add(f.mul(oh, g.ow), lo_ow))
+                            f.call("void", add_row, [("ptr", dst), ("ptr", src), ("i64", cnt), ("i64", str(sw))])
+    f.ret_void()
+    f.finish()
+    m.declare("llvm.memset.p0.i64", "declare void @llvm.memset.p0.i64(ptr, i8, i64, i1)")
+    return name
+
+
+def _emit_add_strided(m: ModuleEmitter, name: str, t: str) -> str:
+    """``dst[i*stride] += src[i]``; noalias (kept as scope metadata when inlined) lets it vectorize."""
+    f = FunctionEmitter(
+        m, name, [("ptr noalias", "dst"), ("ptr noalias", "src"), ("i64", "n"), ("i64", "stride")],
+        linkage="internal", attrs="nounwind alwaysinline",
+    )
+    with f.loop(0, "%n", hint="i") as i:
+        d = f.gep(t, "%dst", f.mul(i, "%stride"))
+        s = f.gep(t, "%src", i)
+        f.store(t, f.val(f"fadd {t} {f.load(t, d)}, {f.load(t, s)}"), d)
+    f.ret_void()
+    f.finish()
+    return "@" + name

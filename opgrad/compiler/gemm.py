@@ -1,0 +1,460 @@
+"""BLIS-style GEMM generator over *index maps*, so one engine serves matmul and every conv pass.
+
+``C[M,N] (=|+=) alpha * A[M,K] @ B[K,N]`` where each operand element's address is separable:
+``offset(r, c) = rows(r) + cols(c)``. Each axis is an :class:`IndexMap`: a mixed-radix split of
+the flat index into digits, each digit with an element stride and (for convolutions) a contribution
+to a spatial coordinate ``(h, w)``. An operand with a ``window`` reads zero where ``(h, w)`` falls
+outside ``[0,H) x [0,W)``: that is the zero padding of an implicit im2col, gathered while packing,
+so the im2col matrix is never materialized. Transposes are just strides.
+
+Structure (all sizes are compile-time constants; shapes are fixed per compiled graph):
+  jc (NC cols) -> pc (KC) -> pack B panel -> ic (MC rows) -> pack A block -> jr (NR) -> ir (MR)
+  -> microkernel: MR x NR register tile of ``<VL x T>`` accumulators fed by ``llvm.fma``.
+Packed panels are zero padded, so edge tiles run the same microkernel; only the C store is masked.
+
+Determinism: every C element is the same chain of FMAs over k (KC blocks in order), whatever the
+tile it lands in, so splitting rows or columns over threads gives bitwise identical results.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from .irtext import BYTES, LLVM_TYPE, FunctionEmitter, ModuleEmitter, float_const, iota_const, splat_const
+from .jit import host_target
+from .threads import PARALLEL_FOR, PARALLEL_FOR_DECL
+
+_I32_LIMIT = 2**31 - 1
+
+
+@dataclass(frozen=True)
+class IndexMap:
+    """Flat index -> (element offset, h, w) through digits of ``radices`` (outermost first).
+
+    ``offset = base + sum(digit * stride)``, ``h = h0 + sum(digit * hs)``, ``w = w0 + sum(digit * ws)``.
+    The outermost digit is not reduced modulo its radix, so ``radices[0]`` only documents the extent.
+    """
+
+    radices: tuple[int, ...]
+    strides: tuple[int, ...]
+    base: int = 0
+    hs: tuple[int, ...] = ()
+    h0: int = 0
+    ws: tuple[int, ...] = ()
+    w0: int = 0
+
+    @staticmethod
+    def strided(n: int, stride: int, base: int = 0) -> IndexMap:
+        return IndexMap((n,), (stride,), base)
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.radices)
+
+    @property
+    def spatial(self) -> bool:
+        return bool(self.hs or self.ws or self.h0 or self.w0)
+
+    def offset_range(self) -> tuple[int, int]:
+        """Smallest and largest offset over the whole axis (bounds for the i32 index check)."""
+        lo = hi = self.base
+        for r, s in zip(self.radices, self.strides, strict=True):
+            lo += min(0, (r - 1) * s)
+            hi += max(0, (r - 1) * s)
+        return lo, hi
+
+    # ----- IR emission -----
+
+    def _digits(self, f: FunctionEmitter, x: str, ty: str) -> list[str]:
+        digits: list[str] = []
+        for r in reversed(self.radices[1:]):
+            digits.append(f.val(f"urem {ty} {x}, {_const(ty, r)}", "dig"))
+            x = f.val(f"udiv {ty} {x}, {_const(ty, r)}", "quo")
+        digits.append(x)
+        return list(reversed(digits))
+
+    def _combine(self, f: FunctionEmitter, digits: list[str], coefs: tuple[int, ...], c0: int, ty: str) -> str:
+        acc = _const(ty, c0)
+        for d, c in zip(digits, coefs, strict=False):
+            if c:
+                acc = f.val(f"add {ty} {acc}, {f.val(f'mul {ty} {d}, {_const(ty, c)}', 'm')}", "s")
+        return acc
+
+    def terms(self, f: FunctionEmitter, x: str, ty: str = "i64") -> tuple[str, str, str]:
+        """(offset, h, w) for index ``x`` of type ``ty`` (scalar ``i64`` or a ``<L x i32>`` vector)."""
+        digits = self._digits(f, x, ty)
+        off = self._combine(f, digits, self.strides, self.base, ty)
+        h = self._combine(f, digits, self.hs, self.h0, ty)
+        w = self._combine(f, digits, self.ws, self.w0, ty)
+        return off, h, w
+
+
+def _const(ty: str, v: int) -> str:
+    if ty.startswith("<"):
+        n, _, elem = ty[1:-1].partition(" x ")
+        return splat_const(int(n), elem.strip(), str(v))
+    return str(v)
+
+
+@dataclass(frozen=True)
+class Operand:
+    """A matrix operand: ``rows`` and ``cols`` index maps, optional zero-padding ``window=(H, W)``."""
+
+    rows: IndexMap
+    cols: IndexMap
+    window: tuple[int, int] | None = None
+
+    @staticmethod
+    def matrix(m: int, n: int, row_stride: int, col_stride: int) -> Operand:
+        """A plain strided matrix; ``matrix(m, n, 1, m)`` is column-major, i.e. a transpose."""
+        return Operand(IndexMap.strided(m, row_stride), IndexMap.strided(n, col_stride))
+
+    def check(self) -> None:
+        lo = self.rows.offset_range()[0] + self.cols.offset_range()[0]
+        hi = self.rows.offset_range()[1] + self.cols.offset_range()[1]
+        assert lo >= -_I32_LIMIT and hi <= _I32_LIMIT, "operand offsets must fit in i32"
+
+
+@dataclass(frozen=True)
+class Blocking:
+    """Register and cache blocking; defaults follow PERF_NOTES (8x32 fp32 tile, KC=256, MC=128)."""
+
+    mr: int
+    nr: int
+    vl: int
+    kc: int
+    mc: int
+    nc: int
+
+    @staticmethod
+    def for_host(dtype: str) -> Blocking:
+        """Register tile sized to the register file: 8 x 2 vectors with 32 registers (AVX-512),
+        6 x 2 with 16 (AVX2), leaving room for the B vectors and the A broadcast."""
+        host = host_target()
+        vl = host.vector_width(BYTES[dtype])
+        mr = 8 if host.vector_registers >= 32 else 6
+        mc = 128 if BYTES[dtype] == 4 else 64
+        return Blocking(mr=mr, nr=2 * vl, vl=vl, kc=256, mc=_round_up(mc, mr), nc=2048)
+
+
+@dataclass(frozen=True)
+class GemmSpec:
+    """One GEMM ``C (=|+=) alpha * A @ B`` with shapes and layouts fixed at compile time."""
+
+    m: int
+    n: int
+    k: int
+    a: Operand
+    b: Operand
+    c: Operand
+    dtype: str = "float32"
+    alpha: float = 1.0
+    accumulate: bool = False
+    #: Problems with fewer flops than this run on the calling thread (dispatch would cost more).
+    parallel_min_flops: float = 4e6
+
+    @staticmethod
+    def dense(
+        m: int, n: int, k: int, dtype: str = "float32", trans_a: bool = False, trans_b: bool = False,
+        alpha: float = 1.0, accumulate: bool = False,
+    ) -> GemmSpec:
+        """Contiguous row-major operands; ``trans_a`` means A is stored as its transpose [K, M]."""
+        a = Operand.matrix(m, k, 1, m) if trans_a else Operand.matrix(m, k, k, 1)
+        b = Operand.matrix(k, n, 1, k) if trans_b else Operand.matrix(k, n, n, 1)
+        c = Operand.matrix(m, n, n, 1)
+        return GemmSpec(m, n, k, a, b, c, dtype, alpha, accumulate)
+
+
+@dataclass
+class GemmPlan:
+    """Blocking derived from a spec; ``workspace_per_thread`` bytes of scratch for packed panels."""
+
+    spec: GemmSpec
+    blk: Blocking
+    kc: int = 0
+    nc: int = 0
+    split_n: bool = True
+    workspace_per_thread: int = 0
+    names: dict[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        s, b = self.spec, self.blk
+        nk = -(-s.k // b.kc)
+        self.kc = -(-s.k // nk)  # even K blocks: no tiny tail block
+        self.nc = min(b.nc, _round_up(s.n, b.nr))
+        self.split_n = s.n >= s.m
+        esize = BYTES[s.dtype]
+        a_bytes = _round_up(b.mc, b.mr) * self.kc * esize
+        b_bytes = _round_up(self.nc, b.nr) * self.kc * esize
+        self.workspace_per_thread = _round_up(a_bytes, 64) + _round_up(b_bytes, 64)
+
+    def workspace_bytes(self, nthreads: int) -> int:
+        return self.workspace_per_thread * nthreads
+
+
+def _round_up(x: int, q: int) -> int:
+    return -(-x // q) * q
+
+
+def _gather(m: ModuleEmitter, n: int, t: str) -> str:
+    suffix = f"v{n}{'f32' if t == 'float' else 'f64'}.v{n}p0"
+    return m.intrinsic("masked.gather", f"<{n} x {t}>", [f"<{n} x ptr>", "i32", f"<{n} x i1>", f"<{n} x {t}>"], suffix)
+
+
+def _scatter(m: ModuleEmitter, n: int, t: str) -> str:
+    suffix = f"v{n}{'f32' if t == 'float' else 'f64'}.v{n}p0"
+    return m.intrinsic("masked.scatter", "void", [f"<{n} x {t}>", f"<{n} x ptr>", "i32", f"<{n} x i1>"], suffix)
+
+
+def _reduce_and(m: ModuleEmitter, n: int) -> str:
+    return m.intrinsic("vector.reduce.and", "i1", [f"<{n} x i1>"], f"v{n}i1")
+
+
+def _lane_terms(f: FunctionEmitter, imap: IndexMap, start: str, lanes: int) -> tuple[str, str, str, str]:
+    """Vector (offset, h, w) for indices ``start + 0..lanes-1`` and the lane iota, all ``<lanes x i32>``."""
+    vty = f"<{lanes} x i32>"
+    s32 = f.val(f"trunc i64 {start} to i32")
+    idx = f.val(f"add {vty} {f.splat(lanes, 'i32', s32)}, {iota_const(lanes)}", "lane")
+    off, h, w = imap.terms(f, idx, vty)
+    return off, h, w, idx
+
+
+def _emit_pack(m: ModuleEmitter, name: str, op: Operand, lanes_are_rows: bool, lanes: int, vl: int, t: str) -> None:
+    """``pack(src, dst, lane0, nlanes, loop0, nloop)``: panels of ``[nloop][lanes]``, zero padded.
+
+    For A the lanes are rows (MR); for B the lanes are columns (NR). Lanes that are contiguous in
+    memory (and unpadded) are copied with vector loads; anything else is a masked gather.
+    """
+    lane_map, loop_map = (op.rows, op.cols) if lanes_are_rows else (op.cols, op.rows)
+    chunk = vl if lanes % vl == 0 else lanes  # B panels: whole vectors; A panels: one MR-lane vector
+    nchunks = lanes // chunk
+    vt, it, mt = f"<{chunk} x {t}>", f"<{chunk} x i32>", f"<{chunk} x i1>"
+    esize = 4 if t == "float" else 8
+    f = FunctionEmitter(
+        m, name, [("ptr", "src"), ("ptr", "dst"), ("i64", "lane0"), ("i64", "nlanes"), ("i64", "loop0"),
+                  ("i64", "nloop")], linkage="internal",
+    )
+    gather = _gather(m, chunk, t)
+    npanels = f.val(f"udiv i64 {f.add('%nlanes', lanes - 1)}, {lanes}")
+    with f.loop(0, npanels, hint="p") as p:
+        first = f.add("%lane0", f.mul(p, lanes))
+        valid = f.sub("%nlanes", f.mul(p, lanes))
+        panel = f.gep(t, "%dst", f.mul(p, f.mul("%nloop", lanes)))
+        chunks = []
+        all_contig = "true"
+        for c in range(nchunks):
+            off, h, w, _ = _lane_terms(f, lane_map, f.add(first, c * chunk), chunk)
+            v32 = f.val(f"trunc i64 {f.sub(valid, c * chunk)} to i32")
+            lane_ok = f.val(f"icmp slt {it} {iota_const(chunk)}, {f.splat(chunk, 'i32', v32)}", "lok")
+            off0 = f.val(f"extractelement {it} {off}, i32 0")
+            expect = f.val(f"add {it} {f.splat(chunk, 'i32', off0)}, {iota_const(chunk)}")
+            contig = f.call("i1", _reduce_and(m, chunk), [(mt, f.val(f"icmp eq {it} {off}, {expect}"))])
+            full = f.call("i1", _reduce_and(m, chunk), [(mt, lane_ok)])
+            all_contig = f.val(f"and i1 {all_contig}, {f.val(f'and i1 {contig}, {full}')}")
+            chunks.append((off, h, w, lane_ok, off0))
+        if op.window is not None or lane_map.spatial:
+            all_contig = "false"
+        fast, slow, done = f.if_else(all_contig, "contig")
+        for mode, label in (("fast", fast), ("slow", slow)):
+            f.block(label)
+            with f.loop(0, "%nloop", hint="k") as k:
+                roff, rh, rw = loop_map.terms(f, f.add("%loop0", k))
+                dst_row = f.gep(t, panel, f.mul(k, lanes))
+                for c, (off, h, w, lane_ok, off0) in enumerate(chunks):
+                    out = f.gep(t, dst_row, str(c * chunk))
+                    if mode == "fast":
+                        src = f.gep(t, "%src", f.add(roff, f.val(f"sext i32 {off0} to i64")))
+                        v = f.load(vt, src, align=esize)
+                    else:
+                        r32 = f.val(f"trunc i64 {roff} to i32")
+                        idx = f.val(f"add {it} {off}, {f.splat(chunk, 'i32', r32)}")
+                        mask = lane_ok
+                        if op.window is not None:
+                            hh = f.val(f"add {it} {h}, {f.splat(chunk, 'i32', f.val(f'trunc i64 {rh} to i32'))}")
+                            ww = f.val(f"add {it} {w}, {f.splat(chunk, 'i32', f.val(f'trunc i64 {rw} to i32'))}")
+                            hok = f.val(f"icmp ult {it} {hh}, {splat_const(chunk, 'i32', str(op.window[0]))}")
+                            wok = f.val(f"icmp ult {it} {ww}, {splat_const(chunk, 'i32', str(op.window[1]))}")
+                            mask = f.val(f"and {mt} {mask}, {f.val(f'and {mt} {hok}, {wok}')}")
+                        ptrs = f.val(f"getelementptr {t}, ptr %src, {it} {idx}", "ptrs")
+                        v = f.call(vt, gather, [(f"<{chunk} x ptr>", ptrs), ("i32", str(esize)), (mt, mask),
+                                                (vt, "zeroinitializer")])
+                    f.store(vt, v, out, align=esize)
+            f.br(done)
+        f.block(done)
+    f.ret_void()
+    f.finish()
+
+
+def emit_gemm(
+    m: ModuleEmitter, spec: GemmSpec, name: str | None = None, blocking: Blocking | None = None
+) -> GemmPlan:
+    """Emit ``void @name(ptr a, ptr b, ptr c, ptr ws)`` into ``m``; returns the plan (workspace size).
+
+    ``ws`` must hold ``plan.workspace_bytes(nthreads)`` bytes, 64-byte aligned, for the pool size.
+    """
+    for op in (spec.a, spec.b, spec.c):
+        op.check()
+    assert spec.c.window is None, "C cannot have a padding window"
+    assert min(spec.m, spec.n, spec.k) >= 1
+    blk = blocking or Blocking.for_host(spec.dtype)
+    plan = GemmPlan(spec, blk)
+    base = m.unique(name or f"gemm_{spec.m}x{spec.n}x{spec.k}")
+    m.declare(PARALLEL_FOR, PARALLEL_FOR_DECL)
+    t = LLVM_TYPE[spec.dtype]
+    _emit_pack(m, base + ".pack_a", spec.a, True, blk.mr, blk.vl, t)
+    _emit_pack(m, base + ".pack_b", spec.b, False, blk.nr, blk.vl, t)
+    _emit_block(m, base, plan, t)
+    _emit_task_and_entry(m, base, plan)
+    plan.names = {"entry": base, "block": base + ".block"}
+    return plan
+
+
+def _emit_block(m: ModuleEmitter, base: str, plan: GemmPlan, t: str) -> None:
+    """``block(a, b, c, ws, m0, m1, n0, n1)``: the C sub-block [m0,m1) x [n0,n1), full K, one thread."""
+    s, b = plan.spec, plan.blk
+    esize = BYTES[s.dtype]
+    vl, mr, nr = b.vl, b.mr, b.nr
+    vt, it, mt = f"<{vl} x {t}>", f"<{vl} x i32>", f"<{vl} x i1>"
+    fma = m.fma(vt)
+    f = FunctionEmitter(
+        m, base + ".block", [("ptr", "a"), ("ptr", "b"), ("ptr", "c"), ("ptr", "ws"), ("i64", "m0"),
+                             ("i64", "m1"), ("i64", "n0"), ("i64", "n1")], linkage="internal",
+    )
+    ap = "%ws"
+    bp = f.gep("i8", "%ws", str(_round_up(_round_up(b.mc, mr) * plan.kc * esize, 64)))
+    accs = [[f.alloca(vt, f"acc{r}_{c}") for c in range(nr // vl)] for r in range(mr)]
+    with f.loop("%n0", "%n1", plan.nc, hint="jc") as jc:
+        nc = f.smin(f.sub("%n1", jc), plan.nc)
+        with f.loop(0, s.k, plan.kc, hint="pc") as pc:
+            kc = f.smin(f.sub(str(s.k), pc), plan.kc)
+            f.call("void", f"@{base}.pack_b", [("ptr", "%b"), ("ptr", bp), ("i64", jc), ("i64", nc), ("i64", pc),
+                                                ("i64", kc)])
+            overwrite = "false" if s.accumulate else f.icmp("eq", pc, "0")
+            with f.loop("%m0", "%m1", b.mc, hint="ic") as ic:
+                mc = f.smin(f.sub("%m1", ic), b.mc)
+                f.call("void", f"@{base}.pack_a", [("ptr", "%a"), ("ptr", ap), ("i64", ic), ("i64", mc),
+                                                    ("i64", pc), ("i64", kc)])
+                with f.loop(0, nc, nr, hint="jr") as jr:
+                    nvalid = f.smin(f.sub(nc, jr), nr)
+                    col_info = _col_terms(f, m, s.c.cols, f.add(jc, jr), nvalid, nr, vl)
+                    bpanel = f.gep(t, bp, f.mul(jr, kc))
+                    with f.loop(0, mc, mr, hint="ir") as ir:
+                        apanel = f.gep(t, ap, f.mul(ir, kc))
+                        _microkernel(f, fma, accs, apanel, bpanel, kc, t, vt, mr, nr, vl)
+                        mvalid = f.smin(f.sub(mc, ir), mr)
+                        _store_tile(f, m, plan, accs, f.add(ic, ir), mvalid, col_info, overwrite, t, vt, it, mt)
+    f.ret_void()
+    f.finish()
+
+
+def _col_terms(
+    f: FunctionEmitter, m: ModuleEmitter, cmap: IndexMap, j0: str, nvalid: str, nr: int, vl: int
+) -> tuple[list[tuple[str, str]], str]:
+    """Per-chunk (column offsets, lane mask) of one C panel, and whether the panel is one full run."""
+    it, mt = f"<{vl} x i32>", f"<{vl} x i1>"
+    chunks = []
+    contig = "true"
+    first_off = ""
+    for c in range(nr // vl):
+        off, _, _, _ = _lane_terms(f, cmap, f.add(j0, c * vl), vl)
+        v32 = f.val(f"trunc i64 {f.sub(nvalid, c * vl)} to i32")
+        ok = f.val(f"icmp slt {it} {iota_const(vl)}, {f.splat(vl, 'i32', v32)}", "cok")
+        if not first_off:
+            first_off = f.val(f"extractelement {it} {off}, i32 0")
+        expect = f.val(f"add {it} {f.splat(vl, 'i32', first_off)}, {iota_const(vl, start=c * vl)}")
+        same = f.call("i1", _reduce_and(m, vl), [(mt, f.val(f"icmp eq {it} {off}, {expect}"))])
+        full = f.call("i1", _reduce_and(m, vl), [(mt, ok)])
+        contig = f.val(f"and i1 {contig}, {f.val(f'and i1 {same}, {full}')}")
+        chunks.append((off, ok))
+    return chunks, contig
+
+
+def _microkernel(
+    f: FunctionEmitter, fma: str, accs: list[list[str]], apanel: str, bpanel: str, kc: str, t: str, vt: str,
+    mr: int, nr: int, vl: int,
+) -> None:
+    """MR x NR outer-product accumulation over kc; accumulators stay in registers after SROA."""
+    for row in accs:
+        for acc in row:
+            f.store(vt, "zeroinitializer", acc)
+    with f.loop(0, kc, hint="k") as k:
+        brow = f.gep(t, bpanel, f.mul(k, nr))
+        bv = [f.load(vt, f.gep(t, brow, str(c * vl)), align=64) for c in range(nr // vl)]
+        arow = f.gep(t, apanel, f.mul(k, mr))
+        for r in range(mr):
+            a = f.load(t, f.gep(t, arow, str(r)))
+            av = f.splat(vl, t, a)
+            for c in range(nr // vl):
+                cur = f.load(vt, accs[r][c])
+                f.store(vt, f.call(vt, fma, [(vt, av), (vt, bv[c]), (vt, cur)]), accs[r][c])
+
+
+def _store_tile(
+    f: FunctionEmitter, m: ModuleEmitter, plan: GemmPlan, accs: list[list[str]], i0: str, mvalid: str,
+    col_info: tuple[list[tuple[str, str]], str], overwrite: str, t: str, vt: str, it: str, mt: str,
+) -> None:
+    """Write rows ``i0 .. i0+mvalid`` of the tile: vector stores on contiguous panels, scatter otherwise."""
+    s, b = plan.spec, plan.blk
+    esize = BYTES[s.dtype]
+    chunks, contig = col_info
+    gather, scatter = _gather(m, b.vl, t), _scatter(m, b.vl, t)
+    alpha = None if s.alpha == 1.0 else splat_const(b.vl, t, float_const(s.alpha, t))
+    for r in range(b.mr):
+        with f.if_then(f.icmp("slt", str(r), mvalid), "row"):
+            roff, _, _ = s.c.rows.terms(f, f.add(i0, r))
+            fast, slow, done = f.if_else(contig, "st")
+            for mode, label in (("fast", fast), ("slow", slow)):
+                f.block(label)
+                for c, (off, ok) in enumerate(chunks):
+                    v = f.load(vt, accs[r][c])
+                    if alpha:
+                        v = f.val(f"fmul {vt} {v}, {alpha}")
+                    if mode == "fast":
+                        off0 = f.val(f"extractelement {it} {off}, i32 0")
+                        ptr = f.gep(t, "%c", f.add(roff, f.val(f"sext i32 {off0} to i64")))
+                        old = f.load(vt, ptr, align=esize)
+                        new = f.val(f"select i1 {overwrite}, {vt} {v}, {vt} {f.val(f'fadd {vt} {old}, {v}')}")
+                        f.store(vt, new, ptr, align=esize)
+                    else:
+                        r32 = f.val(f"trunc i64 {roff} to i32")
+                        idx = f.val(f"add {it} {off}, {f.splat(b.vl, 'i32', r32)}")
+                        ptrs = f.val(f"getelementptr {t}, ptr %c, {it} {idx}", "ptrs")
+                        old = f.call(vt, gather, [(f"<{b.vl} x ptr>", ptrs), ("i32", str(esize)), (mt, ok),
+                                                  (vt, "zeroinitializer")])
+                        new = f.val(f"select i1 {overwrite}, {vt} {v}, {vt} {f.val(f'fadd {vt} {old}, {v}')}")
+                        f.call("void", scatter, [(vt, new), (f"<{b.vl} x ptr>", ptrs), ("i32", str(esize)),
+                                                 (mt, ok)])
+                f.br(done)
+            f.block(done)
+
+
+def _emit_task_and_entry(m: ModuleEmitter, base: str, plan: GemmPlan) -> None:
+    """The parallel task (split over output rows or columns, never over K) and the entry point."""
+    s, b = plan.spec, plan.blk
+    f = FunctionEmitter(m, base + ".task", [("ptr", "ctx"), ("i32", "tid"), ("i32", "nt")], linkage="internal")
+    args = [f.load("ptr", f.gep("ptr", "%ctx", str(i))) for i in range(4)]
+    tid, nt = f.val("sext i32 %tid to i64"), f.val("sext i32 %nt to i64")
+    extent, quantum = (s.n, b.nr) if plan.split_n else (s.m, b.mr)
+    units = -(-extent // quantum)
+    lo = f.smin(f.mul(f.val(f"udiv i64 {f.mul(tid, units)}, {nt}"), quantum), extent)
+    hi = f.smin(f.mul(f.val(f"udiv i64 {f.mul(f.add(tid, 1), units)}, {nt}"), quantum), extent)
+    ws = f.gep("i8", args[3], f.mul(tid, plan.workspace_per_thread))
+    with f.if_then(f.icmp("slt", lo, hi), "work"):
+        rng = ["0", str(s.m), lo, hi] if plan.split_n else [lo, hi, "0", str(s.n)]
+        f.call("void", f"@{base}.block", [("ptr", args[0]), ("ptr", args[1]), ("ptr", args[2]), ("ptr", ws)]
+               + [("i64", x) for x in rng])
+    f.ret_void()
+    f.finish()
+
+    f = FunctionEmitter(m, base, [("ptr", "a"), ("ptr", "b"), ("ptr", "c"), ("ptr", "ws")])
+    if 2.0 * s.m * s.n * s.k < s.parallel_min_flops:
+        f.call("void", f"@{base}.block", [("ptr", "%a"), ("ptr", "%b"), ("ptr", "%c"), ("ptr", "%ws"),
+                                          ("i64", "0"), ("i64", str(s.m)), ("i64", "0"), ("i64", str(s.n))])
+    else:
+        ctx = f.alloca("[4 x ptr]", "ctx", align=8)
+        for i, p in enumerate(("%a", "%b", "%c", "%ws")):
+            f.store("ptr", p, f.gep("ptr", ctx, str(i)))
+        f.call("void", "@" + PARALLEL_FOR, [("ptr", f"@{base}.task"), ("ptr", ctx)])
+    f.ret_void()
+    f.finish()
