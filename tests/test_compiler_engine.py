@@ -1,0 +1,227 @@
+"""Native engine: GEMM and conv2d against numpy, object-cache reuse and repair, pool determinism."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from opgrad.compiler import GemmSpec, KernelBuilder, View, conv2d_geometry, conv2d_kernels, gemm, gemm_kernel
+from opgrad.compiler.jit import NativeModule, ObjectCache
+
+TOL = {"float32": 2e-4, "float64": 1e-11}
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _private_cache(tmp_path_factory: pytest.TempPathFactory) -> None:
+    os.environ["OPGRAD_CACHE_DIR"] = str(tmp_path_factory.mktemp("objcache"))
+
+
+def _close(got: np.ndarray, want: np.ndarray, dtype: str) -> None:
+    scale = max(1.0, float(np.abs(want).max()))
+    np.testing.assert_allclose(got, want, rtol=0, atol=TOL[dtype] * scale)
+
+
+# ----- GEMM -----
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("trans_a", [False, True])
+@pytest.mark.parametrize("trans_b", [False, True])
+@pytest.mark.parametrize("mnk", [(1, 1, 1), (1, 37, 5), (19, 1, 300), (33, 47, 261), (130, 70, 9)])
+def test_gemm_matches_numpy(dtype: str, trans_a: bool, trans_b: bool, mnk: tuple[int, int, int]) -> None:
+    m, n, k = mnk
+    rng = np.random.default_rng(m * 1000 + n * 10 + k)
+    a = rng.standard_normal((k, m) if trans_a else (m, k)).astype(dtype)
+    b = rng.standard_normal((n, k) if trans_b else (k, n)).astype(dtype)
+    want = (a.T if trans_a else a) @ (b.T if trans_b else b)
+    _close(gemm(a, b, trans_a=trans_a, trans_b=trans_b), want, dtype)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_gemm_accumulate_and_alpha(dtype: str) -> None:
+    rng = np.random.default_rng(7)
+    a, b = rng.standard_normal((45, 530)).astype(dtype), rng.standard_normal((530, 29)).astype(dtype)
+    c0 = rng.standard_normal((45, 29)).astype(dtype)
+    c = c0.copy()
+    gemm(a, b, c, alpha=-0.5, accumulate=True)
+    _close(c, c0 - 0.5 * (a @ b), dtype)
+    gemm(a, b, c, alpha=2.0)
+    _close(c, 2.0 * (a @ b), dtype)
+
+
+# ----- conv2d -----
+
+def _im2col(x: np.ndarray, geom) -> np.ndarray:  # noqa: ANN001
+    (sh, sw), (pt, pb, pl, pr), (dh, dw) = geom.stride, geom.pads, geom.dilation
+    xp = np.pad(x, ((0, 0), (0, 0), (pt, pb), (pl, pr)))
+    cols = np.empty((geom.n, geom.c, geom.kh, geom.kw, geom.oh, geom.ow), x.dtype)
+    for i in range(geom.kh):
+        for j in range(geom.kw):
+            cols[:, :, i, j] = xp[:, :, i * dh : i * dh + sh * (geom.oh - 1) + 1 : sh,
+                                  j * dw : j * dw + sw * (geom.ow - 1) + 1 : sw]
+    return cols
+
+
+def _col2im(dcols: np.ndarray, geom) -> np.ndarray:  # noqa: ANN001
+    (sh, sw), (pt, pb, pl, pr), (dh, dw) = geom.stride, geom.pads, geom.dilation
+    dxp = np.zeros((geom.n, geom.c, geom.h + pt + pb, geom.w + pl + pr), dcols.dtype)
+    for i in range(geom.kh):
+        for j in range(geom.kw):
+            dxp[:, :, i * dh : i * dh + sh * (geom.oh - 1) + 1 : sh,
+                j * dw : j * dw + sw * (geom.ow - 1) + 1 : sw] += dcols[:, :, i, j]
+    return dxp[:, :, pt : pt + geom.h, pl : pl + geom.w]
+
+
+def _random_geometries(count: int) -> list[tuple]:
+    rng = np.random.default_rng(2024)
+    out = []
+    for i in range(count):
+        kh, kw = int(rng.integers(1, 4)), int(rng.integers(1, 4))
+        stride = (int(rng.integers(1, 3)), int(rng.integers(1, 3)))
+        dil = (int(rng.integers(1, 3)), int(rng.integers(1, 3)))
+        pads = tuple(int(p) for p in rng.integers(0, 3, size=4))
+        h = int(rng.integers(dil[0] * (kh - 1) + 1, 12))
+        w = int(rng.integers(dil[1] * (kw - 1) + 1, 12))
+        dtype = "float64" if i % 3 == 0 else "float32"
+        out.append(((int(rng.integers(1, 4)), int(rng.integers(1, 5)), h, w),
+                    (int(rng.integers(1, 7)), 0, kh, kw), stride, pads, dil, dtype))
+    out.append(((2, 4, 12, 12), (6, 0, 12, 12), (1, 1), (0, 0, 0, 0), (1, 1), "float32"))  # 1x1 output
+    out.append(((3, 2, 9, 9), (5, 0, 3, 3), (2, 2), (1, 1, 1, 1), (2, 2), "float32"))
+    return out
+
+
+@pytest.mark.parametrize("case", _random_geometries(10))
+def test_conv2d_three_passes_match_numpy(case: tuple) -> None:
+    xs, ws, stride, pads, dil, dtype = case
+    ws = (ws[0], xs[1], ws[2], ws[3])
+    geom = conv2d_geometry(xs, ws, stride, pads, dil, dtype)
+    k = conv2d_kernels(geom)
+    rng = np.random.default_rng(hash(case) % 2**32)
+    x, w = rng.standard_normal(xs).astype(dtype), rng.standard_normal(ws).astype(dtype)
+    dy = rng.standard_normal(geom.out_shape).astype(dtype)
+    cols = _im2col(x, geom)
+    y = np.zeros(geom.out_shape, dtype)
+    k.forward(x, w, y)
+    _close(y, np.einsum("nckjpq,ockj->nopq", cols, w), dtype)
+    dx = np.full(xs, np.nan, dtype)  # overwritten, not accumulated
+    k.backward_data(dy, w, dx)
+    _close(dx, _col2im(np.einsum("ockj,nopq->nckjpq", w, dy), geom), dtype)
+    dw = np.full(ws, np.nan, dtype)
+    k.backward_weight(x, dy, dw)
+    _close(dw, np.einsum("nckjpq,nopq->ockj", cols, dy), dtype)
+
+
+# ----- KernelBuilder -----
+
+def test_kernel_builder_elementwise_reduce_gemm_in_one_entry() -> None:
+    kb = KernelBuilder("t_graph")
+    a = View.contiguous(0, (64, 300))
+    bias = View.contiguous(1, (300,)).broadcast_to((64, 300))
+    kb.elementwise(View.contiguous(2, (64, 300)), [a, bias], lambda s, v: s.max(s.add(v[0], v[1]), s.const(0.0)))
+    kb.reduce(View.contiguous(3, (64, 1)), View.contiguous(2, (64, 300)), [1], scale=0.5)
+    kb.reduce(View.contiguous(4, (1, 300)), View.contiguous(2, (64, 300)), [0], op="max")
+    kb.gemm(GemmSpec.dense(64, 64, 300, trans_b=True), 0, 0, 5)
+    kb.elementwise(View.contiguous(7, (600, 300)), [View.contiguous(6, (600, 300))],
+                   lambda s, v: s.call("exp", v[0]))
+    g = kb.compile()
+    rng = np.random.default_rng(3)
+    x, b = rng.standard_normal((64, 300)).astype(np.float32), rng.standard_normal(300).astype(np.float32)
+    big = rng.standard_normal((600, 300)).astype(np.float32)
+    outs = [np.zeros((64, 300), np.float32), np.zeros((64, 1), np.float32), np.zeros((1, 300), np.float32),
+            np.zeros((64, 64), np.float32), np.zeros_like(big)]
+    g(x, b, outs[0], outs[1], outs[2], outs[3], big, outs[4])
+    relu = np.maximum(x + b, 0)
+    _close(outs[0], relu, "float32")
+    _close(outs[1], 0.5 * relu.sum(1, keepdims=True), "float32")
+    _close(outs[2], relu.max(0, keepdims=True), "float32")
+    _close(outs[3], x @ x.T, "float32")
+    np.testing.assert_allclose(outs[4], np.exp(big), rtol=1e-6)
+
+
+# ----- thread pool determinism -----
+
+_DETERMINISM_SCRIPT = textwrap.dedent("""
+    import hashlib, sys, numpy as np
+    from opgrad.compiler import conv2d_geometry, conv2d_kernels, gemm
+    rng = np.random.default_rng(0)
+    a, b = rng.standard_normal((300, 257)).astype(np.float32), rng.standard_normal((257, 333)).astype(np.float32)
+    h = hashlib.sha256(gemm(a, b).tobytes())
+    g = conv2d_geometry((8, 16, 14, 14), (32, 16, 3, 3), 1, 1, 1)
+    k = conv2d_kernels(g)
+    x, w = rng.standard_normal((8, 16, 14, 14)).astype(np.float32), rng.standard_normal((32, 16, 3, 3)).astype(np.float32)
+    dy = rng.standard_normal(g.out_shape).astype(np.float32)
+    y, dx, dw = np.zeros(g.out_shape, np.float32), np.zeros(x.shape, np.float32), np.zeros(w.shape, np.float32)
+    k.forward(x, w, y); k.backward_data(dy, w, dx); k.backward_weight(x, dy, dw)
+    for t in (y, dx, dw):
+        h.update(t.tobytes())
+    print(h.hexdigest())
+""")
+
+
+def _run(script: str, env: dict[str, str]) -> str:
+    full = {**os.environ, "PYTHONPATH": str(ROOT), **env}
+    res = subprocess.run([sys.executable, "-c", script], env=full, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    return res.stdout
+
+
+def test_results_identical_for_any_thread_count(tmp_path: Path) -> None:
+    cache = {"OPGRAD_CACHE_DIR": str(tmp_path)}
+    digests = {_run(_DETERMINISM_SCRIPT, {**cache, "OPGRAD_NUM_THREADS": str(n)}).strip() for n in (1, 2, 3)}
+    assert len(digests) == 1
+
+
+# ----- object cache -----
+
+_IR = """
+define double @f(double %x) {
+  %y = fmul double %x, 0x4008000000000000
+  ret double %y
+}
+"""
+
+_CACHE_SCRIPT = textwrap.dedent("""
+    import ctypes
+    from opgrad.compiler.jit import NativeModule
+    m = NativeModule(IR)
+    f = m.cfunc("f", ctypes.c_double, ctypes.c_double)
+    assert f(2.0) == 6.0
+    print(m.times.cache_hit)
+""").replace("IR", repr(_IR))
+
+
+def test_object_cache_reused_by_second_process(tmp_path: Path) -> None:
+    env = {"OPGRAD_CACHE_DIR": str(tmp_path)}
+    assert _run(_CACHE_SCRIPT, env).strip() == "False"
+    assert len(list(tmp_path.glob("*.o"))) == 1
+    assert _run(_CACHE_SCRIPT, env).strip() == "True"
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip", "garbage"])
+def test_corrupt_cache_entry_is_reported_deleted_and_rebuilt(tmp_path: Path, damage: str) -> None:
+    store = ObjectCache(tmp_path)
+    NativeModule(_IR, cache=store)
+    (entry,) = tmp_path.glob("*.o")
+    blob = entry.read_bytes()
+    if damage == "truncate":
+        entry.write_bytes(blob[: len(blob) // 2])
+    elif damage == "flip":
+        entry.write_bytes(blob[:-1] + bytes([blob[-1] ^ 0xFF]))
+    else:
+        entry.write_bytes(b"not an object")
+    with pytest.warns(UserWarning, match="deleting and rebuilding"):
+        m = NativeModule(_IR, cache=store)
+    assert not m.times.cache_hit
+    assert ObjectCache._check(entry.read_bytes()) is None  # rebuilt entry is whole again
+    assert NativeModule(_IR, cache=store).times.cache_hit
+
+
+def test_gemm_kernel_is_memoized_in_process() -> None:
+    spec = GemmSpec.dense(8, 8, 8)
+    assert gemm_kernel(spec) is gemm_kernel(spec)
