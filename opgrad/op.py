@@ -205,7 +205,19 @@ class Operator:
         return fn
 
     def sampler(self, fn: Callable[..., Any]) -> Callable[..., Any]:
-        """Attach a hypothesis case generator for ops whose shapes and attrs are tied together."""
+        """Attach a case generator for ops whose shapes and attrs are tied together.
+
+        Calling convention: ``fn(d) -> Case``. ``d`` is an ``opgrad.checks.CaseDraw``: every
+        choice goes through it (``d.int(lo, hi)``, ``d.bool()``, ``d.choice(seq)``,
+        ``d.shape(...)``, ``d.permutation(n)``, ``d.broadcastable_to(shape)``, ``d.draw(strategy)``)
+        so that hypothesis records it and can shrink a failing case to a minimal one. Return
+        ``Case(shapes=[one per input], attrs={...})``; the checker draws the values itself from
+        each input's ``domain``. A case the shape rule rejects is a sampler bug and is reported
+        as such; call ``d.reject()`` to discard a draw on purpose. Without a sampler the checker
+        derives cases from ``dims``, ``broadcast`` and each ``Attr.sample``/default.
+        Keep samplers in the op's file, below its gradient; registry files need not import
+        hypothesis.
+        """
         self._sampler = fn
         return fn
 

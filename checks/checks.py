@@ -1,0 +1,410 @@
+"""Checks a-g on one generated example (see docs/checking.md for what each one proves).
+
+Each check either returns the worst relative error it saw (finite-difference checks) or raises
+``CheckFailure`` carrying a ``Failure`` with the worst element. The gradient under test is the
+op's registered rule or a candidate ``(call, grad) -> list``; it is applied to one call directly,
+so a candidate is checked without being registered.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from opgrad.autodiff import _fit_to_input, gradients
+from opgrad.errors import GradientError
+from opgrad.ir import Call, Expr, Function, Var, var
+from opgrad.op import GradientRule, Operator
+from opgrad.reference import evaluate
+
+from .report import Failure
+from .strategies import Example
+from .tolerances import Tolerance, tolerance
+
+Backend = Callable[[Function], Callable[..., Any]]
+
+FULL_JACOBIAN_LIMIT = 24  # inputs and outputs at most this big get their whole Jacobian compared
+SAMPLED_ELEMENTS = 16  # elements per input differentiated one by one on bigger inputs
+DIRECTIONS = 2  # random directions through all inputs at once (catches what sampling misses)
+
+
+class CheckFailure(Exception):
+    """Raised by a check; carries the structured ``Failure``."""
+
+    def __init__(self, failure: Failure) -> None:
+        super().__init__(str(failure))
+        self.failure = failure
+
+
+@dataclass
+class Mismatch:
+    """The worst element of a comparison."""
+
+    ratio: float  # |a - b| / (atol + rtol * max(|a|, |b|)); above 1 fails
+    index: tuple[int, ...]
+    analytic: float
+    expected: float
+    abs_error: float
+    rel_error: float
+
+
+def worst_mismatch(analytic: np.ndarray, expected: np.ndarray, rtol: float, atol: float) -> Mismatch:
+    """Compare elementwise; NaN or inf on either side counts as an infinite mismatch."""
+    a = np.asarray(analytic, dtype=np.float64)
+    b = np.asarray(expected, dtype=np.float64)
+    diff = np.abs(a - b)
+    big = np.maximum(np.abs(a), np.abs(b))
+    ratio = diff / (atol + rtol * big)
+    ratio = np.where(np.isfinite(ratio), ratio, np.inf)
+    if ratio.size == 0:
+        return Mismatch(0.0, (), 0.0, 0.0, 0.0, 0.0)
+    flat = int(np.argmax(ratio))
+    index = tuple(int(i) for i in np.unravel_index(flat, ratio.shape))
+    rel = float(diff.flat[flat] / max(big.flat[flat], atol / rtol)) if np.isfinite(diff.flat[flat]) else np.inf
+    return Mismatch(float(ratio.flat[flat]), index, float(a.flat[flat]), float(b.flat[flat]),
+                    float(diff.flat[flat]), rel)
+
+
+@dataclass
+class Context:
+    """Everything a check needs about one example, built once."""
+
+    example: Example
+    rule: GradientRule | None
+    tol: Tolerance
+    backend: Backend | None = None
+    seed: int | None = None
+    params: list[Var] = field(default_factory=list)
+    call: Call | None = None
+    cotangent: Var | None = None
+    diff: list[int] = field(default_factory=list)  # indices of differentiable inputs
+    grads: list[Expr] = field(default_factory=list)  # one VJP expression per differentiable input
+    vjp_fn: Function | None = None
+
+    @property
+    def op(self) -> Operator:
+        return self.example.op
+
+    @property
+    def arrays(self) -> list[np.ndarray]:
+        return self.example.arrays
+
+    def rng(self, salt: int) -> np.random.Generator:
+        return np.random.default_rng([self.example.value_seed, salt])
+
+    def fail(self, check: str, problem: str, mismatch: Mismatch | None = None, *, input: str | None = None,
+             step: float | None = None, rtol: float | None = None) -> CheckFailure:
+        case = self.example.case
+        failure = Failure(
+            op=self.op.name, check=check, problem=problem,
+            shapes={spec.name: tuple(s) for spec, s in zip(self.op.inputs, case.shapes)},
+            attrs=dict(case.attrs), seed=self.seed, value_seed=self.example.value_seed, input=input,
+            step=step, tolerance=rtol, dtype=self.example.dtype, arrays=[a.copy() for a in self.arrays],
+        )
+        if mismatch is not None:
+            failure.index = mismatch.index
+            failure.analytic, failure.numeric = mismatch.analytic, mismatch.expected
+            failure.abs_error, failure.rel_error = mismatch.abs_error, mismatch.rel_error
+        return CheckFailure(failure)
+
+    def forward(self, arrays: Sequence[np.ndarray]) -> np.ndarray:
+        return np.asarray(self.op.reference_fn(*arrays, **self.example.case.attrs), dtype=np.float64)
+
+    def vjp(self, arrays: Sequence[np.ndarray], cotangent: np.ndarray) -> list[np.ndarray]:
+        assert self.vjp_fn is not None
+        out = evaluate(self.vjp_fn, *arrays, cotangent)
+        return list(out) if isinstance(out, tuple) else [out]
+
+
+def vjp_exprs(op: Operator, rule: GradientRule, call: Call, cotangent: Expr) -> list[Expr]:
+    """The rule applied to ``call``, each entry fitted to its input exactly as autodiff does."""
+    raw = list(rule(call, cotangent))
+    if len(raw) != len(op.inputs):
+        raise GradientError(f"gradient of {op.name!r} returned {len(raw)} entries for {len(op.inputs)} inputs")
+    fitted = []
+    for index, spec in enumerate(op.inputs):
+        if not spec.differentiable:
+            continue
+        if raw[index] is None:
+            raise GradientError(f"gradient of {op.name!r} returned None for differentiable input {spec.name!r}")
+        fitted.append(_fit_to_input(call, index, raw[index]))
+    return fitted
+
+
+def _build(op: Operator, rule: GradientRule, shapes: Sequence[tuple[int, ...]], attrs: Any,
+           dtype: str) -> tuple[list[Var], Call, Var, list[Expr]]:
+    params = [var(spec.name, shape, dtype if spec.kind == "float" else "int64")
+              for spec, shape in zip(op.inputs, shapes)]
+    call = op(*params, **attrs)
+    cot = var("cotangent", call.shape, call.dtype)
+    return params, call, cot, vjp_exprs(op, rule, call, cot)
+
+
+def check_a_build(ctx: Context) -> None:
+    """(a) the rule builds, in float64 and float32, a gradient of each input's shape and dtype."""
+    op, case = ctx.op, ctx.example.case
+    ctx.diff = [i for i, spec in enumerate(op.inputs) if spec.differentiable]
+    assert ctx.rule is not None
+    for dtype in ("float32", "float64"):
+        try:
+            params, call, cot, grads = _build(op, ctx.rule, case.shapes, case.attrs, dtype)
+        except Exception as exc:  # a wrong rule fails in many ways; each is a finding, not a crash
+            raise ctx.fail("a", f"building the gradient in {dtype} raised {type(exc).__name__}: {exc}") from None
+        for k, g in zip(ctx.diff, grads):
+            if g.type != params[k].type:
+                raise ctx.fail("a", f"gradient for {op.inputs[k].name!r} has type {g.type}, expected {params[k].type}",
+                               input=op.inputs[k].name)
+    ctx.params, ctx.call, ctx.cotangent, ctx.grads = params, call, cot, grads
+    ctx.vjp_fn = Function([*params, cot], grads)
+
+
+def random_cotangent(rng: np.random.Generator, shape: tuple[int, ...]) -> np.ndarray:
+    """Normal entries shifted off zero mean, never all ones (TVM's all-ones cotangent hid bugs)."""
+    c = rng.standard_normal(shape) + 0.3
+    if c.size == 1:
+        c = np.full(shape, rng.choice([-1.0, 1.0]) * rng.uniform(0.5, 1.5))
+    return c
+
+
+def _numeric_columns(ctx: Context, k: int, flat_indices: Sequence[int], h: float) -> np.ndarray:
+    """Central differences of the forward in input ``k``: one Jacobian column per index."""
+    columns = []
+    for i in flat_indices:
+        plus, minus = list(ctx.arrays), list(ctx.arrays)
+        plus[k] = ctx.arrays[k].copy()
+        minus[k] = ctx.arrays[k].copy()
+        plus[k].flat[i] += h
+        minus[k].flat[i] -= h
+        columns.append(((ctx.forward(plus) - ctx.forward(minus)) / (2 * h)).ravel())
+    return np.array(columns)
+
+
+def _evaluated(ctx: Context, check: str, arrays: Sequence[np.ndarray], c: np.ndarray) -> list[np.ndarray]:
+    try:
+        grads = ctx.vjp(arrays, c)
+    except Exception as exc:
+        raise ctx.fail(check, f"evaluating the gradient raised {type(exc).__name__}: {exc}") from None
+    for k, g in zip(ctx.diff, grads):
+        spec = ctx.op.inputs[k]
+        if g.shape != ctx.arrays[k].shape or g.dtype != ctx.arrays[k].dtype:
+            raise ctx.fail("a", f"evaluated gradient for {spec.name!r} is {g.dtype}{list(g.shape)}, expected "
+                           f"{ctx.arrays[k].dtype}{list(ctx.arrays[k].shape)}", input=spec.name)
+    return grads
+
+
+def check_b_vjp(ctx: Context) -> float:
+    """(b) VJP with a random cotangent against central differences; whole Jacobian when small."""
+    tol, rng = ctx.tol, ctx.rng(1)
+    h = tol.fd_step
+    out_shape = ctx.call.shape if ctx.call is not None else ()
+    c = random_cotangent(rng, out_shape)
+    grads = _evaluated(ctx, "b", ctx.arrays, c)
+    worst = 0.0
+    out_size = int(np.prod(out_shape, dtype=np.int64))
+    for k, g in zip(ctx.diff, grads):
+        name = ctx.op.inputs[k].name
+        size = ctx.arrays[k].size
+        full = size <= FULL_JACOBIAN_LIMIT
+        picked = range(size) if full else rng.choice(size, SAMPLED_ELEMENTS, replace=False)
+        columns = _numeric_columns(ctx, k, list(picked), h)
+        numeric = columns @ c.ravel() if size else np.zeros(0)
+        shape = ctx.arrays[k].shape if full else (len(picked),)
+        m = worst_mismatch(g.ravel()[list(picked)].reshape(shape), numeric.reshape(shape), tol.fd_rtol, tol.fd_atol)
+        if not full and m.index:
+            m.index = tuple(int(i) for i in np.unravel_index(int(picked[m.index[0]]), ctx.arrays[k].shape))
+        if m.ratio > 1:
+            raise ctx.fail("b", f"VJP for {name!r} disagrees with finite differences", m, input=name, step=h,
+                           rtol=tol.fd_rtol)
+        worst = max(worst, m.rel_error)
+        if full and 1 < out_size <= FULL_JACOBIAN_LIMIT:
+            worst = max(worst, _full_jacobian(ctx, k, columns.T, out_shape))
+    return max(worst, _directional(ctx, c, grads, rng))
+
+
+def _full_jacobian(ctx: Context, k: int, numeric: np.ndarray, out_shape: tuple[int, ...]) -> float:
+    """Every row of the Jacobian of input ``k`` via a one-hot cotangent per output element."""
+    tol = ctx.tol
+    rows = []
+    for j in range(numeric.shape[0]):
+        basis = np.zeros(numeric.shape[0])
+        basis[j] = 1.0
+        rows.append(_evaluated(ctx, "b", ctx.arrays, basis.reshape(out_shape))[ctx.diff.index(k)].ravel())
+    analytic = np.array(rows)
+    m = worst_mismatch(analytic, numeric, tol.fd_rtol, tol.fd_atol)
+    if m.ratio > 1:
+        name = ctx.op.inputs[k].name
+        out_index = np.unravel_index(m.index[0], out_shape) if out_shape else ()
+        in_index = np.unravel_index(m.index[1], ctx.arrays[k].shape) if ctx.arrays[k].shape else ()
+        m.index = tuple(int(i) for i in (*out_index, *in_index))
+        raise ctx.fail("b", f"Jacobian entry d output[{', '.join(str(i) for i in out_index)}] / d {name}"
+                       f"[{', '.join(str(i) for i in in_index)}] disagrees with finite differences (full Jacobian)",
+                       m, input=f"d output / d {name} (output index, then input index)", step=tol.fd_step,
+                       rtol=tol.fd_rtol)
+    return m.rel_error
+
+
+def _directional(ctx: Context, c: np.ndarray, grads: list[np.ndarray], rng: np.random.Generator) -> float:
+    """<c, f(x + h v) - f(x - h v)> / 2h against sum_k <g_k, v_k>, for random v over all inputs."""
+    tol, h = ctx.tol, ctx.tol.fd_step
+    worst = 0.0
+    for r in range(DIRECTIONS):
+        plus, minus, analytic = list(ctx.arrays), list(ctx.arrays), 0.0
+        for k, g in zip(ctx.diff, grads):
+            v = rng.standard_normal(ctx.arrays[k].shape)
+            plus[k], minus[k] = ctx.arrays[k] + h * v, ctx.arrays[k] - h * v
+            analytic += float(np.sum(g * v))
+        numeric = float(np.sum(c * (ctx.forward(plus) - ctx.forward(minus)))) / (2 * h)
+        m = worst_mismatch(np.array(analytic), np.array(numeric), tol.fd_rtol, tol.fd_atol)
+        if m.ratio > 1:
+            raise ctx.fail("b", "directional derivative along a random direction through all inputs disagrees",
+                           m, input=f"direction {r}", step=h, rtol=tol.fd_rtol)
+        worst = max(worst, m.rel_error)
+    return worst
+
+
+def check_c_linearity(ctx: Context) -> None:
+    """(c) VJP(a c1 + b c2) = a VJP(c1) + b VJP(c2), and VJP(0) = 0: the rule uses its cotangent linearly."""
+    rng, rtol = ctx.rng(2), ctx.tol.exact_rtol
+    shape = ctx.call.shape if ctx.call is not None else ()
+    c1, c2 = random_cotangent(rng, shape), random_cotangent(rng, shape)
+    a, b = rng.uniform(0.5, 2.0) * rng.choice([-1, 1]), rng.uniform(0.5, 2.0) * rng.choice([-1, 1])
+    g1, g2 = _evaluated(ctx, "c", ctx.arrays, c1), _evaluated(ctx, "c", ctx.arrays, c2)
+    mixed = _evaluated(ctx, "c", ctx.arrays, a * c1 + b * c2)
+    zero = _evaluated(ctx, "c", ctx.arrays, np.zeros(shape))
+    for k, x1, x2, xm, x0 in zip(ctx.diff, g1, g2, mixed, zero):
+        name = ctx.op.inputs[k].name
+        expected = a * x1 + b * x2
+        scale = max(float(np.max(np.abs(a * x1), initial=0)), float(np.max(np.abs(b * x2), initial=0)), 1e-300)
+        m = worst_mismatch(xm, expected, rtol, rtol * scale)
+        if m.ratio > 1:
+            raise ctx.fail("c", f"VJP for {name!r} is not linear in the cotangent: VJP({a:.3g} c1 + {b:.3g} c2) "
+                           f"!= {a:.3g} VJP(c1) + {b:.3g} VJP(c2)", m, input=name, rtol=rtol)
+        m = worst_mismatch(x0, np.zeros_like(x0), rtol, rtol * max(scale, 1.0))
+        if m.ratio > 1:
+            raise ctx.fail("c", f"a zero cotangent gives a nonzero gradient for {name!r} (is the cotangent ignored?)",
+                           m, input=name, rtol=rtol)
+
+
+def check_d_adjoint(ctx: Context) -> None:
+    """(d) for linear ops, <op(u), c> = sum_k <u_k, VJP_k(c)> exactly: no finite differences."""
+    op, rng, rtol = ctx.op, ctx.rng(3), ctx.tol.exact_rtol
+    shape = ctx.call.shape if ctx.call is not None else ()
+    groups = ([[k for k in ctx.diff]] if op.jointly_linear
+              else [[op.inputs.index(op.input(n))] for n in op.linear_in if op.input(n).differentiable])
+    for group in groups:
+        arrays = list(ctx.arrays)
+        for k in group:
+            arrays[k] = rng.standard_normal(arrays[k].shape)
+        c = random_cotangent(rng, shape)
+        y = ctx.forward(arrays)
+        grads = _evaluated(ctx, "d", arrays, c)
+        lhs = float(np.sum(y * c))
+        terms = [arrays[k] * grads[ctx.diff.index(k)] for k in group]
+        rhs = float(sum(np.sum(t) for t in terms))
+        scale = float(np.sum(np.abs(y * c)) + sum(np.sum(np.abs(t)) for t in terms)) + 1e-300
+        m = worst_mismatch(np.array(rhs), np.array(lhs), rtol, rtol * scale)
+        if m.ratio > 1:
+            names = ", ".join(op.inputs[k].name for k in group)
+            raise ctx.fail("d", f"adjoint test in ({names}): sum <u, VJP(c)> (analytic) != <op(u), c> (expected); "
+                           "the op is declared linear there", m, input=names, rtol=rtol)
+
+
+def check_e_second_order(ctx: Context) -> tuple[bool, float]:
+    """(e) the gradient of <w, VJP(x, c)> in (x, c) against finite differences along random directions.
+
+    Returns ``(ran, worst rel error)``; it does not run when the gradient graph uses an op whose
+    own gradient is not implemented.
+    """
+    tol, rng, h = ctx.tol, ctx.rng(4), ctx.tol.fd_step
+    assert ctx.cotangent is not None
+    weights = [var(f"w_{ctx.op.inputs[k].name}", ctx.arrays[k].shape, "float64") for k in ctx.diff]
+    terms = [g * w for g, w in zip(ctx.grads, weights)]
+    from opgrad import ops
+
+    s = ops.sum(terms[0])
+    for t in terms[1:]:
+        s = s + ops.sum(t)
+    wrt = [*(ctx.params[k] for k in ctx.diff), ctx.cotangent]
+    try:
+        second = gradients(s, wrt)
+    except GradientError as exc:
+        if "not implemented" in str(exc):
+            return False, 0.0
+        raise ctx.fail("e", f"differentiating the gradient raised GradientError: {exc}") from None
+    params = [*ctx.params, ctx.cotangent, *weights]
+    value_fn, grad_fn = Function(params, s), Function(params, second)
+    c = random_cotangent(rng, ctx.cotangent.shape)
+    w = [rng.standard_normal(ctx.arrays[k].shape) for k in ctx.diff]
+    try:
+        analytic = list(evaluate(grad_fn, *ctx.arrays, c, *w))
+    except Exception as exc:
+        raise ctx.fail("e", f"evaluating the second-order gradient raised {type(exc).__name__}: {exc}") from None
+    worst = 0.0
+    for r in range(DIRECTIONS):
+        directions = [rng.standard_normal(a.shape) for a in (*(ctx.arrays[k] for k in ctx.diff), c)]
+        plus, minus = list(ctx.arrays), list(ctx.arrays)
+        for k, v in zip(ctx.diff, directions):
+            plus[k], minus[k] = ctx.arrays[k] + h * v, ctx.arrays[k] - h * v
+        s_plus = float(evaluate(value_fn, *plus, c + h * directions[-1], *w))
+        s_minus = float(evaluate(value_fn, *minus, c - h * directions[-1], *w))
+        numeric = (s_plus - s_minus) / (2 * h)
+        along = float(sum(np.sum(g * v) for g, v in zip(analytic, directions)))
+        m = worst_mismatch(np.array(along), np.array(numeric), tol.fd_rtol, tol.fd_atol)
+        if m.ratio > 1:
+            raise ctx.fail("e", "second order: the gradient of <w, VJP(x, c)> disagrees with finite differences "
+                           "along a random direction in (inputs, cotangent)", m, input=f"direction {r}", step=h,
+                           rtol=tol.fd_rtol)
+        worst = max(worst, m.rel_error)
+    return True, worst
+
+
+def check_f_kinks(ctx: Context) -> None:
+    """(f) with inputs placed exactly on kinks, the VJP equals the declared subgradient convention."""
+    kinks = ctx.op.kinks
+    assert kinks is not None and kinks.place is not None and kinks.subgradient is not None
+    rng, rtol = ctx.rng(5), ctx.tol.exact_rtol
+    placed = kinks.place(rng, [a.copy() for a in ctx.arrays], ctx.example.case.attrs)
+    c = random_cotangent(rng, ctx.call.shape if ctx.call is not None else ())
+    grads = _evaluated(ctx, "f", placed, c)
+    expected = kinks.subgradient(placed, c, ctx.example.case.attrs)
+    for k, g in zip(ctx.diff, grads):
+        if expected[k] is None:
+            continue
+        name = ctx.op.inputs[k].name
+        m = worst_mismatch(g, expected[k], rtol, rtol * max(1.0, float(np.max(np.abs(c), initial=0))))
+        if m.ratio > 1:
+            raise ctx.fail("f", f"at a kink the gradient for {name!r} breaks the declared convention "
+                           f"({kinks.convention})", m, input=name, rtol=rtol)
+
+
+def check_g_backend(ctx: Context, backend: Backend | None) -> None:
+    """(g) the forward (and, for a non-reference backend, the VJP) equals the numpy reference."""
+    op, case = ctx.op, ctx.example.case
+    for dtype in ("float64", "float32"):
+        tol = tolerance(dtype)
+        arrays = [a.astype(dtype) if spec.kind == "float" else a for spec, a in zip(op.inputs, ctx.arrays)]
+        params = [var(spec.name, s, dtype if spec.kind == "float" else "int64")
+                  for spec, s in zip(op.inputs, case.shapes)]
+        fns = [("output", Function(params, op(*params, **case.attrs)))]
+        if backend is not None and ctx.vjp_fn is not None and ctx.rule is not None and dtype == "float64":
+            fns.append(("gradient", ctx.vjp_fn))
+        for what, fn in fns:
+            args = arrays if what == "output" else [*arrays, random_cotangent(ctx.rng(6), fn.params[-1].shape)]
+            try:
+                expected = evaluate(fn, *args)
+                got = backend(fn)(*args) if backend is not None else expected
+            except Exception as exc:
+                raise ctx.fail("g", f"evaluating the {what} in {dtype} raised {type(exc).__name__}: {exc}") from None
+            pairs = zip(got, expected) if isinstance(expected, tuple) else [(got, expected)]
+            for got_k, exp_k in pairs:
+                got_k = np.asarray(got_k)
+                if got_k.shape != exp_k.shape or got_k.dtype != exp_k.dtype:
+                    raise ctx.fail("g", f"the backend's {what} is {got_k.dtype}{list(got_k.shape)}, the reference's "
+                                   f"{exp_k.dtype}{list(exp_k.shape)}", input=what)
+                m = worst_mismatch(got_k, exp_k, tol.backend_rtol, tol.backend_atol)
+                if m.ratio > 1:
+                    raise ctx.fail("g", f"the backend's {what} in {dtype} differs from the numpy reference", m,
+                                   input=what, rtol=tol.backend_rtol)

@@ -1,0 +1,118 @@
+"""The checker's results: one structured failure, one report per operator, and their text forms.
+
+A failure carries everything needed to act on it without rerunning anything: which check, the
+shrunk shapes and attributes, the seeds that reproduce it, the worst element with both values,
+and the step. ``str(failure)`` is the text a person reads; the dataclass is what tools read.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+CHECK_NAMES: dict[str, str] = {
+    "a": "gradient shape and dtype",
+    "b": "VJP vs central finite differences",
+    "c": "VJP linear in the cotangent",
+    "d": "exact adjoint (dot-product) test",
+    "e": "second order vs finite differences",
+    "f": "subgradient convention at kinks",
+    "g": "backend agrees with the reference",
+}
+
+
+@dataclass
+class Failure:
+    """One failed check on one (shrunk) example."""
+
+    op: str
+    check: str  # a letter of CHECK_NAMES
+    problem: str  # one sentence: what disagreed
+    shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    attrs: dict[str, Any] = field(default_factory=dict)
+    seed: int | None = None  # the hypothesis run seed (`opgrad check OP --seed SEED`)
+    value_seed: int | None = None  # numpy seed of the input values inside that example
+    input: str | None = None  # which input's gradient (or "direction k", "output")
+    index: tuple[int, ...] | None = None  # the worst element
+    analytic: float | None = None
+    numeric: float | None = None  # finite differences, or the expected value of an exact identity
+    abs_error: float | None = None
+    rel_error: float | None = None
+    step: float | None = None
+    tolerance: float | None = None
+    dtype: str = "float64"
+    arrays: list[np.ndarray] | None = field(default=None, repr=False)  # the inputs, to reproduce by hand
+
+    @property
+    def check_name(self) -> str:
+        return CHECK_NAMES.get(self.check, self.check)
+
+    def __str__(self) -> str:
+        lines = [f"FAILED {self.op}: check {self.check} ({self.check_name})", f"  problem:  {self.problem}"]
+        if self.shapes:
+            lines.append("  shapes:   " + ", ".join(f"{k}={list(v)}" for k, v in self.shapes.items()))
+        lines.append("  attrs:    " + (", ".join(f"{k}={v!r}" for k, v in self.attrs.items()) or "none"))
+        lines.append(f"  dtype:    {self.dtype}")
+        if self.input is not None:
+            where = f"{self.input}[{', '.join(str(i) for i in self.index)}]" if self.index is not None else self.input
+            lines.append(f"  worst:    {where}")
+        if self.analytic is not None:
+            label = "numeric " if self.step is not None else "expected"
+            lines.append(f"  analytic: {self.analytic:.10g}")
+            lines.append(f"  {label}: {self.numeric:.10g}")
+        if self.abs_error is not None:
+            lines.append(f"  error:    abs {self.abs_error:.3g}, rel {self.rel_error:.3g} "
+                         f"(tolerance {self.tolerance:.1g})")
+        if self.step is not None:
+            lines.append(f"  step:     {self.step:g} (central differences)")
+        repro = []
+        if self.seed is not None:
+            repro.append(f"seed {self.seed}: opgrad check {self.op} --seed {self.seed}")
+        if self.value_seed is not None:
+            repro.append(f"value seed {self.value_seed}")
+        if repro:
+            lines.append("  repro:    " + "; ".join(repro))
+        return "\n".join(lines)
+
+
+@dataclass
+class OpReport:
+    """The outcome of checking one operator (``check_op``) or one function (``check_function``)."""
+
+    op: str
+    passed: bool
+    examples: int = 0
+    checks: list[str] = field(default_factory=list)  # letters of the checks that ran
+    worst_rel_error: float = 0.0  # worst finite-difference relative error over passing comparisons
+    seconds: float = 0.0
+    seed: int | None = None
+    failure: Failure | None = None
+    notes: list[str] = field(default_factory=list)  # skipped checks and why
+
+    def __bool__(self) -> bool:
+        return self.passed
+
+    def __str__(self) -> str:
+        status = "passed" if self.passed else "FAILED"
+        head = (f"{self.op}: {status} after {self.examples} example(s), checks {''.join(self.checks) or '-'}, "
+                f"worst rel error {self.worst_rel_error:.2g}, {self.seconds:.2f}s, seed {self.seed}")
+        parts = [head, *(f"  note: {n}" for n in self.notes)]
+        if self.failure is not None:
+            parts.append(str(self.failure))
+        return "\n".join(parts)
+
+
+def format_table(reports: Sequence[OpReport]) -> str:
+    """The ``opgrad check`` table: op, examples, checks, worst relative error, time."""
+    rows = [("op", "examples", "checks", "worst rel err", "time", "result")]
+    for r in reports:
+        rows.append((r.op, str(r.examples), "".join(r.checks) or "-", f"{r.worst_rel_error:.1e}",
+                     f"{r.seconds:.2f}s", "ok" if r.passed else f"FAILED ({r.failure.check if r.failure else '?'})"))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths)))
+             for row in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)

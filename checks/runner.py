@@ -1,0 +1,162 @@
+"""``check_op``: drive checks a-g over hypothesis-generated examples and shrink any failure."""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable, Sequence
+
+from hypothesis import HealthCheck, Phase, Verbosity, given, settings
+from hypothesis import seed as hypothesis_seed
+from hypothesis.errors import FailedHealthCheck, Unsatisfiable
+
+from opgrad.op import GradientRule, Operator
+
+from .checks import (
+    Backend,
+    CheckFailure,
+    Context,
+    check_a_build,
+    check_b_vjp,
+    check_c_linearity,
+    check_d_adjoint,
+    check_e_second_order,
+    check_f_kinks,
+    check_g_backend,
+)
+from .report import Failure, OpReport
+from .strategies import Example, op_examples, resolve_op
+from .tolerances import tolerance
+
+ALL_CHECKS = "abcdefg"
+
+
+def default_seed() -> int:
+    """A fresh seed, except under a derandomized hypothesis profile (``ci``), where it is 0."""
+    return 0 if settings.default.derandomize else random.randrange(2**32)
+
+
+def applicable_checks(op: Operator, rule: GradientRule | None) -> tuple[list[str], list[str]]:
+    """The checks that apply to ``op`` from its declaration, and notes on those that do not."""
+    notes: list[str] = []
+    if rule is None or not any(spec.differentiable for spec in op.inputs):
+        notes.append(f"gradient checks skipped: {op.gradient_status.reason or 'no gradient'}")
+        return ["g"], notes
+    letters = ["a", "b", "c"]
+    if op.jointly_linear or any(op.input(n).differentiable for n in op.linear_in):
+        letters.append("d")
+    letters.append("e")
+    if op.kinks is not None and op.kinks.place is not None and op.kinks.subgradient is not None:
+        letters.append("f")
+    letters.append("g")
+    return letters, notes
+
+
+def run_example(example: Example, rule: GradientRule | None, letters: Sequence[str], *, seed: int | None,
+                backend: Backend | None) -> tuple[dict[str, float], set[str]]:
+    """Run the chosen checks on one example; returns worst FD relative errors and the checks that ran."""
+    ctx = Context(example=example, rule=rule, tol=tolerance(example.dtype), seed=seed)
+    errors: dict[str, float] = {}
+    ran: set[str] = set()
+    if "a" in letters:
+        check_a_build(ctx)
+        ran.add("a")
+    if "b" in letters:
+        errors["b"] = check_b_vjp(ctx)
+        ran.add("b")
+    if "c" in letters:
+        check_c_linearity(ctx)
+        ran.add("c")
+    if "d" in letters:
+        check_d_adjoint(ctx)
+        ran.add("d")
+    if "e" in letters:
+        done, worst = check_e_second_order(ctx)
+        if done:
+            errors["e"] = worst
+            ran.add("e")
+    if "f" in letters:
+        check_f_kinks(ctx)
+        ran.add("f")
+    if "g" in letters:
+        check_g_backend(ctx, backend)
+        ran.add("g")
+    return errors, ran
+
+
+def check_op(name: str | Operator, *, gradient: GradientRule | None = None, max_examples: int = 100,
+             seed: int | None = None, backend: Backend | None = None, checks: str = ALL_CHECKS,
+             shrink: bool = True) -> OpReport:
+    """Check one operator's gradient on generated examples; the report's ``.passed`` says if it held.
+
+    ``gradient`` is a candidate rule ``(call, grad) -> list`` checked instead of the registered one
+    (nothing is registered). ``backend(fn) -> callable(*arrays)`` is compared against the numpy
+    reference in check g (default: the reference itself, which still checks forward shapes and
+    dtypes). ``seed`` makes the run reproducible; a failure report quotes it. ``shrink=False``
+    reports the first failing example as found (faster when only the verdict matters).
+    """
+    op = resolve_op(name)
+    rule = gradient if gradient is not None else op.gradient_rule
+    letters, notes = applicable_checks(op, rule)
+    letters = [c for c in letters if c in checks]
+    run_seed = default_seed() if seed is None else seed
+    report = OpReport(op=op.name, passed=True, seed=run_seed, notes=notes)
+    seen: set[str] = set()
+    failed = False
+    start = time.perf_counter()
+
+    def one(example: Example) -> None:
+        nonlocal failed
+        try:
+            errors, ran = run_example(example, rule, letters, seed=run_seed, backend=backend)
+        except CheckFailure:
+            failed = True
+            raise
+        if not failed:
+            report.examples += 1
+            seen.update(ran)
+            report.worst_rel_error = max(report.worst_rel_error, *errors.values(), 0.0)
+
+    phases = [Phase.explicit, Phase.generate] + ([Phase.shrink] if shrink else [])
+    runner = settings(
+        max_examples=max_examples, deadline=None, database=None, derandomize=False, phases=phases,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.differing_executors],
+        report_multiple_bugs=False, print_blob=False, verbosity=Verbosity.quiet,
+    )(hypothesis_seed(run_seed)(given(op_examples(op))(one)))
+    try:
+        runner()
+    except CheckFailure as exc:
+        report.passed, report.failure = False, exc.failure
+    except (FailedHealthCheck, Unsatisfiable) as exc:
+        report.passed = False
+        report.failure = Failure(op=op.name, check="cases", problem=f"could not generate valid examples: {exc}",
+                                 seed=run_seed)
+    except Exception as exc:  # a sampler bug or an op's reference raising on a valid case
+        report.passed = False
+        report.failure = Failure(op=op.name, check="error", problem=f"{type(exc).__name__}: {exc}", seed=run_seed)
+    report.checks = [c for c in ALL_CHECKS if c in seen or (report.failure and report.failure.check == c)]
+    report.seconds = time.perf_counter() - start
+    return report
+
+
+def assert_op(name: str | Operator, **kwargs: object) -> OpReport:
+    """``check_op`` for test suites: raises ``AssertionError`` with the failure report text."""
+    report = check_op(name, **kwargs)  # type: ignore[arg-type]
+    if not report.passed:
+        raise AssertionError(str(report))
+    return report
+
+
+def check_ops(names: Sequence[str] | None = None, *, progress: Callable[[OpReport], None] | None = None,
+              **kwargs: object) -> list[OpReport]:
+    """``check_op`` over several operators (all registered ones by default), in name order."""
+    from opgrad import registry
+
+    chosen = list(names) if names else registry.names()
+    reports = []
+    for n in chosen:
+        report = check_op(n, **kwargs)  # type: ignore[arg-type]
+        reports.append(report)
+        if progress is not None:
+            progress(report)
+    return reports
