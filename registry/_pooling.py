@@ -9,7 +9,7 @@ import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
 from opgrad.dtypes import TensorType
-from opgrad.op import Attr, int_tuple, require
+from opgrad.op import Attr, Case, int_tuple, require
 
 
 def _strides(value: Any, types: Sequence[TensorType], attrs: dict[str, Any]) -> tuple[int, int]:
@@ -78,3 +78,17 @@ def scatter_windows(values: np.ndarray, positions: tuple[np.ndarray, np.ndarray]
         nn, cc = np.meshgrid(np.arange(n), np.arange(c), indexing="ij")
         np.add.at(padded, (nn[:, :, None, None], cc[:, :, None, None], rows, cols), values)
     return padded[:, :, ph : ph + h, pw : pw + w]
+
+
+def draw_pool_case(d: Any, layout: str) -> Case:
+    """A checker case for the pooling ops: pool size, strides (or None), padding < pool size, an
+    input the window fits. ``layout`` names the inputs: "data", "pooled,data" or "data,data"."""
+    n, c = d.int(1, 2), d.int(1, 3)
+    pool = (d.int(1, 3), d.int(1, 3))
+    strides = None if d.bool() else (d.int(1, 3), d.int(1, 3))
+    padding = (d.int(0, pool[0] - 1), d.int(0, pool[1] - 1))
+    hw = tuple(max(1, pool[i] - 2 * padding[i]) + d.int(0, 4) for i in range(2))
+    attrs = {"pool_size": pool, "strides": strides, "padding": padding}
+    out = pooled_hw(hw, {**attrs, "strides": strides or pool})
+    shapes = {"data": (n, c, *hw), "pooled": (n, c, *out)}
+    return Case([shapes[name] for name in layout.split(",")], attrs)

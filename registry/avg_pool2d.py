@@ -13,7 +13,7 @@ import numpy as np
 from opgrad import ops
 from opgrad.dtypes import TensorType
 from opgrad.op import Input, Operator, require
-from opgrad.registry._pooling import pool_attrs, pool_shape, scatter_windows, windows
+from opgrad.registry._pooling import draw_pool_case, pool_attrs, pool_shape, scatter_windows, windows
 
 avg_pool2d = Operator(
     "avg_pool2d",
@@ -34,6 +34,11 @@ def _avg_pool2d_forward(data: np.ndarray, pool_size: Any, strides: Any, padding:
 def _avg_pool2d_gradient(call, grad):
     """d_data = avg_pool2d_backward(grad, data): grad / (kh*kw) spread over each window"""
     return [ops.avg_pool2d_backward(grad, call.args[0], **call.attrs)]
+
+
+@avg_pool2d.sampler
+def _avg_pool2d_cases(d):
+    return draw_pool_case(d, "data")
 
 
 avg_pool2d_backward = Operator(
@@ -70,3 +75,8 @@ def _avg_pool2d_backward_forward(grad: np.ndarray, data: np.ndarray, pool_size: 
 def _avg_pool2d_backward_gradient(call, grad):
     """d_grad = avg_pool2d(c): the adjoint of spreading is averaging"""
     return [ops.avg_pool2d(grad, **call.attrs), None]
+
+
+@avg_pool2d_backward.sampler
+def _avg_pool2d_backward_cases(d):
+    return draw_pool_case(d, "pooled,data")

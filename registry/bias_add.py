@@ -9,7 +9,7 @@ import numpy as np
 
 from opgrad import ops
 from opgrad.dtypes import TensorType
-from opgrad.op import Attr, Input, Operator, require
+from opgrad.op import Attr, Case, Input, Operator, require
 
 
 def _axis(value: Any, types: Sequence[TensorType], _attrs: Any = None) -> int:
@@ -58,3 +58,10 @@ def _bias_add_gradient(call, grad):
     axis = call.attrs["axis"]
     others = tuple(i for i in range(grad.ndim) if i != axis)
     return [grad, ops.sum(grad, axis=others)]
+
+
+@bias_add.sampler
+def _bias_add_cases(d):
+    shape = d.shape(min_rank=1, max_rank=4)
+    axis = d.int(-len(shape), len(shape) - 1)
+    return Case([shape, (shape[axis],)], {"axis": axis})

@@ -14,7 +14,7 @@ import numpy as np
 
 from opgrad import ops
 from opgrad.dtypes import TensorType, collapses_to
-from opgrad.op import Input, Operator, require
+from opgrad.op import Case, Input, Operator, require
 
 
 def sum_to_shape(data: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
@@ -53,3 +53,9 @@ def _collapse_sum_like_forward(data: np.ndarray, like: np.ndarray) -> np.ndarray
 def _collapse_sum_like_gradient(call, grad):
     """d_data = broadcast_to(grad, data.shape)"""
     return [ops.broadcast_to(grad, shape=call.args[0].shape), None]
+
+
+@collapse_sum_like.sampler
+def _collapse_sum_like_cases(d):
+    shape = d.shape(max_rank=4)
+    return Case([shape, d.broadcastable_to(shape)])

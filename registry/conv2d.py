@@ -20,7 +20,7 @@ from numpy.lib.stride_tricks import sliding_window_view
 
 from opgrad import ops
 from opgrad.dtypes import TensorType
-from opgrad.op import Attr, Input, Operator, int_tuple, require
+from opgrad.op import Attr, Case, Input, Operator, int_tuple, require
 
 
 def conv_output_size(size: int, kernel: int, stride: int, pad: int, dilation: int) -> int:
@@ -107,6 +107,24 @@ def _conv2d_gradient(call, grad):
     ]
 
 
+def draw_conv_geometry(d: Any) -> dict[str, Any]:
+    """Checker cases: small sizes, strides/padding/dilation drawn first, then an input the kernel fits."""
+    n, c, o = d.int(1, 2), d.int(1, 3), d.int(1, 3)
+    kernel = (d.int(1, 3), d.int(1, 3))
+    window = {"strides": (d.int(1, 3), d.int(1, 3)), "padding": (d.int(0, 2), d.int(0, 2)),
+              "dilation": (d.int(1, 2), d.int(1, 2))}
+    hw = tuple(max(1, window["dilation"][i] * (kernel[i] - 1) + 1 - 2 * window["padding"][i]) + d.int(0, 4)
+               for i in range(2))
+    out = _output_hw(hw, kernel, window)
+    return {"n": n, "c": c, "o": o, "hw": hw, "kernel": kernel, "out": out, "window": window}
+
+
+@conv2d.sampler
+def _conv2d_cases(d):
+    g = draw_conv_geometry(d)
+    return Case([(g["n"], g["c"], *g["hw"]), (g["o"], g["c"], *g["kernel"])], g["window"])
+
+
 # ----- conv2d_backward_input -----
 
 conv2d_backward_input = Operator(
@@ -165,6 +183,12 @@ def _conv2d_backward_input_gradient(call, grad):
     ]
 
 
+@conv2d_backward_input.sampler
+def _conv2d_backward_input_cases(d):
+    g = draw_conv_geometry(d)
+    return Case([(g["n"], g["o"], *g["out"]), (g["o"], g["c"], *g["kernel"])], {**g["window"], "input_size": g["hw"]})
+
+
 # ----- conv2d_backward_weight -----
 
 conv2d_backward_weight = Operator(
@@ -208,3 +232,9 @@ def _conv2d_backward_weight_gradient(call, grad):
         ops.conv2d(data, grad, **window),
         ops.conv2d_backward_input(dy, grad, input_size=data.shape[2:], **window),
     ]
+
+
+@conv2d_backward_weight.sampler
+def _conv2d_backward_weight_cases(d):
+    g = draw_conv_geometry(d)
+    return Case([(g["n"], g["o"], *g["out"]), (g["n"], g["c"], *g["hw"])], {**g["window"], "kernel_size": g["kernel"]})

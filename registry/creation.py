@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 
 from opgrad.dtypes import FLOAT_DTYPES, TensorType
-from opgrad.op import Attr, Input, Operator, require
+from opgrad.op import Attr, Case, Input, Operator, require
 
 zeros_like = Operator(
     "zeros_like",
@@ -81,3 +81,8 @@ def _one_hot_forward(labels: np.ndarray, depth: int, dtype: str) -> np.ndarray:
     out = np.zeros((labels.shape[0], depth), dtype=dtype)
     out[np.arange(labels.shape[0]), labels] = 1.0
     return out
+
+
+@one_hot.sampler
+def _one_hot_cases(d):
+    return Case([(d.size(),)], {"depth": d.size(), "dtype": d.choice(["float32", "float64"])})

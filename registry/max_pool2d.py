@@ -19,7 +19,7 @@ import numpy as np
 from opgrad import ops
 from opgrad.dtypes import TensorType
 from opgrad.op import Attrs, Input, Kink, Operator, require
-from opgrad.registry._pooling import pool_attrs, pool_shape, pooled_hw, scatter_windows, windows
+from opgrad.registry._pooling import draw_pool_case, pool_attrs, pool_shape, pooled_hw, scatter_windows, windows
 
 
 def argmax_positions(data: np.ndarray, pool_size: Any, strides: Any, padding: Any) -> tuple[np.ndarray, np.ndarray]:
@@ -95,6 +95,11 @@ def _max_pool2d_gradient(call, grad):
     return [ops.max_pool2d_backward(grad, call.args[0], **call.attrs)]
 
 
+@max_pool2d.sampler
+def _max_pool2d_cases(d):
+    return draw_pool_case(d, "data")
+
+
 # ----- max_pool2d_backward -----
 
 
@@ -117,7 +122,12 @@ max_pool2d_backward = Operator(
     attrs=pool_attrs(),
     doc="Gradient of max_pool2d: scatter grad to the first maximum of each window of data.",
     linear_in=("grad",),
-    kinks=max_pool2d.kinks,
+    kinks=Kink(  # its data is the second input, so max_pool2d's kink functions are shifted by one
+        convention="ties inside a window of data: grad goes to the first maximum in row-major order",
+        distance=lambda inputs, attrs: _gap_to_runner_up(inputs[1:], attrs),
+        place=lambda rng, inputs, attrs: [inputs[0], *_place_ties(rng, inputs[1:], attrs)],
+        subgradient=lambda inputs, cot, attrs: [_max_pool2d_gather_forward(cot, inputs[1], **attrs), None],
+    ),
 )
 
 
@@ -136,6 +146,11 @@ def _max_pool2d_backward_gradient(call, grad):
     return [ops.max_pool2d_gather(grad, call.args[1], **call.attrs), None]
 
 
+@max_pool2d_backward.sampler
+def _max_pool2d_backward_cases(d):
+    return draw_pool_case(d, "pooled,data")
+
+
 # ----- max_pool2d_gather -----
 
 max_pool2d_gather = Operator(
@@ -150,6 +165,8 @@ max_pool2d_gather = Operator(
     kinks=Kink(
         convention="ties inside a window: read at the first maximum in row-major order",
         distance=lambda inputs, attrs: _gap_to_runner_up(inputs[1:], attrs),
+        place=lambda rng, inputs, attrs: [inputs[0], *_place_ties(rng, inputs[1:], attrs)],
+        subgradient=lambda inputs, cot, attrs: [_scatter_to_argmax(cot, inputs[1], **attrs), None],
     ),
 )
 
@@ -172,3 +189,8 @@ def _max_pool2d_gather_forward(values: np.ndarray, data: np.ndarray, pool_size: 
 def _max_pool2d_gather_gradient(call, grad):
     """d_values = max_pool2d_backward(grad, data)"""
     return [ops.max_pool2d_backward(grad, call.args[1], **call.attrs), None]
+
+
+@max_pool2d_gather.sampler
+def _max_pool2d_gather_cases(d):
+    return draw_pool_case(d, "data,data")

@@ -9,7 +9,7 @@ import numpy as np
 
 from opgrad import ops
 from opgrad.dtypes import TensorType
-from opgrad.op import Attr, Input, Operator
+from opgrad.op import Attr, Case, Input, Operator
 from opgrad.registry._common import optional_axes
 
 
@@ -68,3 +68,11 @@ def _sum_gradient(call, grad):
     data = call.args[0]
     kept = tuple(1 if i in call.attrs["axis"] else d for i, d in enumerate(data.shape))
     return [ops.broadcast_to(ops.reshape(grad, shape=kept), shape=data.shape)]
+
+
+@sum.sampler
+def _sum_cases(d):
+    shape = d.shape(max_rank=4)
+    axes = d.subset([a - len(shape) if d.bool() else a for a in range(len(shape))])  # some negative
+    axis = None if d.bool() else (axes[0] if len(axes) == 1 and d.bool() else axes)
+    return Case([shape], {"axis": axis, "keepdims": d.bool()})

@@ -11,7 +11,7 @@ import numpy as np
 
 from opgrad import ops
 from opgrad.dtypes import TensorType, broadcast_shapes
-from opgrad.op import Attr, Input, Operator, require
+from opgrad.op import Attr, Case, Input, Operator, require
 from opgrad.registry._common import shape_tuple
 
 
@@ -52,6 +52,12 @@ def _transpose_gradient(call, grad):
     """d_data = transpose(grad, argsort(axes))"""
     inverse = tuple(int(i) for i in np.argsort(call.attrs["axes"]))
     return [ops.transpose(grad, axes=inverse)]
+
+
+@transpose.sampler
+def _transpose_cases(d):
+    shape = d.shape(max_rank=4)  # rank >= 3 so that some permutations are not their own inverse
+    return Case([shape], {"axes": None if d.bool() else d.permutation(len(shape))})
 
 
 # ----- reshape -----
@@ -101,6 +107,15 @@ def _reshape_gradient(call, grad):
     return [ops.reshape(grad, shape=call.args[0].shape)]
 
 
+@reshape.sampler
+def _reshape_cases(d):
+    shape = d.shape()
+    target = list(d.same_size_shape(shape))
+    if target and d.bool():
+        target[d.int(0, len(target) - 1)] = -1  # let the op infer one dimension
+    return Case([shape], {"shape": tuple(target)})
+
+
 # ----- flatten -----
 
 flatten = Operator(
@@ -127,6 +142,11 @@ def _flatten_forward(data: np.ndarray) -> np.ndarray:
 def _flatten_gradient(call, grad):
     """d_data = reshape(grad, data.shape)"""
     return [ops.reshape(grad, shape=call.args[0].shape)]
+
+
+@flatten.sampler
+def _flatten_cases(d):
+    return Case([d.shape(min_rank=1, max_rank=4)])
 
 
 # ----- broadcast_to -----
@@ -159,3 +179,9 @@ def _broadcast_to_forward(data: np.ndarray, shape: tuple[int, ...]) -> np.ndarra
 def _broadcast_to_gradient(call, grad):
     """d_data = collapse_sum_like(grad, data)"""
     return [ops.collapse_sum_like(grad, call.args[0])]
+
+
+@broadcast_to.sampler
+def _broadcast_to_cases(d):
+    shape = d.shape()
+    return Case([shape], {"shape": d.broadcast_target(shape)})

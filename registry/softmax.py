@@ -9,7 +9,7 @@ import numpy as np
 
 from opgrad import ops
 from opgrad.dtypes import TensorType
-from opgrad.op import Attr, Input, Operator
+from opgrad.op import Attr, Case, Input, Operator
 from opgrad.registry._common import same_as_first
 
 
@@ -48,6 +48,12 @@ def _softmax_gradient(call, grad):
     return [ops.multiply(call, ops.subtract(grad, inner))]
 
 
+@softmax.sampler
+def _softmax_cases(d):
+    shape = d.shape(min_rank=1)
+    return Case([shape], {"axis": d.int(-len(shape), len(shape) - 1)})
+
+
 log_softmax = Operator(
     "log_softmax",
     inputs=[Input("data")],
@@ -68,3 +74,6 @@ def _log_softmax_gradient(call, grad):
     axis = call.attrs["axis"]
     total = ops.sum(grad, axis=axis, keepdims=True)
     return [ops.subtract(grad, ops.multiply(ops.exp(call), total))]
+
+
+log_softmax.sampler(_softmax_cases)
