@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 
 from opgrad import ops
-from opgrad.op import Input, Operator
+from opgrad.op import Input, Interval, Operator
 from opgrad.registry._common import broadcast_rule
 
 # ----- greater -----
@@ -36,13 +36,14 @@ def _greater_forward(lhs: np.ndarray, rhs: np.ndarray) -> np.ndarray:
 where = Operator(
     "where",
     inputs=[
-        Input("condition", differentiable=False, doc="a float mask: nonzero selects on_true"),
+        Input("condition", differentiable=False, domain=(Interval(0.0, 0.0), Interval(1.0, 1.0)),
+              doc="a float mask: nonzero selects on_true"),
         Input("on_true"),
         Input("on_false"),
     ],
     doc="on_true where condition != 0 else on_false, broadcasting all three.",
     broadcast=True,
-    linear_in=("on_true", "on_false"),
+    jointly_linear=True,  # linear in (on_true, on_false) together; each alone is only affine
 )
 where.shape_rule(broadcast_rule)
 
