@@ -57,7 +57,7 @@ def test_gemm_accumulate_and_alpha(dtype: str) -> None:
 
 # ----- conv2d -----
 
-def _im2col(x: np.ndarray, geom) -> np.ndarray:  # noqa: ANN001
+def _im2col(x: np.ndarray, geom) -> np.ndarray:
     (sh, sw), (pt, pb, pl, pr), (dh, dw) = geom.stride, geom.pads, geom.dilation
     xp = np.pad(x, ((0, 0), (0, 0), (pt, pb), (pl, pr)))
     cols = np.empty((geom.n, geom.c, geom.kh, geom.kw, geom.oh, geom.ow), x.dtype)
@@ -68,7 +68,7 @@ def _im2col(x: np.ndarray, geom) -> np.ndarray:  # noqa: ANN001
     return cols
 
 
-def _col2im(dcols: np.ndarray, geom) -> np.ndarray:  # noqa: ANN001
+def _col2im(dcols: np.ndarray, geom) -> np.ndarray:
     (sh, sw), (pt, pb, pl, pr), (dh, dw) = geom.stride, geom.pads, geom.dilation
     dxp = np.zeros((geom.n, geom.c, geom.h + pt + pb, geom.w + pl + pr), dcols.dtype)
     for i in range(geom.kh):
@@ -154,7 +154,8 @@ _DETERMINISM_SCRIPT = textwrap.dedent("""
     h = hashlib.sha256(gemm(a, b).tobytes())
     g = conv2d_geometry((8, 16, 14, 14), (32, 16, 3, 3), 1, 1, 1)
     k = conv2d_kernels(g)
-    x, w = rng.standard_normal((8, 16, 14, 14)).astype(np.float32), rng.standard_normal((32, 16, 3, 3)).astype(np.float32)
+    x = rng.standard_normal((8, 16, 14, 14)).astype(np.float32)
+    w = rng.standard_normal((32, 16, 3, 3)).astype(np.float32)
     dy = rng.standard_normal(g.out_shape).astype(np.float32)
     y, dx, dw = np.zeros(g.out_shape, np.float32), np.zeros(x.shape, np.float32), np.zeros(w.shape, np.float32)
     k.forward(x, w, y); k.backward_data(dy, w, dx); k.backward_weight(x, dy, dw)

@@ -215,25 +215,25 @@ def _emit_col2im(m: ModuleEmitter, g: Conv2dGeometry, name: str, t: str) -> str:
         ch = f.val(f"urem i64 {plane}, {g.c}")
         dplane = f.gep(t, dx, f.mul(plane, g.h * g.w))
         f.emit(f"call void @llvm.memset.p0.i64(ptr align 4 {dplane}, i8 0, i64 {g.h * g.w * BYTES[g.dtype]}, i1 false)")
-        with f.loop(0, g.kh, hint="kh") as kh:
-            with f.loop(0, g.kw, hint="kw") as kw:
-                row = f.add(f.mul(f.add(f.mul(ch, g.kh), kh), g.kw), kw)
-                crow = f.gep(t, col, f.add(f.mul(row, ld_col), f.mul(img, p)))
-                # valid ow: 0 <= ow*sw + kw*dw - left < W
-                num = f.sub(str(left), f.mul(kw, dw))
-                lo_ow = f.select(f.icmp("sle", num, "0"), "i64", "0", f.val(f"sdiv i64 {f.add(num, sw - 1)}, {sw}"))
-                num2 = f.add(num, g.w - 1)
-                hi_ow = f.select(f.icmp("slt", num2, "0"), "i64", "0", f.smin(f.add(f.val(f"sdiv i64 {num2}, {sw}"), 1), g.ow))
-                cnt = f.sub(hi_ow, lo_ow)
-                with f.if_then(f.icmp("sgt", cnt, "0"), "any"):
-                    iw0 = f.sub(f.add(f.mul(lo_ow, sw), f.mul(kw, dw)), left)
-                    with f.loop(0, g.oh, hint="oh") as oh:
-                        ih = f.sub(f.add(f.mul(oh, sh), f.mul(kh, dh)), top)
-                        ok = f.val(f"icmp ult i64 {ih}, {g.h}")
-                        with f.if_then(ok, "ihok"):
-                            dst = f.gep(t, dplane, f.add(f.mul(ih, g.w), iw0))
-                            src = f.gep(t, crow, f.add(f.mul(oh, g.ow), lo_ow))
-                            f.call("void", add_row, [("ptr", dst), ("ptr", src), ("i64", cnt), ("i64", str(sw))])
+        with f.loop(0, g.kh, hint="kh") as kh, f.loop(0, g.kw, hint="kw") as kw:
+            row = f.add(f.mul(f.add(f.mul(ch, g.kh), kh), g.kw), kw)
+            crow = f.gep(t, col, f.add(f.mul(row, ld_col), f.mul(img, p)))
+            # valid ow: 0 <= ow*sw + kw*dw - left < W
+            num = f.sub(str(left), f.mul(kw, dw))
+            lo_ow = f.select(f.icmp("sle", num, "0"), "i64", "0", f.val(f"sdiv i64 {f.add(num, sw - 1)}, {sw}"))
+            num2 = f.add(num, g.w - 1)
+            last = f.smin(f.add(f.val(f"sdiv i64 {num2}, {sw}"), 1), g.ow)
+            hi_ow = f.select(f.icmp("slt", num2, "0"), "i64", "0", last)
+            cnt = f.sub(hi_ow, lo_ow)
+            with f.if_then(f.icmp("sgt", cnt, "0"), "any"):
+                iw0 = f.sub(f.add(f.mul(lo_ow, sw), f.mul(kw, dw)), left)
+                with f.loop(0, g.oh, hint="oh") as oh:
+                    ih = f.sub(f.add(f.mul(oh, sh), f.mul(kh, dh)), top)
+                    ok = f.val(f"icmp ult i64 {ih}, {g.h}")
+                    with f.if_then(ok, "ihok"):
+                        dst = f.gep(t, dplane, f.add(f.mul(ih, g.w), iw0))
+                        src = f.gep(t, crow, f.add(f.mul(oh, g.ow), lo_ow))
+                        f.call("void", add_row, [("ptr", dst), ("ptr", src), ("i64", cnt), ("i64", str(sw))])
     f.ret_void()
     f.finish()
     m.declare("llvm.memset.p0.i64", "declare void @llvm.memset.p0.i64(ptr, i8, i64, i1)")
