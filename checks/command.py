@@ -1,0 +1,72 @@
+"""``opgrad check [OP ...] [--examples N] [--seed S] [--backend B] [--jobs J]``.
+
+Prints one table row per operator as it finishes, then the failure report of every failing
+operator, and exits 1 if any failed. Imports stay inside ``run``: the CLI imports this module
+for every subcommand, and ``opgrad ops`` must not pay for hypothesis.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from typing import Any
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("ops", nargs="*", metavar="OP", help="operators to check (default: every registered op)")
+    parser.add_argument("--examples", type=int, default=100, help="generated examples per operator (default 100)")
+    parser.add_argument("--seed", type=int, default=None, help="reproduce a run (a failure report prints its seed)")
+    parser.add_argument("--backend", default="reference", choices=("reference", "llvm"),
+                        help="backend compared with the numpy reference in check g (default: reference)")
+    parser.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1),
+                        help="operators checked in parallel processes (default: 2 or the CPU count)")
+    parser.add_argument("--no-shrink", action="store_true", help="report the first failing example unshrunk")
+
+
+def _check_one(job: tuple[str, dict[str, Any]]) -> Any:
+    from opgrad.checks.backends import resolve_backend
+    from opgrad.checks.runner import check_op
+
+    name, options = job
+    backend = resolve_backend(options.pop("backend"))
+    return check_op(name, backend=backend, **options)
+
+
+def run(args: argparse.Namespace) -> int:
+    from opgrad import registry
+    from opgrad.checks.backends import resolve_backend
+    from opgrad.checks.report import format_table
+    from opgrad.errors import RegistryError
+
+    try:
+        names = [registry.get(n).name for n in args.ops] if args.ops else registry.names()
+        resolve_backend(args.backend)  # fail early, with the reason, if the backend is unavailable
+    except (RegistryError, ValueError) as exc:
+        print(f"opgrad check: {exc}", file=sys.stderr)
+        return 2
+    options = {"max_examples": args.examples, "seed": args.seed, "backend": args.backend,
+               "shrink": not args.no_shrink}
+    jobs = [(n, dict(options)) for n in names]
+    start = time.perf_counter()
+    print(f"checking {len(names)} operator(s), {args.examples} examples each, backend {args.backend}", flush=True)
+    if args.jobs > 1 and len(jobs) > 1:
+        import multiprocessing
+
+        with multiprocessing.get_context("spawn").Pool(args.jobs) as pool:
+            # Slowest first (conv, pools) so the two workers finish together.
+            order = sorted(range(len(jobs)), key=lambda i: not names[i].startswith(("conv", "max_pool", "avg_pool")))
+            results = dict(zip(order, pool.map(_check_one, [jobs[i] for i in order], chunksize=1)))
+        reports = [results[i] for i in range(len(jobs))]
+    else:
+        reports = [_check_one(job) for job in jobs]
+    print(format_table(reports))
+    failed = [r for r in reports if not r.passed]
+    for r in failed:
+        print()
+        print(r.failure)
+    total = time.perf_counter() - start
+    print(f"\n{len(reports) - len(failed)}/{len(reports)} operators passed in {total:.1f}s"
+          f" (sum of per-op times {sum(r.seconds for r in reports):.1f}s)")
+    return 1 if failed else 0

@@ -1,0 +1,166 @@
+"""``check_function``: verify the gradient of a whole composed function (e.g. the seed CNN's loss).
+
+Per-op checks prove each rule; this checks that autodiff composes them right (fan-out sums,
+un-broadcasting, second uses of a node) on the real graph, along random directions. The graph
+is rebuilt in float64 first: finite differences in float32 are too coarse to judge a gradient.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+import numpy as np
+
+from opgrad.autodiff import _resolve_wrt, gradients
+from opgrad.dtypes import FLOAT_DTYPES
+from opgrad.ir import Call, Const, Expr, Function, Var, topological_order, var
+from opgrad.reference import evaluate
+
+from .checks import CheckFailure, Mismatch, random_cotangent, worst_mismatch
+from .report import Failure, OpReport
+from .runner import default_seed
+from .tolerances import TOLERANCES
+
+SAMPLED_ELEMENTS = 8
+
+
+def as_float64(fn: Function) -> Function:
+    """The same graph with every float variable, constant and ``dtype`` attribute in float64."""
+    new: dict[int, Expr] = {}
+    for p in fn.params:
+        new[p._uid] = var(p.name, p.shape, "float64" if p.type.is_float else p.dtype)
+    for node in topological_order(fn.outputs):
+        if node._uid in new:
+            continue
+        if isinstance(node, Const):
+            value = node.value.astype(np.float64) if node.type.is_float else node.value
+            new[node._uid] = Const(value)
+        elif isinstance(node, Call):
+            attrs = {k: ("float64" if k == "dtype" and v in FLOAT_DTYPES else v) for k, v in node.attrs.items()}
+            new[node._uid] = node.op(*(new[a._uid] for a in node.args), **attrs)
+    params = [new[p._uid] for p in fn.params]
+    outputs = [new[o._uid] for o in fn.outputs]
+    return Function(params, outputs if fn.returns_tuple else outputs[0])  # type: ignore[arg-type]
+
+
+def check_function(fn: Function, arrays: Sequence[np.ndarray] | None = None, *,
+                   wrt: Sequence[int | str | Var] | None = None, max_examples: int = 5, seed: int | None = None,
+                   directions: int = 3, name: str = "function") -> OpReport:
+    """Check ``fn``'s gradient (one output, any shape) at ``arrays`` or at random points.
+
+    At each point: the gradients' shapes and dtypes (a); the VJP with a random cotangent against
+    central differences along ``directions`` random directions and on sampled elements of each
+    parameter (b); linearity in the cotangent (c). Without ``arrays`` the float parameters are
+    drawn uniformly from [-2, 2] (``max_examples`` points); a function with integer parameters
+    (labels) needs ``arrays``.
+    """
+    if fn.returns_tuple:
+        raise ValueError("check_function needs a function with one output; check each output separately")
+    run_seed = default_seed() if seed is None else seed
+    rng = np.random.default_rng(run_seed)
+    f64 = as_float64(fn)
+    targets = _resolve_wrt(f64, wrt)
+    cot = var("cotangent", f64.output.shape, "float64")
+    report = OpReport(op=name, passed=True, seed=run_seed, checks=["a", "b", "c"])
+    start = time.perf_counter()
+    try:
+        grads = gradients(f64.output, targets, cot)
+    except Exception as exc:
+        report.passed = False
+        report.failure = Failure(op=name, check="a", problem=f"differentiating raised {type(exc).__name__}: {exc}",
+                                 seed=run_seed)
+        return report
+    vjp_fn = Function([*f64.params, cot], grads)
+    points = [list(arrays)] if arrays is not None else [None] * max_examples
+    for point in points:
+        if point is None:
+            if any(not p.type.is_float for p in f64.params):
+                raise ValueError("fn has integer parameters: pass arrays=[...] with values for them")
+            point = [rng.uniform(-2.0, 2.0, p.shape) for p in f64.params]
+        point = [np.asarray(a, dtype=np.float64) if p.type.is_float else np.asarray(a)
+                 for a, p in zip(point, f64.params)]
+        try:
+            worst = _check_point(f64, vjp_fn, targets, point, rng, directions, name, run_seed)
+        except CheckFailure as exc:
+            report.passed, report.failure = False, exc.failure
+            break
+        report.examples += 1
+        report.worst_rel_error = max(report.worst_rel_error, worst)
+    report.seconds = time.perf_counter() - start
+    return report
+
+
+def _check_point(fn: Function, vjp_fn: Function, targets: list[Var], point: list[np.ndarray],
+                 rng: np.random.Generator, directions: int, name: str, run_seed: int) -> float:
+    tol = TOLERANCES["float64"]
+    h = tol.fd_step
+    index_of = {p._uid: i for i, p in enumerate(fn.params)}
+
+    def fail(check: str, problem: str, m: Mismatch | None = None, input: str | None = None,
+             step: float | None = None, rtol: float | None = None) -> CheckFailure:
+        failure = Failure(op=name, check=check, problem=problem, seed=run_seed, input=input, step=step,
+                          tolerance=rtol, shapes={p.name: p.shape for p in fn.params}, arrays=point)
+        if m is not None:
+            failure.index, failure.analytic, failure.numeric = m.index, m.analytic, m.expected
+            failure.abs_error, failure.rel_error = m.abs_error, m.rel_error
+        return CheckFailure(failure)
+
+    def value(arrays: list[np.ndarray]) -> np.ndarray:
+        return np.asarray(evaluate(fn, *arrays), dtype=np.float64)
+
+    def vjp(c: np.ndarray) -> list[np.ndarray]:
+        out = evaluate(vjp_fn, *point, c)
+        return list(out) if isinstance(out, tuple) else [out]
+
+    c = random_cotangent(rng, fn.output.shape)
+    grads = vjp(c)
+    for t, g in zip(targets, grads):
+        if g.shape != t.shape or g.dtype.name != t.dtype:
+            raise fail("a", f"gradient for {t.name!r} is {g.dtype}{list(g.shape)}, expected {t.type}", input=t.name)
+    worst = 0.0
+    for t, g in zip(targets, grads):  # sampled elements: a failure names the worst element
+        k = index_of[t._uid]
+        picked = rng.choice(g.size, min(g.size, SAMPLED_ELEMENTS), replace=False)
+        numeric = []
+        for i in picked:
+            plus, minus = list(point), list(point)
+            plus[k], minus[k] = point[k].copy(), point[k].copy()
+            plus[k].flat[i] += h
+            minus[k].flat[i] -= h
+            numeric.append(float(np.sum(c * (value(plus) - value(minus)))) / (2 * h))
+        m = worst_mismatch(g.ravel()[picked], np.array(numeric), tol.fd_rtol, tol.fd_atol)
+        m.index = tuple(int(i) for i in np.unravel_index(int(picked[m.index[0]]), g.shape))
+        if m.ratio > 1:
+            raise fail("b", f"gradient for {t.name!r} disagrees with finite differences", m, t.name, h, tol.fd_rtol)
+        worst = max(worst, m.rel_error)
+    for r in range(directions):
+        plus, minus, analytic = list(point), list(point), 0.0
+        for t, g in zip(targets, grads):
+            k = index_of[t._uid]
+            v = rng.standard_normal(g.shape)
+            plus[k], minus[k] = point[k] + h * v, point[k] - h * v
+            analytic += float(np.sum(g * v))
+        numeric = float(np.sum(c * (value(plus) - value(minus)))) / (2 * h)
+        m = worst_mismatch(np.array(analytic), np.array(numeric), tol.fd_rtol, tol.fd_atol)
+        if m.ratio > 1:
+            raise fail("b", "directional derivative along a random direction disagrees with finite differences",
+                       m, f"direction {r}", h, tol.fd_rtol)
+        worst = max(worst, m.rel_error)
+    c2 = random_cotangent(rng, fn.output.shape)
+    for g1, g2, gm, t in zip(grads, vjp(c2), vjp(2.0 * c - 0.5 * c2), targets):
+        expected = 2.0 * g1 - 0.5 * g2
+        scale = max(float(np.max(np.abs(expected), initial=0)), 1.0)
+        m = worst_mismatch(gm, expected, tol.exact_rtol, tol.exact_rtol * scale)
+        if m.ratio > 1:
+            raise fail("c", f"gradient for {t.name!r} is not linear in the cotangent", m, t.name, None,
+                       tol.exact_rtol)
+    return worst
+
+
+def assert_function(fn: Function, arrays: Sequence[np.ndarray] | None = None, **kwargs: object) -> OpReport:
+    """``check_function`` for test suites: raises ``AssertionError`` with the report text."""
+    report = check_function(fn, arrays, **kwargs)  # type: ignore[arg-type]
+    if not report.passed:
+        raise AssertionError(str(report))
+    return report
