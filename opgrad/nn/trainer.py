@@ -210,8 +210,9 @@ class Trainer:
                 f"checkpoint was trained with {meta.get('optimizer')!r}; resume it with the same optimizer "
                 f"(this run uses {self.optimizer.describe()!r})"
             )
-        self.params = {name: np.ascontiguousarray(arrays[name]) for name in self.params}
-        self.state = {name: np.ascontiguousarray(arrays[name]) for name in self.state}
+        # np.array, not np.ascontiguousarray: the latter turns Adam's 0-d scalars into shape (1,).
+        self.params = {name: np.array(arrays[name], order="C") for name in self.params}
+        self.state = {name: np.array(arrays[name], order="C") for name in self.state}
         self.step = int(meta["step"])
         self.epoch = int(meta["epoch"])
         self.history = TrainingHistory.from_dict(meta.get("history", {}))

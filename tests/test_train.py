@@ -1,0 +1,170 @@
+"""Training: compiled-vs-reference parity, reproducibility, checkpoint resume, and the CLI.
+
+The parity tests run the llvm backend (``opgrad.compile``); until the compiler lands they fail
+with its ImportError, on purpose: they are the acceptance test for the compiled training step.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from opgrad import cli, nn, train
+from opgrad.checkpoint import load_checkpoint, save_checkpoint
+from opgrad.data import Dataset, load_embedded_mnist
+
+
+@pytest.fixture(scope="module")
+def mnist() -> Dataset:
+    return load_embedded_mnist()
+
+
+def _parity(model: nn.Sequential, optimizer: nn.Optimizer, mnist: Dataset, *, steps: int, batch: int,
+            lr: float) -> None:
+    reference = nn.TrainStep(model, optimizer, batch_size=batch, backend="reference")
+    compiled = nn.TrainStep(model, optimizer, batch_size=batch, backend="llvm")
+    start = model.init_params(seed=0)
+    runs = {}
+    for name, step in (("reference", reference), ("llvm", compiled)):
+        params, state = dict(start), optimizer.init_state(start)
+        losses = []
+        for i in range(steps):
+            x = mnist.train_images[i * batch : (i + 1) * batch]
+            y = mnist.train_labels[i * batch : (i + 1) * batch]
+            masks = model.sample_noise(np.random.default_rng(i), batch)
+            result = step(x, y, params, state, lr, masks)
+            params, state = result.params, result.state
+            losses.append(result.loss)
+        runs[name] = np.array(losses)
+    np.testing.assert_allclose(runs["llvm"], runs["reference"], rtol=1e-5, atol=0)
+    assert runs["reference"][-5:].mean() < runs["reference"][:5].mean()  # the run did learn
+
+
+def test_compiled_seed_cnn_losses_match_reference_over_20_sgd_steps(mnist: Dataset) -> None:
+    _parity(nn.seed_cnn(), nn.SGD(), mnist, steps=20, batch=16, lr=0.05)
+
+
+def test_compiled_keras_mnist_adam_matches_reference(mnist: Dataset) -> None:
+    _parity(nn.keras_mnist(), nn.Adam(), mnist, steps=10, batch=16, lr=1e-3)
+
+
+# ----- reproducibility and resume -----
+
+
+def _small(mnist: Dataset, n: int = 64) -> tuple[np.ndarray, np.ndarray]:
+    return mnist.train_images[:n], mnist.train_labels[:n]
+
+
+def _trainer(model_name: str, seed: int = 5) -> nn.Trainer:
+    optimizer = nn.Adam() if model_name == "seed-cnn" else nn.SGD(momentum=0.9, nesterov=True)
+    return nn.Trainer(nn.build_model(model_name), optimizer, lr=nn.cosine_lr(2e-3, total_steps=12),
+                      batch_size=16, seed=seed, augment_shift=2, eval_batch_size=32)
+
+
+def test_same_seed_same_numbers(mnist: Dataset) -> None:
+    x, y = _small(mnist)
+    runs = []
+    for seed in (5, 5, 6):
+        trainer = _trainer("keras-mnist", seed)
+        for _ in range(2):
+            trainer.train_epoch(x, y)
+        runs.append(trainer.history.step_losses)
+    assert runs[0] == runs[1]
+    assert runs[0] != runs[2]
+
+
+@pytest.mark.parametrize("model_name", ["seed-cnn", "keras-mnist"])
+def test_checkpoint_resume_continues_identically(mnist: Dataset, tmp_path: Path, model_name: str) -> None:
+    x, y = _small(mnist)
+    straight = _trainer(model_name)
+    for _ in range(3):
+        straight.train_epoch(x, y)
+
+    first = _trainer(model_name)
+    first.train_epoch(x, y)
+    arrays, meta = first.checkpoint()
+    save_checkpoint(tmp_path / "ckpt.npz", arrays, meta)
+
+    resumed = _trainer(model_name)
+    arrays, meta = load_checkpoint(tmp_path / "ckpt.npz", expected=resumed.expected_arrays())
+    resumed.restore(arrays, meta)
+    assert (resumed.epoch, resumed.step) == (1, 4)
+    for _ in range(2):
+        resumed.train_epoch(x, y)
+
+    assert resumed.history.step_losses == straight.history.step_losses
+    for name, value in straight.params.items():
+        np.testing.assert_array_equal(resumed.params[name], value, err_msg=name)
+    for name, value in straight.state.items():
+        np.testing.assert_array_equal(resumed.state[name], value, err_msg=name)
+
+
+def test_restore_rejects_other_model_or_optimizer(mnist: Dataset) -> None:
+    arrays, meta = _trainer("seed-cnn").checkpoint()
+    other = nn.Trainer(nn.seed_cnn(), nn.SGD(), lr=0.01)
+    with pytest.raises(ValueError, match="same optimizer"):
+        other.restore(arrays, meta)
+    with pytest.raises(ValueError, match="not 'keras-mnist'"):
+        _trainer("keras-mnist").restore(arrays, meta)
+
+
+def test_lr_schedule() -> None:
+    schedule = nn.cosine_lr(1e-3, total_steps=100)
+    assert schedule(0) == pytest.approx(1e-3)
+    assert schedule(50) == pytest.approx(5e-4)
+    assert schedule(100) == schedule(150) == pytest.approx(0.0)
+    assert nn.constant_lr(0.1)(10**6) == 0.1
+
+
+def test_evaluate_pads_the_last_batch(mnist: Dataset) -> None:
+    trainer = _trainer("seed-cnn")
+    acc, loss = trainer.evaluate(mnist.test_images[:45], mnist.test_labels[:45])  # 32 + 13 padded
+    logits = trainer.eval_step.logits(mnist.test_images[:45], trainer.params)
+    assert logits.shape == (45, 10)
+    assert acc == nn.accuracy(logits, mnist.test_labels[:45])
+    assert 0.0 <= acc <= 1.0 and np.isfinite(loss)
+
+
+# ----- the CLI -----
+
+SMOKE = ["train", "--backend", "reference", "--batch-size", "8", "--max-steps", "2", "--test-limit", "40"]
+
+
+def test_cli_smoke_save_resume_plot(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    ckpt, png = tmp_path / "run.npz", tmp_path / "curves.png"
+    assert cli.main([*SMOKE, "--epochs", "2", "--save", str(ckpt), "--plot", str(png)]) == 0
+    out = capsys.readouterr().out
+    assert "epoch 2/2: train loss" in out and "test accuracy" in out
+    assert "done: final test accuracy" in out and "backend reference" in out
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    _, meta = load_checkpoint(ckpt)
+    assert (meta["epoch"], meta["step"], meta["model"]) == (2, 4, "seed-cnn")
+
+    assert cli.main([*SMOKE, "--epochs", "3", "--resume", str(ckpt)]) == 0
+    out = capsys.readouterr().out
+    assert "resumed from" in out and "epoch 3/3" in out and "epoch 2/3" not in out
+
+    assert cli.main([*SMOKE, "--epochs", "3", "--resume", str(ckpt), "--model", "keras-mnist"]) == 2
+    assert "run.npz" in capsys.readouterr().err
+
+
+def test_cli_falls_back_to_reference_with_a_warning(monkeypatch: pytest.MonkeyPatch,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setattr("opgrad.nn.step.llvm_unavailable_reason", lambda: "ImportError: not built")
+    assert train.resolve_backend("llvm") == "reference"
+    assert "falling back" in capsys.readouterr().err
+    assert train.resolve_backend("reference") == "reference"
+    monkeypatch.setattr("opgrad.nn.step.llvm_unavailable_reason", lambda: None)
+    assert train.resolve_backend("llvm") == "llvm"
+    assert capsys.readouterr().err == ""
+
+
+def test_cli_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main([*SMOKE, "--data", str(tmp_path)]) == 2
+    assert str(tmp_path) in capsys.readouterr().err
+    assert cli.main([*SMOKE, "--epochs", "0"]) == 2
+    assert "--epochs" in capsys.readouterr().err
+    assert cli.main([*SMOKE, "--resume", str(tmp_path / "missing.npz")]) == 2
+    assert "not found" in capsys.readouterr().err
