@@ -72,7 +72,7 @@ def _sum_gradient(call, grad):
 
 @sum.sampler
 def _sum_cases(d):
-    shape = d.shape(max_rank=4)
+    shape = d.shape(min_rank=1, max_rank=4)
     axes = d.subset([a - len(shape) if d.bool() else a for a in range(len(shape))])  # some negative
-    axis = None if d.bool() else (axes[0] if len(axes) == 1 and d.bool() else axes)
+    axis = (axes[0] if len(axes) == 1 and d.bool() else axes) if d.int(0, 3) else None
     return Case([shape], {"axis": axis, "keepdims": d.bool()})
