@@ -1,0 +1,70 @@
+"""leaky_relu: data where data > 0, else alpha * data.
+
+This is the worked example of docs/contributing-an-operator.md: one file, and the checker
+derives everything else (shapes, values away from the kink at 0, alpha values) from it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from opgrad import ops
+from opgrad.op import Attr, Attrs, Case, Input, Kink, Operator
+from opgrad.registry._common import same_as_first
+
+
+def _alpha(value: Any) -> float:
+    alpha = float(value)
+    if not np.isfinite(alpha) or alpha < 0:
+        raise ValueError("expected a finite slope >= 0")
+    return alpha
+
+
+def _distance_to_zero(inputs: Sequence[np.ndarray], attrs: Attrs) -> float:
+    return float(np.min(np.abs(inputs[0]))) if inputs[0].size else float("inf")
+
+
+def _place_on_zero(rng: np.random.Generator, inputs: list[np.ndarray], attrs: Attrs) -> list[np.ndarray]:
+    data = inputs[0].copy()
+    data[rng.random(data.shape) < 0.5] = 0.0
+    return [data]
+
+
+def _subgradient(inputs: Sequence[np.ndarray], cotangent: np.ndarray, attrs: Attrs) -> list[np.ndarray | None]:
+    return [cotangent * np.where(inputs[0] > 0, 1.0, attrs["alpha"])]
+
+
+leaky_relu = Operator(
+    "leaky_relu",
+    inputs=[Input("data")],
+    attrs=[Attr("alpha", default=0.01, convert=_alpha, doc="slope for data <= 0")],
+    doc="data if data > 0 else alpha * data.",
+    kinks=Kink(
+        convention="leaky_relu'(0) = alpha: at exactly zero the slope of the negative side",
+        distance=_distance_to_zero,
+        place=_place_on_zero,
+        subgradient=_subgradient,
+    ),
+)
+leaky_relu.shape_rule(same_as_first)
+
+
+@leaky_relu.reference
+def _leaky_relu_forward(data: np.ndarray, alpha: float) -> np.ndarray:
+    return np.where(data > 0, data, alpha * data).astype(data.dtype, copy=False)
+
+
+@leaky_relu.gradient
+def _leaky_relu_gradient(call, grad):
+    """d_data = grad * (1 if data > 0 else alpha)"""
+    data = call.args[0]
+    positive = ops.greater(data, ops.zeros_like(data))
+    return [ops.where(positive, grad, ops.multiply(grad, call.attrs["alpha"]))]
+
+
+@leaky_relu.sampler
+def _leaky_relu_cases(d):
+    return Case([d.shape()], {"alpha": d.choice([0.01, 0.2, 0.5])})
