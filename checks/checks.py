@@ -50,8 +50,14 @@ class Mismatch:
     rel_error: float
 
 
-def worst_mismatch(analytic: np.ndarray, expected: np.ndarray, rtol: float, atol: float) -> Mismatch:
-    """Compare elementwise; NaN or inf on either side counts as an infinite mismatch."""
+def worst_mismatch(analytic: np.ndarray, expected: np.ndarray, rtol: float, atol: float,
+                   rel_floor: float | None = None) -> Mismatch:
+    """Compare elementwise; NaN or inf on either side counts as an infinite mismatch.
+
+    The reported relative error divides by ``max(|a|, |b|, rel_floor)``; the floor defaults to
+    ``atol / rtol`` (finite differences judge tiny values absolutely). Exact identities, whose
+    ``atol`` is a scale rather than noise, pass ``rel_floor=0``-ish to report the plain ratio.
+    """
     a = np.asarray(analytic, dtype=np.float64)
     b = np.asarray(expected, dtype=np.float64)
     diff = np.abs(a - b)
@@ -62,7 +68,8 @@ def worst_mismatch(analytic: np.ndarray, expected: np.ndarray, rtol: float, atol
         return Mismatch(0.0, (), 0.0, 0.0, 0.0, 0.0)
     flat = int(np.argmax(ratio))
     index = tuple(int(i) for i in np.unravel_index(flat, ratio.shape))
-    rel = float(diff.flat[flat] / max(big.flat[flat], atol / rtol)) if np.isfinite(diff.flat[flat]) else np.inf
+    floor = atol / rtol if rel_floor is None else rel_floor
+    rel = float(diff.flat[flat] / max(big.flat[flat], floor, 1e-300)) if np.isfinite(diff.flat[flat]) else np.inf
     return Mismatch(float(ratio.flat[flat]), index, float(a.flat[flat]), float(b.flat[flat]),
                     float(diff.flat[flat]), rel)
 
@@ -277,7 +284,7 @@ def check_c_linearity(ctx: Context) -> None:
         name = ctx.op.inputs[k].name
         expected = a * x1 + b * x2
         scale = max(float(np.max(np.abs(a * x1), initial=0)), float(np.max(np.abs(b * x2), initial=0)), 1e-300)
-        m = worst_mismatch(xm, expected, rtol, rtol * scale)
+        m = worst_mismatch(xm, expected, rtol, rtol * scale, rel_floor=0)
         if m.ratio > 1:
             raise ctx.fail("c", f"VJP for {name!r} is not linear in the cotangent: VJP({a:.3g} c1 + {b:.3g} c2) "
                            f"!= {a:.3g} VJP(c1) + {b:.3g} VJP(c2)", m, input=name, rtol=rtol)
@@ -304,7 +311,7 @@ def check_d_adjoint(ctx: Context) -> None:
         terms = [arrays[k] * grads[ctx.diff.index(k)] for k in group]
         rhs = float(sum(np.sum(t) for t in terms))
         scale = float(np.sum(np.abs(y * c)) + sum(np.sum(np.abs(t)) for t in terms)) + 1e-300
-        m = worst_mismatch(np.array(rhs), np.array(lhs), rtol, rtol * scale)
+        m = worst_mismatch(np.array(rhs), np.array(lhs), rtol, rtol * scale, rel_floor=0)
         if m.ratio > 1:
             names = ", ".join(op.inputs[k].name for k in group)
             raise ctx.fail("d", f"adjoint test in ({names}): sum <u, VJP(c)> (analytic) != <op(u), c> (expected); "
@@ -373,7 +380,7 @@ def check_f_kinks(ctx: Context) -> None:
         if expected[k] is None:
             continue
         name = ctx.op.inputs[k].name
-        m = worst_mismatch(g, expected[k], rtol, rtol * max(1.0, float(np.max(np.abs(c), initial=0))))
+        m = worst_mismatch(g, expected[k], rtol, rtol * max(1.0, float(np.max(np.abs(c), initial=0))), rel_floor=0)
         if m.ratio > 1:
             raise ctx.fail("f", f"at a kink the gradient for {name!r} breaks the declared convention "
                            f"({kinks.convention})", m, input=name, rtol=rtol)
