@@ -47,7 +47,8 @@ class Mismatch:
     analytic: float
     expected: float
     abs_error: float
-    rel_error: float
+    rel_error: float  # floored (see worst_mismatch): what the summary table reports
+    plain_rel_error: float = 0.0  # |a - b| / max(|a|, |b|): what a failure report shows
 
 
 def worst_mismatch(analytic: np.ndarray, expected: np.ndarray, rtol: float, atol: float,
@@ -70,8 +71,9 @@ def worst_mismatch(analytic: np.ndarray, expected: np.ndarray, rtol: float, atol
     index = tuple(int(i) for i in np.unravel_index(flat, ratio.shape))
     floor = atol / rtol if rel_floor is None else rel_floor
     rel = float(diff.flat[flat] / max(big.flat[flat], floor, 1e-300)) if np.isfinite(diff.flat[flat]) else np.inf
+    plain = float(diff.flat[flat] / max(big.flat[flat], 1e-300)) if np.isfinite(diff.flat[flat]) else np.inf
     return Mismatch(float(ratio.flat[flat]), index, float(a.flat[flat]), float(b.flat[flat]),
-                    float(diff.flat[flat]), rel)
+                    float(diff.flat[flat]), rel, plain)
 
 
 @dataclass
@@ -113,7 +115,7 @@ class Context:
         if mismatch is not None:
             failure.index = mismatch.index
             failure.analytic, failure.numeric = mismatch.analytic, mismatch.expected
-            failure.abs_error, failure.rel_error = mismatch.abs_error, mismatch.rel_error
+            failure.abs_error, failure.rel_error = mismatch.abs_error, mismatch.plain_rel_error
         return CheckFailure(failure)
 
     def forward(self, arrays: Sequence[np.ndarray]) -> np.ndarray:
