@@ -200,7 +200,20 @@ class Operator:
         self._gradient_reason = reason
 
     def lowering(self, fn: Callable[..., Any]) -> Callable[..., Any]:
-        """Attach the LLVM lowering used by ``opgrad.compile`` (see ``docs/compiler.md``)."""
+        """Attach the LLVM lowering used by ``opgrad.compile`` (see ``docs/compiler.md``).
+
+        Calling convention: ``fn(kb, call, out, *inputs) -> View | None`` where ``kb`` is an
+        ``opgrad.compiler.KernelBuilder``, ``call`` the graph node (read ``call.attrs``, shapes,
+        dtypes), ``out`` a dense row-major ``View`` of the result buffer and ``inputs`` one
+        ``View`` per operator input, in declaration order. Input views may be strided, broadcast
+        (0-strides), constants folded into code (``kb.scalar``) or, for int inputs, int32/int64.
+        Either write ``out`` with builder primitives (``kb.elementwise``, ``kb.map_reduce``,
+        ``kb.matmul``, ``kb.conv2d_*``, ``kb.pool2d*``, ``kb.temporary`` for scratch) and return
+        None, or return a view of an input (a reshape, a transpose, a broadcast) and write
+        nothing. Handle float32 and float64 alike (the views carry the dtype). Never use an int
+        input as an address: compare it with ``kb.iota`` instead. Keep the function in the
+        op's registry file, right below its gradient (or sampler), with the formula as docstring.
+        """
         self._lowering = fn
         return fn
 

@@ -41,6 +41,12 @@ def _avg_pool2d_cases(d):
     return draw_pool_case(d, "data")
 
 
+@avg_pool2d.lowering
+def _avg_pool2d_lowering(kb, call, out, data):
+    """out = sum of each window / (kh*kw)"""
+    kb.pool2d(out, data, call.attrs["pool_size"], call.attrs["strides"], call.attrs["padding"], "avg")
+
+
 avg_pool2d_backward = Operator(
     "avg_pool2d_backward",
     inputs=[
@@ -80,3 +86,9 @@ def _avg_pool2d_backward_gradient(call, grad):
 @avg_pool2d_backward.sampler
 def _avg_pool2d_backward_cases(d):
     return draw_pool_case(d, "pooled,data")
+
+
+@avg_pool2d_backward.lowering
+def _avg_pool2d_backward_lowering(kb, call, out, grad, data):
+    """out = grad / (kh*kw) spread over each window"""
+    kb.pool2d_scatter(out, grad, None, call.attrs["pool_size"], call.attrs["strides"], call.attrs["padding"])

@@ -65,3 +65,9 @@ def _bias_add_cases(d):
     shape = d.shape(min_rank=1, max_rank=4)
     axis = d.int(-len(shape), len(shape) - 1)
     return Case([shape, (shape[axis],)], {"axis": axis})
+
+
+@bias_add.lowering
+def _bias_add_lowering(kb, call, out, data, bias):
+    """out = data + bias laid along axis"""
+    kb.elementwise(out, [data, bias.along(call.attrs["axis"], out.shape)], lambda s, v: s.add(v[0], v[1]))

@@ -59,3 +59,12 @@ def _collapse_sum_like_gradient(call, grad):
 def _collapse_sum_like_cases(d):
     shape = d.shape(max_rank=4)
     return Case([shape, d.broadcastable_to(shape)])
+
+
+@collapse_sum_like.lowering
+def _collapse_sum_like_lowering(kb, call, out, data, like):
+    """out = sum of data over the axes broadcasting added or stretched"""
+    lead = data.ndim - like.ndim
+    kept = tuple(1 if i < lead else like.shape[i - lead] for i in range(data.ndim))
+    axes = [i for i in range(data.ndim) if kept[i] == 1 and data.shape[i] != 1]
+    kb.reduce(out.reshape(kept), data, axes, "sum")

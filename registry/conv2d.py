@@ -125,6 +125,12 @@ def _conv2d_cases(d):
     return Case([(g["n"], g["c"], *g["hw"]), (g["o"], g["c"], *g["kernel"])], g["window"])
 
 
+@conv2d.lowering
+def _conv2d_lowering(kb, call, out, data, weight):
+    """out = W @ im2col(data) as one GEMM; im2col is gathered while packing, never stored"""
+    kb.conv2d_forward(out, data, weight, **call.attrs)
+
+
 # ----- conv2d_backward_input -----
 
 conv2d_backward_input = Operator(
@@ -189,6 +195,13 @@ def _conv2d_backward_input_cases(d):
     return Case([(g["n"], g["o"], *g["out"]), (g["o"], g["c"], *g["kernel"])], {**g["window"], "input_size": g["hw"]})
 
 
+@conv2d_backward_input.lowering
+def _conv2d_backward_input_lowering(kb, call, out, grad, weight):
+    """out = col2im(W^T @ grad)"""
+    window = {k: call.attrs[k] for k in ("strides", "padding", "dilation")}
+    kb.conv2d_backward_data(out, grad, weight, **window)
+
+
 # ----- conv2d_backward_weight -----
 
 conv2d_backward_weight = Operator(
@@ -238,3 +251,10 @@ def _conv2d_backward_weight_gradient(call, grad):
 def _conv2d_backward_weight_cases(d):
     g = draw_conv_geometry(d)
     return Case([(g["n"], g["o"], *g["out"]), (g["n"], g["c"], *g["hw"])], {**g["window"], "kernel_size": g["kernel"]})
+
+
+@conv2d_backward_weight.lowering
+def _conv2d_backward_weight_lowering(kb, call, out, grad, data):
+    """out = grad @ im2col(data)^T as one GEMM"""
+    window = {k: call.attrs[k] for k in ("strides", "padding", "dilation")}
+    kb.conv2d_backward_weight(out, grad, data, **window)

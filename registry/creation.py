@@ -29,6 +29,12 @@ def _zeros_like_forward(like: np.ndarray) -> np.ndarray:
     return np.zeros_like(like)
 
 
+@zeros_like.lowering
+def _zeros_like_lowering(kb, call, out, like):
+    """out = 0 (a constant view: consumers fold it, no memory is written)"""
+    return kb.scalar(0.0, out.dtype, out.shape)
+
+
 ones_like = Operator(
     "ones_like",
     inputs=[Input("like", differentiable=False, doc="only its shape and dtype are read")],
@@ -40,6 +46,12 @@ ones_like.shape_rule(_like_shape)
 @ones_like.reference
 def _ones_like_forward(like: np.ndarray) -> np.ndarray:
     return np.ones_like(like)
+
+
+@ones_like.lowering
+def _ones_like_lowering(kb, call, out, like):
+    """out = 1 (a constant view: consumers fold it, no memory is written)"""
+    return kb.scalar(1.0, out.dtype, out.shape)
 
 
 def _float_dtype(value: Any) -> str:
@@ -86,3 +98,10 @@ def _one_hot_forward(labels: np.ndarray, depth: int, dtype: str) -> np.ndarray:
 @one_hot.sampler
 def _one_hot_cases(d):
     return Case([(d.size(),)], {"depth": d.size(), "dtype": d.choice(["float32", "float64"])})
+
+
+@one_hot.lowering
+def _one_hot_lowering(kb, call, out, labels):
+    """out[n, c] = 1.0 if labels[n] == c else 0.0 (compared, never used as an address)"""
+    rows = labels.expand_dims(1).broadcast_to(out.shape)
+    kb.elementwise(out, [rows, kb.iota(out.shape, 1)], lambda s, v: s.mask(s.cmp("oeq", v[0], v[1])))

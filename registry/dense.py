@@ -51,3 +51,9 @@ def _dense_gradient(call, grad):
         ops.dense(grad, ops.transpose(weight)),
         ops.dense(ops.transpose(grad), ops.transpose(data)),
     ]
+
+
+@dense.lowering
+def _dense_lowering(kb, call, out, data, weight):
+    """out = data @ weight.T as one GEMM; transposed operands (as in the gradient) are strides"""
+    kb.matmul(out, data, weight.T)

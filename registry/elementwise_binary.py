@@ -35,6 +35,12 @@ def _add_gradient(call, grad):
     return [grad, grad]
 
 
+@add.lowering
+def _add_lowering(kb, call, out, lhs, rhs):
+    """out = lhs + rhs, one loop over the broadcast views"""
+    kb.elementwise(out, [lhs, rhs], lambda s, v: s.add(v[0], v[1]), broadcast=True)
+
+
 # ----- subtract -----
 
 subtract = Operator(
@@ -56,6 +62,12 @@ def _subtract_forward(lhs: np.ndarray, rhs: np.ndarray) -> np.ndarray:
 def _subtract_gradient(call, grad):
     """d_lhs = grad ; d_rhs = -grad"""
     return [grad, ops.negative(grad)]
+
+
+@subtract.lowering
+def _subtract_lowering(kb, call, out, lhs, rhs):
+    """out = lhs - rhs, one loop over the broadcast views"""
+    kb.elementwise(out, [lhs, rhs], lambda s, v: s.sub(v[0], v[1]), broadcast=True)
 
 
 # ----- multiply -----
@@ -82,6 +94,12 @@ def _multiply_gradient(call, grad):
     return [ops.multiply(grad, rhs), ops.multiply(grad, lhs)]
 
 
+@multiply.lowering
+def _multiply_lowering(kb, call, out, lhs, rhs):
+    """out = lhs * rhs, one loop over the broadcast views"""
+    kb.elementwise(out, [lhs, rhs], lambda s, v: s.mul(v[0], v[1]), broadcast=True)
+
+
 # ----- divide -----
 
 divide = Operator(
@@ -105,3 +123,9 @@ def _divide_gradient(call, grad):
     _, rhs = call.args
     d_lhs = ops.divide(grad, rhs)
     return [d_lhs, ops.negative(ops.multiply(d_lhs, call))]
+
+
+@divide.lowering
+def _divide_lowering(kb, call, out, lhs, rhs):
+    """out = lhs / rhs, one loop over the broadcast views"""
+    kb.elementwise(out, [lhs, rhs], lambda s, v: s.div(v[0], v[1]), broadcast=True)

@@ -29,6 +29,12 @@ def _negative_gradient(call, grad):
     return [ops.negative(grad)]
 
 
+@negative.lowering
+def _negative_lowering(kb, call, out, data):
+    """out = -data"""
+    kb.elementwise(out, [data], lambda s, v: s.neg(v[0]))
+
+
 # ----- exp -----
 
 exp = Operator("exp", inputs=[Input("data")], doc="e ** data.")
@@ -44,6 +50,12 @@ def _exp_forward(data: np.ndarray) -> np.ndarray:
 def _exp_gradient(call, grad):
     """d_data = grad * exp(data)"""
     return [ops.multiply(grad, call)]
+
+
+@exp.lowering
+def _exp_lowering(kb, call, out, data):
+    """out = exp(data)"""
+    kb.elementwise(out, [data], lambda s, v: s.call("exp", v[0]))
 
 
 # ----- log -----
@@ -63,6 +75,12 @@ def _log_gradient(call, grad):
     return [ops.divide(grad, call.args[0])]
 
 
+@log.lowering
+def _log_lowering(kb, call, out, data):
+    """out = log(data)"""
+    kb.elementwise(out, [data], lambda s, v: s.call("log", v[0]))
+
+
 # ----- sqrt -----
 
 sqrt = Operator("sqrt", inputs=[Input("data", domain=POSITIVE)], doc="Square root (data > 0); used by Adam.")
@@ -78,6 +96,12 @@ def _sqrt_forward(data: np.ndarray) -> np.ndarray:
 def _sqrt_gradient(call, grad):
     """d_data = grad / (2 sqrt(data))"""
     return [ops.divide(ops.multiply(grad, 0.5), call)]
+
+
+@sqrt.lowering
+def _sqrt_lowering(kb, call, out, data):
+    """out = sqrt(data)"""
+    kb.elementwise(out, [data], lambda s, v: s.call("sqrt", v[0]))
 
 
 # ----- sigmoid -----
@@ -103,6 +127,18 @@ def _sigmoid_gradient(call, grad):
     return [ops.multiply(grad, ops.multiply(call, ops.subtract(1.0, call)))]
 
 
+@sigmoid.lowering
+def _sigmoid_lowering(kb, call, out, data):
+    """out = 1 / (1 + e) if data >= 0 else e / (1 + e), e = exp(-|data|): no overflow either side"""
+
+    def body(s, v):
+        e = s.call("exp", s.neg(s.call("fabs", v[0])))
+        d = s.add(s.const(1.0), e)
+        return s.select(s.cmp("oge", v[0], s.const(0.0)), s.div(s.const(1.0), d), s.div(e, d))
+
+    kb.elementwise(out, [data], body)
+
+
 # ----- tanh -----
 
 tanh = Operator("tanh", inputs=[Input("data")], doc="Hyperbolic tangent.")
@@ -118,3 +154,9 @@ def _tanh_forward(data: np.ndarray) -> np.ndarray:
 def _tanh_gradient(call, grad):
     """d_data = grad * (1 - t^2), t = tanh(data)"""
     return [ops.multiply(grad, ops.subtract(1.0, ops.multiply(call, call)))]
+
+
+@tanh.lowering
+def _tanh_lowering(kb, call, out, data):
+    """out = tanh(data)"""
+    kb.elementwise(out, [data], lambda s, v: s.call("tanh", v[0]))

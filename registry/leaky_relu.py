@@ -68,3 +68,11 @@ def _leaky_relu_gradient(call, grad):
 @leaky_relu.sampler
 def _leaky_relu_cases(d):
     return Case([d.shape()], {"alpha": d.choice([0.01, 0.2, 0.5])})
+
+
+@leaky_relu.lowering
+def _leaky_relu_lowering(kb, call, out, data):
+    """out = data if data > 0 else alpha * data"""
+    alpha = kb.scalar(call.attrs["alpha"], out.dtype)
+    kb.elementwise(out, [data, alpha], lambda s, v: s.select(s.cmp("ogt", v[0], s.const(0.0)), v[0],
+                                                             s.mul(v[1], v[0])), broadcast=True)

@@ -100,6 +100,12 @@ def _max_pool2d_cases(d):
     return draw_pool_case(d, "data")
 
 
+@max_pool2d.lowering
+def _max_pool2d_lowering(kb, call, out, data):
+    """out = max of each window (padding skipped)"""
+    kb.pool2d(out, data, call.attrs["pool_size"], call.attrs["strides"], call.attrs["padding"], "max")
+
+
 # ----- max_pool2d_backward -----
 
 
@@ -151,6 +157,12 @@ def _max_pool2d_backward_cases(d):
     return draw_pool_case(d, "pooled,data")
 
 
+@max_pool2d_backward.lowering
+def _max_pool2d_backward_lowering(kb, call, out, grad, data):
+    """out = grad added at the first maximum of each window of data"""
+    kb.pool2d_scatter(out, grad, data, call.attrs["pool_size"], call.attrs["strides"], call.attrs["padding"])
+
+
 # ----- max_pool2d_gather -----
 
 max_pool2d_gather = Operator(
@@ -194,3 +206,9 @@ def _max_pool2d_gather_gradient(call, grad):
 @max_pool2d_gather.sampler
 def _max_pool2d_gather_cases(d):
     return draw_pool_case(d, "data,data")
+
+
+@max_pool2d_gather.lowering
+def _max_pool2d_gather_lowering(kb, call, out, values, data):
+    """out = values at the first maximum of each window of data"""
+    kb.pool2d_argmax_gather(out, values, data, call.attrs["pool_size"], call.attrs["strides"], call.attrs["padding"])

@@ -76,3 +76,9 @@ def _sum_cases(d):
     axes = d.subset([a - len(shape) if d.bool() else a for a in range(len(shape))])  # some negative
     axis = (axes[0] if len(axes) == 1 and d.bool() else axes) if d.int(0, 3) else None
     return Case([shape], {"axis": axis, "keepdims": d.bool()})
+
+
+@sum.lowering
+def _sum_lowering(kb, call, out, data):
+    """out = sum(data, axis) (keepdims or not: the output view says which)"""
+    kb.reduce(out, data, call.attrs["axis"], "sum")

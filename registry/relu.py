@@ -51,3 +51,9 @@ def _relu_gradient(call, grad):
     """d_data = grad * (data > 0)"""
     data = call.args[0]
     return [ops.multiply(grad, ops.greater(data, ops.zeros_like(data)))]
+
+
+@relu.lowering
+def _relu_lowering(kb, call, out, data):
+    """out = max(data, 0)"""
+    kb.elementwise(out, [data], lambda s, v: s.max(v[0], s.const(0.0)))

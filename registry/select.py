@@ -31,6 +31,12 @@ def _greater_forward(lhs: np.ndarray, rhs: np.ndarray) -> np.ndarray:
     return (lhs > rhs).astype(np.result_type(lhs, rhs))
 
 
+@greater.lowering
+def _greater_lowering(kb, call, out, lhs, rhs):
+    """out = 1.0 where lhs > rhs else 0.0"""
+    kb.elementwise(out, [lhs, rhs], lambda s, v: s.mask(s.cmp("ogt", v[0], v[1])), broadcast=True)
+
+
 # ----- where -----
 
 where = Operator(
@@ -59,3 +65,10 @@ def _where_gradient(call, grad):
     condition = call.args[0]
     zeros = ops.zeros_like(grad)
     return [None, ops.where(condition, grad, zeros), ops.where(condition, zeros, grad)]
+
+
+@where.lowering
+def _where_lowering(kb, call, out, condition, on_true, on_false):
+    """out = on_true where condition != 0 else on_false"""
+    kb.elementwise(out, [condition, on_true, on_false],
+                   lambda s, v: s.select(s.cmp("une", v[0], s.const(0.0)), v[1], v[2]), broadcast=True)

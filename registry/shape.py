@@ -60,6 +60,12 @@ def _transpose_cases(d):
     return Case([shape], {"axes": d.permutation(len(shape)) if d.int(0, 3) else None})
 
 
+@transpose.lowering
+def _transpose_lowering(kb, call, out, data):
+    """a view with permuted strides: consumers (a GEMM, a loop) read through it, nothing is copied"""
+    return data.permute(call.attrs["axes"])
+
+
 # ----- reshape -----
 
 
@@ -116,6 +122,15 @@ def _reshape_cases(d):
     return Case([shape], {"shape": tuple(target)})
 
 
+@reshape.lowering
+def _reshape_lowering(kb, call, out, data):
+    """a view of dense data under the new shape; a strided input is copied into out first"""
+    view = data.reshape(out.shape)
+    if view is None:
+        kb.elementwise(out.reshape(data.shape), [data], lambda s, v: v[0])
+    return view
+
+
 # ----- flatten -----
 
 flatten = Operator(
@@ -147,6 +162,15 @@ def _flatten_gradient(call, grad):
 @flatten.sampler
 def _flatten_cases(d):
     return Case([d.shape(min_rank=1, max_rank=4)])
+
+
+@flatten.lowering
+def _flatten_lowering(kb, call, out, data):
+    """a view of dense data as (N, rest); a strided input is copied into out first"""
+    view = data.reshape(out.shape)
+    if view is None:
+        kb.elementwise(out.reshape(data.shape), [data], lambda s, v: v[0])
+    return view
 
 
 # ----- broadcast_to -----
@@ -185,3 +209,9 @@ def _broadcast_to_gradient(call, grad):
 def _broadcast_to_cases(d):
     shape = d.shape()
     return Case([shape], {"shape": d.broadcast_target(shape)})
+
+
+@broadcast_to.lowering
+def _broadcast_to_lowering(kb, call, out, data):
+    """a view with 0-strides along the broadcast axes: never materialized"""
+    return data.broadcast_to(out.shape)

@@ -54,6 +54,24 @@ def _softmax_cases(d):
     return Case([shape], {"axis": d.int(-len(shape), len(shape) - 1)})
 
 
+def softmax_row_stats(kb, data, axis):
+    """(max, sum(exp(data - max))) along axis, keepdims, broadcast back to data's shape"""
+    kept = tuple(1 if i == axis else d for i, d in enumerate(data.shape))
+    top = kb.temporary(kept, data.dtype)
+    kb.reduce(top, data, [axis], "max")
+    top = top.broadcast_to(data.shape)
+    total = kb.temporary(kept, data.dtype)
+    kb.map_reduce(total, [data, top], [axis], "sum", lambda s, v: s.call("exp", s.sub(v[0], v[1])))
+    return top, total.broadcast_to(data.shape)
+
+
+@softmax.lowering
+def _softmax_lowering(kb, call, out, data):
+    """out = exp(data - max) / sum(exp(data - max)) along axis"""
+    top, total = softmax_row_stats(kb, data, call.attrs["axis"])
+    kb.elementwise(out, [data, top, total], lambda s, v: s.div(s.call("exp", s.sub(v[0], v[1])), v[2]))
+
+
 log_softmax = Operator(
     "log_softmax",
     inputs=[Input("data")],
@@ -77,3 +95,10 @@ def _log_softmax_gradient(call, grad):
 
 
 log_softmax.sampler(_softmax_cases)
+
+
+@log_softmax.lowering
+def _log_softmax_lowering(kb, call, out, data):
+    """out = data - max - log(sum(exp(data - max))) along axis"""
+    top, total = softmax_row_stats(kb, data, call.attrs["axis"])
+    kb.elementwise(out, [data, top, total], lambda s, v: s.sub(s.sub(v[0], v[1]), s.call("log", v[2])))

@@ -58,3 +58,23 @@ def _sce_gradient(call, grad):
     onehot = ops.one_hot(labels, depth=classes, dtype=logits.dtype)
     scale = ops.divide(grad, float(batch))
     return [ops.multiply(ops.subtract(ops.softmax(logits, axis=1), onehot), scale), None]
+
+
+@softmax_cross_entropy.lowering
+def _sce_lowering(kb, call, out, logits, labels):
+    """out = mean over n of max + log(sum(exp(logits - max))) - logits[n, labels[n]]
+
+    The label column is selected by comparing with an iota, so a label is never an address.
+    """
+    from opgrad.registry.softmax import softmax_row_stats
+
+    top, total = softmax_row_stats(kb, logits, 1)
+    rows = labels.expand_dims(1).broadcast_to(logits.shape)
+
+    def picked_loss(s, v):
+        x, m, z, label, column = v
+        loss = s.sub(s.add(m, s.call("log", z)), x)
+        return s.select(s.cmp("oeq", label, column), loss, s.const(0.0))
+
+    kb.map_reduce(out, [logits, top, total, rows, kb.iota(logits.shape, 1)], [0, 1], "sum", picked_loss,
+                  scale=1.0 / logits.shape[0])

@@ -8,11 +8,28 @@ Public surface for the layers above (phase 2 lowerings call only these):
 from .builder import CompiledGraph, KernelBuilder, Scalar, View
 from .conv import Conv2dGeometry
 from .gemm import GemmSpec, IndexMap, Operand
+from .graph import CompiledFunction, compile
 from .jit import NativeModule, ObjectCache, host_target
 from .kernels import CompiledKernel, Conv2dKernels, conv2d_geometry, conv2d_kernels, gemm, gemm_kernel
 
 __all__ = [
-    "CompiledGraph", "CompiledKernel", "Conv2dGeometry", "Conv2dKernels", "GemmSpec", "IndexMap",
-    "KernelBuilder", "NativeModule", "ObjectCache", "Operand", "Scalar", "View", "conv2d_geometry",
-    "conv2d_kernels", "gemm", "gemm_kernel", "host_target",
+    "CompiledFunction",
+    "CompiledGraph",
+    "CompiledKernel",
+    "Conv2dGeometry",
+    "Conv2dKernels",
+    "GemmSpec",
+    "IndexMap",
+    "KernelBuilder",
+    "NativeModule",
+    "ObjectCache",
+    "Operand",
+    "Scalar",
+    "View",
+    "compile",
+    "conv2d_geometry",
+    "conv2d_kernels",
+    "gemm",
+    "gemm_kernel",
+    "host_target",
 ]

@@ -1,18 +1,26 @@
 """KernelBuilder: the narrow API through which operators lower themselves into one LLVM module.
 
-Phase 2 turns a whole graph (forward + backward) into ONE function ``void entry(ptr bufs, ptr ws)``
-where ``bufs`` is an array of buffer pointers, so a step costs one ctypes call. Each operator's
-lowering receives a :class:`KernelBuilder` and calls a handful of primitives on strided views:
+A whole graph (forward + backward + optimizer update) becomes ONE function
+``void entry(ptr bufs, ptr ws)`` where ``bufs`` is an array of buffer pointers, so a step costs
+one ctypes call. Each operator's lowering receives a :class:`KernelBuilder` and calls a handful of
+primitives on strided :class:`View` objects:
 
 * :meth:`KernelBuilder.elementwise` - ``out[idx] = body(in_1[idx], ...)``; broadcasting is a
   0-stride in an input view, so the builder never needs to know an operator's semantics;
-* :meth:`KernelBuilder.reduce` - sum/max/min over axes (reassociation allowed: it vectorizes);
-* :meth:`KernelBuilder.gemm` and :meth:`KernelBuilder.conv2d` - the heavy primitives.
+* :meth:`KernelBuilder.map_reduce` / :meth:`KernelBuilder.reduce` - sum/max/min over axes of an
+  elementwise body (reassociation allowed: it vectorizes);
+* :meth:`KernelBuilder.matmul`, :meth:`KernelBuilder.conv` - the heavy primitives (transposes are
+  strides of the GEMM operands, never copies); :mod:`.windows` adds the pooling primitives;
+* :meth:`KernelBuilder.temporary` / :meth:`KernelBuilder.contiguous` - scratch buffers whose
+  memory the graph compiler plans with everything else.
 
-The builder never sees operator names. Bodies are written against :class:`Scalar`, a tiny
-expression emitter over one element type. Outputs must not overlap inputs (pointers are
-``noalias``), which the buffer planner guarantees. Large loops are split over the thread pool by
-output rows, so results do not depend on the thread count.
+Elementwise and reduce steps are recorded, not emitted, until :meth:`KernelBuilder.finish`; in
+between, :meth:`KernelBuilder.fuse` inlines an elementwise producer into its only consumer, so
+chains such as ``greater -> multiply`` (relu's gradient) or an optimizer's update run as one loop
+and their intermediate buffers vanish. The builder never sees operator names. Bodies are written
+against :class:`Scalar`, a tiny expression emitter over one element type. Outputs must not
+overlap inputs (pointers are ``noalias``), which the buffer planner guarantees. Large loops are
+split over the thread pool by output rows, so results do not depend on the thread count.
 """
 
 from __future__ import annotations
@@ -20,11 +28,12 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import math
+from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 from .conv import Conv2dGeometry, emit_conv2d_backward_data, emit_conv2d_backward_weight, emit_conv2d_forward
-from .gemm import GemmSpec, emit_gemm
+from .gemm import GemmSpec, IndexMap, Operand, emit_gemm
 from .irtext import BYTES, FAST, LLVM_TYPE, FunctionEmitter, ModuleEmitter, float_const
 from .jit import NativeModule, register_symbol
 from .threads import PARALLEL_FOR, PARALLEL_FOR_DECL, pool
@@ -32,24 +41,61 @@ from .threads import PARALLEL_FOR, PARALLEL_FOR_DECL, pool
 #: Loops with fewer output elements than this run on the calling thread.
 PARALLEL_MIN_ELEMENTS = 1 << 16
 
+#: Pseudo buffer of an index view: its element value is its own (flat, strided) offset.
+IOTA = -1
+#: Pseudo buffer of a scalar constant view: every element is ``View.value``, baked into the code.
+CONSTANT = -2
+
+INT_TYPE = {"int32": "i32", "int64": "i64"}
+ELEMENT_BYTES = {**BYTES, "int32": 4, "int64": 8}
+
 
 @dataclass(frozen=True)
 class View:
-    """A strided view into buffer ``buffer`` (index into the entry's pointer array), in elements."""
+    """A strided view into buffer ``buffer`` (index into the entry's pointer array), in elements.
+
+    Two pseudo buffers need no memory: :data:`IOTA` views (:meth:`iota`) yield their index along
+    an axis, :data:`CONSTANT` views (:meth:`scalar`) yield ``value`` everywhere.
+    """
 
     buffer: int
     shape: tuple[int, ...]
     strides: tuple[int, ...]
     offset: int = 0
     dtype: str = "float32"
+    value: float | None = None
 
     @staticmethod
     def contiguous(buffer: int, shape: Sequence[int], dtype: str = "float32", offset: int = 0) -> View:
-        strides, acc = [], 1
-        for d in reversed(shape):
-            strides.append(acc)
-            acc *= d
-        return View(buffer, tuple(shape), tuple(reversed(strides)), offset, dtype)
+        return View(buffer, tuple(shape), _row_major(shape), offset, dtype)
+
+    @staticmethod
+    def iota(shape: Sequence[int], axis: int) -> View:
+        """The index along ``axis`` at every position of ``shape`` (e.g. the class column for one_hot)."""
+        strides = tuple(1 if d == axis % len(shape) else 0 for d in range(len(shape)))
+        return View(IOTA, tuple(shape), strides, 0, "index")
+
+    @staticmethod
+    def scalar(value: float, dtype: str, shape: Sequence[int] = ()) -> View:
+        """A constant folded into the generated code (no load, no buffer)."""
+        return View(CONSTANT, tuple(shape), (0,) * len(shape), 0, dtype, float(value))
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def is_memory(self) -> bool:
+        return self.buffer >= 0
+
+    @property
+    def is_contiguous(self) -> bool:
+        """Row-major dense (dims of extent 1 may have any stride)."""
+        return all(d == 1 or s == e for d, s, e in zip(self.shape, self.strides, _row_major(self.shape), strict=True))
 
     def broadcast_to(self, shape: Sequence[int]) -> View:
         """Right-aligned numpy broadcasting expressed as 0-strides."""
@@ -58,7 +104,50 @@ class View:
         dims = (1,) * pad + self.shape
         strides = (0,) * pad + self.strides
         new = tuple(0 if d == 1 and s != 1 else st for d, s, st in zip(dims, shape, strides, strict=True))
-        return View(self.buffer, shape, new, self.offset, self.dtype)
+        return replace(self, shape=shape, strides=new)
+
+    def permute(self, axes: Sequence[int]) -> View:
+        """numpy.transpose as a view: only the strides move."""
+        return replace(self, shape=tuple(self.shape[a] for a in axes), strides=tuple(self.strides[a] for a in axes))
+
+    @property
+    def T(self) -> View:
+        return self.permute(tuple(reversed(range(self.ndim))))
+
+    def reshape(self, shape: Sequence[int]) -> View | None:
+        """The same elements in row-major order under ``shape``; None if that needs a copy."""
+        shape = tuple(shape)
+        assert math.prod(shape) == self.size, f"cannot reshape {self.shape} to {shape}"
+        if self.buffer == CONSTANT:
+            return View.scalar(self.value or 0.0, self.dtype, shape)
+        if not self.is_contiguous:
+            return None
+        return replace(self, shape=shape, strides=_row_major(shape))
+
+    def expand_dims(self, axis: int) -> View:
+        """Insert a unit axis at ``axis`` (then :meth:`broadcast_to` can stretch it)."""
+        axis = axis % (self.ndim + 1)
+        return replace(self, shape=(*self.shape[:axis], 1, *self.shape[axis:]),
+                       strides=(*self.strides[:axis], 0, *self.strides[axis:]))
+
+    def along(self, axis: int, shape: Sequence[int]) -> View:
+        """This 1-D view laid along ``axis`` of ``shape`` and broadcast over the other axes."""
+        assert self.ndim == 1 and self.shape[0] == tuple(shape)[axis], f"{self.shape} along axis {axis} of {shape}"
+        strides = tuple(self.strides[0] if d == axis else 0 for d in range(len(shape)))
+        return replace(self, shape=tuple(shape), strides=strides)
+
+    def element(self, index: Sequence[int]) -> View:
+        """A 0-d view of one element (e.g. one scalar of a batch)."""
+        off = self.offset + sum(i * s for i, s in zip(index, self.strides, strict=True))
+        return replace(self, shape=(), strides=(), offset=off)
+
+
+def _row_major(shape: Sequence[int]) -> tuple[int, ...]:
+    strides, acc = [], 1
+    for d in reversed(tuple(shape)):
+        strides.append(acc)
+        acc *= d
+    return tuple(reversed(strides))
 
 
 class Scalar:
@@ -66,6 +155,7 @@ class Scalar:
 
     def __init__(self, f: FunctionEmitter, dtype: str) -> None:
         self.f = f
+        self.dtype = dtype
         self.t = LLVM_TYPE[dtype]
 
     def const(self, value: float) -> str:
@@ -101,11 +191,15 @@ class Scalar:
         return self.call("minnum", a, b)
 
     def cmp(self, pred: str, a: str, b: str) -> str:
-        """Ordered float compare (``olt``, ``ogt``, ``oeq``, ...) -> i1."""
+        """Float compare (``olt``, ``ogt``, ``oeq``, ``une``, ...) -> i1."""
         return self.f.val(f"fcmp {pred} {self.t} {a}, {b}", "fc")
 
     def select(self, cond: str, a: str, b: str) -> str:
         return self.f.select(cond, self.t, a, b)
+
+    def mask(self, cond: str) -> str:
+        """An i1 as 1.0 / 0.0 of this type."""
+        return self.f.val(f"uitofp i1 {cond} to {self.t}", "mask")
 
 
 def _suffix(t: str) -> str:
@@ -116,122 +210,226 @@ def _suffix(t: str) -> str:
 Body = Callable[[Scalar, list[str]], str]
 
 
-class KernelBuilder:
-    """Accumulates lowered operations, in call order, into one entry ``void name(ptr bufs, ptr ws)``."""
+def _identity(s: Scalar, v: list[str]) -> str:
+    return v[0]
 
-    def __init__(self, name: str = "graph") -> None:
+
+@dataclass
+class Step:
+    """One recorded operation. ``kind`` is ``ew`` (elementwise), ``red`` (map-reduce) or ``call``
+    (an already emitted function called with ``call_buffers``); ``reads``/``writes`` list the
+    memory buffers it touches, which is all the buffer planner and the fusion pass need."""
+
+    kind: str
+    out: View | None = None
+    inputs: list[View] = field(default_factory=list)
+    body: Body = _identity
+    axes: tuple[int, ...] = ()
+    op: str = "sum"
+    scale: float = 1.0
+    call: str = ""
+    call_buffers: list[int] = field(default_factory=list)
+    reads: list[int] = field(default_factory=list)
+    writes: list[int] = field(default_factory=list)
+
+    @staticmethod
+    def of_views(kind: str, out: View, inputs: list[View], **kw: object) -> Step:
+        return Step(kind, out, inputs, reads=[v.buffer for v in inputs if v.is_memory], writes=[out.buffer], **kw)  # type: ignore[arg-type]
+
+
+class KernelBuilder:
+    """Accumulates lowered operations, in call order, into one entry ``void name(ptr bufs, ptr ws)``.
+
+    ``allocate(shape, dtype) -> buffer index`` provides scratch buffers (see :meth:`temporary`);
+    the graph compiler passes its buffer planner here. Standalone users number buffers themselves.
+    """
+
+    def __init__(self, name: str = "graph", allocate: Callable[[tuple[int, ...], str], int] | None = None) -> None:
         self.m = ModuleEmitter(name)
         self.m.declare(PARALLEL_FOR, PARALLEL_FOR_DECL)
         self.name = name
-        self._steps: list[tuple[str, list[int]]] = []  # (function, buffer indices)
+        self.steps: list[Step] = []
         self.workspace_per_thread = 0
+        self._allocate = allocate
         self._count = 0
 
-    def _fresh(self, kind: str) -> str:
+    def fresh(self, kind: str) -> str:
+        """A function name unique in this module."""
         self._count += 1
         return f"{self.name}.{kind}{self._count}"
 
+    # ----- buffers -----
+
+    def temporary(self, shape: Sequence[int], dtype: str) -> View:
+        """A fresh contiguous scratch buffer; the planner gives it memory only while it is live."""
+        if self._allocate is None:
+            raise RuntimeError("this KernelBuilder has no buffer allocator; pass allocate= to create temporaries")
+        return View.contiguous(self._allocate(tuple(shape), dtype), shape, dtype)
+
+    def contiguous(self, view: View) -> View:
+        """``view`` itself if it is dense row-major memory at offset 0, else a copy that is."""
+        if view.is_memory and view.is_contiguous and view.offset == 0:
+            return replace(view, strides=_row_major(view.shape))
+        tmp = self.temporary(view.shape, view.dtype)
+        self.elementwise(tmp, [view], _identity)
+        return tmp
+
+    @staticmethod
+    def scalar(value: float, dtype: str, shape: Sequence[int] = ()) -> View:
+        """A constant view (:meth:`View.scalar`), so lowerings need not import this module."""
+        return View.scalar(value, dtype, shape)
+
+    @staticmethod
+    def iota(shape: Sequence[int], axis: int) -> View:
+        """The index along ``axis`` (:meth:`View.iota`)."""
+        return View.iota(shape, axis)
+
     # ----- elementwise -----
 
-    def elementwise(self, out: View, inputs: Sequence[View], body: Body) -> None:
-        """``out[i] = body(inputs[0][i], ...)`` over ``out.shape``; inputs are views of that shape."""
-        assert all(v.shape == out.shape for v in inputs), "broadcast inputs with View.broadcast_to first"
-        views = [out, *inputs]
-        shape, strides = _collapse(out.shape, [v.strides for v in views])
-        name = self._fresh("ew")
-        f = self._loop_function(name, views, shape[0] if shape else 1)
-        ptrs = [f.gep(LLVM_TYPE[v.dtype], f"%p{i}", str(v.offset)) for i, v in enumerate(views)]
-        s = Scalar(f, inputs[0].dtype if inputs else out.dtype)
+    def elementwise(self, out: View, inputs: Sequence[View], body: Body, broadcast: bool = False) -> None:
+        """``out[i] = body(inputs[0][i], ...)`` over ``out.shape``; inputs are views of that shape,
+        or are broadcast to it (numpy rules) when ``broadcast`` is true.
 
-        def nest(level: int, offs: list[str]) -> None:
-            if level == len(shape):
-                vals = [f.load(LLVM_TYPE[v.dtype], f.gep(LLVM_TYPE[v.dtype], p, o))
-                        for v, p, o in zip(views[1:], ptrs[1:], offs[1:], strict=True)]
-                f.store(LLVM_TYPE[out.dtype], body(s, vals), f.gep(LLVM_TYPE[out.dtype], ptrs[0], offs[0]))
-                return
-            lo, hi = ("%lo", "%hi") if level == 0 else ("0", str(shape[level]))
-            with f.loop(lo, hi, hint=f"e{level}") as i:
-                nest(level + 1, [f.add(o, f.mul(i, st[level])) for o, st in zip(offs, strides, strict=True)])
+        Int inputs are converted to ``out``'s float type; iota and scalar views need no memory.
+        """
+        if broadcast:
+            inputs = [v.broadcast_to(out.shape) for v in inputs]
+        for v in inputs:
+            assert v.shape == out.shape, f"input view {v.shape} != output {out.shape}: broadcast_to first"
+            assert v.buffer != out.buffer, "an output must not alias an input (pointers are noalias)"
+        if out.size:
+            self.steps.append(Step.of_views("ew", out, list(inputs), body=body))
 
-        nest(0, ["0"] * len(views))
-        f.ret_void()
-        f.finish()
-        self._add_parallel(name, views, shape[0] if shape else 1, math.prod(out.shape))
+    def fill(self, out: View, value: float) -> None:
+        self.elementwise(out, [], lambda s, v: s.const(value))
 
     # ----- reductions -----
 
-    def reduce(self, out: View, inp: View, axes: Sequence[int], op: str = "sum", scale: float = 1.0) -> None:
-        """``out = scale * op(inp, axes)``; ``out.shape`` is ``inp.shape`` with ``axes`` set to 1.
+    def map_reduce(self, out: View, inputs: Sequence[View], axes: Sequence[int], op: str = "sum",
+                   body: Body = _identity, scale: float = 1.0) -> None:
+        """``out = scale * op over axes of body(inputs...)``; inputs share one shape.
 
-        ``op`` is ``sum``, ``max`` or ``min``. The reduced axes run innermost with reassociation
-        allowed, so contiguous reductions vectorize; the order is fixed at compile time.
+        ``out`` has that shape with ``axes`` set to 1 (keepdims) or removed. ``op`` is ``sum``,
+        ``max`` or ``min``. Reduced axes run innermost with reassociation allowed, so contiguous
+        reductions vectorize; the order is fixed at compile time (no thread splits a reduction).
         """
-        axes = sorted(a % len(inp.shape) for a in axes)
-        keep = [d for d in range(len(inp.shape)) if d not in axes]
-        t = LLVM_TYPE[inp.dtype]
-        init = {"sum": 0.0, "max": -math.inf, "min": math.inf}[op]
-        kshape = [inp.shape[d] for d in keep] or [1]
-        kin = [inp.strides[d] for d in keep] or [0]
-        kout = [out.strides[d] for d in keep] or [0]
-        name = self._fresh("red")
-        f = self._loop_function(name, [out, inp], kshape[0])
-        pout = f.gep(t, "%p0", str(out.offset))
-        pin = f.gep(t, "%p1", str(inp.offset))
-        s = Scalar(f, inp.dtype)
-        acc = f.alloca(t, "acc")
+        shape = inputs[0].shape
+        axes = tuple(sorted({a % len(shape) for a in axes})) if shape else ()
+        keep = [d for d in range(len(shape)) if d not in axes]
+        if out.ndim == len(shape) and out.ndim != len(keep):
+            out = replace(out, shape=tuple(shape[d] for d in keep), strides=tuple(out.strides[d] for d in keep))
+        assert out.shape == tuple(shape[d] for d in keep), f"reduce output {out.shape} for input {shape} axes {axes}"
+        assert op in ("sum", "max", "min")
+        if out.size:
+            self.steps.append(Step.of_views("red", out, list(inputs), body=body, axes=axes, op=op, scale=scale))
 
-        def inner(level: int, off: str) -> None:
-            if level == len(axes):
-                v = f.load(t, f.gep(t, pin, off))
-                cur = f.load(t, acc)
-                f.store(t, s.add(cur, v) if op == "sum" else getattr(s, op)(cur, v), acc)
-                return
-            with f.loop(0, inp.shape[axes[level]], hint=f"r{level}") as i:
-                inner(level + 1, f.add(off, f.mul(i, inp.strides[axes[level]])))
-
-        def outer(level: int, oin: str, oout: str) -> None:
-            if level == len(kshape):
-                f.store(t, s.const(init), acc)
-                inner(0, oin)
-                res = f.load(t, acc)
-                if scale != 1.0:
-                    res = s.mul(res, s.const(scale))
-                f.store(t, res, f.gep(t, pout, oout))
-                return
-            lo, hi = ("%lo", "%hi") if level == 0 else ("0", str(kshape[level]))
-            with f.loop(lo, hi, hint=f"o{level}") as i:
-                outer(level + 1, f.add(oin, f.mul(i, kin[level])), f.add(oout, f.mul(i, kout[level])))
-
-        outer(0, "0", "0")
-        f.ret_void()
-        f.finish()
-        self._add_parallel(name, [out, inp], kshape[0], math.prod(kshape))
+    def reduce(self, out: View, inp: View, axes: Sequence[int], op: str = "sum", scale: float = 1.0) -> None:
+        """``out = scale * op(inp, axes)``; see :meth:`map_reduce`."""
+        self.map_reduce(out, [inp], axes, op, _identity, scale)
 
     # ----- heavy primitives -----
 
+    def matmul(self, out: View, a: View, b: View, alpha: float = 1.0, accumulate: bool = False) -> None:
+        """``out (=|+=) alpha * a @ b`` for 2-D views of any strides (a transpose is a stride swap)."""
+        (m, k), (k2, n) = a.shape, b.shape
+        assert k == k2 and out.shape == (m, n), f"matmul {a.shape} @ {b.shape} -> {out.shape}"
+        if out.size == 0:
+            return
+        if k == 0:
+            if not accumulate:
+                self.fill(out, 0.0)
+            return
+        a, b = (v if v.is_memory else self.contiguous(v) for v in (a, b))
+        spec = GemmSpec(m, n, k, _operand(a), _operand(b), _operand(out), out.dtype, alpha, accumulate)
+        self.gemm(spec, a.buffer, b.buffer, out.buffer)
+
     def gemm(self, spec: GemmSpec, a: int, b: int, c: int) -> None:
         """``C (=|+=) alpha * A @ B`` with the layouts in ``spec``; a, b, c are buffer indices."""
-        plan = emit_gemm(self.m, spec, self._fresh("gemm"))
-        self._steps.append((plan.names["entry"], [a, b, c]))
-        self.workspace_per_thread = max(self.workspace_per_thread, plan.workspace_per_thread)
+        plan = emit_gemm(self.m, spec, self.fresh("gemm"))
+        reads = [a, b, c] if spec.accumulate else [a, b]
+        self.add_call(plan.names["entry"], [a, b, c], reads, [c], plan.workspace_per_thread)
+
+    def conv(self, pass_: str, geom: Conv2dGeometry, out: View, first: View, second: View) -> None:
+        """A conv2d pass on views: ``forward`` (x, w) -> y, ``backward_data`` (dy, w) -> dx,
+        ``backward_weight`` (x, dy) -> dw. Non-dense operands are copied to scratch first."""
+        if out.size == 0:
+            return
+        if geom.ckk == 0 or geom.n == 0:
+            self.fill(out, 0.0)
+            return
+        a, b = self.contiguous(first), self.contiguous(second)
+        dst = out if out.is_contiguous and out.offset == 0 else self.temporary(out.shape, out.dtype)
+        self.conv2d(geom, pass_, (a.buffer, b.buffer, dst.buffer))
+        if dst is not out:
+            self.elementwise(out, [dst], _identity)
 
     def conv2d(self, geom: Conv2dGeometry, pass_: str, buffers: tuple[int, int, int]) -> None:
         """One conv pass: ``forward`` (x, w, y), ``backward_data`` (dy, w, dx), ``backward_weight`` (x, dy, dw)."""
         emit = {"forward": emit_conv2d_forward, "backward_data": emit_conv2d_backward_data,
                 "backward_weight": emit_conv2d_backward_weight}[pass_]
-        entry = emit(self.m, geom, self._fresh("conv"))
-        self._steps.append((entry.entry, list(buffers)))
-        self.workspace_per_thread = max(self.workspace_per_thread, entry.workspace_per_thread)
+        entry = emit(self.m, geom, self.fresh("conv"))
+        self.add_call(entry.entry, list(buffers), list(buffers[:2]), [buffers[2]], entry.workspace_per_thread)
 
-    # ----- assembly -----
+    def conv2d_forward(self, out: View, data: View, weight: View, strides: Sequence[int],
+                       padding: Sequence[int], dilation: Sequence[int]) -> None:
+        """``out = conv2d(data NCHW, weight OIHW)``; padding ``(ph, pw)`` on both sides."""
+        geom = Conv2dGeometry.make(data.shape, weight.shape, tuple(strides), tuple(padding), tuple(dilation), out.dtype)
+        self.conv("forward", geom, out, data, weight)
 
-    def _loop_function(self, name: str, views: Sequence[View], outer: int) -> FunctionEmitter:
-        params = [("ptr noalias", f"p{i}") for i in range(len(views))] + [("i64", "lo"), ("i64", "hi")]
+    def conv2d_backward_data(self, out: View, grad: View, weight: View, strides: Sequence[int],
+                             padding: Sequence[int], dilation: Sequence[int]) -> None:
+        """``out`` (the data's shape) = the transposed convolution of ``grad`` by ``weight``."""
+        geom = Conv2dGeometry.make(out.shape, weight.shape, tuple(strides), tuple(padding), tuple(dilation), out.dtype)
+        self.conv("backward_data", geom, out, grad, weight)
+
+    def conv2d_backward_weight(self, out: View, grad: View, data: View, strides: Sequence[int],
+                               padding: Sequence[int], dilation: Sequence[int]) -> None:
+        """``out`` (the weight's shape) = the correlation of ``grad`` with ``data``."""
+        geom = Conv2dGeometry.make(data.shape, out.shape, tuple(strides), tuple(padding), tuple(dilation), out.dtype)
+        self.conv("backward_weight", geom, out, data, grad)
+
+    def pool2d(self, out: View, data: View, pool: Sequence[int], strides: Sequence[int], padding: Sequence[int],
+               op: str) -> None:
+        """Window max or mean (``op`` = ``max`` | ``avg``) over NCHW ``data``; see :mod:`.windows`."""
+        from .windows import Window2d, pool2d
+
+        pool2d(self, out, data, Window2d(tuple(pool), tuple(strides), tuple(padding)), op)  # type: ignore[arg-type]
+
+    def pool2d_argmax_gather(self, out: View, values: View, data: View, pool: Sequence[int],
+                             strides: Sequence[int], padding: Sequence[int]) -> None:
+        """``values`` read at the first maximum of each window of ``data``."""
+        from .windows import Window2d, pool2d_argmax_gather
+
+        win = Window2d(tuple(pool), tuple(strides), tuple(padding))  # type: ignore[arg-type]
+        pool2d_argmax_gather(self, out, values, data, win)
+
+    def pool2d_scatter(self, out: View, grad: View, data: View | None, pool: Sequence[int],
+                       strides: Sequence[int], padding: Sequence[int]) -> None:
+        """Adjoint of a window reduction: spread ``grad`` (``data=None``) or add it at each window's argmax."""
+        from .windows import Window2d, pool2d_scatter
+
+        pool2d_scatter(self, out, grad, data, Window2d(tuple(pool), tuple(strides), tuple(padding)))  # type: ignore[arg-type]
+
+    # ----- extension points for primitive modules (e.g. windows.py) -----
+
+    def add_call(self, fn: str, buffers: list[int], reads: list[int], writes: list[int], workspace: int = 0) -> None:
+        """Record a call of emitted ``void fn(ptr buf..., ptr ws)``."""
+        self.steps.append(Step("call", call=fn, call_buffers=buffers, reads=reads, writes=writes))
+        self.workspace_per_thread = max(self.workspace_per_thread, workspace)
+
+    def loop_function(self, name: str, nptrs: int) -> FunctionEmitter:
+        """``internal void name(ptr noalias p0..., i64 lo, i64 hi)``: the body of a parallel loop."""
+        params = [("ptr noalias", f"p{i}") for i in range(nptrs)] + [("i64", "lo"), ("i64", "hi")]
         return FunctionEmitter(self.m, name, params, linkage="internal")
 
-    def _add_parallel(self, name: str, views: Sequence[View], outer: int, elements: int) -> None:
-        """Wrap ``name(p..., lo, hi)`` so that the outermost loop is split over threads if large."""
-        n = len(views)
+    def add_parallel(self, name: str, buffers: list[int], outer: int, work: int, reads: list[int],
+                     writes: list[int]) -> None:
+        """Record ``name(p..., lo, hi)`` over ``[0, outer)``, split over threads when ``work`` is large."""
+        call = self._parallel_task(name, len(buffers), outer, work)
+        self.steps.append(Step("call", call=call, call_buffers=buffers, reads=reads, writes=writes))
+
+    def _parallel_task(self, name: str, n: int, outer: int, work: int) -> str:
+        """Emit ``name.task(ctx, tid, nt)`` running share ``tid`` of ``[0, outer)``; returns the call tag."""
         f = FunctionEmitter(self.m, name + ".task", [("ptr", "ctx"), ("i32", "tid"), ("i32", "nt")],
                             linkage="internal")
         ptrs = [f.load("ptr", f.gep("ptr", "%ctx", str(i))) for i in range(n)]
@@ -241,17 +439,68 @@ class KernelBuilder:
         f.call("void", "@" + name, [("ptr", p) for p in ptrs] + [("i64", lo), ("i64", hi)])
         f.ret_void()
         f.finish()
-        parallel = elements >= PARALLEL_MIN_ELEMENTS and outer > 1
-        self._steps.append((("par:" if parallel else "seq:") + name, [v.buffer for v in views]))
+        parallel = work >= PARALLEL_MIN_ELEMENTS and outer > 1
+        return ("par:" if parallel else "seq:") + name
+
+    # ----- fusion -----
+
+    def fuse(self, internal: set[int]) -> int:
+        """Inline elementwise producers into their only consumer; returns how many were inlined.
+
+        A producer is inlined when its output buffer is ``internal`` (not an argument, result or
+        constant of the graph), it is that buffer's only writer, the consumer is the only reader
+        and reads it through exactly the producer's output view, and no step in between writes
+        what the producer reads. Its buffer then disappears from the plan.
+        """
+        fused = 0
+        while True:
+            writers = Counter(b for st in self.steps for b in st.writes)
+            readers = Counter(b for st in self.steps for b in st.reads)
+            done = True
+            for j, consumer in enumerate(self.steps):
+                if consumer.kind not in ("ew", "red"):
+                    continue
+                for k, v in enumerate(consumer.inputs):
+                    if not (v.buffer in internal and writers[v.buffer] == 1 and readers[v.buffer] == 1):
+                        continue
+                    i = next(i for i, st in enumerate(self.steps) if v.buffer in st.writes)
+                    producer = self.steps[i]
+                    if not (i < j and producer.kind == "ew" and producer.out == v
+                            and v.dtype == (consumer.out.dtype if consumer.out else v.dtype)):
+                        continue
+                    between = {b for st in self.steps[i + 1 : j] for b in st.writes}
+                    if between & set(producer.reads):
+                        continue
+                    consumer.inputs = [*consumer.inputs[:k], *producer.inputs, *consumer.inputs[k + 1 :]]
+                    consumer.body = _compose(consumer.body, k, producer.body, len(producer.inputs))
+                    consumer.reads = [u.buffer for u in consumer.inputs if u.is_memory]
+                    del self.steps[i]
+                    fused += 1
+                    done = False
+                    break
+                if not done:
+                    break
+            if done:
+                return fused
+
+    # ----- assembly -----
 
     def finish(self) -> str:
-        """Emit the entry that runs every step in order; returns the module's IR text."""
+        """Emit every step and the entry that runs them in order; returns the module's IR text."""
+        calls: list[tuple[str, list[int]]] = []
+        for st in self.steps:
+            if st.kind == "ew":
+                calls.append(self._emit_elementwise(st))
+            elif st.kind == "red":
+                calls.append(self._emit_reduce(st))
+            else:
+                calls.append((st.call, st.call_buffers))
         f = FunctionEmitter(self.m, self.name, [("ptr", "bufs"), ("ptr", "ws")])
-        for fn, bufs in self._steps:
+        for fn, bufs in calls:
             ptrs = [f.load("ptr", f.gep("ptr", "%bufs", str(b))) for b in bufs]
             if fn.startswith(("par:", "seq:")):
                 mode, base = fn.split(":", 1)
-                ctx = f.alloca(f"[{len(ptrs)} x ptr]", "ctx", align=8)
+                ctx = f.alloca(f"[{max(1, len(ptrs))} x ptr]", "ctx", align=8)
                 for i, p in enumerate(ptrs):
                     f.store("ptr", p, f.gep("ptr", ctx, str(i)))
                 if mode == "par":
@@ -264,12 +513,124 @@ class KernelBuilder:
         f.finish()
         return self.m.text()
 
+    def _emit_elementwise(self, st: Step) -> tuple[str, list[int]]:
+        out = st.out
+        assert out is not None
+        views = [out, *st.inputs]
+        shape, strides = _collapse(out.shape, [v.strides for v in views])
+        name = self.fresh("ew")
+        mem = [i for i, v in enumerate(views) if v.is_memory]
+        f = self.loop_function(name, len(mem))
+        ptrs = {i: f.gep(_elem_type(views[i].dtype), f"%p{n}", str(views[i].offset)) for n, i in enumerate(mem)}
+        s = Scalar(f, out.dtype)
+
+        def nest(level: int, offs: list[str]) -> None:
+            if level == len(shape):
+                vals = [_load(s, v, ptrs.get(i + 1), offs[i + 1]) for i, v in enumerate(st.inputs)]
+                f.store(s.t, st.body(s, vals), f.gep(s.t, ptrs[0], offs[0]))
+                return
+            lo, hi = ("%lo", "%hi") if level == 0 else ("0", str(shape[level]))
+            with f.loop(lo, hi, hint=f"e{level}") as i:
+                nest(level + 1, [f.add(o, f.mul(i, st_[level])) for o, st_ in zip(offs, strides, strict=True)])
+
+        nest(0, ["0"] * len(views))
+        f.ret_void()
+        f.finish()
+        return self._parallel_task(name, len(mem), shape[0], out.size), [views[i].buffer for i in mem]
+
+    def _emit_reduce(self, st: Step) -> tuple[str, list[int]]:
+        out = st.out
+        assert out is not None
+        shape = st.inputs[0].shape
+        keep = [d for d in range(len(shape)) if d not in st.axes]
+        views = [out, *st.inputs]
+        mem = [i for i, v in enumerate(views) if v.is_memory]
+        s_dtype = out.dtype
+        init = {"sum": 0.0, "max": -math.inf, "min": math.inf}[st.op]
+        kshape = [shape[d] for d in keep] or [1]
+        kstrides = [[out.strides[n] for n in range(len(keep))] or [0]]
+        kstrides += [[v.strides[d] for d in keep] or [0] for v in st.inputs]
+        name = self.fresh("red")
+        f = self.loop_function(name, len(mem))
+        t = LLVM_TYPE[s_dtype]
+        ptrs = {i: f.gep(_elem_type(views[i].dtype), f"%p{n}", str(views[i].offset)) for n, i in enumerate(mem)}
+        s = Scalar(f, s_dtype)
+        acc = f.alloca(t, "acc")
+
+        def inner(level: int, offs: list[str]) -> None:
+            if level == len(st.axes):
+                vals = [_load(s, v, ptrs.get(i + 1), offs[i]) for i, v in enumerate(st.inputs)]
+                v = st.body(s, vals)
+                cur = f.load(t, acc)
+                f.store(t, s.add(cur, v) if st.op == "sum" else getattr(s, st.op)(cur, v), acc)
+                return
+            ax = st.axes[level]
+            with f.loop(0, shape[ax], hint=f"r{level}") as i:
+                inner(level + 1, [f.add(o, f.mul(i, u.strides[ax])) for o, u in zip(offs, st.inputs, strict=True)])
+
+        def outer(level: int, offs: list[str]) -> None:
+            if level == len(kshape):
+                f.store(t, s.const(init), acc)
+                inner(0, offs[1:])
+                res = f.load(t, acc)
+                if st.scale != 1.0:
+                    res = s.mul(res, s.const(st.scale))
+                f.store(t, res, f.gep(t, ptrs[0], offs[0]))
+                return
+            lo, hi = ("%lo", "%hi") if level == 0 else ("0", str(kshape[level]))
+            with f.loop(lo, hi, hint=f"o{level}") as i:
+                outer(level + 1, [f.add(o, f.mul(i, ks[level])) for o, ks in zip(offs, kstrides, strict=True)])
+
+        outer(0, ["0"] * len(views))
+        f.ret_void()
+        f.finish()
+        work = math.prod(shape) if shape else 1
+        return self._parallel_task(name, len(mem), kshape[0], work), [views[i].buffer for i in mem]
+
     def compile(self) -> CompiledGraph:
         """Finish, compile (disk-cached) and wrap the entry for ctypes."""
         _register_libm()
         nthreads = pool().nthreads
         module = NativeModule(self.finish())
         return CompiledGraph(module, self.name, self.workspace_per_thread * nthreads)
+
+
+def _compose(outer: Body, k: int, inner: Body, n_inner: int) -> Body:
+    """The consumer body with its ``k``-th input computed by ``inner`` from ``n_inner`` inputs."""
+
+    def body(s: Scalar, vals: list[str]) -> str:
+        produced = inner(s, vals[k : k + n_inner])
+        return outer(s, [*vals[:k], produced, *vals[k + n_inner :]])
+
+    return body
+
+
+def _elem_type(dtype: str) -> str:
+    return LLVM_TYPE.get(dtype) or INT_TYPE[dtype]
+
+
+def _load(s: Scalar, v: View, ptr: str | None, off: str) -> str:
+    """The value of ``v`` at element offset ``off``, as ``s``'s float type."""
+    f = s.f
+    if v.buffer == CONSTANT:
+        return s.const(v.value or 0.0)
+    if v.buffer == IOTA:
+        return f.val(f"sitofp i64 {f.add(off, v.offset)} to {s.t}", "idx")
+    assert ptr is not None
+    if v.dtype in INT_TYPE:
+        it = INT_TYPE[v.dtype]
+        return f.val(f"sitofp {it} {f.load(it, f.gep(it, ptr, off))} to {s.t}", "itof")
+    t = LLVM_TYPE[v.dtype]
+    val = f.load(t, f.gep(t, ptr, off))
+    if t != s.t:
+        val = f.val(f"{'fpext' if t == 'float' else 'fptrunc'} {t} {val} to {s.t}", "cvt")
+    return val
+
+
+def _operand(v: View) -> Operand:
+    """A 2-D view as a GEMM operand: the view's offset is the row map's base."""
+    (m, n), (rs, cs) = v.shape, v.strides
+    return Operand(IndexMap.strided(m, rs, v.offset), IndexMap.strided(n, cs))
 
 
 class CompiledGraph:
@@ -327,4 +688,4 @@ def _register_libm() -> None:
     _libm_done = True
 
 
-__all__ = ["BYTES", "Body", "CompiledGraph", "KernelBuilder", "Scalar", "View"]
+__all__ = ["BYTES", "CONSTANT", "IOTA", "Body", "CompiledGraph", "KernelBuilder", "Scalar", "Step", "View"]

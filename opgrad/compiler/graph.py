@@ -1,0 +1,279 @@
+"""``opgrad.compile``: a whole Function -> one LLVM module -> one native call per invocation.
+
+Pipeline (see ``docs/compiler.md``):
+
+1. walk the graph in topological order; every value gets a :class:`View` into a *virtual buffer*
+   (a parameter, a baked constant, a result array, or an internal intermediate);
+2. each call's operator lowers itself (``op.lowering_fn(kb, call, out, *inputs)``) onto the
+   :class:`KernelBuilder`; a lowering may instead return a view of an input (reshape, transpose,
+   broadcast_to cost nothing), and the compiler copies only where a result needs its own array;
+3. :meth:`KernelBuilder.fuse` inlines elementwise producers into their consumers;
+4. :func:`plan_arena` gives the remaining internal buffers offsets in one arena, reusing memory
+   of buffers whose lifetimes (first to last step touching them) do not overlap;
+5. the module is optimized at O3 for the host (or loaded from the object cache) and called through
+   a pointer table that is built once; a call only patches argument and result addresses.
+
+Arguments are validated in Python before the native call (count, dtype, shape; integer inputs
+against their declared ``int_range``), so no input can make the native code read out of bounds.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from opgrad.errors import ArgumentError
+from opgrad.ir import Call, Const, Function, Var, topological_order
+from opgrad.reference import check_arguments
+
+from .builder import ELEMENT_BYTES, KernelBuilder, View, _register_libm
+from .jit import CompileTimes, NativeModule
+from .threads import pool
+
+_ALIGN = 64
+
+
+@dataclass
+class Buffer:
+    """A virtual buffer: ``kind`` is ``param``, ``const``, ``result`` or ``internal``."""
+
+    kind: str
+    shape: tuple[int, ...]
+    dtype: str
+    index: int = -1  # parameter or result position
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * ELEMENT_BYTES[self.dtype]
+
+
+@dataclass(frozen=True)
+class RangeCheck:
+    """An integer parameter that must lie in ``[low, high)`` because ``op``'s ``input`` says so."""
+
+    param: int
+    op: str
+    input: str
+    low: int
+    high: int
+
+
+def plan_arena(sizes: dict[int, int], lifetimes: dict[int, tuple[int, int]]) -> tuple[dict[int, int], int]:
+    """Offsets for buffers so that two buffers live at the same step never overlap in memory.
+
+    Greedy by size (largest first), each placed at the lowest offset that clears every already
+    placed buffer whose lifetime intersects its own; returns (offsets, arena bytes).
+    """
+    placed: list[tuple[int, int, int, int]] = []  # (offset, end, first, last)
+    offsets: dict[int, int] = {}
+    for b in sorted(sizes, key=lambda b: (-sizes[b], b)):
+        first, last = lifetimes[b]
+        size = -(-sizes[b] // _ALIGN) * _ALIGN or _ALIGN
+        conflicts = sorted((o, e) for o, e, f0, l0 in placed if f0 <= last and first <= l0)
+        offset = 0
+        for o, e in conflicts:
+            if offset + size <= o:
+                break
+            offset = max(offset, e)
+        offsets[b] = offset
+        placed.append((offset, offset + size, first, last))
+    return offsets, max((e for _, e, _, _ in placed), default=0)
+
+
+class _Lowering:
+    """Turns a Function into KernelBuilder steps over virtual buffers."""
+
+    def __init__(self, fn: Function) -> None:
+        self.fn = fn
+        self.buffers: list[Buffer] = []
+        self.consts: dict[int, np.ndarray] = {}
+        self.kb = KernelBuilder("opgrad_graph", allocate=lambda shape, dtype: self.new("internal", shape, dtype))
+        self.checks: list[RangeCheck] = []
+
+    def new(self, kind: str, shape: tuple[int, ...], dtype: str, index: int = -1) -> int:
+        self.buffers.append(Buffer(kind, tuple(shape), dtype, index))
+        return len(self.buffers) - 1
+
+    def run(self) -> list[int]:
+        fn = self.fn
+        views: dict[int, View] = {}
+        for i, p in enumerate(fn.params):
+            views[p._uid] = View.contiguous(self.new("param", p.shape, p.dtype, i), p.shape, p.dtype)
+        result_of: dict[int, int] = {}
+        results = []
+        for i, out in enumerate(fn.outputs):
+            results.append(self.new("result", out.shape, out.dtype, i))
+            if isinstance(out, Call):
+                result_of.setdefault(out._uid, results[-1])
+        for node in topological_order(fn.outputs):
+            if node._uid in views:
+                continue
+            if isinstance(node, Const):
+                views[node._uid] = self._const(node)
+            elif isinstance(node, Call):
+                views[node._uid] = self._call(node, views, result_of.get(node._uid))
+            else:
+                raise TypeError(f"unexpected node {node!r}")
+        for i, out in enumerate(fn.outputs):  # results not computed in place: copy (rarely needed)
+            target = View.contiguous(results[i], out.shape, out.dtype)
+            if views[out._uid] != target:
+                self.kb.elementwise(target, [views[out._uid]], lambda s, v: v[0])
+        return results
+
+    def _const(self, node: Const) -> View:
+        value = node.value
+        if value.size == 1 and value.dtype.kind == "f":
+            return View.scalar(float(value.reshape(-1)[0]), node.dtype, node.shape)
+        index = self.new("const", node.shape, node.dtype)
+        self.consts[index] = np.ascontiguousarray(value)
+        return View.contiguous(index, node.shape, node.dtype)
+
+    def _call(self, call: Call, views: dict[int, View], result: int | None) -> View:
+        lower = call.op.lowering_fn
+        if lower is None:
+            raise NotImplementedError(
+                f"opgrad.compile: operator {call.op.name!r} has no lowering; add '@{call.op.name}.lowering' "
+                f"in registry/{call.op.module}.py (see docs/compiler.md)"
+            )
+        self._range_checks(call)
+        index = result if result is not None else self.new("internal", call.shape, call.dtype)
+        out = View.contiguous(index, call.shape, call.dtype)
+        if call.type.size == 0:
+            return out
+        aliased = lower(self.kb, call, out, *(views[a._uid] for a in call.args))
+        return aliased if aliased is not None else out
+
+    def _range_checks(self, call: Call) -> None:
+        for spec, arg in zip(call.op.inputs, call.args, strict=True):
+            if spec.kind != "int" or spec.int_range is None:
+                continue
+            low, high = spec.int_range[0], _resolve(call, spec.int_range[1])
+            if isinstance(arg, Var):
+                self.checks.append(RangeCheck(self.fn.params.index(arg), call.op.name, spec.name, low, high))
+            elif isinstance(arg, Const):
+                _check_range(arg.value, RangeCheck(-1, call.op.name, spec.name, low, high), "a constant")
+            else:
+                raise NotImplementedError(f"{call.op.name}: integer input {spec.name!r} computed in the graph "
+                                          "cannot be range-checked before the call")
+
+
+def _resolve(call: Call, bound: int | str) -> int:
+    """An ``int_range`` bound: an int, an attribute name, or a dims symbol of another input."""
+    if isinstance(bound, int):
+        return bound
+    if bound in call.attrs:
+        return int(call.attrs[bound])
+    for spec, arg in zip(call.op.inputs, call.args, strict=True):
+        if spec.dims and bound in spec.dims:
+            return arg.shape[spec.dims.index(bound)]
+    raise ValueError(f"{call.op.name}: cannot resolve int_range bound {bound!r}")
+
+
+def _check_range(arr: np.ndarray, check: RangeCheck, what: str) -> None:
+    if arr.size == 0:
+        return
+    lo, hi = arr.min(), arr.max()
+    if lo < check.low or hi >= check.high:
+        bad = int(lo) if lo < check.low else int(hi)
+        where = int(np.flatnonzero((arr < check.low) | (arr >= check.high))[0])
+        raise ArgumentError(
+            f"opgrad.compile: {what} feeds input {check.input!r} of {check.op} with value {bad} "
+            f"(at flat index {where}); valid range is [{check.low}, {check.high})"
+        )
+
+
+class CompiledFunction:
+    """A Function compiled to one native entry; call it like ``opgrad.evaluate(fn, ...)``.
+
+    Attributes: ``compile_seconds`` (wall time of ``opgrad.compile``), ``cache_hit`` (the object
+    came from the on-disk cache), ``times`` (parse/optimize/codegen/load split), ``ir`` (the
+    unoptimized LLVM IR text), ``arena_bytes``, ``steps`` and ``fused`` (plan statistics).
+
+    Arguments must match the parameters' dtype and shape exactly (no silent casts); arrays that
+    are not C-contiguous or not in native byte order are copied first (documented, not an error).
+    Calls on one object are serialized by a lock: the intermediate arena is shared.
+    """
+
+    def __init__(self, fn: Function) -> None:
+        t0 = time.perf_counter()
+        self.function = fn
+        low = _Lowering(fn)
+        results = low.run()
+        kb = low.kb
+        internal = {i for i, b in enumerate(low.buffers) if b.kind == "internal"}
+        self.fused = kb.fuse(internal)
+        lifetimes: dict[int, tuple[int, int]] = {}
+        for s, step in enumerate(kb.steps):
+            for b in (*step.reads, *step.writes):
+                if b in internal:
+                    first, _ = lifetimes.get(b, (s, s))
+                    lifetimes[b] = (first, s)
+        offsets, self.arena_bytes = plan_arena({b: low.buffers[b].nbytes for b in lifetimes}, lifetimes)
+        self.steps = len(kb.steps)
+        _register_libm()
+        nthreads = pool().nthreads
+        self.ir = kb.finish()
+        self._module = NativeModule(self.ir)
+        self.times: CompileTimes = self._module.times
+        self.cache_hit = self.times.cache_hit
+        self._fn = self._module.cfunc("opgrad_graph", None, ctypes.c_void_p, ctypes.c_void_p)
+        self._arena = np.zeros(self.arena_bytes + _ALIGN, np.uint8)
+        self._ws = np.zeros(kb.workspace_per_thread * nthreads + _ALIGN, np.uint8)
+        self._consts = low.consts
+        self._table = (ctypes.c_void_p * max(1, len(low.buffers)))()
+        self._table_addr = ctypes.addressof(self._table)
+        arena = _aligned(self._arena)
+        for b, off in offsets.items():
+            self._table[b] = arena + off
+        for b, arr in self._consts.items():
+            self._table[b] = arr.ctypes.data
+        self._params = [i for i, b in enumerate(low.buffers) if b.kind == "param"]
+        self._results = results
+        self._result_types = [(o.shape, np.dtype(o.dtype)) for o in fn.outputs]
+        self._checks = low.checks
+        self._ws_addr = _aligned(self._ws)
+        self._lock = threading.Lock()
+        self.compile_seconds = time.perf_counter() - t0
+
+    def __call__(self, *arrays: Any) -> np.ndarray | tuple[np.ndarray, ...]:
+        checked = check_arguments(self.function, arrays, who="opgrad.compile(...)")
+        for i, arr in enumerate(checked):
+            if not (arr.flags.c_contiguous and arr.dtype.isnative and arr.flags.aligned):
+                checked[i] = np.ascontiguousarray(arr, dtype=arr.dtype.newbyteorder("="))
+        for check in self._checks:
+            _check_range(checked[check.param], check, f"argument {self.function.params[check.param].name!r}")
+        outs = [np.empty(shape, dtype) for shape, dtype in self._result_types]
+        with self._lock:
+            table = self._table
+            for b, arr in zip(self._params, checked, strict=True):
+                table[b] = arr.ctypes.data
+            for b, arr in zip(self._results, outs, strict=True):
+                table[b] = arr.ctypes.data
+            self._fn(self._table_addr, self._ws_addr)
+        return tuple(outs) if self.function.returns_tuple else outs[0]
+
+    def __repr__(self) -> str:
+        return (f"<CompiledFunction {len(self.function.params)} params -> {len(self._results)} results, "
+                f"{self.steps} steps ({self.fused} fused), arena {self.arena_bytes} B, "
+                f"compiled in {self.compile_seconds:.3f} s{' (cache hit)' if self.cache_hit else ''}>")
+
+
+def _aligned(arr: np.ndarray) -> int:
+    addr = arr.ctypes.data
+    return addr + (-addr) % _ALIGN
+
+
+def compile(fn: Function) -> CompiledFunction:
+    """Compile ``fn`` (any Function, including those ``opgrad.grad`` returns) to native code."""
+    if not isinstance(fn, Function):
+        raise TypeError(f"opgrad.compile expects an opgrad.Function, got {type(fn).__name__}")
+    return CompiledFunction(fn)
+
+
+__all__ = ["CompiledFunction", "compile", "plan_arena"]

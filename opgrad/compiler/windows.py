@@ -1,0 +1,176 @@
+"""Pooling primitives for :class:`~opgrad.compiler.builder.KernelBuilder`: window reductions over
+NCHW views, the argmax gather, and the scatter (adjoint) of both.
+
+Each primitive is one loop over the ``N*C`` planes, split over threads by planes, so every output
+element is written by exactly one thread in a fixed order (deterministic for any thread count;
+overlapping windows of a scatter stay inside one plane). Inside a plane the loops are plain
+``for`` nests; when there is no padding the bounds checks are omitted at compile time, which is
+what lets LLVM vectorize the common non-overlapping 2x2 case.
+
+Semantics follow ``registry/_pooling.py``: padding never wins a max (it is skipped), counts as zero
+in an average whose divisor is always ``kh*kw``, and ties go to the first maximum in row-major
+window order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from .builder import KernelBuilder, Scalar, View, _elem_type
+from .irtext import LLVM_TYPE, FunctionEmitter
+
+
+@dataclass(frozen=True)
+class Window2d:
+    """Pool window ``(kh, kw)``, strides ``(sh, sw)`` and symmetric padding ``(ph, pw)``."""
+
+    pool: tuple[int, int]
+    strides: tuple[int, int]
+    padding: tuple[int, int]
+
+    def out_hw(self, h: int, w: int) -> tuple[int, int]:
+        (kh, kw), (sh, sw), (ph, pw) = self.pool, self.strides, self.padding
+        return (h + 2 * ph - kh) // sh + 1, (w + 2 * pw - kw) // sw + 1
+
+
+class _Planes:
+    """Scaffolding shared by the primitives: one function over planes ``[lo, hi)`` of 4-D views."""
+
+    def __init__(self, kb: KernelBuilder, kind: str, views: list[View]) -> None:
+        self.kb, self.views = kb, [v if v.is_memory else kb.contiguous(v) for v in views]
+        self.name = kb.fresh(kind)
+        self.f: FunctionEmitter = kb.loop_function(self.name, len(views))
+        self.s = Scalar(self.f, views[0].dtype)
+        self.channels = views[0].shape[1]
+
+    def planes(self) -> list[str]:
+        """Open the plane loop; returns each view's base pointer for the current (n, c) plane."""
+        f = self.f
+        self._loop = f.loop("%lo", "%hi", hint="pl")
+        plane = self._loop.__enter__()
+        n = f.val(f"udiv i64 {plane}, {self.channels}")
+        c = f.val(f"urem i64 {plane}, {self.channels}")
+        bases = []
+        for i, v in enumerate(self.views):
+            off = f.add(f.add(f.mul(n, v.strides[0]), f.mul(c, v.strides[1])), v.offset)
+            bases.append(f.gep(_elem_type(v.dtype), f"%p{i}", off))
+        return bases
+
+    def close(self) -> None:
+        self._loop.__exit__(None, None, None)
+        self.f.ret_void()
+        self.f.finish()
+        out, reads = self.views[0], self.views[1:]
+        work = max(v.size for v in self.views)
+        self.kb.add_parallel(self.name, [v.buffer for v in self.views], out.shape[0] * out.shape[1], work,
+                             [v.buffer for v in reads], [out.buffer])
+
+    def at(self, base: str, v: View, h: str, w: str) -> str:
+        """Pointer to element (h, w) of the plane of ``v`` starting at ``base``."""
+        f = self.f
+        return f.gep(LLVM_TYPE[v.dtype], base, f.add(f.mul(h, v.strides[2]), f.mul(w, v.strides[3])))
+
+
+def _taps(p: _Planes, win: Window2d, hw: tuple[int, int], oh: str, ow: str,
+          visit: Callable[[str, str], None]) -> None:
+    """Call ``visit(h, w)`` for each in-bounds tap of window (oh, ow), in row-major order."""
+    f = p.f
+    (kh, kw), (sh, sw), (ph, pw) = win.pool, win.strides, win.padding
+    with f.loop(0, kh, hint="ki") as ki, f.loop(0, kw, hint="kj") as kj:
+        h = f.add(f.mul(oh, sh), f.sub(ki, ph) if ph else ki)
+        w = f.add(f.mul(ow, sw), f.sub(kj, pw) if pw else kj)
+        if ph or pw:
+            ok = f.val(f"and i1 {f.icmp('ult', h, hw[0])}, {f.icmp('ult', w, hw[1])}")
+            with f.if_then(ok, "tap"):
+                visit(h, w)
+        else:
+            visit(h, w)
+
+
+def _argmax(p: _Planes, data: View, base: str, win: Window2d, oh: str, ow: str) -> tuple[str, str]:
+    """(h, w) of the first maximum of window (oh, ow) of ``data``; padding is skipped."""
+    f, s = p.f, p.s
+    best = f.var(s.t, s.const(float("-inf")), "best")
+    bh, bw, seen = f.var("i64", "0", "bh"), f.var("i64", "0", "bw"), f.var("i1", "false", "seen")
+
+    def visit(h: str, w: str) -> None:
+        v = f.load(s.t, p.at(base, data, h, w))
+        first = f.val(f"xor i1 {f.load('i1', seen)}, true")
+        better = f.val(f"or i1 {s.cmp('ogt', v, f.load(s.t, best))}, {first}")
+        with f.if_then(better, "better"):
+            f.store(s.t, v, best)
+            f.store("i64", h, bh)
+            f.store("i64", w, bw)
+            f.store("i1", "true", seen)
+
+    _taps(p, win, data.shape[2:], oh, ow, visit)
+    return f.load("i64", bh), f.load("i64", bw)
+
+
+def pool2d(kb: KernelBuilder, out: View, data: View, win: Window2d, op: str) -> None:
+    """``out[n,c,oh,ow]`` = max or mean (``op`` = ``max`` | ``avg``) of each window of ``data``."""
+    p = _Planes(kb, "pool", [out, data])
+    out, data = p.views
+    f, s = p.f, p.s
+    pout, pin = p.planes()
+    scale = 1.0 / (win.pool[0] * win.pool[1])
+    with f.loop(0, out.shape[2], hint="oh") as oh, f.loop(0, out.shape[3], hint="ow") as ow:
+        acc = f.var(s.t, s.const(float("-inf") if op == "max" else 0.0), "acc")
+
+        def visit(h: str, w: str) -> None:
+            v = f.load(s.t, p.at(pin, data, h, w))
+            cur = f.load(s.t, acc)
+            f.store(s.t, s.select(s.cmp("ogt", v, cur), v, cur) if op == "max" else s.add(cur, v), acc)
+
+        _taps(p, win, data.shape[2:], oh, ow, visit)
+        res = f.load(s.t, acc)
+        f.store(s.t, res if op == "max" else s.mul(res, s.const(scale)), p.at(pout, out, oh, ow))
+    p.close()
+
+
+def pool2d_argmax_gather(kb: KernelBuilder, out: View, values: View, data: View, win: Window2d) -> None:
+    """``out[n,c,oh,ow] = values`` at the first maximum of window (oh, ow) of ``data``."""
+    p = _Planes(kb, "poolgather", [out, values, data])
+    out, values, data = p.views
+    f, s = p.f, p.s
+    pout, pval, pdata = p.planes()
+    with f.loop(0, out.shape[2], hint="oh") as oh, f.loop(0, out.shape[3], hint="ow") as ow:
+        h, w = _argmax(p, data, pdata, win, oh, ow)
+        f.store(s.t, f.load(s.t, p.at(pval, values, h, w)), p.at(pout, out, oh, ow))
+    p.close()
+
+
+def pool2d_scatter(kb: KernelBuilder, out: View, grad: View, data: View | None, win: Window2d) -> None:
+    """The adjoint of a window reduction, written into ``out`` (the input's shape).
+
+    ``data=None``: each ``grad`` value spread as ``grad / (kh*kw)`` over its window (average);
+    otherwise added at the first maximum of the window of ``data`` (max).
+    """
+    views = [out, grad] + ([data] if data is not None else [])
+    p = _Planes(kb, "poolscatter", views)
+    out, grad = p.views[:2]
+    data = p.views[2] if data is not None else None
+    f, s = p.f, p.s
+    bases = p.planes()
+    pout, pgrad = bases[0], bases[1]
+    with f.loop(0, out.shape[2], hint="h") as h, f.loop(0, out.shape[3], hint="w") as w:
+        f.store(s.t, s.const(0.0), p.at(pout, out, h, w))
+    scale = 1.0 / (win.pool[0] * win.pool[1])
+    with f.loop(0, grad.shape[2], hint="oh") as oh, f.loop(0, grad.shape[3], hint="ow") as ow:
+        g = f.load(s.t, p.at(pgrad, grad, oh, ow))
+
+        def add(h: str, w: str, value: str) -> None:
+            ptr = p.at(pout, out, h, w)
+            f.store(s.t, s.add(f.load(s.t, ptr), value), ptr)
+
+        if data is None:
+            share = s.mul(g, s.const(scale))
+            _taps(p, win, out.shape[2:], oh, ow, lambda h, w: add(h, w, share))
+        else:
+            h, w = _argmax(p, data, bases[2], win, oh, ow)
+            add(h, w, g)
+    p.close()
+
+
+__all__ = ["Window2d", "pool2d", "pool2d_argmax_gather", "pool2d_scatter"]
