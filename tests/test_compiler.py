@@ -1,0 +1,321 @@
+"""opgrad.compile against the numpy reference: every op, random graphs, the seed CNN's gradient,
+the object cache across processes, and argument validation that keeps bad input out of native code.
+
+Tolerances (see docs/compiler.md): float64 must agree to ~1e-10 relative to the output's scale;
+float32 to 2e-5 of the output's scale for single ops (FMA contraction and reassociated sums
+round differently from numpy) and 1e-4 for whole gradient graphs, whose long chains of GEMMs
+and reductions accumulate more rounding.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import opgrad
+from opgrad import ops, registry
+from opgrad.checks import op_examples
+from opgrad.compiler import compile as compile_fn
+from opgrad.compiler.graph import plan_arena
+from opgrad.errors import ArgumentError
+from opgrad.op import Input, Operator
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))
+from test_seed_cnn_gradient import SHAPES, init, seed_cnn_loss  # noqa: E402
+
+#: (relative-to-scale tolerance) per dtype, for one op and for whole gradient graphs.
+OP_TOL = {"float64": 1e-10, "float32": 2e-5}
+GRAPH_TOL = {"float64": 1e-10, "float32": 1e-4}
+
+FEW = settings(max_examples=4, deadline=None, derandomize=True, database=None,
+               suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
+
+
+def assert_close(got: np.ndarray, want: np.ndarray, tol: float, what: str = "") -> None:
+    """|got - want| <= tol * max(1, max|want|) elementwise, with matching shape and dtype."""
+    assert got.shape == want.shape and got.dtype == want.dtype, (
+        f"{what}: {got.shape} {got.dtype} vs {want.shape} {want.dtype}")
+    scale = max(1.0, float(np.max(np.abs(want)))) if want.size else 1.0
+    np.testing.assert_allclose(got, want, rtol=0, atol=tol * scale, err_msg=what)
+
+
+def compare(fn: opgrad.Function, arrays: list[np.ndarray], tol: float) -> opgrad.compiler.CompiledFunction:
+    compiled = compile_fn(fn)
+    got, want = compiled(*arrays), opgrad.evaluate(fn, *arrays)
+    if not fn.returns_tuple:
+        got, want = (got,), (want,)
+    for i, (g, w) in enumerate(zip(got, want, strict=True)):
+        assert_close(g, w, tol, f"output {i}\n{fn}")
+    return compiled
+
+
+# ----- every op -----
+
+def test_every_registered_op_has_a_lowering() -> None:
+    missing = [op.name for op in registry.all_ops() if op.lowering_fn is None]
+    assert not missing, f"operators without an @op.lowering: {missing}"
+
+
+def test_an_op_without_lowering_is_a_clear_compile_error() -> None:
+    bare = Operator("bare_identity", inputs=[Input("data")])
+    bare.shape_rule(lambda t, attrs: t)
+    bare.reference(lambda a: a)
+    x = opgrad.var("x", (2,), "float64")
+    with pytest.raises(NotImplementedError, match="'bare_identity' has no lowering"):
+        compile_fn(opgrad.function([x], ops.exp(bare(x))))
+
+
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+@pytest.mark.parametrize("name", registry.names())
+def test_op_compiled_equals_reference(name: str, dtype: str) -> None:
+    """Cases (shapes, attrs, values) come from the op's declaration through opgrad.checks."""
+
+    @FEW
+    @given(op_examples(name, dtype))
+    def check(example) -> None:
+        params = [opgrad.var(f"in{i}", a.shape, a.dtype.name) for i, a in enumerate(example.arrays)]
+        fn = opgrad.function(params, example.op(*params, **example.case.attrs))
+        compare(fn, example.arrays, OP_TOL[dtype])
+
+    check()
+
+
+# ----- random small graphs -----
+
+_UNARY = {
+    "negative": ops.negative, "tanh": ops.tanh, "sigmoid": ops.sigmoid, "relu": ops.relu,
+    "exp_tanh": lambda x: ops.exp(ops.tanh(x)), "log_sigmoid": lambda x: ops.log(ops.sigmoid(x)),
+    "sqrt_sigmoid": lambda x: ops.sqrt(ops.sigmoid(x)), "leaky": lambda x: ops.leaky_relu(x, alpha=0.2),
+}
+
+
+@st.composite
+def random_graphs(draw, dtype: str):
+    """A Function of 1-3 params built by 2-7 shape-compatible random op applications."""
+    rank = draw(st.integers(1, 3))
+    shape = tuple(draw(st.integers(1, 4)) for _ in range(rank))
+    params = [opgrad.var("p0", shape, dtype)]
+    values: list[opgrad.Expr] = [params[0]]
+
+    def fresh(s: tuple[int, ...]) -> opgrad.Var:
+        params.append(opgrad.var(f"p{len(params)}", s, dtype))
+        return params[-1]
+
+    for _ in range(draw(st.integers(2, 7))):
+        x = draw(st.sampled_from(values))
+        kind = draw(st.sampled_from(["unary", "binary", "sum", "transpose", "reshape", "broadcast", "softmax",
+                                     "where", "dense", "bias", "collapse"]))
+        if kind == "unary":
+            y = _UNARY[draw(st.sampled_from(sorted(_UNARY)))](x)
+        elif kind == "binary":
+            other = draw(st.sampled_from([v for v in values if _bcast(v.shape, x.shape)]))
+            op = draw(st.sampled_from(["add", "subtract", "multiply", "divide"]))
+            y = ops.divide(x, ops.add(ops.sigmoid(other), 0.5)) if op == "divide" else getattr(ops, op)(x, other)
+        elif kind == "sum":
+            axes = draw(st.lists(st.integers(0, max(0, x.ndim - 1)), max_size=x.ndim, unique=True)) if x.ndim else []
+            y = ops.sum(x, axis=tuple(axes) if axes else None, keepdims=draw(st.booleans()))
+        elif kind == "transpose" and x.ndim >= 2:
+            y = ops.transpose(x, axes=draw(st.permutations(list(range(x.ndim)))))
+        elif kind == "reshape" and x.ndim >= 1:
+            y = ops.reshape(x, shape=(x.type.size,) if draw(st.booleans()) else (1, *x.shape))
+        elif kind == "broadcast":
+            y = ops.broadcast_to(x, shape=(draw(st.integers(1, 3)), *x.shape))
+        elif kind == "softmax" and x.ndim >= 1:
+            fn = ops.softmax if draw(st.booleans()) else ops.log_softmax
+            y = fn(x, axis=draw(st.integers(0, x.ndim - 1)))
+        elif kind == "where":
+            y = ops.where(ops.greater(x, ops.zeros_like(x)), x, ops.multiply(x, 0.3))
+        elif kind == "dense" and x.ndim == 2:
+            y = ops.dense(x, fresh((draw(st.integers(1, 4)), x.shape[1])))
+        elif kind == "bias" and x.ndim >= 1:
+            axis = draw(st.integers(0, x.ndim - 1))
+            y = ops.bias_add(x, fresh((x.shape[axis],)), axis=axis)
+        elif kind == "collapse" and x.ndim >= 1:
+            like = tuple(1 if draw(st.booleans()) else d for d in x.shape[1:])
+            y = ops.collapse_sum_like(x, opgrad.const(np.zeros(like, dtype)))
+        else:
+            y = ops.negative(x)
+        values.append(y)
+    out = values[-1]
+    fn = opgrad.function(params, out)
+    if draw(st.booleans()):  # differentiate a weighted sum: exercises gradient graphs and fusion
+        fn = opgrad.grad(opgrad.function(params, ops.sum(ops.multiply(out, ops.tanh(out)))))
+    seed = draw(st.integers(0, 2**31))
+    rng = np.random.default_rng(seed)
+    arrays = [rng.uniform(-1.5, 1.5, p.shape).astype(dtype) for p in params]
+    return fn, arrays
+
+
+def _bcast(a: tuple[int, ...], b: tuple[int, ...]) -> bool:
+    try:
+        return np.broadcast_shapes(a, b) is not None
+    except ValueError:
+        return False
+
+
+@settings(max_examples=30, deadline=None, derandomize=True, database=None,
+          suppress_health_check=[HealthCheck.too_slow])
+@given(random_graphs("float64"))
+def test_random_graphs_float64(case) -> None:
+    fn, arrays = case
+    compare(fn, arrays, GRAPH_TOL["float64"])
+
+
+@settings(max_examples=12, deadline=None, derandomize=True, database=None,
+          suppress_health_check=[HealthCheck.too_slow])
+@given(random_graphs("float32"))
+def test_random_graphs_float32(case) -> None:
+    fn, arrays = case
+    compare(fn, arrays, GRAPH_TOL["float32"])
+
+
+def test_outputs_that_alias_params_constants_or_each_other_are_separate_arrays() -> None:
+    x = opgrad.var("x", (2, 3), "float64")
+    e = ops.exp(x)
+    fn = opgrad.function([x], (x, e, e, ops.transpose(e), opgrad.const(np.ones((2, 2))), ops.zeros_like(x)))
+    a = np.arange(6.0).reshape(2, 3)
+    outs = compile_fn(fn)(a)
+    for got, want in zip(outs, opgrad.evaluate(fn, a), strict=True):
+        assert_close(got, want, 1e-12)
+    assert len({id(o) for o in outs}) == len(outs) and outs[0] is not a
+
+
+# ----- the seed CNN -----
+
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+def test_seed_cnn_value_and_gradient(dtype: str) -> None:
+    batch = 4
+    fn = opgrad.grad(seed_cnn_loss(batch, dtype), wrt=list(SHAPES))
+    rng = np.random.default_rng(1)
+    x = rng.uniform(0, 1, (batch, 1, 28, 28)).astype(dtype)
+    labels = rng.integers(0, 10, batch)
+    params = [p.astype(dtype) for p in init(rng)]
+    compiled = compare(fn, [x, labels, *params], GRAPH_TOL[dtype])
+    assert compiled.fused > 0 and compiled.compile_seconds > 0 and "define" in compiled.ir
+
+
+# ----- object cache -----
+
+_CACHE_SCRIPT = textwrap.dedent("""
+    import numpy as np, opgrad
+    from opgrad import ops
+    x = opgrad.var("x", (3, 5), "float32"); w = opgrad.var("w", (4, 5), "float32")
+    c = opgrad.compile(opgrad.grad(opgrad.function([x, w], ops.sum(ops.tanh(ops.dense(x, w))))))
+    a, b = np.ones((3, 5), np.float32), np.full((4, 5), 0.1, np.float32)
+    loss, dx, dw = c(a, b)
+    assert abs(float(loss) - 12 * np.tanh(0.5)) < 1e-5, loss
+    print(c.cache_hit)
+""")
+
+
+def _run(script: str, cache: Path) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OPGRAD_CACHE_DIR": str(cache)}
+    return subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+
+
+def test_second_process_reuses_the_object_cache_and_a_corrupt_entry_is_rebuilt(tmp_path: Path) -> None:
+    first = _run(_CACHE_SCRIPT, tmp_path)
+    assert first.returncode == 0 and first.stdout.strip() == "False", first.stderr
+    second = _run(_CACHE_SCRIPT, tmp_path)
+    assert second.returncode == 0 and second.stdout.strip() == "True", second.stderr
+    for entry in tmp_path.glob("*.o"):
+        blob = bytearray(entry.read_bytes())
+        blob[len(blob) // 2] ^= 0xFF
+        entry.write_bytes(bytes(blob))
+    third = _run(_CACHE_SCRIPT, tmp_path)
+    assert third.returncode == 0 and third.stdout.strip() == "False", third.stderr
+    assert "corrupt" in third.stderr
+    assert _run(_CACHE_SCRIPT, tmp_path).stdout.strip() == "True"
+
+
+# ----- safety -----
+
+@pytest.fixture(scope="module")
+def sce() -> opgrad.compiler.CompiledFunction:
+    logits = opgrad.var("logits", (3, 4), "float32")
+    labels = opgrad.var("labels", (3,), "int64")
+    return compile_fn(opgrad.grad(opgrad.function([logits, labels], ops.softmax_cross_entropy(logits, labels)),
+                                  wrt=["logits"]))
+
+
+def test_wrong_count_shape_dtype_are_named(sce) -> None:
+    logits = np.zeros((3, 4), np.float32)
+    with pytest.raises(ArgumentError, match=r"expected 2 argument\(s\)"):
+        sce(logits)
+    with pytest.raises(ArgumentError, match=r"'logits' has shape \(4, 3\), expected \(3, 4\)"):
+        sce(np.zeros((4, 3), np.float32), np.zeros(3, np.int64))
+    with pytest.raises(ArgumentError, match="'logits' has dtype float64, expected float32"):
+        sce(np.zeros((3, 4)), np.zeros(3, np.int64))
+    with pytest.raises(ArgumentError, match="'labels' has dtype float32, expected int64"):
+        sce(logits, np.zeros(3, np.float32))
+
+
+@pytest.mark.parametrize("bad", [4, -1, 2**40])
+def test_out_of_range_labels_never_reach_native_code(sce, bad: int) -> None:
+    labels = np.array([0, bad, 1], np.int64)
+    with pytest.raises(ArgumentError) as info:
+        sce(np.zeros((3, 4), np.float32), labels)
+    text = str(info.value)
+    assert "softmax_cross_entropy" in text and "'labels'" in text and str(bad) in text and "[0, 4)" in text
+
+
+def test_one_hot_range_checked_and_int32_labels_work() -> None:
+    labels = opgrad.var("labels", (5,), "int32")
+    c = compile_fn(opgrad.function([labels], ops.one_hot(labels, depth=3, dtype="float64")))
+    good = np.array([0, 2, 1, 1, 0], np.int32)
+    np.testing.assert_array_equal(c(good), np.eye(3)[good])
+    with pytest.raises(ArgumentError, match=r"one_hot.*value 3.*\[0, 3\)"):
+        c(np.array([0, 3, 1, 1, 0], np.int32))
+
+
+def test_non_contiguous_and_foreign_byte_order_inputs_are_copied(sce) -> None:
+    rng = np.random.default_rng(0)
+    base = rng.standard_normal((4, 3)).astype(np.float32)
+    labels = np.array([1, 0, 3], np.int64)
+    want = sce(np.ascontiguousarray(base.T), labels)
+    for logits in (base.T, base.T.astype(">f4")):
+        got = sce(logits, labels)
+        for g, w in zip(got, want, strict=True):
+            np.testing.assert_array_equal(g, w)
+
+
+def test_nan_and_inf_inputs_do_not_crash(sce) -> None:
+    logits = np.array([[np.nan, 0, 1, 2], [np.inf, -np.inf, 0, 0], [1e30, -1e30, 0, 0]], np.float32)
+    loss, grad = sce(logits, np.array([0, 1, 2], np.int64))
+    assert loss.shape == () and grad.shape == (3, 4)
+
+
+# ----- buffer planning -----
+
+@settings(max_examples=60, deadline=None, derandomize=True, database=None)
+@given(st.lists(st.tuples(st.integers(1, 5000), st.integers(0, 20), st.integers(0, 6)), min_size=1, max_size=30))
+def test_arena_plan_never_overlaps_live_buffers(items: list[tuple[int, int, int]]) -> None:
+    sizes = {i: s for i, (s, _, _) in enumerate(items)}
+    lifetimes = {i: (a, a + d) for i, (_, a, d) in enumerate(items)}
+    offsets, total = plan_arena(sizes, lifetimes)
+    for i in sizes:
+        assert offsets[i] % 64 == 0 and offsets[i] + sizes[i] <= total
+        for j in sizes:
+            live_together = lifetimes[i][0] <= lifetimes[j][1] and lifetimes[j][0] <= lifetimes[i][1]
+            if i < j and live_together:
+                assert offsets[i] + sizes[i] <= offsets[j] or offsets[j] + sizes[j] <= offsets[i]
+    assert total <= sum(-(-s // 64) * 64 for s in sizes.values())
+
+
+def test_relu_gradient_chain_is_fused_and_memory_is_reused() -> None:
+    x = opgrad.var("x", (64, 64), "float32")
+    h = x
+    for _ in range(4):
+        h = ops.relu(ops.multiply(h, 1.5))
+    c = compile_fn(opgrad.grad(opgrad.function([x], ops.sum(h))))
+    assert c.fused >= 4
+    assert c.arena_bytes < 6 * 64 * 64 * 4  # far fewer than one buffer per intermediate
