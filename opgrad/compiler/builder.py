@@ -34,185 +34,24 @@ from dataclasses import dataclass, field, replace
 
 from .conv import Conv2dGeometry, emit_conv2d_backward_data, emit_conv2d_backward_weight, emit_conv2d_forward
 from .gemm import GemmSpec, IndexMap, Operand, emit_gemm
-from .irtext import BYTES, FAST, LLVM_TYPE, FunctionEmitter, ModuleEmitter, float_const
+from .irtext import BYTES, LLVM_TYPE, FunctionEmitter, ModuleEmitter
 from .jit import NativeModule, register_symbol
 from .threads import PARALLEL_FOR, PARALLEL_FOR_DECL, pool
+from .views import (
+    CONSTANT,
+    IOTA,
+    Body,
+    Scalar,
+    View,
+    _collapse,
+    _elem_type,
+    _identity,
+    _load,
+    _row_major,
+)
 
 #: Loops with fewer output elements than this run on the calling thread.
 PARALLEL_MIN_ELEMENTS = 1 << 16
-
-#: Pseudo buffer of an index view: its element value is its own (flat, strided) offset.
-IOTA = -1
-#: Pseudo buffer of a scalar constant view: every element is ``View.value``, baked into the code.
-CONSTANT = -2
-
-INT_TYPE = {"int32": "i32", "int64": "i64"}
-ELEMENT_BYTES = {**BYTES, "int32": 4, "int64": 8}
-
-
-@dataclass(frozen=True)
-class View:
-    """A strided view into buffer ``buffer`` (index into the entry's pointer array), in elements.
-
-    Two pseudo buffers need no memory: :data:`IOTA` views (:meth:`iota`) yield their index along
-    an axis, :data:`CONSTANT` views (:meth:`scalar`) yield ``value`` everywhere.
-    """
-
-    buffer: int
-    shape: tuple[int, ...]
-    strides: tuple[int, ...]
-    offset: int = 0
-    dtype: str = "float32"
-    value: float | None = None
-
-    @staticmethod
-    def contiguous(buffer: int, shape: Sequence[int], dtype: str = "float32", offset: int = 0) -> View:
-        return View(buffer, tuple(shape), _row_major(shape), offset, dtype)
-
-    @staticmethod
-    def iota(shape: Sequence[int], axis: int) -> View:
-        """The index along ``axis`` at every position of ``shape`` (e.g. the class column for one_hot)."""
-        strides = tuple(1 if d == axis % len(shape) else 0 for d in range(len(shape)))
-        return View(IOTA, tuple(shape), strides, 0, "index")
-
-    @staticmethod
-    def scalar(value: float, dtype: str, shape: Sequence[int] = ()) -> View:
-        """A constant folded into the generated code (no load, no buffer)."""
-        return View(CONSTANT, tuple(shape), (0,) * len(shape), 0, dtype, float(value))
-
-    @property
-    def ndim(self) -> int:
-        return len(self.shape)
-
-    @property
-    def size(self) -> int:
-        return math.prod(self.shape)
-
-    @property
-    def is_memory(self) -> bool:
-        return self.buffer >= 0
-
-    @property
-    def is_contiguous(self) -> bool:
-        """Row-major dense (dims of extent 1 may have any stride)."""
-        return all(d == 1 or s == e for d, s, e in zip(self.shape, self.strides, _row_major(self.shape), strict=True))
-
-    def broadcast_to(self, shape: Sequence[int]) -> View:
-        """Right-aligned numpy broadcasting expressed as 0-strides."""
-        shape = tuple(shape)
-        pad = len(shape) - len(self.shape)
-        dims = (1,) * pad + self.shape
-        strides = (0,) * pad + self.strides
-        new = tuple(0 if d == 1 and s != 1 else st for d, s, st in zip(dims, shape, strides, strict=True))
-        return replace(self, shape=shape, strides=new)
-
-    def permute(self, axes: Sequence[int]) -> View:
-        """numpy.transpose as a view: only the strides move."""
-        return replace(self, shape=tuple(self.shape[a] for a in axes), strides=tuple(self.strides[a] for a in axes))
-
-    @property
-    def T(self) -> View:
-        return self.permute(tuple(reversed(range(self.ndim))))
-
-    def reshape(self, shape: Sequence[int]) -> View | None:
-        """The same elements in row-major order under ``shape``; None if that needs a copy."""
-        shape = tuple(shape)
-        assert math.prod(shape) == self.size, f"cannot reshape {self.shape} to {shape}"
-        if self.buffer == CONSTANT:
-            return View.scalar(self.value or 0.0, self.dtype, shape)
-        if not self.is_contiguous:
-            return None
-        return replace(self, shape=shape, strides=_row_major(shape))
-
-    def expand_dims(self, axis: int) -> View:
-        """Insert a unit axis at ``axis`` (then :meth:`broadcast_to` can stretch it)."""
-        axis = axis % (self.ndim + 1)
-        return replace(self, shape=(*self.shape[:axis], 1, *self.shape[axis:]),
-                       strides=(*self.strides[:axis], 0, *self.strides[axis:]))
-
-    def along(self, axis: int, shape: Sequence[int]) -> View:
-        """This 1-D view laid along ``axis`` of ``shape`` and broadcast over the other axes."""
-        assert self.ndim == 1 and self.shape[0] == tuple(shape)[axis], f"{self.shape} along axis {axis} of {shape}"
-        strides = tuple(self.strides[0] if d == axis else 0 for d in range(len(shape)))
-        return replace(self, shape=tuple(shape), strides=strides)
-
-    def element(self, index: Sequence[int]) -> View:
-        """A 0-d view of one element (e.g. one scalar of a batch)."""
-        off = self.offset + sum(i * s for i, s in zip(index, self.strides, strict=True))
-        return replace(self, shape=(), strides=(), offset=off)
-
-
-def _row_major(shape: Sequence[int]) -> tuple[int, ...]:
-    strides, acc = [], 1
-    for d in reversed(tuple(shape)):
-        strides.append(acc)
-        acc *= d
-    return tuple(reversed(strides))
-
-
-class Scalar:
-    """Emits scalar float instructions for an elementwise body; values are SSA names or constants."""
-
-    def __init__(self, f: FunctionEmitter, dtype: str) -> None:
-        self.f = f
-        self.dtype = dtype
-        self.t = LLVM_TYPE[dtype]
-
-    def const(self, value: float) -> str:
-        return float_const(value, self.t)
-
-    def _bin(self, op: str, a: str, b: str) -> str:
-        return self.f.val(f"{op} {FAST} {self.t} {a}, {b}", op)
-
-    def add(self, a: str, b: str) -> str:
-        return self._bin("fadd", a, b)
-
-    def sub(self, a: str, b: str) -> str:
-        return self._bin("fsub", a, b)
-
-    def mul(self, a: str, b: str) -> str:
-        return self._bin("fmul", a, b)
-
-    def div(self, a: str, b: str) -> str:
-        return self._bin("fdiv", a, b)
-
-    def neg(self, a: str) -> str:
-        return self.f.val(f"fneg {self.t} {a}", "neg")
-
-    def call(self, intrinsic: str, *args: str) -> str:
-        """``llvm.<intrinsic>`` on this type: exp, log, sqrt, fabs, maxnum, minnum, tanh, ..."""
-        fn = self.f.module.intrinsic(intrinsic, self.t, [self.t] * len(args), _suffix(self.t))
-        return self.f.call(self.t, fn, [(self.t, a) for a in args], hint=intrinsic)
-
-    def max(self, a: str, b: str) -> str:
-        return self.call("maxnum", a, b)
-
-    def min(self, a: str, b: str) -> str:
-        return self.call("minnum", a, b)
-
-    def cmp(self, pred: str, a: str, b: str) -> str:
-        """Float compare (``olt``, ``ogt``, ``oeq``, ``une``, ...) -> i1."""
-        return self.f.val(f"fcmp {pred} {self.t} {a}, {b}", "fc")
-
-    def select(self, cond: str, a: str, b: str) -> str:
-        return self.f.select(cond, self.t, a, b)
-
-    def mask(self, cond: str) -> str:
-        """An i1 as 1.0 / 0.0 of this type."""
-        return self.f.val(f"uitofp i1 {cond} to {self.t}", "mask")
-
-
-def _suffix(t: str) -> str:
-    return "f32" if t == "float" else "f64"
-
-
-#: An elementwise body: given the Scalar emitter and the loaded inputs, return the output value.
-Body = Callable[[Scalar, list[str]], str]
-
-
-def _identity(s: Scalar, v: list[str]) -> str:
-    return v[0]
-
 
 @dataclass
 class Step:
@@ -605,28 +444,6 @@ def _compose(outer: Body, k: int, inner: Body, n_inner: int) -> Body:
     return body
 
 
-def _elem_type(dtype: str) -> str:
-    return LLVM_TYPE.get(dtype) or INT_TYPE[dtype]
-
-
-def _load(s: Scalar, v: View, ptr: str | None, off: str) -> str:
-    """The value of ``v`` at element offset ``off``, as ``s``'s float type."""
-    f = s.f
-    if v.buffer == CONSTANT:
-        return s.const(v.value or 0.0)
-    if v.buffer == IOTA:
-        return f.val(f"sitofp i64 {f.add(off, v.offset)} to {s.t}", "idx")
-    assert ptr is not None
-    if v.dtype in INT_TYPE:
-        it = INT_TYPE[v.dtype]
-        return f.val(f"sitofp {it} {f.load(it, f.gep(it, ptr, off))} to {s.t}", "itof")
-    t = LLVM_TYPE[v.dtype]
-    val = f.load(t, f.gep(t, ptr, off))
-    if t != s.t:
-        val = f.val(f"{'fpext' if t == 'float' else 'fptrunc'} {t} {val} to {s.t}", "cvt")
-    return val
-
-
 def _operand(v: View) -> Operand:
     """A 2-D view as a GEMM operand: the view's offset is the row map's base."""
     (m, n), (rs, cs) = v.shape, v.strides
@@ -651,25 +468,6 @@ class CompiledGraph:
     def __call__(self, *arrays: object) -> None:
         table = (ctypes.c_void_p * len(arrays))(*(a.ctypes.data for a in arrays))  # type: ignore[attr-defined]
         self.call_pointers(table)
-
-
-def _collapse(shape: tuple[int, ...], strides: list[tuple[int, ...]]) -> tuple[list[int], list[list[int]]]:
-    """Merge adjacent dims that are contiguous in every view: fewer, longer loops vectorize better."""
-    dims = [d for d in range(len(shape)) if shape[d] != 1] or []
-    if not dims:
-        return [1], [[0] for _ in strides]
-    out_shape = [shape[dims[0]]]
-    out_strides = [[s[dims[0]]] for s in strides]
-    for d in dims[1:]:
-        if all(st[-1] == s[d] * shape[d] for st, s in zip(out_strides, strides, strict=True)):
-            out_shape[-1] *= shape[d]
-            for st, s in zip(out_strides, strides, strict=True):
-                st[-1] = s[d]
-        else:
-            out_shape.append(shape[d])
-            for st, s in zip(out_strides, strides, strict=True):
-                st.append(s[d])
-    return out_shape, out_strides
 
 
 _libm_done = False

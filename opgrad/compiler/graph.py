@@ -32,9 +32,10 @@ from opgrad.errors import ArgumentError
 from opgrad.ir import Call, Const, Function, Var, topological_order
 from opgrad.reference import check_arguments
 
-from .builder import ELEMENT_BYTES, KernelBuilder, View, _register_libm
+from .builder import KernelBuilder, _register_libm
 from .jit import CompileTimes, NativeModule
 from .threads import pool
+from .views import ELEMENT_BYTES, View
 
 _ALIGN = 64
 

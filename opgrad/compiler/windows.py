@@ -17,8 +17,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from .builder import KernelBuilder, Scalar, View, _elem_type
+from .builder import KernelBuilder
 from .irtext import LLVM_TYPE, FunctionEmitter
+from .views import Scalar, View, _elem_type
 
 
 @dataclass(frozen=True)
