@@ -319,3 +319,11 @@ def test_relu_gradient_chain_is_fused_and_memory_is_reused() -> None:
     c = compile_fn(opgrad.grad(opgrad.function([x], ops.sum(h))))
     assert c.fused >= 4
     assert c.arena_bytes < 6 * 64 * 64 * 4  # far fewer than one buffer per intermediate
+
+
+def test_empty_tensors_compile_and_match() -> None:
+    x = opgrad.var("x", (0, 3), "float64")
+    w = opgrad.var("w", (2, 0), "float64")
+    v = opgrad.var("v", (4, 0), "float64")
+    fn = opgrad.function([x, w, v], (ops.sum(x, axis=0), ops.exp(x), ops.dense(w, v), ops.sum(v, axis=1)))
+    compare(fn, [np.zeros((0, 3)), np.zeros((2, 0)), np.zeros((4, 0))], 1e-12)
