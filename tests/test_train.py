@@ -53,13 +53,13 @@ def test_compiled_keras_mnist_adam_matches_reference(mnist: Dataset) -> None:
 # ----- reproducibility and resume -----
 
 
-def _small(mnist: Dataset, n: int = 64) -> tuple[np.ndarray, np.ndarray]:
+def _small(mnist: Dataset, n: int = 32) -> tuple[np.ndarray, np.ndarray]:
     return mnist.train_images[:n], mnist.train_labels[:n]
 
 
 def _trainer(model_name: str, seed: int = 5) -> nn.Trainer:
     optimizer = nn.Adam() if model_name == "seed-cnn" else nn.SGD(momentum=0.9, nesterov=True)
-    return nn.Trainer(nn.build_model(model_name), optimizer, lr=nn.cosine_lr(2e-3, total_steps=12),
+    return nn.Trainer(nn.build_model(model_name), optimizer, lr=nn.cosine_lr(2e-3, total_steps=6),
                       batch_size=16, seed=seed, augment_shift=2, eval_batch_size=32)
 
 
@@ -90,7 +90,7 @@ def test_checkpoint_resume_continues_identically(mnist: Dataset, tmp_path: Path,
     resumed = _trainer(model_name)
     arrays, meta = load_checkpoint(tmp_path / "ckpt.npz", expected=resumed.expected_arrays())
     resumed.restore(arrays, meta)
-    assert (resumed.epoch, resumed.step) == (1, 4)
+    assert (resumed.epoch, resumed.step) == (1, 2)
     for _ in range(2):
         resumed.train_epoch(x, y)
 
