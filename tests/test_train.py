@@ -168,3 +168,12 @@ def test_cli_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert "--epochs" in capsys.readouterr().err
     assert cli.main([*SMOKE, "--resume", str(tmp_path / "missing.npz")]) == 2
     assert "not found" in capsys.readouterr().err
+
+
+def test_bench_smoke(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["bench", "--steps", "2", "--warmup", "3", "--skip", "torch", "--skip", "jax"]) == 0
+    out = capsys.readouterr().out
+    assert "median of 2 steps" in out
+    reference = next(line for line in out.splitlines() if line.startswith("opgrad reference (numpy)"))
+    assert "ok (rel. diff" in reference
+    assert "skipped" in out
