@@ -72,6 +72,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--runs", type=int, default=20)
     parser.add_argument("--sgd", action="store_true")
+    parser.add_argument("--profile", action="store_true", help="also print ms per native step")
     args = parser.parse_args()
     child = bool(os.environ.get("_OPGRAD_BENCH_CHILD"))
     if not child:
@@ -101,6 +102,12 @@ def main() -> None:
     print(f"  compiled  {compiled_ms:8.2f} ms/step (median of {args.runs})")
     print(f"  reference {reference_ms:8.2f} ms/step  -> speedup x{reference_ms / compiled_ms:.1f}")
     print(f"  compiled, 1 thread: {one_thread_cpu_ms(args):8.2f} CPU-ms/step (thread time, median)")
+    if args.profile:
+        rows = opgrad.compile(fn, step_entries=True).profile(*arrays, runs=args.runs)
+        total = sum(ms for _, ms in rows)
+        print(f"  per step (each re-run alone, median ms; sum {total:.2f}):")
+        for i, (label, ms) in enumerate(rows):
+            print(f"    {i:3d} {label:40s} {ms:8.3f}  {100 * ms / total:5.1f} %")
     print(f"  max |compiled - reference| / scale = {err:.1e}")
 
 

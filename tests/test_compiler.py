@@ -327,3 +327,36 @@ def test_empty_tensors_compile_and_match() -> None:
     v = opgrad.var("v", (4, 0), "float64")
     fn = opgrad.function([x, w, v], (ops.sum(x, axis=0), ops.exp(x), ops.dense(w, v), ops.sum(v, axis=1)))
     compare(fn, [np.zeros((0, 3)), np.zeros((2, 0)), np.zeros((4, 0))], 1e-12)
+
+
+def test_step_profile_names_the_ops() -> None:
+    x = opgrad.var("x", (4, 6), "float32")
+    w = opgrad.var("w", (3, 6), "float32")
+    c = compile_fn(opgrad.function([x, w], ops.sum(ops.relu(ops.dense(x, w)))), step_entries=True)
+    rows = c.profile(np.ones((4, 6), np.float32), np.ones((3, 6), np.float32), runs=2)
+    assert [label for label, _ in rows] == ["dense", "relu+sum"] and all(ms >= 0 for _, ms in rows)
+    with pytest.raises(ValueError, match="step_entries=True"):
+        compile_fn(opgrad.function([x], ops.exp(x))).profile(np.ones((4, 6), np.float32))
+
+
+_THREADS_SCRIPT = textwrap.dedent("""
+    import hashlib, sys, numpy as np, opgrad
+    sys.path.insert(0, "TESTS")
+    from test_seed_cnn_gradient import SHAPES, init, seed_cnn_loss
+    c = opgrad.compile(opgrad.grad(seed_cnn_loss(4, "float32"), wrt=list(SHAPES)))
+    rng = np.random.default_rng(5)
+    x = rng.uniform(0, 1, (4, 1, 28, 28)).astype(np.float32)
+    outs = c(x, rng.integers(0, 10, 4), *[p.astype(np.float32) for p in init(rng)])
+    print(hashlib.sha256(b"".join(o.tobytes() for o in outs)).hexdigest())
+""").replace("TESTS", str(ROOT / "tests"))
+
+
+def test_results_do_not_depend_on_the_thread_count() -> None:
+    digests = set()
+    for n in ("1", "2", "3"):
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "OPGRAD_NUM_THREADS": n}
+        res = subprocess.run([sys.executable, "-c", _THREADS_SCRIPT], env=env, capture_output=True, text=True,
+                             timeout=300)
+        assert res.returncode == 0, res.stderr
+        digests.add(res.stdout.strip())
+    assert len(digests) == 1

@@ -70,6 +70,7 @@ class Step:
     call_buffers: list[int] = field(default_factory=list)
     reads: list[int] = field(default_factory=list)
     writes: list[int] = field(default_factory=list)
+    label: str = ""  # what produced it (the graph compiler puts op names here, for profiles)
 
     @staticmethod
     def of_views(kind: str, out: View, inputs: list[View], **kw: object) -> Step:
@@ -313,6 +314,7 @@ class KernelBuilder:
                     consumer.inputs = [*consumer.inputs[:k], *producer.inputs, *consumer.inputs[k + 1 :]]
                     consumer.body = _compose(consumer.body, k, producer.body, len(producer.inputs))
                     consumer.reads = [u.buffer for u in consumer.inputs if u.is_memory]
+                    consumer.label = "+".join(x for x in (producer.label, consumer.label) if x)
                     del self.steps[i]
                     fused += 1
                     done = False
@@ -324,8 +326,12 @@ class KernelBuilder:
 
     # ----- assembly -----
 
-    def finish(self) -> str:
-        """Emit every step and the entry that runs them in order; returns the module's IR text."""
+    def finish(self, step_entries: bool = False) -> str:
+        """Emit every step and the entry that runs them in order; returns the module's IR text.
+
+        ``step_entries`` also exports ``<name>.step<i>(bufs, ws)`` running step ``i`` alone, so
+        that a profiler can time each step with the same code and buffers.
+        """
         calls: list[tuple[str, list[int]]] = []
         for st in self.steps:
             if st.kind == "ew":
@@ -334,7 +340,19 @@ class KernelBuilder:
                 calls.append(self._emit_reduce(st))
             else:
                 calls.append((st.call, st.call_buffers))
-        f = FunctionEmitter(self.m, self.name, [("ptr", "bufs"), ("ptr", "ws")])
+        groups = [[c] for c in calls] if step_entries else [calls]
+        for g, group in enumerate(groups):
+            self._emit_entry(f"{self.name}.step{g}" if step_entries else self.name, group)
+        if step_entries:
+            f = FunctionEmitter(self.m, self.name, [("ptr", "bufs"), ("ptr", "ws")])
+            for g in range(len(groups)):
+                f.call("void", f"@{self.name}.step{g}", [("ptr", "%bufs"), ("ptr", "%ws")])
+            f.ret_void()
+            f.finish()
+        return self.m.text()
+
+    def _emit_entry(self, name: str, calls: list[tuple[str, list[int]]]) -> None:
+        f = FunctionEmitter(self.m, name, [("ptr", "bufs"), ("ptr", "ws")])
         for fn, bufs in calls:
             ptrs = [f.load("ptr", f.gep("ptr", "%bufs", str(b))) for b in bufs]
             if fn.startswith(("par:", "seq:")):
@@ -350,7 +368,6 @@ class KernelBuilder:
                 f.call("void", "@" + fn, [("ptr", p) for p in ptrs] + [("ptr", "%ws")])
         f.ret_void()
         f.finish()
-        return self.m.text()
 
     def _emit_elementwise(self, st: Step) -> tuple[str, list[int]]:
         out = st.out

@@ -147,7 +147,10 @@ class _Lowering:
         out = View.contiguous(index, call.shape, call.dtype)
         if call.type.size == 0:
             return out
+        first = len(self.kb.steps)
         aliased = lower(self.kb, call, out, *(views[a._uid] for a in call.args))
+        for step in self.kb.steps[first:]:
+            step.label = call.op.name
         return aliased if aliased is not None else out
 
     def _range_checks(self, call: Call) -> None:
@@ -201,7 +204,7 @@ class CompiledFunction:
     Calls on one object are serialized by a lock: the intermediate arena is shared.
     """
 
-    def __init__(self, fn: Function) -> None:
+    def __init__(self, fn: Function, step_entries: bool = False) -> None:
         t0 = time.perf_counter()
         self.function = fn
         low = _Lowering(fn)
@@ -217,9 +220,10 @@ class CompiledFunction:
                     lifetimes[b] = (first, s)
         offsets, self.arena_bytes = plan_arena({b: low.buffers[b].nbytes for b in lifetimes}, lifetimes)
         self.steps = len(kb.steps)
+        self.step_labels = [step.label or "copy" for step in kb.steps]
         _register_libm()
         nthreads = pool().nthreads
-        self.ir = kb.finish()
+        self.ir = kb.finish(step_entries)
         self._module = NativeModule(self.ir)
         self.times: CompileTimes = self._module.times
         self.cache_hit = self.times.cache_hit
@@ -241,6 +245,9 @@ class CompiledFunction:
         self._checks = low.checks
         self._ws_addr = _aligned(self._ws)
         self._lock = threading.Lock()
+        self._profile: list[list[float]] | None = None
+        self._step_fns = [self._module.cfunc(f"opgrad_graph.step{i}", None, ctypes.c_void_p, ctypes.c_void_p)
+                          for i in range(self.steps)] if step_entries else []
         self.compile_seconds = time.perf_counter() - t0
 
     def __call__(self, *arrays: Any) -> np.ndarray | tuple[np.ndarray, ...]:
@@ -264,7 +271,29 @@ class CompiledFunction:
             for b, arr in zip(self._results, outs, strict=True):
                 table[b] = arr.ctypes.data
             self._fn(self._table_addr, self._ws_addr)
+            if self._profile is not None:  # rerun each step alone on the same buffers, timed
+                for i, step in enumerate(self._step_fns):
+                    t = time.perf_counter()
+                    step(self._table_addr, self._ws_addr)
+                    self._profile[i].append(time.perf_counter() - t)
         return tuple(outs) if self.function.returns_tuple else outs[0]
+
+    def profile(self, *arrays: Any, runs: int = 5) -> list[tuple[str, float]]:
+        """Median milliseconds of each step, labelled with the op(s) it came from.
+
+        Needs ``opgrad.compile(fn, step_entries=True)``; each step is re-run alone after a full call,
+        so it sees warm caches and valid inputs. Use it to find where a graph spends its time.
+        """
+        if not self._step_fns:
+            raise ValueError("compile with opgrad.compile(fn, step_entries=True) to profile steps")
+        self._profile = [[] for _ in self._step_fns]
+        try:
+            for _ in range(runs):
+                self(*arrays)
+            timings = [1e3 * float(np.median(t)) for t in self._profile]
+        finally:
+            self._profile = None
+        return list(zip(self.step_labels, timings, strict=True))
 
     def __repr__(self) -> str:
         return (f"<CompiledFunction {len(self.function.params)} params -> {len(self._results)} results, "
@@ -277,11 +306,14 @@ def _aligned(arr: np.ndarray) -> int:
     return addr + (-addr) % _ALIGN
 
 
-def compile(fn: Function) -> CompiledFunction:
-    """Compile ``fn`` (any Function, including those ``opgrad.grad`` returns) to native code."""
+def compile(fn: Function, *, step_entries: bool = False) -> CompiledFunction:
+    """Compile ``fn`` (any Function, including those ``opgrad.grad`` returns) to native code.
+
+    ``step_entries=True`` also exports one entry per step for :meth:`CompiledFunction.profile`.
+    """
     if not isinstance(fn, Function):
         raise TypeError(f"opgrad.compile expects an opgrad.Function, got {type(fn).__name__}")
-    return CompiledFunction(fn)
+    return CompiledFunction(fn, step_entries)
 
 
 __all__ = ["CompiledFunction", "compile", "plan_arena"]
