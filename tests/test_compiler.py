@@ -360,3 +360,16 @@ def test_results_do_not_depend_on_the_thread_count() -> None:
         assert res.returncode == 0, res.stderr
         digests.add(res.stdout.strip())
     assert len(digests) == 1
+
+
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+def test_whole_input_convolutions_take_the_matmul_path_and_match(dtype: str) -> None:
+    """A kernel the size of the unpadded input (any stride) is lowered as plain GEMMs."""
+    x = opgrad.var("x", (3, 4, 5, 6), dtype)
+    w = opgrad.var("w", (7, 4, 5, 6), dtype)
+    y = ops.conv2d(x, w, strides=2)
+    fn = opgrad.grad(opgrad.function([x, w], ops.sum(ops.multiply(y, y))))
+    rng = np.random.default_rng(2)
+    compiled = compare(fn, [rng.standard_normal((3, 4, 5, 6)).astype(dtype),
+                            rng.standard_normal((7, 4, 5, 6)).astype(dtype)], GRAPH_TOL[dtype])
+    assert "@opgrad_graph.conv" not in compiled.ir and "@opgrad_graph.gemm" in compiled.ir
