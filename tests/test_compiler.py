@@ -189,6 +189,15 @@ def test_outputs_that_alias_params_constants_or_each_other_are_separate_arrays()
     assert len({id(o) for o in outs}) == len(outs) and outs[0] is not a
 
 
+def test_int_params_and_constants_returned_as_results_are_copied() -> None:
+    labels = opgrad.var("labels", (3,), "int32")
+    fn = opgrad.function([labels], (labels, opgrad.const(np.array([[1, 2]], np.int64))))
+    got = compile_fn(fn)(np.array([4, -1, 7], np.int32))
+    for g, w in zip(got, opgrad.evaluate(fn, np.array([4, -1, 7], np.int32)), strict=True):
+        np.testing.assert_array_equal(g, w)
+        assert g.dtype == w.dtype
+
+
 # ----- the seed CNN -----
 
 @pytest.mark.parametrize("dtype", ["float64", "float32"])

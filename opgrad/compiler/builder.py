@@ -39,6 +39,7 @@ from .jit import NativeModule, register_symbol
 from .threads import PARALLEL_FOR, PARALLEL_FOR_DECL, pool
 from .views import (
     CONSTANT,
+    INT_TYPE,
     IOTA,
     Body,
     Scalar,
@@ -402,10 +403,19 @@ class KernelBuilder:
         mem = [i for i, v in enumerate(views) if v.is_memory]
         f = self.loop_function(name, len(mem))
         ptrs = {i: f.gep(_elem_type(views[i].dtype), f"%p{n}", str(views[i].offset)) for n, i in enumerate(mem)}
-        s = Scalar(f, out.dtype)
+        int_copy = out.dtype in INT_TYPE  # an int result (a label array returned as is) is only copied
+        if int_copy:
+            assert len(st.inputs) == 1 and st.inputs[0].dtype == out.dtype and st.body is _identity, \
+                "int results can only be copies of int inputs"
+        s = None if int_copy else Scalar(f, out.dtype)
 
         def nest(level: int, offs: list[str]) -> None:
             if level == len(shape):
+                if s is None:
+                    it = INT_TYPE[out.dtype]
+                    value = f.load(it, f.gep(it, ptrs[1], offs[1]))
+                    f.store(it, value, f.gep(it, ptrs[0], offs[0]))
+                    return
                 vals = [_load(s, v, ptrs.get(i + 1), offs[i + 1]) for i, v in enumerate(st.inputs)]
                 f.store(s.t, st.body(s, vals), f.gep(s.t, ptrs[0], offs[0]))
                 return

@@ -35,7 +35,7 @@ from opgrad.reference import check_arguments
 from .builder import KernelBuilder, _register_libm
 from .jit import CompileTimes, NativeModule
 from .threads import pool
-from .views import ELEMENT_BYTES, View
+from .views import ELEMENT_BYTES, View, _identity
 
 _ALIGN = 64
 
@@ -124,7 +124,7 @@ class _Lowering:
         for i, out in enumerate(fn.outputs):  # results not computed in place: copy (rarely needed)
             target = View.contiguous(results[i], out.shape, out.dtype)
             if views[out._uid] != target:
-                self.kb.elementwise(target, [views[out._uid]], lambda s, v: v[0])
+                self.kb.elementwise(target, [views[out._uid]], _identity)
         return results
 
     def _const(self, node: Const) -> View:
