@@ -48,9 +48,10 @@ def _relu_forward(data: np.ndarray) -> np.ndarray:
 
 @relu.gradient
 def _relu_gradient(call, grad):
-    """d_data = grad * (data > 0)"""
-    data = call.args[0]
-    return [ops.multiply(grad, ops.greater(data, ops.zeros_like(data)))]
+    """d_data = grad * (data > 0), computed as grad * (relu(data) > 0)"""
+    # Reading the output rather than the input gives the same mask and leaves the input with a
+    # single reader, so the compiler can fuse relu into its producer (bias_add after a conv).
+    return [ops.multiply(grad, ops.greater(call, ops.zeros_like(call)))]
 
 
 @relu.lowering
