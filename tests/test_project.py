@@ -41,3 +41,13 @@ def test_ruff_is_clean() -> None:
         raise AssertionError("ruff is not installed: install the dev extra (pip install -e '.[dev]')")
     result = subprocess.run([ruff, "check", str(ROOT)], capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_readme_example_runs_and_compiled_matches_reference(capsys) -> None:
+    readme = (ROOT / "README.md").read_text()
+    code = readme.split("## What it looks like", 1)[1].split("```python", 1)[1].split("```", 1)[0]
+    namespace: dict = {}
+    exec(compile(code, "README.md", "exec"), namespace)  # the README's example, as written
+    reference, compiled_outputs = namespace["reference"], (namespace["loss_value"], namespace["d_w"], namespace["d_v"])
+    for ref, got in zip(reference, compiled_outputs):
+        assert abs(ref - got).max() <= 1e-4 * max(1.0, abs(ref).max())
