@@ -136,9 +136,10 @@ def vjp_exprs(op: Operator, rule: GradientRule, call: Call, cotangent: Expr) -> 
     for index, spec in enumerate(op.inputs):
         if not spec.differentiable:
             continue
-        if raw[index] is None:
+        entry = raw[index]
+        if entry is None:
             raise GradientError(f"gradient of {op.name!r} returned None for differentiable input {spec.name!r}")
-        fitted.append(_fit_to_input(call, index, raw[index]))
+        fitted.append(_fit_to_input(call, index, entry))
     return fitted
 
 
@@ -356,8 +357,8 @@ def check_e_second_order(ctx: Context) -> tuple[bool, float]:
         plus, minus = list(ctx.arrays), list(ctx.arrays)
         for k, v in zip(ctx.diff, directions):
             plus[k], minus[k] = ctx.arrays[k] + h * v, ctx.arrays[k] - h * v
-        s_plus = float(evaluate(value_fn, *plus, c + h * directions[-1], *w))
-        s_minus = float(evaluate(value_fn, *minus, c - h * directions[-1], *w))
+        s_plus = float(np.asarray(evaluate(value_fn, *plus, c + h * directions[-1], *w)))
+        s_minus = float(np.asarray(evaluate(value_fn, *minus, c - h * directions[-1], *w)))
         numeric = (s_plus - s_minus) / (2 * h)
         along = float(sum(np.sum(g * v) for g, v in zip(analytic, directions)))
         m = worst_mismatch(np.array(along), np.array(numeric), tol.fd_rtol, tol.fd_atol)
@@ -379,10 +380,11 @@ def check_f_kinks(ctx: Context) -> None:
     grads = _evaluated(ctx, "f", placed, c)
     expected = kinks.subgradient(placed, c, ctx.example.case.attrs)
     for k, g in zip(ctx.diff, grads):
-        if expected[k] is None:
+        want = expected[k]
+        if want is None:
             continue
         name = ctx.op.inputs[k].name
-        m = worst_mismatch(g, expected[k], rtol, rtol * max(1.0, float(np.max(np.abs(c), initial=0))), rel_floor=0)
+        m = worst_mismatch(g, want, rtol, rtol * max(1.0, float(np.max(np.abs(c), initial=0))), rel_floor=0)
         if m.ratio > 1:
             raise ctx.fail("f", f"at a kink the gradient for {name!r} breaks the declared convention "
                            f"({kinks.convention})", m, input=name, rtol=rtol)

@@ -135,14 +135,15 @@ def _check_point(fn: Function, vjp_fn: Function, targets: list[Var], point: list
             raise fail("b", f"gradient for {t.name!r} disagrees with finite differences", m, t.name, h, tol.fd_rtol)
         worst = max(worst, m.rel_error)
     for r in range(directions):
-        plus, minus, analytic = list(point), list(point), 0.0
+        plus, minus = list(point), list(point)
+        analytic = 0.0
         for t, g in zip(targets, grads):
             k = index_of[t._uid]
             v = rng.standard_normal(g.shape)
             plus[k], minus[k] = point[k] + h * v, point[k] - h * v
             analytic += float(np.sum(g * v))
-        numeric = float(np.sum(c * (value(plus) - value(minus)))) / (2 * h)
-        m = worst_mismatch(np.array(analytic), np.array(numeric), tol.fd_rtol, tol.fd_atol)
+        directional = float(np.sum(c * (value(plus) - value(minus)))) / (2 * h)
+        m = worst_mismatch(np.array(analytic), np.array(directional), tol.fd_rtol, tol.fd_atol)
         if m.ratio > 1:
             raise fail("b", "directional derivative along a random direction disagrees with finite differences",
                        m, f"direction {r}", h, tol.fd_rtol)

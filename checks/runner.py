@@ -33,7 +33,8 @@ ALL_CHECKS = "abcdefg"
 
 def default_seed() -> int:
     """A fresh seed, except under a derandomized hypothesis profile (``ci``), where it is 0."""
-    return 0 if settings.default.derandomize else random.randrange(2**32)
+    current = settings.default
+    return 0 if current is not None and current.derandomize else random.randrange(2**32)
 
 
 def applicable_checks(op: Operator, rule: GradientRule | None) -> tuple[list[str], list[str]]:

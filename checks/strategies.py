@@ -20,6 +20,7 @@ Use them in your own tests::
 
 from __future__ import annotations
 
+import builtins
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -76,31 +77,33 @@ class CaseDraw:
     def choice(self, options: Sequence[Any]) -> Any:
         return self._draw(st.sampled_from(list(options)))
 
-    def size(self, low: int = 1, high: int = MAX_SIDE) -> int:
+    def size(self, low: builtins.int = 1, high: builtins.int = MAX_SIDE) -> builtins.int:
         return self.int(low, high)
 
-    def shape(self, min_rank: int = 0, max_rank: int = MAX_RANK, min_side: int = 1,
-              max_side: int = MAX_SIDE) -> tuple[int, ...]:
+    def shape(self, min_rank: builtins.int = 0, max_rank: builtins.int = MAX_RANK, min_side: builtins.int = 1,
+              max_side: builtins.int = MAX_SIDE) -> tuple[builtins.int, ...]:
         rank = self.int(min_rank, max_rank)
         return tuple(self.int(min_side, max_side) for _ in range(rank))
 
-    def permutation(self, n: int) -> tuple[int, ...]:
+    def permutation(self, n: builtins.int) -> tuple[builtins.int, ...]:
         return tuple(self._draw(st.permutations(list(range(n)))))
 
     def subset(self, items: Sequence[Any]) -> tuple[Any, ...]:
         return tuple(item for item in items if self.bool())
 
-    def broadcastable_to(self, shape: Sequence[int]) -> tuple[int, ...]:
+    def broadcastable_to(self, shape: Sequence[builtins.int]) -> tuple[builtins.int, ...]:
         """A shape that numpy broadcasts to ``shape``: leading axes dropped, some axes set to 1."""
         drop = self.int(0, len(shape))
         return tuple(1 if self.bool() else d for d in tuple(shape)[drop:])
 
-    def broadcast_target(self, shape: Sequence[int], max_new: int = 2) -> tuple[int, ...]:
+    def broadcast_target(self, shape: Sequence[builtins.int], max_new: builtins.int = 2) -> tuple[builtins.int, ...]:
         """A shape ``shape`` broadcasts to: new leading axes, and size-1 axes stretched."""
         lead = tuple(self.size() for _ in range(self.int(0, max_new)))
         return lead + tuple(self.size(2) if d == 1 and self.bool() else d for d in shape)
 
-    def same_size_shape(self, shape: Sequence[int], max_rank: int = MAX_RANK) -> tuple[int, ...]:
+    def same_size_shape(
+        self, shape: Sequence[builtins.int], max_rank: builtins.int = MAX_RANK
+    ) -> tuple[builtins.int, ...]:
         """A random shape with as many elements as ``shape`` (its prime factors regrouped)."""
         factors = [p for d in shape for p in _prime_factors(d)]
         rank = self.int(1 if factors else 0, max(max_rank, 1 if factors else 0))

@@ -6,22 +6,27 @@ Each name resolves to the ``Operator`` declared in ``registry/``; calling it ret
 
 from __future__ import annotations
 
+import importlib
+from typing import Any
+
 from opgrad.op import Operator
+
+
+def _registry() -> Any:
+    # Imported by name: registry/ is mapped onto opgrad.registry by the install, not a subfolder.
+    return importlib.import_module("opgrad.registry")
 
 
 def __getattr__(name: str) -> Operator:
     if name.startswith("__"):
         raise AttributeError(name)
-    from opgrad import registry
     from opgrad.errors import RegistryError
 
     try:
-        return registry.get(name)
+        return _registry().get(name)
     except RegistryError as exc:
         raise AttributeError(str(exc)) from None
 
 
 def __dir__() -> list[str]:
-    from opgrad import registry
-
-    return registry.names()
+    return _registry().names()

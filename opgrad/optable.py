@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from collections.abc import Sequence
 
 from opgrad import registry
 from opgrad.op import Operator
@@ -29,7 +30,7 @@ def rows() -> list[tuple[str, str, str, str, str]]:
     return out
 
 
-def format_table(table: list[tuple[str, ...]], header: tuple[str, ...]) -> str:
+def format_table(table: Sequence[tuple[str, ...]], header: tuple[str, ...]) -> str:
     widths = [max(len(r[i]) for r in [header, *table]) for i in range(len(header))]
     line = lambda r: "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip()  # noqa: E731
     return "\n".join([line(header), line(tuple("-" * w for w in widths)), *(line(r) for r in table)])

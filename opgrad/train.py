@@ -158,9 +158,12 @@ def run(args: argparse.Namespace) -> int:
         epoch_no = trainer.epoch + 1
         epoch_start = time.perf_counter()
         with ProgressBar(steps_per_epoch, desc=f"epoch {epoch_no}/{args.epochs}") as bar:
+
+            def show_step(_index: int, loss: float, bar: ProgressBar = bar) -> None:
+                bar.update(1, loss=loss)
+
             train_loss = trainer.train_epoch(
-                data.train_images, data.train_labels, max_steps=args.max_steps,
-                on_step=lambda _i, loss, bar=bar: bar.update(1, loss=loss),
+                data.train_images, data.train_labels, max_steps=args.max_steps, on_step=show_step
             )
         epoch_train = time.perf_counter() - epoch_start
         if not first_epoch:

@@ -13,6 +13,7 @@ Both backward ops are bilinear; their gradients follow from <c, dx> = <conv2d(c,
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -36,7 +37,7 @@ def _window_attrs() -> list[Attr]:
     ]
 
 
-def _output_hw(hw: tuple[int, int], khw: tuple[int, int], attrs: Any) -> tuple[int, int]:
+def _output_hw(hw: Sequence[int], khw: Sequence[int], attrs: Any) -> tuple[int, int]:
     out = tuple(
         conv_output_size(hw[i], khw[i], attrs["strides"][i], attrs["padding"][i], attrs["dilation"][i])
         for i in range(2)

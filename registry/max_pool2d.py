@@ -132,7 +132,9 @@ max_pool2d_backward = Operator(
         convention="ties inside a window of data: grad goes to the first maximum in row-major order",
         distance=lambda inputs, attrs: _gap_to_runner_up(inputs[1:], attrs),
         place=lambda rng, inputs, attrs: [inputs[0], *_place_ties(rng, inputs[1:], attrs)],
-        subgradient=lambda inputs, cot, attrs: [_max_pool2d_gather_forward(cot, inputs[1], **attrs), None],
+        subgradient=lambda inputs, cot, attrs: [
+            _max_pool2d_gather_forward(cot, inputs[1], **attrs), None  # type: ignore[has-type]  # defined below
+        ],
     ),
 )
 

@@ -67,7 +67,9 @@ class ForwardContext:
 
 
 def _pair(value: int | Sequence[int], what: str) -> tuple[int, int]:
-    if isinstance(value, (int, np.integer)) and not isinstance(value, bool):
+    if isinstance(value, bool):
+        raise ValueError(f"{what} must be an int or two ints, got {value!r}")
+    if isinstance(value, (int, np.integer)):
         pair = (int(value), int(value))
     else:
         items = tuple(int(v) for v in value)

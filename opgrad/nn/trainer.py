@@ -88,12 +88,13 @@ def shift_images(images: np.ndarray, rng: np.random.Generator, max_shift: int) -
         return images
     n, _, h, w = images.shape
     k = max_shift
-    padded = np.pad(images, ((0, 0), (0, 0), (k, k), (k, k)))
-    dy = rng.integers(-k, k + 1, size=n)
-    dx = rng.integers(-k, k + 1, size=n)
+    padded: np.ndarray = np.pad(images, ((0, 0), (0, 0), (k, k), (k, k)))
+    dy = [int(v) for v in rng.integers(-k, k + 1, size=n)]
+    dx = [int(v) for v in rng.integers(-k, k + 1, size=n)]
     out = np.empty_like(images)
     for i in range(n):
-        out[i] = padded[i, :, k + dy[i] : k + dy[i] + h, k + dx[i] : k + dx[i] + w]
+        top, left = k + dy[i], k + dx[i]
+        out[i] = padded[i, :, top : top + h, left : left + w]
     return out
 
 
