@@ -89,8 +89,8 @@ def shift_images(images: np.ndarray, rng: np.random.Generator, max_shift: int) -
     n, _, h, w = images.shape
     k = max_shift
     padded: np.ndarray = np.pad(images, ((0, 0), (0, 0), (k, k), (k, k)))
-    dy = [int(v) for v in rng.integers(-k, k + 1, size=n)]
-    dx = [int(v) for v in rng.integers(-k, k + 1, size=n)]
+    dy: list[int] = np.asarray(rng.integers(-k, k + 1, size=n)).tolist()
+    dx: list[int] = np.asarray(rng.integers(-k, k + 1, size=n)).tolist()
     out = np.empty_like(images)
     for i in range(n):
         top, left = k + dy[i], k + dx[i]
