@@ -19,6 +19,7 @@ tile it lands in, so splitting rows or columns over threads gives bitwise identi
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from .irtext import BYTES, LLVM_TYPE, FunctionEmitter, ModuleEmitter, float_const, iota_const, splat_const
@@ -220,29 +221,58 @@ def _lane_terms(f: FunctionEmitter, imap: IndexMap, start: str, lanes: int) -> t
     return off, h, w, idx
 
 
+def _masked_load(m: ModuleEmitter, n: int, t: str) -> str:
+    suffix = f"v{n}{'f32' if t == 'float' else 'f64'}.p0"
+    return m.intrinsic("masked.load", f"<{n} x {t}>", ["ptr", "i32", f"<{n} x i1>", f"<{n} x {t}>"], suffix)
+
+
+def _transpose(f: FunctionEmitter, rows: list[str], vt: str, n: int) -> list[str]:
+    """Transpose ``n`` vectors of ``n`` lanes (``n`` a power of two) with two-source shuffles."""
+    rows = list(rows)
+    b = n // 2
+    while b >= 1:
+        for i in range(n):
+            if i & b:
+                continue
+            j = i + b
+            lo = [c if not c & b else n + c - b for c in range(n)]
+            hi = [c + b if not c & b else n + c for c in range(n)]
+            ri, rj = rows[i], rows[j]
+            for dst, sel in ((i, lo), (j, hi)):
+                mask = ", ".join(f"i32 {x}" for x in sel)
+                rows[dst] = f.val(f"shufflevector {vt} {ri}, {vt} {rj}, <{n} x i32> <{mask}>", "tr")
+        b //= 2
+    return rows
+
+
 def _emit_pack(m: ModuleEmitter, name: str, op: Operand, lanes_are_rows: bool, lanes: int, vl: int, t: str) -> None:
     """``pack(src, dst, lane0, nlanes, loop0, nloop)``: panels of ``[nloop][lanes]``, zero padded.
 
-    For A the lanes are rows (MR); for B the lanes are columns (NR). Lanes that are contiguous in
-    memory (and unpadded) are copied with vector loads; anything else is a masked gather.
+    For A the lanes are rows (MR); for B the lanes are columns (NR). Three paths, chosen at run time:
+    lanes contiguous in memory are copied with vector loads (masked loads under a padding window or
+    on a partial panel); otherwise runs of ``vl`` consecutive loop indices that are contiguous in
+    memory (im2col rows, a row-major A) are loaded per lane and transposed in registers; anything
+    else is a masked gather.
     """
     lane_map, loop_map = (op.rows, op.cols) if lanes_are_rows else (op.cols, op.rows)
     chunk = vl if lanes % vl == 0 else lanes  # B panels: whole vectors; A panels: one MR-lane vector
     nchunks = lanes // chunk
     vt, it, mt = f"<{chunk} x {t}>", f"<{chunk} x i32>", f"<{chunk} x i1>"
     esize = 4 if t == "float" else 8
+    window = op.window
     f = FunctionEmitter(
         m, name, [("ptr", "src"), ("ptr", "dst"), ("i64", "lane0"), ("i64", "nlanes"), ("i64", "loop0"),
                   ("i64", "nloop")], linkage="internal",
     )
     gather = _gather(m, chunk, t)
+    mload = _masked_load(m, chunk, t)
     npanels = f.val(f"udiv i64 {f.add('%nlanes', lanes - 1)}, {lanes}")
     with f.loop(0, npanels, hint="p") as p:
         first = f.add("%lane0", f.mul(p, lanes))
         valid = f.sub("%nlanes", f.mul(p, lanes))
         panel = f.gep(t, "%dst", f.mul(p, f.mul("%nloop", lanes)))
         chunks = []
-        all_contig = "true"
+        all_contig, all_full = "true", "true"
         for c in range(nchunks):
             off, h, w, _ = _lane_terms(f, lane_map, f.add(first, c * chunk), chunk)
             v32 = f.val(f"trunc i64 {f.sub(valid, c * chunk)} to i32")
@@ -251,39 +281,126 @@ def _emit_pack(m: ModuleEmitter, name: str, op: Operand, lanes_are_rows: bool, l
             expect = f.val(f"add {it} {f.splat(chunk, 'i32', off0)}, {iota_const(chunk)}")
             contig = f.call("i1", _reduce_and(m, chunk), [(mt, f.val(f"icmp eq {it} {off}, {expect}"))])
             full = f.call("i1", _reduce_and(m, chunk), [(mt, lane_ok)])
-            all_contig = f.val(f"and i1 {all_contig}, {f.val(f'and i1 {contig}, {full}')}")
+            all_contig = f.val(f"and i1 {all_contig}, {contig}")
+            all_full = f.val(f"and i1 {all_full}, {full}")
             chunks.append((off, h, w, lane_ok, off0))
-        if op.window is not None or lane_map.spatial:
-            all_contig = "false"
-        fast, slow, done = f.if_else(all_contig, "contig")
-        for mode, label in (("fast", fast), ("slow", slow)):
-            f.block(label)
-            with f.loop(0, "%nloop", hint="k") as k:
-                roff, rh, rw = loop_map.terms(f, f.add("%loop0", k))
-                dst_row = f.gep(t, panel, f.mul(k, lanes))
-                for c, (off, h, w, lane_ok, off0) in enumerate(chunks):
-                    out = f.gep(t, dst_row, str(c * chunk))
-                    if mode == "fast":
-                        src = f.gep(t, "%src", f.add(roff, f.val(f"sext i32 {off0} to i64")))
-                        v = f.load(vt, src, align=esize)
-                    else:
-                        r32 = f.val(f"trunc i64 {roff} to i32")
-                        idx = f.val(f"add {it} {off}, {f.splat(chunk, 'i32', r32)}")
-                        mask = lane_ok
-                        if op.window is not None:
-                            hh = f.val(f"add {it} {h}, {f.splat(chunk, 'i32', f.val(f'trunc i64 {rh} to i32'))}")
-                            ww = f.val(f"add {it} {w}, {f.splat(chunk, 'i32', f.val(f'trunc i64 {rw} to i32'))}")
-                            hok = f.val(f"icmp ult {it} {hh}, {splat_const(chunk, 'i32', str(op.window[0]))}")
-                            wok = f.val(f"icmp ult {it} {ww}, {splat_const(chunk, 'i32', str(op.window[1]))}")
-                            mask = f.val(f"and {mt} {mask}, {f.val(f'and {mt} {hok}, {wok}')}")
-                        ptrs = f.val(f"getelementptr {t}, ptr %src, {it} {idx}", "ptrs")
-                        v = f.call(vt, gather, [(f"<{chunk} x ptr>", ptrs), ("i32", str(esize)), (mt, mask),
-                                                (vt, "zeroinitializer")])
-                    f.store(vt, v, out, align=esize)
-            f.br(done)
+
+        def window_mask(h: str, w: str, rh: str, rw: str, mask: str) -> str:
+            if window is None:
+                return mask
+            hh = f.val(f"add {it} {h}, {f.splat(chunk, 'i32', f.val(f'trunc i64 {rh} to i32'))}")
+            ww = f.val(f"add {it} {w}, {f.splat(chunk, 'i32', f.val(f'trunc i64 {rw} to i32'))}")
+            hok = f.val(f"icmp ult {it} {hh}, {splat_const(chunk, 'i32', str(window[0]))}")
+            wok = f.val(f"icmp ult {it} {ww}, {splat_const(chunk, 'i32', str(window[1]))}")
+            return f.val(f"and {mt} {mask}, {f.val(f'and {mt} {hok}, {wok}')}")
+
+        def per_k(k: str, mode: str) -> None:
+            """One packed row (loop index ``loop0 + k``) by lane vectors: plain, masked or gathered."""
+            roff, rh, rw = loop_map.terms(f, f.add("%loop0", k))
+            dst_row = f.gep(t, panel, f.mul(k, lanes))
+            for c, (off, h, w, lane_ok, off0) in enumerate(chunks):
+                out = f.gep(t, dst_row, str(c * chunk))
+                if mode == "fast":
+                    v = f.load(vt, f.gep(t, "%src", f.add(roff, f.val(f"sext i32 {off0} to i64"))), align=esize)
+                elif mode == "masked":
+                    src = f.val(f"getelementptr {t}, ptr %src, i64 {f.add(roff, f.val(f'sext i32 {off0} to i64'))}")
+                    v = f.call(vt, mload, [("ptr", src), ("i32", str(esize)), (mt, window_mask(h, w, rh, rw, lane_ok)),
+                                           (vt, "zeroinitializer")])
+                else:
+                    r32 = f.val(f"trunc i64 {roff} to i32")
+                    idx = f.val(f"add {it} {off}, {f.splat(chunk, 'i32', r32)}")
+                    ptrs = f.val(f"getelementptr {t}, ptr %src, {it} {idx}", "ptrs")
+                    v = f.call(vt, gather, [(f"<{chunk} x ptr>", ptrs), ("i32", str(esize)),
+                                            (mt, window_mask(h, w, rh, rw, lane_ok)), (vt, "zeroinitializer")])
+                f.store(vt, v, out, align=esize)
+
+        fast_cond = "false" if window is not None else f.val(f"and i1 {all_contig}, {all_full}")
+        fast, other, done = f.if_else(fast_cond, "contig")
+        f.block(fast)
+        with f.loop(0, "%nloop", hint="k") as k:
+            per_k(k, "fast")
+        f.br(done)
+        f.block(other)
+        masked, slow, done2 = f.if_else(all_contig, "mcontig")
+        f.block(masked)
+        with f.loop(0, "%nloop", hint="k") as k:
+            per_k(k, "masked")
+        f.br(done2)
+        f.block(slow)
+        _pack_by_loop_runs(f, m, loop_map, window, chunks, chunk, lanes, vl, panel, t, per_k)
+        with f.loop(f.mul(f.val(f"udiv i64 %nloop, {vl}"), vl), "%nloop", hint="kt") as k:
+            per_k(k, "slow")
+        f.br(done2)
+        f.block(done2)
+        f.br(done)
         f.block(done)
     f.ret_void()
     f.finish()
+
+
+def _pack_by_loop_runs(
+    f: FunctionEmitter, m: ModuleEmitter, loop_map: IndexMap, window: tuple[int, int] | None,
+    chunks: list[tuple[str, str, str, str, str]], chunk: int, lanes: int, vl: int, panel: str, t: str,
+    per_k: Callable[[str, str], None],
+) -> None:
+    """Whole runs of ``vl`` loop indices: where the run is contiguous in memory (and, under a window,
+    on one input row), one vector load per lane and an in-register transpose; else per-index gathers."""
+    vt, it, mt = f"<{vl} x {t}>", f"<{vl} x i32>", f"<{vl} x i1>"
+    esize = 4 if t == "float" else 8
+    mload = _masked_load(m, vl, t)
+    with f.loop(0, f.val(f"udiv i64 %nloop, {vl}"), hint="kv") as kv:
+        k0 = f.mul(kv, vl)
+        koff, kh, kw, _ = _lane_terms(f, loop_map, f.add("%loop0", k0), vl)
+        koff0 = f.val(f"extractelement {it} {koff}, i32 0")
+        def run_of(first: str) -> str:
+            return f.val(f"add {it} {f.splat(vl, 'i32', first)}, {iota_const(vl)}")
+
+        conds = [f.val(f"icmp eq {it} {koff}, {run_of(koff0)}")]
+        kh0 = kw0 = ""
+        if window is not None:
+            kh0 = f.val(f"extractelement {it} {kh}, i32 0")
+            kw0 = f.val(f"extractelement {it} {kw}, i32 0")
+            conds.append(f.val(f"icmp eq {it} {kh}, {f.splat(vl, 'i32', kh0)}"))
+            conds.append(f.val(f"icmp eq {it} {kw}, {run_of(kw0)}"))
+        cond = conds[0]
+        for c in conds[1:]:
+            cond = f.val(f"and {mt} {cond}, {c}")
+        run = f.call("i1", _reduce_and(m, vl), [(mt, cond)])
+        yes, no, done = f.if_else(run, "run")
+        f.block(yes)
+        vecs = []
+        base = f.val(f"sext i32 {koff0} to i64")
+        for lane in range(lanes):
+            c, li = divmod(lane, chunk)
+            off, h, w, lane_ok, _ = chunks[c]
+            loff = f.val(f"sext i32 {f.val(f'extractelement <{chunk} x i32> {off}, i32 {li}')} to i64")
+            ok = f.val(f"extractelement <{chunk} x i1> {lane_ok}, i32 {li}")
+            mask = f.splat(vl, "i1", ok)
+            if window is not None:
+                lh = f.val(f"extractelement <{chunk} x i32> {h}, i32 {li}")
+                lw = f.val(f"extractelement <{chunk} x i32> {w}, i32 {li}")
+                hok = f.val(f"icmp ult i32 {f.add(lh, kh0, 'i32')}, {window[0]}")
+                ww = f.val(f"add {it} {f.splat(vl, 'i32', f.add(lw, kw0, 'i32'))}, {iota_const(vl)}")
+                wok = f.val(f"icmp ult {it} {ww}, {splat_const(vl, 'i32', str(window[1]))}")
+                mask = f.val(f"and {mt} {f.splat(vl, 'i1', f.val(f'and i1 {ok}, {hok}'))}, {wok}")
+            src = f.val(f"getelementptr {t}, ptr %src, i64 {f.add(base, loff)}")
+            vecs.append(f.call(vt, mload, [("ptr", src), ("i32", str(esize)), (mt, mask), (vt, "zeroinitializer")]))
+        for g in range(0, lanes, vl):
+            group = vecs[g:g + vl]
+            group += ["zeroinitializer"] * (vl - len(group))
+            width = min(vl, lanes - g)
+            for i, row in enumerate(_transpose(f, group, vt, vl)):
+                out = f.gep(t, panel, f.add(f.mul(f.add(k0, i), lanes), g))
+                if width < vl:
+                    sel = ", ".join(f"i32 {x}" for x in range(width))
+                    row = f.val(f"shufflevector {vt} {row}, {vt} poison, <{width} x i32> <{sel}>")
+                f.store(f"<{width} x {t}>", row, out, align=esize)
+        f.br(done)
+        f.block(no)
+        with f.loop(0, vl, hint="ki") as ki:
+            per_k(f.add(k0, ki), "slow")
+        f.br(done)
+        f.block(done)
 
 
 def emit_gemm(
