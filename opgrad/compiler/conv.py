@@ -86,6 +86,11 @@ class Conv2dGeometry:
 
     # ----- index maps of the implicit im2col matrix [C*KH*KW, N*OH*OW] -----
 
+    def window(self) -> tuple[int, int] | None:
+        """The im2col operand's zero-padding window, or None when no tap can leave the input: without
+        padding, ``oh``/``ow`` keep every ``(h, w)`` in range, and packing needs no bounds masks."""
+        return (self.h, self.w) if any(self.pads) else None
+
     def patch_map(self) -> IndexMap:
         """(c, kh, kw) -> offset inside an input image and the tap's (h, w) displacement."""
         dh, dw = self.dilation
@@ -120,7 +125,7 @@ def emit_conv2d_forward(m: ModuleEmitter, g: Conv2dGeometry, name: str) -> ConvE
     spec = GemmSpec(
         g.o, g.n * p, g.ckk,
         a=Operand.matrix(g.o, g.ckk, g.ckk, 1),
-        b=Operand(g.patch_map(), g.pixel_map(), (g.h, g.w)),
+        b=Operand(g.patch_map(), g.pixel_map(), g.window()),
         c=Operand(IndexMap.strided(g.o, p), g.output_pixels()),
         dtype=g.dtype,
     )
@@ -135,7 +140,7 @@ def emit_conv2d_backward_weight(m: ModuleEmitter, g: Conv2dGeometry, name: str) 
     spec = GemmSpec(
         g.o, g.ckk, g.n * p,
         a=Operand(IndexMap.strided(g.o, p), g.output_pixels()),
-        b=Operand(g.pixel_map(), g.patch_map(), (g.h, g.w)),
+        b=Operand(g.pixel_map(), g.patch_map(), g.window()),
         c=Operand.matrix(g.o, g.ckk, g.ckk, 1),
         dtype=g.dtype,
     )
