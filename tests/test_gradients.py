@@ -1,7 +1,8 @@
 """Every registered gradient against float64 central finite differences (full Jacobian, small shapes).
 
 These are the foundation's hand-written cases; opgrad.checks generates many more from the
-declarations. A new op with differentiable inputs must get a case here or the coverage test fails.
+declarations. A new operator needs no case here: tests/test_checks_registry.py checks every
+registered op from its declaration (docs/contributing-an-operator.md: one file, no test code).
 """
 
 from __future__ import annotations
@@ -73,12 +74,11 @@ def test_gradient_matches_finite_differences(name: str) -> None:
     assert checked >= 1
 
 
-def test_every_differentiable_op_has_a_case() -> None:
-    missing = [
-        op.name for op in opgrad.registry.all_ops()
-        if op.gradient_status.registered and op.name not in CASES and op.name != "leaky_relu"
-    ]
-    assert not missing, f"add finite-difference cases for {missing}"
+def test_every_case_names_a_registered_differentiable_op() -> None:
+    # The reverse direction (every differentiable op has a case here) is deliberately not required:
+    # a new registry file is covered by tests/test_checks_registry.py without any test code.
+    stale = [name for name in CASES if not opgrad.registry.get(name).gradient_status.registered]
+    assert not stale, f"cases for operators without a registered gradient: {stale}"
 
 
 def test_relu_subgradient_at_zero_is_zero() -> None:
