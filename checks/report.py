@@ -45,6 +45,9 @@ class Failure:
     tolerance: float | None = None
     dtype: str = "float64"
     arrays: list[np.ndarray] | None = field(default=None, repr=False)  # the inputs, to reproduce by hand
+    # How to rerun exactly this check; the CLI form only reproduces runs of the registered rule
+    # with every check, so check_op sets the Python call when a candidate gradient or a subset ran.
+    rerun: str | None = None
 
     @property
     def check_name(self) -> str:
@@ -70,7 +73,8 @@ class Failure:
             lines.append(f"  step:     {self.step:g} (central differences)")
         repro = []
         if self.seed is not None:
-            repro.append(f"seed {self.seed}: opgrad check {self.op} --seed {self.seed}")
+            rerun = self.rerun or f"opgrad check {self.op} --seed {self.seed}"
+            repro.append(f"seed {self.seed}: {rerun}")
         if self.value_seed is not None:
             repro.append(f"value seed {self.value_seed}")
         if repro:

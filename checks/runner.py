@@ -134,9 +134,37 @@ def check_op(name: str | Operator, *, gradient: GradientRule | None = None, max_
     except Exception as exc:  # a sampler bug or an op's reference raising on a valid case
         report.passed = False
         report.failure = Failure(op=op.name, check="error", problem=f"{type(exc).__name__}: {exc}", seed=run_seed)
+    if report.failure is not None:
+        report.failure.rerun = rerun_text(op.name, run_seed, custom_rule=gradient is not None, checks=checks,
+                                          backend=backend, max_examples=max_examples, shrink=shrink)
     report.checks = [c for c in ALL_CHECKS if c in seen or (report.failure and report.failure.check == c)]
     report.seconds = time.perf_counter() - start
     return report
+
+
+def rerun_text(op: str, seed: int, *, custom_rule: bool, checks: str, backend: Backend | None,
+               max_examples: int, shrink: bool) -> str | None:
+    """The command that reruns a failed ``check_op`` call, or None when the CLI form does.
+
+    The hypothesis search depends on the number of examples too, so a non-default count is quoted.
+    """
+    if not custom_rule and checks == ALL_CHECKS and shrink:
+        flags = f" --examples {max_examples}" if max_examples != 100 else ""
+        flags += " --backend <yours>" if backend is not None else ""
+        return f"opgrad check {op} --seed {seed}{flags}"
+    args = [repr(op)]
+    if custom_rule:
+        args.append("gradient=<your rule>")
+    if checks != ALL_CHECKS:
+        args.append(f"checks={checks!r}")
+    if backend is not None:
+        args.append("backend=<your backend>")
+    if max_examples != 100:
+        args.append(f"max_examples={max_examples}")
+    if not shrink:
+        args.append("shrink=False")
+    args.append(f"seed={seed}")
+    return f"opgrad.checks.check_op({', '.join(args)})"
 
 
 def assert_op(name: str | Operator, **kwargs: object) -> OpReport:

@@ -79,7 +79,8 @@ def test_failure_report_has_everything_to_act_on() -> None:
     assert f.index is not None and f.abs_error > 0 and f.rel_error > 1e-3
     assert f.analytic is not None and f.numeric is not None and f.value_seed is not None
     text = str(report)
-    for piece in ("check b", "shapes:", "worst:", "analytic:", "numeric", "step:", "opgrad check dense --seed 11"):
+    rerun = "opgrad.checks.check_op('dense', gradient=<your rule>, max_examples=50, seed=11)"
+    for piece in ("check b", "shapes:", "worst:", "analytic:", "numeric", "step:", rerun):
         assert piece in text
     again = check_op("dense", gradient=_mutant("dense", "swapped"), max_examples=50, seed=11).failure
     assert again is not None and (again.shapes, again.index, again.analytic) == (f.shapes, f.index, f.analytic)
@@ -186,3 +187,15 @@ def test_tolerance_table_is_documented() -> None:
         assert dtype in text
         for value in (tol.fd_step, tol.fd_rtol, tol.fd_atol, tol.exact_rtol):
             assert f"{value:g}" in text, f"{dtype}: {value:g} missing from docs/checking.md"
+
+
+def test_repro_line_quotes_the_call_that_reproduces_the_run() -> None:
+    from opgrad.checks.runner import rerun_text
+
+    common = {"backend": None, "shrink": True}
+    assert rerun_text("dense", 3, custom_rule=False, checks="abcdefg", max_examples=100, **common) == (
+        "opgrad check dense --seed 3")
+    assert rerun_text("dense", 3, custom_rule=False, checks="abcdefg", max_examples=20, **common) == (
+        "opgrad check dense --seed 3 --examples 20")
+    assert rerun_text("dense", 3, custom_rule=True, checks="abc", max_examples=100, **common) == (
+        "opgrad.checks.check_op('dense', gradient=<your rule>, checks='abc', seed=3)")
