@@ -327,7 +327,7 @@ def _emit_pack(m: ModuleEmitter, name: str, op: Operand, lanes_are_rows: bool, l
             per_k(k, "masked")
         f.br(done2)
         f.block(slow)
-        _pack_by_loop_runs(f, m, loop_map, window, chunks, chunk, lanes, vl, panel, t, per_k)
+        _pack_by_loop_runs(f, m, loop_map, window, chunks, chunk, lanes, vl, panel, t, per_k, all_full)
         with f.loop(f.mul(f.val(f"udiv i64 %nloop, {vl}"), vl), "%nloop", hint="kt") as k:
             per_k(k, "slow")
         f.br(done2)
@@ -341,7 +341,7 @@ def _emit_pack(m: ModuleEmitter, name: str, op: Operand, lanes_are_rows: bool, l
 def _pack_by_loop_runs(
     f: FunctionEmitter, m: ModuleEmitter, loop_map: IndexMap, window: tuple[int, int] | None,
     chunks: list[tuple[str, str, str, str, str]], chunk: int, lanes: int, vl: int, panel: str, t: str,
-    per_k: Callable[[str, str], None],
+    per_k: Callable[[str, str], None], all_full: str,
 ) -> None:
     """Whole runs of ``vl`` loop indices: where the run is contiguous in memory (and, under a window,
     on one input row), one vector load per lane and an in-register transpose; else per-index gathers."""
@@ -368,33 +368,51 @@ def _pack_by_loop_runs(
         run = f.call("i1", _reduce_and(m, vl), [(mt, cond)])
         yes, no, done = f.if_else(run, "run")
         f.block(yes)
-        vecs = []
         base = f.val(f"sext i32 {koff0} to i64")
-        for lane in range(lanes):
-            c, li = divmod(lane, chunk)
-            off, h, w, lane_ok, _ = chunks[c]
-            loff = f.val(f"sext i32 {f.val(f'extractelement <{chunk} x i32> {off}, i32 {li}')} to i64")
-            ok = f.val(f"extractelement <{chunk} x i1> {lane_ok}, i32 {li}")
-            mask = f.splat(vl, "i1", ok)
-            if window is not None:
-                lh = f.val(f"extractelement <{chunk} x i32> {h}, i32 {li}")
-                lw = f.val(f"extractelement <{chunk} x i32> {w}, i32 {li}")
-                hok = f.val(f"icmp ult i32 {f.add(lh, kh0, 'i32')}, {window[0]}")
-                ww = f.val(f"add {it} {f.splat(vl, 'i32', f.add(lw, kw0, 'i32'))}, {iota_const(vl)}")
-                wok = f.val(f"icmp ult {it} {ww}, {splat_const(vl, 'i32', str(window[1]))}")
-                mask = f.val(f"and {mt} {f.splat(vl, 'i1', f.val(f'and i1 {ok}, {hok}'))}, {wok}")
-            src = f.val(f"getelementptr {t}, ptr %src, i64 {f.add(base, loff)}")
-            vecs.append(f.call(vt, mload, [("ptr", src), ("i32", str(esize)), (mt, mask), (vt, "zeroinitializer")]))
-        for g in range(0, lanes, vl):
-            group = vecs[g:g + vl]
-            group += ["zeroinitializer"] * (vl - len(group))
-            width = min(vl, lanes - g)
-            for i, row in enumerate(_transpose(f, group, vt, vl)):
-                out = f.gep(t, panel, f.add(f.mul(f.add(k0, i), lanes), g))
-                if width < vl:
-                    sel = ", ".join(f"i32 {x}" for x in range(width))
-                    row = f.val(f"shufflevector {vt} {row}, {vt} poison, <{width} x i32> <{sel}>")
-                f.store(f"<{width} x {t}>", row, out, align=esize)
+
+        def load_transpose_store(plain: bool) -> None:
+            vecs = []
+            for lane in range(lanes):
+                c, li = divmod(lane, chunk)
+                off, h, w, lane_ok, _ = chunks[c]
+                loff = f.val(f"sext i32 {f.val(f'extractelement <{chunk} x i32> {off}, i32 {li}')} to i64")
+                if plain:
+                    vecs.append(f.load(vt, f.gep(t, "%src", f.add(base, loff)), align=esize))
+                    continue
+                ok = f.val(f"extractelement <{chunk} x i1> {lane_ok}, i32 {li}")
+                mask = f.splat(vl, "i1", ok)
+                if window is not None:
+                    lh = f.val(f"extractelement <{chunk} x i32> {h}, i32 {li}")
+                    lw = f.val(f"extractelement <{chunk} x i32> {w}, i32 {li}")
+                    hok = f.val(f"icmp ult i32 {f.add(lh, kh0, 'i32')}, {window[0]}")
+                    ww = f.val(f"add {it} {f.splat(vl, 'i32', f.add(lw, kw0, 'i32'))}, {iota_const(vl)}")
+                    wok = f.val(f"icmp ult {it} {ww}, {splat_const(vl, 'i32', str(window[1]))}")
+                    mask = f.val(f"and {mt} {f.splat(vl, 'i1', f.val(f'and i1 {ok}, {hok}'))}, {wok}")
+                src = f.val(f"getelementptr {t}, ptr %src, i64 {f.add(base, loff)}")
+                vecs.append(f.call(vt, mload, [("ptr", src), ("i32", str(esize)), (mt, mask),
+                                               (vt, "zeroinitializer")]))
+            for g in range(0, lanes, vl):
+                group = vecs[g:g + vl]
+                group += ["zeroinitializer"] * (vl - len(group))
+                width = min(vl, lanes - g)
+                for i, row in enumerate(_transpose(f, group, vt, vl)):
+                    out = f.gep(t, panel, f.add(f.mul(f.add(k0, i), lanes), g))
+                    if width < vl:
+                        sel = ", ".join(f"i32 {x}" for x in range(width))
+                        row = f.val(f"shufflevector {vt} {row}, {vt} poison, <{width} x i32> <{sel}>")
+                    f.store(f"<{width} x {t}>", row, out, align=esize)
+
+        if window is None:  # whole panels load plainly; vmaskmov costs ~7 % of a bw-weight pass
+            plain, masked, joined = f.if_else(all_full, "full")
+            f.block(plain)
+            load_transpose_store(True)
+            f.br(joined)
+            f.block(masked)
+            load_transpose_store(False)
+            f.br(joined)
+            f.block(joined)
+        else:
+            load_transpose_store(False)
         f.br(done)
         f.block(no)
         with f.loop(0, vl, hint="ki") as ki:
