@@ -93,6 +93,10 @@ def _random_geometries(count: int) -> list[tuple]:
                     (int(rng.integers(1, 7)), 0, kh, kw), stride, pads, dil, dtype))
     out.append(((2, 4, 12, 12), (6, 0, 12, 12), (1, 1), (0, 0, 0, 0), (1, 1), "float32"))  # 1x1 output
     out.append(((3, 2, 9, 9), (5, 0, 3, 3), (2, 2), (1, 1, 1, 1), (2, 2), "float32"))
+    # Large enough (> 1 MFLOP per pass) for the packing's transposing path: padded (masked loads,
+    # rows not a multiple of the vector width), unpadded (plain loads), partial panels (13 channels).
+    out.append(((4, 8, 19, 19), (13, 0, 3, 3), (1, 1), (1, 1, 1, 1), (1, 1), "float32"))
+    out.append(((4, 8, 19, 19), (13, 0, 3, 3), (1, 1), (0, 0, 0, 0), (1, 1), "float64"))
     return out
 
 
