@@ -62,7 +62,7 @@ def _pool_size_plus_one(call) -> dict:
     return {**call.attrs, "pool_size": (kh + 1, kw), "padding": (0, 0)}
 
 
-MUTANTS: list[Mutant] = [
+_LISTED: list[Mutant] = [
     # ----- dense -----
     Mutant("dense", "d_data missing the transpose of weight",
            lambda call, g: [ops.dense(g, call.args[1]), _dense_grads(call, g)[1]]),
@@ -182,6 +182,17 @@ MUTANTS: list[Mutant] = [
            lambda call, g: [None, ops.where(call.args[0], ops.zeros_like(g), g),
                             ops.where(call.args[0], g, ops.zeros_like(g))]),
 ]
+
+
+def _declared() -> list[Mutant]:
+    """Mutants planted with ``@op.mutant`` in the operators' own registry files."""
+    from opgrad.registry import all_ops
+
+    return [Mutant(op.name, mistake, rule) for op in all_ops() for mistake, rule in op.mutants]
+
+
+#: Every mutant: those listed above for the original operators, then those declared beside each op.
+MUTANTS: list[Mutant] = _LISTED + _declared()
 
 
 def run_mutants(max_examples: int = 30, seed: int = 0, shrink: bool = False,

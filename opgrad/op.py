@@ -165,6 +165,7 @@ class Operator:
         self._gradient_reason = "no gradient declared"
         self._lowering: Callable[..., Any] | None = None
         self._sampler: Callable[..., Any] | None = None
+        self._mutants: list[tuple[str, GradientRule]] = []
         self.module: str = ""
         names = [i.name for i in self.inputs]
         if len(set(names)) != len(names):
@@ -234,7 +235,26 @@ class Operator:
         self._sampler = fn
         return fn
 
+    def mutant(self, mistake: str) -> Callable[[GradientRule], GradientRule]:
+        """Plant a deliberately wrong gradient that the checker must flag (``opgrad check --mutants``).
+
+        ``mistake`` says in a few words what is wrong (``"1 - t instead of 1 - t^2"``); the rule has
+        the gradient's calling convention. Keep mutants in the op's file, below its gradient: each
+        one is a plausible slip, and the checker's power is measured by killing all of them.
+        """
+
+        def attach(fn: GradientRule) -> GradientRule:
+            self._mutants.append((mistake, fn))
+            return fn
+
+        return attach
+
     # ----- queries -----
+
+    @property
+    def mutants(self) -> tuple[tuple[str, GradientRule], ...]:
+        """The planted wrong gradients: ``(mistake, rule)`` pairs."""
+        return tuple(self._mutants)
 
     @property
     def gradient_rule(self) -> GradientRule | None:
