@@ -18,6 +18,8 @@ from opgrad.autodiff import grad, gradients
 from opgrad.dtypes import TensorType
 from opgrad.errors import (
     ArgumentError,
+    CompileError,
+    CompileWarning,
     GradientError,
     OpCallError,
     OpgradError,
@@ -58,6 +60,8 @@ def __getattr__(name: str) -> Any:
 __all__ = [
     "ArgumentError",
     "Call",
+    "CompileError",
+    "CompileWarning",
     "Const",
     "Expr",
     "Function",

@@ -31,3 +31,11 @@ class GradientError(OpgradError):
 
 class RegistryError(OpgradError, LookupError):
     """An operator name is unknown or declared twice."""
+
+
+class CompileError(OpgradError, RuntimeError):
+    """Native compilation failed; the message names the function, the kernel and the host CPU."""
+
+
+class CompileWarning(UserWarning):
+    """Compilation succeeded only by working around a problem (e.g. an LLVM crash) that was found."""

@@ -223,7 +223,7 @@ def test_corrupt_cache_entry_is_reported_deleted_and_rebuilt(tmp_path: Path, dam
     with pytest.warns(UserWarning, match="deleting and rebuilding"):
         m = NativeModule(_IR, cache=store)
     assert not m.times.cache_hit
-    assert ObjectCache._check(entry.read_bytes()) is None  # rebuilt entry is whole again
+    assert ObjectCache.check(entry.read_bytes(), m.key) is None  # rebuilt entry is whole again
     assert NativeModule(_IR, cache=store).times.cache_hit
 
 

@@ -93,6 +93,8 @@ class KernelBuilder:
         self.workspace_per_thread = 0
         self._allocate = allocate
         self._count = 0
+        #: Emitted kernel name -> the op(s) it lowers (filled by :meth:`finish`), for compile errors.
+        self.kernel_labels: dict[str, str] = {}
 
     def fresh(self, kind: str) -> str:
         """A function name unique in this module."""
@@ -365,6 +367,7 @@ class KernelBuilder:
                 calls.append(self._emit_reduce(st))
             else:
                 calls.append((st.call, st.call_buffers))
+            self.kernel_labels[calls[-1][0].split(":", 1)[-1]] = st.label
         groups = [[c] for c in calls] if step_entries else [calls]
         for g, group in enumerate(groups):
             self._emit_entry(f"{self.name}.step{g}" if step_entries else self.name, group)
@@ -481,7 +484,7 @@ class KernelBuilder:
         """Finish, compile (disk-cached) and wrap the entry for ctypes."""
         _register_libm()
         nthreads = pool().nthreads
-        module = NativeModule(self.finish())
+        module = NativeModule(self.finish(), kernel_labels=self.kernel_labels)
         return CompiledGraph(module, self.name, self.workspace_per_thread * nthreads)
 
 

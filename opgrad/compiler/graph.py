@@ -224,7 +224,7 @@ class CompiledFunction:
         _register_libm()
         nthreads = pool().nthreads
         self.ir = kb.finish(step_entries)
-        self._module = NativeModule(self.ir)
+        self._module = NativeModule(self.ir, what=_describe(fn), kernel_labels=kb.kernel_labels)
         self.times: CompileTimes = self._module.times
         self.cache_hit = self.times.cache_hit
         self._fn = self._module.cfunc("opgrad_graph", None, ctypes.c_void_p, ctypes.c_void_p)
@@ -299,6 +299,13 @@ class CompiledFunction:
         return (f"<CompiledFunction {len(self.function.params)} params -> {len(self._results)} results, "
                 f"{self.steps} steps ({self.fused} fused), arena {self.arena_bytes} B, "
                 f"compiled in {self.compile_seconds:.3f} s{' (cache hit)' if self.cache_hit else ''}>")
+
+
+def _describe(fn: Function) -> str:
+    """The function in one line: its parameters and the ops of its outputs."""
+    params = ", ".join(f"{p.name}: {p.dtype}{list(p.shape)}" for p in fn.params)
+    outs = ", ".join(o.op.name if isinstance(o, Call) else type(o).__name__.lower() for o in fn.outputs)
+    return f"function ({params}) -> ({outs})"
 
 
 def _aligned(arr: np.ndarray) -> int:

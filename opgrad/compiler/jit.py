@@ -1,39 +1,55 @@
-"""Host JIT: optimize LLVM IR text at O3 for this CPU, compile it with MCJIT, cache objects on disk.
+"""Host JIT: optimize LLVM IR text at O3 for this CPU in a crash-proof worker, cache objects on disk.
 
-Everything above this module produces LLVM IR *text*; this module is the only place that talks to
-llvmlite's binding layer. A :class:`NativeModule` owns one MCJIT engine; function addresses it
+Everything above this module produces LLVM IR *text*; this module and :mod:`.llvm_worker` are the
+only places that talk to llvmlite's binding layer. Optimization and code generation run in a
+child process (:mod:`.llvm_worker`), so an LLVM abort costs a worker, not the user's process:
+the crashing kernel is found by bisection, the module is rebuilt without the loop vectorizer
+(with a :class:`~opgrad.errors.CompileWarning`), and only if that fails too does
+:class:`~opgrad.errors.CompileError` name the function, the kernel and the host CPU. A
+:class:`NativeModule` loads the resulting object into its own MCJIT engine; function addresses it
 hands out stay valid while the object is alive.
 
-The object cache skips both optimization and codegen in a second process: the key is the sha256 of
-the *unoptimized* IR text plus everything that changes the machine code (CPU name and features,
+The object cache skips the worker entirely in a second process: the key is the sha256 of the
+*unoptimized* IR text plus everything that changes the machine code (CPU name and features,
 llvmlite version, :data:`ENGINE_VERSION`). Entries are written atomically (temp file +
-``os.replace``) and carry a header (magic, payload length, payload sha256) so a truncated or
-corrupt entry is detected, reported with :func:`warnings.warn`, deleted and rebuilt.
+``os.replace``) and carry a header (magic, the key, payload length, payload sha256), so a
+truncated or corrupt entry, or one copied over another key's file, is detected, reported with
+:func:`warnings.warn`, deleted and rebuilt.
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import ctypes
 import functools
 import hashlib
+import json
 import os
+import re
 import struct
+import subprocess
+import sys
 import tempfile
 import threading
 import time
 import warnings
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import llvmlite
 import llvmlite.binding as llvm
 
-#: Bump when the optimization pipeline or target-machine options change: it invalidates the cache.
-ENGINE_VERSION = "opgrad-engine-1"
+from opgrad.errors import CompileError, CompileWarning
 
-_MAGIC = b"OPGRDOB1"
-_HEADER = struct.Struct("<8sQ32s")  # magic, payload length, sha256(payload)
+from . import llvm_worker
+
+#: Bump when the optimization pipeline, target-machine options or cache format change.
+ENGINE_VERSION = "opgrad-engine-2"
+
+_MAGIC = b"OPGRDOB2"
+_HEADER = struct.Struct("<8s32sQ32s")  # magic, sha256 key, payload length, sha256(payload)
 
 _init_lock = threading.Lock()
 _initialized = False
@@ -104,22 +120,7 @@ def host_target() -> HostTarget:
 def _target_machine() -> llvm.TargetMachine:
     """A fresh target machine (an MCJIT engine takes ownership of the one it is given)."""
     host = host_target()
-    target = llvm.Target.from_triple(host.triple)
-    return target.create_target_machine(
-        cpu=host.cpu, features=host.features, opt=3, reloc="default", codemodel="jitdefault", jit=True
-    )
-
-
-def _optimize(module: llvm.ModuleRef, tm: llvm.TargetMachine) -> None:
-    """Run the new pass manager's O3 pipeline with loop/SLP vectorization and unrolling."""
-    pto = llvm.create_pipeline_tuning_options(speed_level=3)
-    pto.loop_vectorization = True
-    pto.slp_vectorization = True
-    pto.loop_unrolling = True
-    pto.loop_interleaving = True
-    pb = llvm.create_pass_builder(tm, pto)
-    pm = pb.getModulePassManager()
-    pm.run(module, pb)
+    return llvm_worker.target_machine(host.triple, host.cpu, host.features)
 
 
 # ----- Persistent object cache -----
@@ -160,7 +161,7 @@ class ObjectCache:
         except OSError as exc:
             warnings.warn(f"opgrad: cannot read cached object {path}: {exc}", stacklevel=3)
             return None
-        problem = self._check(blob)
+        problem = self.check(blob, key)
         if problem is None:
             return blob[_HEADER.size :]
         warnings.warn(f"opgrad: cached object {path} is {problem}; deleting and rebuilding", stacklevel=3)
@@ -169,12 +170,15 @@ class ObjectCache:
         return None
 
     @staticmethod
-    def _check(blob: bytes) -> str | None:
+    def check(blob: bytes, key: str) -> str | None:
+        """What is wrong with the entry ``blob`` stored under ``key``, or None if it is sound."""
         if len(blob) < _HEADER.size:
             return "truncated (no header)"
-        magic, length, digest = _HEADER.unpack_from(blob)
+        magic, stored_key, length, digest = _HEADER.unpack_from(blob)
         if magic != _MAGIC:
-            return "not an opgrad object (bad magic)"
+            return "not an opgrad object of this version (bad magic)"
+        if stored_key != bytes.fromhex(key):
+            return f"the entry of another key ({stored_key.hex()[:16]}...)"
         payload = memoryview(blob)[_HEADER.size :]
         if len(payload) != length:
             return f"truncated ({len(payload)} of {length} bytes)"
@@ -186,7 +190,7 @@ class ObjectCache:
         """Write atomically: a reader sees either no entry or a complete one, never a partial file."""
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
-            header = _HEADER.pack(_MAGIC, len(payload), hashlib.sha256(payload).digest())
+            header = _HEADER.pack(_MAGIC, bytes.fromhex(key), len(payload), hashlib.sha256(payload).digest())
             fd, tmp = tempfile.mkstemp(dir=self.directory, prefix=".tmp-", suffix=".o")
             try:
                 with os.fdopen(fd, "wb") as f:
@@ -212,12 +216,229 @@ def register_symbol(name: str, address: int) -> None:
     llvm.add_symbol(name, address)
 
 
+# ----- Compiling in a worker process -----
+
+
+def _in_process_requested() -> bool:
+    """``OPGRAD_COMPILE_IN_PROCESS=1`` compiles in this process (faster to start, no crash guard)."""
+    value = os.environ.get("OPGRAD_COMPILE_IN_PROCESS", "0").strip()
+    if value not in ("0", "1", ""):
+        raise ValueError(f"OPGRAD_COMPILE_IN_PROCESS={value!r}: expected 0 (compile in a worker process) or 1")
+    return value == "1"
+
+
+class WorkerDied(Exception):
+    """The compile worker exited without answering; ``detail`` is the end of what it printed."""
+
+    def __init__(self, detail: str, returncode: int | None) -> None:
+        super().__init__(detail)
+        self.detail = detail
+        self.returncode = returncode
+
+
+def worker_command() -> list[str]:
+    """How the worker is started: this interpreter, isolated from the user's environment and cwd."""
+    return [sys.executable, "-I", str(Path(llvm_worker.__file__).resolve())]
+
+
+class CompileWorker:
+    """One long-lived worker process; a dead one is replaced on the next request."""
+
+    def __init__(self) -> None:
+        self._stderr = tempfile.TemporaryFile()  # noqa: SIM115 -- lives as long as the worker; close() ends it
+        self._proc = subprocess.Popen(worker_command(), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                      stderr=self._stderr)
+        self.pid_of_owner = os.getpid()
+
+    def compile(self, ir_text: str, vectorize: bool) -> bytes:
+        """The object for ``ir_text``; raises WorkerDied if the worker crashes, CompileError on bad IR."""
+        host = host_target()
+        options = json.dumps({"triple": host.triple, "cpu": host.cpu, "features": host.features,
+                              "vectorize": vectorize}).encode()
+        ir = ir_text.encode()
+        proc = self._proc
+        assert proc.stdin is not None and proc.stdout is not None
+        try:
+            proc.stdin.write(llvm_worker.REQUEST_HEADER.pack(len(options)) + options
+                             + llvm_worker.PAYLOAD_LENGTH.pack(len(ir)) + ir)
+            proc.stdin.flush()
+        except (BrokenPipeError, OSError):
+            raise self._died() from None
+        head = llvm_worker.read_exact(proc.stdout, 1 + llvm_worker.PAYLOAD_LENGTH.size)
+        if head is None:
+            raise self._died()
+        (length,) = llvm_worker.PAYLOAD_LENGTH.unpack(head[1:])
+        payload = llvm_worker.read_exact(proc.stdout, length)
+        if payload is None:
+            raise self._died()
+        if head[0] == llvm_worker.STATUS_ERROR:
+            raise CompileError(f"opgrad: LLVM rejected the generated IR (an opgrad bug; please report it): "
+                               f"{payload.decode(errors='replace')}")
+        return payload
+
+    def _died(self) -> WorkerDied:
+        returncode = self._proc.wait()
+        self._stderr.seek(0)
+        lines = self._stderr.read().decode(errors="replace").strip().splitlines()
+        detail = next((ln for ln in reversed(lines) if "Assertion" in ln or "LLVM ERROR" in ln),
+                      lines[-1] if lines else "")
+        self.close()
+        return WorkerDied(_shorten_llvm_message(detail), returncode)
+
+    @property
+    def alive(self) -> bool:
+        return self._proc.poll() is None
+
+    def close(self) -> None:
+        """End the worker: closing its input makes it exit; one that does not is killed."""
+        for stream in (self._proc.stdin, self._proc.stdout):
+            with contextlib.suppress(OSError):
+                if stream is not None:
+                    stream.close()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self._proc.wait(timeout=5)
+        if self._proc.poll() is None:
+            self._proc.kill()
+            self._proc.wait()
+        with contextlib.suppress(OSError):
+            self._stderr.close()
+
+
+def _shorten_llvm_message(line: str) -> str:
+    """LLVM's assertion line without the build directory and the asserted expression."""
+    line = re.sub(r"\S*/([^/\s]+\.(?:cpp|h|inc):\d+)", r"\1", line.strip())
+    m = re.search(r"Assertion `.*&& \"(.*)\"' failed", line)
+    if m:
+        line = line[: line.index("Assertion")] + f"assertion failed: {m.group(1).strip()}"
+    return line.removeprefix("python: ").strip()
+
+
+def _close_worker() -> None:
+    if _worker is not None and _worker.pid_of_owner == os.getpid():
+        _worker.close()
+
+
+_worker: CompileWorker | None = None
+_worker_lock = threading.Lock()
+atexit.register(_close_worker)
+
+
+def _isolated_object(ir_text: str, vectorize: bool) -> bytes:
+    """Compile in the process-wide worker (started on first use; a forked child starts its own)."""
+    global _worker
+    with _worker_lock:
+        if _worker is None or not _worker.alive or _worker.pid_of_owner != os.getpid():
+            if _worker is not None and _worker.pid_of_owner == os.getpid():
+                _worker.close()
+            _worker = CompileWorker()
+        worker = _worker
+        try:
+            return worker.compile(ir_text, vectorize)
+        except WorkerDied:
+            _worker = None
+            raise
+
+
+_DEFINE = re.compile(r"^define (?:internal )?(?P<ret>[^@]*) @(?P<name>[^(]+)\((?P<params>[^)]*)\)(?P<attrs>[^{]*)\{$")
+
+
+def _defined_functions(ir_text: str) -> list[str]:
+    return [m.group("name") for line in ir_text.splitlines() if (m := _DEFINE.match(line))]
+
+
+def _keep_only(ir_text: str, keep: set[str]) -> str:
+    """The module with only ``keep`` defined (and external, so O3 does not drop them); the other
+    functions become declarations, so their loops never reach the optimizer."""
+    out: list[str] = []
+    skipping = False
+    for line in ir_text.splitlines():
+        if skipping:
+            skipping = line != "}"
+            continue
+        m = _DEFINE.match(line)
+        if m is None:
+            out.append(line)
+        elif m.group("name") in keep:
+            out.append(line.replace("define internal ", "define ", 1))
+        else:
+            out.append(f"declare {m.group('ret')} @{m.group('name')}({m.group('params')}){m.group('attrs')}")
+            skipping = True
+    return "\n".join(out) + "\n"
+
+
+def find_crashing_kernels(ir_text: str, vectorize: bool = True) -> list[str]:
+    """Bisect the module's functions down to the one(s) whose optimization kills the worker."""
+    candidates = _defined_functions(ir_text)
+
+    def crashes(names: list[str]) -> bool:
+        try:
+            _isolated_object(_keep_only(ir_text, set(names)), vectorize)
+        except WorkerDied:
+            return True
+        except CompileError:
+            return False
+        return False
+
+    while len(candidates) > 1:
+        half = len(candidates) // 2
+        if crashes(candidates[:half]):
+            candidates = candidates[:half]
+        elif crashes(candidates[half:]):
+            candidates = candidates[half:]
+        else:
+            break  # the crash needs functions from both halves together
+    return candidates
+
+
+def _describe_kernels(names: list[str], labels: Mapping[str, str]) -> str:
+    described = []
+    for name in names:
+        owner = max((k for k in labels if name == k or name.startswith(k + ".")), key=len, default=None)
+        described.append(f"{name} ({labels[owner]})" if owner and labels[owner] else name)
+    return ", ".join(described) or "unknown"
+
+
+def build_object(ir_text: str, what: str = "", kernel_labels: Mapping[str, str] | None = None) -> bytes:
+    """Optimize and emit ``ir_text`` for the host, in the worker unless in-process is requested.
+
+    ``what`` names the function being compiled and ``kernel_labels`` maps kernel names to the ops
+    they come from; both only go into messages.
+    """
+    host = host_target()
+    if _in_process_requested():
+        return llvm_worker.compile_object(ir_text, host.triple, host.cpu, host.features)
+    try:
+        return _isolated_object(ir_text, vectorize=True)
+    except WorkerDied as crash:
+        kernels = _describe_kernels(find_crashing_kernels(ir_text), kernel_labels or {})
+        where = (f"kernel {kernels} of {what or 'a module'}; host CPU {host.cpu} ({host.triple}, "
+                 f"{'AVX-512' if host.has_avx512 else 'no AVX-512'}), llvmlite {llvmlite.__version__}")
+        said = crash.detail or f"exit status {crash.returncode}"
+        try:
+            obj = _isolated_object(ir_text, vectorize=False)
+        except WorkerDied as again:
+            raise CompileError(
+                f"opgrad.compile: LLVM crashed while optimizing {where}: {said}; rebuilding without the loop "
+                f"vectorizer crashed too ({again.detail or again.returncode}). Your process is unharmed; "
+                "please report this with the function that triggers it."
+            ) from None
+        warnings.warn(CompileWarning(
+            f"opgrad.compile: LLVM crashed while optimizing {where}: {said}; the module was rebuilt without "
+            "the loop vectorizer and runs correctly, possibly slower."
+        ), stacklevel=3)
+        return obj
+
+
 # ----- Native modules -----
 
 
 @dataclass
 class CompileTimes:
-    """Wall-clock seconds spent in each stage; a cache hit has optimize = codegen = 0."""
+    """Wall-clock seconds spent in each stage; a cache hit has optimize = 0.
+
+    ``optimize`` covers optimization and code generation (they run together in the worker);
+    ``load`` is linking the object into this process.
+    """
 
     parse: float = 0.0
     optimize: float = 0.0
@@ -235,6 +456,7 @@ class NativeModule:
     """LLVM IR text compiled for the host; exposes function addresses for ctypes.
 
     ``use_cache=False`` bypasses the disk cache (used by tests and when the IR is throwaway).
+    ``what`` and ``kernel_labels`` only make compile errors name the function and its ops.
     """
 
     ir_text: str
@@ -242,41 +464,28 @@ class NativeModule:
     cache: ObjectCache | None = None
     times: CompileTimes = field(default_factory=CompileTimes)
     key: str = ""
+    what: str = ""
+    kernel_labels: Mapping[str, str] | None = None
 
     def __post_init__(self) -> None:
         _ensure_initialized()
         self.key = cache_key(self.ir_text)
         store = (self.cache or ObjectCache()) if self.use_cache else None
         t0 = time.perf_counter()
-        module = llvm.parse_assembly(self.ir_text)
-        module.verify()
-        t1 = time.perf_counter()
-        self.times.parse = t1 - t0
-        cached = store.load(self.key) if store is not None else None
-        tm = _target_machine()
-        if cached is None:
-            _optimize(module, tm)
-            self.times.optimize = time.perf_counter() - t1
-        self._engine = llvm.create_mcjit_compiler(module, tm)
-        if store is not None:
-            key = self.key
-
-            def notify(_mod: llvm.ModuleRef, buf: bytes) -> None:
-                if cached is None:
-                    store.store(key, buf)
-
-            def getbuffer(_mod: llvm.ModuleRef) -> bytes | None:
-                return cached
-
-            self._engine.set_object_cache(notify, getbuffer)
-        t2 = time.perf_counter()
-        self._engine.finalize_object()
-        dt = time.perf_counter() - t2
-        if cached is None:
-            self.times.codegen = dt
+        obj = store.load(self.key) if store is not None else None
+        if obj is None:
+            obj = build_object(self.ir_text, self.what, self.kernel_labels)
+            self.times.optimize = time.perf_counter() - t0
+            if store is not None:
+                store.store(self.key, obj)
         else:
-            self.times.load = dt
             self.times.cache_hit = True
+        t1 = time.perf_counter()
+        self._engine = llvm.create_mcjit_compiler(llvm.parse_assembly(""), _target_machine())
+        self._object = llvm.ObjectFileRef.from_data(obj)
+        self._engine.add_object_file(self._object)
+        self._engine.finalize_object()
+        self.times.load = time.perf_counter() - t1
 
     def address(self, name: str) -> int:
         """Address of a function defined in the IR; raises KeyError if it is not there."""

@@ -159,10 +159,12 @@ class Scalar:
         return self.f.call(self.t, fn, [(self.t, a) for a in args], hint=intrinsic)
 
     def max(self, a: str, b: str) -> str:
-        return self.call("maxnum", a, b)
+        """NaN if either is NaN, as ``np.maximum`` (``maxnum`` would drop the NaN)."""
+        return self.call("maximum", a, b)
 
     def min(self, a: str, b: str) -> str:
-        return self.call("minnum", a, b)
+        """NaN if either is NaN, as ``np.minimum``."""
+        return self.call("minimum", a, b)
 
     def cmp(self, pred: str, a: str, b: str) -> str:
         """Float compare (``olt``, ``ogt``, ``oeq``, ``une``, ...) -> i1."""

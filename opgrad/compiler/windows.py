@@ -98,7 +98,10 @@ def _argmax(p: _Planes, data: View, base: str, win: Window2d, oh: str, ow: str) 
     def visit(h: str, w: str) -> None:
         v = f.load(s.t, p.at(base, data, h, w))
         first = f.val(f"xor i1 {f.load('i1', seen)}, true")
-        better = f.val(f"or i1 {s.cmp('ogt', v, f.load(s.t, best))}, {first}")
+        # As np.argmax: a NaN is the maximum and the first NaN wins ("ugt" is true for a NaN v).
+        cur = f.load(s.t, best)
+        beats = f.val(f"and i1 {s.cmp('ugt', v, cur)}, {s.cmp('ord', cur, cur)}")
+        better = f.val(f"or i1 {beats}, {first}")
         with f.if_then(better, "better"):
             f.store(s.t, v, best)
             f.store("i64", h, bh)
@@ -122,7 +125,7 @@ def pool2d(kb: KernelBuilder, out: View, data: View, win: Window2d, op: str) -> 
         def visit(h: str, w: str) -> None:
             v = f.load(s.t, p.at(pin, data, h, w))
             cur = f.load(s.t, acc)
-            f.store(s.t, s.select(s.cmp("ogt", v, cur), v, cur) if op == "max" else s.add(cur, v), acc)
+            f.store(s.t, s.max(cur, v) if op == "max" else s.add(cur, v), acc)
 
         _taps(p, win, data.shape[2:], oh, ow, visit)
         res = f.load(s.t, acc)
