@@ -8,7 +8,7 @@ so a candidate is checked without being registered.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -409,9 +409,11 @@ def check_g_backend(ctx: Context, backend: Backend | None) -> bool:
             return False
         for what, fn in fns:
             args = arrays if what == "output" else [*arrays, random_cotangent(ctx.rng(6), fn.params[-1].shape)]
+            runner = None
             try:
                 expected = evaluate(fn, *args)
-                got = backend(fn)(*args) if backend is not None else expected
+                runner = backend(fn) if backend is not None else None
+                got = runner(*args) if runner is not None else expected
             except Exception as exc:
                 raise ctx.fail("g", f"evaluating the {what} in {dtype} raised {type(exc).__name__}: {exc}") from None
             pairs = zip(got, expected) if isinstance(expected, tuple) else [(got, expected)]
@@ -424,4 +426,45 @@ def check_g_backend(ctx: Context, backend: Backend | None) -> bool:
                 if m.ratio > 1:
                     raise ctx.fail("g", f"the backend's {what} in {dtype} differs from the numpy reference", m,
                                    input=what, rtol=tol.backend_rtol)
+            if runner is not None:
+                _compare_nonfinite(ctx, fn, what, dtype, args, runner, tol)
     return True
+
+
+def nonfinite_variants(arrays: Sequence[np.ndarray], float_inputs: Sequence[int],
+                       rng: np.random.Generator) -> list[tuple[str, list[np.ndarray]]]:
+    """Copies of ``arrays`` with one NaN, +inf or -inf placed in one float input at a time."""
+    variants = []
+    for i in float_inputs:
+        if arrays[i].size == 0:
+            continue
+        for value in (np.nan, np.inf, -np.inf):
+            changed = [a.copy() for a in arrays]
+            changed[i].flat[int(rng.integers(arrays[i].size))] = value
+            variants.append((f"{value} at one element of input {i}", changed))
+    return variants
+
+
+def _compare_nonfinite(ctx: Context, fn: Function, what: str, dtype: str, args: Sequence[np.ndarray],
+                       compiled: Callable[..., Any], tol: Tolerance) -> None:
+    """A non-finite input gives NaN and inf at the same places, with the same signs, as the reference."""
+    float_inputs = [i for i, p in enumerate(fn.params) if p.dtype in ("float32", "float64")]
+    for label, changed in nonfinite_variants(args, float_inputs, ctx.rng(11)):
+        with np.errstate(all="ignore"):
+            expected = evaluate(fn, *changed)
+            got = compiled(*changed)
+        pairs = zip(got, expected) if isinstance(expected, tuple) else [(got, expected)]
+        for got_k, exp_k in pairs:
+            got_k, exp_k = np.asarray(got_k), np.asarray(exp_k)
+            for name, test in (("NaN", np.isnan), ("+inf", np.isposinf), ("-inf", np.isneginf)):
+                differ = test(got_k) != test(exp_k)
+                if differ.any():
+                    index = tuple(int(k) for k in np.unravel_index(int(np.argmax(differ)), differ.shape))
+                    raise ctx.fail("g", f"with {label}, the backend's {what} in {dtype} has {got_k[index]} at "
+                                   f"{index} where the numpy reference has {exp_k[index]} ({name} must agree)",
+                                   input=what)
+            finite = np.isfinite(exp_k)
+            m = worst_mismatch(got_k[finite], exp_k[finite], tol.backend_rtol, tol.backend_atol)
+            if m.ratio > 1:
+                raise ctx.fail("g", f"with {label}, the backend's finite {what} values in {dtype} differ from the "
+                               "numpy reference", m, input=what, rtol=tol.backend_rtol)

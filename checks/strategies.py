@@ -173,8 +173,9 @@ def _input_dtype(spec: Input, dtype: str) -> str:
 
 
 @st.composite
-def _cases(draw: Callable[[st.SearchStrategy[Any]], Any], op: Operator) -> Case:
-    d = CaseDraw(draw)
+def _cases(draw: Callable[[st.SearchStrategy[Any]], Any], op: Operator,
+           case_draw: Callable[[Callable[[st.SearchStrategy[Any]], Any]], CaseDraw] = CaseDraw) -> Case:
+    d = case_draw(draw)
     sampler = op.sampler_fn
     case = sampler(d) if sampler is not None else _default_case(op, d)
     case = Case([tuple(int(n) for n in s) for s in case.shapes], dict(case.attrs))
@@ -187,9 +188,16 @@ def _cases(draw: Callable[[st.SearchStrategy[Any]], Any], op: Operator) -> Case:
     return case
 
 
-def op_cases(op: Operator | str) -> st.SearchStrategy[Case]:
-    """Strategy of valid ``Case``s (input shapes and attributes) for one operator."""
-    return _cases(resolve_op(op))
+def op_cases(op: Operator | str,
+             case_draw: Callable[[Callable[[st.SearchStrategy[Any]], Any]], CaseDraw] = CaseDraw,
+             ) -> st.SearchStrategy[Case]:
+    """Strategy of valid ``Case``s (input shapes and attributes) for one operator.
+
+    ``case_draw`` makes the object samplers draw through; a subclass of :class:`CaseDraw` that
+    overrides ``size``/``shape`` changes the sizes every sampler sees (the compile fuzzer aims
+    them at odd sizes).
+    """
+    return _cases(resolve_op(op), case_draw)
 
 
 # ----- values -----

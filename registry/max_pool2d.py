@@ -23,10 +23,18 @@ from opgrad.registry._pooling import draw_pool_case, pool_attrs, pool_shape, poo
 
 
 def argmax_positions(data: np.ndarray, pool_size: Any, strides: Any, padding: Any) -> tuple[np.ndarray, np.ndarray]:
-    """(row, col) inside each window of its first maximum; padding never wins (it is -inf)."""
+    """(row, col) inside each window of its first maximum; padding never wins, even over -inf data.
+
+    As PyTorch: a NaN is the maximum (the first NaN wins), and a window whose data is all -inf
+    picks its first element that is not padding.
+    """
     win = windows(data, pool_size, strides, padding, -np.inf)
     flat = win.reshape(*win.shape[:4], -1)
-    index = np.argmax(flat, axis=-1)  # numpy returns the first of equal maxima
+    valid = windows(np.ones(data.shape, bool), pool_size, strides, padding, False)
+    valid = valid.reshape(*valid.shape[:4], -1)
+    index = np.argmax(flat, axis=-1)  # numpy returns the first of equal maxima, or the first NaN
+    best = np.take_along_axis(flat, index[..., None], -1)[..., 0]
+    index = np.where(best == -np.inf, np.argmax(valid, axis=-1), index)
     return index // pool_size[1], index % pool_size[1]
 
 

@@ -313,14 +313,18 @@ def _shorten_llvm_message(line: str) -> str:
     return line.removeprefix("python: ").strip()
 
 
-def _close_worker() -> None:
-    if _worker is not None and _worker.pid_of_owner == os.getpid():
-        _worker.close()
+def close_worker() -> None:
+    """End this process's compile worker, if any; the next compile starts a new one."""
+    global _worker
+    with _worker_lock:
+        if _worker is not None and _worker.pid_of_owner == os.getpid():
+            _worker.close()
+        _worker = None
 
 
 _worker: CompileWorker | None = None
 _worker_lock = threading.Lock()
-atexit.register(_close_worker)
+atexit.register(close_worker)
 
 
 def _isolated_object(ir_text: str, vectorize: bool) -> bytes:
