@@ -43,6 +43,14 @@ def test_ruff_is_clean() -> None:
     assert result.returncode == 0, result.stdout + result.stderr
 
 
+def test_mypy_is_clean() -> None:
+    mypy = shutil.which("mypy") or str(Path(sys.executable).parent / "mypy")
+    if not Path(mypy).exists():
+        raise AssertionError("mypy is not installed: install the dev extra (pip install -e '.[dev]')")
+    result = subprocess.run([mypy, "opgrad", "checks", "registry"], capture_output=True, text=True, cwd=ROOT)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
 def test_readme_example_runs_and_compiled_matches_reference(capsys) -> None:
     readme = (ROOT / "README.md").read_text()
     code = readme.split("## What it looks like", 1)[1].split("```python", 1)[1].split("```", 1)[0]

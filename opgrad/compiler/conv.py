@@ -59,7 +59,8 @@ class Conv2dGeometry:
         elif len(padding) == 2:
             pads = (padding[0], padding[0], padding[1], padding[1])
         else:
-            pads = tuple(int(p) for p in padding)
+            top, left, bottom, right = (int(p) for p in padding)
+            pads = (top, left, bottom, right)
         geom = Conv2dGeometry(n, c, h, w, o, kh, kw, _pair(stride), pads, _pair(dilation), dtype)  # type: ignore[arg-type]
         assert geom.oh >= 1 and geom.ow >= 1, "empty output"
         return geom

@@ -396,8 +396,8 @@ def _pack_by_loop_runs(
         base = f.val(f"sext i32 {koff0} to i64")
         vecs = []
         for lane in range(lanes):
-            c, li = divmod(lane, chunk)
-            off, h, w, lane_ok, _ = chunks[c]
+            ci, li = divmod(lane, chunk)
+            off, h, w, lane_ok, _ = chunks[ci]
             loff = f.val(f"sext i32 {f.val(f'extractelement <{chunk} x i32> {off}, i32 {li}')} to i64")
             if window is None:
                 vecs.append(f.load(vt, f.gep(t, "%src", f.add(base, loff)), align=esize))

@@ -37,6 +37,7 @@ import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import llvmlite
 import llvmlite.binding as llvm
@@ -498,9 +499,9 @@ class NativeModule:
             raise KeyError(f"function {name!r} not found in native module")
         return int(addr)
 
-    def cfunc(self, name: str, restype: object, *argtypes: object) -> ctypes._CFuncPtr:
+    def cfunc(self, name: str, restype: Any, *argtypes: Any) -> Any:
         """A ctypes function for ``name``; ctypes releases the GIL during the call."""
-        proto = ctypes.CFUNCTYPE(restype, *argtypes)  # type: ignore[arg-type]
+        proto = ctypes.CFUNCTYPE(restype, *argtypes)
         fn = proto(self.address(name))
-        fn._opgrad_module = self  # keep the code alive as long as the function object
+        fn._opgrad_module = self  # type: ignore[attr-defined]  # keeps the code alive with the function
         return fn

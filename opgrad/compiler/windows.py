@@ -73,7 +73,7 @@ class _Planes:
         return f.gep(LLVM_TYPE[v.dtype], base, f.add(f.mul(h, v.strides[2]), f.mul(w, v.strides[3])))
 
 
-def _taps(p: _Planes, win: Window2d, hw: tuple[int, int], oh: str, ow: str,
+def _taps(p: _Planes, win: Window2d, hw: tuple[int, ...], oh: str, ow: str,
           visit: Callable[[str, str], None]) -> None:
     """Call ``visit(h, w)`` for each in-bounds tap of window (oh, ow), in row-major order."""
     f = p.f
