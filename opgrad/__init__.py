@@ -18,11 +18,16 @@ from opgrad.autodiff import grad, gradients
 from opgrad.dtypes import TensorType
 from opgrad.errors import (
     ArgumentError,
+    ConfigError,
     GradientError,
+    NonFiniteLossError,
     OpCallError,
     OpgradError,
+    OpInputTypeError,
+    OutputFileError,
     RegistryError,
     ShapeError,
+    UserError,
 )
 from opgrad.ir import Call, Const, Expr, Function, Var, const, var
 from opgrad.reference import evaluate
@@ -58,15 +63,20 @@ def __getattr__(name: str) -> Any:
 __all__ = [
     "ArgumentError",
     "Call",
+    "ConfigError",
     "Const",
     "Expr",
     "Function",
     "GradientError",
+    "NonFiniteLossError",
     "OpCallError",
+    "OpInputTypeError",
     "OpgradError",
+    "OutputFileError",
     "RegistryError",
     "ShapeError",
     "TensorType",
+    "UserError",
     "Var",
     "const",
     "evaluate",

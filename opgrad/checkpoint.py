@@ -35,6 +35,8 @@ from typing import IO, Any, NamedTuple
 import numpy as np
 import numpy.typing as npt
 
+from opgrad.errors import UserError
+
 __all__ = [
     "FORMAT_VERSION",
     "Checkpoint",
@@ -55,7 +57,7 @@ _RESERVED = frozenset({_META_KEY, _HASH_KEY, _FORMAT_KEY})
 ExpectedSpec = Mapping[str, tuple[tuple[int, ...], npt.DTypeLike]]
 
 
-class CheckpointError(ValueError):
+class CheckpointError(UserError, ValueError):
     """A checkpoint is missing, corrupt, or does not match the model; the message names the file."""
 
 

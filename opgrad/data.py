@@ -32,6 +32,8 @@ from typing import Literal
 import numpy as np
 import numpy.typing as npt
 
+from opgrad.errors import UserError
+
 __all__ = [
     "EMBEDDED_MNIST_RESOURCE",
     "IMAGE_SIZE",
@@ -72,7 +74,7 @@ FloatArray = npt.NDArray[np.float32]
 IntArray = npt.NDArray[np.int64]
 
 
-class DataError(ValueError):
+class DataError(UserError, ValueError):
     """A dataset file is missing, truncated or corrupt; the message names the file and the problem."""
 
 
