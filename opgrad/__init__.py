@@ -19,6 +19,7 @@ from opgrad.dtypes import TensorType
 from opgrad.errors import (
     ArgumentError,
     ConfigError,
+    DimensionTypeError,
     GradientError,
     NonFiniteLossError,
     OpCallError,
@@ -65,6 +66,7 @@ __all__ = [
     "Call",
     "ConfigError",
     "Const",
+    "DimensionTypeError",
     "Expr",
     "Function",
     "GradientError",

@@ -22,6 +22,10 @@ class ShapeError(OpgradError, ValueError):
     """Raised by a shape rule or attribute validator; the operator adds the call's context."""
 
 
+class DimensionTypeError(ShapeError, TypeError):
+    """A shape has a dimension that is not an integer (a float, a bool, a string)."""
+
+
 class OpCallError(OpgradError, ValueError):
     """A call of a registered operator is invalid (bad shapes, dtypes or attributes)."""
 

@@ -20,7 +20,7 @@ def test_unknown_check_letters_are_named_with_the_valid_ones() -> None:
     with pytest.raises(ValueError, match=r"unknown check letter\(s\) 'x', 'y', 'z' in checks='xyz'") as info:
         check_op("relu", checks="xyz")
     assert "valid letters are 'abcdefg'" in str(info.value) and "a: gradient shape and dtype" in str(info.value)
-    with pytest.raises(ValueError, match="unknown check letter.*'A'"):
+    with pytest.raises(ValueError, match=r"unknown check letter.*'A'"):
         check_op("relu", checks="A")
     with pytest.raises(ValueError, match="selects no check"):
         check_op("relu", checks="")
@@ -102,3 +102,78 @@ def test_check_function_wrt_accepts_the_functions_own_variables() -> None:
     x, _, fn = _xy()
     assert check_function(fn, wrt=[x], seed=0, max_examples=2).passed
     assert check_function(fn, wrt="y", seed=0, max_examples=2).passed
+
+
+# ----- variable shapes -----
+
+
+@pytest.mark.parametrize(("shape", "error", "words"), [
+    ((2.5, 3), opgrad.DimensionTypeError, "shape (2.5, 3): dimension 0 is float 2.5; dimensions must be integers"),
+    ((3.0,), TypeError, "dimension 0 is float 3.0"),
+    ((True, 3), TypeError, "dimension 0 is bool True"),
+    ((2, "3"), TypeError, "dimension 1 is str '3'"),
+    ((4, -1), ValueError, "shape (4, -1): dimension 1 is -1; dimensions must be >= 0"),
+    ("ab", TypeError, "shape must be a sequence of integers such as (2, 3), got str 'ab'"),
+    (None, TypeError, "got NoneType None"),
+    ((2**62, 4), opgrad.ShapeError, "has 18446744073709551616 elements; a float32 tensor may have at most "
+                                    "2305843009213693951 (its size in bytes and its strides must fit in int64)"),
+    ((2**63,), ValueError, "has 9223372036854775808 elements"),
+    ((2**62, 4, 0), ValueError, "non-zero dimensions multiplying to 18446744073709551616"),
+])
+def test_var_refuses_bad_dimensions_naming_the_variable(shape: object, error: type, words: str) -> None:
+    with pytest.raises(error) as info:
+        opgrad.var("x", shape)  # type: ignore[arg-type]
+    assert str(info.value).startswith("opgrad.var('x'): ") and words in str(info.value)
+
+
+def test_var_accepts_python_and_numpy_integers_and_zero_sizes() -> None:
+    assert opgrad.var("x", (np.int32(2), np.int64(3), 4)).shape == (2, 3, 4)
+    assert opgrad.var("x", np.array([2, 3])).shape == (2, 3)
+    assert opgrad.var("x", 5).shape == (5,)  # a single integer is a 1-D shape, as in numpy
+    assert opgrad.var("x", (0, 3)).type.size == 0
+    assert opgrad.var("x", (2**30, 2**30), "float32").type.size == 2**60  # exact, no int64 wrap-around
+    with pytest.raises(TypeError, match=r"opgrad.var\('x'\): unsupported dtype 'float16'"):
+        opgrad.var("x", (2,), "float16")
+
+
+# ----- operator inputs -----
+
+
+@pytest.mark.parametrize(("value", "given"), [
+    ("hello", "got str 'hello'"),
+    (None, "got NoneType None"),
+    ({"a": 1}, "got dict {'a': 1}"),
+    (object(), "got object <object object at"),
+    ([[1.0], [2.0, 3.0]], "got list [[1.0], [2.0, 3.0]] (setting an array element"),
+])
+def test_a_non_numeric_op_input_names_the_op_and_the_input(value: object, given: str) -> None:
+    with pytest.raises(opgrad.OpInputTypeError) as info:
+        ops.relu(value)
+    message = str(info.value)
+    assert message.startswith("opgrad.ops.relu: input 'data' must be an opgrad expression or a numeric "
+                              "array/scalar, ") and given in message
+    assert isinstance(info.value, TypeError) and isinstance(info.value, opgrad.OpCallError)
+
+
+def test_other_op_input_mistakes_name_the_op_and_the_input() -> None:
+    x = opgrad.var("x", (3,))
+    with pytest.raises(TypeError, match=r"opgrad.ops.add: input 'rhs' must be .*, got str 'a'"):
+        _ = x + "a"
+    with pytest.raises(TypeError, match=r"'@': right operand must be .*, got str 'a'"):
+        _ = opgrad.var("m", (2, 3)) @ "a"
+    with pytest.raises(TypeError, match=r"opgrad.ops.relu: input 'data' has dtype complex128, which opgrad does "
+                                        r"not support \(expected one of float32, float64, int32, int64\)"):
+        ops.relu(1 + 2j)
+    with pytest.raises(TypeError, match=r"opgrad.ops.one_hot: input 'labels' takes integers \(int32 or int64\), "
+                                        r"got list \[0.5, 1.0\]"):
+        ops.one_hot([0.5, 1.0], depth=3)
+    with pytest.raises(TypeError, match=r"got an opgrad\.Function; pass one of its expressions"):
+        ops.relu(opgrad.function([x], x))
+    with pytest.raises(opgrad.OpCallError, match=r"inputs: float32\[3\], float32\[3\], str 'a'\n.*\n"
+                                                 r"  problem: expected 2 input\(s\) \(lhs, rhs\), got 3"):
+        ops.add(x, x, "a")
+    with pytest.raises(TypeError, match=r"opgrad\.const: value must be a numeric array or scalar, got str 's'"):
+        opgrad.const("s")
+    # numbers, lists and numpy values still work, with numpy's dtypes
+    assert ops.add(x, 2).dtype == "float32" and ops.relu([1.0, 2.0]).shape == (2,)
+    assert ops.one_hot(np.array([0, 2], np.int32), depth=3).shape == (2, 3)
