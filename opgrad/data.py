@@ -253,6 +253,12 @@ def _find_split_file(directory: Path, stem: str) -> Path:
         candidate = directory / name
         if candidate.is_file():
             return candidate
+    # A folder with the file's name (an archive unpacked into a same-named folder, say) is a
+    # different mistake from a missing file, and the fix differs, so it gets its own message.
+    folders = [directory / name for name in candidates if (directory / name).is_dir()]
+    if folders:
+        raise DataError(f"{folders[0]}: is a directory, expected the MNIST IDX file of that name "
+                        f"(plain or .gz; looked for {', '.join(candidates)})")
     raise DataError(f"{directory / stem}: file not found (looked for {', '.join(candidates)})")
 
 
