@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import argparse
 import math
+from collections.abc import Callable
 
-__all__ = ["non_negative_int", "positive_float", "positive_int"]
+__all__ = ["int_range", "non_negative_int", "positive_float", "positive_int"]
 
 
 def _integer(text: str, expected: str) -> int:
@@ -34,6 +35,20 @@ def non_negative_int(text: str) -> int:
     if value < 0:
         raise argparse.ArgumentTypeError(f"expected a non-negative integer (0, 1, ...), got {text!r}")
     return value
+
+
+def int_range(low: int, high: int, why: str = "") -> Callable[[str], int]:
+    """A ``type=`` for an integer from ``low`` to ``high`` inclusive; ``why`` explains the bound."""
+    expected = f"an integer from {low} to {high}" + (f" ({why})" if why else "")
+
+    def parse(text: str) -> int:
+        value = _integer(text, expected)
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}")
+        return value
+
+    parse.__name__ = f"int_range({low}, {high})"
+    return parse
 
 
 def positive_float(text: str) -> float:

@@ -301,8 +301,11 @@ def load_checkpoint(path: str | os.PathLike[str], expected: ExpectedSpec | None 
         raise CheckpointError(f"{source}: checkpoint file not found")
     if source.is_dir():
         raise CheckpointError(f"{source}: is a directory, expected a checkpoint file")
-    with open(source, "rb") as probe:
-        head = probe.read(4)
+    try:
+        with open(source, "rb") as probe:
+            head = probe.read(4)
+    except OSError as exc:
+        raise CheckpointError(f"{source}: cannot read the checkpoint: {exc.strerror or exc}") from None
     if not head:
         raise CheckpointError(f"{source}: empty file (0 bytes): the save that wrote it never finished")
     if head != b"PK\x03\x04":

@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from opgrad.argtypes import non_negative_int, positive_float, positive_int
+from opgrad.argtypes import int_range, non_negative_int, positive_float, positive_int
 from opgrad.errors import ConfigError, NonFiniteLossError
 from opgrad.progress import ProgressBar, format_duration
 
@@ -51,7 +51,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="cosine: decay to 0 over the run (default); constant: keep --lr")
     parser.add_argument("--optimizer", choices=tuple(DEFAULT_LR), default=DEFAULT_OPTIMIZER,
                         help="adam (default), sgd, momentum (0.9) or nesterov (0.9)")
-    parser.add_argument("--augment-shift", type=non_negative_int, default=DEFAULT_SHIFT, metavar="PIXELS",
+    shift = int_range(0, 27, "a larger shift moves every digit out of the 28x28 image")
+    parser.add_argument("--augment-shift", type=shift, default=DEFAULT_SHIFT, metavar="PIXELS",
                         help=f"shift training images randomly by up to this many pixels (default "
                              f"{DEFAULT_SHIFT}; 0 turns augmentation off)")
     parser.add_argument("--backend", choices=("llvm", "reference"), default="llvm",
@@ -114,6 +115,11 @@ def _preflight(args: argparse.Namespace) -> None:
     """Checks that need no data or model, so that a typo fails in a second, not after an epoch."""
     _check_output(args.save, "--save")
     _check_output(args.plot, "--plot")
+    if args.plot:
+        for option, other in (("--save", args.save), ("--resume", args.resume)):
+            if other and os.path.abspath(other) == os.path.abspath(args.plot):
+                raise ConfigError(f"--plot {args.plot}: is also the {option} checkpoint; the plot would "
+                                  "overwrite it, so give the plot its own file (e.g. curves.png)")
     if args.plot and importlib.util.find_spec("matplotlib") is None:
         raise ConfigError(f"--plot {args.plot}: plotting needs matplotlib, which is not installed: run "
                           '`pip install "opgrad[train]"` (or `pip install matplotlib`), or train without --plot')

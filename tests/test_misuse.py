@@ -224,7 +224,8 @@ def _run_process(args: list[str], env: dict[str, str] | None = None) -> subproce
     (["train", "--test-limit", "0"], "--test-limit", "a positive integer", "'0'"),
     (["train", "--test-limit", "-5"], "--test-limit", "a positive integer", "'-5'"),
     (["train", "--max-steps", "0"], "--max-steps", "a positive integer", "'0'"),
-    (["train", "--augment-shift", "-1"], "--augment-shift", "a non-negative integer", "'-1'"),
+    (["train", "--augment-shift", "-1"], "--augment-shift", "an integer from 0 to 27", "'-1'"),
+    (["train", "--augment-shift", "28"], "--augment-shift", "an integer from 0 to 27", "'28'"),
     (["train", "--seed", "-1"], "--seed", "a non-negative integer", "'-1'"),
     (["bench", "--steps", "0"], "--steps", "a positive integer", "'0'"),
     (["bench", "--warmup", "-1"], "--warmup", "a positive integer", "'-1'"),
@@ -339,6 +340,15 @@ def test_output_paths_are_checked_before_training(tmp_path: Path, capsys: pytest
         assert err == f"opgrad train: error: {option} {missing / name}: directory {missing} does not exist\n"
         code, out, err = _cli([*SMOKE, option, str(tmp_path)], capsys)
         assert code == 2 and err == f"opgrad train: error: {option} {tmp_path}: is a directory, expected a file path\n"
+
+
+def test_a_plot_that_would_overwrite_the_checkpoint_is_refused(tmp_path: Path,
+                                                               capsys: pytest.CaptureFixture[str]) -> None:
+    path = str(tmp_path / "run.npz")
+    code, out, err = _cli([*SMOKE, "--save", path, "--plot", path], capsys)
+    assert code == 2 and "epoch" not in out
+    assert err == (f"opgrad train: error: --plot {path}: is also the --save checkpoint; the plot would overwrite "
+                   "it, so give the plot its own file (e.g. curves.png)\n")
 
 
 def test_resume_errors_name_the_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
