@@ -290,6 +290,22 @@ def test_trainer_stop_on_nan_raises_a_dedicated_error_before_applying_the_step()
     assert np.isnan(carry_on.train_epoch(images, labels))
 
 
+@pytest.mark.parametrize(("kwargs", "words"), [
+    ({"lr": float("nan")}, "lr must be a finite number >= 0, got nan"),
+    ({"lr": -1e-3}, "lr must be a finite number >= 0, got -0.001"),
+    ({"lr": nn.cosine_lr(float("inf"), 10)}, "lr must be a finite number >= 0, got inf"),
+    ({"lr": "fast"}, "lr must be a finite number >= 0 or an LRSchedule, got 'fast'"),
+    ({"batch_size": 0}, "batch_size must be a positive integer, got 0"),
+    ({"eval_batch_size": 2.5}, "eval_batch_size must be a positive integer, got 2.5"),
+    ({"augment_shift": -1}, "augment_shift must be an integer >= 0, got -1"),
+    ({"backend": "gpu"}, "unknown backend 'gpu'; choose one of llvm, reference"),
+])
+def test_trainer_arguments_are_validated(kwargs: dict, words: str) -> None:
+    with pytest.raises(ValueError) as info:
+        nn.Trainer(nn.seed_cnn(), nn.SGD(), **kwargs)
+    assert str(info.value) == f"Trainer: {words}"
+
+
 @pytest.mark.parametrize("value", ["abc", "0", "-2", "2.5"])
 def test_a_bad_thread_count_names_the_variable(value: str, monkeypatch: pytest.MonkeyPatch,
                                                capsys: pytest.CaptureFixture[str]) -> None:

@@ -29,7 +29,7 @@ from opgrad.history import TrainingHistory
 from opgrad.nn.layers import Sequential
 from opgrad.nn.losses import accuracy, cross_entropy_numpy
 from opgrad.nn.optim import Optimizer
-from opgrad.nn.step import EvalStep, TrainStep
+from opgrad.nn.step import BACKENDS, EvalStep, TrainStep
 
 __all__ = ["LRSchedule", "Trainer", "constant_lr", "cosine_lr", "shift_images"]
 
@@ -68,6 +68,22 @@ def constant_lr(lr: float) -> LRSchedule:
 
 def cosine_lr(lr: float, total_steps: int, final: float = 0.0) -> LRSchedule:
     return LRSchedule(lr, total_steps, final)
+
+
+def _check_positive_int(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+        raise ValueError(f"Trainer: {name} must be a positive integer, got {value!r}")
+
+
+def _check_lr(lr: object) -> float:
+    """``lr`` as a float, or a ``ValueError`` unless it is finite and >= 0 (as PyTorch's optimizers)."""
+    try:
+        value = float(lr)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        raise ValueError(f"Trainer: lr must be a finite number >= 0 or an LRSchedule, got {lr!r}") from None
+    if not math.isfinite(value) or value < 0:
+        raise ValueError(f"Trainer: lr must be a finite number >= 0, got {lr!r}")
+    return value
 
 
 def _step_rng(seed: int, tag: int, step: int) -> np.random.Generator:
@@ -114,8 +130,15 @@ class Trainer:
                  batch_size: int = 32, seed: int = 0, dtype: str = "float32", backend: str = "reference",
                  eval_batch_size: int = 100, augment_shift: int = 0,
                  params: Mapping[str, np.ndarray] | None = None, stop_on_nan: bool = True) -> None:
+        _check_positive_int("batch_size", batch_size)
+        _check_positive_int("eval_batch_size", eval_batch_size)
+        if isinstance(augment_shift, bool) or not isinstance(augment_shift, (int, np.integer)) or augment_shift < 0:
+            raise ValueError(f"Trainer: augment_shift must be an integer >= 0, got {augment_shift!r}")
+        if backend not in BACKENDS:
+            raise ValueError(f"Trainer: unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
         self.model, self.optimizer = model, optimizer
-        self.schedule = lr if isinstance(lr, LRSchedule) else constant_lr(float(lr))
+        self.schedule = lr if isinstance(lr, LRSchedule) else constant_lr(_check_lr(lr))
+        _check_lr(self.schedule.base)
         self.batch_size, self.seed, self.dtype, self.backend = batch_size, seed, dtype, backend
         self.eval_batch_size, self.augment_shift = eval_batch_size, augment_shift
         self.stop_on_nan = stop_on_nan
