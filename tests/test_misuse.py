@@ -192,6 +192,16 @@ def test_other_op_input_mistakes_name_the_op_and_the_input() -> None:
     assert ops.one_hot(np.array([0, 2], np.int32), depth=3).shape == (2, 3)
 
 
+def test_evaluate_names_the_argument_given_a_non_numeric_value() -> None:
+    x = opgrad.var("x", (2,))
+    fn = opgrad.function([x], ops.relu(x))
+    with pytest.raises(opgrad.ArgumentError, match=r"opgrad.evaluate: argument 'x' must be a numeric array "
+                                                   r"\(float32\[2\]\), got str 'hello'$"):
+        opgrad.evaluate(fn, "hello")
+    with pytest.raises(opgrad.ArgumentError, match=r"argument .x. must be a numeric array .* got list \[\[1\], "):
+        opgrad.evaluate(fn, [[1], [2, 3]])
+
+
 # ----- the opgrad command: how a user error looks -----
 
 
