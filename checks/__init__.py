@@ -18,6 +18,8 @@ _EXPORTS: dict[str, str] = {
     "check_op": "runner",
     "check_ops": "runner",
     "assert_op": "runner",
+    "parse_checks": "runner",
+    "NothingToCheckError": "runner",
     "check_function": "function",
     "assert_function": "function",
     "OpReport": "report",

@@ -9,18 +9,21 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import time
 from typing import Any
+
+from opgrad.argtypes import non_negative_int, positive_int
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("ops", nargs="*", metavar="OP", help="operators to check (default: every registered op)")
-    parser.add_argument("--examples", type=int, default=100, help="generated examples per operator (default 100)")
-    parser.add_argument("--seed", type=int, default=None, help="reproduce a run (a failure report prints its seed)")
+    parser.add_argument("--examples", type=positive_int, default=100,
+                        help="generated examples per operator (default 100)")
+    parser.add_argument("--seed", type=non_negative_int, default=None,
+                        help="reproduce a run (a failure report prints its seed)")
     parser.add_argument("--backend", default="reference", choices=("reference", "llvm"),
                         help="backend compared with the numpy reference in check g (default: reference)")
-    parser.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1),
+    parser.add_argument("--jobs", type=positive_int, default=min(2, os.cpu_count() or 1),
                         help="operators checked in parallel processes (default: 2 or the CPU count)")
     parser.add_argument("--no-shrink", action="store_true", help="report the first failing example unshrunk")
 
@@ -38,14 +41,13 @@ def run(args: argparse.Namespace) -> int:
     from opgrad import registry
     from opgrad.checks.backends import resolve_backend
     from opgrad.checks.report import format_table
-    from opgrad.errors import RegistryError
+    from opgrad.errors import ConfigError, RegistryError
 
     try:
         names = [registry.get(n).name for n in args.ops] if args.ops else registry.names()
         resolve_backend(args.backend)  # fail early, with the reason, if the backend is unavailable
     except (RegistryError, ValueError) as exc:
-        print(f"opgrad check: {exc}", file=sys.stderr)
-        return 2
+        raise ConfigError(str(exc)) from None
     options = {"max_examples": args.examples, "seed": args.seed, "backend": args.backend,
                "shrink": not args.no_shrink}
     jobs = [(n, dict(options)) for n in names]

@@ -9,20 +9,23 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
 from opgrad.autodiff import _resolve_wrt, gradients
 from opgrad.dtypes import FLOAT_DTYPES
+from opgrad.errors import ArgumentError
 from opgrad.ir import Call, Const, Expr, Function, Var, topological_order, var
 from opgrad.reference import evaluate
 
 from .checks import CheckFailure, Mismatch, random_cotangent, worst_mismatch
 from .report import Failure, OpReport
-from .runner import default_seed
+from .runner import NothingToCheckError, check_seed, default_seed, positive_int
 from .tolerances import TOLERANCES
 
 SAMPLED_ELEMENTS = 8
+_WHO = "opgrad.checks.check_function"
 
 
 def as_float64(fn: Function) -> Function:
@@ -55,12 +58,22 @@ def check_function(fn: Function, arrays: Sequence[np.ndarray] | None = None, *,
     drawn uniformly from [-2, 2] (``max_examples`` points); a function with integer parameters
     (labels) needs ``arrays``.
     """
+    if not isinstance(fn, Function):
+        raise TypeError(f"{_WHO}: fn must be an opgrad.function(...), got {type(fn).__name__} {fn!r}")
     if fn.returns_tuple:
-        raise ValueError("check_function needs a function with one output; check each output separately")
+        raise ValueError(f"{_WHO}: fn returns {len(fn.outputs)} outputs; it needs a function with one output, "
+                         "so check each output separately")
+    if not fn.output.type.is_float:
+        raise ValueError(f"{_WHO}: fn's output is {fn.output.type}; only a float output has a gradient")
+    max_examples = positive_int(max_examples, "max_examples", who=_WHO)
+    directions = positive_int(directions, "directions", who=_WHO)
+    seed = check_seed(seed, who=_WHO)
+    given = _check_arrays(fn, arrays) if arrays is not None else None
     run_seed = default_seed() if seed is None else seed
     rng = np.random.default_rng(run_seed)
     f64 = as_float64(fn)
-    targets = _resolve_wrt(f64, wrt)
+    targets = _resolve_wrt(f64, _wrt_in(fn, f64, wrt))
+    _require_something_to_check(f64, targets, wrt)
     cot = var("cotangent", f64.output.shape, "float64")
     report = OpReport(op=name, passed=True, seed=run_seed, checks=["a", "b", "c"])
     start = time.perf_counter()
@@ -72,7 +85,7 @@ def check_function(fn: Function, arrays: Sequence[np.ndarray] | None = None, *,
                                  seed=run_seed)
         return report
     vjp_fn = Function([*f64.params, cot], grads)
-    points = [list(arrays)] if arrays is not None else [None] * max_examples
+    points = [given] if given is not None else [None] * max_examples
     for point in points:
         if point is None:
             if any(not p.type.is_float for p in f64.params):
@@ -89,6 +102,71 @@ def check_function(fn: Function, arrays: Sequence[np.ndarray] | None = None, *,
         report.worst_rel_error = max(report.worst_rel_error, worst)
     report.seconds = time.perf_counter() - start
     return report
+
+
+def _check_arrays(fn: Function, arrays: Sequence[np.ndarray]) -> list[np.ndarray]:
+    """Match ``arrays`` to ``fn.params`` by count, shape and kind; an error names the parameter.
+
+    A float parameter takes any float array (the check runs in float64 whatever the precision
+    given); an integer parameter takes integers that fit its dtype.
+    """
+    sig = ", ".join(f"{p.name}: {p.type}" for p in fn.params)
+    if isinstance(arrays, (np.ndarray, str, bytes)) or not isinstance(arrays, Sequence):
+        raise ArgumentError(f"{_WHO}: arrays must be a list with one array per parameter ({sig}), "
+                            f"got {type(arrays).__name__}")
+    if len(arrays) != len(fn.params):
+        raise ArgumentError(f"{_WHO}: expected {len(fn.params)} array(s), one per parameter ({sig}), "
+                            f"got {len(arrays)}")
+    checked = []
+    for p, value in zip(fn.params, arrays):
+        arr = np.asarray(value)
+        kind = "float" if p.type.is_float else "integer"
+        if arr.dtype.kind not in ("f" if p.type.is_float else "iu"):
+            raise ArgumentError(f"{_WHO}: parameter {p.name!r} is {p.type} and expects {kind} values, "
+                                f"got an array of dtype {arr.dtype} with shape {arr.shape}")
+        if arr.shape != p.shape:
+            raise ArgumentError(f"{_WHO}: parameter {p.name!r} expects shape {p.shape} ({p.type}), "
+                                f"got an array of shape {arr.shape} ({arr.dtype})")
+        if not p.type.is_float:
+            cast = arr.astype(p.dtype)
+            if not np.array_equal(cast, arr):
+                raise ArgumentError(f"{_WHO}: parameter {p.name!r} is {p.type}, but the given {arr.dtype} "
+                                    f"values do not fit in {p.dtype}")
+            arr = cast
+        checked.append(arr)
+    return checked
+
+
+def _wrt_in(fn: Function, f64: Function, wrt: Sequence[int | str | Var] | None) -> list[int | str | Var] | None:
+    """``wrt`` with variables of ``fn`` named by position, since the check runs on the float64 copy."""
+    if wrt is None:
+        return None
+    items: list[Any] = list(wrt) if isinstance(wrt, (list, tuple)) else [wrt]
+    index = {p._uid: i for i, p in enumerate(fn.params)}
+    return [index.get(item._uid, item) if isinstance(item, Var) else item for item in items]
+
+
+def _require_something_to_check(fn: Function, targets: list[Var], wrt: object) -> None:
+    """Raise ``NothingToCheckError`` unless the output depends differentiably on some target.
+
+    A gradient through nothing (no float parameter, ``wrt=[]``, or parameters that reach the
+    output only through integer or non-differentiable inputs) is zero by construction, so
+    finite differences would "confirm" it without testing any rule.
+    """
+    reached = {fn.output._uid}
+    for node in reversed(topological_order(fn.outputs)):
+        if isinstance(node, Call) and node._uid in reached:
+            reached.update(a._uid for spec, a in zip(node.op.inputs, node.args) if spec.differentiable)
+    if any(t._uid in reached for t in targets):
+        return
+    params = ", ".join(f"{p.name}: {p.type}" for p in fn.params) or "none"
+    if not targets:
+        why = f"wrt={wrt!r} selects no parameter" if wrt is not None else "it has no float parameter"
+    else:
+        names = ", ".join(repr(t.name) for t in targets)
+        why = f"the output does not depend differentiably on {names}"
+    raise NothingToCheckError(f"nothing to check: function has no differentiable parameter to check the gradient "
+                              f"of ({why}; parameters: {params})")
 
 
 def _check_point(fn: Function, vjp_fn: Function, targets: list[Var], point: list[np.ndarray],

@@ -4,15 +4,16 @@ from __future__ import annotations
 
 import random
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
+import numpy as np
 from hypothesis import HealthCheck, Phase, Verbosity, given, settings
 from hypothesis import seed as hypothesis_seed
 from hypothesis.errors import FailedHealthCheck, Unsatisfiable
 
 from opgrad.op import GradientRule, Operator
 
-from .backends import Backend
+from .backends import BACKENDS, Backend, resolve_backend
 from .checks import (
     CheckFailure,
     Context,
@@ -24,11 +25,75 @@ from .checks import (
     check_f_kinks,
     check_g_backend,
 )
-from .report import Failure, OpReport
+from .report import CHECK_NAMES, Failure, OpReport
 from .strategies import Example, op_examples, resolve_op
 from .tolerances import tolerance
 
 ALL_CHECKS = "abcdefg"
+
+
+class NothingToCheckError(ValueError):
+    """The call selects nothing to check: no check letter applies, or nothing is differentiable.
+
+    Raised rather than returning a passing report, since a report of checks that never ran would
+    read as a verified gradient.
+    """
+
+
+def parse_checks(checks: str | Iterable[str], *, who: str = "check_op") -> str:
+    """The letters ``checks`` selects, in a-g order; a ``ValueError`` names unknown letters.
+
+    ``checks`` is a string of check letters (``"abc"``) or an iterable of them (``["a", "b"]``).
+    """
+    if isinstance(checks, str):
+        letters = list(checks)
+    else:
+        try:
+            items = list(checks)
+        except TypeError:
+            raise TypeError(f"{who}: checks must be a string of check letters such as 'abc', "
+                            f"got {type(checks).__name__} {checks!r}") from None
+        if not all(isinstance(item, str) for item in items):
+            raise TypeError(f"{who}: checks must be a string of check letters such as 'abc', got {checks!r}")
+        letters = list("".join(items))
+    valid = "; ".join(f"{c}: {CHECK_NAMES[c]}" for c in ALL_CHECKS)
+    unknown = sorted(set(letters) - set(ALL_CHECKS))
+    if unknown:
+        raise ValueError(f"{who}: unknown check letter(s) {', '.join(map(repr, unknown))} in checks={checks!r}; "
+                         f"valid letters are {ALL_CHECKS!r} ({valid})")
+    if not letters:
+        raise ValueError(f"{who}: checks={checks!r} selects no check; pass some of {ALL_CHECKS!r} ({valid})")
+    return "".join(c for c in ALL_CHECKS if c in letters)
+
+
+def positive_int(value: object, name: str, *, who: str) -> int:
+    """``value`` as an int >= 1, or a ``ValueError``/``TypeError`` naming ``name`` and the value."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{who}: {name} must be a positive integer, got {type(value).__name__} {value!r}")
+    if value < 1:
+        raise ValueError(f"{who}: {name} must be a positive integer, got {value}")
+    return int(value)
+
+
+def check_seed(seed: object, *, who: str) -> int | None:
+    """``seed`` as a non-negative int (or None), or an error naming it."""
+    if seed is None:
+        return None
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
+        raise TypeError(f"{who}: seed must be a non-negative integer or None, got {type(seed).__name__} {seed!r}")
+    if seed < 0:
+        raise ValueError(f"{who}: seed must be a non-negative integer or None, got {seed}")
+    return int(seed)
+
+
+def as_backend(backend: Backend | str | None, *, who: str) -> Backend | None:
+    """A backend given by name (``"reference"``, ``"llvm"``) or as ``backend(fn) -> callable``."""
+    if isinstance(backend, str):
+        return resolve_backend(backend)
+    if backend is not None and not callable(backend):
+        raise TypeError(f"{who}: backend must be one of {', '.join(map(repr, BACKENDS))} or a callable "
+                        f"backend(fn) -> callable(*arrays), got {type(backend).__name__} {backend!r}")
+    return backend
 
 
 def default_seed() -> int:
@@ -85,20 +150,34 @@ def run_example(example: Example, rule: GradientRule | None, letters: Sequence[s
 
 
 def check_op(name: str | Operator, *, gradient: GradientRule | None = None, max_examples: int = 100,
-             seed: int | None = None, backend: Backend | None = None, checks: str = ALL_CHECKS,
+             seed: int | None = None, backend: Backend | str | None = None, checks: str | Iterable[str] = ALL_CHECKS,
              shrink: bool = True) -> OpReport:
     """Check one operator's gradient on generated examples; the report's ``.passed`` says if it held.
 
     ``gradient`` is a candidate rule ``(call, grad) -> list`` checked instead of the registered one
-    (nothing is registered). ``backend(fn) -> callable(*arrays)`` is compared against the numpy
-    reference in check g (default: the reference itself, which still checks forward shapes and
-    dtypes). ``seed`` makes the run reproducible; a failure report quotes it. ``shrink=False``
-    reports the first failing example as found (faster when only the verdict matters).
+    (nothing is registered). ``backend(fn) -> callable(*arrays)`` (or a name, ``"reference"`` or
+    ``"llvm"``) is compared against the numpy reference in check g (default: the reference
+    itself, which still checks forward shapes and dtypes). ``checks`` selects check letters
+    (``"abc"``); letters that do not apply to the op are skipped, and a selection of which none
+    applies raises ``NothingToCheckError`` (a ``ValueError``). ``seed`` makes the run
+    reproducible; a failure report quotes it. ``shrink=False`` reports the first failing example
+    as found (faster when only the verdict matters).
     """
+    who = "check_op"
+    checks = parse_checks(checks, who=who)
+    max_examples = positive_int(max_examples, "max_examples", who=who)
+    seed = check_seed(seed, who=who)
+    backend = as_backend(backend, who=who)
+    if gradient is not None and not callable(gradient):
+        raise TypeError(f"{who}: gradient must be a rule (call, grad) -> list, got {type(gradient).__name__} "
+                        f"{gradient!r}")
     op = resolve_op(name)
     rule = gradient if gradient is not None else op.gradient_rule
-    letters, notes = applicable_checks(op, rule)
-    letters = [c for c in letters if c in checks]
+    applicable, notes = applicable_checks(op, rule)
+    letters = [c for c in applicable if c in checks]
+    if not letters:
+        raise NothingToCheckError(f"nothing to check: {who}({op.name!r}): none of checks={checks!r} applies to "
+                                  f"{op.name}; its applicable checks are {''.join(applicable)!r}")
     run_seed = default_seed() if seed is None else seed
     report = OpReport(op=op.name, passed=True, seed=run_seed, notes=notes)
     seen: set[str] = set()
@@ -177,14 +256,29 @@ def assert_op(name: str | Operator, **kwargs: object) -> OpReport:
 
 def check_ops(names: Sequence[str] | None = None, *, progress: Callable[[OpReport], None] | None = None,
               **kwargs: object) -> list[OpReport]:
-    """``check_op`` over several operators (all registered ones by default), in name order."""
+    """``check_op`` over several operators (all registered ones by default), in name order.
+
+    An operator that none of the selected ``checks`` applies to gets a report with no checks and
+    a note saying so; if that leaves nothing checked at all, ``NothingToCheckError`` is raised.
+    """
     from opgrad import registry
 
     chosen = list(names) if names else registry.names()
     reports = []
+    skipped = 0
     for n in chosen:
-        report = check_op(n, **kwargs)  # type: ignore[arg-type]
+        try:
+            report = check_op(n, **kwargs)  # type: ignore[arg-type]
+        except NothingToCheckError as exc:
+            if len(chosen) == 1:
+                raise
+            # A subset such as checks="abc" skips the ops it does not apply to, visibly.
+            report = OpReport(op=resolve_op(n).name, passed=True, notes=[str(exc)])
+            skipped += 1
         reports.append(report)
         if progress is not None:
             progress(report)
+    if reports and skipped == len(reports):
+        raise NothingToCheckError(f"nothing to check: checks={kwargs.get('checks')!r} applies to none of "
+                                  f"{', '.join(r.op for r in reports)}")
     return reports

@@ -15,8 +15,10 @@ holding the named arrays plus three reserved entries:
   and every array's name, dtype, shape and bytes (in sorted name order), so any bit flip or
   truncation that the zip layer does not catch is still detected.
 
-Writes go to a temporary file in the destination directory, are flushed and fsync'ed, and then
-``os.replace``'d over the target, so readers see either the old file or the complete new one.
+Writes go to a temporary file in the destination directory (``.<name>.tmp-<pid>-<random>``), are
+flushed and fsync'ed, and then ``os.replace``'d over the target, so readers see either the old
+file or the complete new one. A writer killed mid-save leaves its temporary behind; the next
+save to the same path deletes it once its writer pid is gone, and loading refuses temporaries.
 """
 
 from __future__ import annotations
@@ -25,7 +27,9 @@ import contextlib
 import hashlib
 import json
 import os
+import re
 import secrets
+import threading
 import zipfile
 import zlib
 from collections.abc import Iterator, Mapping
@@ -35,14 +39,19 @@ from typing import IO, Any, NamedTuple
 import numpy as np
 import numpy.typing as npt
 
+from opgrad.errors import OutputFileError, UserError
+
 __all__ = [
     "FORMAT_VERSION",
     "Checkpoint",
     "CheckpointError",
     "ExpectedSpec",
     "atomic_writer",
+    "cannot_write_error",
     "load_checkpoint",
+    "remove_stale_temporaries",
     "save_checkpoint",
+    "temporary_target",
 ]
 
 FORMAT_VERSION = 1
@@ -55,7 +64,7 @@ _RESERVED = frozenset({_META_KEY, _HASH_KEY, _FORMAT_KEY})
 ExpectedSpec = Mapping[str, tuple[tuple[int, ...], npt.DTypeLike]]
 
 
-class CheckpointError(ValueError):
+class CheckpointError(UserError, ValueError):
     """A checkpoint is missing, corrupt, or does not match the model; the message names the file."""
 
 
@@ -66,30 +75,123 @@ class Checkpoint(NamedTuple):
     meta: dict[str, Any]
 
 
+#: Temporary files are named ``.<target name>.tmp-<writer pid>-<12 hex digits>`` beside the target,
+#: so a later save can tell its own target's leftovers from anything else and whether their
+#: writer still runs.
+_TEMP_RE = re.compile(r"^\.(?P<target>.+)\.tmp-(?P<pid>[0-9]+)-[0-9a-f]{12}$")
+_writing: set[str] = set()  # temporaries this process is writing now (absolute paths)
+_writing_lock = threading.Lock()
+
+
+def temporary_target(path: str | os.PathLike[str]) -> Path | None:
+    """The file that ``path`` is a temporary of, if its name is one :func:`atomic_writer` gives."""
+    p = Path(path)
+    match = _TEMP_RE.match(p.name)
+    return p.with_name(match.group("target")) if match else None
+
+
+def _pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` runs on this machine; True when it cannot be told (not POSIX)."""
+    if os.name != "posix":
+        return True  # os.kill(pid, 0) would terminate the process on Windows
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # EPERM: it exists but belongs to another user
+        return True
+    return True
+
+
+def remove_stale_temporaries(path: str | os.PathLike[str]) -> list[Path]:
+    """Delete temporaries of ``path`` whose writer is no longer running; returns what was removed.
+
+    A job killed during a save leaves its temporary behind (nothing else can remove it). A
+    temporary is stale when its writer pid is not alive, or is this process but not among the
+    files it is writing now (a pid reused after the killed job). Temporaries of live writers and
+    files of other targets are left alone; errors (a read-only directory) are ignored, since
+    the cleanup only frees space.
+    """
+    target = Path(path)
+    directory = target.parent if str(target.parent) else Path(".")
+    removed: list[Path] = []
+    try:
+        entries = list(os.scandir(directory))
+    except OSError:
+        return removed
+    me = os.getpid()
+    for entry in entries:
+        match = _TEMP_RE.match(entry.name)
+        if match is None or match.group("target") != target.name:
+            continue
+        pid = int(match.group("pid"))
+        with _writing_lock:
+            busy = os.path.abspath(entry.path) in _writing
+        if busy or (pid != me and _pid_alive(pid)):
+            continue
+        try:
+            os.unlink(entry.path)
+        except OSError:
+            continue
+        removed.append(Path(entry.path))
+    return removed
+
+
+def cannot_write_error(path: str | os.PathLike[str], exc: OSError, what: str) -> OutputFileError:
+    """An ``OutputFileError`` naming ``path`` (not its temporary), ``what`` it is and the OS's reason."""
+    target = Path(path)
+    reason = exc.strerror or str(exc)
+    directory = target.parent if str(target.parent) else Path(".")
+    if isinstance(exc, FileNotFoundError) and not directory.is_dir():
+        reason = f"directory {directory} does not exist"
+    elif isinstance(exc, IsADirectoryError) or target.is_dir():
+        reason = "is a directory"
+    return OutputFileError(f"{target}: cannot write {what}: {reason}")
+
+
 @contextlib.contextmanager
-def atomic_writer(path: str | os.PathLike[str]) -> Iterator[IO[bytes]]:
+def atomic_writer(path: str | os.PathLike[str], *, what: str = "the file") -> Iterator[IO[bytes]]:
     """Open a binary temp file next to ``path``; on clean exit fsync it and rename it over ``path``.
 
     If the body raises, the temp file is deleted and ``path`` is untouched. The temp file lives
     in the same directory because ``os.replace`` is only atomic within one filesystem. The
     directory is fsync'ed afterwards (where the OS allows) so the rename itself survives a crash.
+    Stale temporaries of ``path`` left by killed writers are removed first. A failure of the
+    writer's own file operations (no such directory, permission denied, disk full at fsync) is
+    an :class:`~opgrad.errors.OutputFileError` (an ``OSError``) naming ``path`` and ``what``.
     """
     target = Path(path)
     directory = target.parent if str(target.parent) else Path(".")
+    remove_stale_temporaries(target)
     # os.open with mode 0o666 lets the umask decide permissions, as for any normal file
     # (tempfile.mkstemp would force 0600); O_EXCL plus a random name avoids clobbering.
-    tmp_name = str(directory / f".{target.name}.{secrets.token_hex(6)}.tmp")
-    fd = os.open(tmp_name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o666)
+    tmp_name = str(directory / f".{target.name}.tmp-{os.getpid()}-{secrets.token_hex(6)}")
+    with _writing_lock:
+        _writing.add(os.path.abspath(tmp_name))
     try:
-        with os.fdopen(fd, "wb") as handle:
-            yield handle
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp_name, target)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp_name)
-        raise
+        try:
+            fd = os.open(tmp_name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o666)
+        except OSError as exc:
+            raise cannot_write_error(target, exc, what) from exc
+        try:
+            with os.fdopen(fd, "wb") as handle:
+                yield handle
+                try:
+                    handle.flush()
+                    os.fsync(handle.fileno())
+                except OSError as exc:
+                    raise cannot_write_error(target, exc, what) from exc
+            try:
+                os.replace(tmp_name, target)
+            except OSError as exc:
+                raise cannot_write_error(target, exc, what) from exc
+        except BaseException:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp_name)
+            raise
+    finally:
+        with _writing_lock:
+            _writing.discard(os.path.abspath(tmp_name))
     _fsync_directory(directory)
 
 
@@ -135,8 +237,9 @@ def save_checkpoint(
 
     ``path`` is written exactly as given (no ``.npz`` is appended). Raises
     :class:`CheckpointError` for a reserved or non-string array name, an object-dtype array
-    (it could only be stored by pickling) or metadata that is not JSON-serialisable; in every
-    failure case an existing file at ``path`` is left as it was.
+    (it could only be stored by pickling) or metadata that is not JSON-serialisable, and
+    :class:`~opgrad.errors.OutputFileError` (an ``OSError``) naming ``path`` when the file
+    cannot be written; in every failure case an existing file at ``path`` is left as it was.
     """
     target = Path(path)
     clean: dict[str, np.ndarray] = {}
@@ -160,12 +263,18 @@ def save_checkpoint(
     entries[_FORMAT_KEY] = np.array(FORMAT_VERSION, dtype=np.int64)
     entries[_META_KEY] = np.array(meta_json)
     entries[_HASH_KEY] = np.array(_digest(clean, meta_json, FORMAT_VERSION))
-    with atomic_writer(target) as handle, zipfile.ZipFile(handle, "w", zipfile.ZIP_STORED) as archive:
-        # What np.savez does, minus its **kwargs API, under which an array named "allow_pickle"
-        # would be taken for the flag.
-        for name, array in entries.items():
-            with archive.open(f"{name}.npy", "w", force_zip64=True) as member:
-                np.lib.format.write_array(member, array, allow_pickle=False)
+    try:
+        with atomic_writer(target, what="the checkpoint") as handle, \
+                zipfile.ZipFile(handle, "w", zipfile.ZIP_STORED) as archive:
+            # What np.savez does, minus its **kwargs API, under which an array named "allow_pickle"
+            # would be taken for the flag.
+            for name, array in entries.items():
+                with archive.open(f"{name}.npy", "w", force_zip64=True) as member:
+                    np.lib.format.write_array(member, array, allow_pickle=False)
+    except OutputFileError:
+        raise
+    except OSError as exc:  # writing the data itself failed, e.g. the disk is full
+        raise cannot_write_error(target, exc, "the checkpoint") from exc
 
 
 def _describe_dtype(dtype: npt.DTypeLike) -> str:
@@ -182,12 +291,21 @@ def load_checkpoint(path: str | os.PathLike[str], expected: ExpectedSpec | None 
     A missing file is a :class:`CheckpointError` too, so callers need catch only one type.
     """
     source = Path(path)
+    unfinished = temporary_target(source)
+    if unfinished is not None:
+        raise CheckpointError(
+            f"{source}: is an unfinished temporary file of {unfinished}, left by a save that did not "
+            f"complete; load {unfinished} instead"
+        )
     if not source.exists():
         raise CheckpointError(f"{source}: checkpoint file not found")
     if source.is_dir():
         raise CheckpointError(f"{source}: is a directory, expected a checkpoint file")
-    with open(source, "rb") as probe:
-        head = probe.read(4)
+    try:
+        with open(source, "rb") as probe:
+            head = probe.read(4)
+    except OSError as exc:
+        raise CheckpointError(f"{source}: cannot read the checkpoint: {exc.strerror or exc}") from None
     if not head:
         raise CheckpointError(f"{source}: empty file (0 bytes): the save that wrote it never finished")
     if head != b"PK\x03\x04":

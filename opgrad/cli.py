@@ -3,6 +3,12 @@
 Each subcommand lives with the code it drives and exposes ``configure(parser)`` and
 ``run(args) -> int``; this module only dispatches, importing the subcommand lazily so that
 ``opgrad ops`` does not pay for llvmlite or matplotlib.
+
+User errors are reported here and only here: a subcommand raises an
+:class:`~opgrad.errors.UserError` (a bad file, option value or environment variable, a
+diverging run) and this module prints it as one line, ``opgrad <command>: error: <message>``,
+exiting with the error's ``exit_code``. Any other exception is a bug and keeps its traceback.
+Bad option values are refused earlier, by argparse ``type=`` functions (``opgrad.argtypes``).
 """
 
 from __future__ import annotations
@@ -12,12 +18,20 @@ import importlib
 import sys
 from collections.abc import Sequence
 
+from opgrad.env import check_environment
+from opgrad.errors import UserError
+
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "ops": ("opgrad.optable", "list every registered operator with its gradient and kernel status"),
     "check": ("opgrad.checks.command", "verify registered gradients with hypothesis + finite differences"),
     "train": ("opgrad.train", "train the seed CNN (or the Keras MNIST model) on real MNIST"),
     "bench": ("opgrad.bench", "time the compiled training step against the reference and peers"),
 }
+
+
+def one_line(exc: BaseException) -> str:
+    """``exc``'s message on one line (continuation lines joined with "; ")."""
+    return "; ".join(line.strip() for line in str(exc).splitlines() if line.strip())
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -29,19 +43,26 @@ def main(argv: Sequence[str] | None = None) -> int:
         try:
             module = importlib.import_module(module_name)
         except ImportError as exc:  # a subcommand whose optional pieces are missing stays listed
-            sub_parser.set_defaults(_unavailable=f"opgrad {name} is unavailable: {exc}")
+            sub_parser.set_defaults(_unavailable=f"this command is unavailable: {exc}")
             continue
         module.configure(sub_parser)
         modules[name] = module
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # --help (0) or a bad option (2, after argparse's "error:" line)
+        return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 2)
     if args.command is None:
         parser.print_help()
         return 2
     if getattr(args, "_unavailable", None):
-        print(args._unavailable, file=sys.stderr)
+        print(f"opgrad {args.command}: error: {args._unavailable}", file=sys.stderr)
         return 2
     try:
+        check_environment()  # a bad setting fails now, not when the first kernel compiles
         return int(modules[args.command].run(args) or 0)
+    except UserError as exc:
+        print(f"opgrad {args.command}: error: {one_line(exc)}", file=sys.stderr)
+        return exc.exit_code
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130

@@ -32,6 +32,8 @@ from typing import Literal
 import numpy as np
 import numpy.typing as npt
 
+from opgrad.errors import UserError
+
 __all__ = [
     "EMBEDDED_MNIST_RESOURCE",
     "IMAGE_SIZE",
@@ -72,7 +74,7 @@ FloatArray = npt.NDArray[np.float32]
 IntArray = npt.NDArray[np.int64]
 
 
-class DataError(ValueError):
+class DataError(UserError, ValueError):
     """A dataset file is missing, truncated or corrupt; the message names the file and the problem."""
 
 
@@ -251,6 +253,12 @@ def _find_split_file(directory: Path, stem: str) -> Path:
         candidate = directory / name
         if candidate.is_file():
             return candidate
+    # A folder with the file's name (an archive unpacked into a same-named folder, say) is a
+    # different mistake from a missing file, and the fix differs, so it gets its own message.
+    folders = [directory / name for name in candidates if (directory / name).is_dir()]
+    if folders:
+        raise DataError(f"{folders[0]}: is a directory, expected the MNIST IDX file of that name "
+                        f"(plain or .gz; looked for {', '.join(candidates)})")
     raise DataError(f"{directory / stem}: file not found (looked for {', '.join(candidates)})")
 
 

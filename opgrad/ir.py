@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from opgrad.dtypes import FLOAT_DTYPES, TensorType, canonical_dtype
-from opgrad.errors import OpCallError
+from opgrad.dtypes import ALL_DTYPES, FLOAT_DTYPES, TensorType, canonical_dtype
+from opgrad.errors import OpCallError, OpInputTypeError
 
 if TYPE_CHECKING:
     from opgrad.op import Operator
@@ -75,7 +75,7 @@ class Expr:
 
     def __matmul__(self, other: Any) -> Call:
         """``a @ b`` for 2-D operands, as ``dense(a, transpose(b))``."""
-        other = as_expr(other, like=self)
+        other = as_expr(other, like=self, who="'@': right operand")
         if self.ndim != 2 or other.ndim != 2:
             raise OpCallError(
                 f"'@' needs two 2-D operands, got {self.type} @ {other.type}; "
@@ -185,48 +185,99 @@ def _ops() -> Any:
     return ops
 
 
-def var(name: str, shape: Sequence[int], dtype: str = "float32") -> Var:
-    """A function parameter with a static shape and dtype."""
+def var(name: str, shape: Sequence[int] | int, dtype: str = "float32") -> Var:
+    """A function parameter with a static shape and dtype.
+
+    ``shape`` holds integers >= 0 (Python or numpy; a single integer is a 1-D shape); a float,
+    bool or negative dimension, or a tensor whose byte size overflows int64, is refused.
+    """
     if not isinstance(name, str) or not name:
         raise ValueError(f"variable name must be a non-empty string, got {name!r}")
-    return Var(name, TensorType(tuple(shape), dtype))
+    try:
+        type_ = TensorType(shape, dtype)  # type: ignore[arg-type]  # validated and normalized here
+    except (ValueError, TypeError) as exc:
+        raise type(exc)(f"opgrad.var({name!r}): {exc}") from None
+    return Var(name, type_)
+
+
+def describe_value(value: Any, limit: int = 60) -> str:
+    """``str 'hello'``: a value's type and a shortened repr, for error messages."""
+    text = repr(value)
+    if len(text) > limit:
+        text = text[: limit - 3] + "..."
+    return f"{type(value).__name__} {text}"
+
+
+def _numeric_array(value: Any, who: str, expected: str = "must be an opgrad expression or a numeric array/scalar",
+                   ) -> np.ndarray:
+    """``value`` as a numeric numpy array, or ``OpInputTypeError`` naming ``who`` and the value.
+
+    Numbers, numpy arrays and scalars, (nested) lists and tuples of numbers, and objects with
+    ``__array__`` are numeric; strings, None, dicts and arbitrary objects are not.
+    """
+    if isinstance(value, Function):
+        raise OpInputTypeError(f"{who} {expected}, got an opgrad.Function; pass one of its expressions "
+                               "(fn.output or fn.outputs[i]) instead")
+    numeric = isinstance(value, (np.ndarray, np.generic, bool, int, float, complex, list, tuple)) or (
+        hasattr(value, "__array__") and not isinstance(value, (str, bytes)))
+    if not numeric:
+        raise OpInputTypeError(f"{who} {expected}, got {describe_value(value)}")
+    try:
+        arr = np.asarray(value)
+    except (ValueError, TypeError) as exc:  # ragged nested lists
+        raise OpInputTypeError(f"{who} {expected}, got {describe_value(value)} ({exc})") from None
+    if arr.dtype.kind not in "biufc":
+        raise OpInputTypeError(f"{who} {expected}, got {describe_value(value)} (numpy dtype {arr.dtype})")
+    return arr
 
 
 def const(value: Any, dtype: str | None = None) -> Const:
     """A constant; ``dtype`` defaults to the array's own (Python floats become float32)."""
-    arr = np.asarray(value)
+    arr = _numeric_array(value, "opgrad.const: value", "must be a numeric array or scalar")
     if dtype is None and arr.dtype == np.float64 and not isinstance(value, np.ndarray):
         dtype = "float32"
     return Const(arr.astype(dtype) if dtype is not None else arr)
 
 
-def as_expr(value: Any, *, like: Expr | None = None) -> Expr:
-    """Wrap Python numbers and arrays as constants; a float scalar takes the dtype of ``like``."""
+def as_expr(value: Any, *, like: Expr | None = None, who: str = "value") -> Expr:
+    """Wrap Python numbers and arrays as constants; a float scalar takes the dtype of ``like``.
+
+    ``who`` names the argument in errors (``"opgrad.ops.relu: input 'data'"``).
+    """
     if isinstance(value, Expr):
         return value
-    if isinstance(value, Function):
-        raise TypeError("a Function cannot be used as an operator argument; pass its expressions")
-    arr = np.asarray(value)
+    arr = _numeric_array(value, who)
     if like is not None and like.dtype in FLOAT_DTYPES and arr.dtype.kind in "fiub":
         return Const(arr.astype(like.dtype))
     if arr.dtype == np.float64 and not isinstance(value, np.ndarray):
         return Const(arr.astype(np.float32))  # a bare Python float means the default dtype
+    if arr.dtype.name not in ALL_DTYPES:
+        raise OpInputTypeError(f"{who} has dtype {arr.dtype}, which opgrad does not support "
+                               f"(expected one of {', '.join(ALL_DTYPES)}): got {describe_value(value)}")
     return Const(arr)
 
 
 def make_call(op: Operator, args: Sequence[Any], attrs: Mapping[str, Any]) -> Call:
     """Build a typed call: wrap constants, normalize attributes, run the shape rule."""
+    if len(args) != len(op.inputs):
+        shown = [a.type if isinstance(a, Expr) else describe_value(a) for a in args]
+        raise op._call_error(shown, attrs, op.count_problem(len(args)))
     like = next((a for a in args if isinstance(a, Expr) and a.dtype in FLOAT_DTYPES), None)
     exprs: list[Expr] = []
     for i, a in enumerate(args):
         if isinstance(a, Expr):
             exprs.append(a)
             continue
-        spec = op.inputs[i] if i < len(op.inputs) else None
-        if spec is not None and spec.kind == "int":
-            exprs.append(Const(np.asarray(a, dtype=np.int64)))
+        spec = op.inputs[i]
+        who = f"opgrad.ops.{op.name}: input {spec.name!r}"
+        if spec.kind == "int":
+            arr = _numeric_array(a, who)
+            if arr.dtype.kind not in "iu":
+                raise OpInputTypeError(f"{who} takes integers (int32 or int64), got {describe_value(a)} "
+                                       f"(numpy dtype {arr.dtype})")
+            exprs.append(Const(np.asarray(arr, dtype=np.int64)))
         else:
-            exprs.append(as_expr(a, like=like))
+            exprs.append(as_expr(a, like=like, who=who))
     types = [e.type for e in exprs]
     norm = op.normalize_attrs(attrs, types)
     out_type = op.infer_type(types, norm)

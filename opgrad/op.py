@@ -319,11 +319,7 @@ class Operator:
     def infer_type(self, arg_types: Sequence[TensorType], attrs: Mapping[str, Any]) -> TensorType:
         """Check input count, kinds and dtypes, then run the shape rule; errors carry context."""
         if len(arg_types) != len(self.inputs):
-            raise self._call_error(
-                arg_types, attrs,
-                f"expected {len(self.inputs)} input(s) ({', '.join(i.name for i in self.inputs)}), "
-                f"got {len(arg_types)}",
-            )
+            raise self._call_error(arg_types, attrs, self.count_problem(len(arg_types)))
         float_dtypes = set()
         for spec, t in zip(self.inputs, arg_types):
             allowed = FLOAT_DTYPES if spec.kind == "float" else INT_DTYPES
@@ -349,14 +345,19 @@ class Operator:
             raise TypeError(f"shape rule of {self.name!r} returned {result!r}, not a TensorType")
         return result
 
-    def _call_error(self, arg_types: Sequence[TensorType], attrs: Mapping[str, Any], problem: str) -> OpCallError:
+    def count_problem(self, given: int) -> str:
+        """The problem text of a call with ``given`` inputs instead of the declared number."""
+        return f"expected {len(self.inputs)} input(s) ({', '.join(i.name for i in self.inputs)}), got {given}"
+
+    def _call_error(self, arg_types: Sequence[TensorType | str], attrs: Mapping[str, Any],
+                    problem: str) -> OpCallError:
         described = ", ".join(
             f"{spec.name}: {t}" for spec, t in zip(self.inputs, arg_types)
         ) if len(arg_types) == len(self.inputs) else ", ".join(str(t) for t in arg_types)
         attr_text = ", ".join(f"{k}={v!r}" for k, v in attrs.items()) or "none"
         return OpCallError(
             f"opgrad.ops.{self.name}: invalid call\n"
-            f"  inputs: {described}\n"
+            f"  inputs: {described or 'none'}\n"
             f"  attrs:  {attr_text}\n"
             f"  problem: {problem}"
         )

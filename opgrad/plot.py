@@ -18,7 +18,8 @@ import os
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from opgrad.checkpoint import atomic_writer
+from opgrad.checkpoint import atomic_writer, cannot_write_error
+from opgrad.errors import OutputFileError
 from opgrad.history import TrainingHistory
 
 if TYPE_CHECKING:
@@ -69,7 +70,11 @@ def _require_matplotlib() -> None:
 def plot_training(
     path: str | os.PathLike[str], history: TrainingHistory, *, title: str | None = None
 ) -> None:
-    """Write a PNG with the loss curve (left) and test accuracy per epoch (right) to ``path``."""
+    """Write a PNG with the loss curve (left) and test accuracy per epoch (right) to ``path``.
+
+    Raises ``ImportError`` saying how to install matplotlib when it is missing, and
+    :class:`~opgrad.errors.OutputFileError` naming ``path`` when the file cannot be written.
+    """
     _require_matplotlib()
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
@@ -81,8 +86,13 @@ def plot_training(
     _draw_accuracy(ax_acc, history)
     if title:
         fig.suptitle(title, fontsize=12)
-    with atomic_writer(path) as handle:
-        fig.savefig(handle, format="png")
+    try:
+        with atomic_writer(path, what="the plot") as handle:
+            fig.savefig(handle, format="png")
+    except OutputFileError:
+        raise
+    except OSError as exc:  # writing the PNG data itself failed, e.g. the disk is full
+        raise cannot_write_error(path, exc, "the plot") from exc
 
 
 def _draw_losses(ax: Axes, history: TrainingHistory) -> None:

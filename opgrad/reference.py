@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from opgrad.errors import ArgumentError, OpgradError
-from opgrad.ir import Call, Const, Expr, Function, Var, topological_order
+from opgrad.ir import Call, Const, Expr, Function, Var, describe_value, topological_order
 
 
 def check_arguments(fn: Function, arrays: Sequence[Any], *, who: str = "opgrad.evaluate") -> list[np.ndarray]:
@@ -23,7 +23,14 @@ def check_arguments(fn: Function, arrays: Sequence[Any], *, who: str = "opgrad.e
         raise ArgumentError(f"{who}: expected {len(fn.params)} argument(s) ({sig}), got {len(arrays)}")
     checked = []
     for param, value in zip(fn.params, arrays):
-        arr = value if isinstance(value, np.ndarray) else np.asarray(value)
+        try:
+            arr = value if isinstance(value, np.ndarray) else np.asarray(value)
+        except (ValueError, TypeError) as exc:  # ragged nested lists
+            raise ArgumentError(f"{who}: argument {param.name!r} must be a numeric array ({param.type}), got "
+                                f"{describe_value(value)} ({exc})") from None
+        if arr.dtype.kind not in "biufc":
+            raise ArgumentError(f"{who}: argument {param.name!r} must be a numeric array ({param.type}), got "
+                                f"{describe_value(value)}")
         if arr.dtype.name != param.dtype:
             raise ArgumentError(
                 f"{who}: argument {param.name!r} has dtype {arr.dtype.name}, expected {param.dtype} "

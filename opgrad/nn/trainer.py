@@ -22,12 +22,14 @@ from typing import Any
 
 import numpy as np
 
+from opgrad.checkpoint import CheckpointError
 from opgrad.data import iterate_batches
+from opgrad.errors import NonFiniteLossError
 from opgrad.history import TrainingHistory
 from opgrad.nn.layers import Sequential
 from opgrad.nn.losses import accuracy, cross_entropy_numpy
 from opgrad.nn.optim import Optimizer
-from opgrad.nn.step import EvalStep, TrainStep
+from opgrad.nn.step import BACKENDS, EvalStep, TrainStep
 
 __all__ = ["LRSchedule", "Trainer", "constant_lr", "cosine_lr", "shift_images"]
 
@@ -68,6 +70,22 @@ def cosine_lr(lr: float, total_steps: int, final: float = 0.0) -> LRSchedule:
     return LRSchedule(lr, total_steps, final)
 
 
+def _check_positive_int(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+        raise ValueError(f"Trainer: {name} must be a positive integer, got {value!r}")
+
+
+def _check_lr(lr: object) -> float:
+    """``lr`` as a float, or a ``ValueError`` unless it is finite and >= 0 (as PyTorch's optimizers)."""
+    try:
+        value = float(lr)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        raise ValueError(f"Trainer: lr must be a finite number >= 0 or an LRSchedule, got {lr!r}") from None
+    if not math.isfinite(value) or value < 0:
+        raise ValueError(f"Trainer: lr must be a finite number >= 0, got {lr!r}")
+    return value
+
+
 def _step_rng(seed: int, tag: int, step: int) -> np.random.Generator:
     return np.random.Generator(np.random.PCG64([seed, tag, step]))
 
@@ -102,17 +120,28 @@ class Trainer:
     """Trains ``model`` with ``optimizer`` on fixed-size batches with the chosen backend.
 
     ``backend`` is ``"reference"`` or ``"llvm"``; the steps are built on first use and reused.
-    ``params`` defaults to a fresh initialization from ``seed``.
+    ``params`` defaults to a fresh initialization from ``seed``. With ``stop_on_nan`` (the
+    default) a step whose loss is nan or infinite raises :class:`~opgrad.errors.NonFiniteLossError`
+    naming the epoch, step, loss and learning rate, and leaves the parameters as they were before
+    that step; without it training carries on with whatever the updates produce.
     """
 
     def __init__(self, model: Sequential, optimizer: Optimizer, *, lr: float | LRSchedule = 1e-3,
                  batch_size: int = 32, seed: int = 0, dtype: str = "float32", backend: str = "reference",
                  eval_batch_size: int = 100, augment_shift: int = 0,
-                 params: Mapping[str, np.ndarray] | None = None) -> None:
+                 params: Mapping[str, np.ndarray] | None = None, stop_on_nan: bool = True) -> None:
+        _check_positive_int("batch_size", batch_size)
+        _check_positive_int("eval_batch_size", eval_batch_size)
+        if isinstance(augment_shift, bool) or not isinstance(augment_shift, (int, np.integer)) or augment_shift < 0:
+            raise ValueError(f"Trainer: augment_shift must be an integer >= 0, got {augment_shift!r}")
+        if backend not in BACKENDS:
+            raise ValueError(f"Trainer: unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
         self.model, self.optimizer = model, optimizer
-        self.schedule = lr if isinstance(lr, LRSchedule) else constant_lr(float(lr))
+        self.schedule = lr if isinstance(lr, LRSchedule) else constant_lr(_check_lr(lr))
+        _check_lr(self.schedule.base)
         self.batch_size, self.seed, self.dtype, self.backend = batch_size, seed, dtype, backend
         self.eval_batch_size, self.augment_shift = eval_batch_size, augment_shift
+        self.stop_on_nan = stop_on_nan
         self.params: dict[str, np.ndarray] = dict(params) if params is not None else model.init_params(seed, dtype)
         self.state: dict[str, np.ndarray] = optimizer.init_state(self.params)
         self.step = 0
@@ -140,12 +169,29 @@ class Trainer:
     # ----- training -----
 
     def train_batch(self, images: np.ndarray, labels: np.ndarray) -> float:
-        """One optimizer step on one batch; returns its loss (before the update)."""
+        """One optimizer step on one batch; returns its loss (before the update).
+
+        Raises :class:`~opgrad.errors.NonFiniteLossError` for a nan or infinite loss when
+        ``stop_on_nan`` is set, without applying the step.
+        """
+        return self._train_batch(images, labels, epoch_step=None)
+
+    def _train_batch(self, images: np.ndarray, labels: np.ndarray, *, epoch_step: int | None) -> float:
         if self.augment_shift:
             images = shift_images(images, _step_rng(self.seed, _SHIFT_TAG, self.step), self.augment_shift)
         masks = self.model.sample_noise(_step_rng(self.seed, _NOISE_TAG, self.step), len(labels), self.dtype)
-        result = self.train_step(images.astype(self.dtype, copy=False), labels, self.params, self.state,
-                                 self.schedule(self.step), masks)
+        lr = self.schedule(self.step)
+        inputs = (images.astype(self.dtype, copy=False), labels, self.params, self.state, lr, masks)
+        if self.stop_on_nan:
+            # The check below reports a diverging step; numpy's overflow warnings from the
+            # reference backend would only say the same earlier, as noise without a step number.
+            with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+                result = self.train_step(*inputs)
+        else:
+            result = self.train_step(*inputs)
+        if self.stop_on_nan and not math.isfinite(result.loss):
+            raise NonFiniteLossError(float(result.loss), epoch=self.epoch + 1, step=self.step + 1, lr=lr,
+                                     epoch_step=epoch_step)
         self.params, self.state = result.params, result.state
         self.step += 1
         self.history.record_step(result.loss)
@@ -170,7 +216,7 @@ class Trainer:
         for i, (x, y) in enumerate(self.epoch_batches(images, labels)):
             if max_steps is not None and i >= max_steps:
                 break
-            loss = self.train_batch(x, y)
+            loss = self._train_batch(x, y, epoch_step=i + 1)
             losses.append(loss)
             if on_step is not None:
                 on_step(i + 1, loss)
@@ -203,11 +249,14 @@ class Trainer:
         return {**self.params, **self.state}, meta
 
     def restore(self, arrays: Mapping[str, np.ndarray], meta: Mapping[str, Any]) -> None:
-        """Load what :meth:`checkpoint` produced (shapes already checked by ``load_checkpoint``)."""
+        """Load what :meth:`checkpoint` produced (shapes already checked by ``load_checkpoint``).
+
+        A checkpoint of another model or optimizer is a ``CheckpointError`` (a ``ValueError``).
+        """
         if meta.get("model") != self.model.name:
-            raise ValueError(f"checkpoint is of model {meta.get('model')!r}, not {self.model.name!r}")
+            raise CheckpointError(f"checkpoint is of model {meta.get('model')!r}, not {self.model.name!r}")
         if meta.get("optimizer") != self.optimizer.describe():
-            raise ValueError(
+            raise CheckpointError(
                 f"checkpoint was trained with {meta.get('optimizer')!r}; resume it with the same optimizer "
                 f"(this run uses {self.optimizer.describe()!r})"
             )

@@ -1,0 +1,63 @@
+"""argparse ``type=`` functions for the ``opgrad`` command's numeric options.
+
+A bad value then fails in argparse, before any work starts, with argparse's usual
+``opgrad train: error: argument --lr: expected a positive finite number, got 'inf'`` and exit
+status 2, naming the option, the value given and what is expected.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from collections.abc import Callable
+
+__all__ = ["int_range", "non_negative_int", "positive_float", "positive_int"]
+
+
+def _integer(text: str, expected: str) -> int:
+    try:
+        return int(text, 10)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}") from None
+
+
+def positive_int(text: str) -> int:
+    """An integer >= 1."""
+    value = _integer(text, "a positive integer (1, 2, ...)")
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer (1, 2, ...), got {text!r}")
+    return value
+
+
+def non_negative_int(text: str) -> int:
+    """An integer >= 0."""
+    value = _integer(text, "a non-negative integer (0, 1, ...)")
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a non-negative integer (0, 1, ...), got {text!r}")
+    return value
+
+
+def int_range(low: int, high: int, why: str = "") -> Callable[[str], int]:
+    """A ``type=`` for an integer from ``low`` to ``high`` inclusive; ``why`` explains the bound."""
+    expected = f"an integer from {low} to {high}" + (f" ({why})" if why else "")
+
+    def parse(text: str) -> int:
+        value = _integer(text, expected)
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}")
+        return value
+
+    parse.__name__ = f"int_range({low}, {high})"
+    return parse
+
+
+def positive_float(text: str) -> float:
+    """A finite number > 0 (``inf`` and ``nan`` are refused)."""
+    expected = "a positive finite number such as 0.001 or 1e-3"
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}")
+    return value
