@@ -2,19 +2,32 @@
 
 ``OPGRAD_NUM_THREADS`` sets the number of worker threads of compiled kernels (default: the CPUs
 this process may run on). It is read when the first kernel is compiled; the ``opgrad`` command
-checks it up front, so a typo fails before any work, as one line.
+checks every variable here up front, so a typo fails before any work, as one line.
+``OPGRAD_CACHE_DIR`` is the compiled-object cache directory (default ``~/.cache/opgrad``).
+``OPGRAD_COMPILE_IN_PROCESS=1`` runs LLVM in the calling process instead of a worker process.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Mapping
+from pathlib import Path
 
 from opgrad.errors import ConfigError
 
-__all__ = ["NUM_THREADS_VAR", "check_environment", "num_threads_setting"]
+__all__ = [
+    "CACHE_DIR_VAR",
+    "COMPILE_IN_PROCESS_VAR",
+    "NUM_THREADS_VAR",
+    "cache_dir_setting",
+    "check_environment",
+    "compile_in_process_setting",
+    "num_threads_setting",
+]
 
 NUM_THREADS_VAR = "OPGRAD_NUM_THREADS"
+CACHE_DIR_VAR = "OPGRAD_CACHE_DIR"
+COMPILE_IN_PROCESS_VAR = "OPGRAD_COMPILE_IN_PROCESS"
 
 
 def num_threads_setting(environ: Mapping[str, str] | None = None) -> int | None:
@@ -38,6 +51,32 @@ def num_threads_setting(environ: Mapping[str, str] | None = None) -> int | None:
     return value
 
 
+def cache_dir_setting(environ: Mapping[str, str] | None = None) -> Path:
+    """The object-cache directory: ``$OPGRAD_CACHE_DIR`` or ``~/.cache/opgrad``.
+
+    Raises :class:`~opgrad.errors.ConfigError` when the variable names an existing non-directory.
+    """
+    text = (os.environ if environ is None else environ).get(CACHE_DIR_VAR, "")
+    if not text.strip():
+        return Path.home() / ".cache" / "opgrad"
+    path = Path(text)
+    if path.exists() and not path.is_dir():
+        raise ConfigError(f"environment variable {CACHE_DIR_VAR}={text!r}: is a file, expected a directory for "
+                          "compiled objects (it is created if missing)")
+    return path
+
+
+def compile_in_process_setting(environ: Mapping[str, str] | None = None) -> bool:
+    """Whether ``$OPGRAD_COMPILE_IN_PROCESS`` asks to run LLVM in this process (``1``) or not (``0``)."""
+    text = (os.environ if environ is None else environ).get(COMPILE_IN_PROCESS_VAR, "").strip()
+    if text not in ("", "0", "1"):
+        raise ConfigError(f"environment variable {COMPILE_IN_PROCESS_VAR}={text!r}: expected 0 (compile in a "
+                          "worker process, the default) or 1 (compile in this process, without its crash guard)")
+    return text == "1"
+
+
 def check_environment(environ: Mapping[str, str] | None = None) -> None:
     """Validate every opgrad environment variable; raises ``ConfigError`` for the first bad one."""
     num_threads_setting(environ)
+    cache_dir_setting(environ)
+    compile_in_process_setting(environ)

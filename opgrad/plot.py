@@ -18,7 +18,7 @@ import os
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from opgrad.checkpoint import atomic_writer, cannot_write_error
+from opgrad.atomic import atomic_writer, cannot_write_error
 from opgrad.errors import OutputFileError
 from opgrad.history import TrainingHistory
 

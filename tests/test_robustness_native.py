@@ -301,3 +301,23 @@ def test_fuzz_flags_a_wrong_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
         result = fuzz.run(graphs=30, seed=0, op_names=["tanh"])
     assert original is not None
     assert result.failure is not None and "tanh" in result.failure
+
+
+def test_cache_dir_that_is_a_file_is_one_line_cli_error(tmp_path: Path) -> None:
+    not_a_dir = tmp_path / "cache"
+    not_a_dir.write_text("x")
+    proc = subprocess.run([sys.executable, "-m", "opgrad.cli", "ops"], capture_output=True, text=True,
+                          env={**os.environ, "OPGRAD_CACHE_DIR": str(not_a_dir)}, cwd=ROOT)
+    assert proc.returncode == 2
+    assert "OPGRAD_CACHE_DIR" in proc.stderr and "is a file" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_stale_cache_temporary_of_a_killed_compile_is_removed(tmp_path: Path) -> None:
+    store = ObjectCache(tmp_path)
+    first = NativeModule(_DOUBLE, cache=store)
+    stale = tmp_path / f".{first.key}.o.tmp-999999999-0123456789ab"  # no such pid
+    stale.write_bytes(b"half an object")
+    store.path(first.key).unlink()
+    NativeModule(_DOUBLE, cache=store)
+    assert not stale.exists()
+    assert store.path(first.key).exists()

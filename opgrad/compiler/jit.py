@@ -42,6 +42,8 @@ from typing import Any
 import llvmlite
 import llvmlite.binding as llvm
 
+from opgrad.atomic import atomic_writer
+from opgrad.env import cache_dir_setting, compile_in_process_setting
 from opgrad.errors import CompileError, CompileWarning
 
 from . import llvm_worker
@@ -129,8 +131,7 @@ def _target_machine() -> llvm.TargetMachine:
 
 def cache_dir() -> Path:
     """The cache directory: ``$OPGRAD_CACHE_DIR`` or ``~/.cache/opgrad``."""
-    env = os.environ.get("OPGRAD_CACHE_DIR")
-    return Path(env) if env else Path.home() / ".cache" / "opgrad"
+    return cache_dir_setting()
 
 
 def cache_key(ir_text: str) -> str:
@@ -188,20 +189,17 @@ class ObjectCache:
         return None
 
     def store(self, key: str, payload: bytes) -> None:
-        """Write atomically: a reader sees either no entry or a complete one, never a partial file."""
+        """Write atomically: a reader sees either no entry or a complete one, never a partial file.
+
+        A compile killed while writing leaves a temporary named after its entry and its pid; the
+        next store of that entry removes it.
+        """
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
             header = _HEADER.pack(_MAGIC, bytes.fromhex(key), len(payload), hashlib.sha256(payload).digest())
-            fd, tmp = tempfile.mkstemp(dir=self.directory, prefix=".tmp-", suffix=".o")
-            try:
-                with os.fdopen(fd, "wb") as f:
-                    f.write(header)
-                    f.write(payload)
-                os.replace(tmp, self.path(key))
-            except BaseException:
-                with contextlib.suppress(OSError):
-                    os.unlink(tmp)
-                raise
+            with atomic_writer(self.path(key), what="a compiled object") as f:
+                f.write(header)
+                f.write(payload)
         except OSError as exc:  # a read-only home must not break compilation
             warnings.warn(f"opgrad: cannot write object cache in {self.directory}: {exc}", stacklevel=3)
 
@@ -218,14 +216,6 @@ def register_symbol(name: str, address: int) -> None:
 
 
 # ----- Compiling in a worker process -----
-
-
-def _in_process_requested() -> bool:
-    """``OPGRAD_COMPILE_IN_PROCESS=1`` compiles in this process (faster to start, no crash guard)."""
-    value = os.environ.get("OPGRAD_COMPILE_IN_PROCESS", "0").strip()
-    if value not in ("0", "1", ""):
-        raise ValueError(f"OPGRAD_COMPILE_IN_PROCESS={value!r}: expected 0 (compile in a worker process) or 1")
-    return value == "1"
 
 
 class WorkerDied(Exception):
@@ -410,7 +400,7 @@ def build_object(ir_text: str, what: str = "", kernel_labels: Mapping[str, str] 
     they come from; both only go into messages.
     """
     host = host_target()
-    if _in_process_requested():
+    if compile_in_process_setting():
         return llvm_worker.compile_object(ir_text, host.triple, host.cpu, host.features)
     try:
         return _isolated_object(ir_text, vectorize=True)
