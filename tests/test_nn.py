@@ -203,7 +203,7 @@ def test_optimizer_arguments_and_names() -> None:
     with pytest.raises(ValueError, match="beta1"):
         nn.Adam(beta1=1.0)
     with pytest.raises(ValueError, match="unknown optimizer"):
-        nn.make_optimizer("rmsprop")
+        nn.make_optimizer("lion")
     shapes = nn.Adam().state_shapes({"w": (2, 3)})
     assert shapes == {"w/m": (2, 3), "w/v": (2, 3), "adam/beta1_power": (), "adam/beta2_power": ()}
     assert nn.SGD().state_shapes({"w": (2,)}) == {}

@@ -27,15 +27,18 @@ from opgrad.nn.layers import (
 )
 from opgrad.nn.losses import accuracy, softmax_cross_entropy
 from opgrad.nn.models import MODELS, build_model, keras_mnist, seed_cnn
-from opgrad.nn.optim import SGD, Adam, Optimizer, make_optimizer
+from opgrad.nn.optim import OPTIMIZERS, SGD, Adam, AdamW, Optimizer, RMSprop, make_optimizer
+from opgrad.nn.schedules import LRSchedule, Schedule, StepLR, WarmupLR, constant_lr, cosine_lr
 from opgrad.nn.step import BACKENDS, EvalStep, StepResult, TrainStep, compile_function, llvm_unavailable_reason
-from opgrad.nn.trainer import LRSchedule, Trainer, constant_lr, cosine_lr
+from opgrad.nn.trainer import Trainer
 
 __all__ = [
     "BACKENDS",
     "MODELS",
+    "OPTIMIZERS",
     "SGD",
     "Adam",
+    "AdamW",
     "AvgPool2D",
     "Conv2D",
     "Dense",
@@ -48,11 +51,15 @@ __all__ = [
     "MaxPool2D",
     "Optimizer",
     "ParamSpec",
+    "RMSprop",
     "ReLU",
+    "Schedule",
     "Sequential",
+    "StepLR",
     "StepResult",
     "TrainStep",
     "Trainer",
+    "WarmupLR",
     "accuracy",
     "build_model",
     "compile_function",

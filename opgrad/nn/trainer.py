@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -29,45 +28,13 @@ from opgrad.history import TrainingHistory
 from opgrad.nn.layers import Sequential
 from opgrad.nn.losses import accuracy, cross_entropy_numpy
 from opgrad.nn.optim import Optimizer
+from opgrad.nn.schedules import LRSchedule, Schedule, constant_lr, cosine_lr
 from opgrad.nn.step import BACKENDS, EvalStep, TrainStep
 
 __all__ = ["LRSchedule", "Trainer", "constant_lr", "cosine_lr", "shift_images"]
 
 _NOISE_TAG = 0x6E6F6973  # "nois": dropout masks
 _SHIFT_TAG = 0x73686966  # "shif": augmentation shifts
-
-
-@dataclass(frozen=True)
-class LRSchedule:
-    """Learning rate as a function of the global step: ``base`` decayed by a cosine to ``final``.
-
-    ``total_steps=0`` means constant. A cosine (rather than steps) has no boundaries to tune and
-    lands softly: the last epochs average out batch noise, which is worth about half a point of
-    test accuracy on the 4,000-digit split.
-    """
-
-    base: float
-    total_steps: int = 0
-    final: float = 0.0
-
-    def __call__(self, step: int) -> float:
-        if self.total_steps <= 0:
-            return self.base
-        progress = min(step, self.total_steps) / self.total_steps
-        return self.final + (self.base - self.final) * 0.5 * (1.0 + math.cos(math.pi * progress))
-
-    def describe(self) -> str:
-        if self.total_steps <= 0:
-            return f"{self.base:g}"
-        return f"{self.base:g} cosine-decayed to {self.final:g} over {self.total_steps} steps"
-
-
-def constant_lr(lr: float) -> LRSchedule:
-    return LRSchedule(lr)
-
-
-def cosine_lr(lr: float, total_steps: int, final: float = 0.0) -> LRSchedule:
-    return LRSchedule(lr, total_steps, final)
 
 
 def _check_positive_int(name: str, value: object) -> None:
@@ -80,7 +47,8 @@ def _check_lr(lr: object) -> float:
     try:
         value = float(lr)  # type: ignore[arg-type]
     except (TypeError, ValueError):
-        raise ValueError(f"Trainer: lr must be a finite number >= 0 or an LRSchedule, got {lr!r}") from None
+        raise ValueError(f"Trainer: lr must be a finite number >= 0 or a schedule (opgrad.nn.schedules), "
+                         f"got {lr!r}") from None
     if not math.isfinite(value) or value < 0:
         raise ValueError(f"Trainer: lr must be a finite number >= 0, got {lr!r}")
     return value
@@ -126,7 +94,7 @@ class Trainer:
     that step; without it training carries on with whatever the updates produce.
     """
 
-    def __init__(self, model: Sequential, optimizer: Optimizer, *, lr: float | LRSchedule = 1e-3,
+    def __init__(self, model: Sequential, optimizer: Optimizer, *, lr: float | Schedule = 1e-3,
                  batch_size: int = 32, seed: int = 0, dtype: str = "float32", backend: str = "reference",
                  eval_batch_size: int = 100, augment_shift: int = 0,
                  params: Mapping[str, np.ndarray] | None = None, stop_on_nan: bool = True) -> None:
@@ -137,7 +105,7 @@ class Trainer:
         if backend not in BACKENDS:
             raise ValueError(f"Trainer: unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
         self.model, self.optimizer = model, optimizer
-        self.schedule = lr if isinstance(lr, LRSchedule) else constant_lr(_check_lr(lr))
+        self.schedule: Schedule = lr if isinstance(lr, Schedule) else constant_lr(_check_lr(lr))
         _check_lr(self.schedule.base)
         self.batch_size, self.seed, self.dtype, self.backend = batch_size, seed, dtype, backend
         self.eval_batch_size, self.augment_shift = eval_batch_size, augment_shift
