@@ -152,3 +152,143 @@ def test_activation_attribute_errors_name_the_op() -> None:
         ops.softplus(x, beta=0)
     with pytest.raises(opgrad.errors.OpCallError, match=r"(?s)elu.*alpha=nan.*finite"):
         ops.elu(x, alpha=float("nan"))
+
+
+def _compiled_max_propagates_nan() -> bool:
+    """Whether this compiler's Scalar.max keeps NaN (llvm.maximum) rather than dropping it (maxnum)."""
+    x = opgrad.var("x", (1,), "float64")
+    return bool(np.isnan(opgrad.compile(opgrad.function([x], ops.relu(x)))(np.array([np.nan]))[0]))
+
+
+def _require_nan_propagating_max() -> None:
+    if not _compiled_max_propagates_nan():
+        pytest.xfail("this compiler's Scalar.max/min drop NaN (llvm.maxnum); the lowerings inherit NaN "
+                     "propagation from Scalar.max/min (llvm.maximum)")
+
+
+# ----- elementwise math -----
+
+
+def test_abs_square_rsqrt() -> None:
+    x = np.concatenate([np.linspace(-3, 3, 34), [0.0]]).reshape(5, 7)
+    against_torch(ops.abs, torch.abs, [x])  # sign(0) = 0 on both sides
+    against_torch(ops.square, torch.square, [x])
+    against_torch(ops.rsqrt, torch.rsqrt, [np.linspace(0.01, 9, 35).reshape(7, 5)])
+
+
+def test_elementwise_math_nonfinite_compiled() -> None:
+    x = np.array([np.nan, np.inf, -np.inf, 0.0, -0.0, -1.5, 2.0])
+    for build in (ops.abs, ops.square, ops.rsqrt, lambda a: ops.clip(a, lo=-1.0, hi=1.0),
+                  lambda a: ops.clip(a, hi=0.5), lambda a: ops.cast(a, dtype="float64")):
+        compiled_matches_reference(build, [x])
+    y = np.array([2.0, 0.5, -1.0, np.nan, 3.0, 0.0, 1.5])
+    compiled_matches_reference(ops.power, [np.abs(x), y])
+    compiled_matches_reference(ops.power, [x, y])
+
+
+@pytest.mark.parametrize(("lo", "hi"), [(-1.0, 1.0), (0.0, 0.5), (-0.5, None), (None, 0.25), (0.5, 0.5)])
+def test_clip_off_the_bounds_matches_torch(lo: float | None, hi: float | None) -> None:
+    x = np.linspace(-2.05, 2.05, 35).reshape(5, 7) + 0.013  # no element exactly on a bound
+    against_torch(lambda a: ops.clip(a, lo=lo, hi=hi), lambda a: torch.clamp(a, min=lo, max=hi), [x])
+
+
+def test_clip_at_the_bounds_passes_no_gradient() -> None:
+    """Declared convention: 1 strictly inside (lo, hi); PyTorch's clamp passes the gradient at the bounds."""
+    x = np.array([-1.0, -0.5, 0.0, 0.5, 1.0, 2.0, -3.0])
+    xv = opgrad.var("x", x.shape, "float64")
+    fn = opgrad.grad(opgrad.function([xv], ops.sum(ops.clip(xv, lo=-0.5, hi=0.5))))
+    value, dx = opgrad.evaluate(fn, x)
+    np.testing.assert_array_equal(dx, [0.0, 0.0, 1.0, 0.0, 0.0, 0.0, 0.0])
+    t = torch.tensor(x, requires_grad=True)
+    torch.clamp(t, -0.5, 0.5).sum().backward()
+    np.testing.assert_array_equal(t.grad.numpy(), [0.0, 1.0, 1.0, 1.0, 0.0, 0.0, 0.0])
+    assert value == float(np.clip(x, -0.5, 0.5).sum())
+    for dtype in ("float32", "float64"):
+        xd = opgrad.var("x", x.shape, dtype)
+        g = opgrad.grad(opgrad.function([xd], ops.sum(ops.clip(xd, lo=-0.5, hi=0.5))))
+        np.testing.assert_array_equal(opgrad.compile(g)(x.astype(dtype))[1], dx.astype(dtype))
+
+
+def test_clip_errors() -> None:
+    x = opgrad.var("x", (3,), "float64")
+    with pytest.raises(opgrad.errors.OpCallError, match=r"(?s)clip.*hi=-1.*hi >= lo = 1.0"):
+        ops.clip(x, lo=1.0, hi=-1.0)
+    with pytest.raises(opgrad.errors.OpCallError, match=r"(?s)clip.*lo=nan"):
+        ops.clip(x, lo=float("nan"))
+
+
+@pytest.mark.parametrize("name", ["maximum", "minimum"])
+def test_maximum_minimum_ties_and_broadcasting(name: str) -> None:
+    rng = _rng(1)
+    lhs = rng.integers(-2, 3, (3, 1, 5)).astype(np.float64)  # small integers: many exact ties
+    rhs = rng.integers(-2, 3, (4, 1)).astype(np.float64)
+    against_torch(getattr(ops, name), getattr(torch, name), [lhs, rhs])
+    same = rng.standard_normal((5, 3))
+    against_torch(getattr(ops, name), getattr(torch, name), [same, same.copy()])  # every element ties
+
+
+@pytest.mark.parametrize("name", ["maximum", "minimum"])
+def test_maximum_minimum_propagate_nan(name: str) -> None:
+    lhs = np.array([np.nan, 1.0, np.nan, -np.inf, np.inf, 2.0])
+    rhs = np.array([0.0, np.nan, np.nan, 1.0, np.nan, -np.inf])
+    want = getattr(torch, name)(torch.tensor(lhs), torch.tensor(rhs)).numpy()
+    a, b = opgrad.var("a", (6,), "float64"), opgrad.var("b", (6,), "float64")
+    fn = opgrad.function([a, b], getattr(ops, name)(a, b))
+    np.testing.assert_array_equal(opgrad.evaluate(fn, lhs, rhs), want)
+    _require_nan_propagating_max()
+    compiled_matches_reference(getattr(ops, name), [lhs, rhs])
+
+
+def test_power() -> None:
+    rng = _rng(2)
+    base = rng.uniform(0.1, 3.0, (3, 5))
+    exponent = np.concatenate([rng.uniform(-2.5, 2.5, 4), [0.0]])
+    against_torch(ops.power, torch.pow, [base, exponent], tol=1e-11)
+    # negative bases with integer exponents: the forward (and the base's gradient) are defined
+    against_torch(ops.power, torch.pow, [np.array([-2.0, -0.5, 1.5, -3.0]), np.array([2.0, 3.0, -1.0, 0.0])],
+                  wrt=[0])
+
+
+def test_stop_gradient_blocks_the_gradient() -> None:
+    x = np.linspace(-1, 1, 7)
+    against_torch(lambda a: ops.multiply(ops.stop_gradient(a), a), lambda a: a.detach() * a, [x])
+    xv = opgrad.var("x", (7,), "float64")
+    fn = opgrad.grad(opgrad.function([xv], ops.sum(ops.stop_gradient(ops.square(xv)))))
+    np.testing.assert_array_equal(opgrad.evaluate(fn, x)[1], np.zeros(7))
+    assert not opgrad.registry.get("stop_gradient").gradient_status.registered
+
+
+@pytest.mark.parametrize(("src", "dst"), [("float64", "float32"), ("float32", "float64"), ("float64", "float64")])
+def test_cast(src: str, dst: str) -> None:
+    x = (_rng(3).standard_normal((3, 5)) * 1e3).astype(src)
+    xv = opgrad.var("x", x.shape, src)
+    out = ops.cast(xv, dtype=dst)
+    assert out.dtype == dst
+    fn = opgrad.function([xv], out)
+    want = torch.tensor(x).to(getattr(torch, dst)).numpy()
+    np.testing.assert_array_equal(opgrad.evaluate(fn, x), want)
+    np.testing.assert_array_equal(opgrad.compile(fn)(x), want)
+    c = opgrad.var("c", x.shape, dst)
+    g = opgrad.grad(opgrad.function([xv, c], ops.sum(ops.multiply(out, c))), wrt=[xv])
+    cot = _rng(4).standard_normal(x.shape).astype(dst)
+    t = torch.tensor(x, requires_grad=True)
+    t.to(getattr(torch, dst)).backward(torch.tensor(cot))
+    for backend in (lambda f: (lambda *a: opgrad.evaluate(f, *a)), opgrad.compile):
+        dx = backend(g)(x, cot)[1]
+        assert dx.dtype == np.dtype(src)
+        np.testing.assert_array_equal(dx, t.grad.numpy())
+
+
+def test_cast_mixed_dtypes_then_combine() -> None:
+    """cast is how a float32 and a float64 tensor meet: other ops refuse mixed dtypes."""
+    a, b = opgrad.var("a", (3,), "float32"), opgrad.var("b", (3,), "float64")
+    with pytest.raises(opgrad.errors.OpCallError, match="mix dtypes"):
+        ops.add(a, b)
+    fn = opgrad.grad(opgrad.function([a, b], ops.sum(ops.multiply(ops.cast(a, dtype="float64"), b))))
+    x, y = np.array([1, 2, 3], np.float32), np.array([0.5, -1.0, 2.0])
+    value, da, db = opgrad.compile(fn)(x, y)
+    assert value == np.float64(0.5 - 2.0 + 6.0)
+    assert da.dtype == np.float32 and db.dtype == np.float64
+    np.testing.assert_array_equal(da, y.astype(np.float32))
+    with pytest.raises(opgrad.errors.OpCallError, match=r"(?s)cast.*dtype='int64'.*float32, float64"):
+        ops.cast(a, dtype="int64")
