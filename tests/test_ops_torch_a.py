@@ -292,3 +292,144 @@ def test_cast_mixed_dtypes_then_combine() -> None:
     np.testing.assert_array_equal(da, y.astype(np.float32))
     with pytest.raises(opgrad.errors.OpCallError, match=r"(?s)cast.*dtype='int64'.*float32, float64"):
         ops.cast(a, dtype="int64")
+
+
+# ----- reductions -----
+
+AXES = [None, 1, -1, (0, 2), (-3, -1), (2, 0, 1)]
+
+
+def _dims(axis: int | tuple[int, ...] | None, ndim: int) -> tuple[int, ...]:
+    if axis is None:
+        return tuple(range(ndim))
+    return (axis,) if isinstance(axis, int) else tuple(axis)
+
+
+def _torch_reduce(name: str, axis: Any, keepdims: bool) -> Callable[[Any], Any]:
+    def fn(t: Any) -> Any:
+        dims = _dims(axis, t.ndim)
+        if name == "prod":  # torch.prod reduces one dim at a time
+            for d in sorted((d % t.ndim for d in dims), reverse=True):
+                t = torch.prod(t, dim=d, keepdim=keepdims)
+            return t
+        torch_name = {"max": "amax", "min": "amin"}.get(name, name)
+        return getattr(torch, torch_name)(t, dim=dims, keepdim=keepdims)
+
+    return fn
+
+
+@pytest.mark.parametrize("keepdims", [False, True])
+@pytest.mark.parametrize("axis", AXES)
+@pytest.mark.parametrize("name", ["mean", "max", "min", "prod", "logsumexp"])
+def test_reductions(name: str, axis: Any, keepdims: bool) -> None:
+    x = _rng(5).uniform(0.5, 1.5, (3, 5, 7)) * _rng(6).choice([-1.0, 1.0], (3, 5, 7))
+    against_torch(lambda a: getattr(ops, name)(a, axis=axis, keepdims=keepdims),
+                  _torch_reduce(name, axis, keepdims), [x], tol=1e-11)
+
+
+@pytest.mark.parametrize("axis", [None, 0, -1, (0, 1)])
+@pytest.mark.parametrize("name", ["max", "min"])
+def test_max_min_split_ties_like_torch_amax(name: str, axis: Any) -> None:
+    x = _rng(8).integers(-1, 2, (5, 7)).astype(np.float64)  # three values: ties everywhere
+    against_torch(lambda a: getattr(ops, name)(a, axis=axis, keepdims=True), _torch_reduce(name, axis, True), [x])
+
+
+@pytest.mark.parametrize("name", ["max", "min"])
+def test_max_min_propagate_nan(name: str) -> None:
+    x = np.array([[1.0, np.nan, 3.0], [-np.inf, 2.0, -1.0], [np.nan, np.inf, 0.0]])
+    xv = opgrad.var("x", x.shape, "float64")
+    fn = opgrad.function([xv], getattr(ops, name)(xv, axis=1))
+    want = _torch_reduce(name, 1, False)(torch.tensor(x)).numpy()
+    np.testing.assert_array_equal(opgrad.evaluate(fn, x), want)
+    _require_nan_propagating_max()
+    compiled_matches_reference(lambda a: getattr(ops, name)(a, axis=1), [x])
+    compiled_matches_reference(lambda a: getattr(ops, name)(a), [x])
+
+
+def test_prod_gradient_at_zeros() -> None:
+    x = np.array([[2.0, 0.0, 3.0, -1.5],   # one zero: only it gets a gradient (the others' product)
+                  [0.0, 4.0, 0.0, 1.0],    # two zeros: no gradient at all
+                  [1.5, -2.0, 0.5, 3.0],   # none: prod / x
+                  [0.0, 0.0, 0.0, 0.0]])
+    for axis in (1, None, (0, 1)):
+        against_torch(lambda a, axis=axis: ops.prod(a, axis=axis), _torch_reduce("prod", axis, False), [x])
+    against_torch(lambda a: ops.prod(a, axis=0, keepdims=True), _torch_reduce("prod", 0, True), [x])
+
+
+def test_logsumexp_float32_at_1e4_keeps_its_digits() -> None:
+    x = np.array([[1.0e4, 1.0e4 + 1.0, 1.0e4 - 2.5], [-1.0e4, -1.0e4 + 0.5, -1.0e4 - 3.0]], np.float32)
+    truth = torch.logsumexp(torch.tensor(x, dtype=torch.float64), dim=1).numpy()
+    xv = opgrad.var("x", x.shape, "float32")
+    fn = opgrad.function([xv], ops.logsumexp(xv, axis=-1))
+    for got in (opgrad.evaluate(fn, x), opgrad.compile(fn)(x)):
+        assert got.dtype == np.float32
+        np.testing.assert_allclose(got, truth, rtol=2 * np.finfo(np.float32).eps)
+        np.testing.assert_allclose(got, torch.logsumexp(torch.tensor(x), dim=1).numpy(), rtol=2e-7)
+
+
+def test_logsumexp_nonfinite() -> None:
+    x = np.array([[-np.inf, -np.inf, -np.inf], [np.inf, 1.0, 2.0], [np.nan, 1.0, 2.0], [-np.inf, 0.0, 1.0]])
+    want = torch.logsumexp(torch.tensor(x), dim=1).numpy()
+    xv = opgrad.var("x", x.shape, "float64")
+    np.testing.assert_array_equal(opgrad.evaluate(opgrad.function([xv], ops.logsumexp(xv, axis=1)), x), want)
+    compiled_matches_reference(lambda a: ops.logsumexp(a, axis=1), [x])
+    compiled_matches_reference(lambda a: ops.prod(a, axis=1), [x])
+    compiled_matches_reference(lambda a: ops.mean(a, axis=0), [x])
+
+
+@pytest.mark.parametrize("keepdims", [False, True])
+@pytest.mark.parametrize("axis", [None, 0, 1, -1])
+@pytest.mark.parametrize("name", ["argmax", "argmin"])
+def test_argmax_argmin_first_occurrence(name: str, axis: int | None, keepdims: bool) -> None:
+    x = _rng(9).integers(-2, 3, (4, 5, 3)).astype(np.float64)  # ties: the first one wins
+    for dtype in ("float64", "float32"):
+        xv = opgrad.var("x", x.shape, dtype)
+        out = getattr(ops, name)(xv, axis=axis, keepdims=keepdims)
+        assert out.dtype == "int64"
+        fn = opgrad.function([xv], out)
+        want = getattr(np, name)(x, axis=axis, keepdims=keepdims)
+        for got in (opgrad.evaluate(fn, x.astype(dtype)), opgrad.compile(fn)(x.astype(dtype))):
+            assert got.dtype == np.int64 and got.shape == want.shape
+            np.testing.assert_array_equal(got, want)
+        if axis is not None or not keepdims:
+            expected = getattr(torch, name)(torch.tensor(x), dim=axis, keepdim=keepdims).numpy()
+            np.testing.assert_array_equal(opgrad.evaluate(fn, x.astype(dtype)), expected)
+
+
+@pytest.mark.parametrize("name", ["argmax", "argmin"])
+def test_argmax_argmin_nan_is_the_first_nan(name: str) -> None:
+    x = np.array([[1.0, np.nan, 5.0, np.nan], [np.inf, -np.inf, 2.0, 0.0], [3.0, 3.0, np.nan, -1.0],
+                  [np.nan, 0.0, 0.0, 0.0]])
+    for axis in (None, 0, 1):
+        for dtype in ("float64", "float32"):
+            xv = opgrad.var("x", x.shape, dtype)
+            fn = opgrad.function([xv], getattr(ops, name)(xv, axis=axis))
+            want = getattr(np, name)(x.astype(dtype), axis=axis)
+            np.testing.assert_array_equal(opgrad.evaluate(fn, x.astype(dtype)), want)
+            np.testing.assert_array_equal(opgrad.compile(fn)(x.astype(dtype)), want)
+        np.testing.assert_array_equal(want, getattr(torch, name)(torch.tensor(x), dim=axis).numpy())
+
+
+def test_argmax_beside_float_results_in_a_compiled_graph() -> None:
+    x = _rng(10).standard_normal((6, 4)).astype(np.float32)
+    xv = opgrad.var("x", x.shape, "float32")
+    fn = opgrad.function([xv], (ops.argmax(xv, axis=1), ops.max(ops.tanh(xv), axis=1), ops.argmin(xv)))
+    index, top, first_min = opgrad.compile(fn)(x)
+    np.testing.assert_array_equal(index, x.argmax(axis=1))
+    np.testing.assert_allclose(top, np.tanh(x).max(axis=1), rtol=1e-6)
+    assert first_min.shape == () and first_min == x.argmin()
+
+
+def test_reduction_errors() -> None:
+    x = opgrad.var("x", (3, 4), "float64")
+    with pytest.raises(opgrad.errors.OpCallError, match=r"(?s)argmax.*axis=\(0, 1\).*one int axis"):
+        ops.argmax(x, axis=(0, 1))
+    with pytest.raises(opgrad.errors.OpCallError, match=r"(?s)mean.*axis=2.*out of range for a rank-2"):
+        ops.mean(x, axis=2)
+    with pytest.raises(opgrad.errors.OpCallError, match=r"(?s)max.*axis=\(1, -1\).*repeated"):
+        ops.max(x, axis=(1, -1))
+    with pytest.raises(opgrad.errors.OpCallError, match=r"(?s)logsumexp.*zero-size axis"):
+        ops.logsumexp(opgrad.var("e", (3, 0), "float64"), axis=1)
+    with pytest.raises(opgrad.errors.OpCallError, match=r"(?s)argmin.*zero-size"):
+        ops.argmin(opgrad.var("e", (0,), "float64"))
+    assert ops.prod(opgrad.var("e", (3, 0), "float64"), axis=1).shape == (3,)  # np.prod: 1 over an empty axis
