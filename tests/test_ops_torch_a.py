@@ -433,3 +433,44 @@ def test_reduction_errors() -> None:
     with pytest.raises(opgrad.errors.OpCallError, match=r"(?s)argmin.*zero-size"):
         ops.argmin(opgrad.var("e", (0,), "float64"))
     assert ops.prod(opgrad.var("e", (3, 0), "float64"), axis=1).shape == (3,)  # np.prod: 1 over an empty axis
+
+
+# ----- matmul -----
+
+
+@pytest.mark.parametrize(("m", "k", "n"), [(3, 5, 7), (1, 9, 2), (7, 1, 5), (17, 13, 11)])
+def test_matmul(m: int, k: int, n: int) -> None:
+    rng = _rng(11)
+    against_torch(ops.matmul, torch.mm, [rng.standard_normal((m, k)), rng.standard_normal((k, n))], tol=1e-12)
+
+
+@pytest.mark.parametrize(("batch_a", "batch_b"), [(3, 3), (1, 4), (5, 1), (1, 1)])
+def test_batch_matmul_broadcasts_the_batch(batch_a: int, batch_b: int) -> None:
+    rng = _rng(12)
+    a, b = rng.standard_normal((batch_a, 3, 5)), rng.standard_normal((batch_b, 5, 7))
+    against_torch(ops.batch_matmul, torch.matmul, [a, b], tol=1e-12)
+
+
+def test_batch_matmul_of_transposed_views() -> None:
+    """Strided operands (a transpose in the graph) reach the per-batch GEMMs as views."""
+    rng = _rng(13)
+    a, b = rng.standard_normal((2, 5, 3)), rng.standard_normal((5, 2, 4))
+    against_torch(lambda x, y: ops.batch_matmul(ops.transpose(x, axes=(0, 2, 1)), ops.transpose(y, axes=(1, 0, 2))),
+                  lambda x, y: torch.matmul(x.transpose(1, 2), y.permute(1, 0, 2)), [a, b], tol=1e-12)
+
+
+def test_matmul_nonfinite_compiled() -> None:
+    rng = _rng(14)
+    a, b = rng.standard_normal((4, 3)), rng.standard_normal((3, 5))
+    a[1, 2], b[0, 4] = np.nan, np.inf
+    compiled_matches_reference(ops.matmul, [a, b])
+    compiled_matches_reference(ops.batch_matmul, [a[None], np.stack([b, -b])])
+
+
+def test_matmul_errors() -> None:
+    with pytest.raises(opgrad.errors.OpCallError, match=r"(?s)matmul.*a has 3 columns but b has 4 rows"):
+        ops.matmul(opgrad.var("a", (2, 3), "float64"), opgrad.var("b", (4, 5), "float64"))
+    with pytest.raises(opgrad.errors.OpCallError, match=r"(?s)matmul.*use batch_matmul"):
+        ops.matmul(opgrad.var("a", (1, 2, 3), "float64"), opgrad.var("b", (3, 5), "float64"))
+    with pytest.raises(opgrad.errors.OpCallError, match=r"(?s)batch_matmul.*batch sizes 2 and 3"):
+        ops.batch_matmul(opgrad.var("a", (2, 2, 3), "float64"), opgrad.var("b", (3, 3, 5), "float64"))
