@@ -270,7 +270,8 @@ def _tie_weights(lhs: np.ndarray, rhs: np.ndarray, larger: bool) -> np.ndarray:
 def _extremum_subgradient(larger: bool):
     def subgradient(inputs: Sequence[np.ndarray], cotangent: np.ndarray, attrs: Attrs) -> list[np.ndarray | None]:
         lhs, rhs = inputs
-        w = _tie_weights(*np.broadcast_arrays(lhs, rhs), larger)
+        lhs_b, rhs_b = np.broadcast_arrays(lhs, rhs)
+        w = _tie_weights(lhs_b, rhs_b, larger)
         return [sum_to_shape(cotangent * w, lhs.shape), sum_to_shape(cotangent * (1.0 - w), rhs.shape)]
 
     return subgradient
