@@ -537,7 +537,8 @@ def _register_libm() -> None:
     if _libm_done:
         return
     libm = ctypes.CDLL(ctypes.util.find_library("m") or "libm.so.6")
-    for sym in ("expf", "exp", "logf", "log", "tanhf", "tanh", "powf", "pow", "sinf", "sin", "cosf", "cos"):
+    for sym in ("expf", "exp", "logf", "log", "tanhf", "tanh", "powf", "pow", "sinf", "sin", "cosf", "cos",
+                "erff", "erf", "log1pf", "log1p", "expm1f", "expm1"):
         fn = getattr(libm, sym, None)
         if fn is not None:
             register_symbol(sym, ctypes.cast(fn, ctypes.c_void_p).value or 0)

@@ -158,6 +158,15 @@ class Scalar:
         fn = self.f.module.intrinsic(intrinsic, self.t, [self.t] * len(args), _suffix(self.t))
         return self.f.call(self.t, fn, [(self.t, a) for a in args], hint=intrinsic)
 
+    def libm(self, name: str, *args: str) -> str:
+        """The C math library's ``name`` on this type (``erf``/``erff``, ``log1p``/``log1pf``, ...).
+
+        For functions without an LLVM intrinsic; their symbols are registered by ``_register_libm``.
+        """
+        fn = name + ("f" if self.t == "float" else "")
+        ref = self.f.module.declare(fn, f"declare {self.t} @{fn}({', '.join([self.t] * len(args))})")
+        return self.f.call(self.t, ref, [(self.t, a) for a in args], hint=name)
+
     def max(self, a: str, b: str) -> str:
         """NaN if either is NaN, as ``np.maximum`` (``maxnum`` would drop the NaN)."""
         return self.call("maximum", a, b)
