@@ -154,18 +154,6 @@ def test_activation_attribute_errors_name_the_op() -> None:
         ops.elu(x, alpha=float("nan"))
 
 
-def _compiled_max_propagates_nan() -> bool:
-    """Whether this compiler's Scalar.max keeps NaN (llvm.maximum) rather than dropping it (maxnum)."""
-    x = opgrad.var("x", (1,), "float64")
-    return bool(np.isnan(opgrad.compile(opgrad.function([x], ops.relu(x)))(np.array([np.nan]))[0]))
-
-
-def _require_nan_propagating_max() -> None:
-    if not _compiled_max_propagates_nan():
-        pytest.xfail("this compiler's Scalar.max/min drop NaN (llvm.maxnum); the lowerings inherit NaN "
-                     "propagation from Scalar.max/min (llvm.maximum)")
-
-
 # ----- elementwise math -----
 
 
@@ -235,7 +223,6 @@ def test_maximum_minimum_propagate_nan(name: str) -> None:
     a, b = opgrad.var("a", (6,), "float64"), opgrad.var("b", (6,), "float64")
     fn = opgrad.function([a, b], getattr(ops, name)(a, b))
     np.testing.assert_array_equal(opgrad.evaluate(fn, lhs, rhs), want)
-    _require_nan_propagating_max()
     compiled_matches_reference(getattr(ops, name), [lhs, rhs])
 
 
@@ -341,7 +328,6 @@ def test_max_min_propagate_nan(name: str) -> None:
     fn = opgrad.function([xv], getattr(ops, name)(xv, axis=1))
     want = _torch_reduce(name, 1, False)(torch.tensor(x)).numpy()
     np.testing.assert_array_equal(opgrad.evaluate(fn, x), want)
-    _require_nan_propagating_max()
     compiled_matches_reference(lambda a: getattr(ops, name)(a, axis=1), [x])
     compiled_matches_reference(lambda a: getattr(ops, name)(a), [x])
 
