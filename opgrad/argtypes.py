@@ -11,7 +11,7 @@ import argparse
 import math
 from collections.abc import Callable
 
-__all__ = ["int_range", "non_negative_int", "positive_float", "positive_int"]
+__all__ = ["fraction", "int_range", "non_negative_float", "non_negative_int", "positive_float", "positive_int"]
 
 
 def _integer(text: str, expected: str) -> int:
@@ -59,5 +59,29 @@ def positive_float(text: str) -> float:
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}") from None
     if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}")
+    return value
+
+
+def non_negative_float(text: str) -> float:
+    """A finite number >= 0."""
+    expected = "a finite number >= 0 such as 0 or 1e-4"
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}") from None
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}")
+    return value
+
+
+def fraction(text: str) -> float:
+    """A number in (0, 1]."""
+    expected = "a number in (0, 1] such as 0.1"
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}") from None
+    if not 0.0 < value <= 1.0:
         raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}")
     return value

@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from opgrad.argtypes import int_range, non_negative_int, positive_float, positive_int
+from opgrad.argtypes import fraction, int_range, non_negative_float, non_negative_int, positive_float, positive_int
 from opgrad.errors import ConfigError, NonFiniteLossError
 from opgrad.progress import ProgressBar, format_duration
 
@@ -31,7 +31,7 @@ DEFAULT_BATCH_SIZE = 32
 DEFAULT_OPTIMIZER = "adam"
 DEFAULT_SHIFT = 2
 #: Learning rate per optimizer when --lr is not given.
-DEFAULT_LR = {"adam": 1e-3, "sgd": 1e-2, "momentum": 1e-2, "nesterov": 1e-2}
+DEFAULT_LR = {"adam": 1e-3, "adamw": 1e-3, "rmsprop": 1e-3, "sgd": 1e-2, "momentum": 1e-2, "nesterov": 1e-2}
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -47,10 +47,22 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help=f"training batch size (default {DEFAULT_BATCH_SIZE})")
     parser.add_argument("--lr", type=positive_float, default=None,
                         help="peak learning rate (default: 1e-3 for adam, 1e-2 for the SGD variants)")
-    parser.add_argument("--lr-schedule", choices=("cosine", "constant"), default="cosine",
-                        help="cosine: decay to 0 over the run (default); constant: keep --lr")
+    parser.add_argument("--lr-schedule", choices=("cosine", "constant", "step"), default="cosine",
+                        help="cosine: decay to 0 over the run (default); constant: keep --lr; step: multiply "
+                             "by --lr-gamma every --lr-step-size steps")
+    parser.add_argument("--lr-step-size", type=positive_int, default=None, metavar="STEPS",
+                        help="with --lr-schedule step: steps between decays (default: one epoch)")
+    parser.add_argument("--lr-gamma", type=fraction, default=0.1, help="with --lr-schedule step: factor (0.1)")
+    parser.add_argument("--warmup-steps", type=non_negative_int, default=0, metavar="STEPS",
+                        help="ramp the learning rate linearly from 0 over this many steps first (default 0)")
     parser.add_argument("--optimizer", choices=tuple(DEFAULT_LR), default=DEFAULT_OPTIMIZER,
-                        help="adam (default), sgd, momentum (0.9) or nesterov (0.9)")
+                        help="adam (default), adamw, rmsprop, sgd, momentum (0.9) or nesterov (0.9)")
+    parser.add_argument("--weight-decay", type=non_negative_float, default=None,
+                        help="L2 weight decay (decoupled for adamw; default 0, and 0.01 for adamw)")
+    parser.add_argument("--clip-norm", type=positive_float, default=None,
+                        help="scale the gradients so their global norm is at most this")
+    parser.add_argument("--clip-value", type=positive_float, default=None,
+                        help="clamp each gradient element to [-value, value]")
     shift = int_range(0, 27, "a larger shift moves every digit out of the 28x28 image")
     parser.add_argument("--augment-shift", type=shift, default=DEFAULT_SHIFT, metavar="PIXELS",
                         help=f"shift training images randomly by up to this many pixels (default "
@@ -133,13 +145,14 @@ def run(args: argparse.Namespace) -> int:
     """
     from opgrad.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
     from opgrad.nn import Trainer, build_model, make_optimizer
-    from opgrad.nn.trainer import LRSchedule
+    from opgrad.nn.schedules import LRSchedule, Schedule, StepLR, WarmupLR
 
     _preflight(args)
     data = _load_data(args.data)
     backend = resolve_backend(args.backend)
     model = build_model(args.model)
-    optimizer = make_optimizer(args.optimizer)
+    optimizer = make_optimizer(args.optimizer, weight_decay=args.weight_decay, clip_norm=args.clip_norm,
+                               clip_value=args.clip_value)
     lr = args.lr if args.lr is not None else DEFAULT_LR[args.optimizer]
     steps_per_epoch = len(data.train_labels) // args.batch_size
     if steps_per_epoch < 1:
@@ -147,8 +160,13 @@ def run(args: argparse.Namespace) -> int:
                           f"({len(data.train_labels)} images in {data.source})")
     if args.max_steps is not None:
         steps_per_epoch = min(steps_per_epoch, args.max_steps)
-    total_steps = steps_per_epoch * args.epochs if args.lr_schedule == "cosine" else 0
-    trainer = Trainer(model, optimizer, lr=LRSchedule(lr, total_steps), batch_size=args.batch_size,
+    decay_steps = max(1, steps_per_epoch * args.epochs - args.warmup_steps)
+    schedule: Schedule = (LRSchedule(lr, decay_steps) if args.lr_schedule == "cosine" else
+                          StepLR(lr, args.lr_step_size or steps_per_epoch, args.lr_gamma)
+                          if args.lr_schedule == "step" else LRSchedule(lr))
+    if args.warmup_steps:
+        schedule = WarmupLR(schedule, args.warmup_steps)
+    trainer = Trainer(model, optimizer, lr=schedule, batch_size=args.batch_size,
                       seed=args.seed, backend=backend, augment_shift=args.augment_shift,
                       stop_on_nan=args.stop_on_nan)
     if args.resume:

@@ -177,3 +177,14 @@ def test_bench_smoke(capsys: pytest.CaptureFixture[str]) -> None:
     reference = next(line for line in out.splitlines() if line.startswith("opgrad reference (numpy)"))
     assert "ok (rel. diff" in reference
     assert "skipped" in out
+
+
+def test_cli_optimizer_schedule_and_clipping_options(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main([*SMOKE, "--optimizer", "adamw", "--weight-decay", "0.05", "--clip-norm", "1", "--clip-value",
+                     "5", "--lr-schedule", "step", "--lr-step-size", "2", "--lr-gamma", "0.5",
+                     "--warmup-steps", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "adamw(beta1=0.9, beta2=0.999, eps=1e-08, weight_decay=0.05, clip_norm=1, clip_value=5)" in out
+    assert "linear warm-up over 1 steps, then 0.001 times 0.5 every 2 steps" in out
+    assert cli.main([*SMOKE, "--optimizer", "rmsprop", "--lr-gamma", "1.5"]) == 2
+    assert "--lr-gamma: expected a number in (0, 1]" in capsys.readouterr().err
