@@ -1,0 +1,172 @@
+"""Normalization, creation, pooling, dropout and data-movement ops against PyTorch (float64), and
+their compiled kernels against the numpy reference (float32 and float64), on hand-picked cases:
+odd sizes, non-default axes, batch 1 with spatial extent, exact zeros at kinks.
+
+PyTorch is a test-only dependency. Without it these tests skip, except under CI=true, where a
+missing torch is an error rather than a silently skipped comparison.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+import pytest
+
+import opgrad
+from opgrad import ops
+
+#: Compiled vs reference, relative to the output's scale (docs/compiler.md): one op, and gradient graphs.
+OP_TOL = {"float64": 1e-10, "float32": 2e-5}
+GRAPH_TOL = {"float64": 1e-10, "float32": 1e-4}
+
+
+def _torch() -> Any:
+    if os.environ.get("CI") == "true":
+        import torch  # CI must compare against PyTorch: a missing torch fails here
+
+        return torch
+    return pytest.importorskip("torch", reason="PyTorch is not installed (test-only dependency: pip install torch)")
+
+
+def _close(got: np.ndarray, want: np.ndarray, tol: float, what: str) -> None:
+    got, want = np.asarray(got), np.asarray(want)
+    assert got.shape == want.shape, f"{what}: shape {got.shape} != {want.shape}"
+    scale = max(1.0, float(np.max(np.abs(want)))) if want.size else 1.0
+    np.testing.assert_allclose(got, want, rtol=0, atol=tol * scale, err_msg=what)
+
+
+def _functions(build: Callable[..., opgrad.Expr], arrays: Sequence[np.ndarray], wrt: Sequence[int],
+               dtype: str) -> tuple[opgrad.Function, opgrad.Function | None, list[np.ndarray]]:
+    """The forward and, when ``wrt`` is not empty, the VJP function (value of <out, c>, then the
+    gradients) in ``dtype``; returns them with the arguments cast to it."""
+    cast = [a.astype(dtype) if a.dtype.kind == "f" else a for a in arrays]
+    params = [opgrad.var(f"in{i}", a.shape, a.dtype.name) for i, a in enumerate(cast)]
+    out = build(*params)
+    forward = opgrad.function(params, out)
+    if not wrt:
+        return forward, None, cast
+    c = opgrad.var("cotangent", out.shape, out.dtype)
+    vjp = opgrad.grad(opgrad.function([*params, c], ops.sum(ops.multiply(out, c))), wrt=[params[i] for i in wrt])
+    return forward, vjp, cast
+
+
+def against_torch(build: Callable[..., opgrad.Expr], torch_fn: Callable[..., Any], arrays: Sequence[np.ndarray],
+                  wrt: Sequence[int], *, seed: int = 0) -> None:
+    """opgrad's forward and VJP (float64, reference backend) equal PyTorch's, and opgrad's compiled
+    forward and VJP equal its reference in float32 and float64."""
+    torch = _torch()
+    forward, vjp, cast = _functions(build, arrays, wrt, "float64")
+    out = np.asarray(opgrad.evaluate(forward, *cast))
+    c = np.random.default_rng(seed).standard_normal(out.shape) + 0.3
+    tensors = [torch.tensor(a, requires_grad=i in wrt) for i, a in enumerate(cast)]
+    y = torch_fn(*tensors)
+    _close(out, y.detach().numpy(), 1e-10, "forward vs torch")
+    if vjp is not None:
+        y.backward(torch.tensor(c))
+        grads = opgrad.evaluate(vjp, *cast, c)[1:]
+        for i, g in zip(wrt, grads, strict=True):
+            want = tensors[i].grad.numpy() if tensors[i].grad is not None else np.zeros_like(cast[i])
+            _close(g, want, 1e-9, f"gradient of input {i} vs torch")
+    compiled_matches_reference(build, arrays, wrt, seed=seed)
+
+
+def compiled_matches_reference(build: Callable[..., opgrad.Expr], arrays: Sequence[np.ndarray],
+                               wrt: Sequence[int], *, seed: int = 0) -> None:
+    for dtype in ("float64", "float32"):
+        forward, vjp, cast = _functions(build, arrays, wrt, dtype)
+        _close(opgrad.compile(forward)(*cast), opgrad.evaluate(forward, *cast), OP_TOL[dtype], f"compiled {dtype}")
+        if vjp is not None:
+            shape = vjp.params[-1].shape
+            c = (np.random.default_rng(seed).standard_normal(shape) + 0.3).astype(dtype)
+            got, want = opgrad.compile(vjp)(*cast, c), opgrad.evaluate(vjp, *cast, c)
+            for k, (g, w) in enumerate(zip(got, want, strict=True)):
+                _close(g, w, GRAPH_TOL[dtype], f"compiled gradient output {k}, {dtype}")
+
+
+def _rand(*shape: int, seed: int = 0, low: float = -2.0, high: float = 2.0) -> np.ndarray:
+    return np.random.default_rng(seed + sum(shape)).uniform(low, high, shape)
+
+
+# ----- normalization -----
+
+
+@pytest.mark.parametrize("shape, axis", [((1, 3, 4, 5), 1), ((4, 3, 2, 2), 1), ((5, 3), 1), ((2, 3, 5), 2),
+                                         ((3, 2, 3), 0)])
+def test_batch_norm_matches_torch(shape: tuple[int, ...], axis: int) -> None:
+    torch = _torch()
+    c = shape[axis]
+    arrays = [_rand(*shape), _rand(c, seed=1), _rand(c, seed=2)]
+
+    def reference(x, g, b):
+        moved = torch.nn.functional.batch_norm(x.movedim(axis, 1), None, None, g, b, training=True, eps=1e-3)
+        return moved.movedim(1, axis)
+
+    against_torch(lambda x, g, b: ops.batch_norm(x, g, b, axis=axis, epsilon=1e-3), reference, arrays, [0, 1, 2])
+
+
+@pytest.mark.parametrize("shape, axis", [((2, 3, 4, 5), 1), ((5, 3), 1), ((2, 4, 3), -1)])
+def test_batch_norm_inference_matches_torch(shape: tuple[int, ...], axis: int) -> None:
+    torch = _torch()
+    c = shape[axis]
+    arrays = [_rand(*shape), _rand(c, seed=1), _rand(c, seed=2), _rand(c, seed=3),
+              _rand(c, seed=4, low=0.2, high=3.0)]
+    a = axis % len(shape)
+
+    def library(x, g, b, m, v):  # PyTorch's own kernel: gradients to data, gamma and beta
+        moved = torch.nn.functional.batch_norm(x.movedim(a, 1), m, v, g, b, training=False, eps=1e-5)
+        return moved.movedim(1, a)
+
+    def formula(x, g, b, m, v):  # the same function in autograd primitives: also differentiates mean, var
+        along = [1] * len(shape)
+        along[a] = c
+        return (x - m.reshape(along)) / torch.sqrt(v.reshape(along) + 1e-5) * g.reshape(along) + b.reshape(along)
+
+    def build(*p):
+        return ops.batch_norm_inference(*p, axis=axis)
+
+    against_torch(build, library, arrays, [0, 1, 2])
+    against_torch(build, formula, arrays, [0, 1, 2, 3, 4])
+
+
+@pytest.mark.parametrize("shape, axis", [((3, 5), -1), ((2, 3, 4), -2), ((2, 3, 4), 0), ((1, 7), 1)])
+def test_layer_norm_matches_torch(shape: tuple[int, ...], axis: int) -> None:
+    torch = _torch()
+    trailing = shape[axis:]
+    arrays = [_rand(*shape), _rand(*trailing, seed=1), _rand(*trailing, seed=2)]
+    against_torch(lambda x, g, b: ops.layer_norm(x, g, b, axis=axis),
+                  lambda x, g, b: torch.nn.functional.layer_norm(x, trailing, g, b, 1e-5), arrays, [0, 1, 2])
+
+
+@pytest.mark.parametrize("shape, alpha_shape, axis", [((2, 3, 4, 5), (3,), 1), ((2, 3, 4, 5), (1,), 1),
+                                                      ((5,), (1,), 0), ((2, 5, 3), (3,), 2)])
+def test_prelu_matches_torch_including_exact_zeros(shape, alpha_shape, axis) -> None:
+    torch = _torch()
+    x = _rand(*shape)
+    x.reshape(-1)[::3] = 0.0  # on the kink: PyTorch's slope there is alpha, as declared
+    arrays = [x, _rand(*alpha_shape, seed=5, low=0.05, high=0.5)]
+
+    def reference(x, alpha):
+        return torch.nn.functional.prelu(x.movedim(axis, 1) if x.ndim > 1 else x, alpha).movedim(1, axis) \
+            if x.ndim > 1 else torch.nn.functional.prelu(x, alpha)
+
+    against_torch(lambda x, a: ops.prelu(x, a, axis=axis), reference, arrays, [0, 1])
+
+
+def test_prelu_single_slope_as_a_scalar() -> None:
+    x = _rand(2, 3, 4)
+    compiled_matches_reference(lambda x, a: ops.prelu(x, a), [x, np.array(0.25)], [0, 1])
+
+
+def test_normalization_shape_errors_name_the_problem() -> None:
+    x = opgrad.var("x", (2, 3, 4), "float64")
+    with pytest.raises(opgrad.OpCallError, match=r"gamma has shape \(4,\).*expected gamma shape \(3,\)"):
+        ops.batch_norm(x, opgrad.var("g", (4,), "float64"), opgrad.var("b", (3,), "float64"))
+    with pytest.raises(opgrad.OpCallError, match=r"expected gamma shape \(3, 4\)"):
+        ops.layer_norm(x, opgrad.var("g", (4,), "float64"), opgrad.var("b", (3, 4), "float64"), axis=1)
+    with pytest.raises(opgrad.OpCallError, match="epsilon"):
+        ops.layer_norm(x, opgrad.var("g", (4,), "float64"), opgrad.var("b", (4,), "float64"), epsilon=0)
+    with pytest.raises(opgrad.OpCallError, match=r"alpha has shape \(2,\)"):
+        ops.prelu(x, opgrad.var("a", (2,), "float64"))
