@@ -170,3 +170,37 @@ def test_normalization_shape_errors_name_the_problem() -> None:
         ops.layer_norm(x, opgrad.var("g", (4,), "float64"), opgrad.var("b", (4,), "float64"), epsilon=0)
     with pytest.raises(opgrad.OpCallError, match=r"alpha has shape \(2,\)"):
         ops.prelu(x, opgrad.var("a", (2,), "float64"))
+
+
+# ----- creation: no inputs -----
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("shape", [(), (5,), (2, 3, 1), (0, 3)])
+def test_full_zeros_ones_match_torch_and_compile(shape: tuple[int, ...], dtype: str) -> None:
+    torch = _torch()
+    tdtype = getattr(torch, dtype)
+    for value in (0.0, -2.5, 1e30, float("inf"), float("-inf"), float("nan")):
+        fn = opgrad.function([], ops.full(shape, value, dtype))
+        want = torch.full(shape, value, dtype=tdtype).numpy()
+        for got in (opgrad.evaluate(fn), opgrad.compile(fn)()):
+            assert got.dtype == want.dtype and got.shape == want.shape
+            np.testing.assert_array_equal(got, want)  # bitwise, nan and inf included
+    for op, make in ((ops.zeros, torch.zeros), (ops.ones, torch.ones)):
+        fn = opgrad.function([], op(shape, dtype=dtype))
+        want = make(shape, dtype=tdtype).numpy()
+        for got in (opgrad.evaluate(fn), opgrad.compile(fn)()):
+            assert got.dtype == want.dtype
+            np.testing.assert_array_equal(got, want)
+
+
+def test_created_tensors_inside_a_gradient_graph() -> None:
+    """x * ones + full: the constants fold into the kernels, and no gradient flows into them."""
+    x = _rand(3, 4)
+    compiled_matches_reference(lambda x: ops.multiply(ops.add(x, ops.full((4,), 0.5, x.dtype)),
+                                                      ops.ones((3, 1), x.dtype)), [x], [0])
+    compiled_matches_reference(lambda x: ops.tanh(ops.add(x, ops.zeros(x.shape, x.dtype))), [x], [0])
+    with pytest.raises(opgrad.OpCallError, match="every dimension must be >= 0"):
+        ops.zeros((2, -1))
+    with pytest.raises(opgrad.OpCallError, match="dtype"):
+        ops.ones(3, "int64")
