@@ -204,3 +204,51 @@ def test_created_tensors_inside_a_gradient_graph() -> None:
         ops.zeros((2, -1))
     with pytest.raises(opgrad.OpCallError, match="dtype"):
         ops.ones(3, "int64")
+
+
+# ----- global pooling -----
+
+
+@pytest.mark.parametrize("shape", [(1, 3, 5, 7), (2, 1, 1, 1), (3, 2, 4, 1)])
+def test_global_pools_match_torch(shape: tuple[int, ...]) -> None:
+    torch = _torch()
+    x = _rand(*shape)
+    against_torch(ops.global_avg_pool2d, lambda x: torch.nn.functional.adaptive_avg_pool2d(x, 1), [x], [0])
+    against_torch(ops.global_max_pool2d, lambda x: torch.nn.functional.adaptive_max_pool2d(x, 1), [x], [0])
+
+
+def test_global_max_pool_ties_go_to_the_first_maximum() -> None:
+    x = np.zeros((1, 2, 2, 3))
+    x[0, 0, 0, 2] = x[0, 0, 1, 0] = 5.0  # tie: (0, 2) comes first in row-major order
+    x[0, 1] = 1.0  # a constant plane: the first element takes the gradient
+    v = opgrad.var("x", x.shape, "float64")
+    _, dx = opgrad.evaluate(opgrad.grad(opgrad.function([v], ops.sum(ops.global_max_pool2d(v)))), x)
+    want = np.zeros_like(x)
+    want[0, 0, 0, 2] = want[0, 1, 0, 0] = 1.0
+    np.testing.assert_array_equal(dx, want)
+    compiled_matches_reference(ops.global_max_pool2d, [x], [0])
+
+
+def test_global_max_pool_propagates_nan_in_the_reference() -> None:
+    x = _rand(2, 2, 3, 3)
+    x[1, 0, 2, 1] = np.nan
+    fn = opgrad.function([v := opgrad.var("x", x.shape, "float64")], ops.global_max_pool2d(v))
+    out = opgrad.evaluate(fn, x)
+    assert np.isnan(out[1, 0, 0, 0]) and np.isfinite(np.delete(out.ravel(), 2)).all()
+
+
+@pytest.mark.xfail(strict=False, reason="Scalar.max is llvm.maxnum (drops NaN) until it becomes llvm.maximum")
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_global_max_pool_propagates_nan_compiled(dtype: str) -> None:
+    x = _rand(2, 2, 3, 3).astype(dtype)
+    x[1, 0, 2, 1] = np.nan
+    x[0, 1, 0, 0] = np.nan
+    fn = opgrad.function([v := opgrad.var("x", x.shape, dtype)], ops.global_max_pool2d(v))
+    np.testing.assert_array_equal(opgrad.compile(fn)(x), opgrad.evaluate(fn, x))
+
+
+def test_global_pool_shape_errors() -> None:
+    with pytest.raises(opgrad.OpCallError, match="must be 4-D NCHW"):
+        ops.global_avg_pool2d(opgrad.var("x", (2, 3, 4), "float32"))
+    with pytest.raises(opgrad.OpCallError, match="empty 0x4 plane"):
+        ops.global_max_pool2d(opgrad.var("x", (2, 3, 0, 4), "float32"))
