@@ -252,3 +252,52 @@ def test_global_pool_shape_errors() -> None:
         ops.global_avg_pool2d(opgrad.var("x", (2, 3, 4), "float32"))
     with pytest.raises(opgrad.OpCallError, match="empty 0x4 plane"):
         ops.global_max_pool2d(opgrad.var("x", (2, 3, 0, 4), "float32"))
+
+
+# ----- dropout -----
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("rate", [0.1, 0.5, 0.9])
+def test_dropout_compiled_mask_is_the_reference_mask_bitwise(rate: float, dtype: str) -> None:
+    from opgrad.registry.dropout import keep_mask
+
+    n = 100_003  # over 2**16 elements: the kernel splits the loop over threads
+    x = np.random.default_rng(1).uniform(0.5, 2.0, n).astype(dtype)  # nonzero: a zero output means dropped
+    fn = opgrad.function([v := opgrad.var("x", (n,), dtype)], ops.dropout(v, rate, 12345))
+    got, want = opgrad.compile(fn)(x), opgrad.evaluate(fn, x)
+    np.testing.assert_array_equal(got, want)  # bitwise: one multiply by the same rounded scale
+    kept = want != 0
+    np.testing.assert_array_equal(kept, keep_mask((n,), rate, 12345))
+    sigma = np.sqrt(rate * (1 - rate) / n)
+    assert abs(kept.mean() - (1 - rate)) < 5 * sigma, f"kept {kept.mean():.4f}, expected {1 - rate}"
+    np.testing.assert_array_equal(want[kept], x[kept] * np.asarray(1 / (1 - rate), dtype))
+
+
+def test_dropout_masks_depend_on_seed_and_position_only() -> None:
+    from opgrad.registry.dropout import keep_mask
+
+    a, b = keep_mask((40, 50), 0.5, 0), keep_mask((40, 50), 0.5, 1)
+    assert 0.4 < (a != b).mean() < 0.6  # neighbouring seeds: unrelated masks
+    np.testing.assert_array_equal(keep_mask((2000,), 0.5, 7).reshape(40, 50), keep_mask((40, 50), 0.5, 7))
+    assert keep_mask((100,), 0.0, 3).all()
+    x = np.full((3, 4), np.nan)
+    out = opgrad.evaluate(opgrad.function([v := opgrad.var("x", (3, 4), "float64")], ops.dropout(v, 0.5, 2)), x)
+    assert np.all((out == 0) | np.isnan(out)) and (out == 0).any()  # dropped elements are exactly 0
+
+
+@pytest.mark.parametrize("shape, rate", [((7, 5), 0.3), ((2, 3, 4, 5), 0.5), ((), 0.0)])
+def test_dropout_matches_torch_with_the_same_mask(shape: tuple[int, ...], rate: float) -> None:
+    """PyTorch's generator differs, so torch applies opgrad's mask with its own dropout arithmetic."""
+    from opgrad.registry.dropout import keep_mask
+
+    torch = _torch()
+    mask = torch.tensor(keep_mask(shape, rate, 99).astype(np.float64))
+    against_torch(lambda x: ops.dropout(x, rate, 99), lambda x: x * mask / (1 - rate), [_rand(*shape)], [0])
+
+
+def test_dropout_inside_a_fused_gradient_graph() -> None:
+    compiled_matches_reference(lambda x: ops.tanh(ops.dropout(ops.multiply(x, x), rate=0.4, seed=5)),
+                               [_rand(6, 7)], [0])
+    with pytest.raises(opgrad.OpCallError, match=r"drop probability in \[0, 1\)"):
+        ops.dropout(opgrad.var("x", (2,), "float32"), 1.0, 0)
