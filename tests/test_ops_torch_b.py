@@ -301,3 +301,140 @@ def test_dropout_inside_a_fused_gradient_graph() -> None:
                                [_rand(6, 7)], [0])
     with pytest.raises(opgrad.OpCallError, match=r"drop probability in \[0, 1\)"):
         ops.dropout(opgrad.var("x", (2,), "float32"), 1.0, 0)
+
+
+# ----- data movement -----
+
+
+@pytest.mark.parametrize("shape, axis", [((3, 4, 5), 1), ((3, 4, 5), (0, 2)), ((2, 3), None), ((7,), -1),
+                                         ((2, 1, 3), (-1, -3))])
+def test_flip_matches_torch(shape: tuple[int, ...], axis: Any) -> None:
+    torch = _torch()
+    dims = list(range(len(shape))) if axis is None else ([axis] if isinstance(axis, int) else list(axis))
+    against_torch(lambda x: ops.flip(x, axis), lambda x: torch.flip(x, dims), [_rand(*shape)], [0])
+
+
+def test_take_is_an_embedding_lookup_with_repeated_indices() -> None:
+    torch = _torch()
+    table = _rand(11, 5)
+    ids = np.array([[3, 0, 3, 10], [3, 7, 7, 1], [0, 0, 0, 0]])  # repeats accumulate in the gradient
+    against_torch(lambda w, i: ops.take(w, i), lambda w, i: torch.nn.functional.embedding(i, w), [table, ids], [0])
+
+
+@pytest.mark.parametrize("shape, axis, indices", [((3, 5, 2), 1, [4, 0, 4, 2, 1]), ((4, 3), -1, [[2, 2], [0, 1]]),
+                                                  ((6,), 0, 5), ((2, 3, 4), 2, [[[3]]])])
+def test_take_along_an_axis_matches_torch(shape: tuple[int, ...], axis: int, indices: Any) -> None:
+    torch = _torch()
+    idx = np.asarray(indices, dtype=np.int64)
+    a = axis % len(shape)
+
+    def reference(x, i):
+        picked = torch.index_select(x, a, i.reshape(-1))
+        return picked.reshape(x.shape[:a] + tuple(i.shape) + x.shape[a + 1:])
+
+    against_torch(lambda x, i: ops.take(x, i, axis), reference, [_rand(*shape), idx], [0])
+
+
+def test_take_out_of_range_indices_fail_before_any_kernel_runs() -> None:
+    x, i = opgrad.var("x", (4, 3), "float64"), opgrad.var("i", (2,), "int64")
+    fn = opgrad.function([x, i], ops.take(x, i))
+    with pytest.raises(ValueError, match=r"indices must lie in \[0, 4\)"):
+        opgrad.evaluate(fn, np.zeros((4, 3)), np.array([1, 4]))
+    compiled = opgrad.compile(fn)
+    for bad in (4, -1):
+        with pytest.raises(opgrad.ArgumentError, match=r"valid range is \[0, 4\)"):
+            compiled(np.zeros((4, 3)), np.array([0, bad]))
+    with pytest.raises(opgrad.OpCallError, match="axis_size is derived from data"):
+        ops.take(x, i, axis=0, axis_size=3)
+
+
+def _torch_pad(torch: Any, x: Any, widths: Sequence[tuple[int, int]], mode: str, value: float) -> Any:
+    flat = [w for pair in reversed(widths) for w in pair]  # torch lists the last axis first
+    kind = {"constant": "constant", "reflect": "reflect", "edge": "replicate"}[mode]
+    lead = next(i for i, (b, a) in enumerate(widths) if b or a)  # torch pads only trailing axes of a batch
+    flat = flat[: 2 * (len(widths) - lead)]
+    return torch.nn.functional.pad(x, flat, mode=kind, value=value) if mode == "constant" \
+        else torch.nn.functional.pad(x, flat, mode=kind)
+
+
+@pytest.mark.parametrize("mode", ["constant", "reflect", "edge"])
+@pytest.mark.parametrize("shape, widths", [((2, 3, 5, 6), ((0, 0), (0, 0), (2, 1), (1, 3))),
+                                           ((1, 4, 7), ((0, 0), (0, 0), (3, 2))),
+                                           ((2, 3, 4), ((0, 0), (1, 2), (3, 0)))])
+def test_pad_matches_torch(shape: tuple[int, ...], widths: Any, mode: str) -> None:
+    torch = _torch()
+    value = 1.5 if mode == "constant" else 0.0
+    against_torch(lambda x: ops.pad(x, widths, mode, value), lambda x: _torch_pad(torch, x, widths, mode, value),
+                  [_rand(*shape)], [0])
+
+
+@pytest.mark.parametrize("mode", ["reflect", "edge", "constant"])
+@pytest.mark.parametrize("shape, pad_width", [((3, 4), 5), ((1, 5), (0, 9)), ((2, 1, 3), ((2, 3), (4, 1), (7, 0)))])
+def test_pad_beyond_the_axis_follows_numpy(shape: tuple[int, ...], pad_width: Any, mode: str) -> None:
+    """numpy keeps reflecting where a pad is wider than the axis (PyTorch refuses); int and pair forms."""
+    x = _rand(*shape)
+    v = opgrad.var("x", shape, "float64")
+    np.testing.assert_array_equal(opgrad.evaluate(opgrad.function([v], ops.pad(v, pad_width, mode)), x),
+                                  np.pad(x, pad_width, mode=mode))
+    compiled_matches_reference(lambda x: ops.pad(x, pad_width, mode), [x], [0])
+
+
+def test_pad_errors() -> None:
+    x = opgrad.var("x", (2, 0, 3), "float32")
+    with pytest.raises(opgrad.OpCallError, match="cannot pad axis 1 of length 0"):
+        ops.pad(x, 1, "reflect")
+    with pytest.raises(opgrad.OpCallError, match="mode 'edge' takes none"):
+        ops.pad(x, 1, "edge", 2.0)
+    with pytest.raises(opgrad.OpCallError, match=r"numpy\.pad's forms"):
+        ops.pad(x, ((1, 2), (3, 4)))
+    with pytest.raises(opgrad.OpCallError, match="expected one of constant, reflect, edge"):
+        ops.pad(x, 1, "wrap")
+
+
+@pytest.mark.parametrize("shape, begin, end, strides", [
+    ((6, 5), (1, -1), (5, None), (2, -2)),
+    ((7,), (None,), (None,), (-1,)),
+    ((4, 5, 3), (-1, 0), (-5, 5), (-1, 3)),
+    ((5, 4), (10,), (-10,), (-3,)),
+    ((3, 4), (1,), (3,), None),
+])
+def test_strided_slice_matches_torch_including_negative_strides(shape, begin, end, strides) -> None:
+    torch = _torch()
+    steps = strides or (None,) * len(begin)
+    index = [np.arange(n)[slice(b, e, s)] for n, b, e, s in zip(shape, begin, end, steps, strict=False)]
+    index += [np.arange(n) for n in shape[len(begin):]]
+    grid = tuple(torch.tensor(i.copy()) for i in np.ix_(*index))  # torch slices reject negative steps: gather instead
+    against_torch(lambda x: ops.strided_slice(x, begin, end, strides), lambda x: x[grid], [_rand(*shape)], [0])
+
+
+def test_strided_slice_errors() -> None:
+    x = opgrad.var("x", (4, 3), "float32")
+    with pytest.raises(opgrad.OpCallError, match="step cannot be zero"):
+        ops.strided_slice(x, (0,), (2,), (0,))
+    with pytest.raises(opgrad.OpCallError, match="one entry per sliced axis"):
+        ops.strided_slice(x, (0, 1), (2,))
+    with pytest.raises(opgrad.OpCallError, match="3 axes sliced but data has rank 2"):
+        ops.strided_slice(x, (0, 0, 0), (1, 1, 1))
+
+
+@pytest.mark.parametrize("shape, r", [((2, 3, 6, 4), 2), ((1, 2, 9, 3), 3), ((2, 1, 3, 5), 1)])
+def test_space_to_depth_and_back_match_torch(shape: tuple[int, ...], r: int) -> None:
+    torch = _torch()
+    x = _rand(*shape)
+    against_torch(lambda x: ops.space_to_depth(x, r), lambda x: torch.nn.functional.pixel_unshuffle(x, r), [x], [0])
+    n, c, h, w = shape
+    y = _rand(n, c * r * r, h // r + 1, w // r + 2)
+    against_torch(lambda y: ops.depth_to_space(y, r), lambda y: torch.nn.functional.pixel_shuffle(y, r), [y], [0])
+    with pytest.raises(opgrad.OpCallError, match="must be multiples of block_size"):
+        ops.space_to_depth(opgrad.var("x", (1, 1, 5, 4), "float32"), 2)
+
+
+def test_data_movement_of_strided_inputs_inside_gradient_graphs() -> None:
+    """Inputs that are themselves views (a transpose, a broadcast) feed the copies correctly."""
+    x = _rand(4, 6)
+    compiled_matches_reference(lambda x: ops.flip(ops.transpose(x), 0) * 2.0, [x], [0])
+    compiled_matches_reference(lambda x: ops.strided_slice(ops.transpose(x), (None, 4), (None, 0), (2, -1)),
+                               [x], [0])
+    compiled_matches_reference(lambda x: ops.pad(ops.broadcast_to(x, (2, 4, 6)), ((1, 0), (2, 2), (0, 3)),
+                                                 "reflect"), [x], [0])
+    compiled_matches_reference(lambda x: ops.take(ops.transpose(x), opgrad.const(np.array([5, 0, 5]))), [x], [0])
