@@ -23,8 +23,11 @@ def _formula(op: Operator) -> str:
 
 def operator_section(op: Operator) -> str:
     lines = [f"## `{op.name}`", "", op.doc, "", f"Declared in `registry/{op.module}.py`.", ""]
-    lines.append("| input | kind | differentiable | value domain (checker) | notes |")
-    lines.append("|---|---|---|---|---|")
+    if op.inputs:
+        lines.append("| input | kind | differentiable | value domain (checker) | notes |")
+        lines.append("|---|---|---|---|---|")
+    else:
+        lines.append("No inputs: the result depends on the attributes alone.")
     for spec in op.inputs:
         if spec.kind == "int":
             domain = f"integers in [{spec.int_range[0]}, {spec.int_range[1]})" if spec.int_range else "integers"

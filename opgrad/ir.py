@@ -350,9 +350,8 @@ def format_function(fn: Function) -> str:
             name = f"%{counter}"
             counter += 1
             names[node._uid] = name
-            args = ", ".join(names[a._uid] for a in node.args)
-            attrs = "".join(f", {k}={_format_attr(v)}" for k, v in node.attrs.items())
-            lines.append(f"  {name} = {node.op.name}({args}{attrs})  # {node.type}")
+            items = [names[a._uid] for a in node.args] + [f"{k}={_format_attr(v)}" for k, v in node.attrs.items()]
+            lines.append(f"  {name} = {node.op.name}({', '.join(items)})  # {node.type}")
     sig = ", ".join(f"%{p.name}: {p.type}" for p in fn.params)
     ret = ", ".join(names[o._uid] for o in fn.outputs)
     if fn.returns_tuple:

@@ -354,6 +354,7 @@ class Operator:
         described = ", ".join(
             f"{spec.name}: {t}" for spec, t in zip(self.inputs, arg_types)
         ) if len(arg_types) == len(self.inputs) else ", ".join(str(t) for t in arg_types)
+        described = described or "none"
         attr_text = ", ".join(f"{k}={v!r}" for k, v in attrs.items()) or "none"
         return OpCallError(
             f"opgrad.ops.{self.name}: invalid call\n"
@@ -363,8 +364,21 @@ class Operator:
         )
 
     def __call__(self, *args: Any, **attrs: Any) -> Call:
-        from opgrad.ir import make_call
+        """Build a call: ``op(*inputs, **attrs)``; as in numpy, plain values after the inputs are
+        attributes in declaration order (``ops.full((2, 3), 1.0, "float64")``)."""
+        from opgrad.ir import Expr, make_call
 
+        n = len(self.inputs)
+        extra = args[n:]
+        if extra and len(extra) <= len(self.attrs) and not any(isinstance(a, Expr) for a in extra):
+            names = [a.name for a in self.attrs[: len(extra)]]
+            twice = [name for name in names if name in attrs]
+            if twice:
+                arg_types = [a.type for a in args[:n] if isinstance(a, Expr)]
+                raise self._call_error(arg_types, attrs, f"attribute(s) {', '.join(twice)} given by position "
+                                       "and by keyword")
+            attrs = {**dict(zip(names, extra, strict=True)), **attrs}
+            args = args[:n]
         return make_call(self, args, attrs)
 
     def __repr__(self) -> str:

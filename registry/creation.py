@@ -1,4 +1,5 @@
-"""Tensors made from another's shape or from integer labels: zeros_like, ones_like, one_hot.
+"""Tensors made from nothing, from another's shape or from integer labels: full, zeros, ones,
+zeros_like, ones_like, one_hot.
 
 Their inputs are read only for shape (or as indices), so none is differentiable.
 """
@@ -105,3 +106,117 @@ def _one_hot_lowering(kb, call, out, labels):
     """out[n, c] = 1.0 if labels[n] == c else 0.0 (compared, never used as an address)"""
     rows = labels.expand_dims(1).broadcast_to(out.shape)
     kb.elementwise(out, [rows, kb.iota(out.shape, 1)], lambda s, v: s.mask(s.cmp("oeq", v[0], v[1])))
+
+
+# ----- full, zeros, ones: no inputs at all -----
+
+
+def _shape(value: Any) -> tuple[int, ...]:
+    if isinstance(value, (int, np.integer)) and not isinstance(value, bool):
+        value = (value,)
+    try:
+        shape = tuple(int(d) for d in value)
+    except TypeError:
+        raise ValueError("expected an int or a sequence of ints") from None
+    if any(d < 0 for d in shape):
+        raise ValueError("every dimension must be >= 0")
+    return shape
+
+
+def _fill_value(value: Any) -> float:
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        raise ValueError("expected a number") from None
+
+
+def _created_shape(attrs: Any) -> TensorType:
+    return TensorType(attrs["shape"], attrs["dtype"])
+
+
+def _creation_cases(d, value: bool):
+    attrs = {"shape": d.shape(), "dtype": d.choice(["float32", "float64"])}
+    if value:
+        attrs["value"] = d.choice([0.0, -1.5, 3.25, 1e30])  # the checker counts inf and nan as mismatches
+    return Case([], attrs)
+
+
+full = Operator(
+    "full",
+    inputs=[],
+    attrs=[
+        Attr("shape", convert=_shape, doc="an int or a tuple of ints"),
+        Attr("value", convert=_fill_value, doc="every element's value (inf and nan included)"),
+        Attr("dtype", default="float32", convert=_float_dtype),
+    ],
+    doc="A tensor of `shape` filled with `value` (numpy.full); it has no inputs, so no gradient.",
+)
+full.shape_rule(_created_shape)
+
+
+@full.reference
+def _full_forward(shape: tuple[int, ...], value: float, dtype: str) -> np.ndarray:
+    return np.full(shape, value, dtype=dtype)
+
+
+@full.sampler
+def _full_cases(d):
+    return _creation_cases(d, value=True)
+
+
+@full.lowering
+def _full_lowering(kb, call, out):
+    """out = value (a constant view: consumers fold it, no memory is written)"""
+    return kb.scalar(call.attrs["value"], out.dtype, out.shape)
+
+
+zeros = Operator(
+    "zeros",
+    inputs=[],
+    attrs=[Attr("shape", convert=_shape, doc="an int or a tuple of ints"),
+           Attr("dtype", default="float32", convert=_float_dtype)],
+    doc="A tensor of `shape` filled with 0 (numpy.zeros); it has no inputs, so no gradient.",
+)
+zeros.shape_rule(_created_shape)
+
+
+@zeros.reference
+def _zeros_forward(shape: tuple[int, ...], dtype: str) -> np.ndarray:
+    return np.zeros(shape, dtype=dtype)
+
+
+@zeros.sampler
+def _zeros_cases(d):
+    return _creation_cases(d, value=False)
+
+
+@zeros.lowering
+def _zeros_lowering(kb, call, out):
+    """out = 0 (a constant view)"""
+    return kb.scalar(0.0, out.dtype, out.shape)
+
+
+ones = Operator(
+    "ones",
+    inputs=[],
+    attrs=[Attr("shape", convert=_shape, doc="an int or a tuple of ints"),
+           Attr("dtype", default="float32", convert=_float_dtype)],
+    doc="A tensor of `shape` filled with 1 (numpy.ones); it has no inputs, so no gradient.",
+)
+ones.shape_rule(_created_shape)
+
+
+@ones.reference
+def _ones_forward(shape: tuple[int, ...], dtype: str) -> np.ndarray:
+    return np.ones(shape, dtype=dtype)
+
+
+@ones.sampler
+def _ones_cases(d):
+    return _creation_cases(d, value=False)
+
+
+@ones.lowering
+def _ones_lowering(kb, call, out):
+    """out = 1 (a constant view)"""
+    return kb.scalar(1.0, out.dtype, out.shape)

@@ -148,6 +148,39 @@ def test_kernel_builder_elementwise_reduce_gemm_in_one_entry() -> None:
     np.testing.assert_allclose(outs[4], np.exp(big), rtol=1e-6)
 
 
+def _splitmix64(counter: np.ndarray, key: int) -> np.ndarray:
+    """numpy's twin of Scalar.hash64 (uint64 arithmetic wraps modulo 2**64)."""
+    z = np.uint64(key) + counter.astype(np.uint64) * np.uint64(0x9E3779B97F4A7C15)
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return z ^ (z >> np.uint64(31))
+
+
+def test_hash64_of_the_flat_index_is_splitmix64_bitwise() -> None:
+    shape, key, threshold = (3, 70001), 0xDEADBEEFCAFEF00D, 3 << 62  # over 2**16 elements: threads split it
+    kb = KernelBuilder("t_hash")
+    index = KernelBuilder.flat_index(shape)
+
+    def bits(shift: int, mask: int):
+        def body(s, v):
+            z = s.f.val(f"and i64 {s.f.val(f'lshr i64 {s.hash64(v[0], key)}, {shift}')}, {mask}")
+            return s.f.val(f"uitofp i64 {z} to double")
+        return body
+
+    kb.elementwise(View.contiguous(0, shape, "float64"), [index], bits(32, 0xFFFFFFFF))
+    kb.elementwise(View.contiguous(1, shape, "float64"), [index], bits(0, 0xFFFFFFFF))
+    kb.elementwise(View.contiguous(2, shape, "float32"), [index],
+                   lambda s, v: s.mask(s.icmp("uge", s.hash64(v[0], key), threshold)))
+    outs = [np.zeros(shape), np.zeros(shape), np.zeros(shape, np.float32)]
+    kb.compile()(*outs)
+    # splitmix64's published first outputs from state 0: counters 1, 2 under key 0
+    assert [int(z) for z in _splitmix64(np.array([1, 2]), 0)] == [0xE220A8397B1DCDAF, 0x6E789E6AA1B965F4]
+    want = _splitmix64(np.arange(np.prod(shape)).reshape(shape), key)
+    np.testing.assert_array_equal(outs[0].astype(np.uint64), want >> np.uint64(32))
+    np.testing.assert_array_equal(outs[1].astype(np.uint64), want & np.uint64(0xFFFFFFFF))
+    np.testing.assert_array_equal(outs[2], (want >= np.uint64(threshold)).astype(np.float32))
+
+
 # ----- thread pool determinism -----
 
 _DETERMINISM_SCRIPT = textwrap.dedent("""

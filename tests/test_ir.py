@@ -137,3 +137,20 @@ def test_deep_graph_has_no_recursion_limit() -> None:
         y = ops.add(y, x)
     value, dx = opgrad.evaluate(opgrad.grad(opgrad.function([x], ops.sum(y))), np.ones(2))
     assert value == 6002.0 and np.all(dx == 3001.0)
+
+
+def test_plain_values_after_the_inputs_are_attributes_in_declaration_order() -> None:
+    x = opgrad.var("x", (2, 3), "float64")
+    assert dict(ops.sum(x, (0,), True).attrs) == dict(ops.sum(x, axis=(0,), keepdims=True).attrs)
+    assert ops.sum(x, (0,), True).shape == (1, 3)
+    with pytest.raises(opgrad.OpCallError, match="axis given by position and by keyword"):
+        ops.sum(x, (0,), axis=1)
+    with pytest.raises(opgrad.OpCallError, match=r"expected 2 input\(s\)"):
+        ops.add(x, x, x)  # a tensor past the inputs stays an input-count error
+
+
+def test_a_call_without_inputs_prints_only_its_attributes() -> None:
+    bare = opgrad.op.Operator("nothing_in", inputs=[], attrs=[opgrad.op.Attr("n", default=2)])
+    bare.shape_rule(lambda attrs: opgrad.dtypes.TensorType((attrs["n"],), "float64"))
+    fn = opgrad.function([], bare(3))
+    assert "nothing_in(n=3)  # float64[3]" in str(fn)

@@ -127,6 +127,11 @@ class KernelBuilder:
         """The index along ``axis`` (:meth:`View.iota`)."""
         return View.iota(shape, axis)
 
+    @staticmethod
+    def flat_index(shape: Sequence[int]) -> View:
+        """The raw ``i64`` row-major index of each position (:meth:`View.flat_index`)."""
+        return View.flat_index(shape)
+
     # ----- elementwise -----
 
     def elementwise(self, out: View, inputs: Sequence[View], body: Body, broadcast: bool = False) -> None:

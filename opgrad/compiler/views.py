@@ -50,6 +50,13 @@ class View:
         return View(IOTA, tuple(shape), strides, 0, "index")
 
     @staticmethod
+    def flat_index(shape: Sequence[int]) -> View:
+        """The row-major flat index of every position of ``shape``, loaded as a raw ``i64`` (not
+        converted to the body's float type, so it is exact at any size): the counter of a
+        counter-based hash such as :meth:`Scalar.hash64`."""
+        return View(IOTA, tuple(shape), _row_major(shape), 0, "int64")
+
+    @staticmethod
     def scalar(value: float, dtype: str, shape: Sequence[int] = ()) -> View:
         """A constant folded into the generated code (no load, no buffer)."""
         return View(CONSTANT, tuple(shape), (0,) * len(shape), 0, dtype, float(value))
@@ -186,6 +193,30 @@ class Scalar:
         """An i1 as 1.0 / 0.0 of this type."""
         return self.f.val(f"uitofp i1 {cond} to {self.t}", "mask")
 
+    def hash64(self, counter: str, key: int) -> str:
+        """splitmix64 of an ``i64`` counter under ``key``, as an ``i64`` of well-mixed bits.
+
+        ``z = key + counter * 0x9E3779B97F4A7C15``, then ``z ^= z >> 30; z *= 0xBF58476D1CE4E5B9;
+        z ^= z >> 27; z *= 0x94D049BB133111EB; z ^= z >> 31``, all modulo 2**64 (logical shifts).
+        Each element hashes its own counter, so the result needs no RNG state and does not depend on
+        loop order or threads; a numpy twin of these lines gives bitwise the same bits.
+        """
+        f = self.f
+        z = f.add(f.mul(counter, _i64(0x9E3779B97F4A7C15)), _i64(key))
+        for shift, factor in ((30, 0xBF58476D1CE4E5B9), (27, 0x94D049BB133111EB)):
+            z = f.mul(f.val(f"xor i64 {z}, {f.val(f'lshr i64 {z}, {shift}', 'shr')}", "xor"), _i64(factor))
+        return f.val(f"xor i64 {z}, {f.val(f'lshr i64 {z}, 31', 'shr')}", "hash")
+
+    def icmp(self, pred: str, a: str, b: str | int) -> str:
+        """Integer compare of ``i64`` values (``uge``, ``ult``, ``eq``, ...) -> i1."""
+        return self.f.icmp(pred, a, _i64(b) if isinstance(b, int) else b)
+
+
+def _i64(value: int) -> int:
+    """An integer modulo 2**64 as the signed decimal LLVM reads for an i64 constant."""
+    value %= 1 << 64
+    return value - (1 << 64) if value >= 1 << 63 else value
+
 
 def _suffix(t: str) -> str:
     return "f32" if t == "float" else "f64"
@@ -209,6 +240,8 @@ def _load(s: Scalar, v: View, ptr: str | None, off: str) -> str:
     if v.buffer == CONSTANT:
         return s.const(v.value or 0.0)
     if v.buffer == IOTA:
+        if v.dtype == "int64":  # View.flat_index: the raw counter
+            return f.add(off, v.offset)
         return f.val(f"sitofp i64 {f.add(off, v.offset)} to {s.t}", "idx")
     assert ptr is not None
     if v.dtype in INT_TYPE:
