@@ -17,7 +17,7 @@ import numpy as np
 from opgrad.autodiff import _fit_to_input, gradients
 from opgrad.errors import GradientError
 from opgrad.ir import Call, Expr, Function, Var, var
-from opgrad.op import GradientRule, Operator
+from opgrad.op import GradientRule, Input, Operator
 from opgrad.reference import evaluate
 
 from .backends import Backend
@@ -100,6 +100,11 @@ class Context:
     def arrays(self) -> list[np.ndarray]:
         return self.example.arrays
 
+    @property
+    def specs(self) -> tuple[Input, ...]:
+        """The declaration of each input of this example (a variadic input repeated)."""
+        return self.example.specs
+
     def rng(self, salt: int) -> np.random.Generator:
         return np.random.default_rng([self.example.value_seed, salt])
 
@@ -108,7 +113,7 @@ class Context:
         case = self.example.case
         failure = Failure(
             op=self.op.name, check=check, problem=problem,
-            shapes={spec.name: tuple(s) for spec, s in zip(self.op.inputs, case.shapes)},
+            shapes={spec.name: tuple(s) for spec, s in zip(self.specs, case.shapes)},
             attrs=dict(case.attrs), seed=self.seed, value_seed=self.example.value_seed, input=input,
             step=step, tolerance=rtol, dtype=self.example.dtype, arrays=[a.copy() for a in self.arrays],
         )
@@ -130,10 +135,11 @@ class Context:
 def vjp_exprs(op: Operator, rule: GradientRule, call: Call, cotangent: Expr) -> list[Expr]:
     """The rule applied to ``call``, each entry fitted to its input exactly as autodiff does."""
     raw = list(rule(call, cotangent))
-    if len(raw) != len(op.inputs):
-        raise GradientError(f"gradient of {op.name!r} returned {len(raw)} entries for {len(op.inputs)} inputs")
+    specs = call.specs
+    if len(raw) != len(specs):
+        raise GradientError(f"gradient of {op.name!r} returned {len(raw)} entries for {len(specs)} inputs")
     fitted = []
-    for index, spec in enumerate(op.inputs):
+    for index, spec in enumerate(specs):
         if not spec.differentiable:
             continue
         entry = raw[index]
@@ -146,7 +152,7 @@ def vjp_exprs(op: Operator, rule: GradientRule, call: Call, cotangent: Expr) -> 
 def _build(op: Operator, rule: GradientRule, shapes: Sequence[tuple[int, ...]], attrs: Any,
            dtype: str) -> tuple[list[Var], Call, Var, list[Expr]]:
     params = [var(spec.name, shape, dtype if spec.kind == "float" else "int64")
-              for spec, shape in zip(op.inputs, shapes)]
+              for spec, shape in zip(op.specs(len(shapes)), shapes)]
     call = op(*params, **attrs)
     cot = var("cotangent", call.shape, call.dtype)
     return params, call, cot, vjp_exprs(op, rule, call, cot)
@@ -155,7 +161,7 @@ def _build(op: Operator, rule: GradientRule, shapes: Sequence[tuple[int, ...]], 
 def check_a_build(ctx: Context) -> None:
     """(a) the rule builds, in float64 and float32, a gradient of each input's shape and dtype."""
     op, case = ctx.op, ctx.example.case
-    ctx.diff = [i for i, spec in enumerate(op.inputs) if spec.differentiable]
+    ctx.diff = [i for i, spec in enumerate(ctx.specs) if spec.differentiable]
     assert ctx.rule is not None
     for dtype in ("float32", "float64"):
         try:
@@ -164,8 +170,8 @@ def check_a_build(ctx: Context) -> None:
             raise ctx.fail("a", f"building the gradient in {dtype} raised {type(exc).__name__}: {exc}") from None
         for k, g in zip(ctx.diff, grads):
             if g.type != params[k].type:
-                raise ctx.fail("a", f"gradient for {op.inputs[k].name!r} has type {g.type}, expected {params[k].type}",
-                               input=op.inputs[k].name)
+                raise ctx.fail("a", f"gradient for {ctx.specs[k].name!r} has type {g.type}, expected {params[k].type}",
+                               input=ctx.specs[k].name)
     ctx.params, ctx.call, ctx.cotangent, ctx.grads = params, call, cot, grads
     ctx.vjp_fn = Function([*params, cot], grads)
 
@@ -197,7 +203,7 @@ def _evaluated(ctx: Context, check: str, arrays: Sequence[np.ndarray], c: np.nda
     except Exception as exc:
         raise ctx.fail(check, f"evaluating the gradient raised {type(exc).__name__}: {exc}") from None
     for k, g in zip(ctx.diff, grads):
-        spec = ctx.op.inputs[k]
+        spec = ctx.specs[k]
         if g.shape != ctx.arrays[k].shape or g.dtype != ctx.arrays[k].dtype:
             raise ctx.fail("a", f"evaluated gradient for {spec.name!r} is {g.dtype}{list(g.shape)}, expected "
                            f"{ctx.arrays[k].dtype}{list(ctx.arrays[k].shape)}", input=spec.name)
@@ -214,7 +220,7 @@ def check_b_vjp(ctx: Context) -> float:
     worst = 0.0
     out_size = int(np.prod(out_shape, dtype=np.int64))
     for k, g in zip(ctx.diff, grads):
-        name = ctx.op.inputs[k].name
+        name = ctx.specs[k].name
         size = ctx.arrays[k].size
         full = size <= FULL_JACOBIAN_LIMIT
         picked = range(size) if full else rng.choice(size, SAMPLED_ELEMENTS, replace=False)
@@ -244,7 +250,7 @@ def _full_jacobian(ctx: Context, k: int, numeric: np.ndarray, out_shape: tuple[i
     analytic = np.array(rows)
     m = worst_mismatch(analytic, numeric, tol.fd_rtol, tol.fd_atol)
     if m.ratio > 1:
-        name = ctx.op.inputs[k].name
+        name = ctx.specs[k].name
         out_index = np.unravel_index(m.index[0], out_shape) if out_shape else ()
         in_index = np.unravel_index(m.index[1], ctx.arrays[k].shape) if ctx.arrays[k].shape else ()
         m.index = tuple(int(i) for i in (*out_index, *in_index))
@@ -284,7 +290,7 @@ def check_c_linearity(ctx: Context) -> None:
     mixed = _evaluated(ctx, "c", ctx.arrays, a * c1 + b * c2)
     zero = _evaluated(ctx, "c", ctx.arrays, np.zeros(shape))
     for k, x1, x2, xm, x0 in zip(ctx.diff, g1, g2, mixed, zero):
-        name = ctx.op.inputs[k].name
+        name = ctx.specs[k].name
         expected = a * x1 + b * x2
         scale = max(float(np.max(np.abs(a * x1), initial=0)), float(np.max(np.abs(b * x2), initial=0)), 1e-300)
         m = worst_mismatch(xm, expected, rtol, rtol * scale, rel_floor=0)
@@ -316,7 +322,7 @@ def check_d_adjoint(ctx: Context) -> None:
         scale = float(np.sum(np.abs(y * c)) + sum(np.sum(np.abs(t)) for t in terms)) + 1e-300
         m = worst_mismatch(np.array(rhs), np.array(lhs), rtol, rtol * scale, rel_floor=0)
         if m.ratio > 1:
-            names = ", ".join(op.inputs[k].name for k in group)
+            names = ", ".join(ctx.specs[k].name for k in group)
             raise ctx.fail("d", f"adjoint test in ({names}): sum <u, VJP(c)> (analytic) != <op(u), c> (expected); "
                            "the op is declared linear there", m, input=names, rtol=rtol)
 
@@ -329,7 +335,7 @@ def check_e_second_order(ctx: Context) -> tuple[bool, float]:
     """
     tol, rng, h = ctx.tol, ctx.rng(4), ctx.tol.fd_step
     assert ctx.cotangent is not None
-    weights = [var(f"w_{ctx.op.inputs[k].name}", ctx.arrays[k].shape, "float64") for k in ctx.diff]
+    weights = [var(f"w_{ctx.specs[k].name}", ctx.arrays[k].shape, "float64") for k in ctx.diff]
     terms = [g * w for g, w in zip(ctx.grads, weights)]
     from opgrad import ops
 
@@ -383,7 +389,7 @@ def check_f_kinks(ctx: Context) -> None:
         want = expected[k]
         if want is None:
             continue
-        name = ctx.op.inputs[k].name
+        name = ctx.specs[k].name
         m = worst_mismatch(g, want, rtol, rtol * max(1.0, float(np.max(np.abs(c), initial=0))), rel_floor=0)
         if m.ratio > 1:
             raise ctx.fail("f", f"at a kink the gradient for {name!r} breaks the declared convention "
@@ -397,9 +403,9 @@ def check_g_backend(ctx: Context, backend: Backend | None) -> bool:
     op, case = ctx.op, ctx.example.case
     for dtype in ("float64", "float32"):
         tol = tolerance(dtype)
-        arrays = [a.astype(dtype) if spec.kind == "float" else a for spec, a in zip(op.inputs, ctx.arrays)]
+        arrays = [a.astype(dtype) if spec.kind == "float" else a for spec, a in zip(ctx.specs, ctx.arrays)]
         params = [var(spec.name, s, dtype if spec.kind == "float" else "int64")
-                  for spec, s in zip(op.inputs, case.shapes)]
+                  for spec, s in zip(ctx.specs, case.shapes)]
         fns = [("output", Function(params, op(*params, **case.attrs)))]
         if backend is not None and ctx.vjp_fn is not None and ctx.rule is not None and dtype == "float64":
             fns.append(("gradient", ctx.vjp_fn))

@@ -156,7 +156,7 @@ def _require_something_to_check(fn: Function, targets: list[Var], wrt: object) -
     reached = {fn.output._uid}
     for node in reversed(topological_order(fn.outputs)):
         if isinstance(node, Call) and node._uid in reached:
-            reached.update(a._uid for spec, a in zip(node.op.inputs, node.args) if spec.differentiable)
+            reached.update(a._uid for spec, a in zip(node.specs, node.args) if spec.differentiable)
     if any(t._uid in reached for t in targets):
         return
     params = ", ".join(f"{p.name}: {p.type}" for p in fn.params) or "none"

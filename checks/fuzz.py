@@ -131,11 +131,12 @@ def fuzz_graphs(draw: Callable[[st.SearchStrategy[Any]], Any], operators: Sequen
 
         assume(False)
     assert arrays is not None
+    specs = op.specs(len(case.shapes))
     params = [var(spec.name, shape, dtype if spec.kind == "float" else "int64")
-              for spec, shape in zip(op.inputs, case.shapes)]
+              for spec, shape in zip(specs, case.shapes)]
     pre: list[str] = []
     args: list[Expr] = []
-    for spec, p in zip(op.inputs, params):
+    for spec, p in zip(specs, params):
         # Scaling by a positive constant keeps each input in its domain and fuses into the
         # consumer; ops with kinks see their inputs unscaled so no value lands on a kink.
         if spec.kind == "float" and op.kinks is None and draw(st.booleans()):
@@ -147,7 +148,7 @@ def fuzz_graphs(draw: Callable[[st.SearchStrategy[Any]], Any], operators: Sequen
     y = op(*args, **case.attrs)
     post: list[str] = []
     outputs: list[Expr] = [y]
-    diff_inputs = [p for p, spec in zip(params, op.inputs) if spec.kind == "float" and spec.differentiable]
+    diff_inputs = [p for p, spec in zip(params, specs) if spec.kind == "float" and spec.differentiable]
     differentiable = op.gradient_rule is not None and bool(diff_inputs) and y.dtype == dtype
     if differentiable:
         z = _post_ops(draw, y, post)
@@ -159,7 +160,7 @@ def fuzz_graphs(draw: Callable[[st.SearchStrategy[Any]], Any], operators: Sequen
         fn = Function(params, [loss, y, *opgrad.gradients(loss, wrt)])
     else:
         fn = Function(params, outputs)
-    shapes = ", ".join(f"{spec.name}{list(s)}" for spec, s in zip(op.inputs, case.shapes))
+    shapes = ", ".join(f"{spec.name}{list(s)}" for spec, s in zip(specs, case.shapes))
     attrs = ", ".join(f"{k}={v!r}" for k, v in case.attrs.items())
     description = (f"{op.name}({shapes}{', ' + attrs if attrs else ''}) {dtype}, value seed {value_seed}"
                    + (f", inputs {' '.join(pre)}" if pre else "")

@@ -132,6 +132,8 @@ def _prime_factors(n: int) -> list[int]:
 
 def _default_case(op: Operator, d: CaseDraw) -> Case:
     """Shapes from ``dims`` (one size per symbol, shared across inputs) and ``broadcast``."""
+    if op.variadic:
+        raise SamplerError(f"{op.name}: a variadic operator needs an @{op.name}.sampler that chooses the list length")
     sizes: dict[str, int] = {}
     shapes: list[tuple[int, ...] | None] = []
     for spec in op.inputs:
@@ -162,9 +164,11 @@ def validate_case(op: Operator, case: Case, dtype: str = "float64") -> dict[str,
     ``strides=None`` resolved, ...) or raise ``OpCallError`` (with context) if it rejects."""
     from opgrad.ir import var
 
-    params = [var(spec.name, shape, _input_dtype(spec, dtype)) for spec, shape in zip(op.inputs, case.shapes)]
-    if len(params) != len(op.inputs):
-        raise SamplerError(f"{op.name}: the case has {len(case.shapes)} shapes for {len(op.inputs)} inputs")
+    try:
+        specs = op.specs(len(case.shapes))
+    except ValueError:
+        raise SamplerError(f"{op.name}: the case has {len(case.shapes)} shapes for {len(op.inputs)} inputs") from None
+    params = [var(spec.name, shape, _input_dtype(spec, dtype)) for spec, shape in zip(specs, case.shapes)]
     return dict(op(*params, **case.attrs).attrs)
 
 
@@ -224,7 +228,7 @@ def int_bounds(op: Operator, case: Case, spec: Input) -> tuple[int, int]:
         return low, high
     if high in case.attrs:
         return low, int(case.attrs[high])
-    for other, shape in zip(op.inputs, case.shapes):
+    for other, shape in zip(op.specs(len(case.shapes)), case.shapes):
         if other.dims is not None and high in other.dims:
             return low, shape[other.dims.index(high)]
     raise SamplerError(f"{op.name}: int_range of {spec.name!r} names {high!r}, neither an attribute nor a dim")
@@ -237,7 +241,7 @@ def make_inputs(op: Operator, case: Case, seed: int, dtype: str = "float64") -> 
     rng = np.random.default_rng(seed)
     for _ in range(_KINK_RETRIES):
         arrays = []
-        for spec, shape in zip(op.inputs, case.shapes):
+        for spec, shape in zip(op.specs(len(case.shapes)), case.shapes):
             if spec.kind == "int":
                 low, high = int_bounds(op, case, spec)
                 arrays.append(np.asarray(rng.integers(low, max(high, low + 1), size=shape), dtype=np.int64))
@@ -259,8 +263,13 @@ class Example:
     dtype: str = "float64"
     notes: dict[str, Any] = field(default_factory=dict)
 
+    @property
+    def specs(self) -> tuple[Input, ...]:
+        """The declaration of each input array (a variadic input repeated)."""
+        return self.op.specs(len(self.case.shapes))
+
     def describe(self) -> str:
-        shapes = ", ".join(f"{spec.name}{list(s)}" for spec, s in zip(self.op.inputs, self.case.shapes))
+        shapes = ", ".join(f"{spec.name}{list(s)}" for spec, s in zip(self.specs, self.case.shapes))
         attrs = ", ".join(f"{k}={v!r}" for k, v in self.case.attrs.items())
         return f"{self.op.name}({shapes}{', ' + attrs if attrs else ''})"
 

@@ -34,7 +34,7 @@ def _describe(call: Call) -> str:
 def _fit_to_input(call: Call, index: int, grad: Expr) -> Expr:
     """Sum a broadcast-shaped gradient back to the input's shape and check its type."""
     target = call.args[index]
-    spec = call.op.inputs[index]
+    spec = call.specs[index]
     if not isinstance(grad, Expr):
         raise GradientError(
             f"gradient of {call.op.name!r} returned {grad!r} for input {spec.name!r}; "
@@ -89,7 +89,7 @@ def gradients(output: Expr, wrt: Sequence[Expr], cotangent: Expr | None = None) 
         if not isinstance(node, Call):
             continue
         needs = [
-            spec.differentiable and arg._uid in active for spec, arg in zip(node.op.inputs, node.args)
+            spec.differentiable and arg._uid in active for spec, arg in zip(node.specs, node.args)
         ]
         if not any(needs):
             continue
@@ -111,7 +111,7 @@ def gradients(output: Expr, wrt: Sequence[Expr], cotangent: Expr | None = None) 
             if grad is None:
                 raise GradientError(
                     f"gradient of {node.op.name!r} returned None for differentiable input "
-                    f"{node.op.inputs[index].name!r} (call: {_describe(node)})"
+                    f"{node.specs[index].name!r} (call: {_describe(node)})"
                 )
             fitted = _fit_to_input(node, index, grad)
             pending.setdefault(node.args[index]._uid, []).append(fitted)

@@ -34,8 +34,10 @@ def operator_section(op: Operator) -> str:
         else:
             domain = " ∪ ".join(f"[{i.low:g}, {i.high:g}]" for i in spec.domain)
         dims = f"dims {spec.dims}; " if spec.dims else ""
+        many = "a list of tensors; " if spec.variadic else ""
         lines.append(
-            f"| `{spec.name}` | {spec.kind} | {'yes' if spec.differentiable else 'no'} | {domain} | {dims}{spec.doc} |"
+            f"| `{spec.name}` | {spec.kind} | {'yes' if spec.differentiable else 'no'} | {domain} | "
+            f"{many}{dims}{spec.doc} |"
         )
     if op.attrs:
         lines += ["", "| attribute | default | meaning |", "|---|---|---|"]
@@ -65,7 +67,12 @@ def render() -> str:
         *(f"| [`{o.name}`](#{o.name}) | {gradient_text(o)} | {kernel_text(o)} |" for o in ops),
         "",
     ]
-    return "\n".join(head + [operator_section(o) + "\n" for o in ops])
+    builders = registry.all_composites()
+    tail = ["## Composites", "", "Builders made of the operators above; their gradients, kernels and checks are those "
+            "of the operators they emit.", ""]
+    tail += [f"- `{c.name}` (`registry/{c.module}.py`, built of {', '.join(f'`{u}`' for u in c.uses)}): {c.doc}"
+             for c in builders]
+    return "\n".join(head + [operator_section(o) + "\n" for o in ops] + (tail + [""] if builders else []))
 
 
 if __name__ == "__main__":

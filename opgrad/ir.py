@@ -18,7 +18,7 @@ from opgrad.dtypes import ALL_DTYPES, FLOAT_DTYPES, TensorType, canonical_dtype
 from opgrad.errors import OpCallError, OpInputTypeError
 
 if TYPE_CHECKING:
-    from opgrad.op import Operator
+    from opgrad.op import Input, Operator
 
 _ids = itertools.count()
 
@@ -135,6 +135,11 @@ class Call(Expr):
         self.op = op
         self.args = args
         self.attrs: Mapping[str, Any] = MappingProxyType(dict(attrs))
+
+    @property
+    def specs(self) -> tuple[Input, ...]:
+        """The input declaration of each argument (a variadic input repeated per tensor)."""
+        return self.op.specs(len(self.args))
 
     def __repr__(self) -> str:
         return f"Call({self.op.name}, {self.type})"
@@ -259,16 +264,18 @@ def as_expr(value: Any, *, like: Expr | None = None, who: str = "value") -> Expr
 
 def make_call(op: Operator, args: Sequence[Any], attrs: Mapping[str, Any]) -> Call:
     """Build a typed call: wrap constants, normalize attributes, run the shape rule."""
-    if len(args) != len(op.inputs):
+    try:
+        specs = op.specs(len(args))
+    except ValueError as exc:
         shown = [a.type if isinstance(a, Expr) else describe_value(a) for a in args]
-        raise op._call_error(shown, attrs, op.count_problem(len(args)))
+        raise op._call_error(shown, attrs, str(exc)) from None
     like = next((a for a in args if isinstance(a, Expr) and a.dtype in FLOAT_DTYPES), None)
     exprs: list[Expr] = []
     for i, a in enumerate(args):
         if isinstance(a, Expr):
             exprs.append(a)
             continue
-        spec = op.inputs[i]
+        spec = specs[i]
         who = f"opgrad.ops.{op.name}: input {spec.name!r}"
         if spec.kind == "int":
             arr = _numeric_array(a, who)

@@ -27,7 +27,7 @@ compiler, the checker, ``opgrad ops``, the operator reference in the docs) reads
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -66,6 +66,8 @@ class Input:
     ``domain`` is where the checker draws values; ``int_range`` bounds an int input, given as
     ``(low, high_attr_or_symbol)``, e.g. labels in ``[0, C)``.
     ``differentiable=False`` says the op is piecewise constant or only reads the input's shape.
+    ``variadic=True`` (the last input only) takes a list of one or more tensors, as
+    ``concatenate(xs, axis)``; each becomes an argument of its own, named ``xs[0]``, ``xs[1]``, ...
     """
 
     name: str
@@ -75,6 +77,7 @@ class Input:
     domain: tuple[Interval, ...] = DEFAULT_DOMAIN
     int_range: tuple[int, str] | None = None
     doc: str = ""
+    variadic: bool = False
 
     def __post_init__(self) -> None:
         if self.kind not in ("float", "int"):
@@ -173,6 +176,8 @@ class Operator:
         for lin in self.linear_in:
             if lin not in names:
                 raise ValueError(f"operator {name!r}: linear_in names unknown input {lin!r}")
+        if any(spec.variadic for spec in self.inputs[:-1]):
+            raise ValueError(f"operator {name!r}: only the last input may be variadic")
 
     # ----- decorators used by registry files -----
 
@@ -282,6 +287,25 @@ class Operator:
             return GradientStatus(False, "no differentiable inputs")
         return GradientStatus(False, self._gradient_reason)
 
+    @property
+    def variadic(self) -> bool:
+        """Whether the last input takes a list of tensors."""
+        return bool(self.inputs) and self.inputs[-1].variadic
+
+    def specs(self, count: int) -> tuple[Input, ...]:
+        """The input declaration of each of ``count`` arguments (a variadic input repeated).
+
+        Raises ``ValueError`` when ``count`` arguments cannot fill the declared inputs.
+        """
+        if not self.variadic:
+            if count != len(self.inputs):
+                raise ValueError(self.count_problem(count))
+            return self.inputs
+        fixed, many = self.inputs[:-1], self.inputs[-1]
+        if count < len(fixed) + 1:
+            raise ValueError(self.count_problem(count))
+        return fixed + tuple(replace(many, name=f"{many.name}[{i}]") for i in range(count - len(fixed)))
+
     def input(self, name: str) -> Input:
         for spec in self.inputs:
             if spec.name == name:
@@ -318,10 +342,12 @@ class Operator:
 
     def infer_type(self, arg_types: Sequence[TensorType], attrs: Mapping[str, Any]) -> TensorType:
         """Check input count, kinds and dtypes, then run the shape rule; errors carry context."""
-        if len(arg_types) != len(self.inputs):
-            raise self._call_error(arg_types, attrs, self.count_problem(len(arg_types)))
+        try:
+            specs = self.specs(len(arg_types))
+        except ValueError as exc:
+            raise self._call_error(arg_types, attrs, str(exc)) from None
         float_dtypes = set()
-        for spec, t in zip(self.inputs, arg_types):
+        for spec, t in zip(specs, arg_types):
             allowed = FLOAT_DTYPES if spec.kind == "float" else INT_DTYPES
             if t.dtype not in allowed:
                 raise self._call_error(
@@ -347,13 +373,23 @@ class Operator:
 
     def count_problem(self, given: int) -> str:
         """The problem text of a call with ``given`` inputs instead of the declared number."""
+        if self.variadic:
+            fixed = [i.name for i in self.inputs[:-1]]
+            many = self.inputs[-1].name
+            listed = ", ".join([*fixed, f"{many} (a list of at least one tensor)"])
+            return (f"expected {len(fixed)} input(s) and a non-empty list ({listed}), "
+                    f"got {given - len(fixed)} in the list")
         return f"expected {len(self.inputs)} input(s) ({', '.join(i.name for i in self.inputs)}), got {given}"
 
     def _call_error(self, arg_types: Sequence[TensorType | str], attrs: Mapping[str, Any],
                     problem: str) -> OpCallError:
+        try:
+            specs: Sequence[Input] | None = self.specs(len(arg_types))
+        except ValueError:
+            specs = None
         described = ", ".join(
-            f"{spec.name}: {t}" for spec, t in zip(self.inputs, arg_types)
-        ) if len(arg_types) == len(self.inputs) else ", ".join(str(t) for t in arg_types)
+            f"{spec.name}: {t}" for spec, t in zip(specs, arg_types)
+        ) if specs is not None else ", ".join(str(t) for t in arg_types)
         described = described or "none"
         attr_text = ", ".join(f"{k}={v!r}" for k, v in attrs.items()) or "none"
         return OpCallError(
@@ -369,6 +405,20 @@ class Operator:
         from opgrad.ir import Expr, make_call
 
         n = len(self.inputs)
+        if self.variadic:
+            # The list form ops.concatenate([a, b], 1) is the public one; generic callers (autodiff,
+            # the checker) pass the tensors flattened, ops.concatenate(a, b, axis=1).
+            if len(args) >= n and isinstance(args[n - 1], (list, tuple)):
+                listed = tuple(args[n - 1])
+                args = (*args[: n - 1], *listed, *args[n:])
+                n = n - 1 + len(listed)
+            elif len(args) >= n and isinstance(args[n - 1], Expr):
+                while n < len(args) and isinstance(args[n], Expr):
+                    n += 1
+            else:
+                given = "nothing" if len(args) < n else f"{type(args[n - 1]).__name__}"
+                raise self._call_error([], attrs, f"input {self.inputs[-1].name!r} takes a list of tensors "
+                                       f"(e.g. ops.{self.name}([a, b], ...)), got {given}")
         extra = args[n:]
         if extra and len(extra) <= len(self.attrs) and not any(isinstance(a, Expr) for a in extra):
             names = [a.name for a in self.attrs[: len(extra)]]
@@ -383,6 +433,37 @@ class Operator:
 
     def __repr__(self) -> str:
         return f"<Operator {self.name}>"
+
+
+class Composite:
+    """A graph builder of registered ops, declared in a registry file and exposed in ``opgrad.ops``.
+
+    For calls that are naturally several ops, such as ``split`` (a tuple of ``strided_slice``):
+    it needs no gradient, lowering or checker case of its own, since every op it emits has them.
+    """
+
+    def __init__(self, fn: Callable[..., Any], uses: Sequence[str]) -> None:
+        self.fn = fn
+        self.name = fn.__name__
+        self.uses = tuple(uses)
+        self.doc = " ".join((fn.__doc__ or "").split("\n\n")[0].split())
+        self.module = ""
+        self.__doc__ = fn.__doc__
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.fn(*args, **kwargs)
+
+    def __repr__(self) -> str:
+        return f"<Composite {self.name} of {', '.join(self.uses)}>"
+
+
+def composite(*uses: str) -> Callable[[Callable[..., Any]], Composite]:
+    """Declare a module-level function of a registry file as ``opgrad.ops.<name>``, built of ``uses``."""
+
+    def wrap(fn: Callable[..., Any]) -> Composite:
+        return Composite(fn, uses)
+
+    return wrap
 
 
 # ----- helpers shared by shape rules and attribute converters -----

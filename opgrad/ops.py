@@ -9,24 +9,27 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from opgrad.op import Operator
-
 
 def _registry() -> Any:
     # Imported by name: registry/ is mapped onto opgrad.registry by the install, not a subfolder.
     return importlib.import_module("opgrad.registry")
 
 
-def __getattr__(name: str) -> Operator:
+def __getattr__(name: str) -> Any:
     if name.startswith("__"):
         raise AttributeError(name)
     from opgrad.errors import RegistryError
 
+    registry = _registry()
+    builder = registry.get_composite(name)
+    if builder is not None:
+        return builder
     try:
-        return _registry().get(name)
+        return registry.get(name)
     except RegistryError as exc:
         raise AttributeError(str(exc)) from None
 
 
 def __dir__() -> list[str]:
-    return _registry().names()
+    registry = _registry()
+    return sorted([*registry.names(), *(c.name for c in registry.all_composites())])

@@ -24,7 +24,8 @@ def kernel_text(op: Operator) -> str:
 def rows() -> list[tuple[str, str, str, str, str]]:
     out = []
     for op in registry.all_ops():
-        inputs = ", ".join(i.name + ("" if i.kind == "float" else ":int") for i in op.inputs)
+        inputs = ", ".join(i.name + ("" if i.kind == "float" else ":int") + ("..." if i.variadic else "")
+                           for i in op.inputs)
         attrs = ", ".join(a.name for a in op.attrs) or "-"
         out.append((op.name, inputs, attrs, gradient_text(op), kernel_text(op)))
     return out
@@ -52,4 +53,8 @@ def run(args: argparse.Namespace) -> int:
         print(format_table(table, header))
         print(f"\n{len(table)} operators; gradients registered for "
               f"{sum(1 for o in registry.all_ops() if o.gradient_status.registered)}")
+        builders = registry.all_composites()
+        if builders:
+            print("composites (built of the operators above): "
+                  + ", ".join(f"{c.name} ({', '.join(c.uses)})" for c in builders))
     return 0

@@ -1,7 +1,9 @@
 """The operator registry: one module per operator (or tight family), discovered automatically.
 
 Adding an operator means adding (or editing) one file in this package; every module-level
-``Operator`` it defines is registered under its name. Nothing else needs editing.
+``Operator`` it defines is registered under its name, and every ``@composite`` function (a
+builder made of registered ops, such as ``split``) is exposed beside them. Nothing else needs
+editing.
 
     >>> from opgrad import registry
     >>> registry.get("dense").inputs[0].name
@@ -16,9 +18,10 @@ import pkgutil
 import threading
 
 from opgrad.errors import RegistryError
-from opgrad.op import Operator
+from opgrad.op import Composite, Operator
 
 _ops: dict[str, Operator] = {}
+_composites: dict[str, Composite] = {}
 _loaded = False
 _lock = threading.RLock()
 
@@ -29,11 +32,15 @@ def _load() -> None:
         if _loaded:
             return
         found: dict[str, Operator] = {}
+        builders: dict[str, Composite] = {}
         for info in sorted(pkgutil.iter_modules(__path__), key=lambda m: m.name):
             if info.name.startswith("_"):
                 continue
             module = importlib.import_module(f"{__name__}.{info.name}")
             for value in vars(module).values():
+                if isinstance(value, Composite):
+                    value.module = info.name
+                    builders[value.name] = value
                 if isinstance(value, Operator) and value.name not in found:
                     value.module = info.name
                     found[value.name] = value
@@ -42,7 +49,11 @@ def _load() -> None:
                         f"operator {value.name!r} declared twice: in {found[value.name].module}.py "
                         f"and {info.name}.py"
                     )
+        clash = sorted(set(found) & set(builders))
+        if clash:
+            raise RegistryError(f"{', '.join(clash)}: declared both as an operator and as a composite")
         _ops.update(found)
+        _composites.update(builders)
         _loaded = True
 
 
@@ -57,6 +68,18 @@ def get(name: str) -> Operator:
         close = difflib.get_close_matches(name, _ops, n=3)
         hint = f"; did you mean {', '.join(close)}?" if close else ""
         raise RegistryError(f"no operator named {name!r} is registered{hint}") from None
+
+
+def get_composite(name: str) -> Composite | None:
+    """The composite called ``name``, or None."""
+    _load()
+    return _composites.get(name)
+
+
+def all_composites() -> list[Composite]:
+    """Every composite, sorted by name."""
+    _load()
+    return [_composites[n] for n in sorted(_composites)]
 
 
 def all_ops() -> list[Operator]:

@@ -22,8 +22,9 @@ def _axis(value: Any, types: Sequence[TensorType], _attrs: Any = None) -> int:
 
 
 def stable_log_softmax(data: np.ndarray, axis: int) -> np.ndarray:
-    shifted = data - np.max(data, axis=axis, keepdims=True)
-    return shifted - np.log(np.sum(np.exp(shifted), axis=axis, keepdims=True))
+    shifted = data - np.max(data, axis=axis, keepdims=True, initial=-np.inf)  # an empty axis has no max
+    with np.errstate(divide="ignore"):  # the sum is >= 1 except over an empty axis, whose log is never used
+        return shifted - np.log(np.sum(np.exp(shifted), axis=axis, keepdims=True))
 
 
 softmax = Operator(

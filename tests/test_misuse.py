@@ -304,7 +304,7 @@ def test_trainer_stop_on_nan_raises_a_dedicated_error_before_applying_the_step()
     ({"lr": float("nan")}, "lr must be a finite number >= 0, got nan"),
     ({"lr": -1e-3}, "lr must be a finite number >= 0, got -0.001"),
     ({"lr": nn.cosine_lr(float("inf"), 10)}, "lr must be a finite number >= 0, got inf"),
-    ({"lr": "fast"}, "lr must be a finite number >= 0 or an LRSchedule, got 'fast'"),
+    ({"lr": "fast"}, "lr must be a finite number >= 0 or a schedule (opgrad.nn.schedules), got 'fast'"),
     ({"batch_size": 0}, "batch_size must be a positive integer, got 0"),
     ({"eval_batch_size": 2.5}, "eval_batch_size must be a positive integer, got 2.5"),
     ({"augment_shift": -1}, "augment_shift must be an integer >= 0, got -1"),

@@ -321,3 +321,14 @@ def test_stale_cache_temporary_of_a_killed_compile_is_removed(tmp_path: Path) ->
     NativeModule(_DOUBLE, cache=store)
     assert not stale.exists()
     assert store.path(first.key).exists()
+
+
+@pytest.mark.parametrize("axis", [0, 1])
+def test_softmax_family_over_an_empty_axis(axis: int) -> None:
+    """Found by the compile fuzzer: the reference's row maximum failed on a zero-size axis."""
+    x = opgrad.var("x", (0, 3) if axis == 0 else (3, 0))
+    for op in (ops.softmax, ops.log_softmax):
+        fn = opgrad.grad(opgrad.function([x], ops.sum(op(x, axis=axis))))
+        data = np.zeros(x.shape, np.float32)
+        for got, want in zip(opgrad.compile(fn)(data), opgrad.evaluate(fn, data)):
+            np.testing.assert_array_equal(got, want)

@@ -154,7 +154,7 @@ class _Lowering:
         return aliased if aliased is not None else out
 
     def _range_checks(self, call: Call) -> None:
-        for spec, arg in zip(call.op.inputs, call.args, strict=True):
+        for spec, arg in zip(call.specs, call.args, strict=True):
             if spec.kind != "int" or spec.int_range is None:
                 continue
             low, high = spec.int_range[0], _resolve(call, spec.int_range[1])
@@ -173,7 +173,7 @@ def _resolve(call: Call, bound: int | str) -> int:
         return bound
     if bound in call.attrs:
         return int(call.attrs[bound])
-    for spec, arg in zip(call.op.inputs, call.args, strict=True):
+    for spec, arg in zip(call.specs, call.args, strict=True):
         if spec.dims and bound in spec.dims:
             return arg.shape[spec.dims.index(bound)]
     raise ValueError(f"{call.op.name}: cannot resolve int_range bound {bound!r}")
