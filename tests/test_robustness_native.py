@@ -276,7 +276,9 @@ def test_checker_backend_check_feeds_nonfinite_values(op: str) -> None:
 def test_compile_fuzz_random_graphs(tmp_path: Path) -> None:
     """Random graphs over every lowered op (odd sizes, float32 and float64), values and gradients,
     compiled in a child process; the thorough profile runs thousands."""
-    graphs = 2000 if os.environ.get("HYPOTHESIS_PROFILE") == "thorough" else 200
+    from opgrad.checks.profiles import thorough
+
+    graphs = 2000 if thorough() else 200
     env = {**os.environ, "OPGRAD_CACHE_DIR": str(tmp_path / "cache")}
     proc = subprocess.run([sys.executable, "-m", "opgrad.checks.fuzz", "--graphs", str(graphs), "--seed", "0",
                            "--quiet"], capture_output=True, text=True, env=env, timeout=3000, cwd=ROOT)
