@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from opgrad.autodiff import _resolve_wrt, gradients
+from opgrad.autodiff import resolve_wrt, gradients
 from opgrad.dtypes import FLOAT_DTYPES
 from opgrad.errors import ArgumentError
 from opgrad.ir import Call, Const, Expr, Function, Var, topological_order, var
@@ -72,7 +72,7 @@ def check_function(fn: Function, arrays: Sequence[np.ndarray] | None = None, *,
     run_seed = default_seed() if seed is None else seed
     rng = np.random.default_rng(run_seed)
     f64 = as_float64(fn)
-    targets = _resolve_wrt(f64, _wrt_in(fn, f64, wrt))
+    targets = resolve_wrt(f64, _wrt_in(fn, f64, wrt))
     _require_something_to_check(f64, targets, wrt)
     cot = var("cotangent", f64.output.shape, "float64")
     report = OpReport(op=name, passed=True, seed=run_seed, checks=["a", "b", "c"])

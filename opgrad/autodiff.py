@@ -31,7 +31,7 @@ def _describe(call: Call) -> str:
     return f"{call.op.name}({args}{attrs}) -> {call.type}"
 
 
-def _fit_to_input(call: Call, index: int, grad: Expr) -> Expr:
+def fit_to_input(call: Call, index: int, grad: Expr) -> Expr:
     """Sum a broadcast-shaped gradient back to the input's shape and check its type."""
     target = call.args[index]
     spec = call.specs[index]
@@ -113,7 +113,7 @@ def gradients(output: Expr, wrt: Sequence[Expr], cotangent: Expr | None = None) 
                     f"gradient of {node.op.name!r} returned None for differentiable input "
                     f"{node.specs[index].name!r} (call: {_describe(node)})"
                 )
-            fitted = _fit_to_input(node, index, grad)
+            fitted = fit_to_input(node, index, grad)
             pending.setdefault(node.args[index]._uid, []).append(fitted)
     results = []
     for w in wrt:
@@ -122,7 +122,8 @@ def gradients(output: Expr, wrt: Sequence[Expr], cotangent: Expr | None = None) 
     return results
 
 
-def _resolve_wrt(fn: Function, wrt: Sequence[int | str | Var] | int | str | Var | None) -> list[Var]:
+def resolve_wrt(fn: Function, wrt: Sequence[int | str | Var] | int | str | Var | None) -> list[Var]:
+    """The parameters ``wrt`` selects (positions, names or the Vars themselves; None: every float one)."""
     if wrt is None:
         return [p for p in fn.params if p.type.is_float]
     items = wrt if isinstance(wrt, (list, tuple)) else [wrt]
@@ -157,6 +158,6 @@ def grad(fn: Function, wrt: Sequence[int | str | Var] | int | str | Var | None =
             f"opgrad.grad needs a function returning one scalar, got ({shapes}); reduce it first "
             "(e.g. opgrad.ops.sum) or use opgrad.gradients with a cotangent"
         )
-    targets = _resolve_wrt(fn, wrt)
+    targets = resolve_wrt(fn, wrt)
     value = fn.outputs[0]
     return Function(fn.params, (value, *gradients(value, targets)))
