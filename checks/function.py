@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from opgrad.autodiff import resolve_wrt, gradients
+from opgrad.autodiff import gradients, resolve_wrt
 from opgrad.dtypes import FLOAT_DTYPES
 from opgrad.errors import ArgumentError
 from opgrad.ir import Call, Const, Expr, Function, Var, topological_order, var
