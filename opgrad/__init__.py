@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from opgrad import ops
-from opgrad.autodiff import grad, gradients
+from opgrad.autodiff import grad, gradients, hvp, jvp
 from opgrad.dtypes import TensorType
 from opgrad.errors import (
     ArgumentError,
@@ -89,6 +89,8 @@ __all__ = [
     "function",
     "grad",
     "gradients",
+    "hvp",
+    "jvp",
     "ops",
     "var",
 ]
