@@ -140,7 +140,7 @@ class _Lowering:
         if lower is None:
             raise NotImplementedError(
                 f"opgrad.compile: operator {call.op.name!r} has no lowering; add '@{call.op.name}.lowering' "
-                f"in registry/{call.op.module}.py (see docs/compiler.md)"
+                f"in {call.op.source} (see docs/compiler.md)"
             )
         self._range_checks(call)
         index = result if result is not None else self.new("internal", call.shape, call.dtype)
