@@ -73,7 +73,9 @@ def _sce_lowering(kb, call, out, logits, labels):
 
     def picked_loss(s, v):
         x, m, z, label, column = v
-        loss = s.sub(s.add(m, s.call("log", z)), x)
+        # (m - x) first: both are near the logits' scale, so their difference is exact and the small
+        # log(z) adds no rounding at that scale (m + log(z) first would, at logits near 1e4).
+        loss = s.add(s.sub(m, x), s.call("log", z))
         return s.select(s.cmp("oeq", label, column), loss, s.const(0.0))
 
     kb.map_reduce(out, [logits, top, total, rows, kb.iota(logits.shape, 1)], [0, 1], "sum", picked_loss,

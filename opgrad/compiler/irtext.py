@@ -16,8 +16,12 @@ from contextlib import contextmanager
 LLVM_TYPE = {"float32": "float", "float64": "double"}
 BYTES = {"float32": 4, "float64": 8}
 
-#: Fast-math flags used on reductions: reassociation lets them vectorize; nsz/contract are harmless.
+#: Fast-math flags of a reduction's accumulating add: reassociation lets it vectorize.
 FAST = "reassoc nsz contract"
+#: Flags of every other float operation: only fusing a * b + c into one FMA. Reassociating
+#: ``(x - max) - log(sum)`` into ``x - (max + log(sum))`` would lose the digits a float32
+#: log-softmax keeps at logits near 1e4, so elementwise arithmetic keeps the order it is written in.
+PRECISE = "contract"
 
 
 def float_const(value: float, llvm_type: str) -> str:
