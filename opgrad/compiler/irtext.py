@@ -49,10 +49,10 @@ class ModuleEmitter:
     def __init__(self, name: str = "opgrad", function_attrs: str | None = None) -> None:
         self.name = name
         if function_attrs is None:
-            from .jit import host_target  # late import: irtext stays usable without a JIT
+            from .target import current_target  # late import: irtext stays usable without llvmlite
 
-            function_attrs = host_target().function_attrs
-        #: Attributes put on every function (e.g. keep 512-bit vectors unsplit on AVX-512 hosts).
+            function_attrs = current_target().function_attrs
+        #: Attributes put on every function (e.g. keep 512-bit vectors unsplit on AVX-512 targets).
         self.function_attrs = function_attrs
         self._decls: dict[str, str] = {}
         self._globals: list[str] = []
