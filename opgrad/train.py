@@ -59,6 +59,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--plot", metavar="PATH", default=None, help="write a PNG of the loss and accuracy curves")
     parser.add_argument("--max-steps", type=int, default=None, metavar="N",
                         help="stop each epoch after N steps (smoke tests, benchmarks)")
+    parser.add_argument("--steps-per-call", type=int, default=1, metavar="K",
+                        help="run K training steps per native call (the compiled multi-step loop; same "
+                             "numbers as K single steps; default 1)")
     parser.add_argument("--test-limit", type=int, default=None, metavar="N", help=argparse.SUPPRESS)
 
 
@@ -98,6 +101,8 @@ def _validate(args: argparse.Namespace) -> str | None:
         return f"--augment-shift must be >= 0, got {args.augment_shift}"
     if args.seed < 0:
         return f"--seed must be >= 0, got {args.seed}"
+    if args.steps_per_call < 1:
+        return f"--steps-per-call must be >= 1, got {args.steps_per_call}"
     return None
 
 
@@ -163,7 +168,8 @@ def run(args: argparse.Namespace) -> int:
                 bar.update(1, loss=loss)
 
             train_loss = trainer.train_epoch(
-                data.train_images, data.train_labels, max_steps=args.max_steps, on_step=show_step
+                data.train_images, data.train_labels, max_steps=args.max_steps, on_step=show_step,
+                steps_per_call=args.steps_per_call,
             )
         epoch_train = time.perf_counter() - epoch_start
         if not first_epoch:

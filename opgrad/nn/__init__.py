@@ -28,7 +28,16 @@ from opgrad.nn.layers import (
 from opgrad.nn.losses import accuracy, softmax_cross_entropy
 from opgrad.nn.models import MODELS, build_model, keras_mnist, seed_cnn
 from opgrad.nn.optim import SGD, Adam, Optimizer, make_optimizer
-from opgrad.nn.step import BACKENDS, EvalStep, StepResult, TrainStep, compile_function, llvm_unavailable_reason
+from opgrad.nn.step import (
+    BACKENDS,
+    EvalStep,
+    NanLossError,
+    StepResult,
+    StepsResult,
+    TrainStep,
+    compile_function,
+    llvm_unavailable_reason,
+)
 from opgrad.nn.trainer import LRSchedule, Trainer, constant_lr, cosine_lr
 
 __all__ = [
@@ -46,11 +55,13 @@ __all__ = [
     "LRSchedule",
     "Layer",
     "MaxPool2D",
+    "NanLossError",
     "Optimizer",
     "ParamSpec",
     "ReLU",
     "Sequential",
     "StepResult",
+    "StepsResult",
     "TrainStep",
     "Trainer",
     "accuracy",
