@@ -230,7 +230,7 @@ def plan_graph(fn: Function, *, name: str = "opgrad_graph", step_entries: bool =
     """Lower, fuse and plan ``fn`` into one module with entry ``void name(ptr bufs, ptr ws)``.
 
     Code is generated for the current target (:func:`opgrad.compiler.target.use_target`; the
-    host by default). ``loop`` adds ``i32 name.steps(...)`` (:mod:`.steploop`).
+    host by default). ``loop`` adds ``i32 name_steps(...)`` (:mod:`.steploop`).
     """
     if loop is not None:
         loop.validate(fn)

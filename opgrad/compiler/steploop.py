@@ -23,7 +23,7 @@ Python validated the arrays.
 
 Entry (for a step entry ``@E``)::
 
-    i32 @E.steps(ptr bufs, ptr ws, i64 n, i32 flags, ptr status)
+    i32 @E_steps(ptr bufs, ptr ws, i64 n, i32 flags, ptr status)
 
 ``status`` is ``i64[5]``: steps completed, then for a failure the step, the index in that
 step's slice, the offending value and which range check failed. Return codes:
@@ -139,8 +139,9 @@ class LoopCheck:
 def emit_step_loop(m: ModuleEmitter, entry: str, loop: StepLoop, param_slots: Sequence[int],
                    result_slots: Sequence[int], slot_bytes: Mapping[int, int], checks: Sequence[LoopCheck],
                    nan_dtype: str | None) -> str:
-    """Emit ``i32 @<entry>.steps(bufs, ws, n, flags, status)`` into ``m``; returns its name."""
-    name = f"{entry}.steps"
+    """Emit ``i32 @<entry>_steps(bufs, ws, n, flags, status)`` into ``m`` (a C identifier, so an
+    exported library can call it); returns its name."""
+    name = f"{entry}_steps"
     f = FunctionEmitter(m, name, [("ptr", "bufs"), ("ptr", "ws"), ("i64", "n"), ("i32", "flags"),
                                   ("ptr", "status")], ret="i32")
     moving = [param_slots[i] for i in loop.streams] + [result_slots[i] for i in loop.outfeeds]
