@@ -88,6 +88,19 @@ class ModuleEmitter:
         self._names.add(name)
         return name
 
+    def merge(self, other: ModuleEmitter) -> None:
+        """Add ``other``'s globals, declarations and functions, so two graphs become one module
+        (their builders must have used different names, as an exported library's do)."""
+        for name, decl in other._decls.items():
+            if self._decls.setdefault(name, decl) != decl:
+                raise ValueError(f"cannot merge modules: @{name} is declared differently")
+        clash = self._names & other._names
+        if clash:
+            raise ValueError(f"cannot merge modules: both define {', '.join(sorted(clash))}")
+        self._globals.extend(other._globals)
+        self._functions.extend(other._functions)
+        self._names |= other._names
+
     def text(self) -> str:
         parts = [f"; ModuleID = '{self.name}'", *self._globals, *self._decls.values(), *self._functions]
         return "\n".join(parts) + "\n"
