@@ -82,7 +82,8 @@ __attribute__((visibility("hidden"))) void opgrad_parallel_for(og_task_fn fn, vo
  * worker can never run a share of a job that has been replaced. The calling thread claims
  * shares too. When the pool is busy (a second thread calls in, or a kernel nests), the caller
  * runs all shares itself: the results are the same by the tasks' contract. */
-static pthread_mutex_t og_pool_lock = PTHREAD_MUTEX_INITIALIZER;
+static pthread_mutex_t og_pool_life = PTHREAD_MUTEX_INITIALIZER; /* starting and stopping */
+static pthread_mutex_t og_pool_lock = PTHREAD_MUTEX_INITIALIZER; /* sleeping and waking */
 static pthread_cond_t og_pool_wake = PTHREAD_COND_INITIALIZER;
 static pthread_t og_pool_threads[OG_POOL_LIMIT];
 static int og_pool_started;
@@ -159,14 +160,15 @@ static int og_pool_threads_wanted(void) {
     return (int)n;
 }
 
-/* Start the pool with the first model; returns its size (threads, the caller included). */
+/* Start the pool with the first model; returns its size (threads, the caller included). Starting
+ * and stopping hold og_pool_life throughout, so a model created while the last one is being freed
+ * waits for the old workers to be joined before new ones start. */
 static int og_pool_acquire(void) {
-    pthread_mutex_lock(&og_pool_lock);
+    pthread_mutex_lock(&og_pool_life);
     if (og_pool_refs++ == 0) {
         int wanted = og_pool_threads_wanted();
         unsigned seq = atomic_load(&og_seq);
         atomic_store(&og_stop, 0);
-        og_pool_size = 1;
         og_pool_started = 0;
         for (int t = 1; t < wanted; t++) { /* a thread that cannot start just makes the pool smaller */
             if (pthread_create(&og_pool_threads[og_pool_started], NULL, og_worker, (void *)(uintptr_t)seq) != 0)
@@ -176,28 +178,23 @@ static int og_pool_acquire(void) {
         og_pool_size = og_pool_started + 1;
     }
     int size = og_pool_size;
-    pthread_mutex_unlock(&og_pool_lock);
+    pthread_mutex_unlock(&og_pool_life);
     return size;
 }
 
 /* Stop and join the workers with the last model, so that unloading a shared library is safe. */
 static void og_pool_release(void) {
-    pthread_mutex_lock(&og_pool_lock);
-    int last = --og_pool_refs == 0;
-    int started = og_pool_started;
-    if (last) {
+    pthread_mutex_lock(&og_pool_life);
+    if (--og_pool_refs == 0) {
+        pthread_mutex_lock(&og_pool_lock);
         atomic_store(&og_stop, 1);
         pthread_cond_broadcast(&og_pool_wake);
-    }
-    pthread_mutex_unlock(&og_pool_lock);
-    if (!last) return;
-    for (int t = 0; t < started; t++) pthread_join(og_pool_threads[t], NULL);
-    pthread_mutex_lock(&og_pool_lock);
-    if (og_pool_refs == 0) {
+        pthread_mutex_unlock(&og_pool_lock);
+        for (int t = 0; t < og_pool_started; t++) pthread_join(og_pool_threads[t], NULL);
         og_pool_started = 0;
         og_pool_size = 1;
     }
-    pthread_mutex_unlock(&og_pool_lock);
+    pthread_mutex_unlock(&og_pool_life);
 }
 
 __attribute__((visibility("hidden"))) void opgrad_parallel_for(og_task_fn fn, void *ctx) {
