@@ -121,10 +121,11 @@ def test_shared_library_and_object_link_and_agree(host: tuple[Path, str], python
         assert not any("graph" in name or "parallel_for" in name for name in exported)
 
 
-def test_runtime_compiles_without_warnings(host: tuple[Path, str]) -> None:
+def test_runtime_and_example_compile_without_warnings(host: tuple[Path, str]) -> None:
     tmp, _ = host
-    subprocess.run(["cc", "-std=c11", "-O2", "-Wall", "-Wextra", "-Werror", "-pedantic", "-fPIC", "-I", str(tmp),
-                    "-c", str(tmp / "opgrad_runtime.c"), "-o", str(tmp / "strict.o")], check=True)
+    for source in (tmp / "opgrad_runtime.c", ROOT / "examples/export_c/train.c"):
+        subprocess.run(["cc", "-std=c11", "-O2", "-Wall", "-Wextra", "-Werror", "-pedantic", "-fPIC", "-I", str(tmp),
+                        "-c", str(source), "-o", str(tmp / "strict.o")], check=True)
 
 
 # ----- the C runtime's errors, through ctypes on the shared library -----
