@@ -417,3 +417,46 @@ def test_ci_installs_the_cross_tools_before_the_readme_command() -> None:
     install = run.index("apt-get install -y gcc gcc-aarch64-linux-gnu qemu-user")
     assert run.index("command -v aarch64-linux-gnu-gcc") < install < run.index(command)
     assert "[docs/deployment.md](docs/deployment.md)" in readme
+
+
+# ----- targets -----
+
+
+def test_target_descriptions() -> None:
+    from opgrad.compiler.gemm import Blocking
+    from opgrad.compiler.irtext import ModuleEmitter
+    from opgrad.compiler.target import current_target, host_target, resolve_target, use_target
+
+    v3, arm, android = (resolve_target(n) for n in ("x86-64-v3", "aarch64-linux-gnu", "aarch64-linux-android"))
+    assert (v3.is_x86, v3.vector_width(4), v3.vector_registers, v3.has_avx512) == (True, 8, 16, False)
+    assert (arm.is_aarch64, arm.vector_width(4), arm.vector_width(8), arm.vector_registers) == (True, 4, 2, 32)
+    assert android.is_android and android.triple.startswith("aarch64") and not arm.is_android
+    assert resolve_target("x86-64-v4").function_attrs.startswith('"prefer-vector-width"="512"')
+    assert resolve_target("riscv64-unknown-linux-gnu").cpu == "generic"
+    with pytest.raises(ValueError, match="unknown target 'armv99'"):
+        resolve_target("armv99")
+    assert current_target() is host_target()
+    with use_target(arm):
+        assert current_target() == arm and ModuleEmitter().function_attrs == ""
+        assert (Blocking.for_target("float32").mr, Blocking.for_target("float32").vl) == (8, 4)
+    with use_target(v3):
+        assert (Blocking.for_target("float32").mr, Blocking.for_target("float32").nr) == (6, 16)
+    assert current_target() is host_target()
+
+
+def test_x86_64_v3_baseline_runs_here_and_agrees(python_losses: np.ndarray, tmp_path: Path) -> None:
+    """A portable AVX2 library (what to ship to other x86-64 machines) trains to the same losses."""
+    _require("cc")
+    from opgrad.compiler.target import host_target
+
+    if "+avx2" not in host_target().features.split(",") or "+fma" not in host_target().features.split(","):
+        pytest.skip("this CPU cannot run x86-64-v3 code")
+    result = opgrad.export(tmp_path, batch_size=BATCH, target="x86-64-v3", threads=2)
+    assert _elf_header(result.files["kernels"])["machine"] == 62  # x86-64
+    subprocess.run([sys.executable, str(ROOT / "examples/export_c/make_data.py"), str(tmp_path), "--steps", "6",
+                    "--batch-size", str(BATCH)], check=True, capture_output=True)
+    subprocess.run(["cc", "-std=c11", "-O2", "-I", str(tmp_path), str(ROOT / "examples/export_c/train.c"),
+                    str(result.files["static"]), "-lm", "-pthread", "-o", str(tmp_path / "train")], check=True)
+    run = subprocess.run([str(tmp_path / "train"), str(tmp_path), "6", "3"], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    np.testing.assert_allclose(_losses(run.stdout), python_losses[:6], rtol=1e-5, atol=0)
