@@ -56,6 +56,10 @@ def __getattr__(name: str) -> Any:
         from opgrad.compiler import compile as compile_fn
 
         return compile_fn
+    if name == "export":
+        from opgrad.deploy import export
+
+        return export
     if name == "checks":
         import importlib
 

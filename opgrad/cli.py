@@ -1,4 +1,4 @@
-"""The ``opgrad`` command: ``ops``, ``check``, ``train``, ``bench``.
+"""The ``opgrad`` command: ``ops``, ``check``, ``train``, ``bench``, ``export``.
 
 Each subcommand lives with the code it drives and exposes ``configure(parser)`` and
 ``run(args) -> int``; this module only dispatches, importing the subcommand lazily so that
@@ -26,6 +26,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "check": ("opgrad.checks.command", "verify registered gradients with hypothesis + finite differences"),
     "train": ("opgrad.train", "train the seed CNN (or the Keras MNIST model) on real MNIST"),
     "bench": ("opgrad.bench", "time the compiled training step against the reference and peers"),
+    "export": ("opgrad.deploy.command", "write the training step as a C library (.o/.a/.so + header + runtime)"),
 }
 
 

@@ -81,6 +81,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--stop-on-nan", action=argparse.BooleanOptionalAction, default=True,
                         help="stop with an error when the training loss becomes nan or infinite (default); "
                              "--no-stop-on-nan keeps training")
+    parser.add_argument("--steps-per-call", type=positive_int, default=1, metavar="K",
+                        help="run K training steps per native call (the compiled multi-step loop; same "
+                             "numbers as K single steps; default 1)")
     parser.add_argument("--test-limit", type=positive_int, default=None, metavar="N", help=argparse.SUPPRESS)
 
 
@@ -202,7 +205,8 @@ def run(args: argparse.Namespace) -> int:
 
             try:
                 train_loss = trainer.train_epoch(
-                    data.train_images, data.train_labels, max_steps=args.max_steps, on_step=show_step
+                    data.train_images, data.train_labels, max_steps=args.max_steps, on_step=show_step,
+                    steps_per_call=args.steps_per_call,
                 )
             except NonFiniteLossError as exc:
                 exc.hint = (f"the run diverged; try a lower --lr (this run's peak is {lr:g}), "

@@ -29,7 +29,16 @@ from opgrad.nn.losses import accuracy, softmax_cross_entropy
 from opgrad.nn.models import MODELS, build_model, keras_mnist, seed_cnn
 from opgrad.nn.optim import OPTIMIZERS, SGD, Adam, AdamW, Optimizer, RMSprop, make_optimizer
 from opgrad.nn.schedules import LRSchedule, Schedule, StepLR, WarmupLR, constant_lr, cosine_lr
-from opgrad.nn.step import BACKENDS, EvalStep, StepResult, TrainStep, compile_function, llvm_unavailable_reason
+from opgrad.nn.step import (
+    BACKENDS,
+    EvalStep,
+    NanLossError,
+    StepResult,
+    StepsResult,
+    TrainStep,
+    compile_function,
+    llvm_unavailable_reason,
+)
 from opgrad.nn.trainer import Trainer
 
 __all__ = [
@@ -49,6 +58,7 @@ __all__ = [
     "LRSchedule",
     "Layer",
     "MaxPool2D",
+    "NanLossError",
     "Optimizer",
     "ParamSpec",
     "RMSprop",
@@ -57,6 +67,7 @@ __all__ = [
     "Sequential",
     "StepLR",
     "StepResult",
+    "StepsResult",
     "TrainStep",
     "Trainer",
     "WarmupLR",
