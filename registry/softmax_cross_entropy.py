@@ -1,7 +1,7 @@
 """softmax_cross_entropy: the fused classification loss on logits and integer labels.
 
 Fusing keeps it stable (log-sum-exp, never log(softmax)) and gives the textbook gradient
-softmax - onehot in one step, which seed 003's thread asked for.
+softmax - onehot in one step, as a classifier's training loop wants it.
 """
 
 from __future__ import annotations

@@ -164,4 +164,4 @@ def test_cli_steps_per_call(capsys: pytest.CaptureFixture[str]) -> None:
         lines.append(re.search(r"train loss \S+, test loss \S+", out).group(0))  # type: ignore[union-attr]
     assert lines[0] == lines[1]
     assert cli.main([*base, "--steps-per-call", "0"]) == 2
-    assert "--steps-per-call must be >= 1" in capsys.readouterr().err
+    assert "argument --steps-per-call: expected a positive integer" in capsys.readouterr().err
