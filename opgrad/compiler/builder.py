@@ -273,26 +273,29 @@ class KernelBuilder:
         self.conv("backward_weight", geom, out, data, grad)
 
     def pool2d(self, out: View, data: View, pool: Sequence[int], strides: Sequence[int], padding: Sequence[int],
-               op: str) -> None:
+               op: str, ceil_mode: bool = False, count_include_pad: bool = True) -> None:
         """Window max or mean (``op`` = ``max`` | ``avg``) over NCHW ``data``; see :mod:`.windows`."""
         from .windows import Window2d, pool2d
 
-        pool2d(self, out, data, Window2d(tuple(pool), tuple(strides), tuple(padding)), op)  # type: ignore[arg-type]
+        win = Window2d(tuple(pool), tuple(strides), tuple(padding), ceil_mode, count_include_pad)  # type: ignore[arg-type]
+        pool2d(self, out, data, win, op)
 
     def pool2d_argmax_gather(self, out: View, values: View, data: View, pool: Sequence[int],
-                             strides: Sequence[int], padding: Sequence[int]) -> None:
+                             strides: Sequence[int], padding: Sequence[int], ceil_mode: bool = False) -> None:
         """``values`` read at the first maximum of each window of ``data``."""
         from .windows import Window2d, pool2d_argmax_gather
 
-        win = Window2d(tuple(pool), tuple(strides), tuple(padding))  # type: ignore[arg-type]
+        win = Window2d(tuple(pool), tuple(strides), tuple(padding), ceil_mode)  # type: ignore[arg-type]
         pool2d_argmax_gather(self, out, values, data, win)
 
     def pool2d_scatter(self, out: View, grad: View, data: View | None, pool: Sequence[int],
-                       strides: Sequence[int], padding: Sequence[int]) -> None:
+                       strides: Sequence[int], padding: Sequence[int], ceil_mode: bool = False,
+                       count_include_pad: bool = True) -> None:
         """Adjoint of a window reduction: spread ``grad`` (``data=None``) or add it at each window's argmax."""
         from .windows import Window2d, pool2d_scatter
 
-        pool2d_scatter(self, out, grad, data, Window2d(tuple(pool), tuple(strides), tuple(padding)))  # type: ignore[arg-type]
+        win = Window2d(tuple(pool), tuple(strides), tuple(padding), ceil_mode, count_include_pad)  # type: ignore[arg-type]
+        pool2d_scatter(self, out, grad, data, win)
 
     # ----- extension points for primitive modules (e.g. windows.py) -----
 
