@@ -94,7 +94,8 @@ class _Lowering:
         self.fn = fn
         self.buffers: list[Buffer] = []
         self.consts: dict[int, np.ndarray] = {}
-        self.kb = KernelBuilder("opgrad_graph", allocate=lambda shape, dtype: self.new("internal", shape, dtype))
+        self.kb = KernelBuilder("opgrad_graph", allocate=lambda shape, dtype: self.new("internal", shape, dtype),
+                                constant=self._table)
         self.checks: list[RangeCheck] = []
 
     def new(self, kind: str, shape: tuple[int, ...], dtype: str, index: int = -1) -> int:
@@ -134,6 +135,12 @@ class _Lowering:
         index = self.new("const", node.shape, node.dtype)
         self.consts[index] = np.ascontiguousarray(value)
         return View.contiguous(index, node.shape, node.dtype)
+
+    def _table(self, array: np.ndarray) -> int:
+        """A constant buffer a lowering computed at compile time (``KernelBuilder.constant``)."""
+        index = self.new("const", array.shape, array.dtype.name)
+        self.consts[index] = array
+        return index
 
     def _call(self, call: Call, views: dict[int, View], result: int | None) -> View:
         lower = call.op.lowering_fn
