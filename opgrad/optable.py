@@ -18,7 +18,9 @@ def gradient_text(op: Operator) -> str:
 
 
 def kernel_text(op: Operator) -> str:
-    return "llvm" if op.lowering_fn is not None else "missing"
+    if op.lowering_fn is not None:
+        return "llvm"
+    return "no kernel: reference only" if op.lowering_reason else "missing"
 
 
 def rows() -> list[tuple[str, str, str, str, str]]:

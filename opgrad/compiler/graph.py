@@ -144,6 +144,11 @@ class _Lowering:
 
     def _call(self, call: Call, views: dict[int, View], result: int | None) -> View:
         lower = call.op.lowering_fn
+        if lower is None and call.op.lowering_reason:
+            raise NotImplementedError(
+                f"opgrad.compile: operator {call.op.name!r} has no lowering: it is reference only "
+                f"({call.op.lowering_reason}); evaluate graphs that use it with opgrad.evaluate"
+            )
         if lower is None:
             raise NotImplementedError(
                 f"opgrad.compile: operator {call.op.name!r} has no lowering; add '@{call.op.name}.lowering' "
