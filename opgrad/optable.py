@@ -43,7 +43,7 @@ def format_table(table: Sequence[tuple[str, ...]], header: tuple[str, ...]) -> s
 
 # ----- NNVM's operators without a gradient -----
 
-#: The 35 operators NNVM registered without a gradient, and how opgrad answers each:
+#: The operators NNVM registered without a gradient (34 names), and how opgrad answers each:
 #: ("op"/"composite", names) resolved against the registry at run time, or an explanation.
 NNVM_NO_GRADIENT: dict[str, tuple[str, tuple[str, ...], str]] = {
     "__add_symbol__": ("python", ("add",), "python operator: a + b → add"),
@@ -177,7 +177,7 @@ def matrix_rows() -> list[tuple[str, ...]]:
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--markdown", action="store_true", help="print a Markdown table (for the docs)")
     parser.add_argument("--nnvm", action="store_true",
-                        help="NNVM's 35 operators without a gradient, and how opgrad answers each")
+                        help="NNVM's 34 operators without a gradient, and how opgrad answers each")
     parser.add_argument("--matrix", action="store_true",
                         help="per operator: forward, gradient, second order, lowering, sampler, mutants, last check")
 
