@@ -32,6 +32,8 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
+import numpy as np
+
 from .conv import Conv2dGeometry, emit_conv2d_backward_data, emit_conv2d_backward_weight, emit_conv2d_forward
 from .gemm import GemmSpec, IndexMap, Operand, emit_gemm
 from .irtext import BYTES, LLVM_TYPE, FunctionEmitter, ModuleEmitter
@@ -88,13 +90,15 @@ class KernelBuilder:
     the graph compiler passes its buffer planner here. Standalone users number buffers themselves.
     """
 
-    def __init__(self, name: str = "graph", allocate: Callable[[tuple[int, ...], str], int] | None = None) -> None:
+    def __init__(self, name: str = "graph", allocate: Callable[[tuple[int, ...], str], int] | None = None,
+                 constant: Callable[[np.ndarray], int] | None = None) -> None:
         self.m = ModuleEmitter(name)
         self.m.declare(PARALLEL_FOR, PARALLEL_FOR_DECL)
         self.name = name
         self.steps: list[Step] = []
         self.workspace_per_thread = 0
         self._allocate = allocate
+        self._constant = constant
         self._count = 0
         #: Emitted kernel name -> the op(s) it lowers (filled by :meth:`finish`), for compile errors.
         self.kernel_labels: dict[str, str] = {}
@@ -111,6 +115,14 @@ class KernelBuilder:
         if self._allocate is None:
             raise RuntimeError("this KernelBuilder has no buffer allocator; pass allocate= to create temporaries")
         return View.contiguous(self._allocate(tuple(shape), dtype), shape, dtype)
+
+    def constant(self, array: np.ndarray) -> View:
+        """A table computed at compile time from attributes (interpolation weights, say), held by
+        the compiled object as a read-only buffer; its dtype is the array's."""
+        if self._constant is None:
+            raise RuntimeError("this KernelBuilder has no constant store; pass constant= to bake tables")
+        table = np.ascontiguousarray(array)
+        return View.contiguous(self._constant(table), table.shape, table.dtype.name)
 
     def contiguous(self, view: View) -> View:
         """``view`` itself if it is dense row-major memory at offset 0, else a copy that is."""
