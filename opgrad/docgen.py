@@ -57,7 +57,7 @@ def operator_section(op: Operator) -> str:
 
 
 def render() -> str:
-    ops = registry.all_ops()
+    ops = registry.all_ops(include_user=False)  # the reference documents opgrad's own operators
     head = [
         "# Operator reference",
         "",

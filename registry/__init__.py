@@ -113,10 +113,10 @@ def all_composites() -> list[Composite]:
     return [_composites[n] for n in sorted(_composites)]
 
 
-def all_ops() -> list[Operator]:
-    """Every registered operator, sorted by name."""
+def all_ops(include_user: bool = True) -> list[Operator]:
+    """Every registered operator, sorted by name; ``include_user=False`` keeps opgrad's own."""
     _load()
-    return [_ops[n] for n in sorted(_ops)]
+    return [_ops[n] for n in sorted(_ops) if include_user or not _ops[n].user_defined]
 
 
 def names() -> list[str]:
