@@ -49,11 +49,10 @@ def _load_npy(path: str, what: str) -> np.ndarray:
 
 
 def _images_from_npy(path: str, shape: tuple[int, ...]) -> np.ndarray:
-    images = _load_npy(path, "images")
-    if images.ndim == len(shape) and len(shape) == 3 and shape[0] == 1:
-        images = images[:, None]
+    stored = _load_npy(path, "images")
+    images = stored[:, None] if stored.ndim == len(shape) and len(shape) == 3 and shape[0] == 1 else stored
     if images.ndim != len(shape) + 1 or tuple(images.shape[1:]) != shape:
-        raise DataError(f"{path}: images have shape {images.shape}, the model expects (N, {', '.join(map(str, shape))})"
+        raise DataError(f"{path}: images have shape {stored.shape}, the model expects (N, {', '.join(map(str, shape))})"
                         + (f" or (N, {shape[1]}, {shape[2]})" if len(shape) == 3 and shape[0] == 1 else ""))
     if images.dtype == np.uint8:
         return images.astype(np.float32) / np.float32(255.0)
