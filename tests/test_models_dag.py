@@ -364,3 +364,39 @@ def test_models_doc_example_runs() -> None:
     exec(compile(code, "docs/models.md", "exec"), namespace)
     model = namespace["model"]
     assert isinstance(model, nn.Model) and len(model.outputs) == 2
+
+
+def test_resnet_training_step_equals_its_torch_twin() -> None:
+    """The built-in ResNet (1 block per stage, to stay quick on the reference backend) against
+    bench's PyTorch translation: loss, updated weights and running statistics after two SGD steps,
+    then evaluation logits."""
+    torch = require("torch", "the ResNet is checked against its PyTorch twin")
+    from opgrad.bench import torch_forward
+
+    model = nn.resnet(blocks_per_stage=1)
+    assert [layer.name for layer in model.layers][:3] == ["stem_conv", "stem_bn", "stem_relu"]
+    step = nn.TrainStep(model, nn.SGD(), batch_size=4, dtype="float64", backend="reference")
+    params = model.init_params(0, "float64")
+    state = model.init_buffers("float64")
+    p = {k: torch.tensor(v, requires_grad=True) for k, v in params.items()}
+    buffers = {k: torch.tensor(v) for k, v in state.items()}
+    rng = np.random.default_rng(0)
+    for _ in range(2):
+        x, y = rng.random((4, 1, 28, 28)), rng.integers(0, 10, 4)
+        result = step(x, y, params, state, 0.1)
+        params, state = result.params, result.state
+        loss = torch.nn.functional.cross_entropy(torch_forward(model, p, buffers, torch.from_numpy(x), training=True),
+                                                 torch.from_numpy(y))
+        grads = torch.autograd.grad(loss, list(p.values()))
+        with torch.no_grad():
+            for value, grad in zip(p.values(), grads):
+                value -= 0.1 * grad
+        assert result.loss == pytest.approx(float(loss.detach()), rel=1e-10)
+    for name, value in params.items():
+        np.testing.assert_allclose(value, p[name].detach().numpy(), rtol=1e-8, atol=1e-10, err_msg=name)
+    for name, value in state.items():
+        np.testing.assert_allclose(value, buffers[name].numpy(), rtol=1e-10, atol=1e-12, err_msg=name)
+    model.params, model.buffers = params, state
+    x = rng.random((3, 1, 28, 28))
+    expected = torch_forward(model, p, buffers, torch.from_numpy(x), training=False).detach().numpy()
+    np.testing.assert_allclose(model.predict(x, backend="reference"), expected, rtol=1e-8, atol=1e-10)
