@@ -20,7 +20,7 @@ class LLVMBackend:
     name = "llvm"
 
     def __init__(self) -> None:
-        from opgrad.compiler import compile as compile_fn  # ImportError until the compiler exists
+        from opgrad.compiler import compile as compile_fn  # ImportError without llvmlite
 
         self._compile = compile_fn
 

@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from opgrad.autodiff import _fit_to_input, gradients
+from opgrad.autodiff import fit_to_input, gradients
 from opgrad.errors import GradientError
 from opgrad.ir import Call, Expr, Function, Var, var
 from opgrad.op import GradientRule, Input, Operator
@@ -145,7 +145,7 @@ def vjp_exprs(op: Operator, rule: GradientRule, call: Call, cotangent: Expr) -> 
         entry = raw[index]
         if entry is None:
             raise GradientError(f"gradient of {op.name!r} returned None for differentiable input {spec.name!r}")
-        fitted.append(_fit_to_input(call, index, entry))
+        fitted.append(fit_to_input(call, index, entry))
     return fitted
 
 

@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from opgrad.autodiff import _resolve_wrt, gradients
+from opgrad.autodiff import grad, gradients, hvp, resolve_wrt
 from opgrad.dtypes import FLOAT_DTYPES
 from opgrad.errors import ArgumentError
 from opgrad.ir import Call, Const, Expr, Function, Var, topological_order, var
@@ -49,14 +49,16 @@ def as_float64(fn: Function) -> Function:
 
 def check_function(fn: Function, arrays: Sequence[np.ndarray] | None = None, *,
                    wrt: Sequence[int | str | Var] | None = None, max_examples: int = 5, seed: int | None = None,
-                   directions: int = 3, name: str = "function") -> OpReport:
+                   directions: int = 3, name: str = "function", order: int = 1) -> OpReport:
     """Check ``fn``'s gradient (one output, any shape) at ``arrays`` or at random points.
 
     At each point: the gradients' shapes and dtypes (a); the VJP with a random cotangent against
     central differences along ``directions`` random directions and on sampled elements of each
-    parameter (b); linearity in the cotangent (c). Without ``arrays`` the float parameters are
-    drawn uniformly from [-2, 2] (``max_examples`` points); a function with integer parameters
-    (labels) needs ``arrays``.
+    parameter (b); linearity in the cotangent (c). With ``order=2`` and a scalar output, also
+    second order (e): ``opgrad.hvp``'s Hessian-vector products along ``directions`` random
+    vectors against central differences of the gradient. Without ``arrays`` the float
+    parameters are drawn uniformly from [-2, 2] (``max_examples`` points); a function with
+    integer parameters (labels) needs ``arrays``.
     """
     if not isinstance(fn, Function):
         raise TypeError(f"{_WHO}: fn must be an opgrad.function(...), got {type(fn).__name__} {fn!r}")
@@ -67,15 +69,19 @@ def check_function(fn: Function, arrays: Sequence[np.ndarray] | None = None, *,
         raise ValueError(f"{_WHO}: fn's output is {fn.output.type}; only a float output has a gradient")
     max_examples = positive_int(max_examples, "max_examples", who=_WHO)
     directions = positive_int(directions, "directions", who=_WHO)
+    if order not in (1, 2):
+        raise ValueError(f"{_WHO}: order must be 1 or 2, got {order!r}")
+    if order == 2 and fn.output.shape != ():
+        raise ValueError(f"{_WHO}: order=2 needs a scalar output (Hessian-vector products), got {fn.output.type}")
     seed = check_seed(seed, who=_WHO)
     given = _check_arrays(fn, arrays) if arrays is not None else None
     run_seed = default_seed() if seed is None else seed
     rng = np.random.default_rng(run_seed)
     f64 = as_float64(fn)
-    targets = _resolve_wrt(f64, _wrt_in(fn, f64, wrt))
+    targets = resolve_wrt(f64, _wrt_in(fn, f64, wrt))
     _require_something_to_check(f64, targets, wrt)
     cot = var("cotangent", f64.output.shape, "float64")
-    report = OpReport(op=name, passed=True, seed=run_seed, checks=["a", "b", "c"])
+    report = OpReport(op=name, passed=True, seed=run_seed, checks=["a", "b", "c"] + (["e"] if order == 2 else []))
     start = time.perf_counter()
     try:
         grads = gradients(f64.output, targets, cot)
@@ -95,6 +101,8 @@ def check_function(fn: Function, arrays: Sequence[np.ndarray] | None = None, *,
                  for a, p in zip(point, f64.params)]
         try:
             worst = _check_point(f64, vjp_fn, targets, point, rng, directions, name, run_seed)
+            if order == 2:
+                worst = max(worst, _check_second_order(f64, targets, point, rng, directions, name, run_seed))
         except CheckFailure as exc:
             report.passed, report.failure = False, exc.failure
             break
@@ -234,6 +242,42 @@ def _check_point(fn: Function, vjp_fn: Function, targets: list[Var], point: list
         if m.ratio > 1:
             raise fail("c", f"gradient for {t.name!r} is not linear in the cotangent", m, t.name, None,
                        tol.exact_rtol)
+    return worst
+
+
+def _check_second_order(fn: Function, targets: list[Var], point: list[np.ndarray], rng: np.random.Generator,
+                        directions: int, name: str, run_seed: int) -> float:
+    """(e) H v from ``opgrad.hvp`` equals the central difference of the gradient along v."""
+    tol = TOLERANCES["float64"]
+    h = tol.fd_step
+    index_of = {p._uid: i for i, p in enumerate(fn.params)}
+    grad_fn = grad(fn, [index_of[t._uid] for t in targets], with_value=False)
+    hvp_fn = hvp(fn, [index_of[t._uid] for t in targets])
+
+    def as_list(out: object) -> list[np.ndarray]:
+        return list(out) if isinstance(out, tuple) else [np.asarray(out)]
+
+    worst = 0.0
+    for r in range(directions):
+        vs = [rng.standard_normal(t.shape) for t in targets]
+        plus, minus = list(point), list(point)
+        for t, v in zip(targets, vs):
+            k = index_of[t._uid]
+            plus[k], minus[k] = point[k] + h * v, point[k] - h * v
+        numeric = [(gp - gm) / (2 * h) for gp, gm in zip(as_list(evaluate(grad_fn, *plus)),
+                                                         as_list(evaluate(grad_fn, *minus)))]
+        analytic = as_list(evaluate(hvp_fn, *point, *vs))
+        for t, a, n in zip(targets, analytic, numeric):
+            m = worst_mismatch(a, n, tol.fd_rtol, tol.fd_atol)
+            if m.ratio > 1:
+                failure = Failure(op=name, check="e", problem=f"Hessian-vector product for {t.name!r} along random "
+                                  f"direction {r} disagrees with finite differences of the gradient", seed=run_seed,
+                                  input=t.name, step=h, tolerance=tol.fd_rtol, arrays=point,
+                                  shapes={p.name: p.shape for p in fn.params})
+                failure.index, failure.analytic, failure.numeric = m.index, m.analytic, m.expected
+                failure.abs_error, failure.rel_error = m.abs_error, m.plain_rel_error
+                raise CheckFailure(failure)
+            worst = max(worst, m.rel_error)
     return worst
 
 

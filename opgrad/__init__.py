@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from opgrad import ops
-from opgrad.autodiff import grad, gradients
+from opgrad.autodiff import grad, gradients, hvp, jvp
 from opgrad.dtypes import TensorType
 from opgrad.errors import (
     ArgumentError,
@@ -56,6 +56,10 @@ def __getattr__(name: str) -> Any:
         from opgrad.compiler import compile as compile_fn
 
         return compile_fn
+    if name == "export":
+        from opgrad.deploy import export
+
+        return export
     if name == "checks":
         import importlib
 
@@ -89,6 +93,8 @@ __all__ = [
     "function",
     "grad",
     "gradients",
+    "hvp",
+    "jvp",
     "ops",
     "var",
 ]

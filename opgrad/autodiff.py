@@ -14,9 +14,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
+
 from opgrad.dtypes import collapses_to
 from opgrad.errors import GradientError
-from opgrad.ir import Call, Expr, Function, Var, topological_order
+from opgrad.ir import Call, Const, Expr, Function, Var, topological_order, var
 
 
 def _ops():
@@ -31,7 +33,7 @@ def _describe(call: Call) -> str:
     return f"{call.op.name}({args}{attrs}) -> {call.type}"
 
 
-def _fit_to_input(call: Call, index: int, grad: Expr) -> Expr:
+def fit_to_input(call: Call, index: int, grad: Expr) -> Expr:
     """Sum a broadcast-shaped gradient back to the input's shape and check its type."""
     target = call.args[index]
     spec = call.specs[index]
@@ -113,7 +115,7 @@ def gradients(output: Expr, wrt: Sequence[Expr], cotangent: Expr | None = None) 
                     f"gradient of {node.op.name!r} returned None for differentiable input "
                     f"{node.specs[index].name!r} (call: {_describe(node)})"
                 )
-            fitted = _fit_to_input(node, index, grad)
+            fitted = fit_to_input(node, index, grad)
             pending.setdefault(node.args[index]._uid, []).append(fitted)
     results = []
     for w in wrt:
@@ -122,7 +124,8 @@ def gradients(output: Expr, wrt: Sequence[Expr], cotangent: Expr | None = None) 
     return results
 
 
-def _resolve_wrt(fn: Function, wrt: Sequence[int | str | Var] | int | str | Var | None) -> list[Var]:
+def resolve_wrt(fn: Function, wrt: Sequence[int | str | Var] | int | str | Var | None) -> list[Var]:
+    """The parameters ``wrt`` selects (positions, names or the Vars themselves; None: every float one)."""
     if wrt is None:
         return [p for p in fn.params if p.type.is_float]
     items = wrt if isinstance(wrt, (list, tuple)) else [wrt]
@@ -145,18 +148,83 @@ def _resolve_wrt(fn: Function, wrt: Sequence[int | str | Var] | int | str | Var 
     return chosen
 
 
-def grad(fn: Function, wrt: Sequence[int | str | Var] | int | str | Var | None = None) -> Function:
+def grad(fn: Function, wrt: Sequence[int | str | Var] | int | str | Var | None = None, *,
+         with_value: bool = True) -> Function:
     """A function of the same parameters returning ``(value, grad_1, ..., grad_k)``.
 
     ``fn`` must return one scalar. ``wrt`` selects parameters by position, name or variable;
     it defaults to every float parameter (integer parameters such as labels are skipped).
+    ``with_value=False`` returns the gradients alone, and a single gradient as a single output
+    (JAX's ``grad``), so derivatives nest: for a scalar ``x``,
+    ``grad(grad(f, with_value=False), with_value=False)`` is ``f''(x)``.
     """
     if fn.returns_tuple or fn.outputs[0].shape != ():
         shapes = ", ".join(str(o.type) for o in fn.outputs)
         raise GradientError(
             f"opgrad.grad needs a function returning one scalar, got ({shapes}); reduce it first "
-            "(e.g. opgrad.ops.sum) or use opgrad.gradients with a cotangent"
+            "(e.g. opgrad.ops.sum), use opgrad.hvp / opgrad.jvp, or opgrad.gradients with a cotangent"
         )
-    targets = _resolve_wrt(fn, wrt)
+    targets = resolve_wrt(fn, wrt)
     value = fn.outputs[0]
-    return Function(fn.params, (value, *gradients(value, targets)))
+    grads = gradients(value, targets)
+    if with_value:
+        return Function(fn.params, (value, *grads))
+    return Function(fn.params, grads[0] if len(grads) == 1 else tuple(grads))
+
+
+def hvp(fn: Function, wrt: Sequence[int | str | Var] | int | str | Var | None = None) -> Function:
+    """Hessian-vector products of a scalar ``fn``: ``f(params..., v_1, ..., v_k) -> (H v)_1, ..., (H v)_k``.
+
+    One ``v_i`` per selected parameter, of its shape; the result is the gradient of
+    ``sum_i <grad_i f, v_i>`` with respect to the same parameters (reverse over reverse), built
+    from registered gradients only, so it compiles like any other function.
+    """
+    first = grad(fn, wrt, with_value=False)
+    targets = resolve_wrt(fn, wrt)
+    vectors = [var(f"v_{t.name}", t.shape, t.dtype) for t in targets]
+    firsts = list(first.outputs)
+    ops = _ops()
+    total = ops.sum(ops.multiply(firsts[0], vectors[0]))
+    for g, v in zip(firsts[1:], vectors[1:]):
+        total = ops.add(total, ops.sum(ops.multiply(g, v)))
+    second = gradients(total, targets)
+    return Function([*fn.params, *vectors], second[0] if len(second) == 1 else tuple(second))
+
+
+def jvp(fn: Function, wrt: Sequence[int | str | Var] | int | str | Var | None = None) -> Function:
+    """Forward-mode derivative of a one-output ``fn``: ``f(params..., t_1, ..., t_k) -> (y, J t)``.
+
+    ``J t = sum_i dy/dparam_i . t_i``, computed by differentiating the (linear) VJP
+    ``u -> J^T u`` once more: ``J t = d/du <J^T u, t>``. The output may have any shape.
+    """
+    if fn.returns_tuple:
+        raise GradientError(f"opgrad.jvp needs a function with one output, got {len(fn.outputs)}")
+    y = fn.outputs[0]
+    if not y.type.is_float:
+        raise GradientError(f"opgrad.jvp: the output is {y.type}; only a float output has a derivative")
+    targets = resolve_wrt(fn, wrt)
+    tangents = [var(f"t_{t.name}", t.shape, t.dtype) for t in targets]
+    u = var("jvp_cotangent", y.shape, y.dtype)
+    ops = _ops()
+    pulled = gradients(y, targets, cotangent=u)
+    total = ops.sum(ops.multiply(pulled[0], tangents[0]))
+    for g, t in zip(pulled[1:], tangents[1:]):
+        total = ops.add(total, ops.sum(ops.multiply(g, t)))
+    (jt,) = gradients(total, [u])
+    # J t does not depend on u (the VJP is linear in u); any leftover use of u only reads its
+    # shape, so u is replaced by zeros and the function takes the parameters and tangents alone.
+    jt = substitute(jt, {u._uid: Const(np.zeros(y.shape, y.dtype))})
+    return Function([*fn.params, *tangents], (y, jt))
+
+
+def substitute(expr: Expr, replacements: dict[int, Expr]) -> Expr:
+    """``expr`` rebuilt with the nodes whose ids are keys of ``replacements`` swapped for the values."""
+    new: dict[int, Expr] = dict(replacements)
+    for node in topological_order([expr]):
+        if node._uid in new:
+            continue
+        if isinstance(node, Call) and any(a._uid in new and new[a._uid] is not a for a in node.args):
+            new[node._uid] = node.op(*(new.get(a._uid, a) for a in node.args), **node.attrs)
+        else:
+            new[node._uid] = node
+    return new[expr._uid]

@@ -276,7 +276,7 @@ def make_call(op: Operator, args: Sequence[Any], attrs: Mapping[str, Any]) -> Ca
             exprs.append(a)
             continue
         spec = specs[i]
-        who = f"opgrad.ops.{op.name}: input {spec.name!r}"
+        who = f"{op.qualified_name}: input {spec.name!r}"
         if spec.kind == "int":
             arr = _numeric_array(a, who)
             if arr.dtype.kind not in "iu":

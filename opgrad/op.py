@@ -26,6 +26,7 @@ compiler, the checker, ``opgrad ops``, the operator reference in the docs) reads
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
@@ -169,7 +170,9 @@ class Operator:
         self._lowering: Callable[..., Any] | None = None
         self._sampler: Callable[..., Any] | None = None
         self._mutants: list[tuple[str, GradientRule]] = []
+        #: Where the op is declared: a registry file's stem ("relu"), or a user's module ("mylib.ops").
         self.module: str = ""
+        self._declared_outside_registry = False
         names = [i.name for i in self.inputs]
         if len(set(names)) != len(names):
             raise ValueError(f"operator {name!r}: duplicate input names {names}")
@@ -178,6 +181,16 @@ class Operator:
                 raise ValueError(f"operator {name!r}: linear_in names unknown input {lin!r}")
         if any(spec.variadic for spec in self.inputs[:-1]):
             raise ValueError(f"operator {name!r}: only the last input may be variadic")
+        caller = inspect.currentframe()
+        declared_in = caller.f_back.f_globals.get("__name__", "") if caller and caller.f_back else ""
+        if declared_in and not declared_in.startswith("opgrad.registry"):
+            # An operator declared in a user's module is as first-class as one in registry/: it
+            # joins opgrad.ops, the checker and the pytest plugin as soon as its module is imported.
+            from opgrad import registry  # here, not at the top: the registry imports this module
+
+            self.module = declared_in
+            self._declared_outside_registry = True
+            registry.register(self)
 
     # ----- decorators used by registry files -----
 
@@ -255,6 +268,21 @@ class Operator:
         return attach
 
     # ----- queries -----
+
+    @property
+    def user_defined(self) -> bool:
+        """Declared in a user's module rather than in opgrad's registry/."""
+        return self._declared_outside_registry
+
+    @property
+    def qualified_name(self) -> str:
+        """How errors name the op: ``opgrad.ops.relu``, or ``mylib.ops.my_op`` for a user's op."""
+        return f"{self.module}.{self.name}" if self.user_defined else f"opgrad.ops.{self.name}"
+
+    @property
+    def source(self) -> str:
+        """Where to edit the declaration: ``registry/relu.py`` or the user's module name."""
+        return f"module {self.module}" if self.user_defined else f"registry/{self.module}.py"
 
     @property
     def mutants(self) -> tuple[tuple[str, GradientRule], ...]:
@@ -393,7 +421,7 @@ class Operator:
         described = described or "none"
         attr_text = ", ".join(f"{k}={v!r}" for k, v in attrs.items()) or "none"
         return OpCallError(
-            f"opgrad.ops.{self.name}: invalid call\n"
+            f"{self.qualified_name}: invalid call\n"
             f"  inputs: {described or 'none'}\n"
             f"  attrs:  {attr_text}\n"
             f"  problem: {problem}"

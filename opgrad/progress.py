@@ -1,6 +1,6 @@
 """A small, dependency-free progress bar for ``opgrad train``.
 
-Why not tqdm: opgrad's core install stays numpy/scipy/llvmlite only, and training needs just
+Why not tqdm: opgrad's core install stays numpy/hypothesis/llvmlite only, and training needs just
 one bar per epoch that looks like::
 
     epoch 3/10 [######################........]  80/125 loss 0.1234 38.2 steps/s

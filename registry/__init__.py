@@ -70,6 +70,37 @@ def get(name: str) -> Operator:
         raise RegistryError(f"no operator named {name!r} is registered{hint}") from None
 
 
+def register(op: Operator) -> None:
+    """Add an operator declared outside this package (a user's module); its name must be new.
+
+    Called by ``Operator`` itself when the declaring module is not part of opgrad's registry.
+    """
+    with _lock:
+        _load()
+        existing = _ops.get(op.name)
+        if existing is not None and existing is not op:
+            if existing.user_defined and existing.module == op.module:
+                _ops[op.name] = op  # the same module re-imported (a notebook cell run twice)
+                return
+            raise RegistryError(f"operator {op.name!r} declared in {op.source} is already declared in "
+                                f"{existing.source}; choose another name")
+        if op.name in _composites:
+            raise RegistryError(f"operator {op.name!r} declared in {op.source} clashes with the composite "
+                                f"{op.name!r} in registry/{_composites[op.name].module}.py")
+        _ops[op.name] = op
+
+
+def unregister(name: str) -> None:
+    """Remove an operator a user's module declared (opgrad's own operators cannot be removed)."""
+    with _lock:
+        op = _ops.get(name)
+        if op is None:
+            raise RegistryError(f"no operator named {name!r} is registered")
+        if not op.user_defined:
+            raise RegistryError(f"operator {name!r} is declared in {op.source} and cannot be unregistered")
+        del _ops[name]
+
+
 def get_composite(name: str) -> Composite | None:
     """The composite called ``name``, or None."""
     _load()

@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
+
 from opgrad.dtypes import TensorType, broadcast_shapes
 from opgrad.op import Attrs, Interval, require
 
@@ -61,3 +63,54 @@ def resolve_axes(attrs: Attrs, ndim: int, key: str = "axis") -> tuple[int, ...]:
     resolved = sorted(normalize_axis(a, ndim, key) for a in axes)
     require(len(set(resolved)) == len(resolved), f"{key}={axes} repeats an axis")
     return tuple(resolved)
+
+
+# ----- attribute converters (``Attr(..., convert=..., uses_types=True)``) -----
+
+
+def axis_attr(value: Any, types: Sequence[TensorType], _attrs: Any = None) -> int:
+    """One axis of the first input, negative counting from the end -> its non-negative index."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise ValueError("expected an int")
+    ndim = types[0].ndim if types else 0
+    if not -ndim <= int(value) < ndim:
+        raise ValueError(f"axis {value} is out of range for a rank-{ndim} input")
+    return int(value) % ndim
+
+
+def axes_attr(value: Any, types: Sequence[TensorType], _attrs: Any = None) -> tuple[int, ...]:
+    """None (every axis), an int or a sequence of ints -> sorted non-negative axes of the first input."""
+    ndim = types[0].ndim if types else 0
+    axes = optional_axes(value)
+    if axes is None:
+        return tuple(range(ndim))
+    resolved = []
+    for a in axes:
+        if not -ndim <= a < ndim:
+            raise ValueError(f"axis {a} is out of range for a rank-{ndim} input")
+        resolved.append(a % ndim)
+    if len(set(resolved)) != len(resolved):
+        raise ValueError("an axis is repeated")
+    return tuple(sorted(resolved))
+
+
+def bool_attr(value: Any) -> bool:
+    if not isinstance(value, (bool, np.bool_)):
+        raise ValueError("expected True or False")
+    return bool(value)
+
+
+# ----- kinks at zero of the first input (relu, leaky_relu, abs, elu, prelu, ...) -----
+
+
+def distance_to_zero(inputs: Sequence[np.ndarray], attrs: Attrs) -> float:
+    """How far the first input's elements are from the kink at 0."""
+    data = inputs[0]
+    return float(np.min(np.abs(data))) if data.size else float("inf")
+
+
+def place_on_zero(rng: np.random.Generator, inputs: list[np.ndarray], attrs: Attrs) -> list[np.ndarray]:
+    """The inputs with about half of the first input's elements set exactly to the kink at 0."""
+    data = inputs[0].copy()
+    data[rng.random(data.shape) < 0.5] = 0.0
+    return [data, *inputs[1:]]

@@ -15,7 +15,7 @@ import numpy as np
 
 from opgrad import ops
 from opgrad.op import Attr, Attrs, Case, Input, Interval, Kink, Operator
-from opgrad.registry._common import same_as_first
+from opgrad.registry._common import distance_to_zero, place_on_zero, same_as_first
 
 _SQRT1_2 = 1.0 / math.sqrt(2.0)
 _TWO_OVER_SQRT_PI = 2.0 / math.sqrt(math.pi)
@@ -38,16 +38,6 @@ def _positive_float(value: Any) -> float:
     if number <= 0:
         raise ValueError("expected a number > 0")
     return number
-
-
-def _distance_to_zero(inputs: Sequence[np.ndarray], attrs: Attrs) -> float:
-    return float(np.min(np.abs(inputs[0]))) if inputs[0].size else float("inf")
-
-
-def _place_on_zero(rng: np.random.Generator, inputs: list[np.ndarray], attrs: Attrs) -> list[np.ndarray]:
-    data = inputs[0].copy()
-    data[rng.random(data.shape) < 0.5] = 0.0
-    return [data]
 
 
 # ----- erf -----
@@ -272,8 +262,8 @@ elu = Operator(
     doc="data if data > 0 else alpha (exp(data) - 1), as torch.nn.functional.elu.",
     kinks=Kink(
         convention="elu'(0) = alpha: at exactly zero the negative side's slope, as PyTorch",
-        distance=_distance_to_zero,
-        place=_place_on_zero,
+        distance=distance_to_zero,
+        place=place_on_zero,
         subgradient=_elu_subgradient,
     ),
 )

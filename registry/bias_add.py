@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -10,20 +9,12 @@ import numpy as np
 from opgrad import ops
 from opgrad.dtypes import TensorType
 from opgrad.op import Attr, Case, Input, Operator, require
-
-
-def _axis(value: Any, types: Sequence[TensorType], _attrs: Any = None) -> int:
-    ndim = types[0].ndim if types else 0
-    axis = int(value)
-    if not -ndim <= axis < ndim:
-        raise ValueError(f"axis {axis} is out of range for a rank-{ndim} data")
-    return axis % ndim
-
+from opgrad.registry._common import axis_attr
 
 bias_add = Operator(
     "bias_add",
     inputs=[Input("data"), Input("bias", doc="1-D, length data.shape[axis]")],
-    attrs=[Attr("axis", default=1, convert=_axis, uses_types=True, doc="the axis bias runs along")],
+    attrs=[Attr("axis", default=1, convert=axis_attr, uses_types=True, doc="the axis bias runs along")],
     doc="data + bias broadcast along `axis`.",
     jointly_linear=True,
 )

@@ -17,21 +17,12 @@ from opgrad import ops
 from opgrad.dtypes import TensorType
 from opgrad.ir import Expr
 from opgrad.op import Attr, Case, Input, Operator, composite, require
-
-
-def _axis(value: Any, types: Sequence[TensorType], _attrs: Any = None) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise ValueError("expected an int")
-    ndim = types[0].ndim if types else 0
-    if not -ndim <= int(value) < ndim:
-        raise ValueError(f"axis {value} is out of range for rank-{ndim} inputs")
-    return int(value) % ndim
-
+from opgrad.registry._common import axis_attr
 
 concatenate = Operator(
     "concatenate",
     inputs=[Input("xs", variadic=True, doc="tensors of one rank, equal except along axis")],
-    attrs=[Attr("axis", default=0, convert=_axis, uses_types=True, doc="the axis to join along (negative counts "
+    attrs=[Attr("axis", default=0, convert=axis_attr, uses_types=True, doc="the axis to join along (negative counts "
                                                                        "from the end)")],
     doc="The tensors xs joined along axis, as np.concatenate and torch.cat.",
     jointly_linear=True,

@@ -16,18 +16,8 @@ import numpy as np
 from opgrad import ops
 from opgrad.dtypes import FLOAT_DTYPES, TensorType
 from opgrad.op import Attr, Attrs, Case, Input, Kink, Operator, require
-from opgrad.registry._common import POSITIVE, broadcast_rule, same_as_first
+from opgrad.registry._common import POSITIVE, broadcast_rule, distance_to_zero, place_on_zero, same_as_first
 from opgrad.registry.collapse_sum_like import sum_to_shape
-
-
-def _distance_to_zero(inputs: Sequence[np.ndarray], attrs: Attrs) -> float:
-    return float(np.min(np.abs(inputs[0]))) if inputs[0].size else float("inf")
-
-
-def _place_on_zero(rng: np.random.Generator, inputs: list[np.ndarray], attrs: Attrs) -> list[np.ndarray]:
-    data = inputs[0].copy()
-    data[rng.random(data.shape) < 0.5] = 0.0
-    return [data]
 
 
 def _sign(data):
@@ -49,8 +39,8 @@ abs = Operator(  # shadows the builtin on purpose: the op is called abs, as in n
     doc="|data| (np.abs, torch.abs).",
     kinks=Kink(
         convention="abs'(0) = 0 (sign(0) = 0), as PyTorch",
-        distance=_distance_to_zero,
-        place=_place_on_zero,
+        distance=distance_to_zero,
+        place=place_on_zero,
         subgradient=_abs_subgradient,
     ),
 )

@@ -13,7 +13,7 @@ import numpy as np
 
 from opgrad import ops
 from opgrad.op import Attr, Attrs, Case, Input, Kink, Operator
-from opgrad.registry._common import same_as_first
+from opgrad.registry._common import distance_to_zero, place_on_zero, same_as_first
 
 
 def _alpha(value: Any) -> float:
@@ -21,16 +21,6 @@ def _alpha(value: Any) -> float:
     if not np.isfinite(alpha) or alpha < 0:
         raise ValueError("expected a finite slope >= 0")
     return alpha
-
-
-def _distance_to_zero(inputs: Sequence[np.ndarray], attrs: Attrs) -> float:
-    return float(np.min(np.abs(inputs[0]))) if inputs[0].size else float("inf")
-
-
-def _place_on_zero(rng: np.random.Generator, inputs: list[np.ndarray], attrs: Attrs) -> list[np.ndarray]:
-    data = inputs[0].copy()
-    data[rng.random(data.shape) < 0.5] = 0.0
-    return [data]
 
 
 def _subgradient(inputs: Sequence[np.ndarray], cotangent: np.ndarray, attrs: Attrs) -> list[np.ndarray | None]:
@@ -44,8 +34,8 @@ leaky_relu = Operator(
     doc="data if data > 0 else alpha * data.",
     kinks=Kink(
         convention="leaky_relu'(0) = alpha: at exactly zero the slope of the negative side",
-        distance=_distance_to_zero,
-        place=_place_on_zero,
+        distance=distance_to_zero,
+        place=place_on_zero,
         subgradient=_subgradient,
     ),
 )

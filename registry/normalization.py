@@ -27,15 +27,7 @@ from opgrad import ops
 from opgrad.dtypes import TensorType
 from opgrad.ir import Expr
 from opgrad.op import Attr, Attrs, Case, Input, Kink, Operator, require
-from opgrad.registry._common import POSITIVE
-
-
-def _axis(value: Any, types: Sequence[TensorType], _attrs: Any = None) -> int:
-    ndim = types[0].ndim if types else 0
-    axis = int(value)
-    if not -ndim <= axis < ndim:
-        raise ValueError(f"axis {axis} is out of range for a rank-{ndim} data")
-    return axis % ndim
+from opgrad.registry._common import POSITIVE, axis_attr, distance_to_zero, place_on_zero
 
 
 def _epsilon(value: Any) -> float:
@@ -47,7 +39,7 @@ def _epsilon(value: Any) -> float:
 
 def _axis_attrs(default_axis: int, axis_doc: str) -> list[Attr]:
     return [
-        Attr("axis", default=default_axis, convert=_axis, uses_types=True, doc=axis_doc),
+        Attr("axis", default=default_axis, convert=axis_attr, uses_types=True, doc=axis_doc),
         Attr("epsilon", default=1e-5, convert=_epsilon, doc="added to the variance before the square root"),
     ]
 
@@ -381,17 +373,6 @@ def _alpha_expr(alpha: Expr, data: Expr, axis: int) -> Expr:
     return ops.reshape(alpha, shape=())
 
 
-def _distance_to_zero(inputs: Sequence[np.ndarray], attrs: Attrs) -> float:
-    data = inputs[0]
-    return float(np.min(np.abs(data))) if data.size else float("inf")
-
-
-def _place_on_zero(rng: np.random.Generator, inputs: list[np.ndarray], attrs: Attrs) -> list[np.ndarray]:
-    data = inputs[0].copy()
-    data[rng.random(data.shape) < 0.5] = 0.0
-    return [data, inputs[1]]
-
-
 def _prelu_subgradient(inputs: Sequence[np.ndarray], cotangent: np.ndarray, attrs: Attrs) -> list[np.ndarray | None]:
     data, alpha = inputs
     a = _alpha_np(alpha, data, attrs["axis"])
@@ -407,13 +388,13 @@ prelu = Operator(
     "prelu",
     inputs=[Input("data"), Input("alpha", doc="slopes for data <= 0: shape (C,) along axis, or one value "
                                               "(shape () or (1,))")],
-    attrs=[Attr("axis", default=1, convert=_axis, uses_types=True, doc="the channel axis alpha runs along")],
+    attrs=[Attr("axis", default=1, convert=axis_attr, uses_types=True, doc="the channel axis alpha runs along")],
     doc="data where data > 0, else alpha * data, alpha per channel along `axis` or shared "
         "(as torch.nn.functional.prelu).",
     kinks=Kink(
         convention="prelu'(0) = alpha, as PyTorch: at exactly zero the slope of the negative side",
-        distance=_distance_to_zero,
-        place=_place_on_zero,
+        distance=distance_to_zero,
+        place=place_on_zero,
         subgradient=_prelu_subgradient,
     ),
 )

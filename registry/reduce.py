@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -10,37 +9,15 @@ import numpy as np
 from opgrad import ops
 from opgrad.dtypes import TensorType
 from opgrad.op import Attr, Case, Input, Operator
-from opgrad.registry._common import optional_axes
-
-
-def _axes(value: Any, types: Sequence[TensorType], _attrs: Any = None) -> tuple[int, ...]:
-    ndim = types[0].ndim if types else 0
-    axes = optional_axes(value)
-    if axes is None:
-        return tuple(range(ndim))
-    resolved = []
-    for a in axes:
-        if not -ndim <= a < ndim:
-            raise ValueError(f"axis {a} is out of range for a rank-{ndim} input")
-        resolved.append(a % ndim)
-    if len(set(resolved)) != len(resolved):
-        raise ValueError("an axis is repeated")
-    return tuple(sorted(resolved))
-
-
-def _bool(value: Any) -> bool:
-    if not isinstance(value, (bool, np.bool_)):
-        raise ValueError("expected True or False")
-    return bool(value)
-
+from opgrad.registry._common import axes_attr, bool_attr
 
 sum = Operator(  # shadows the builtin on purpose: the op is called sum, as in numpy
     "sum",
     inputs=[Input("data")],
     attrs=[
-        Attr("axis", default=None, convert=_axes, uses_types=True,
+        Attr("axis", default=None, convert=axes_attr, uses_types=True,
              doc="int, tuple of ints, or None for all axes"),
-        Attr("keepdims", default=False, convert=_bool),
+        Attr("keepdims", default=False, convert=bool_attr),
     ],
     doc="Sum of data over `axis`.",
     jointly_linear=True,

@@ -25,35 +25,13 @@ import numpy as np
 from opgrad import ops
 from opgrad.dtypes import TensorType
 from opgrad.op import Attr, Attrs, Case, Input, Interval, Kink, Operator, require
-from opgrad.registry._common import optional_axes
-
-
-def _axes(value: Any, types: Sequence[TensorType], _attrs: Any = None) -> tuple[int, ...]:
-    """None (every axis), an int or a sequence of ints -> sorted non-negative axes."""
-    ndim = types[0].ndim if types else 0
-    axes = optional_axes(value)
-    if axes is None:
-        return tuple(range(ndim))
-    resolved = []
-    for a in axes:
-        if not -ndim <= a < ndim:
-            raise ValueError(f"axis {a} is out of range for a rank-{ndim} input")
-        resolved.append(a % ndim)
-    if len(set(resolved)) != len(resolved):
-        raise ValueError("an axis is repeated")
-    return tuple(sorted(resolved))
-
-
-def _bool(value: Any) -> bool:
-    if not isinstance(value, (bool, np.bool_)):
-        raise ValueError("expected True or False")
-    return bool(value)
+from opgrad.registry._common import axes_attr, bool_attr
 
 
 def _reduce_attrs() -> list[Attr]:
     return [
-        Attr("axis", default=None, convert=_axes, uses_types=True, doc="int, tuple of ints, or None for all axes"),
-        Attr("keepdims", default=False, convert=_bool, doc="keep reduced axes as size 1"),
+        Attr("axis", default=None, convert=axes_attr, uses_types=True, doc="int, tuple of ints, or None for all axes"),
+        Attr("keepdims", default=False, convert=bool_attr, doc="keep reduced axes as size 1"),
     ]
 
 
@@ -501,7 +479,7 @@ def _index_attrs() -> list[Attr]:
     return [
         Attr("axis", default=None, convert=_one_axis, uses_types=True,
              doc="one int axis, or None for an index into the flattened array"),
-        Attr("keepdims", default=False, convert=_bool, doc="keep reduced axes as size 1"),
+        Attr("keepdims", default=False, convert=bool_attr, doc="keep reduced axes as size 1"),
     ]
 
 

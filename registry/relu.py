@@ -8,19 +8,7 @@ import numpy as np
 
 from opgrad import ops
 from opgrad.op import Attrs, Input, Kink, Operator
-from opgrad.registry._common import same_as_first
-
-
-def _distance_to_zero(inputs: Sequence[np.ndarray], attrs: Attrs) -> float:
-    data = inputs[0]
-    return float(np.min(np.abs(data))) if data.size else float("inf")
-
-
-def _place_on_zero(rng: np.random.Generator, inputs: list[np.ndarray], attrs: Attrs) -> list[np.ndarray]:
-    data = inputs[0].copy()
-    mask = rng.random(data.shape) < 0.5
-    data[mask] = 0.0
-    return [data]
+from opgrad.registry._common import distance_to_zero, place_on_zero, same_as_first
 
 
 def _relu_subgradient(inputs: Sequence[np.ndarray], cotangent: np.ndarray, attrs: Attrs) -> list[np.ndarray | None]:
@@ -33,8 +21,8 @@ relu = Operator(
     doc="max(data, 0).",
     kinks=Kink(
         convention="relu'(0) = 0: the gradient at exactly zero is zero",
-        distance=_distance_to_zero,
-        place=_place_on_zero,
+        distance=distance_to_zero,
+        place=place_on_zero,
         subgradient=_relu_subgradient,
     ),
 )

@@ -2,23 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
-
 import numpy as np
 
 from opgrad import ops
-from opgrad.dtypes import TensorType
 from opgrad.op import Attr, Case, Input, Operator
-from opgrad.registry._common import same_as_first
-
-
-def _axis(value: Any, types: Sequence[TensorType], _attrs: Any = None) -> int:
-    ndim = types[0].ndim if types else 0
-    axis = int(value)
-    if not -ndim <= axis < ndim:
-        raise ValueError(f"axis {axis} is out of range for a rank-{ndim} input")
-    return axis % ndim
+from opgrad.registry._common import axis_attr, same_as_first
 
 
 def stable_log_softmax(data: np.ndarray, axis: int) -> np.ndarray:
@@ -30,7 +18,7 @@ def stable_log_softmax(data: np.ndarray, axis: int) -> np.ndarray:
 softmax = Operator(
     "softmax",
     inputs=[Input("data")],
-    attrs=[Attr("axis", default=-1, convert=_axis, uses_types=True)],
+    attrs=[Attr("axis", default=-1, convert=axis_attr, uses_types=True)],
     doc="exp(data) / sum(exp(data), axis).",
 )
 softmax.shape_rule(same_as_first)
@@ -76,7 +64,7 @@ def _softmax_lowering(kb, call, out, data):
 log_softmax = Operator(
     "log_softmax",
     inputs=[Input("data")],
-    attrs=[Attr("axis", default=-1, convert=_axis, uses_types=True)],
+    attrs=[Attr("axis", default=-1, convert=axis_attr, uses_types=True)],
     doc="data - log(sum(exp(data), axis)).",
 )
 log_softmax.shape_rule(same_as_first)

@@ -6,10 +6,10 @@ from hypothesis import settings
 # tests/fd.py and other helpers are imported as plain modules by the tests.
 sys.path.insert(0, os.path.dirname(__file__))
 
-# The project's own suite is derandomized unless asked otherwise (HYPOTHESIS_PROFILE=thorough):
+# The project's own suite is derandomized unless asked otherwise (HYPOTHESIS_PROFILE=opgrad-thorough):
 # the same examples on every machine, so CI and a developer's run never disagree by chance.
 if not os.environ.get("HYPOTHESIS_PROFILE"):
     from opgrad.checks.profiles import register_profiles
 
     register_profiles()
-    settings.load_profile("ci")
+    settings.load_profile("opgrad-ci")

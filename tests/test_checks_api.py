@@ -164,9 +164,9 @@ def test_cli_table_and_exit_code(capsys: pytest.CaptureFixture[str], monkeypatch
 def test_profiles_are_registered() -> None:
     from hypothesis import settings as hs
 
-    ci = hs.get_profile("ci")
+    ci = hs.get_profile("opgrad-ci")
     assert ci.derandomize and ci.deadline is None and ci.print_blob
-    assert hs.get_profile("thorough").max_examples >= 1000
+    assert hs.get_profile("opgrad-thorough").max_examples >= 1000
 
 
 def test_a_user_suite_checks_an_op_in_one_line(tmp_path: Path) -> None:
@@ -176,7 +176,7 @@ def test_a_user_suite_checks_an_op_in_one_line(tmp_path: Path) -> None:
     """))
     result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tmp_path)],
                             capture_output=True, text=True, cwd=tmp_path,
-                            env={**__import__("os").environ, "HYPOTHESIS_PROFILE": "ci"})
+                            env={**__import__("os").environ, "HYPOTHESIS_PROFILE": "opgrad-ci"})
     assert result.returncode == 0, result.stdout + result.stderr
     assert "1 passed" in result.stdout
 

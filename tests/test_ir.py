@@ -32,7 +32,7 @@ def test_printing_is_one_line_per_call() -> None:
 
 
 def test_bad_conv_call_names_op_input_shapes_and_expectation() -> None:
-    x = opgrad.var("x", (8, 28, 28, 1))  # NHWC by mistake (seed 001)
+    x = opgrad.var("x", (8, 28, 28, 1))  # NHWC by mistake, as a Keras user would
     w = opgrad.var("w", (32, 1, 3, 3))
     with pytest.raises(opgrad.OpCallError) as info:
         ops.conv2d(x, w)

@@ -26,7 +26,7 @@ def test_seed_cnn_shapes_and_parameters() -> None:
         "conv3.weight": (128, 64, 12, 12), "conv3.bias": (128,),
         "dense1.weight": (10, 128), "dense1.bias": (10,),
     }
-    assert model.num_params == 1_199_882  # seed 000's Keras summary
+    assert model.num_params == 1_199_882  # the Keras summary of the same model
     assert "conv3" in model.summary() and "1,199,882" in model.summary()
 
 

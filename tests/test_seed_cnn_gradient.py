@@ -1,4 +1,4 @@
-"""The seed 000 CNN differentiated end to end, against float64 central finite differences.
+"""The seed CNN differentiated end to end, against float64 central finite differences.
 
 conv3x3 1->32 relu, conv3x3 32->64 relu, avgpool 2, conv12x12 64->128 relu, flatten, dense 10,
 softmax cross-entropy: built from opgrad.ops directly so this test does not depend on opgrad.nn.

@@ -1,7 +1,7 @@
 """Training: compiled-vs-reference parity, reproducibility, checkpoint resume, and the CLI.
 
-The parity tests run the llvm backend (``opgrad.compile``); until the compiler lands they fail
-with its ImportError, on purpose: they are the acceptance test for the compiled training step.
+The parity tests run the llvm backend (``opgrad.compile``) against the reference: they are the
+acceptance test for the compiled training step.
 """
 
 from __future__ import annotations

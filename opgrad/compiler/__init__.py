@@ -8,9 +8,11 @@ Public surface for the layers above (phase 2 lowerings call only these):
 from .builder import CompiledGraph, KernelBuilder, Scalar, View
 from .conv import Conv2dGeometry
 from .gemm import GemmSpec, IndexMap, Operand
-from .graph import CompiledFunction, compile
+from .graph import CompiledFunction, GraphPlan, compile, plan_graph
 from .jit import NativeModule, ObjectCache, host_target
 from .kernels import CompiledKernel, Conv2dKernels, conv2d_geometry, conv2d_kernels, gemm, gemm_kernel
+from .steploop import LoopStopped, StepLoop
+from .target import Target, current_target, resolve_target, use_target
 
 __all__ = [
     "CompiledFunction",
@@ -19,17 +21,25 @@ __all__ = [
     "Conv2dGeometry",
     "Conv2dKernels",
     "GemmSpec",
+    "GraphPlan",
     "IndexMap",
     "KernelBuilder",
+    "LoopStopped",
     "NativeModule",
     "ObjectCache",
     "Operand",
     "Scalar",
+    "StepLoop",
+    "Target",
     "View",
     "compile",
     "conv2d_geometry",
     "conv2d_kernels",
+    "current_target",
     "gemm",
     "gemm_kernel",
     "host_target",
+    "plan_graph",
+    "resolve_target",
+    "use_target",
 ]

@@ -460,7 +460,7 @@ class KernelBuilder:
                 vals = [_load(s, v, ptrs.get(i + 1), offs[i]) for i, v in enumerate(st.inputs)]
                 v = st.body(s, vals)
                 cur = f.load(t, acc)
-                f.store(t, s.add(cur, v) if st.op == "sum" else getattr(s, st.op)(cur, v), acc)
+                f.store(t, s.accumulate(cur, v) if st.op == "sum" else getattr(s, st.op)(cur, v), acc)
                 return
             ax = st.axes[level]
             with f.loop(0, shape[ax], hint=f"r{level}") as i:

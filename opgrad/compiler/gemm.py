@@ -23,7 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from .irtext import BYTES, LLVM_TYPE, FunctionEmitter, ModuleEmitter, float_const, iota_const, splat_const
-from .jit import host_target
+from .target import Target, current_target
 from .threads import PARALLEL_FOR, PARALLEL_FOR_DECL
 
 _I32_LIMIT = 2**31 - 1
@@ -132,12 +132,13 @@ class Blocking:
     nc: int
 
     @staticmethod
-    def for_host(dtype: str) -> Blocking:
-        """Register tile sized to the register file: 8 x 2 vectors with 32 registers (AVX-512),
-        6 x 2 with 16 (AVX2), leaving room for the B vectors and the A broadcast."""
-        host = host_target()
-        vl = host.vector_width(BYTES[dtype])
-        mr = 8 if host.vector_registers >= 32 else 6
+    def for_target(dtype: str, target: Target | None = None) -> Blocking:
+        """Register tile sized to the register file: 8 x 2 vectors with 32 registers (AVX-512,
+        AArch64), 6 x 2 with 16 (AVX2), leaving room for the B vectors and the A broadcast.
+        ``target`` defaults to the one code is being generated for (the host unless set)."""
+        target = target or current_target()
+        vl = target.vector_width(BYTES[dtype])
+        mr = 8 if target.vector_registers >= 32 else 6
         mc = 128 if BYTES[dtype] == 4 else 64
         return Blocking(mr=mr, nr=2 * vl, vl=vl, kc=256, mc=_round_up(mc, mr), nc=2048)
 
@@ -440,7 +441,7 @@ def emit_gemm(
         op.check()
     assert spec.c.window is None, "C cannot have a padding window"
     assert min(spec.m, spec.n, spec.k) >= 1
-    blk = blocking or Blocking.for_host(spec.dtype)
+    blk = blocking or Blocking.for_target(spec.dtype)
     plan = GemmPlan(spec, blk)
     base = m.unique(name or f"gemm_{spec.m}x{spec.n}x{spec.k}")
     m.declare(PARALLEL_FOR, PARALLEL_FOR_DECL)

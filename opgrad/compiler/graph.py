@@ -23,7 +23,7 @@ import ctypes
 import math
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -33,7 +33,9 @@ from opgrad.ir import Call, Const, Function, Var, topological_order
 from opgrad.reference import check_arguments
 
 from .builder import KernelBuilder, _register_libm
+from .irtext import ModuleEmitter
 from .jit import CompileTimes, NativeModule
+from .steploop import LOOP_NAN, LOOP_RANGE, STATUS_WORDS, STOP_ON_NAN, LoopCheck, LoopStopped, StepLoop, emit_step_loop
 from .threads import pool
 from .views import ELEMENT_BYTES, View, _identity
 
@@ -90,11 +92,11 @@ def plan_arena(sizes: dict[int, int], lifetimes: dict[int, tuple[int, int]]) -> 
 class _Lowering:
     """Turns a Function into KernelBuilder steps over virtual buffers."""
 
-    def __init__(self, fn: Function) -> None:
+    def __init__(self, fn: Function, name: str = "opgrad_graph") -> None:
         self.fn = fn
         self.buffers: list[Buffer] = []
         self.consts: dict[int, np.ndarray] = {}
-        self.kb = KernelBuilder("opgrad_graph", allocate=lambda shape, dtype: self.new("internal", shape, dtype))
+        self.kb = KernelBuilder(name, allocate=lambda shape, dtype: self.new("internal", shape, dtype))
         self.checks: list[RangeCheck] = []
 
     def new(self, kind: str, shape: tuple[int, ...], dtype: str, index: int = -1) -> int:
@@ -140,7 +142,7 @@ class _Lowering:
         if lower is None:
             raise NotImplementedError(
                 f"opgrad.compile: operator {call.op.name!r} has no lowering; add '@{call.op.name}.lowering' "
-                f"in registry/{call.op.module}.py (see docs/compiler.md)"
+                f"in {call.op.source} (see docs/compiler.md)"
             )
         self._range_checks(call)
         index = result if result is not None else self.new("internal", call.shape, call.dtype)
@@ -192,6 +194,77 @@ def _check_range(arr: np.ndarray, check: RangeCheck, what: str) -> None:
         )
 
 
+@dataclass
+class GraphPlan:
+    """Everything about a compiled graph except its machine code: the pointer table's slots
+    (``buffers``, with ``params``/``results`` giving each argument's and result's slot), the arena
+    offsets of internal slots, constants, range checks, per-thread workspace and the LLVM IR.
+
+    The JIT (:class:`CompiledFunction`) and the exporter (:mod:`opgrad.deploy`) both run a plan:
+    one fills the table from numpy arrays, the other from C.
+    """
+
+    function: Function
+    name: str
+    buffers: list[Buffer]
+    params: list[int]
+    results: list[int]
+    offsets: dict[int, int]
+    arena_bytes: int
+    consts: dict[int, np.ndarray]
+    checks: list[RangeCheck]
+    workspace_per_thread: int
+    steps: int
+    fused: int
+    step_labels: list[str]
+    kernel_labels: dict[str, str]
+    module: ModuleEmitter
+    ir: str
+    loop: StepLoop | None = None
+    loop_entry: str = ""
+    loop_checks: list[LoopCheck] = field(default_factory=list)
+
+
+def plan_graph(fn: Function, *, name: str = "opgrad_graph", step_entries: bool = False,
+               loop: StepLoop | None = None) -> GraphPlan:
+    """Lower, fuse and plan ``fn`` into one module with entry ``void name(ptr bufs, ptr ws)``.
+
+    Code is generated for the current target (:func:`opgrad.compiler.target.use_target`; the
+    host by default). ``loop`` adds ``i32 name_steps(...)`` (:mod:`.steploop`).
+    """
+    if loop is not None:
+        loop.validate(fn)
+    low = _Lowering(fn, name)
+    results = low.run()
+    kb = low.kb
+    internal = {i for i, b in enumerate(low.buffers) if b.kind == "internal"}
+    fused = kb.fuse(internal)
+    lifetimes: dict[int, tuple[int, int]] = {}
+    for s, step in enumerate(kb.steps):
+        for b in (*step.reads, *step.writes):
+            if b in internal:
+                first, _ = lifetimes.get(b, (s, s))
+                lifetimes[b] = (first, s)
+    offsets, arena_bytes = plan_arena({b: low.buffers[b].nbytes for b in lifetimes}, lifetimes)
+    params = [i for i, b in enumerate(low.buffers) if b.kind == "param"]
+    step_labels = [step.label or "copy" for step in kb.steps]
+    ir = kb.finish(step_entries)
+    loop_entry = ""
+    loop_checks: list[LoopCheck] = []
+    if loop is not None:
+        streamed = {params[i] for i in loop.streams}
+        loop_checks = [LoopCheck(params[c.param], math.prod(fn.params[c.param].shape), fn.params[c.param].dtype,
+                                 c.low, c.high, params[c.param] in streamed) for c in low.checks]
+        nan_dtype = fn.outputs[loop.nan_check].dtype if loop.nan_check is not None else None
+        loop_entry = emit_step_loop(kb.m, name, loop, params, results,
+                                    {b: low.buffers[b].nbytes for b in range(len(low.buffers))},
+                                    loop_checks, nan_dtype)
+        ir = kb.m.text()
+    return GraphPlan(fn, name, low.buffers, params, results, offsets, arena_bytes, low.consts, low.checks,
+                     kb.workspace_per_thread, len(kb.steps), fused, step_labels, kb.kernel_labels, kb.m, ir,
+                     loop, loop_entry, loop_checks)
+
+
 class CompiledFunction:
     """A Function compiled to one native entry; call it like ``opgrad.evaluate(fn, ...)``.
 
@@ -204,50 +277,43 @@ class CompiledFunction:
     Calls on one object are serialized by a lock: the intermediate arena is shared.
     """
 
-    def __init__(self, fn: Function, step_entries: bool = False) -> None:
+    def __init__(self, fn: Function, step_entries: bool = False, loop: StepLoop | None = None) -> None:
         t0 = time.perf_counter()
         self.function = fn
-        low = _Lowering(fn)
-        results = low.run()
-        kb = low.kb
-        internal = {i for i, b in enumerate(low.buffers) if b.kind == "internal"}
-        self.fused = kb.fuse(internal)
-        lifetimes: dict[int, tuple[int, int]] = {}
-        for s, step in enumerate(kb.steps):
-            for b in (*step.reads, *step.writes):
-                if b in internal:
-                    first, _ = lifetimes.get(b, (s, s))
-                    lifetimes[b] = (first, s)
-        offsets, self.arena_bytes = plan_arena({b: low.buffers[b].nbytes for b in lifetimes}, lifetimes)
-        self.steps = len(kb.steps)
-        self.step_labels = [step.label or "copy" for step in kb.steps]
+        plan = plan_graph(fn, step_entries=step_entries, loop=loop)
+        self.plan = plan
+        self.fused, self.arena_bytes, self.steps = plan.fused, plan.arena_bytes, plan.steps
+        self.step_labels = plan.step_labels
         _register_libm()
         nthreads = pool().nthreads
-        self.ir = kb.finish(step_entries)
-        self._module = NativeModule(self.ir, what=_describe(fn), kernel_labels=kb.kernel_labels)
+        self.ir = plan.ir
+        self._module = NativeModule(self.ir, what=_describe(fn), kernel_labels=plan.kernel_labels)
         self.times: CompileTimes = self._module.times
         self.cache_hit = self.times.cache_hit
-        self._fn = self._module.cfunc("opgrad_graph", None, ctypes.c_void_p, ctypes.c_void_p)
+        self._fn = self._module.cfunc(plan.name, None, ctypes.c_void_p, ctypes.c_void_p)
         self._arena = np.zeros(self.arena_bytes + _ALIGN, np.uint8)
-        self._ws = np.zeros(kb.workspace_per_thread * nthreads + _ALIGN, np.uint8)
-        self._consts = low.consts
-        self._table = (ctypes.c_void_p * max(1, len(low.buffers)))()
+        self._ws = np.zeros(plan.workspace_per_thread * nthreads + _ALIGN, np.uint8)
+        self._consts = plan.consts
+        self._table = (ctypes.c_void_p * max(1, len(plan.buffers)))()
         self._table_addr = ctypes.addressof(self._table)
         arena = _aligned(self._arena)
-        for b, off in offsets.items():
+        for b, off in plan.offsets.items():
             self._table[b] = arena + off
         for b, arr in self._consts.items():
             self._table[b] = arr.ctypes.data
-        self._params = [i for i, b in enumerate(low.buffers) if b.kind == "param"]
-        self._results = results
+        self._params = plan.params
+        self._results = plan.results
         self._result_types = [(o.shape, np.dtype(o.dtype)) for o in fn.outputs]
         self._param_types = [(p.shape, np.dtype(p.dtype)) for p in fn.params]  # native byte order
-        self._checks = low.checks
+        self._checks = plan.checks
         self._ws_addr = _aligned(self._ws)
         self._lock = threading.Lock()
         self._profile: list[list[float]] | None = None
-        self._step_fns = [self._module.cfunc(f"opgrad_graph.step{i}", None, ctypes.c_void_p, ctypes.c_void_p)
+        self._step_fns = [self._module.cfunc(f"{plan.name}.step{i}", None, ctypes.c_void_p, ctypes.c_void_p)
                           for i in range(self.steps)] if step_entries else []
+        self._loop_fn = (self._module.cfunc(plan.loop_entry, ctypes.c_int32, ctypes.c_void_p, ctypes.c_void_p,
+                                            ctypes.c_int64, ctypes.c_int32, ctypes.c_void_p)
+                         if plan.loop_entry else None)
         self.compile_seconds = time.perf_counter() - t0
 
     def __call__(self, *arrays: Any) -> np.ndarray | tuple[np.ndarray, ...]:
@@ -277,6 +343,87 @@ class CompiledFunction:
                     step(self._table_addr, self._ws_addr)
                     self._profile[i].append(time.perf_counter() - t)
         return tuple(outs) if self.function.returns_tuple else outs[0]
+
+    def run_steps(self, steps: int, *arrays: Any, stop_on_nan: bool = False,
+                  validate: bool = True) -> np.ndarray | tuple[np.ndarray, ...]:
+        """Run ``steps`` calls as ONE native call through the loop compiled in (``loop=``).
+
+        ``arrays`` follow the function's parameters. A streamed parameter of shape ``(B, ...)`` is
+        given batch-major as ``(steps * B, ...)`` (a scalar as ``(steps,)``); a carried parameter
+        as its initial value (never modified); the rest as for a single call. Returns the results
+        like a call does, except that each outfeed is stacked to ``(steps, *shape)`` and each
+        carried result holds the values after the last step. The results equal ``steps``
+        single calls bitwise: the loop calls the same machine code.
+
+        Integer inputs are range-checked here first (``validate=False`` leaves that to the
+        native loop, which checks each step before running it). ``stop_on_nan=True`` stops at the
+        first NaN of the ``nan_check`` result and raises :class:`LoopStopped`.
+        """
+        loop = self.plan.loop
+        if self._loop_fn is None or loop is None:
+            raise ValueError("run_steps needs the native loop: compile with opgrad.compile(fn, loop=StepLoop(...))")
+        if isinstance(steps, bool) or not isinstance(steps, (int, np.integer)) or steps < 0:
+            raise ValueError(f"run_steps: steps must be an int >= 0, got {steps!r}")
+        steps = int(steps)
+        fn = self.function
+        who = "opgrad.compile(...).run_steps"
+        if len(arrays) != len(fn.params):
+            names = ", ".join(p.name for p in fn.params)
+            raise ArgumentError(f"{who}: expected {len(fn.params)} arrays ({names}), got {len(arrays)}")
+        streamed = set(loop.streams)
+        checked: list[np.ndarray] = []
+        for i, (var, a) in enumerate(zip(fn.params, arrays, strict=True)):
+            shape = ((steps * var.shape[0], *var.shape[1:]) if var.shape else (steps,)) if i in streamed else var.shape
+            arr = a if isinstance(a, np.ndarray) else np.asarray(a)
+            if arr.shape != shape or arr.dtype != np.dtype(var.dtype):
+                how = f" ({steps} steps of {var.dtype}{list(var.shape)}, batch-major)" if i in streamed else ""
+                raise ArgumentError(f"{who}: argument {var.name!r} expects {var.dtype}{list(shape)}{how}, "
+                                    f"got {arr.dtype}{list(arr.shape)}")
+            if not (arr.flags.c_contiguous and arr.dtype.isnative and arr.flags.aligned):
+                arr = np.ascontiguousarray(arr, dtype=arr.dtype.newbyteorder("="))
+            checked.append(arr)
+        if validate:
+            for check in self._checks:
+                _check_range(checked[check.param], check, f"argument {fn.params[check.param].name!r} of run_steps")
+        outs: list[np.ndarray] = []
+        for r, (shape, dtype) in enumerate(self._result_types):
+            outs.append(np.empty((steps, *shape) if r in loop.outfeeds else shape, dtype))
+        spare = {r: np.array(checked[p], copy=True) for p, r in loop.carry}  # the caller's arrays stay as given
+        status = np.zeros(STATUS_WORDS, np.int64)
+        with self._lock:
+            table = self._table
+            for b, arr in zip(self._params, checked, strict=True):
+                table[b] = arr.ctypes.data
+            for b, arr in zip(self._results, outs, strict=True):
+                table[b] = arr.ctypes.data
+            for p, r in loop.carry:
+                table[self._params[p]] = spare[r].ctypes.data
+            code = self._loop_fn(self._table_addr, self._ws_addr, steps, STOP_ON_NAN if stop_on_nan else 0,
+                                 status.ctypes.data)
+            for p, r in loop.carry:  # the newest values are wherever the parameter slot points now
+                if table[self._params[p]] == spare[r].ctypes.data:
+                    outs[r] = spare[r]
+        result = tuple(outs) if fn.returns_tuple else outs[0]
+        if code == LOOP_RANGE:
+            step, index, value, k = (int(x) for x in status[1:])
+            check = self._checks[k]
+            bad = fn.params[check.param]
+            per_step = math.prod(bad.shape)
+            raise ArgumentError(
+                f"{who}: argument {bad.name!r} feeds input {check.input!r} of {check.op} with value {value} at step "
+                f"{step} (index {index} of that step, flat index {step * per_step + index}); valid range is "
+                f"[{check.low}, {check.high}); no step from {step} on ran"
+            )
+        if code == LOOP_NAN:
+            step = int(status[1])
+            for r in loop.outfeeds:
+                outs[r] = outs[r][: step + 1]
+            raise LoopStopped(
+                f"{who}: result {loop.nan_check} is NaN at step {step}; stopped as asked (stop_on_nan), "
+                f"carried values are those before step {step}", step, tuple(outs))
+        if code != 0:
+            raise RuntimeError(f"{who}: the native loop returned unknown code {code}")
+        return result
 
     def profile(self, *arrays: Any, runs: int = 5) -> list[tuple[str, float]]:
         """Median milliseconds of each step, labelled with the op(s) it came from.
@@ -313,14 +460,15 @@ def _aligned(arr: np.ndarray) -> int:
     return addr + (-addr) % _ALIGN
 
 
-def compile(fn: Function, *, step_entries: bool = False) -> CompiledFunction:
+def compile(fn: Function, *, step_entries: bool = False, loop: StepLoop | None = None) -> CompiledFunction:
     """Compile ``fn`` (any Function, including those ``opgrad.grad`` returns) to native code.
 
-    ``step_entries=True`` also exports one entry per step for :meth:`CompiledFunction.profile`.
+    ``step_entries=True`` also exports one entry per step for :meth:`CompiledFunction.profile`;
+    ``loop`` adds the native multi-step loop that :meth:`CompiledFunction.run_steps` calls.
     """
     if not isinstance(fn, Function):
         raise TypeError(f"opgrad.compile expects an opgrad.Function, got {type(fn).__name__}")
-    return CompiledFunction(fn, step_entries)
+    return CompiledFunction(fn, step_entries, loop)
 
 
-__all__ = ["CompiledFunction", "compile", "plan_arena"]
+__all__ = ["CompiledFunction", "GraphPlan", "compile", "plan_arena", "plan_graph"]

@@ -16,8 +16,12 @@ from contextlib import contextmanager
 LLVM_TYPE = {"float32": "float", "float64": "double"}
 BYTES = {"float32": 4, "float64": 8}
 
-#: Fast-math flags used on reductions: reassociation lets them vectorize; nsz/contract are harmless.
+#: Fast-math flags of a reduction's accumulating add: reassociation lets it vectorize.
 FAST = "reassoc nsz contract"
+#: Flags of every other float operation: only fusing a * b + c into one FMA. Reassociating
+#: ``(x - max) - log(sum)`` into ``x - (max + log(sum))`` would lose the digits a float32
+#: log-softmax keeps at logits near 1e4, so elementwise arithmetic keeps the order it is written in.
+PRECISE = "contract"
 
 
 def float_const(value: float, llvm_type: str) -> str:
@@ -49,10 +53,10 @@ class ModuleEmitter:
     def __init__(self, name: str = "opgrad", function_attrs: str | None = None) -> None:
         self.name = name
         if function_attrs is None:
-            from .jit import host_target  # late import: irtext stays usable without a JIT
+            from .target import current_target  # late import: irtext stays usable without llvmlite
 
-            function_attrs = host_target().function_attrs
-        #: Attributes put on every function (e.g. keep 512-bit vectors unsplit on AVX-512 hosts).
+            function_attrs = current_target().function_attrs
+        #: Attributes put on every function (e.g. keep 512-bit vectors unsplit on AVX-512 targets).
         self.function_attrs = function_attrs
         self._decls: dict[str, str] = {}
         self._globals: list[str] = []
@@ -87,6 +91,19 @@ class ModuleEmitter:
             name = f"{base}.{i}"
         self._names.add(name)
         return name
+
+    def merge(self, other: ModuleEmitter) -> None:
+        """Add ``other``'s globals, declarations and functions, so two graphs become one module
+        (their builders must have used different names, as an exported library's do)."""
+        for name, decl in other._decls.items():
+            if self._decls.setdefault(name, decl) != decl:
+                raise ValueError(f"cannot merge modules: @{name} is declared differently")
+        clash = self._names & other._names
+        if clash:
+            raise ValueError(f"cannot merge modules: both define {', '.join(sorted(clash))}")
+        self._globals.extend(other._globals)
+        self._functions.extend(other._functions)
+        self._names |= other._names
 
     def text(self) -> str:
         parts = [f"; ModuleID = '{self.name}'", *self._globals, *self._decls.values(), *self._functions]

@@ -22,7 +22,6 @@ from __future__ import annotations
 import atexit
 import contextlib
 import ctypes
-import functools
 import hashlib
 import json
 import os
@@ -47,6 +46,10 @@ from opgrad.env import cache_dir_setting, compile_in_process_setting
 from opgrad.errors import CompileError, CompileWarning
 
 from . import llvm_worker
+from .target import HostTarget, Target, ensure_native_initialized, host_target
+
+__all__ = ["ENGINE_VERSION", "Codegen", "HostTarget", "NativeModule", "ObjectCache", "build_object", "cache_key",
+           "host_target", "object_code"]
 
 #: Bump when the optimization pipeline, target-machine options or cache format change.
 ENGINE_VERSION = "opgrad-engine-2"
@@ -54,70 +57,46 @@ ENGINE_VERSION = "opgrad-engine-2"
 _MAGIC = b"OPGRDOB2"
 _HEADER = struct.Struct("<8s32sQ32s")  # magic, sha256 key, payload length, sha256(payload)
 
-_init_lock = threading.Lock()
-_initialized = False
-
-
-def _ensure_initialized() -> None:
-    """Initialize the native target once (``llvm.initialize()`` raises in llvmlite 0.50)."""
-    global _initialized
-    with _init_lock:
-        if not _initialized:
-            llvm.initialize_native_target()
-            llvm.initialize_native_asmprinter()
-            _initialized = True
+_ensure_initialized = ensure_native_initialized
 
 
 @dataclass(frozen=True)
-class HostTarget:
-    """The CPU the code is compiled for; part of the cache key because it changes the machine code."""
+class Codegen:
+    """How an object is built: for which target, and whether MCJIT loads it into this process.
 
-    triple: str
-    cpu: str
-    features: str
+    ``jit=True`` (the in-process path) uses LLVM's JIT relocation and code models; ``jit=False``
+    emits a position-independent object with the default code model, for a linker elsewhere (a
+    static or shared library, another architecture).
+    """
 
-    @property
-    def is_x86(self) -> bool:
-        return self.triple.startswith(("x86_64", "i686", "i386"))
-
-    @property
-    def has_avx512(self) -> bool:
-        return "+avx512f" in self.features.split(",")
+    target: Target
+    jit: bool = True
 
     @property
-    def vector_registers(self) -> int:
-        """Architectural vector registers: the budget for a GEMM register tile."""
-        if self.has_avx512:
-            return 32
-        return 16 if self.is_x86 else 32
+    def reloc(self) -> str:
+        return "default" if self.jit else "pic"
 
     @property
-    def function_attrs(self) -> str:
-        """Without these, x86 backends tuned for 256-bit vectors split our explicit 512-bit ones."""
-        if self.has_avx512:
-            return '"prefer-vector-width"="512" "min-legal-vector-width"="512"'
-        return ""
+    def codemodel(self) -> str:
+        return "jitdefault" if self.jit else "default"
 
-    def vector_width(self, dtype_bytes: int) -> int:
-        """Lanes in the widest native vector register for elements of ``dtype_bytes`` bytes."""
-        if self.has_avx512:
-            bits = 512
-        elif "+avx2" in self.features.split(",") or "+avx" in self.features.split(","):
-            bits = 256
-        else:
-            bits = 128
-        return bits // (8 * dtype_bytes)
+    def request(self, vectorize: bool) -> dict[str, Any]:
+        """The compile worker's options; the JIT's request is what it always was."""
+        t = self.target
+        options: dict[str, Any] = {"triple": t.triple, "cpu": t.cpu, "features": t.features, "vectorize": vectorize}
+        if not self.jit:
+            options.update(reloc=self.reloc, codemodel=self.codemodel, jit=False)
+        return options
+
+    def key_parts(self) -> tuple[str, ...]:
+        """What the cache key covers besides the IR; a host JIT key is unchanged by the export path."""
+        t = self.target
+        parts: tuple[str, ...] = (t.triple, t.cpu, t.features)
+        return parts if self.jit else (*parts, "object", self.reloc, self.codemodel)
 
 
-@functools.lru_cache(maxsize=1)
-def host_target() -> HostTarget:
-    """Describe the host: without the host CPU name and features, FMA becomes a library call."""
-    _ensure_initialized()
-    return HostTarget(
-        triple=llvm.get_process_triple(),
-        cpu=llvm.get_host_cpu_name(),
-        features=llvm.get_host_cpu_features().flatten(),
-    )
+def host_jit() -> Codegen:
+    return Codegen(host_target())
 
 
 def _target_machine() -> llvm.TargetMachine:
@@ -134,11 +113,11 @@ def cache_dir() -> Path:
     return cache_dir_setting()
 
 
-def cache_key(ir_text: str) -> str:
+def cache_key(ir_text: str, codegen: Codegen | None = None) -> str:
     """sha256 over the IR text and everything else that determines the object code."""
-    host = host_target()
+    parts = (codegen or host_jit()).key_parts()
     h = hashlib.sha256()
-    for part in (ENGINE_VERSION, llvmlite.__version__, host.triple, host.cpu, host.features, ir_text):
+    for part in (ENGINE_VERSION, llvmlite.__version__, *parts, ir_text):
         h.update(part.encode())
         h.update(b"\0")
     return h.hexdigest()
@@ -241,11 +220,9 @@ class CompileWorker:
                                       stderr=self._stderr)
         self.pid_of_owner = os.getpid()
 
-    def compile(self, ir_text: str, vectorize: bool) -> bytes:
+    def compile(self, ir_text: str, vectorize: bool, codegen: Codegen | None = None) -> bytes:
         """The object for ``ir_text``; raises WorkerDied if the worker crashes, CompileError on bad IR."""
-        host = host_target()
-        options = json.dumps({"triple": host.triple, "cpu": host.cpu, "features": host.features,
-                              "vectorize": vectorize}).encode()
+        options = json.dumps((codegen or host_jit()).request(vectorize)).encode()
         ir = ir_text.encode()
         proc = self._proc
         assert proc.stdin is not None and proc.stdout is not None
@@ -318,7 +295,7 @@ _worker_lock = threading.Lock()
 atexit.register(close_worker)
 
 
-def _isolated_object(ir_text: str, vectorize: bool) -> bytes:
+def _isolated_object(ir_text: str, vectorize: bool, codegen: Codegen | None = None) -> bytes:
     """Compile in the process-wide worker (started on first use; a forked child starts its own)."""
     global _worker
     with _worker_lock:
@@ -328,7 +305,7 @@ def _isolated_object(ir_text: str, vectorize: bool) -> bytes:
             _worker = CompileWorker()
         worker = _worker
         try:
-            return worker.compile(ir_text, vectorize)
+            return worker.compile(ir_text, vectorize, codegen)
         except WorkerDied:
             _worker = None
             raise
@@ -361,13 +338,13 @@ def _keep_only(ir_text: str, keep: set[str]) -> str:
     return "\n".join(out) + "\n"
 
 
-def find_crashing_kernels(ir_text: str, vectorize: bool = True) -> list[str]:
+def find_crashing_kernels(ir_text: str, vectorize: bool = True, codegen: Codegen | None = None) -> list[str]:
     """Bisect the module's functions down to the one(s) whose optimization kills the worker."""
     candidates = _defined_functions(ir_text)
 
     def crashes(names: list[str]) -> bool:
         try:
-            _isolated_object(_keep_only(ir_text, set(names)), vectorize)
+            _isolated_object(_keep_only(ir_text, set(names)), vectorize, codegen)
         except WorkerDied:
             return True
         except CompileError:
@@ -393,24 +370,29 @@ def _describe_kernels(names: list[str], labels: Mapping[str, str]) -> str:
     return ", ".join(described) or "unknown"
 
 
-def build_object(ir_text: str, what: str = "", kernel_labels: Mapping[str, str] | None = None) -> bytes:
-    """Optimize and emit ``ir_text`` for the host, in the worker unless in-process is requested.
+def build_object(ir_text: str, what: str = "", kernel_labels: Mapping[str, str] | None = None,
+                 codegen: Codegen | None = None) -> bytes:
+    """Optimize and emit ``ir_text`` (for the host's JIT unless ``codegen`` says otherwise), in the
+    worker unless in-process is requested.
 
     ``what`` names the function being compiled and ``kernel_labels`` maps kernel names to the ops
     they come from; both only go into messages.
     """
-    host = host_target()
+    codegen = codegen or host_jit()
+    host = codegen.target
     if compile_in_process_setting():
-        return llvm_worker.compile_object(ir_text, host.triple, host.cpu, host.features)
+        return llvm_worker.compile_object(ir_text, host.triple, host.cpu, host.features,
+                                          **_object_options(codegen))
     try:
-        return _isolated_object(ir_text, vectorize=True)
+        return _isolated_object(ir_text, True, codegen)
     except WorkerDied as crash:
-        kernels = _describe_kernels(find_crashing_kernels(ir_text), kernel_labels or {})
-        where = (f"kernel {kernels} of {what or 'a module'}; host CPU {host.cpu} ({host.triple}, "
+        kernels = _describe_kernels(find_crashing_kernels(ir_text, True, codegen), kernel_labels or {})
+        cpu_role = "host CPU" if codegen.target == host_target() else f"target CPU ({codegen.target.name})"
+        where = (f"kernel {kernels} of {what or 'a module'}; {cpu_role} {host.cpu} ({host.triple}, "
                  f"{'AVX-512' if host.has_avx512 else 'no AVX-512'}), llvmlite {llvmlite.__version__}")
         said = crash.detail or f"exit status {crash.returncode}"
         try:
-            obj = _isolated_object(ir_text, vectorize=False)
+            obj = _isolated_object(ir_text, False, codegen)
         except WorkerDied as again:
             raise CompileError(
                 f"opgrad.compile: LLVM crashed while optimizing {where}: {said}; rebuilding without the loop "
@@ -422,6 +404,29 @@ def build_object(ir_text: str, what: str = "", kernel_labels: Mapping[str, str] 
             "the loop vectorizer and runs correctly, possibly slower."
         ), stacklevel=3)
         return obj
+
+
+def _object_options(codegen: Codegen) -> dict[str, Any]:
+    return {} if codegen.jit else {"reloc": codegen.reloc, "codemodel": codegen.codemodel, "jit": False}
+
+
+def object_code(ir_text: str, codegen: Codegen, what: str = "", kernel_labels: Mapping[str, str] | None = None,
+                use_cache: bool = True) -> tuple[bytes, CompileTimes]:
+    """The object file for ``ir_text`` built as ``codegen`` says, through the same worker and cache
+    as the JIT (under a key that also names the target and the relocation model)."""
+    times = CompileTimes()
+    key = cache_key(ir_text, codegen)
+    store = ObjectCache() if use_cache else None
+    t0 = time.perf_counter()
+    obj = store.load(key) if store is not None else None
+    if obj is None:
+        obj = build_object(ir_text, what, kernel_labels, codegen)
+        times.optimize = time.perf_counter() - t0
+        if store is not None:
+            store.store(key, obj)
+    else:
+        times.cache_hit = True
+    return obj, times
 
 
 # ----- Native modules -----

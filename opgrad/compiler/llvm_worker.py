@@ -12,8 +12,9 @@ the same :func:`target_machine` and :func:`optimize` so both sides build identic
 
 Protocol, one exchange per compile (all integers little-endian):
 
-* request: ``u32`` length + JSON ``{"triple", "cpu", "features", "vectorize"}``, then ``u64``
-  length + the IR text (UTF-8);
+* request: ``u32`` length + JSON ``{"triple", "cpu", "features", "vectorize"}`` (plus ``"reloc"``,
+  ``"codemodel"`` and ``"jit": false`` for an object linked outside this process, e.g. for another
+  architecture), then ``u64`` length + the IR text (UTF-8);
 * reply: one status byte (``0`` object follows, ``1`` an error message follows), ``u64`` length,
   then the object bytes or the UTF-8 message.
 """
@@ -33,11 +34,18 @@ STATUS_OBJECT = 0
 STATUS_ERROR = 1
 
 
-def target_machine(triple: str, cpu: str, features: str) -> llvm.TargetMachine:
-    """The target machine every opgrad object is built with (MCJIT loads it as a JIT object)."""
-    target = llvm.Target.from_triple(triple)
+def target_machine(triple: str, cpu: str, features: str, reloc: str = "default", codemodel: str = "jitdefault",
+                   jit: bool = True) -> llvm.TargetMachine:
+    """The target machine every opgrad object is built with: by default one MCJIT loads into this
+    process; ``reloc="pic", codemodel="default", jit=False`` for objects linked elsewhere."""
+    try:
+        target = llvm.Target.from_triple(triple)
+    except RuntimeError:  # only the native backend is registered until a cross target is asked for
+        llvm.initialize_all_targets()
+        llvm.initialize_all_asmprinters()
+        target = llvm.Target.from_triple(triple)
     return target.create_target_machine(
-        cpu=cpu, features=features, opt=3, reloc="default", codemodel="jitdefault", jit=True
+        cpu=cpu, features=features, opt=3, reloc=reloc, codemodel=codemodel, jit=jit
     )
 
 
@@ -53,11 +61,15 @@ def optimize(module: llvm.ModuleRef, tm: llvm.TargetMachine, vectorize: bool = T
     pm.run(module, pb)
 
 
-def compile_object(ir_text: str, triple: str, cpu: str, features: str, vectorize: bool = True) -> bytes:
+def compile_object(ir_text: str, triple: str, cpu: str, features: str, vectorize: bool = True,
+                   reloc: str = "default", codemodel: str = "jitdefault", jit: bool = True) -> bytes:
     """Parse, verify, optimize and emit ``ir_text``; raises RuntimeError on invalid IR."""
     module = llvm.parse_assembly(ir_text)
     module.verify()
-    tm = target_machine(triple, cpu, features)
+    tm = target_machine(triple, cpu, features, reloc, codemodel, jit)
+    if not jit:  # an object for a linker: it records its triple and layout, as clang's would
+        module.triple = triple
+        module.data_layout = str(tm.target_data)
     optimize(module, tm, vectorize)
     return bytes(tm.emit_object(module))
 
@@ -93,7 +105,8 @@ def serve(inp: IO[bytes], out: IO[bytes]) -> None:
         options = json.loads(options_blob)
         try:
             payload = compile_object(ir_blob.decode(), options["triple"], options["cpu"], options["features"],
-                                     bool(options.get("vectorize", True)))
+                                     bool(options.get("vectorize", True)), str(options.get("reloc", "default")),
+                                     str(options.get("codemodel", "jitdefault")), bool(options.get("jit", True)))
             status = STATUS_OBJECT
         except RuntimeError as exc:  # llvmlite reports parse and verifier errors this way
             payload, status = str(exc).encode(), STATUS_ERROR

@@ -41,7 +41,10 @@ _SYS_FUTEX = {"x86_64": 202, "aarch64": 98}
 
 
 def _runtime_ir() -> str:
-    m = ModuleEmitter("opgrad_runtime")
+    # The pool runs in this process, so it is built for the host even while code for another
+    # target is being generated (exported libraries get a C runtime instead, opgrad/deploy).
+    host = host_target()
+    m = ModuleEmitter("opgrad_runtime", function_attrs=host.function_attrs)
     for name, ty in (("seq", "i32"), ("done", "i32"), ("busy", "i32"), ("stop", "i32"), ("sleepers", "i32")):
         m.add_global(f"@pool.{name} = internal global {ty} 0, align 64")
     m.add_global("@pool.nthreads = internal global i32 1, align 64")
@@ -53,7 +56,7 @@ def _runtime_ir() -> str:
     m.declare("sched_yield", "declare i32 @sched_yield()")
     sys_futex = _SYS_FUTEX.get(platform.machine(), 202)
     pause = ""
-    if host_target().is_x86:  # `pause` keeps a spinning core from starving its SMT sibling
+    if host.is_x86:  # `pause` keeps a spinning core from starving its SMT sibling
         pause = m.declare("llvm.x86.sse2.pause", "declare void @llvm.x86.sse2.pause()")
 
     def relax(f: FunctionEmitter) -> None:

@@ -13,7 +13,7 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
-from .irtext import BYTES, FAST, LLVM_TYPE, FunctionEmitter, float_const
+from .irtext import BYTES, FAST, LLVM_TYPE, PRECISE, FunctionEmitter, float_const
 
 #: Pseudo buffer of an index view: its element value is its own (flat, strided) offset.
 IOTA = -1
@@ -143,10 +143,14 @@ class Scalar:
         return float_const(value, self.t)
 
     def _bin(self, op: str, a: str, b: str) -> str:
-        return self.f.val(f"{op} {FAST} {self.t} {a}, {b}", op)
+        return self.f.val(f"{op} {PRECISE} {self.t} {a}, {b}", op)
 
     def add(self, a: str, b: str) -> str:
         return self._bin("fadd", a, b)
+
+    def accumulate(self, total: str, value: str) -> str:
+        """``total + value`` in a reduction: reassociation allowed, so the loop vectorizes."""
+        return self.f.val(f"fadd {FAST} {self.t} {total}, {value}", "acc")
 
     def sub(self, a: str, b: str) -> str:
         return self._bin("fsub", a, b)

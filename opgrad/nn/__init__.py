@@ -43,7 +43,16 @@ from opgrad.nn.model import Model, Sequential, load_model, model_from_config
 from opgrad.nn.models import MODELS, build_model, keras_mnist, mlp, resnet, seed_cnn
 from opgrad.nn.optim import OPTIMIZERS, SGD, Adam, AdamW, Optimizer, RMSprop, make_optimizer
 from opgrad.nn.schedules import LRSchedule, Schedule, StepLR, WarmupLR, constant_lr, cosine_lr
-from opgrad.nn.step import BACKENDS, EvalStep, StepResult, TrainStep, compile_function, llvm_unavailable_reason
+from opgrad.nn.step import (
+    BACKENDS,
+    EvalStep,
+    NanLossError,
+    StepResult,
+    StepsResult,
+    TrainStep,
+    compile_function,
+    llvm_unavailable_reason,
+)
 from opgrad.nn.trainer import Trainer
 
 #: Keras' ``keras.models.load_model`` under a short name: ``model = nn.load("ckpt.npz")``.
@@ -78,6 +87,7 @@ __all__ = [
     "LeakyReLU",
     "MaxPool2D",
     "Model",
+    "NanLossError",
     "Optimizer",
     "ParamSpec",
     "RMSprop",
@@ -87,6 +97,7 @@ __all__ = [
     "Sigmoid",
     "StepLR",
     "StepResult",
+    "StepsResult",
     "SymbolicTensor",
     "Tanh",
     "TrainStep",

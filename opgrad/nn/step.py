@@ -18,18 +18,26 @@ outputs takes one label array per output (softmax cross-entropy each, summed wit
 
 The backend is a name: ``"reference"`` (``opgrad.evaluate``) or ``"llvm"``
 (``opgrad.compile(fn)``); switching is that one argument.
+
+:meth:`TrainStep.run_steps` runs K steps per call over batch-major arrays (``images[K*B, ...]``,
+``labels[K*B]``, dropout masks ``[K*B, ...]``, one learning rate per step). With ``"llvm"`` that
+is one native call through the loop compiled into the step's module
+(:mod:`opgrad.compiler.steploop`): the images, labels, masks and learning rate are streamed,
+the loss is written per step, and weights and optimizer state are carried from step to step
+without leaving native code. The losses and weights equal K single steps bitwise.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
 from opgrad import ops
 from opgrad.autodiff import gradients
-from opgrad.errors import ShapeError
+from opgrad.errors import OpgradError, ShapeError
 from opgrad.ir import Expr, Function, Var, var
 from opgrad.nn.layers import ForwardContext
 from opgrad.nn.losses import softmax_cross_entropy
@@ -40,8 +48,10 @@ from opgrad.reference import evaluate
 __all__ = [
     "BACKENDS",
     "EvalStep",
+    "NanLossError",
     "StepFn",
     "StepResult",
+    "StepsResult",
     "TrainStep",
     "compile_function",
     "llvm_unavailable_reason",
@@ -76,9 +86,9 @@ def compile_function(fn: Function, backend: str) -> StepFn:
 
         return run
     if backend == "llvm":
-        import opgrad
+        from opgrad.compiler import compile as compile_fn  # here: the compiler pulls in llvmlite
 
-        compiled = opgrad.compile(fn)
+        compiled = compile_fn(fn)
 
         def run_compiled(*arrays: np.ndarray) -> tuple[np.ndarray, ...]:
             out = compiled(*arrays)
@@ -97,8 +107,31 @@ class StepResult:
     state: dict[str, np.ndarray]
 
 
+@dataclass(frozen=True)
+class StepsResult:
+    """What :meth:`TrainStep.run_steps` returns: one loss per step and the arrays after the last."""
+
+    losses: np.ndarray
+    params: dict[str, np.ndarray]
+    state: dict[str, np.ndarray]
+
+
+class NanLossError(OpgradError, FloatingPointError):
+    """A step's loss was NaN and ``run_steps(..., stop_on_nan=True)`` was asked to stop there.
+
+    ``step`` is that step (0-based within the call); ``losses`` ends with its NaN; ``params`` and
+    ``state`` are the values *before* it, i.e. after ``step`` good steps.
+    """
+
+    def __init__(self, message: str, step: int, losses: np.ndarray, params: dict[str, np.ndarray],
+                 state: dict[str, np.ndarray]) -> None:
+        super().__init__(message)
+        self.step, self.losses, self.params, self.state = step, losses, params, state
+
+
 class TrainStep:
-    """Builds the training function for ``model`` + ``optimizer`` once, then runs it per batch."""
+    """Builds the training function for ``model`` + ``optimizer`` once, then runs it per batch
+    (``__call__``) or K batches per call (:meth:`run_steps`)."""
 
     def __init__(self, model: Model, optimizer: Optimizer, *, batch_size: int, dtype: str = "float32",
                  backend: str = "reference", loss_weights: Sequence[float] | None = None) -> None:
@@ -135,7 +168,30 @@ class TrainStep:
             [*inputs, *labels, *masks.values(), lr, *params.values(), *state.values()],
             [loss, *(new_params[n] for n in self.param_names), *(new_state[n] for n in self.state_names)],
         )
-        self._run = compile_function(self.function, backend)
+        self.compiled: Any = None  # the CompiledFunction (llvm backend), with its multi-step loop
+        if backend == "llvm":
+            from opgrad.compiler import compile as compile_fn  # here: the compiler pulls in llvmlite
+
+            self.compiled = compile_fn(self.function, loop=self.step_loop())
+            compiled = self.compiled
+
+            def run_compiled(*arrays: np.ndarray) -> tuple[np.ndarray, ...]:
+                return tuple(compiled(*arrays))
+
+            self._run = run_compiled
+        else:
+            self._run = compile_function(self.function, backend)
+
+    def step_loop(self) -> Any:
+        """The :class:`~opgrad.compiler.steploop.StepLoop` of this step: images, labels, masks and
+        lr streamed, the loss outfed (and checked for NaN), params and state carried."""
+        from opgrad.compiler.steploop import StepLoop
+
+        nm, k = len(self.mask_names), len(self.param_names) + len(self.state_names)
+        # inputs (images), labels (one per output), masks..., lr, then params and state
+        first = len(self.model.inputs) + len(self.model.outputs) + nm + 1
+        return StepLoop(streams=tuple(range(first)), outfeeds=(0,),
+                        carry=tuple((first + j, 1 + j) for j in range(k)), nan_check=0)
 
     def __call__(self, images: np.ndarray | Sequence[np.ndarray], labels: np.ndarray | Sequence[np.ndarray],
                  params: Mapping[str, np.ndarray], state: Mapping[str, np.ndarray], lr: float,
@@ -156,6 +212,70 @@ class TrainStep:
             params=dict(zip(self.param_names, outputs[1 : 1 + k])),
             state=dict(zip(self.state_names, outputs[1 + k :])),
         )
+
+    def run_steps(self, images: np.ndarray | Sequence[np.ndarray], labels: np.ndarray | Sequence[np.ndarray],
+                  params: Mapping[str, np.ndarray],
+                  state: Mapping[str, np.ndarray], lr: float | np.ndarray,
+                  masks: Mapping[str, np.ndarray] | None = None, *, stop_on_nan: bool = False) -> StepsResult:
+        """``K = len(labels) // batch_size`` training steps in one call; same numbers as K calls.
+
+        ``images`` is ``(K * batch_size, *input_shape)`` and ``labels`` ``(K * batch_size,)``,
+        batch-major (step ``i`` trains on rows ``i*B .. i*B+B-1``); ``masks`` holds each dropout
+        layer's masks the same way; ``lr`` is one float for every step or an array of K. With
+        ``stop_on_nan`` a NaN loss raises :class:`NanLossError` carrying the state before it. A
+        model with several inputs or outputs takes lists, as :meth:`__call__` does.
+        """
+        b = self.batch_size
+        inputs = _per_input(images, len(self.model.inputs), "input")
+        label_arrays = _per_output(labels, len(self.model.outputs))
+        rows_given = len(label_arrays[0])
+        if rows_given % b:
+            raise ValueError(f"run_steps: labels has {rows_given} rows, not a multiple of the batch size {b}")
+        steps = rows_given // b
+        lrs = np.asarray(lr, dtype=self.dtype)
+        lrs = np.full(steps, lrs, self.dtype) if lrs.ndim == 0 else lrs
+        if lrs.shape != (steps,):
+            raise ValueError(f"run_steps: lr must be a float or an array of {steps} (one per step), "
+                             f"got shape {lrs.shape}")
+        masks = masks or {}
+        absent = [n for n in self.mask_names if n not in masks]
+        if absent:
+            raise ValueError(f"no dropout mask given for layer(s) {', '.join(absent)}")
+        if self.compiled is None:
+            return self._run_steps_in_python(inputs, label_arrays, params, state, lrs, masks, stop_on_nan)
+        from opgrad.compiler.steploop import LoopStopped
+
+        k = len(self.param_names)
+        try:
+            out = self.compiled.run_steps(
+                steps, *inputs, *label_arrays, *(masks[n] for n in self.mask_names), lrs,
+                *(params[n] for n in self.param_names), *(state[n] for n in self.state_names),
+                stop_on_nan=stop_on_nan)
+        except LoopStopped as stop:
+            o = stop.outputs
+            raise NanLossError(f"run_steps: the loss is NaN at step {stop.step}; stopped there (stop_on_nan)",
+                               stop.step, np.asarray(o[0]), dict(zip(self.param_names, o[1 : 1 + k])),
+                               dict(zip(self.state_names, o[1 + k :]))) from None
+        return StepsResult(np.asarray(out[0]), dict(zip(self.param_names, out[1 : 1 + k])),
+                           dict(zip(self.state_names, out[1 + k :])))
+
+    def _run_steps_in_python(self, images: list[np.ndarray], labels: list[np.ndarray], params: Mapping[str, np.ndarray],
+                             state: Mapping[str, np.ndarray], lrs: np.ndarray, masks: Mapping[str, np.ndarray],
+                             stop_on_nan: bool) -> StepsResult:
+        """The reference backend's run_steps: the same contract, one call per step."""
+        b = self.batch_size
+        cur_params, cur_state = dict(params), dict(state)
+        losses = np.empty(len(lrs), self.dtype)
+        for i in range(len(lrs)):
+            rows = slice(i * b, (i + 1) * b)
+            result = self([a[rows] for a in images], [a[rows] for a in labels], cur_params, cur_state, lrs[i],
+                          {n: m[rows] for n, m in masks.items()})
+            losses[i] = result.loss
+            if stop_on_nan and np.isnan(losses[i]):
+                raise NanLossError(f"run_steps: the loss is NaN at step {i}; stopped there (stop_on_nan)",
+                                   i, losses[: i + 1], cur_params, cur_state)
+            cur_params, cur_state = result.params, result.state
+        return StepsResult(losses, cur_params, cur_state)
 
 
 def _classifier_loss(model: Model, outputs: Sequence[Expr], labels: Sequence[Var],

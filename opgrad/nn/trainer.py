@@ -16,7 +16,7 @@ uninterrupted run would have, with nothing but arrays and JSON in the checkpoint
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -29,7 +29,7 @@ from opgrad.nn.losses import accuracy, cross_entropy_numpy
 from opgrad.nn.model import Model
 from opgrad.nn.optim import Optimizer
 from opgrad.nn.schedules import LRSchedule, Schedule, constant_lr, cosine_lr
-from opgrad.nn.step import BACKENDS, EvalStep, TrainStep
+from opgrad.nn.step import BACKENDS, EvalStep, NanLossError, TrainStep
 
 __all__ = ["LRSchedule", "Trainer", "constant_lr", "cosine_lr", "shift_images"]
 
@@ -188,6 +188,54 @@ class Trainer:
         self.history.record_step(result.loss)
         return result.loss
 
+    def train_batches(self, batches: Sequence[tuple[np.ndarray, np.ndarray]]) -> list[float]:
+        """Consecutive optimizer steps in ONE call (:meth:`TrainStep.run_steps`); returns their losses.
+
+        The numbers equal :meth:`train_batch` on each batch in order: shifts, dropout masks and
+        learning rates are drawn per step exactly as there, then stacked batch-major. With
+        ``stop_on_nan`` the native loop stops at a NaN loss: the steps before it are kept and
+        :class:`~opgrad.errors.NonFiniteLossError` names the step.
+        """
+        return self._train_batches(batches, epoch_step=None)
+
+    def _train_batches(self, batches: Sequence[tuple[np.ndarray, np.ndarray]], *,
+                       epoch_step: int | None) -> list[float]:
+        if not batches:
+            return []
+        xs: list[np.ndarray] = []
+        ys: list[np.ndarray] = []
+        masks: dict[str, list[np.ndarray]] = {}
+        lrs: list[float] = []
+        for i, (images, labels) in enumerate(batches):
+            step = self.step + i
+            if self.augment_shift:
+                images = shift_images(images, _step_rng(self.seed, _SHIFT_TAG, step), self.augment_shift)
+            for name, mask in self.model.sample_noise(_step_rng(self.seed, _NOISE_TAG, step), len(labels),
+                                                      self.dtype).items():
+                masks.setdefault(name, []).append(mask)
+            xs.append(images.astype(self.dtype, copy=False))
+            ys.append(labels)
+            lrs.append(self.schedule(step))
+        try:
+            result = self.train_step.run_steps(np.concatenate(xs), np.concatenate(ys), self.params, self.state,
+                                               np.asarray(lrs, dtype=self.dtype),
+                                               {name: np.concatenate(m) for name, m in masks.items()},
+                                               stop_on_nan=self.stop_on_nan)
+        except NanLossError as stopped:
+            self.params, self.state = stopped.params, stopped.state
+            for loss in stopped.losses[: stopped.step]:
+                self.history.record_step(float(loss))
+            self.step += stopped.step
+            raise NonFiniteLossError(float(stopped.losses[stopped.step]), epoch=self.epoch + 1, step=self.step + 1,
+                                     lr=lrs[stopped.step],
+                                     epoch_step=None if epoch_step is None else epoch_step + stopped.step) from None
+        self.params, self.state = result.params, result.state
+        self.step += len(batches)
+        losses = [float(loss) for loss in result.losses]
+        for loss in losses:
+            self.history.record_step(loss)
+        return losses
+
     def epoch_batches(self, images: np.ndarray, labels: np.ndarray) -> Iterator[tuple[np.ndarray, np.ndarray]]:
         """This epoch's batches: shuffled by ``(seed, epoch)``, last partial batch dropped."""
         return iterate_batches(images, labels, self.batch_size,
@@ -197,20 +245,38 @@ class Trainer:
         return num_examples // self.batch_size
 
     def train_epoch(self, images: np.ndarray, labels: np.ndarray, *,
-                    on_step: Callable[[int, float], None] | None = None, max_steps: int | None = None) -> float:
+                    on_step: Callable[[int, float], None] | None = None, max_steps: int | None = None,
+                    steps_per_call: int = 1) -> float:
         """Run one epoch (or its first ``max_steps`` steps); returns the mean batch loss.
 
         The epoch counter advances even when ``max_steps`` cut it short, so a smoke run's next
-        epoch still gets a new batch order.
+        epoch still gets a new batch order. ``steps_per_call > 1`` runs that many steps per call
+        of the native loop (:meth:`train_batches`), with the same numbers; ``on_step`` is then
+        called for each step of a chunk after the chunk.
         """
-        losses = []
+        if steps_per_call < 1:
+            raise ValueError(f"steps_per_call must be >= 1, got {steps_per_call}")
+        losses: list[float] = []
+        chunk: list[tuple[np.ndarray, np.ndarray]] = []
+
+        def flush() -> None:
+            first = len(losses) + 1
+            done = ([self._train_batch(*chunk[0], epoch_step=first)] if steps_per_call == 1
+                    else self._train_batches(chunk, epoch_step=first))
+            chunk.clear()
+            for loss in done:
+                losses.append(loss)
+                if on_step is not None:
+                    on_step(len(losses), loss)
+
         for i, (x, y) in enumerate(self.epoch_batches(images, labels)):
             if max_steps is not None and i >= max_steps:
                 break
-            loss = self._train_batch(x, y, epoch_step=i + 1)
-            losses.append(loss)
-            if on_step is not None:
-                on_step(i + 1, loss)
+            chunk.append((x, y))
+            if len(chunk) == steps_per_call:
+                flush()
+        if chunk:
+            flush()
         self.epoch += 1
         return float(np.mean(losses)) if losses else math.nan
 

@@ -1,0 +1,199 @@
+"""Code generation targets: the host, named x86-64 baselines, and 64-bit ARM Linux and Android.
+
+Everything that shapes the generated code for a CPU reads a :class:`Target`: the vector width
+and register count size the GEMM register tile (:meth:`opgrad.compiler.gemm.Blocking.for_target`),
+the function attributes go on every emitted function (:class:`opgrad.compiler.irtext.ModuleEmitter`),
+and the triple, CPU name and features build LLVM's target machine. Which target is in force is a
+context variable (:func:`use_target`), so the lowering code needs no extra parameter and the
+in-process JIT, which never sets it, keeps compiling for the host exactly as before.
+
+Named targets (:func:`resolve_target`)::
+
+    host                    this machine's triple, CPU name and features (the JIT's target)
+    x86-64, x86-64-v2/v3/v4 the x86-64 psABI levels (v3: AVX2 + FMA; v4: AVX-512)
+    aarch64-linux-gnu       64-bit ARM Linux with glibc, NEON (cross-built with aarch64-linux-gnu-gcc)
+    aarch64-linux-android   64-bit ARM Android (API 24), NEON; built into an app with the NDK
+
+Any other LLVM triple is accepted with an explicit ``cpu`` and ``features``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import threading
+from collections.abc import Iterator
+from contextvars import ContextVar
+from dataclasses import dataclass, field
+
+import llvmlite.binding as llvm
+
+__all__ = [
+    "NAMED_TARGETS",
+    "Target",
+    "current_target",
+    "host_target",
+    "resolve_target",
+    "use_target",
+]
+
+_init_lock = threading.Lock()
+_initialized = False
+
+
+def ensure_native_initialized() -> None:
+    """Initialize the native target once (``llvm.initialize()`` raises in llvmlite 0.50)."""
+    global _initialized
+    with _init_lock:
+        if not _initialized:
+            llvm.initialize_native_target()
+            llvm.initialize_native_asmprinter()
+            _initialized = True
+
+
+@dataclass(frozen=True)
+class Target:
+    """A CPU to generate code for; part of the object cache key because it changes the machine code.
+
+    ``name`` is only a label for messages (``host``, ``aarch64-linux-gnu``); two targets with the
+    same triple, CPU and features are equal whatever their labels.
+    """
+
+    triple: str
+    cpu: str
+    features: str
+    name: str = field(default="host", compare=False)
+
+    def _has(self, feature: str) -> bool:
+        return f"+{feature}" in self.features.split(",")
+
+    @property
+    def is_x86(self) -> bool:
+        return self.triple.startswith(("x86_64", "i686", "i386"))
+
+    @property
+    def is_aarch64(self) -> bool:
+        return self.triple.startswith(("aarch64", "arm64"))
+
+    @property
+    def is_android(self) -> bool:
+        return "android" in self.triple
+
+    @property
+    def has_avx512(self) -> bool:
+        return self._has("avx512f")
+
+    @property
+    def vector_registers(self) -> int:
+        """Architectural vector registers: the budget for a GEMM register tile."""
+        if self.has_avx512:
+            return 32
+        return 16 if self.is_x86 else 32
+
+    @property
+    def function_attrs(self) -> str:
+        """Without these, x86 backends tuned for 256-bit vectors split our explicit 512-bit ones."""
+        if self.has_avx512:
+            return '"prefer-vector-width"="512" "min-legal-vector-width"="512"'
+        return ""
+
+    def vector_width(self, dtype_bytes: int) -> int:
+        """Lanes in the widest native vector register for elements of ``dtype_bytes`` bytes.
+
+        AArch64 counts NEON's 128-bit registers; SVE's width is unknown at compile time.
+        """
+        if self.has_avx512:
+            bits = 512
+        elif self._has("avx2") or self._has("avx"):
+            bits = 256
+        else:
+            bits = 128
+        return bits // (8 * dtype_bytes)
+
+
+#: Alias kept for code that names the host's description by its old class name.
+HostTarget = Target
+
+
+@functools.lru_cache(maxsize=1)
+def host_target() -> Target:
+    """Describe the host: without the host CPU name and features, FMA becomes a library call."""
+    ensure_native_initialized()
+    return Target(
+        triple=llvm.get_process_triple(),
+        cpu=llvm.get_host_cpu_name(),
+        features=llvm.get_host_cpu_features().flatten(),
+    )
+
+
+_X86_V2 = "+cx16,+popcnt,+sse3,+sse4.1,+sse4.2,+ssse3,+sahf"
+_X86_V3 = _X86_V2 + ",+avx,+avx2,+bmi,+bmi2,+f16c,+fma,+lzcnt,+movbe,+xsave"
+_X86_V4 = _X86_V3 + ",+avx512f,+avx512bw,+avx512cd,+avx512dq,+avx512vl"
+
+#: name -> (triple, cpu, features). The features list what the CPU name implies, so the
+#: properties above (vector width, registers) read them without asking LLVM.
+NAMED_TARGETS: dict[str, tuple[str, str, str]] = {
+    "x86-64": ("x86_64-unknown-linux-gnu", "x86-64", "+sse,+sse2"),
+    "x86-64-v2": ("x86_64-unknown-linux-gnu", "x86-64-v2", "+sse,+sse2," + _X86_V2),
+    "x86-64-v3": ("x86_64-unknown-linux-gnu", "x86-64-v3", "+sse,+sse2," + _X86_V3),
+    "x86-64-v4": ("x86_64-unknown-linux-gnu", "x86-64-v4", "+sse,+sse2," + _X86_V4),
+    "aarch64-linux-gnu": ("aarch64-unknown-linux-gnu", "generic", "+neon,+fp-armv8"),
+    "aarch64-linux-android": ("aarch64-unknown-linux-android24", "generic", "+neon,+fp-armv8"),
+}
+
+
+def resolve_target(name: str = "host", cpu: str | None = None, features: str | None = None) -> Target:
+    """The target called ``name`` (``host``, a key of :data:`NAMED_TARGETS`, or an LLVM triple).
+
+    ``cpu``/``features`` override the named target's; a bare triple needs no override (it gets
+    the ``generic`` CPU) but is checked against LLVM's list of targets.
+    """
+    if name == "host":
+        host = host_target()
+        if cpu is None and features is None:
+            return host
+        return Target(host.triple, cpu or host.cpu, features if features is not None else host.features, "host")
+    if name in NAMED_TARGETS:
+        triple, default_cpu, default_features = NAMED_TARGETS[name]
+        return Target(triple, cpu or default_cpu, features if features is not None else default_features, name)
+    if name.count("-") < 1 or not name.replace("-", "").replace("_", "").replace(".", "").isalnum():
+        raise ValueError(f"unknown target {name!r}: expected host, {', '.join(NAMED_TARGETS)} or an LLVM triple")
+    ensure_all_targets()
+    try:
+        llvm.Target.from_triple(name)
+    except RuntimeError as exc:
+        raise ValueError(f"unknown target {name!r}: LLVM has no backend for it ({exc})") from None
+    return Target(name, cpu or "generic", features or "", name)
+
+
+_all_lock = threading.Lock()
+_all_initialized = False
+
+
+def ensure_all_targets() -> None:
+    """Register every LLVM backend (needed for triples other than the host's)."""
+    global _all_initialized
+    with _all_lock:
+        if not _all_initialized:
+            llvm.initialize_all_targets()
+            llvm.initialize_all_asmprinters()
+            _all_initialized = True
+
+
+_current: ContextVar[Target | None] = ContextVar("opgrad_target", default=None)
+
+
+def current_target() -> Target:
+    """The target code is generated for: the one set by :func:`use_target`, else the host."""
+    target = _current.get()
+    return target if target is not None else host_target()
+
+
+@contextlib.contextmanager
+def use_target(target: Target) -> Iterator[Target]:
+    """Generate code for ``target`` inside the ``with`` block (this thread/context only)."""
+    token = _current.set(target)
+    try:
+        yield target
+    finally:
+        _current.reset(token)

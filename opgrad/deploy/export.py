@@ -1,0 +1,242 @@
+"""``opgrad.export``: a model's training step, eval step and checkpoint I/O as a native library.
+
+The training step (forward, backward, optimizer update) and the multi-step loop around it, plus
+the evaluation step, are lowered exactly as ``opgrad.compile`` lowers them, but for a chosen
+target, into ONE LLVM module, emitted as a position-independent object. A generated C runtime
+(``runtime.c`` plus tables, :mod:`.cgen`) owns the parameters and optimizer state, fills the
+pointer tables, runs the thread pool behind ``opgrad_parallel_for`` and reads/writes opgrad's own
+``.npz`` checkpoints. The system C compiler then builds ``<name>.o`` (everything, relocatable),
+``lib<name>.a`` and ``lib<name>.so``. See docs/deployment.md.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from opgrad.checkpoint import atomic_writer, save_checkpoint
+from opgrad.compiler.graph import GraphPlan, plan_graph
+from opgrad.compiler.irtext import ModuleEmitter
+from opgrad.compiler.jit import Codegen, object_code
+from opgrad.compiler.target import Target, host_target, resolve_target, use_target
+from opgrad.errors import OpgradError
+from opgrad.nn import EvalStep, Model, Optimizer, TrainStep, build_model, make_optimizer
+
+from .cgen import ArrayInfo, ModelTables, Stream, render_header, render_runtime
+
+__all__ = ["ExportError", "ExportResult", "default_c_compiler", "export"]
+
+_NAME = re.compile(r"^[a-z_][a-z0-9_]{0,31}$")
+_DEFINE = re.compile(r"^define (?!internal )(?P<rest>[^@]*)@(?P<name>[^(]+)\(")
+
+
+class ExportError(OpgradError, ValueError):
+    """The export cannot be made as asked; the message names the argument or tool at fault."""
+
+
+@dataclass(frozen=True)
+class ExportResult:
+    """Where the export went: ``files`` maps ``header``, ``runtime``, ``kernels``, ``init`` and,
+    when a C compiler was used, ``object``, ``static`` and ``shared`` to their paths."""
+
+    directory: Path
+    target: Target
+    files: dict[str, Path] = field(default_factory=dict)
+    compile_seconds: float = 0.0
+    cache_hit: bool = False
+    c_compiler: str | None = None
+
+
+def default_c_compiler(target: Target) -> str | None:
+    """The compiler that builds the runtime for ``target`` when none is given: ``$CC`` or ``cc``
+    for the host's architecture, ``aarch64-linux-gnu-gcc`` for ARM Linux, none for Android (the
+    app's NDK build compiles ``<name>_runtime.c``)."""
+    host = host_target()
+    if target.triple.split("-")[0] == host.triple.split("-")[0] and not target.is_android:
+        return os.environ.get("CC") or "cc"
+    if target.is_aarch64 and not target.is_android and "linux" in target.triple:
+        return "aarch64-linux-gnu-gcc"
+    return None
+
+
+def _archiver(cc: str) -> str:
+    """``<prefix>ar`` for a ``<prefix>gcc``/``<prefix>clang`` cross compiler, else llvm-ar or ar."""
+    base = os.path.basename(cc)
+    m = re.match(r"^(?P<prefix>.*-)(?:gcc|cc|clang)(?:-[\d.]+)?$", base)
+    for candidate in ([m.group("prefix") + "ar"] if m else []) + ["ar", "llvm-ar"]:
+        if shutil.which(candidate):
+            return candidate
+    raise ExportError(f"no archiver found for {cc} (tried {(m.group('prefix') + 'ar, ') if m else ''}ar, llvm-ar)")
+
+
+def _run(cmd: list[str], what: str) -> None:
+    result = subprocess.run(cmd, capture_output=True, text=True)
+    if result.returncode != 0:
+        said = (result.stderr or result.stdout).strip().splitlines()
+        raise ExportError(f"{what} failed ({' '.join(cmd)}): " + " | ".join(said[-6:]))
+
+
+def _write(path: Path, data: bytes) -> None:
+    with atomic_writer(path) as handle:
+        handle.write(data)
+
+
+def _module_ir(name: str, train: GraphPlan, evaluation: GraphPlan) -> str:
+    """One module: both graphs, with the pool entry renamed to this export's and every function
+    hidden (linkable by the runtime, but a shared library exports its C API only)."""
+    module = ModuleEmitter(name, function_attrs="")
+    module.merge(train.module)
+    module.merge(evaluation.module)
+    text = re.sub(r"@opgrad_parallel_for\b", f"@{name}_parallel_for", module.text())
+    lines = []
+    for line in text.splitlines():
+        if _DEFINE.match(line):
+            line = "define hidden " + line[len("define "):]
+        lines.append(line)
+    return "\n".join(lines) + "\n"
+
+
+def _tables(name: str, model: Model, optimizer: Optimizer, step: TrainStep, train: GraphPlan,
+            evaluation: GraphPlan, threads: int, target: Target) -> ModelTables:
+    fn = step.function
+    nm = len(step.mask_names)
+    first = 3 + nm
+    k = len(step.param_names)
+    carried = {1 + j for j in range(k + len(step.state_names))}
+    extra = [i for i in range(1, len(fn.outputs)) if i not in carried]
+    if extra:  # the runtime keeps nothing but the loss and the carried arrays
+        raise ExportError(f"the training function has results the runtime does not keep: {extra}")
+    streams = [Stream("images", train.params[0], "float", 4, fn.params[0].shape,
+                      f"float32: the images, {list(model.input_shape)} each"),
+               Stream("labels", train.params[1], "int64_t", 8, fn.params[1].shape,
+                      f"int64: class labels in [0, {model.output_shape[-1]})")]
+    for i, layer in enumerate(step.mask_names):
+        c_name = "mask_" + re.sub(r"\W", "_", layer)
+        streams.append(Stream(c_name, train.params[2 + i], "float", 4, fn.params[2 + i].shape,
+                              f"float32: dropout mask of layer {layer} (0 or 1/(1-rate))"))
+    streams.append(Stream("lrs", train.params[2 + nm], "float", 4, (), "float32"))
+    init_params = {n: 0.0 for n in step.param_names}
+    state0 = optimizer.init_state({n: np.zeros(shape, np.float32) for n, shape in model.param_shapes().items()})
+    arrays = []
+    for j, array_name in enumerate((*step.param_names, *step.state_names)):
+        if j < k:
+            init = init_params[array_name]
+        else:
+            value = state0[array_name]
+            flat = value.reshape(-1)
+            if flat.size and not (flat == flat[0]).all():
+                raise ExportError(f"optimizer state {array_name!r} does not start as one constant value")
+            init = float(flat[0]) if flat.size else 0.0
+        arrays.append(ArrayInfo(array_name, fn.params[first + j].shape, init, train.params[first + j],
+                                train.results[1 + j], evaluation.params[1 + j] if j < k else -1))
+    return ModelTables(
+        name=name, model=model.name, optimizer=optimizer.describe(), batch_size=step.batch_size,
+        eval_batch_size=evaluation.function.params[0].shape[0], input_shape=model.input_shape,
+        num_classes=model.output_shape[-1], threads=threads, target=f"{target.triple} ({target.cpu})",
+        train=train, eval=evaluation, streams=tuple(streams), arrays=tuple(arrays), num_params=k,
+        loss_slot=train.results[0], eval_images_slot=evaluation.params[0],
+        eval_logits_slot=evaluation.results[0],
+    )
+
+
+def export(directory: str | os.PathLike[str], *, model: str | Model = "seed-cnn",
+           optimizer: str | Optimizer = "adam", batch_size: int = 32, eval_batch_size: int | None = None,
+           target: str | Target = "host", cpu: str | None = None, features: str | None = None, threads: int = 0,
+           name: str = "opgrad", cc: str | None = None, object_only: bool = False, seed: int = 0) -> ExportResult:
+    """Write ``model`` + ``optimizer``'s training library for ``target`` into ``directory``.
+
+    Always written: ``<name>.h`` (the C API), ``<name>_runtime.c`` (the runtime), ``<name>_kernels.o``
+    (the compiled graphs) and ``<name>_init.npz`` (parameters initialized from ``seed`` and the
+    optimizer's initial state, an opgrad checkpoint). Unless ``object_only``, the C compiler
+    ``cc`` (default: :func:`default_c_compiler`) also builds ``<name>.o``, ``lib<name>.a`` and
+    ``lib<name>.so``. ``threads`` is the runtime's pool size (0: one thread per online CPU;
+    1: no threads at all). Files are written atomically.
+    """
+    if not isinstance(name, str) or not _NAME.match(name):
+        raise ExportError(f"name (--name) {name!r}: expected a lowercase C identifier of at most 32 characters "
+                          "(it prefixes every exported symbol)")
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ExportError(f"batch_size (--batch-size) must be an int >= 1, got {batch_size!r}")
+    eval_batch_size = batch_size if eval_batch_size is None else eval_batch_size
+    if isinstance(eval_batch_size, bool) or not isinstance(eval_batch_size, int) or eval_batch_size < 1:
+        raise ExportError(f"eval_batch_size (--eval-batch-size) must be an int >= 1, got {eval_batch_size!r}")
+    if isinstance(threads, bool) or not isinstance(threads, int) or not 0 <= threads <= 256:
+        raise ExportError(f"threads (--threads) must be an int in [0, 256] (0: one per CPU), got {threads!r}")
+    try:
+        net = build_model(model) if isinstance(model, str) else model
+        opt = make_optimizer(optimizer) if isinstance(optimizer, str) else optimizer
+        tgt = target if isinstance(target, Target) else resolve_target(target, cpu, features)
+    except ValueError as exc:
+        raise ExportError(str(exc)) from None
+    if len(net.inputs) != 1 or len(net.outputs) != 1 or net.buffer_specs():
+        # The C runtime streams one image array and one label array and carries only parameters
+        # and optimizer state; buffers would also need to reach the evaluation graph.
+        raise ExportError(f"model {net.name!r}: export takes single-input, single-output models without "
+                          "buffers (BatchNorm2D's running statistics are not exported yet)")
+    out = Path(directory)
+    if out.exists() and not out.is_dir():
+        raise ExportError(f"{out}: exists and is not a directory")
+    if cc is None and not object_only:
+        cc = default_c_compiler(tgt)
+        if cc is None:
+            object_only = True  # Android and other triples: the app's own toolchain builds the runtime
+    if not object_only:
+        assert cc is not None
+        if shutil.which(cc) is None:
+            hint = " (apt-get install gcc-aarch64-linux-gnu)" if "aarch64-linux-gnu" in cc else ""
+            raise ExportError(f"C compiler {cc!r} for {tgt.name} ({tgt.triple}) is not on PATH{hint}; pass cc= "
+                              "(--cc) or object_only=True (--object-only) to write the object and sources only")
+
+    t0 = time.perf_counter()
+    step = TrainStep(net, opt, batch_size=batch_size, backend="reference")
+    evaluation_step = EvalStep(net, batch_size=eval_batch_size, backend="reference")
+    with use_target(tgt):
+        train = plan_graph(step.function, name=f"{name}_train_graph", loop=step.step_loop())
+        evaluation = plan_graph(evaluation_step.function, name=f"{name}_eval_graph")
+    tables = _tables(name, net, opt, step, train, evaluation, threads, tgt)
+    ir = _module_ir(name, train, evaluation)
+    labels = {**train.kernel_labels, **evaluation.kernel_labels}
+    obj, times = object_code(ir, Codegen(tgt, jit=False), what=f"the exported {net.name} steps ({name})",
+                             kernel_labels=labels)
+
+    out.mkdir(parents=True, exist_ok=True)
+    files = {"header": out / f"{name}.h", "runtime": out / f"{name}_runtime.c", "kernels": out / f"{name}_kernels.o",
+             "init": out / f"{name}_init.npz"}
+    _write(files["header"], render_header(tables).encode())
+    _write(files["runtime"], render_runtime(tables).encode())
+    _write(files["kernels"], obj)
+    params = net.init_params(seed)
+    save_checkpoint(files["init"], {**params, **opt.init_state(params)},
+                    {"model": net.name, "optimizer": opt.describe(), "step": 0, "epoch": 0, "seed": seed,
+                     "batch_size": batch_size, "dtype": "float32"})
+    if not object_only:
+        assert cc is not None
+        files.update(_build(cc, out, name, files, threads))
+    return ExportResult(out, tgt, files, time.perf_counter() - t0, times.cache_hit, None if object_only else cc)
+
+
+def _build(cc: str, out: Path, name: str, files: dict[str, Path], threads: int) -> dict[str, Path]:
+    """Compile the runtime, then link ``<name>.o``, ``lib<name>.a`` and ``lib<name>.so`` into ``out``."""
+    ar = _archiver(cc)
+    pthread = [] if threads == 1 else ["-pthread"]
+    built = {"object": out / f"{name}.o", "static": out / f"lib{name}.a", "shared": out / f"lib{name}.so"}
+    with tempfile.TemporaryDirectory(dir=out, prefix=".build-") as tmp:
+        runtime_o = Path(tmp) / f"{name}_runtime.o"
+        _run([cc, "-std=c11", "-O2", "-fPIC", "-Wall", *pthread, "-I", str(out), "-c",
+              str(files["runtime"]), "-o", str(runtime_o)], f"compiling {files['runtime'].name} with {cc}")
+        objects = [str(files["kernels"]), str(runtime_o)]
+        staged = {kind: Path(tmp) / path.name for kind, path in built.items()}
+        _run([cc, "-r", "-nostdlib", "-o", str(staged["object"]), *objects], f"linking {name}.o")
+        _run([ar, "rcs", str(staged["static"]), *objects], f"archiving lib{name}.a")
+        _run([cc, "-shared", "-o", str(staged["shared"]), *objects, "-lm", *pthread], f"linking lib{name}.so")
+        for kind, path in staged.items():
+            os.replace(path, built[kind])
+    return built

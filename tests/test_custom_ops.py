@@ -1,0 +1,130 @@
+"""Operators declared in a user's own module are first-class: ops, compile, checker, pytest plugin, errors."""
+
+from __future__ import annotations
+
+import importlib
+import subprocess
+import sys
+import textwrap
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import opgrad
+from opgrad import ops
+from opgrad.checks import check_op, resolve_backend
+from opgrad.errors import OpCallError, RegistryError
+
+CUBE = textwrap.dedent('''
+    """A user's operator library: cube, declared outside opgrad's registry."""
+    import numpy as np
+    from opgrad import ops
+    from opgrad.op import Input, Operator
+
+    cube = Operator("user_cube", inputs=[Input("data", dims=("N",))], doc="data ** 3")
+
+    @cube.shape_rule
+    def _shape(data, attrs):
+        return data
+
+    @cube.reference
+    def _forward(data):
+        return data * data * data
+
+    @cube.gradient
+    def _gradient(call, grad):
+        """d_data = 3 data^2 grad"""
+        x = call.args[0]
+        return [ops.multiply(grad, ops.multiply(ops.multiply(x, x), 3.0))]
+
+    @cube.mutant("2 data^2 instead of 3 data^2")
+    def _wrong(call, grad):
+        x = call.args[0]
+        return [ops.multiply(grad, ops.multiply(ops.multiply(x, x), 2.0))]
+
+    @cube.lowering
+    def _lowering(kb, call, out, data):
+        """out = data * data * data"""
+        kb.elementwise(out, [data], lambda s, v: s.mul(s.mul(v[0], v[0]), v[0]))
+''')
+
+
+@pytest.fixture
+def user_module(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[object]:
+    (tmp_path / "my_user_ops.py").write_text(CUBE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    module = importlib.import_module("my_user_ops")
+    yield module
+    from opgrad import registry
+
+    registry.unregister("user_cube")
+    sys.modules.pop("my_user_ops", None)
+
+
+def test_user_op_joins_ops_compiles_and_checks(user_module: object) -> None:
+    x = opgrad.var("x", (5,), "float64")
+    y = ops.user_cube(x)
+    fn = opgrad.grad(opgrad.function([x], ops.sum(y)))
+    data = np.linspace(-2, 2, 5)
+    value, grad = opgrad.compile(fn)(data)
+    np.testing.assert_allclose(value, np.sum(data**3), rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(grad, 3 * data**2, rtol=1e-12)
+    assert check_op("user_cube", max_examples=20, seed=0).passed
+    assert check_op("user_cube", max_examples=10, seed=0, backend=resolve_backend("llvm")).passed
+    from opgrad.checks.mutants import _declared
+
+    mutants = [m for m in _declared() if m.op == "user_cube"]
+    assert mutants and not check_op("user_cube", gradient=mutants[0].rule, max_examples=20, seed=0).passed
+
+
+def test_user_op_errors_name_the_users_module(user_module: object) -> None:
+    with pytest.raises(OpCallError, match=r"^my_user_ops\.user_cube: invalid call(?s:.*)unknown attribute\(s\) power"):
+        ops.user_cube(opgrad.var("m", (2, 3)), power=2)
+    with pytest.raises(TypeError, match=r"my_user_ops\.user_cube: input 'data'"):
+        ops.user_cube("text")
+
+
+def test_a_name_already_taken_is_refused() -> None:
+    from opgrad.op import Input, Operator
+
+    with pytest.raises(RegistryError, match=r"operator 'relu' declared in module .* is already declared in "
+                                            r"registry/relu\.py"):
+        Operator("relu", inputs=[Input("data")])
+
+
+def test_missing_lowering_names_the_users_module(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "my_unlowered_ops.py").write_text(CUBE.replace("user_cube", "user_cube2").split("@cube.lowering")[0])
+    monkeypatch.syspath_prepend(str(tmp_path))
+    importlib.import_module("my_unlowered_ops")
+    try:
+        x = opgrad.var("x", (3,), "float64")
+        with pytest.raises(NotImplementedError, match=r"add '@user_cube2\.lowering' in module my_unlowered_ops"):
+            opgrad.compile(opgrad.function([x], ops.user_cube2(x)))
+    finally:
+        from opgrad import registry
+
+        registry.unregister("user_cube2")
+        sys.modules.pop("my_unlowered_ops", None)
+
+
+def test_pytest_plugin_checks_a_user_op_in_the_users_suite(tmp_path: Path) -> None:
+    (tmp_path / "my_user_ops.py").write_text(CUBE)
+    (tmp_path / "test_mine.py").write_text(textwrap.dedent("""
+        import my_user_ops  # declaring the op registers it
+
+        def test_cube(opgrad_check):
+            opgrad_check("user_cube", max_examples=10)
+    """))
+    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tmp_path)],
+                            capture_output=True, text=True, cwd=tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "1 passed" in result.stdout
+
+
+def test_only_user_ops_can_be_unregistered() -> None:
+    from opgrad import registry
+
+    with pytest.raises(RegistryError, match=r"operator 'relu' is declared in registry/relu\.py and cannot be"):
+        registry.unregister("relu")

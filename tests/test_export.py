@@ -1,0 +1,462 @@
+"""opgrad export: the C example trains to the Python compiled step's losses (host, and AArch64 under
+QEMU), the Android object is an AArch64 ELF, and the C runtime reports every misuse as an error code.
+
+The cross-building tests need ``aarch64-linux-gnu-gcc`` and ``qemu-aarch64`` (Debian:
+``apt-get install gcc-aarch64-linux-gnu qemu-user``; ``.ci/run`` installs them). Without them a local
+run skips with the reason; in CI (``CI=true``) they fail, so they can never silently stop running.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import opgrad
+from opgrad import cli, nn
+from opgrad.checkpoint import load_checkpoint, save_checkpoint
+from opgrad.deploy import ExportError
+
+ROOT = Path(__file__).resolve().parents[1]
+BATCH = 8
+
+
+def _require(*tools: str) -> None:
+    missing = [tool for tool in tools if shutil.which(tool) is None]
+    if missing:
+        reason = f"{', '.join(missing)} not installed (Debian: apt-get install gcc-aarch64-linux-gnu qemu-user)"
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"{reason}; CI must run this test (.ci/run installs them)")
+        print(f"skipping: {reason}")
+        pytest.skip(reason)
+
+
+def _doc_block(marker: str) -> list[str]:
+    """The commands of the ```bash block after the HTML comment naming ``marker`` in deployment.md."""
+    text = (ROOT / "docs" / "deployment.md").read_text()
+    after = text.split(f"({marker})", 1)[1]
+    block = after.split("```bash\n", 1)[1].split("```", 1)[0]
+    return [line for line in block.splitlines() if line.strip()]
+
+
+def _run_doc(lines: list[str], build: str, tmp: Path, replace: dict[str, str] | None = None) -> str:
+    """Run the doc's commands from the repository root, ``build`` redirected into ``tmp``."""
+    out = []
+    for line in lines:
+        for old, new in (replace or {}).items():
+            line = line.replace(old, new)
+        line = line.replace(build, str(tmp)).replace(".venv/bin/", str(Path(sys.executable).parent) + "/")
+        result = subprocess.run(shlex.split(line), cwd=ROOT, capture_output=True, text=True, timeout=600)
+        assert result.returncode == 0, f"{line}\n{result.stdout}\n{result.stderr}"
+        out.append(result.stdout)
+    return "".join(out)
+
+
+def _losses(output: str) -> np.ndarray:
+    return np.array([float(m) for m in re.findall(r"^step \d+ loss (\S+)$", output, re.M)], np.float32)
+
+
+@pytest.fixture(scope="module")
+def python_losses() -> np.ndarray:
+    """The Python compiled step's losses on the example's data: 20 Adam steps at lr 1e-3 from seed 0."""
+    from opgrad.data import load_embedded_mnist
+
+    data = load_embedded_mnist()
+    model, opt = nn.seed_cnn(), nn.Adam()
+    params = model.init_params(0)
+    step = nn.TrainStep(model, opt, batch_size=BATCH, backend="llvm")
+    n = 20 * BATCH
+    return step.run_steps(data.train_images[:n], data.train_labels[:n], params, opt.init_state(params), 1e-3).losses
+
+
+@pytest.fixture(scope="module")
+def host(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
+    """The quick start of docs/deployment.md, run as written; returns (directory, the example's output)."""
+    _require("cc")
+    tmp = tmp_path_factory.mktemp("export-host")
+    return tmp, _run_doc(_doc_block("test_docs_quick_start"), "build/export", tmp)
+
+
+def test_docs_quick_start(host: tuple[Path, str], python_losses: np.ndarray) -> None:
+    tmp, output = host
+    losses = _losses(output)
+    assert len(losses) == 20
+    np.testing.assert_allclose(losses, python_losses, rtol=1e-6, atol=0)
+    assert losses[-5:].mean() < losses[:5].mean()
+    assert "accuracy on the first 8 training digits" in output and "ms/step" in output
+    arrays, meta = load_checkpoint(tmp / "trained.npz")  # the C-written checkpoint passes Python's checks
+    assert (meta["step"], meta["model"], meta["optimizer"]) == (20, "seed-cnn", nn.Adam().describe())
+    trainer = nn.Trainer(nn.seed_cnn(), nn.Adam(), batch_size=BATCH)
+    trainer.restore(arrays, meta)  # what opgrad train --resume does
+    assert trainer.step == 20
+    for file in ("opgrad.h", "opgrad_runtime.c", "opgrad_kernels.o", "opgrad.o", "libopgrad.a", "libopgrad.so",
+                 "opgrad_init.npz"):
+        assert (tmp / file).stat().st_size > 0, file
+
+
+def test_shared_library_and_object_link_and_agree(host: tuple[Path, str], python_losses: np.ndarray) -> None:
+    tmp, _ = host
+    for kind, lib in (("so", tmp / "libopgrad.so"), ("o", tmp / "opgrad.o")):
+        exe = tmp / f"train-{kind}"
+        subprocess.run(["cc", "-std=c11", "-O2", "-I", str(tmp), str(ROOT / "examples/export_c/train.c"), str(lib),
+                        "-lm", "-pthread", "-o", str(exe)], check=True)
+        run = subprocess.run([str(exe), str(tmp), "6", "4"], capture_output=True, text=True,
+                             env={**os.environ, "LD_LIBRARY_PATH": str(tmp), "OPGRAD_NUM_THREADS": "1"})
+        assert run.returncode == 0, run.stderr
+        np.testing.assert_array_equal(_losses(run.stdout), python_losses[:6])  # thread count changes nothing
+    symbols = subprocess.run(["nm", "-D", "--defined-only", str(tmp / "libopgrad.so")], capture_output=True,
+                             text=True).stdout if shutil.which("nm") else ""
+    if symbols:
+        exported = sorted(line.split()[-1] for line in symbols.splitlines() if " T " in line)
+        assert all(name.startswith("opgrad_") for name in exported) and "opgrad_train_steps" in exported
+        assert not any("graph" in name or "parallel_for" in name for name in exported)
+
+
+def test_runtime_and_example_compile_without_warnings(host: tuple[Path, str]) -> None:
+    tmp, _ = host
+    for source in (tmp / "opgrad_runtime.c", ROOT / "examples/export_c/train.c"):
+        subprocess.run(["cc", "-std=c11", "-O2", "-Wall", "-Wextra", "-Werror", "-pedantic", "-fPIC", "-I", str(tmp),
+                        "-c", str(source), "-o", str(tmp / "strict.o")], check=True)
+
+
+# ----- the C runtime's errors, through ctypes on the shared library -----
+
+
+@pytest.fixture(scope="module")
+def lib(host: tuple[Path, str]) -> ctypes.CDLL:
+    tmp, _ = host
+    so = ctypes.CDLL(str(tmp / "libopgrad.so"))
+    vp, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    so.opgrad_model_create.restype = vp
+    so.opgrad_model_free.argtypes = [vp]
+    so.opgrad_last_error.restype = ctypes.c_char_p
+    so.opgrad_last_error.argtypes = [vp]
+    so.opgrad_train_steps.argtypes = [vp, i64, vp, vp, vp, vp, i32]
+    so.opgrad_train_step.argtypes = [vp, vp, vp, ctypes.c_float, vp, i32]
+    so.opgrad_eval.argtypes = [vp, vp, vp]
+    so.opgrad_model_load.argtypes = [vp, ctypes.c_char_p]
+    so.opgrad_model_save.argtypes = [vp, ctypes.c_char_p]
+    so.opgrad_model_step.argtypes = [vp]
+    so.opgrad_model_step.restype = i64
+    so.opgrad_model_set_epoch.argtypes = [vp, i64]
+    so.opgrad_model_array.argtypes = [vp, ctypes.c_char_p, ctypes.POINTER(i64)]
+    so.opgrad_model_array.restype = ctypes.POINTER(ctypes.c_float)
+    return so
+
+
+OK, ERR_NULL, ERR_ARGUMENT, ERR_LABEL, ERR_NAN, ERR_IO, ERR_FORMAT = range(7)
+
+
+class Model:
+    """A model of the exported library, loaded with the export's initial weights."""
+
+    def __init__(self, lib: ctypes.CDLL, directory: Path) -> None:
+        self.lib, self.handle = lib, lib.opgrad_model_create()
+        assert self.handle
+        assert lib.opgrad_model_load(self.handle, str(directory / "opgrad_init.npz").encode()) == OK, self.error
+
+    @property
+    def error(self) -> str:
+        return self.lib.opgrad_last_error(self.handle).decode()
+
+    def steps(self, images: np.ndarray, labels: np.ndarray, lrs: np.ndarray, flags: int = 0) -> tuple[int, np.ndarray]:
+        losses = np.full(len(lrs), -1.0, np.float32)
+        rc = self.lib.opgrad_train_steps(self.handle, len(lrs), images.ctypes.data, labels.ctypes.data,
+                                         lrs.ctypes.data, losses.ctypes.data, flags)
+        return rc, losses
+
+    def array(self, name: str) -> np.ndarray:
+        count = ctypes.c_int64()
+        ptr = self.lib.opgrad_model_array(self.handle, name.encode(), ctypes.byref(count))
+        assert ptr, self.error
+        return np.ctypeslib.as_array(ptr, (count.value,)).copy()
+
+    def __del__(self) -> None:
+        self.lib.opgrad_model_free(self.handle)
+
+
+def _batches(n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    from opgrad.data import load_embedded_mnist
+
+    data = load_embedded_mnist()
+    return (np.ascontiguousarray(data.train_images[: n * BATCH]), data.train_labels[: n * BATCH].copy(),
+            np.full(n, 1e-3, np.float32))
+
+
+def test_c_errors_are_codes_with_messages(lib: ctypes.CDLL, host: tuple[Path, str],
+                                          python_losses: np.ndarray) -> None:
+    tmp, _ = host
+    x, y, lrs = _batches(4)
+    assert lib.opgrad_train_steps(None, 1, x.ctypes.data, y.ctypes.data, lrs.ctypes.data, lrs.ctypes.data, 0) \
+        == ERR_NULL
+    assert b"NULL" in lib.opgrad_last_error(None)
+    assert lib.opgrad_model_load(None, b"x.npz") == ERR_NULL and lib.opgrad_model_save(None, b"x.npz") == ERR_NULL
+    assert lib.opgrad_model_step(None) == -1
+    m = Model(lib, tmp)
+    losses = np.zeros(4, np.float32)
+    assert lib.opgrad_train_steps(m.handle, 4, None, y.ctypes.data, lrs.ctypes.data, losses.ctypes.data, 0) == ERR_NULL
+    assert m.error == "opgrad_train_steps: images is NULL"
+    assert lib.opgrad_train_steps(m.handle, 4, x.ctypes.data, y.ctypes.data, lrs.ctypes.data, None, 0) == ERR_NULL
+    assert lib.opgrad_eval(m.handle, x.ctypes.data, None) == ERR_NULL and "logits is NULL" in m.error
+    assert lib.opgrad_train_steps(m.handle, -1, x.ctypes.data, y.ctypes.data, lrs.ctypes.data, losses.ctypes.data,
+                                  0) == ERR_ARGUMENT
+    assert "steps must be >= 0, got -1" in m.error
+    assert lib.opgrad_train_steps(m.handle, 1, x.ctypes.data, y.ctypes.data + 4, lrs.ctypes.data,
+                                  losses.ctypes.data, 0) == ERR_ARGUMENT
+    assert m.error == "opgrad_train_steps: labels is not aligned to 8 bytes (its element size)"
+    assert m.steps(x, y, lrs, flags=8)[0] == ERR_ARGUMENT and "unknown flags 0x8" in m.error
+    assert not lib.opgrad_model_array(m.handle, b"nope", None)
+    assert "no parameter or state array named 'nope'" in m.error
+    assert lib.opgrad_model_step(m.handle) == 0  # nothing ran
+
+    bad = y.copy()
+    bad[2 * BATCH + 3] = 10  # step 2, row 3: one past the 10 classes
+    rc, losses = m.steps(x, bad, lrs)
+    assert rc == ERR_LABEL
+    assert m.error == ("opgrad_train_steps: labels[19] = 10 (step 2, row 3 of its batch) is out of range [0, 10) for "
+                       "input 'labels' of softmax_cross_entropy; steps 2.. did not run (2 done)")
+    assert lib.opgrad_model_step(m.handle) == 2
+    np.testing.assert_array_equal(losses[:2], python_losses[:2])
+    assert (losses[2:] == -1.0).all()  # the steps from the bad one on never ran
+    bad[19] = -3
+    assert m.steps(x, bad, lrs)[0] == ERR_LABEL and "= -3" in m.error
+
+
+def test_c_stop_on_nan_keeps_the_parameters_before_that_step(lib: ctypes.CDLL, host: tuple[Path, str]) -> None:
+    tmp, _ = host
+    x, y, lrs = _batches(3)
+    one = Model(lib, tmp)
+    assert one.steps(x[:BATCH], y[:BATCH], lrs[:1])[0] == OK
+    nan = x.copy()
+    nan[BATCH + 5, 0, 10, 10] = np.nan
+    stopped = Model(lib, tmp)
+    rc, losses = stopped.steps(nan, y, lrs, flags=1)
+    assert rc == ERR_NAN and "the loss is NaN at step 1" in stopped.error
+    assert np.isfinite(losses[0]) and np.isnan(losses[1]) and losses[2] == -1.0
+    assert lib.opgrad_model_step(stopped.handle) == 1
+    for name in ("conv1.weight", "dense1.bias", "conv3.weight/m", "adam/beta1_power"):
+        np.testing.assert_array_equal(stopped.array(name), one.array(name), err_msg=name)
+    flowing = Model(lib, tmp)
+    rc, losses = flowing.steps(nan, y, lrs)  # without the flag NaN flows on, as in Python
+    assert rc == OK and np.isnan(losses[1:]).all()
+
+
+def test_c_checkpoint_load_errors_and_round_trip(lib: ctypes.CDLL, host: tuple[Path, str], tmp_path: Path) -> None:
+    tmp, _ = host
+    m = Model(lib, tmp)
+    x, y, lrs = _batches(2)
+    assert m.steps(x, y, lrs)[0] == OK
+    assert lib.opgrad_model_set_epoch(m.handle, 3) == OK
+    saved = tmp_path / "c.npz"
+    assert lib.opgrad_model_save(m.handle, str(saved).encode()) == OK, m.error
+    assert not list(tmp_path.glob("*.tmp"))
+    back = Model(lib, tmp)
+    assert lib.opgrad_model_load(back.handle, str(saved).encode()) == OK, back.error
+    assert lib.opgrad_model_step(back.handle) == 2
+    for name in ("conv2.weight", "conv2.weight/v", "adam/beta2_power"):
+        np.testing.assert_array_equal(back.array(name), m.array(name), err_msg=name)
+    arrays, meta = load_checkpoint(saved)
+    assert meta["epoch"] == 3 and meta["step"] == 2
+
+    def load_error(path: Path) -> tuple[int, str]:
+        rc = lib.opgrad_model_load(back.handle, str(path).encode())
+        return rc, back.error
+
+    assert load_error(tmp_path / "missing.npz") == (
+        ERR_IO, f"{tmp_path / 'missing.npz'}: cannot open checkpoint: No such file or directory")
+    blob = saved.read_bytes()
+    (tmp_path / "short.npz").write_bytes(blob[: len(blob) // 2])
+    rc, message = load_error(tmp_path / "short.npz")
+    assert rc == ERR_FORMAT and "truncated" in message
+    flipped = bytearray(blob)
+    flipped[len(blob) // 3] ^= 0x10
+    (tmp_path / "flipped.npz").write_bytes(bytes(flipped))
+    rc, message = load_error(tmp_path / "flipped.npz")
+    assert rc == ERR_FORMAT and ("CRC-32" in message or "checksum" in message or "malformed" in message), message
+    (tmp_path / "empty.npz").write_bytes(b"")
+    assert load_error(tmp_path / "empty.npz")[0] == ERR_FORMAT
+    wrong = dict(arrays)
+    wrong["conv1.weight"] = np.zeros((16, 1, 3, 3), np.float32)
+    save_checkpoint(tmp_path / "shape.npz", wrong, meta)
+    assert load_error(tmp_path / "shape.npz") == (
+        ERR_FORMAT, f"{tmp_path / 'shape.npz'}: conv1.weight: checkpoint has shape (16, 1, 3, 3), model expects "
+                    "(32, 1, 3, 3)")
+    save_checkpoint(tmp_path / "other.npz", arrays, {**meta, "model": "keras-mnist"})
+    assert "is of model 'keras-mnist'" in load_error(tmp_path / "other.npz")[1]
+    with zipfile.ZipFile(tmp_path / "deflated.npz", "w", zipfile.ZIP_DEFLATED) as z:
+        z.writestr("a.npy", b"x" * 100)
+    assert "compressed (zip method 8)" in load_error(tmp_path / "deflated.npz")[1]
+    params_only = {k: v for k, v in arrays.items() if "/" not in k}
+    save_checkpoint(tmp_path / "params.npz", params_only, meta)  # accepted: the optimizer state is reset
+    assert load_error(tmp_path / "params.npz")[0] == OK
+    np.testing.assert_array_equal(back.array("adam/beta1_power"), [1.0])
+    np.testing.assert_array_equal(back.array("conv1.weight"), arrays["conv1.weight"].reshape(-1))
+
+
+# ----- the other targets -----
+
+
+def test_docs_aarch64(python_losses: np.ndarray, tmp_path: Path) -> None:
+    _require("aarch64-linux-gnu-gcc", "qemu-aarch64")
+    lines = _doc_block("test_docs_aarch64")
+    fewer = {"--steps 20": "--steps 5", "build/aarch64 20 5": "build/aarch64 5 5"}  # QEMU is slow: 5 steps
+    output = _run_doc(lines, "build/aarch64", tmp_path, fewer)
+    header = subprocess.run(["readelf", "-h", str(tmp_path / "train")], capture_output=True, text=True).stdout \
+        if shutil.which("readelf") else (tmp_path / "train").read_bytes()[:20].hex()
+    assert "AArch64" in header or header[36:40] == "b700"
+    losses = _losses(output)
+    assert len(losses) == 5
+    np.testing.assert_allclose(losses, python_losses[:5], rtol=1e-5, atol=0)
+
+
+def _elf_header(path: Path) -> dict[str, int]:
+    raw = path.read_bytes()[:64]
+    assert raw[:4] == b"\x7fELF", f"{path} is not an ELF file"
+    return {"class": raw[4], "data": raw[5], "type": int.from_bytes(raw[16:18], "little"),
+            "machine": int.from_bytes(raw[18:20], "little")}
+
+
+def test_docs_android(tmp_path: Path) -> None:
+    lines = _doc_block("test_docs_android")
+    _run_doc(lines[:1], "build/android", tmp_path)
+    kernels = tmp_path / "opgrad_kernels.o"
+    assert _elf_header(kernels) == {"class": 2, "data": 1, "type": 1, "machine": 183}  # ELF64, LE, REL, AArch64
+    assert not (tmp_path / "libopgrad.so").exists()
+    assert (tmp_path / "opgrad.h").exists() and (tmp_path / "opgrad_runtime.c").exists()
+    if shutil.which("readelf"):
+        out = _run_doc(lines[1:], "build/android", tmp_path)
+        assert "AArch64" in out and "REL (Relocatable file)" in out
+        for symbol in ("opgrad_train_graph", "opgrad_train_graph_steps", "opgrad_eval_graph"):
+            assert re.search(rf"FUNC\s+GLOBAL\s+HIDDEN\s+\d+\s+{symbol}$", out, re.M), symbol
+        assert re.search(r"NOTYPE\s+GLOBAL\s+DEFAULT\s+UND\s+opgrad_parallel_for$", out, re.M)
+    if shutil.which("aarch64-linux-gnu-gcc"):  # the runtime is plain C11 + POSIX: it compiles for AArch64
+        subprocess.run(["aarch64-linux-gnu-gcc", "-std=c11", "-O2", "-fPIC", "-Wall", "-Wextra", "-Werror", "-I",
+                        str(tmp_path), "-c", str(tmp_path / "opgrad_runtime.c"), "-o", str(tmp_path / "rt.o")],
+                       check=True)
+
+
+# ----- options and misuse -----
+
+
+def test_named_single_threaded_keras_export_with_masks_matches_python(tmp_path: Path) -> None:
+    """--name renames every symbol; --threads 1 drops pthreads; dropout masks are stream arguments."""
+    _require("cc")
+    result = opgrad.export(tmp_path, model="keras-mnist", optimizer="sgd", batch_size=4, threads=1, name="keras")
+    header = (tmp_path / "keras.h").read_text()
+    assert "const float *mask_dropout1" in header and "#define KERAS_MASK_DROPOUT1_SIZE 9216" in header
+    assert "int keras_train_steps(" in header and "opgrad_model" not in header and "OPGRAD_OK" not in header
+    assert "#define OG_MAX_THREADS 1" in (tmp_path / "keras_runtime.c").read_text()
+    subprocess.run(["cc", "-std=c11", "-O2", "-Wall", "-Wextra", "-Werror", "-fPIC", "-I", str(tmp_path), "-c",
+                    str(tmp_path / "keras_runtime.c"), "-o", str(tmp_path / "rt.o")], check=True)
+    if shutil.which("nm"):
+        undefined = subprocess.run(["nm", "-u", str(tmp_path / "rt.o")], capture_output=True, text=True).stdout
+        assert "pthread" not in undefined
+    so = ctypes.CDLL(str(result.files["shared"]))
+    so.keras_model_create.restype = ctypes.c_void_p
+    so.keras_model_load.argtypes = [ctypes.c_void_p, ctypes.c_char_p]
+    so.keras_train_steps.argtypes = [ctypes.c_void_p, ctypes.c_int64, *([ctypes.c_void_p] * 6), ctypes.c_int]
+    so.keras_model_free.argtypes = [ctypes.c_void_p]
+    model = so.keras_model_create()
+    assert so.keras_model_load(model, str(tmp_path / "keras_init.npz").encode()) == OK
+
+    from opgrad.data import load_embedded_mnist
+
+    data = load_embedded_mnist()
+    steps, b = 3, 4
+    x, y = np.ascontiguousarray(data.train_images[: steps * b]), data.train_labels[: steps * b].copy()
+    net, opt = nn.keras_mnist(), nn.SGD()
+    rng = np.random.default_rng(0)
+    m1 = np.concatenate([net.sample_noise(rng, b)["dropout1"] for _ in range(steps)])
+    m2 = np.concatenate([net.sample_noise(rng, b)["dropout2"] for _ in range(steps)])
+    lrs = np.array([0.05, 0.04, 0.03], np.float32)
+    losses = np.zeros(steps, np.float32)
+    assert so.keras_train_steps(model, steps, x.ctypes.data, y.ctypes.data, m1.ctypes.data, m2.ctypes.data,
+                                lrs.ctypes.data, losses.ctypes.data, 0) == OK
+    so.keras_model_free(model)
+    params = net.init_params(0)
+    want = nn.TrainStep(net, opt, batch_size=b, backend="reference").run_steps(
+        x, y, params, {}, lrs, {"dropout1": m1, "dropout2": m2}).losses
+    np.testing.assert_allclose(losses, want, rtol=1e-4)  # the numpy reference rounds differently
+
+
+def test_export_argument_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(ExportError, match=r"batch_size \(--batch-size\) must be an int >= 1, got 0"):
+        opgrad.export(tmp_path, batch_size=0)
+    with pytest.raises(ExportError, match=r"name .* expected a lowercase C identifier"):
+        opgrad.export(tmp_path, name="My-Net")
+    with pytest.raises(ExportError, match="unknown target 'sparc'"):
+        opgrad.export(tmp_path, target="sparc")
+    with pytest.raises(ExportError, match="unknown model 'resnet'"):
+        opgrad.export(tmp_path, model="resnet")
+    with pytest.raises(ExportError, match=r"C compiler 'no-such-cc' for host .* is not on PATH"):
+        opgrad.export(tmp_path, cc="no-such-cc")
+    (tmp_path / "file").write_text("")
+    with pytest.raises(ExportError, match="exists and is not a directory"):
+        opgrad.export(tmp_path / "file")
+    assert cli.main(["export", str(tmp_path / "out"), "--threads", "-1"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("opgrad export: error: threads (--threads)") and err.count("\n") == 1
+    assert "Traceback" not in err
+    assert not (tmp_path / "out").exists()
+
+
+def test_ci_installs_the_cross_tools_before_the_readme_command() -> None:
+    run = (ROOT / ".ci" / "run").read_text()
+    readme = (ROOT / "README.md").read_text()
+    command = 'python3 -m venv .venv && .venv/bin/pip install -q -e ".[dev]" && .venv/bin/python -m pytest'
+    assert command in readme and run.rstrip().endswith(command)
+    install = run.index("apt-get install -y gcc gcc-aarch64-linux-gnu qemu-user")
+    assert run.index("command -v aarch64-linux-gnu-gcc") < install < run.index(command)
+    assert "[docs/deployment.md](docs/deployment.md)" in readme
+
+
+# ----- targets -----
+
+
+def test_target_descriptions() -> None:
+    from opgrad.compiler.gemm import Blocking
+    from opgrad.compiler.irtext import ModuleEmitter
+    from opgrad.compiler.target import current_target, host_target, resolve_target, use_target
+
+    v3, arm, android = (resolve_target(n) for n in ("x86-64-v3", "aarch64-linux-gnu", "aarch64-linux-android"))
+    assert (v3.is_x86, v3.vector_width(4), v3.vector_registers, v3.has_avx512) == (True, 8, 16, False)
+    assert (arm.is_aarch64, arm.vector_width(4), arm.vector_width(8), arm.vector_registers) == (True, 4, 2, 32)
+    assert android.is_android and android.triple.startswith("aarch64") and not arm.is_android
+    assert resolve_target("x86-64-v4").function_attrs.startswith('"prefer-vector-width"="512"')
+    assert resolve_target("riscv64-unknown-linux-gnu").cpu == "generic"
+    with pytest.raises(ValueError, match="unknown target 'armv99'"):
+        resolve_target("armv99")
+    assert current_target() is host_target()
+    with use_target(arm):
+        assert current_target() == arm and ModuleEmitter().function_attrs == ""
+        assert (Blocking.for_target("float32").mr, Blocking.for_target("float32").vl) == (8, 4)
+    with use_target(v3):
+        assert (Blocking.for_target("float32").mr, Blocking.for_target("float32").nr) == (6, 16)
+    assert current_target() is host_target()
+
+
+def test_x86_64_v3_baseline_runs_here_and_agrees(python_losses: np.ndarray, tmp_path: Path) -> None:
+    """A portable AVX2 library (what to ship to other x86-64 machines) trains to the same losses."""
+    _require("cc")
+    from opgrad.compiler.target import host_target
+
+    if "+avx2" not in host_target().features.split(",") or "+fma" not in host_target().features.split(","):
+        pytest.skip("this CPU cannot run x86-64-v3 code")
+    result = opgrad.export(tmp_path, batch_size=BATCH, target="x86-64-v3", threads=2)
+    assert _elf_header(result.files["kernels"])["machine"] == 62  # x86-64
+    subprocess.run([sys.executable, str(ROOT / "examples/export_c/make_data.py"), str(tmp_path), "--steps", "6",
+                    "--batch-size", str(BATCH)], check=True, capture_output=True)
+    subprocess.run(["cc", "-std=c11", "-O2", "-I", str(tmp_path), str(ROOT / "examples/export_c/train.c"),
+                    str(result.files["static"]), "-lm", "-pthread", "-o", str(tmp_path / "train")], check=True)
+    run = subprocess.run([str(tmp_path / "train"), str(tmp_path), "6", "3"], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    np.testing.assert_allclose(_losses(run.stdout), python_losses[:6], rtol=1e-5, atol=0)
