@@ -30,7 +30,7 @@ DEFAULT_EPOCHS = 10
 #: The models ``--model`` offers (``opgrad.nn.MODELS``; listed here so the CLI starts without importing nn).
 MODEL_NAMES = ("seed-cnn", "keras-mnist", "resnet", "mlp")
 #: Epochs per model when --epochs is not given (measured; see the README's table).
-MODEL_EPOCHS = {"seed-cnn": DEFAULT_EPOCHS, "keras-mnist": DEFAULT_EPOCHS, "resnet": DEFAULT_EPOCHS,
+MODEL_EPOCHS = {"seed-cnn": DEFAULT_EPOCHS, "keras-mnist": DEFAULT_EPOCHS, "resnet": 15,
                 "mlp": DEFAULT_EPOCHS}
 DEFAULT_BATCH_SIZE = 32
 DEFAULT_OPTIMIZER = "adam"
