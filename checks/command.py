@@ -64,6 +64,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         reports = [_check_one(job) for job in jobs]
     print(format_table(reports))
+    _record(reports, args.backend, args.examples)
     failed = [r for r in reports if not r.passed]
     for r in failed:
         print()
@@ -72,3 +73,17 @@ def run(args: argparse.Namespace) -> int:
     print(f"\n{len(reports) - len(failed)}/{len(reports)} operators passed in {total:.1f}s"
           f" (sum of per-op times {sum(r.seconds for r in reports):.1f}s)")
     return 1 if failed else 0
+
+
+def _record(reports: list[Any], backend: str, examples: int) -> None:
+    """Keep each operator's verdict for ``opgrad ops --matrix``; a cache that cannot be written
+    costs the record, not the run."""
+    import sys
+
+    from opgrad.checks.results import record
+    from opgrad.errors import OpgradError
+
+    try:
+        record(reports, backend, examples)
+    except (OSError, OpgradError) as exc:
+        print(f"opgrad check: note: results not recorded: {exc}", file=sys.stderr)

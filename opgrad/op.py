@@ -168,6 +168,7 @@ class Operator:
         self._gradient: GradientRule | None = None
         self._gradient_reason = "no gradient declared"
         self._lowering: Callable[..., Any] | None = None
+        self._lowering_reason = ""
         self._sampler: Callable[..., Any] | None = None
         self._mutants: list[tuple[str, GradientRule]] = []
         #: Where the op is declared: a registry file's stem ("relu"), or a user's module ("mylib.ops").
@@ -236,6 +237,12 @@ class Operator:
         self._lowering = fn
         return fn
 
+    def lowering_not_implemented(self, reason: str) -> None:
+        """Declare, visibly, that this operator is reference only: ``opgrad.evaluate`` runs it and
+        ``opgrad.compile`` refuses it with ``reason`` (``opgrad ops`` says so in its kernel column)."""
+        self._lowering = None
+        self._lowering_reason = reason
+
     def sampler(self, fn: Callable[..., Any]) -> Callable[..., Any]:
         """Attach a case generator for ops whose shapes and attrs are tied together.
 
@@ -302,6 +309,11 @@ class Operator:
     @property
     def lowering_fn(self) -> Callable[..., Any] | None:
         return self._lowering
+
+    @property
+    def lowering_reason(self) -> str:
+        """Why the operator has no lowering, when it is declared reference only; "" otherwise."""
+        return self._lowering_reason
 
     @property
     def sampler_fn(self) -> Callable[..., Any] | None:

@@ -18,12 +18,35 @@ def _strides(value: Any, types: Sequence[TensorType], attrs: dict[str, Any]) -> 
     return int_tuple(2, minimum=1)(value)  # type: ignore[return-value]
 
 
-def pool_attrs() -> list[Attr]:
-    return [
+def _flag(value: Any) -> bool:
+    if not isinstance(value, (bool, np.bool_)):
+        raise ValueError(f"expected True or False, got {value!r}")
+    return bool(value)
+
+
+def pool_attrs(avg: bool = False) -> list[Attr]:
+    attrs = [
         Attr("pool_size", default=(2, 2), convert=int_tuple(2, minimum=1), doc="(kh, kw)"),
         Attr("strides", default=None, convert=_strides, uses_types=True, doc="(sh, sw); None means pool_size"),
         Attr("padding", default=(0, 0), convert=int_tuple(2, minimum=0), doc="(ph, pw), each < pool size"),
+        Attr("ceil_mode", default=False, convert=_flag,
+             doc="PyTorch's ceil_mode: round the output size up, keeping only windows that start inside "
+                 "the input or its left/top padding"),
     ]
+    if avg:
+        attrs.append(Attr("count_include_pad", default=True, convert=_flag,
+                          doc="PyTorch's: the divisor counts the zero padding (not what overhangs it in ceil "
+                              "mode); False divides by the input elements in the window only"))
+    return attrs
+
+
+def pool_output_size(size: int, kernel: int, stride: int, pad: int, ceil_mode: bool) -> int:
+    """PyTorch's pooling output length; in ceil mode the last window must start inside the input
+    or the left padding (otherwise it would cover padding only)."""
+    out = (size + 2 * pad - kernel + (stride - 1 if ceil_mode else 0)) // stride + 1
+    if ceil_mode and (out - 1) * stride >= size + pad:
+        out -= 1
+    return out
 
 
 def pooled_hw(hw: Sequence[int], attrs: Any) -> tuple[int, int]:
@@ -33,8 +56,9 @@ def pooled_hw(hw: Sequence[int], attrs: Any) -> tuple[int, int]:
         f"padding {attrs['padding']} must be smaller than pool_size {attrs['pool_size']} "
         "(a window of padding only has no value)",
     )
-    oh = (hw[0] + 2 * ph - kh) // sh + 1
-    ow = (hw[1] + 2 * pw - kw) // sw + 1
+    ceil = attrs.get("ceil_mode", False)
+    oh = pool_output_size(hw[0], kh, sh, ph, ceil)
+    ow = pool_output_size(hw[1], kw, sw, pw, ceil)
     require(
         oh >= 1 and ow >= 1,
         f"the {kh}x{kw} pool does not fit the {hw[0]}x{hw[1]} input with padding {attrs['padding']}",
@@ -48,17 +72,43 @@ def pool_shape(data: TensorType, attrs: Any) -> TensorType:
     return TensorType((data.shape[0], data.shape[1], oh, ow), data.dtype)
 
 
-def windows(data: np.ndarray, pool_size: Any, strides: Any, padding: Any, fill: float) -> np.ndarray:
-    """View (N, C, OH, OW, KH, KW) of the windows, padding with ``fill``."""
+def _grid(hw: Sequence[int], pool_size: Any, strides: Any, padding: Any, ceil_mode: bool) -> tuple[tuple[int, int],
+                                                                                                   tuple[int, int]]:
+    """Output size, and the padded extent every window fits in: ceil mode's last window may
+    overhang the bottom/right padding."""
+    out = pooled_hw(hw, {"pool_size": pool_size, "strides": strides, "padding": padding, "ceil_mode": ceil_mode})
+    extent = tuple(max(hw[i] + 2 * padding[i], (out[i] - 1) * strides[i] + pool_size[i]) for i in range(2))
+    return out, extent  # type: ignore[return-value]
+
+
+def windows(data: np.ndarray, pool_size: Any, strides: Any, padding: Any, fill: float,
+            ceil_mode: bool = False) -> np.ndarray:
+    """View (N, C, OH, OW, KH, KW) of the windows, padding (and any ceil-mode overhang) with ``fill``."""
     (ph, pw) = padding
-    padded = np.pad(data, ((0, 0), (0, 0), (ph, ph), (pw, pw)), constant_values=fill)
-    oh, ow = pooled_hw(data.shape[2:], {"pool_size": pool_size, "strides": strides, "padding": padding})
+    (oh, ow), extent = _grid(data.shape[2:], pool_size, strides, padding, ceil_mode)
+    pads = ((0, 0), (0, 0), (ph, extent[0] - data.shape[2] - ph), (pw, extent[1] - data.shape[3] - pw))
+    padded = np.pad(data, pads, constant_values=fill)
     view = sliding_window_view(padded, tuple(pool_size), axis=(2, 3))[:, :, :: strides[0], :: strides[1]]
     return view[:, :, :oh, :ow]
 
 
+def avg_divisors(hw: Sequence[int], pool_size: Any, strides: Any, padding: Any, ceil_mode: bool,
+                 count_include_pad: bool) -> np.ndarray:
+    """(OH, OW) divisors of avg_pool2d, as PyTorch: each window clipped to the padded input, then,
+    without count_include_pad, to the input itself."""
+    out, _ = _grid(hw, pool_size, strides, padding, ceil_mode)
+    counts = []
+    for i in range(2):
+        start = np.arange(out[i]) * strides[i] - padding[i]
+        end = np.minimum(start + pool_size[i], hw[i] + padding[i])
+        if not count_include_pad:
+            start, end = np.maximum(start, 0), np.minimum(end, hw[i])
+        counts.append(end - start)
+    return np.outer(counts[0], counts[1])
+
+
 def scatter_windows(values: np.ndarray, positions: tuple[np.ndarray, np.ndarray] | None, data_shape: Sequence[int],
-                    pool_size: Any, strides: Any, padding: Any) -> np.ndarray:
+                    pool_size: Any, strides: Any, padding: Any, ceil_mode: bool = False) -> np.ndarray:
     """Adjoint of window extraction: add (N, C, OH, OW, KH, KW) ``values`` back onto the input grid.
 
     With ``positions`` (row, col offsets inside each window, shaped (N, C, OH, OW)), ``values``
@@ -66,7 +116,8 @@ def scatter_windows(values: np.ndarray, positions: tuple[np.ndarray, np.ndarray]
     """
     n, c, h, w = data_shape
     (kh, kw), (sh, sw), (ph, pw) = pool_size, strides, padding
-    padded = np.zeros((n, c, h + 2 * ph, w + 2 * pw), dtype=values.dtype)
+    _, extent = _grid((h, w), pool_size, strides, padding, ceil_mode)
+    padded = np.zeros((n, c, *extent), dtype=values.dtype)
     oh, ow = values.shape[2], values.shape[3]
     if positions is None:
         for i in range(kh):
@@ -80,15 +131,18 @@ def scatter_windows(values: np.ndarray, positions: tuple[np.ndarray, np.ndarray]
     return padded[:, :, ph : ph + h, pw : pw + w]
 
 
-def draw_pool_case(d: Any, layout: str) -> Case:
-    """A checker case for the pooling ops: pool size, strides (or None), padding < pool size, an
-    input the window fits. ``layout`` names the inputs: "data", "pooled,data" or "data,data"."""
+def draw_pool_case(d: Any, layout: str, avg: bool = False) -> Case:
+    """A checker case for the pooling ops: pool size, strides (or None), padding < pool size,
+    ceil_mode (and count_include_pad for avg), an input the window fits. ``layout`` names the
+    inputs: "data", "pooled,data" or "data,data"."""
     n, c = d.int(1, 2), d.int(1, 3)
     pool = (d.int(1, 3), d.int(1, 3))
     strides = None if d.bool() else (d.int(1, 3), d.int(1, 3))
     padding = (d.int(0, pool[0] - 1), d.int(0, pool[1] - 1))
     hw = tuple(max(1, pool[i] - 2 * padding[i]) + d.int(0, 4) for i in range(2))
-    attrs = {"pool_size": pool, "strides": strides, "padding": padding}
+    attrs: dict[str, Any] = {"pool_size": pool, "strides": strides, "padding": padding, "ceil_mode": d.bool()}
+    if avg:
+        attrs["count_include_pad"] = d.bool()
     out = pooled_hw(hw, {**attrs, "strides": strides or pool})
     shapes = {"data": (n, c, *hw), "pooled": (n, c, *out)}
     return Case([shapes[name] for name in layout.split(",")], attrs)

@@ -1,7 +1,10 @@
-"""avg_pool2d and its backward operator.
+"""avg_pool2d and its backward operator, with PyTorch's ceil_mode and count_include_pad.
 
-Padding counts as zeros and the divisor is always kh*kw (count_include_pad), which keeps the
-operator linear with a simple adjoint: avg_pool2d_backward spreads grad/(kh*kw) over each window.
+Padding counts as zeros. Each window's divisor is PyTorch's: with count_include_pad (the default)
+the window clipped to the padded input (kh*kw except for a ceil-mode window overhanging the
+bottom/right padding), without it the input elements in the window. The divisors depend on
+shapes only, so the operator is linear with a simple adjoint: avg_pool2d_backward spreads
+grad / divisor over each window.
 """
 
 from __future__ import annotations
@@ -13,38 +16,48 @@ import numpy as np
 from opgrad import ops
 from opgrad.dtypes import TensorType
 from opgrad.op import Input, Operator, require
-from opgrad.registry._pooling import draw_pool_case, pool_attrs, pool_shape, scatter_windows, windows
+from opgrad.registry._pooling import avg_divisors, draw_pool_case, pool_attrs, pool_shape, scatter_windows, windows
 
 avg_pool2d = Operator(
     "avg_pool2d",
     inputs=[Input("data", dims=("N", "C", "H", "W"), doc="NCHW")],
-    attrs=pool_attrs(),
-    doc="Mean over each pool window (NCHW); zero padding counts in the mean.",
+    attrs=pool_attrs(avg=True),
+    doc="Mean over each pool window (NCHW), as PyTorch's F.avg_pool2d with ceil_mode and count_include_pad.",
     jointly_linear=True,
 )
 avg_pool2d.shape_rule(pool_shape)
 
 
 @avg_pool2d.reference
-def _avg_pool2d_forward(data: np.ndarray, pool_size: Any, strides: Any, padding: Any) -> np.ndarray:
-    return windows(data, pool_size, strides, padding, 0.0).mean(axis=(4, 5))
+def _avg_pool2d_forward(data: np.ndarray, pool_size: Any, strides: Any, padding: Any, ceil_mode: bool,
+                        count_include_pad: bool) -> np.ndarray:
+    total = windows(data, pool_size, strides, padding, 0.0, ceil_mode).sum(axis=(4, 5))
+    divisors = avg_divisors(data.shape[2:], pool_size, strides, padding, ceil_mode, count_include_pad)
+    return (total / divisors).astype(data.dtype, copy=False)
 
 
 @avg_pool2d.gradient
 def _avg_pool2d_gradient(call, grad):
-    """d_data = avg_pool2d_backward(grad, data): grad / (kh*kw) spread over each window"""
+    """d_data = avg_pool2d_backward(grad, data): grad / divisor spread over each window"""
     return [ops.avg_pool2d_backward(grad, call.args[0], **call.attrs)]
+
+
+@avg_pool2d.mutant("count_include_pad flipped in the gradient")
+def _avg_pool2d_count_flipped(call, grad):
+    return [ops.avg_pool2d_backward(grad, call.args[0], **{**call.attrs,
+                                                           "count_include_pad": not call.attrs["count_include_pad"]})]
 
 
 @avg_pool2d.sampler
 def _avg_pool2d_cases(d):
-    return draw_pool_case(d, "data")
+    return draw_pool_case(d, "data", avg=True)
 
 
 @avg_pool2d.lowering
 def _avg_pool2d_lowering(kb, call, out, data):
-    """out = sum of each window / (kh*kw)"""
-    kb.pool2d(out, data, call.attrs["pool_size"], call.attrs["strides"], call.attrs["padding"], "avg")
+    """out = sum of each window / its divisor"""
+    kb.pool2d(out, data, call.attrs["pool_size"], call.attrs["strides"], call.attrs["padding"], "avg",
+              ceil_mode=call.attrs["ceil_mode"], count_include_pad=call.attrs["count_include_pad"])
 
 
 avg_pool2d_backward = Operator(
@@ -53,8 +66,8 @@ avg_pool2d_backward = Operator(
         Input("grad", dims=("N", "C", "OH", "OW"), doc="gradient of avg_pool2d's output"),
         Input("data", differentiable=False, dims=("N", "C", "H", "W"), doc="only its shape is read"),
     ],
-    attrs=pool_attrs(),
-    doc="Gradient of avg_pool2d: spread grad / (kh*kw) over each window of data's shape.",
+    attrs=pool_attrs(avg=True),
+    doc="Gradient of avg_pool2d: spread grad / divisor (avg_pool2d's) over each window of data's shape.",
     jointly_linear=True,
 )
 
@@ -71,10 +84,10 @@ def _avg_pool2d_backward_shape(grad: TensorType, data: TensorType, attrs: Any) -
 
 @avg_pool2d_backward.reference
 def _avg_pool2d_backward_forward(grad: np.ndarray, data: np.ndarray, pool_size: Any, strides: Any,
-                                 padding: Any) -> np.ndarray:
-    share = grad / (pool_size[0] * pool_size[1])
-    spread = np.broadcast_to(share[..., None, None], (*grad.shape, *pool_size))
-    return scatter_windows(spread, None, data.shape, pool_size, strides, padding)
+                                 padding: Any, ceil_mode: bool, count_include_pad: bool) -> np.ndarray:
+    share = grad / avg_divisors(data.shape[2:], pool_size, strides, padding, ceil_mode, count_include_pad)
+    spread = np.broadcast_to(share.astype(grad.dtype, copy=False)[..., None, None], (*grad.shape, *pool_size))
+    return scatter_windows(spread, None, data.shape, pool_size, strides, padding, ceil_mode)
 
 
 @avg_pool2d_backward.gradient
@@ -85,10 +98,11 @@ def _avg_pool2d_backward_gradient(call, grad):
 
 @avg_pool2d_backward.sampler
 def _avg_pool2d_backward_cases(d):
-    return draw_pool_case(d, "pooled,data")
+    return draw_pool_case(d, "pooled,data", avg=True)
 
 
 @avg_pool2d_backward.lowering
 def _avg_pool2d_backward_lowering(kb, call, out, grad, data):
-    """out = grad / (kh*kw) spread over each window"""
-    kb.pool2d_scatter(out, grad, None, call.attrs["pool_size"], call.attrs["strides"], call.attrs["padding"])
+    """out = grad / divisor spread over each window"""
+    kb.pool2d_scatter(out, grad, None, call.attrs["pool_size"], call.attrs["strides"], call.attrs["padding"],
+                      ceil_mode=call.attrs["ceil_mode"], count_include_pad=call.attrs["count_include_pad"])

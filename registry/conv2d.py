@@ -1,4 +1,9 @@
-"""conv2d (NCHW data, OIHW weight) and its two backward operators.
+"""conv2d (NCHW data, OIHW weight), its two backward operators, and conv2d_transpose.
+
+Semantics are PyTorch's: ``conv2d`` is F.conv2d with ``groups`` (weight (O, C/groups, KH, KW)) and
+``conv2d_transpose`` is F.conv_transpose2d (weight (C_in, C_out/groups, KH, KW)). Padding is stored
+as (top, left, bottom, right), ONNX's pads order; an int or (ph, pw) mean PyTorch's symmetric
+padding, and asymmetric padding equals F.pad(x, (left, right, top, bottom)) before an unpadded conv.
 
 The backward operators are operators in their own right, with gradients of their own, so that
 second-order differentiation and the compiler treat them like any other op:
@@ -8,7 +13,9 @@ second-order differentiation and the compiler treat them like any other op:
     dw = conv2d_backward_weight(dy, x)    (the correlation of dy with x)
 
 Both backward ops are bilinear; their gradients follow from <c, dx> = <conv2d(c, w), dy> and
-<c, dw> = <conv2d(x, c), dy>.
+<c, dw> = <conv2d(x, c), dy>. ``conv2d_transpose(x, w)`` is ``conv2d_backward_input(x, w)`` with
+the output size given by PyTorch's formula, so its gradients are conv2d(c, w) for x and
+conv2d_backward_weight(x, c) for w: x plays the output gradient and c the forward input.
 """
 
 from __future__ import annotations
@@ -24,41 +31,97 @@ from opgrad.dtypes import TensorType
 from opgrad.op import Attr, Case, Input, Operator, int_tuple, require
 
 
-def conv_output_size(size: int, kernel: int, stride: int, pad: int, dilation: int) -> int:
-    """Output length along one axis; may be <= 0 when the kernel does not fit."""
-    return (size + 2 * pad - dilation * (kernel - 1) - 1) // stride + 1
+def conv_output_size(size: int, kernel: int, stride: int, pad_total: int, dilation: int) -> int:
+    """Output length along one axis with ``pad_total`` zeros (both sides together); may be <= 0
+    when the kernel does not fit."""
+    return (size + pad_total - dilation * (kernel - 1) - 1) // stride + 1
+
+
+def conv_padding(value: Any) -> tuple[int, int, int, int]:
+    """Padding as (top, left, bottom, right), ONNX's pads order (x1_begin, x2_begin, x1_end, x2_end).
+
+    Accepts an int (every side), (ph, pw) (PyTorch's symmetric form: ph rows on top and bottom,
+    pw columns left and right) or the four sides in that order.
+    """
+    if isinstance(value, (int, np.integer)) and not isinstance(value, bool):
+        items: tuple[int, ...] = (int(value),) * 4
+    else:
+        try:
+            items = tuple(int(v) for v in value)
+        except TypeError:
+            raise ValueError("expected an int, (ph, pw) or (top, left, bottom, right)") from None
+        if len(items) == 2:
+            items = (items[0], items[1], items[0], items[1])
+        elif len(items) != 4:
+            raise ValueError(f"expected an int, (ph, pw) or (top, left, bottom, right), got {len(items)} ints")
+    if any(v < 0 for v in items):
+        raise ValueError("every pad must be >= 0")
+    return items  # type: ignore[return-value]
+
+
+def _groups(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+        raise ValueError(f"expected an int >= 1, got {value!r}")
+    return int(value)
 
 
 def _window_attrs() -> list[Attr]:
     return [
         Attr("strides", default=(1, 1), convert=int_tuple(2, minimum=1), doc="(sh, sw)"),
-        Attr("padding", default=(0, 0), convert=int_tuple(2, minimum=0), doc="(ph, pw) zeros on each side"),
+        Attr("padding", default=(0, 0, 0, 0), convert=conv_padding,
+             doc="zeros added: an int, (ph, pw) on both sides, or (top, left, bottom, right) as ONNX's pads"),
         Attr("dilation", default=(1, 1), convert=int_tuple(2, minimum=1), doc="(dh, dw)"),
+        Attr("groups", default=1, convert=_groups,
+             doc="channel groups: input and output channels split into this many independent convolutions"),
     ]
+
+
+def _window(attrs: Any) -> dict[str, Any]:
+    """The attributes shared by conv2d and its backward operators."""
+    return {k: attrs[k] for k in ("strides", "padding", "dilation", "groups")}
+
+
+def _pad_total(padding: Sequence[int], axis: int) -> int:
+    return padding[axis] + padding[axis + 2]
 
 
 def _output_hw(hw: Sequence[int], khw: Sequence[int], attrs: Any) -> tuple[int, int]:
     out = tuple(
-        conv_output_size(hw[i], khw[i], attrs["strides"][i], attrs["padding"][i], attrs["dilation"][i])
+        conv_output_size(hw[i], khw[i], attrs["strides"][i], _pad_total(attrs["padding"], i), attrs["dilation"][i])
         for i in range(2)
     )
     require(
         out[0] >= 1 and out[1] >= 1,
         f"the {khw[0]}x{khw[1]} kernel (dilation {attrs['dilation']}) does not fit the "
-        f"{hw[0]}x{hw[1]} input with padding {attrs['padding']}: output would be {out[0]}x{out[1]}",
+        f"{hw[0]}x{hw[1]} input with padding {attrs['padding']} (top, left, bottom, right): "
+        f"output would be {out[0]}x{out[1]}",
     )
     return out  # type: ignore[return-value]
+
+
+def _check_groups(channels: int, what: str, groups: int) -> None:
+    require(channels % groups == 0, f"{what} has {channels} channel(s), which groups={groups} does not divide")
 
 
 def _windows(data: np.ndarray, khw: tuple[int, int], strides: Any, padding: Any, dilation: Any,
              out_hw: tuple[int, int]) -> np.ndarray:
     """View (N, C, OH, OW, KH, KW) of the padded input's receptive fields."""
-    ph, pw = padding
-    padded = np.pad(data, ((0, 0), (0, 0), (ph, ph), (pw, pw)))
+    top, left, bottom, right = padding
+    padded = np.pad(data, ((0, 0), (0, 0), (top, bottom), (left, right)))
     span = (dilation[0] * (khw[0] - 1) + 1, dilation[1] * (khw[1] - 1) + 1)
     view = sliding_window_view(padded, span, axis=(2, 3))
     view = view[:, :, :: strides[0], :: strides[1], :: dilation[0], :: dilation[1]]
     return view[:, :, : out_hw[0], : out_hw[1]]
+
+
+def _per_group(fn: Any, groups: int, first: np.ndarray, first_axis: int, second: np.ndarray, second_axis: int,
+               out_axis: int) -> np.ndarray:
+    """``fn`` on each group's slices of both operands, concatenated along ``out_axis``."""
+    if groups == 1:
+        return fn(first, second)
+    parts = [fn(a, b) for a, b in zip(np.split(first, groups, axis=first_axis),
+                                      np.split(second, groups, axis=second_axis), strict=True)]
+    return np.ascontiguousarray(np.concatenate(parts, axis=out_axis))
 
 
 # ----- conv2d -----
@@ -67,10 +130,12 @@ conv2d = Operator(
     "conv2d",
     inputs=[
         Input("data", dims=("N", "C", "H", "W"), doc="NCHW"),
-        Input("weight", dims=("O", "C", "KH", "KW"), doc="OIHW"),
+        Input("weight", dims=("O", "CG", "KH", "KW"), doc="OIHW: (O, C/groups, KH, KW)"),
     ],
     attrs=_window_attrs(),
-    doc="2-D cross-correlation, NCHW data and OIHW weight, with strides, padding and dilation.",
+    doc="2-D cross-correlation as PyTorch's F.conv2d: NCHW data, OIHW weight (O, C/groups, KH, KW), "
+        "strides, padding (top, left, bottom, right), dilation and groups (O divisible by groups; "
+        "groups = C with O = C is a depthwise convolution).",
     linear_in=("data", "weight"),
 )
 
@@ -79,17 +144,28 @@ conv2d = Operator(
 def _conv2d_shape(data: TensorType, weight: TensorType, attrs: Any) -> TensorType:
     require(data.ndim == 4, f"data must be 4-D NCHW, got shape {data.shape}")
     require(weight.ndim == 4, f"weight must be 4-D OIHW, got shape {weight.shape}")
-    require(
-        weight.shape[1] == data.shape[1],
-        f"weight has {weight.shape[1]} input channel(s) but data has {data.shape[1]}; expected weight "
-        f"shape ({weight.shape[0]}, {data.shape[1]}, KH, KW) -- is the weight HWIO (Keras) instead of OIHW?",
-    )
+    g = attrs["groups"]
+    _check_groups(data.shape[1], "data", g)
+    require(weight.shape[0] % g == 0,
+            f"weight has {weight.shape[0]} output channel(s), which groups={g} does not divide")
+    if g == 1:
+        require(
+            weight.shape[1] == data.shape[1],
+            f"weight has {weight.shape[1]} input channel(s) but data has {data.shape[1]}; expected weight shape "
+            f"({weight.shape[0]}, {data.shape[1]}, KH, KW) -- is the weight HWIO (Keras) instead of OIHW?",
+        )
+    else:
+        require(
+            weight.shape[1] * g == data.shape[1],
+            f"weight has {weight.shape[1]} input channel(s) per group but data's {data.shape[1]} channels in "
+            f"groups={g} give {data.shape[1] // g}; expected weight shape ({weight.shape[0]}, {data.shape[1] // g}, "
+            "KH, KW)",
+        )
     oh, ow = _output_hw(data.shape[2:], weight.shape[2:], attrs)
     return TensorType((data.shape[0], weight.shape[0], oh, ow), data.dtype)
 
 
-@conv2d.reference
-def _conv2d_forward(data: np.ndarray, weight: np.ndarray, strides: Any, padding: Any, dilation: Any) -> np.ndarray:
+def _conv2d_one_group(data: np.ndarray, weight: np.ndarray, strides: Any, padding: Any, dilation: Any) -> np.ndarray:
     khw = weight.shape[2:]
     out_hw = _output_hw(data.shape[2:], khw, {"strides": strides, "padding": padding, "dilation": dilation})
     win = _windows(data, khw, strides, padding, dilation, out_hw)
@@ -97,38 +173,73 @@ def _conv2d_forward(data: np.ndarray, weight: np.ndarray, strides: Any, padding:
     return np.ascontiguousarray(out.transpose(0, 3, 1, 2))
 
 
+@conv2d.reference
+def _conv2d_forward(data: np.ndarray, weight: np.ndarray, strides: Any, padding: Any, dilation: Any,
+                    groups: int) -> np.ndarray:
+    return _per_group(lambda x, w: _conv2d_one_group(x, w, strides, padding, dilation), groups, data, 1, weight, 0, 1)
+
+
 @conv2d.gradient
 def _conv2d_gradient(call, grad):
     """d_data = conv2d_backward_input(grad, weight) ; d_weight = conv2d_backward_weight(grad, data)"""
     data, weight = call.args
-    window = dict(call.attrs)
+    window = _window(call.attrs)
     return [
         ops.conv2d_backward_input(grad, weight, input_size=data.shape[2:], **window),
         ops.conv2d_backward_weight(grad, data, kernel_size=weight.shape[2:], **window),
     ]
 
 
+@conv2d.mutant("d_data with top and bottom padding swapped")
+def _conv2d_pads_swapped(call, grad):
+    data, weight = call.args
+    top, left, bottom, right = call.attrs["padding"]
+    return [
+        ops.conv2d_backward_input(grad, weight, input_size=data.shape[2:],
+                                  **{**_window(call.attrs), "padding": (bottom, left, top, right)}),
+        ops.conv2d_backward_weight(grad, data, kernel_size=weight.shape[2:], **_window(call.attrs)),
+    ]
+
+
+@conv2d.mutant("d_weight correlates every group's grad with the first group's data")
+def _conv2d_weight_first_group(call, grad):
+    data, weight = call.args
+    g = call.attrs["groups"]
+    cg = data.shape[1] // g
+    first = ops.strided_slice(data, begin=(0, 0), end=(data.shape[0], cg))
+    window = _window(call.attrs)
+    return [
+        ops.conv2d_backward_input(grad, weight, input_size=data.shape[2:], **window),
+        ops.conv2d_backward_weight(grad, ops.concatenate([first] * g, axis=1), kernel_size=weight.shape[2:],
+                                   **window),
+    ]
+
+
 def draw_conv_geometry(d: Any) -> dict[str, Any]:
-    """Checker cases: small sizes, strides/padding/dilation drawn first, then an input the kernel fits."""
-    n, c, o = d.int(1, 2), d.int(1, 3), d.int(1, 3)
+    """Checker cases: small sizes, groups, strides/padding (four sides)/dilation drawn first, then
+    an input the kernel fits."""
+    groups = d.choice([1, 1, 2, 3, 9])  # 9 > 8 groups: the compiler's direct (depthwise) loops
+    per_group = 1 if groups > 8 else 2
+    n, c, o = d.int(1, 2), groups * d.int(1, per_group), groups * d.int(1, per_group)
     kernel = (d.int(1, 3), d.int(1, 3))
-    window = {"strides": (d.int(1, 3), d.int(1, 3)), "padding": (d.int(0, 2), d.int(0, 2)),
-              "dilation": (d.int(1, 2), d.int(1, 2))}
-    hw = tuple(max(1, window["dilation"][i] * (kernel[i] - 1) + 1 - 2 * window["padding"][i]) + d.int(0, 4)
+    window = {"strides": (d.int(1, 3), d.int(1, 3)), "padding": (d.int(0, 2), d.int(0, 2), d.int(0, 2), d.int(0, 2)),
+              "dilation": (d.int(1, 2), d.int(1, 2)), "groups": groups}
+    hw = tuple(max(1, window["dilation"][i] * (kernel[i] - 1) + 1 - _pad_total(window["padding"], i)) + d.int(0, 4)
                for i in range(2))
     out = _output_hw(hw, kernel, window)
-    return {"n": n, "c": c, "o": o, "hw": hw, "kernel": kernel, "out": out, "window": window}
+    return {"n": n, "c": c, "o": o, "hw": hw, "kernel": kernel, "out": out, "window": window, "groups": groups}
 
 
 @conv2d.sampler
 def _conv2d_cases(d):
     g = draw_conv_geometry(d)
-    return Case([(g["n"], g["c"], *g["hw"]), (g["o"], g["c"], *g["kernel"])], g["window"])
+    return Case([(g["n"], g["c"], *g["hw"]), (g["o"], g["c"] // g["groups"], *g["kernel"])], g["window"])
 
 
 @conv2d.lowering
 def _conv2d_lowering(kb, call, out, data, weight):
-    """out = W @ im2col(data) as one GEMM; im2col is gathered while packing, never stored"""
+    """out = W @ im2col(data) as one GEMM per group (im2col gathered while packing, never stored);
+    many groups (depthwise) run as a direct loop instead"""
     kb.conv2d_forward(out, data, weight, **call.attrs)
 
 
@@ -138,54 +249,81 @@ conv2d_backward_input = Operator(
     "conv2d_backward_input",
     inputs=[
         Input("grad", dims=("N", "O", "OH", "OW"), doc="gradient of conv2d's output"),
-        Input("weight", dims=("O", "C", "KH", "KW")),
+        Input("weight", dims=("O", "CG", "KH", "KW"), doc="OIHW: (O, C/groups, KH, KW)"),
     ],
     attrs=[*_window_attrs(), Attr("input_size", convert=int_tuple(2, minimum=1),
                                   doc="(H, W) of the forward data: strides make it ambiguous")],
-    doc="Gradient of conv2d with respect to its data: the transposed convolution of grad by weight.",
+    doc="Gradient of conv2d with respect to its data: the transposed convolution of grad by weight "
+        "(PyTorch's conv_transpose2d with the output size given).",
     linear_in=("grad", "weight"),
 )
 
 
-@conv2d_backward_input.shape_rule
-def _conv2d_backward_input_shape(grad: TensorType, weight: TensorType, attrs: Any) -> TensorType:
-    require(grad.ndim == 4 and weight.ndim == 4, f"grad and weight must be 4-D, got {grad.shape} and {weight.shape}")
+def _check_backward_input(grad: TensorType, weight: TensorType, attrs: Any, grad_name: str) -> tuple[int, ...]:
+    require(grad.ndim == 4 and weight.ndim == 4,
+            f"{grad_name} and weight must be 4-D, got {grad.shape} and {weight.shape}")
+    g = attrs["groups"]
     require(
         grad.shape[1] == weight.shape[0],
-        f"grad has {grad.shape[1]} channel(s) but weight has {weight.shape[0]} output channel(s)",
+        f"{grad_name} has {grad.shape[1]} channel(s) but weight has {weight.shape[0]} (its first axis)",
     )
+    require(weight.shape[0] % g == 0,
+            f"weight has {weight.shape[0]} channel(s) on its first axis, which groups={g} does not divide")
     expect = _output_hw(attrs["input_size"], weight.shape[2:], attrs)
     require(
         grad.shape[2:] == expect,
-        f"grad's spatial size {grad.shape[2:]} is not conv2d's output size {expect} for input_size "
+        f"{grad_name}'s spatial size {grad.shape[2:]} is not conv2d's output size {expect} for input_size "
         f"{attrs['input_size']}",
     )
-    return TensorType((grad.shape[0], weight.shape[1], *attrs["input_size"]), grad.dtype)
+    return (grad.shape[0], weight.shape[1] * g, *attrs["input_size"])
 
 
-@conv2d_backward_input.reference
-def _conv2d_backward_input_forward(grad: np.ndarray, weight: np.ndarray, strides: Any, padding: Any,
-                                   dilation: Any, input_size: Any) -> np.ndarray:
+@conv2d_backward_input.shape_rule
+def _conv2d_backward_input_shape(grad: TensorType, weight: TensorType, attrs: Any) -> TensorType:
+    return TensorType(_check_backward_input(grad, weight, attrs, "grad"), grad.dtype)
+
+
+def _backward_input_one_group(grad: np.ndarray, weight: np.ndarray, strides: Any, padding: Any, dilation: Any,
+                              input_size: Any) -> np.ndarray:
     n, _, oh, ow = grad.shape
     _, c, kh, kw = weight.shape
-    (sh, sw), (ph, pw), (dh, dw) = strides, padding, dilation
-    padded = np.zeros((n, c, input_size[0] + 2 * ph, input_size[1] + 2 * pw), dtype=grad.dtype)
+    (sh, sw), (dh, dw) = strides, dilation
+    top, left, bottom, right = padding
+    padded = np.zeros((n, c, input_size[0] + top + bottom, input_size[1] + left + right), dtype=grad.dtype)
     for i in range(kh):
         for j in range(kw):
             contribution = np.tensordot(grad, weight[:, :, i, j], axes=([1], [0]))  # (N, OH, OW, C)
             rows = slice(i * dh, i * dh + sh * (oh - 1) + 1, sh)
             cols = slice(j * dw, j * dw + sw * (ow - 1) + 1, sw)
             padded[:, :, rows, cols] += contribution.transpose(0, 3, 1, 2)
-    return padded[:, :, ph : ph + input_size[0], pw : pw + input_size[1]]
+    return padded[:, :, top : top + input_size[0], left : left + input_size[1]]
+
+
+@conv2d_backward_input.reference
+def _conv2d_backward_input_forward(grad: np.ndarray, weight: np.ndarray, strides: Any, padding: Any,
+                                   dilation: Any, groups: int, input_size: Any) -> np.ndarray:
+    return _per_group(lambda dy, w: _backward_input_one_group(dy, w, strides, padding, dilation, input_size),
+                      groups, grad, 1, weight, 0, 1)
 
 
 @conv2d_backward_input.gradient
 def _conv2d_backward_input_gradient(call, grad):
     """d_grad = conv2d(c, weight) ; d_weight = conv2d_backward_weight(grad_in, c), c = incoming cotangent"""
     dy, weight = call.args
-    window = {k: call.attrs[k] for k in ("strides", "padding", "dilation")}
+    window = _window(call.attrs)
     return [
         ops.conv2d(grad, weight, **window),
+        ops.conv2d_backward_weight(dy, grad, kernel_size=weight.shape[2:], **window),
+    ]
+
+
+@conv2d_backward_input.mutant("d_grad with left and right padding swapped")
+def _conv2d_backward_input_pads_swapped(call, grad):
+    dy, weight = call.args
+    top, left, bottom, right = call.attrs["padding"]
+    window = _window(call.attrs)
+    return [
+        ops.conv2d(grad, weight, **{**window, "padding": (top, right, bottom, left)}),
         ops.conv2d_backward_weight(dy, grad, kernel_size=weight.shape[2:], **window),
     ]
 
@@ -193,14 +331,14 @@ def _conv2d_backward_input_gradient(call, grad):
 @conv2d_backward_input.sampler
 def _conv2d_backward_input_cases(d):
     g = draw_conv_geometry(d)
-    return Case([(g["n"], g["o"], *g["out"]), (g["o"], g["c"], *g["kernel"])], {**g["window"], "input_size": g["hw"]})
+    return Case([(g["n"], g["o"], *g["out"]), (g["o"], g["c"] // g["groups"], *g["kernel"])],
+                {**g["window"], "input_size": g["hw"]})
 
 
 @conv2d_backward_input.lowering
 def _conv2d_backward_input_lowering(kb, call, out, grad, weight):
-    """out = col2im(W^T @ grad)"""
-    window = {k: call.attrs[k] for k in ("strides", "padding", "dilation")}
-    kb.conv2d_backward_data(out, grad, weight, **window)
+    """out = col2im(W^T @ grad), one GEMM per group; many groups run as a direct loop"""
+    kb.conv2d_backward_data(out, grad, weight, **_window(call.attrs))
 
 
 # ----- conv2d_backward_weight -----
@@ -212,39 +350,66 @@ conv2d_backward_weight = Operator(
         Input("data", dims=("N", "C", "H", "W"), doc="conv2d's data"),
     ],
     attrs=[*_window_attrs(), Attr("kernel_size", convert=int_tuple(2, minimum=1), doc="(KH, KW)")],
-    doc="Gradient of conv2d with respect to its weight: correlate grad with data.",
+    doc="Gradient of conv2d with respect to its weight: correlate grad with data, per group; the "
+        "result is OIHW (O, C/groups, KH, KW).",
     linear_in=("grad", "data"),
 )
 
 
-@conv2d_backward_weight.shape_rule
-def _conv2d_backward_weight_shape(grad: TensorType, data: TensorType, attrs: Any) -> TensorType:
-    require(grad.ndim == 4 and data.ndim == 4, f"grad and data must be 4-D, got {grad.shape} and {data.shape}")
-    require(grad.shape[0] == data.shape[0], f"grad has batch {grad.shape[0]} but data has {data.shape[0]}")
+def _check_backward_weight(grad: TensorType, data: TensorType, attrs: Any, grad_name: str,
+                           data_name: str) -> tuple[int, ...]:
+    require(grad.ndim == 4 and data.ndim == 4,
+            f"{grad_name} and {data_name} must be 4-D, got {grad.shape} and {data.shape}")
+    require(grad.shape[0] == data.shape[0],
+            f"{grad_name} has batch {grad.shape[0]} but {data_name} has {data.shape[0]}")
+    g = attrs["groups"]
+    _check_groups(data.shape[1], data_name, g)
+    _check_groups(grad.shape[1], grad_name, g)
     expect = _output_hw(data.shape[2:], attrs["kernel_size"], attrs)
     require(
         grad.shape[2:] == expect,
-        f"grad's spatial size {grad.shape[2:]} is not conv2d's output size {expect} for data "
+        f"{grad_name}'s spatial size {grad.shape[2:]} is not conv2d's output size {expect} for {data_name} "
         f"{data.shape} and kernel_size {attrs['kernel_size']}",
     )
-    return TensorType((grad.shape[1], data.shape[1], *attrs["kernel_size"]), grad.dtype)
+    return (grad.shape[1], data.shape[1] // g, *attrs["kernel_size"])
+
+
+@conv2d_backward_weight.shape_rule
+def _conv2d_backward_weight_shape(grad: TensorType, data: TensorType, attrs: Any) -> TensorType:
+    return TensorType(_check_backward_weight(grad, data, attrs, "grad", "data"), grad.dtype)
 
 
 @conv2d_backward_weight.reference
 def _conv2d_backward_weight_forward(grad: np.ndarray, data: np.ndarray, strides: Any, padding: Any,
-                                    dilation: Any, kernel_size: Any) -> np.ndarray:
-    win = _windows(data, tuple(kernel_size), strides, padding, dilation, grad.shape[2:])
-    return np.tensordot(grad, win, axes=([0, 2, 3], [0, 2, 3]))  # (O, C, KH, KW)
+                                    dilation: Any, groups: int, kernel_size: Any) -> np.ndarray:
+    def one_group(dy: np.ndarray, x: np.ndarray) -> np.ndarray:
+        win = _windows(x, tuple(kernel_size), strides, padding, dilation, dy.shape[2:])
+        return np.tensordot(dy, win, axes=([0, 2, 3], [0, 2, 3]))  # (O, C, KH, KW)
+
+    return _per_group(one_group, groups, grad, 1, data, 1, 0)
 
 
 @conv2d_backward_weight.gradient
 def _conv2d_backward_weight_gradient(call, grad):
     """d_grad = conv2d(data, c) ; d_data = conv2d_backward_input(grad_in, c), c = incoming cotangent"""
     dy, data = call.args
-    window = {k: call.attrs[k] for k in ("strides", "padding", "dilation")}
+    window = _window(call.attrs)
     return [
         ops.conv2d(data, grad, **window),
         ops.conv2d_backward_input(dy, grad, input_size=data.shape[2:], **window),
+    ]
+
+
+@conv2d_backward_weight.mutant("d_data ignores groups: each group's grad read against group 0's cotangent")
+def _conv2d_backward_weight_groups_ignored(call, grad):
+    dy, data = call.args
+    g = call.attrs["groups"]
+    og = dy.shape[1] // g
+    first = ops.strided_slice(grad, begin=(0,), end=(og,))
+    window = _window(call.attrs)
+    return [
+        ops.conv2d(data, grad, **window),
+        ops.conv2d_backward_input(dy, ops.concatenate([first] * g, axis=0), input_size=data.shape[2:], **window),
     ]
 
 
@@ -256,6 +421,139 @@ def _conv2d_backward_weight_cases(d):
 
 @conv2d_backward_weight.lowering
 def _conv2d_backward_weight_lowering(kb, call, out, grad, data):
-    """out = grad @ im2col(data)^T as one GEMM"""
-    window = {k: call.attrs[k] for k in ("strides", "padding", "dilation")}
-    kb.conv2d_backward_weight(out, grad, data, **window)
+    """out = grad @ im2col(data)^T as one GEMM per group; many groups run as a direct loop"""
+    kb.conv2d_backward_weight(out, grad, data, **_window(call.attrs))
+
+
+# ----- conv2d_transpose -----
+
+
+def transpose_output_size(size: int, kernel: int, stride: int, pad_total: int, dilation: int,
+                          output_padding: int) -> int:
+    """PyTorch's ConvTranspose2d output length: (size - 1) * stride - pads + dilation * (kernel - 1)
+    + output_padding + 1."""
+    return (size - 1) * stride - pad_total + dilation * (kernel - 1) + output_padding + 1
+
+
+conv2d_transpose = Operator(
+    "conv2d_transpose",
+    inputs=[
+        Input("data", dims=("N", "CI", "H", "W"), doc="NCHW"),
+        Input("weight", dims=("CI", "OG", "KH", "KW"), doc="PyTorch's layout (C_in, C_out/groups, KH, KW)"),
+    ],
+    attrs=[
+        Attr("strides", default=(1, 1), convert=int_tuple(2, minimum=1), doc="(sh, sw)"),
+        Attr("padding", default=(0, 0, 0, 0), convert=conv_padding,
+             doc="cropped from the output: an int, (ph, pw) or (top, left, bottom, right) as ONNX's pads"),
+        Attr("output_padding", default=(0, 0), convert=int_tuple(2, minimum=0),
+             doc="(oph, opw) extra rows/columns at the bottom/right, each < its stride"),
+        Attr("dilation", default=(1, 1), convert=int_tuple(2, minimum=1), doc="(dh, dw)"),
+        Attr("groups", default=1, convert=_groups, doc="channel groups, as conv2d's"),
+    ],
+    doc="Transposed 2-D convolution as PyTorch's F.conv_transpose2d: NCHW data, weight (C_in, C_out/groups, "
+        "KH, KW), output size (H - 1) * sh - top - bottom + dh * (KH - 1) + oph + 1. It is the gradient of "
+        "conv2d(·, weight) with respect to its data; output_padding must be smaller than the stride "
+        "(PyTorch also accepts it below the dilation).",
+    linear_in=("data", "weight"),
+)
+
+
+def _transpose_output_hw(data: TensorType, weight: TensorType, attrs: Any) -> tuple[int, int]:
+    for i, axis in enumerate(("rows", "columns")):
+        require(
+            attrs["output_padding"][i] < attrs["strides"][i],
+            f"output_padding {attrs['output_padding']} must be smaller than strides {attrs['strides']} "
+            f"({axis}): extra {axis} beyond a stride are not reached by any input element's window",
+        )
+    out = tuple(
+        transpose_output_size(data.shape[2 + i], weight.shape[2 + i], attrs["strides"][i],
+                              _pad_total(attrs["padding"], i), attrs["dilation"][i], attrs["output_padding"][i])
+        for i in range(2)
+    )
+    require(
+        out[0] >= 1 and out[1] >= 1,
+        f"padding {attrs['padding']} (top, left, bottom, right) crops the whole output: it would be "
+        f"{out[0]}x{out[1]}",
+    )
+    return out  # type: ignore[return-value]
+
+
+@conv2d_transpose.shape_rule
+def _conv2d_transpose_shape(data: TensorType, weight: TensorType, attrs: Any) -> TensorType:
+    require(data.ndim == 4, f"data must be 4-D NCHW, got shape {data.shape}")
+    require(weight.ndim == 4, f"weight must be 4-D (C_in, C_out/groups, KH, KW), got shape {weight.shape}")
+    g = attrs["groups"]
+    require(
+        weight.shape[0] == data.shape[1],
+        f"weight's first axis has {weight.shape[0]} channel(s) but data has {data.shape[1]}; expected weight "
+        f"shape ({data.shape[1]}, C_out/groups, KH, KW) (PyTorch's ConvTranspose2d layout)",
+    )
+    _check_groups(data.shape[1], "data", g)
+    out_hw = _transpose_output_hw(data, weight, attrs)
+    return TensorType((data.shape[0], weight.shape[1] * g, *out_hw), data.dtype)
+
+
+@conv2d_transpose.reference
+def _conv2d_transpose_forward(data: np.ndarray, weight: np.ndarray, strides: Any, padding: Any,
+                              output_padding: Any, dilation: Any, groups: int) -> np.ndarray:
+    size = tuple(transpose_output_size(data.shape[2 + i], weight.shape[2 + i], strides[i], _pad_total(padding, i),
+                                       dilation[i], output_padding[i]) for i in range(2))
+    return _conv2d_backward_input_forward(data, weight, strides, padding, dilation, groups, size)
+
+
+def _transpose_window(attrs: Any) -> dict[str, Any]:
+    return {k: attrs[k] for k in ("strides", "padding", "dilation", "groups")}
+
+
+@conv2d_transpose.gradient
+def _conv2d_transpose_gradient(call, grad):
+    """d_data = conv2d(c, weight) ; d_weight = conv2d_backward_weight(data, c): conv2d's weight gradient
+    with data in the role of the output gradient and c in the role of the forward input"""
+    data, weight = call.args
+    window = _transpose_window(call.attrs)
+    return [
+        ops.conv2d(grad, weight, **window),
+        ops.conv2d_backward_weight(data, grad, kernel_size=weight.shape[2:], **window),
+    ]
+
+
+@conv2d_transpose.mutant("d_data reads the cotangent from the top-left, as if output_padding were leading")
+def _conv2d_transpose_output_padding_leading(call, grad):
+    data, weight = call.args
+    oph, opw = call.attrs["output_padding"]
+    shifted = ops.strided_slice(grad, begin=(0, 0, oph, opw), end=grad.shape)
+    window = _transpose_window(call.attrs)
+    return [
+        ops.conv2d(shifted, weight, **window),
+        ops.conv2d_backward_weight(data, grad, kernel_size=weight.shape[2:], **window),
+    ]
+
+
+@conv2d_transpose.mutant("d_weight ignores dilation")
+def _conv2d_transpose_dilation_ignored(call, grad):
+    data, weight = call.args
+    window = _transpose_window(call.attrs)
+    return [
+        ops.conv2d(grad, weight, **window),
+        ops.conv2d_backward_weight(data, grad, kernel_size=weight.shape[2:], **{**window, "dilation": (1, 1)}),
+    ]
+
+
+@conv2d_transpose.sampler
+def _conv2d_transpose_cases(d):
+    g = draw_conv_geometry(d)
+    window = g["window"]
+    output_padding = []
+    for i in range(2):
+        # the transposed output without output_padding is conv2d's input less the rows its last window skipped
+        base = transpose_output_size(g["out"][i], g["kernel"][i], window["strides"][i],
+                                     _pad_total(window["padding"], i), window["dilation"][i], 0)
+        output_padding.append(max(d.int(0, window["strides"][i] - 1), 1 - base))
+    return Case([(g["n"], g["c"], *g["out"]), (g["c"], g["o"] // g["groups"], *g["kernel"])],
+                {**window, "output_padding": tuple(output_padding)})
+
+
+@conv2d_transpose.lowering
+def _conv2d_transpose_lowering(kb, call, out, data, weight):
+    """out = col2im(W^T @ data): conv2d's backward-data pass"""
+    kb.conv2d_backward_data(out, data, weight, **_transpose_window(call.attrs))

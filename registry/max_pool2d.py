@@ -22,15 +22,16 @@ from opgrad.op import Attrs, Input, Kink, Operator, require
 from opgrad.registry._pooling import draw_pool_case, pool_attrs, pool_shape, pooled_hw, scatter_windows, windows
 
 
-def argmax_positions(data: np.ndarray, pool_size: Any, strides: Any, padding: Any) -> tuple[np.ndarray, np.ndarray]:
+def argmax_positions(data: np.ndarray, pool_size: Any, strides: Any, padding: Any,
+                     ceil_mode: bool = False) -> tuple[np.ndarray, np.ndarray]:
     """(row, col) inside each window of its first maximum; padding never wins, even over -inf data.
 
     As PyTorch: a NaN is the maximum (the first NaN wins), and a window whose data is all -inf
     picks its first element that is not padding.
     """
-    win = windows(data, pool_size, strides, padding, -np.inf)
+    win = windows(data, pool_size, strides, padding, -np.inf, ceil_mode)
     flat = win.reshape(*win.shape[:4], -1)
-    valid = windows(np.ones(data.shape, bool), pool_size, strides, padding, False)
+    valid = windows(np.ones(data.shape, bool), pool_size, strides, padding, False, ceil_mode)
     valid = valid.reshape(*valid.shape[:4], -1)
     index = np.argmax(flat, axis=-1)  # numpy returns the first of equal maxima, or the first NaN
     best = np.take_along_axis(flat, index[..., None], -1)[..., 0]
@@ -39,7 +40,7 @@ def argmax_positions(data: np.ndarray, pool_size: Any, strides: Any, padding: An
 
 
 def _gap_to_runner_up(inputs: Sequence[np.ndarray], attrs: Attrs) -> float:
-    win = windows(inputs[0], attrs["pool_size"], attrs["strides"], attrs["padding"], -np.inf)
+    win = windows(inputs[0], attrs["pool_size"], attrs["strides"], attrs["padding"], -np.inf, attrs["ceil_mode"])
     flat = np.sort(win.reshape(*win.shape[:4], -1), axis=-1)
     if flat.shape[-1] < 2 or flat.size == 0:
         return float("inf")
@@ -53,7 +54,7 @@ def _place_ties(rng: np.random.Generator, inputs: list[np.ndarray], attrs: Attrs
     (kh, kw), (sh, sw), (ph, pw) = attrs["pool_size"], attrs["strides"], attrs["padding"]
     if kh * kw < 2:
         return [data]
-    rows, cols = argmax_positions(data, attrs["pool_size"], attrs["strides"], attrs["padding"])
+    rows, cols = argmax_positions(data, attrs["pool_size"], attrs["strides"], attrs["padding"], attrs["ceil_mode"])
     n, c, oh, ow = rows.shape
     for index in np.ndindex(n, c, oh, ow):
         if rng.random() < 0.5:
@@ -70,9 +71,10 @@ def _max_pool_subgradient(inputs: Sequence[np.ndarray], cotangent: np.ndarray, a
     return [_scatter_to_argmax(cotangent, inputs[0], **attrs)]
 
 
-def _scatter_to_argmax(grad: np.ndarray, data: np.ndarray, pool_size: Any, strides: Any, padding: Any) -> np.ndarray:
-    positions = argmax_positions(data, pool_size, strides, padding)
-    return scatter_windows(grad, positions, data.shape, pool_size, strides, padding)
+def _scatter_to_argmax(grad: np.ndarray, data: np.ndarray, pool_size: Any, strides: Any, padding: Any,
+                       ceil_mode: bool = False) -> np.ndarray:
+    positions = argmax_positions(data, pool_size, strides, padding, ceil_mode)
+    return scatter_windows(grad, positions, data.shape, pool_size, strides, padding, ceil_mode)
 
 
 # ----- max_pool2d -----
@@ -81,7 +83,7 @@ max_pool2d = Operator(
     "max_pool2d",
     inputs=[Input("data", dims=("N", "C", "H", "W"), doc="NCHW")],
     attrs=pool_attrs(),
-    doc="Maximum over each pool window (NCHW); padding never wins.",
+    doc="Maximum over each pool window (NCHW), as PyTorch's F.max_pool2d with ceil_mode; padding never wins.",
     kinks=Kink(
         convention="ties inside a window: the whole gradient goes to the first maximum in row-major order",
         distance=_gap_to_runner_up,
@@ -93,14 +95,23 @@ max_pool2d.shape_rule(pool_shape)
 
 
 @max_pool2d.reference
-def _max_pool2d_forward(data: np.ndarray, pool_size: Any, strides: Any, padding: Any) -> np.ndarray:
-    return windows(data, pool_size, strides, padding, -np.inf).max(axis=(4, 5))
+def _max_pool2d_forward(data: np.ndarray, pool_size: Any, strides: Any, padding: Any, ceil_mode: bool) -> np.ndarray:
+    return windows(data, pool_size, strides, padding, -np.inf, ceil_mode).max(axis=(4, 5))
 
 
 @max_pool2d.gradient
 def _max_pool2d_gradient(call, grad):
     """d_data = max_pool2d_backward(grad, data): grad scattered to each window's argmax"""
     return [ops.max_pool2d_backward(grad, call.args[0], **call.attrs)]
+
+
+@max_pool2d.mutant("ceil_mode's extra last windows dropped from the gradient")
+def _max_pool2d_ceil_windows_dropped(call, grad):
+    data = call.args[0]
+    floor = {**call.attrs, "ceil_mode": False}
+    oh, ow = pooled_hw(data.shape[2:], floor)
+    kept = ops.strided_slice(grad, begin=(0, 0, 0, 0), end=(grad.shape[0], grad.shape[1], oh, ow))
+    return [ops.max_pool2d_backward(kept, data, **floor)]
 
 
 @max_pool2d.sampler
@@ -111,7 +122,8 @@ def _max_pool2d_cases(d):
 @max_pool2d.lowering
 def _max_pool2d_lowering(kb, call, out, data):
     """out = max of each window (padding skipped)"""
-    kb.pool2d(out, data, call.attrs["pool_size"], call.attrs["strides"], call.attrs["padding"], "max")
+    kb.pool2d(out, data, call.attrs["pool_size"], call.attrs["strides"], call.attrs["padding"], "max",
+              ceil_mode=call.attrs["ceil_mode"])
 
 
 # ----- max_pool2d_backward -----
@@ -170,7 +182,8 @@ def _max_pool2d_backward_cases(d):
 @max_pool2d_backward.lowering
 def _max_pool2d_backward_lowering(kb, call, out, grad, data):
     """out = grad added at the first maximum of each window of data"""
-    kb.pool2d_scatter(out, grad, data, call.attrs["pool_size"], call.attrs["strides"], call.attrs["padding"])
+    kb.pool2d_scatter(out, grad, data, call.attrs["pool_size"], call.attrs["strides"], call.attrs["padding"],
+                      ceil_mode=call.attrs["ceil_mode"])
 
 
 # ----- max_pool2d_gather -----
@@ -201,9 +214,9 @@ def _max_pool2d_gather_shape(values: TensorType, data: TensorType, attrs: Any) -
 
 @max_pool2d_gather.reference
 def _max_pool2d_gather_forward(values: np.ndarray, data: np.ndarray, pool_size: Any, strides: Any,
-                               padding: Any) -> np.ndarray:
-    rows, cols = argmax_positions(data, pool_size, strides, padding)
-    win = windows(values, pool_size, strides, padding, 0.0)
+                               padding: Any, ceil_mode: bool = False) -> np.ndarray:
+    rows, cols = argmax_positions(data, pool_size, strides, padding, ceil_mode)
+    win = windows(values, pool_size, strides, padding, 0.0, ceil_mode)
     return np.take_along_axis(win.reshape(*win.shape[:4], -1), (rows * pool_size[1] + cols)[..., None], -1)[..., 0]
 
 
@@ -221,4 +234,5 @@ def _max_pool2d_gather_cases(d):
 @max_pool2d_gather.lowering
 def _max_pool2d_gather_lowering(kb, call, out, values, data):
     """out = values at the first maximum of each window of data"""
-    kb.pool2d_argmax_gather(out, values, data, call.attrs["pool_size"], call.attrs["strides"], call.attrs["padding"])
+    kb.pool2d_argmax_gather(out, values, data, call.attrs["pool_size"], call.attrs["strides"], call.attrs["padding"],
+                            ceil_mode=call.attrs["ceil_mode"])

@@ -32,6 +32,8 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
+import numpy as np
+
 from .conv import Conv2dGeometry, emit_conv2d_backward_data, emit_conv2d_backward_weight, emit_conv2d_forward
 from .gemm import GemmSpec, IndexMap, Operand, emit_gemm
 from .irtext import BYTES, LLVM_TYPE, FunctionEmitter, ModuleEmitter
@@ -53,6 +55,9 @@ from .views import (
 
 #: Loops with fewer output elements than this run on the calling thread.
 PARALLEL_MIN_ELEMENTS = 1 << 16
+#: Convolutions with more groups than this run as direct loops (:mod:`.grouped`): their per-group
+#: GEMMs are too small to pay for packing, and a depthwise conv would call one per channel.
+GROUPED_GEMM_MAX_GROUPS = 8
 
 @dataclass
 class Step:
@@ -85,13 +90,15 @@ class KernelBuilder:
     the graph compiler passes its buffer planner here. Standalone users number buffers themselves.
     """
 
-    def __init__(self, name: str = "graph", allocate: Callable[[tuple[int, ...], str], int] | None = None) -> None:
+    def __init__(self, name: str = "graph", allocate: Callable[[tuple[int, ...], str], int] | None = None,
+                 constant: Callable[[np.ndarray], int] | None = None) -> None:
         self.m = ModuleEmitter(name)
         self.m.declare(PARALLEL_FOR, PARALLEL_FOR_DECL)
         self.name = name
         self.steps: list[Step] = []
         self.workspace_per_thread = 0
         self._allocate = allocate
+        self._constant = constant
         self._count = 0
         #: Emitted kernel name -> the op(s) it lowers (filled by :meth:`finish`), for compile errors.
         self.kernel_labels: dict[str, str] = {}
@@ -108,6 +115,14 @@ class KernelBuilder:
         if self._allocate is None:
             raise RuntimeError("this KernelBuilder has no buffer allocator; pass allocate= to create temporaries")
         return View.contiguous(self._allocate(tuple(shape), dtype), shape, dtype)
+
+    def constant(self, array: np.ndarray) -> View:
+        """A table computed at compile time from attributes (interpolation weights, say), held by
+        the compiled object as a read-only buffer; its dtype is the array's."""
+        if self._constant is None:
+            raise RuntimeError("this KernelBuilder has no constant store; pass constant= to bake tables")
+        table = np.ascontiguousarray(array)
+        return View.contiguous(self._constant(table), table.shape, table.dtype.name)
 
     def contiguous(self, view: View) -> View:
         """``view`` itself if it is dense row-major memory at offset 0, else a copy that is."""
@@ -210,7 +225,12 @@ class KernelBuilder:
             self._conv_as_matmul(pass_, geom, out, a, b)
             return
         dst = out if out.is_contiguous and out.offset == 0 else self.temporary(out.shape, out.dtype)
-        self.conv2d(geom, pass_, (a.buffer, b.buffer, dst.buffer))
+        if geom.groups > GROUPED_GEMM_MAX_GROUPS:
+            from .grouped import conv2d_direct
+
+            conv2d_direct(self, pass_, geom, dst, a, b)
+        else:
+            self.conv2d(geom, pass_, (a.buffer, b.buffer, dst.buffer))
         if dst is not out:
             self.elementwise(out, [dst], _identity)
 
@@ -243,44 +263,51 @@ class KernelBuilder:
         self.add_call(entry.entry, list(buffers), list(buffers[:2]), [buffers[2]], entry.workspace_per_thread)
 
     def conv2d_forward(self, out: View, data: View, weight: View, strides: Sequence[int],
-                       padding: Sequence[int], dilation: Sequence[int]) -> None:
-        """``out = conv2d(data NCHW, weight OIHW)``; padding ``(ph, pw)`` on both sides."""
-        geom = Conv2dGeometry.make(data.shape, weight.shape, tuple(strides), tuple(padding), tuple(dilation), out.dtype)
+                       padding: Sequence[int], dilation: Sequence[int], groups: int = 1) -> None:
+        """``out = conv2d(data NCHW, weight OIHW (O, C/groups, KH, KW))``; ``padding`` is ``(ph, pw)``
+        on both sides or ``(top, left, bottom, right)``."""
+        geom = Conv2dGeometry.make(data.shape, weight.shape, tuple(strides), tuple(padding), tuple(dilation),
+                                   out.dtype, groups)
         self.conv("forward", geom, out, data, weight)
 
     def conv2d_backward_data(self, out: View, grad: View, weight: View, strides: Sequence[int],
-                             padding: Sequence[int], dilation: Sequence[int]) -> None:
+                             padding: Sequence[int], dilation: Sequence[int], groups: int = 1) -> None:
         """``out`` (the data's shape) = the transposed convolution of ``grad`` by ``weight``."""
-        geom = Conv2dGeometry.make(out.shape, weight.shape, tuple(strides), tuple(padding), tuple(dilation), out.dtype)
+        geom = Conv2dGeometry.make(out.shape, weight.shape, tuple(strides), tuple(padding), tuple(dilation),
+                                   out.dtype, groups)
         self.conv("backward_data", geom, out, grad, weight)
 
     def conv2d_backward_weight(self, out: View, grad: View, data: View, strides: Sequence[int],
-                               padding: Sequence[int], dilation: Sequence[int]) -> None:
-        """``out`` (the weight's shape) = the correlation of ``grad`` with ``data``."""
-        geom = Conv2dGeometry.make(data.shape, out.shape, tuple(strides), tuple(padding), tuple(dilation), out.dtype)
+                               padding: Sequence[int], dilation: Sequence[int], groups: int = 1) -> None:
+        """``out`` (the weight's shape, (O, C/groups, KH, KW)) = the correlation of ``grad`` with ``data``."""
+        geom = Conv2dGeometry.make(data.shape, out.shape, tuple(strides), tuple(padding), tuple(dilation),
+                                   out.dtype, groups)
         self.conv("backward_weight", geom, out, data, grad)
 
     def pool2d(self, out: View, data: View, pool: Sequence[int], strides: Sequence[int], padding: Sequence[int],
-               op: str) -> None:
+               op: str, ceil_mode: bool = False, count_include_pad: bool = True) -> None:
         """Window max or mean (``op`` = ``max`` | ``avg``) over NCHW ``data``; see :mod:`.windows`."""
         from .windows import Window2d, pool2d
 
-        pool2d(self, out, data, Window2d(tuple(pool), tuple(strides), tuple(padding)), op)  # type: ignore[arg-type]
+        win = Window2d(tuple(pool), tuple(strides), tuple(padding), ceil_mode, count_include_pad)  # type: ignore[arg-type]
+        pool2d(self, out, data, win, op)
 
     def pool2d_argmax_gather(self, out: View, values: View, data: View, pool: Sequence[int],
-                             strides: Sequence[int], padding: Sequence[int]) -> None:
+                             strides: Sequence[int], padding: Sequence[int], ceil_mode: bool = False) -> None:
         """``values`` read at the first maximum of each window of ``data``."""
         from .windows import Window2d, pool2d_argmax_gather
 
-        win = Window2d(tuple(pool), tuple(strides), tuple(padding))  # type: ignore[arg-type]
+        win = Window2d(tuple(pool), tuple(strides), tuple(padding), ceil_mode)  # type: ignore[arg-type]
         pool2d_argmax_gather(self, out, values, data, win)
 
     def pool2d_scatter(self, out: View, grad: View, data: View | None, pool: Sequence[int],
-                       strides: Sequence[int], padding: Sequence[int]) -> None:
+                       strides: Sequence[int], padding: Sequence[int], ceil_mode: bool = False,
+                       count_include_pad: bool = True) -> None:
         """Adjoint of a window reduction: spread ``grad`` (``data=None``) or add it at each window's argmax."""
         from .windows import Window2d, pool2d_scatter
 
-        pool2d_scatter(self, out, grad, data, Window2d(tuple(pool), tuple(strides), tuple(padding)))  # type: ignore[arg-type]
+        win = Window2d(tuple(pool), tuple(strides), tuple(padding), ceil_mode, count_include_pad)  # type: ignore[arg-type]
+        pool2d_scatter(self, out, grad, data, win)
 
     # ----- extension points for primitive modules (e.g. windows.py) -----
 
@@ -494,7 +521,7 @@ class KernelBuilder:
 
 
 def _window_is_whole_input(g: Conv2dGeometry) -> bool:
-    return (g.kh, g.kw) == (g.h, g.w) and g.pads == (0, 0, 0, 0) and g.dilation == (1, 1)
+    return (g.kh, g.kw) == (g.h, g.w) and g.pads == (0, 0, 0, 0) and g.dilation == (1, 1) and g.groups == 1
 
 
 def _compose(outer: Body, k: int, inner: Body, n_inner: int) -> Body:

@@ -9,6 +9,10 @@ seed CNN's 12x12 conv on a 12x12 input does ~150x the useful work that way), so 
 is cut into fixed segments of images whose ``col`` fits in ~2 MB; each segment runs a parallel
 GEMM and then a parallel col2im split over (image, channel) planes. Segments depend only on the
 shapes, so results are bitwise identical for any thread count.
+
+Grouped convolutions (PyTorch's ``groups``) run one GEMM kernel per pass, called once per group on
+pointers offset to that group's channels: every group has the same shapes and strides, so the index
+maps are the same and only the base addresses move. ``groups == 1`` emits exactly the ungrouped code.
 """
 
 from __future__ import annotations
@@ -32,7 +36,11 @@ def _pair(v: int | Sequence[int]) -> tuple[int, int]:
 
 @dataclass(frozen=True)
 class Conv2dGeometry:
-    """Shapes and attributes of one conv2d; ``pads`` = (top, bottom, left, right)."""
+    """Shapes and attributes of one conv2d; ``pads`` = (top, bottom, left, right).
+
+    ``c`` and ``o`` count all channels; with ``groups`` > 1 each group maps ``c / groups`` input
+    channels to ``o / groups`` output channels, and the GEMM shapes (``ckk``) are per group.
+    """
 
     n: int
     c: int
@@ -45,23 +53,28 @@ class Conv2dGeometry:
     pads: tuple[int, int, int, int] = (0, 0, 0, 0)
     dilation: tuple[int, int] = (1, 1)
     dtype: str = "float32"
+    groups: int = 1
 
     @staticmethod
     def make(
         x_shape: tuple[int, ...], w_shape: tuple[int, ...], stride: int | Sequence[int] = 1,
         padding: int | Sequence[int] = 0, dilation: int | Sequence[int] = 1, dtype: str = "float32",
+        groups: int = 1,
     ) -> Conv2dGeometry:
+        """``w_shape`` is OIHW (O, C/groups, KH, KW); ``padding`` an int, (ph, pw) or
+        (top, left, bottom, right) (ONNX's order, as the registry stores it)."""
         n, c, h, w = x_shape
-        o, c2, kh, kw = w_shape
-        assert c == c2, "groups are not supported"
+        o, cg, kh, kw = w_shape
+        assert c == cg * groups and o % groups == 0, f"weight {w_shape} does not fit data {x_shape} in {groups} groups"
         if isinstance(padding, int):
             pads = (padding,) * 4
         elif len(padding) == 2:
             pads = (padding[0], padding[0], padding[1], padding[1])
         else:
             top, left, bottom, right = (int(p) for p in padding)
-            pads = (top, left, bottom, right)
-        geom = Conv2dGeometry(n, c, h, w, o, kh, kw, _pair(stride), pads, _pair(dilation), dtype)  # type: ignore[arg-type]
+            pads = (top, bottom, left, right)
+        geom = Conv2dGeometry(n, c, h, w, o, kh, kw, _pair(stride), pads, _pair(dilation), dtype,  # type: ignore[arg-type]
+                              groups)
         assert geom.oh >= 1 and geom.ow >= 1, "empty output"
         return geom
 
@@ -78,8 +91,24 @@ class Conv2dGeometry:
         return self.n, self.o, self.oh, self.ow
 
     @property
+    def cg(self) -> int:
+        """Input channels per group."""
+        return self.c // self.groups
+
+    @property
+    def og(self) -> int:
+        """Output channels per group."""
+        return self.o // self.groups
+
+    @property
     def ckk(self) -> int:
-        return self.c * self.kh * self.kw
+        """The GEMMs' reduction (forward) length: one group's input channels times the kernel taps."""
+        return self.cg * self.kh * self.kw
+
+    def group_offsets(self) -> list[tuple[int, int, int]]:
+        """Element offsets of each group's first (input channel, weight row, output channel)."""
+        return [(g * self.cg * self.h * self.w, g * self.og * self.ckk, g * self.og * self.oh * self.ow)
+                for g in range(self.groups)]
 
     def flops(self) -> int:
         """Multiply-adds x 2 of one pass (all three passes cost the same)."""
@@ -95,7 +124,8 @@ class Conv2dGeometry:
     def patch_map(self) -> IndexMap:
         """(c, kh, kw) -> offset inside an input image and the tap's (h, w) displacement."""
         dh, dw = self.dilation
-        return IndexMap((self.c, self.kh, self.kw), (self.h * self.w, dh * self.w, dw), 0, (0, dh, 0), 0, (0, 0, dw), 0)
+        return IndexMap((self.cg, self.kh, self.kw), (self.h * self.w, dh * self.w, dw), 0,
+                        (0, dh, 0), 0, (0, 0, dw), 0)
 
     def pixel_map(self) -> IndexMap:
         """(n, oh, ow) -> offset of the window's top-left input pixel and its (h, w) position."""
@@ -124,14 +154,15 @@ def emit_conv2d_forward(m: ModuleEmitter, g: Conv2dGeometry, name: str) -> ConvE
     """``conv2d_forward(x, w, y, ws)``: Y[o, (n,p)] = W[o, (c,kh,kw)] @ im2col(X)."""
     p = g.oh * g.ow
     spec = GemmSpec(
-        g.o, g.n * p, g.ckk,
-        a=Operand.matrix(g.o, g.ckk, g.ckk, 1),
+        g.og, g.n * p, g.ckk,
+        a=Operand.matrix(g.og, g.ckk, g.ckk, 1),
         b=Operand(g.patch_map(), g.pixel_map(), g.window()),
-        c=Operand(IndexMap.strided(g.o, p), g.output_pixels()),
+        c=Operand(IndexMap.strided(g.og, p), g.output_pixels()),
         dtype=g.dtype,
     )
     plan = emit_gemm(m, spec, name + ".gemm")
-    _emit_forwarder(m, name, plan.names["entry"], ("x", "w", "y"), ("w", "x", "y"))
+    offsets = [{"x": x, "w": w, "y": y} for x, w, y in g.group_offsets()]
+    _emit_forwarder(m, name, plan.names["entry"], ("x", "w", "y"), ("w", "x", "y"), g.dtype, offsets)
     return ConvEntry(name, plan.workspace_per_thread)
 
 
@@ -139,20 +170,27 @@ def emit_conv2d_backward_weight(m: ModuleEmitter, g: Conv2dGeometry, name: str) 
     """``conv2d_backward_weight(x, dy, dw, ws)``: dW[o, (c,kh,kw)] = dY[o, (n,p)] @ im2col(X)^T."""
     p = g.oh * g.ow
     spec = GemmSpec(
-        g.o, g.ckk, g.n * p,
-        a=Operand(IndexMap.strided(g.o, p), g.output_pixels()),
+        g.og, g.ckk, g.n * p,
+        a=Operand(IndexMap.strided(g.og, p), g.output_pixels()),
         b=Operand(g.pixel_map(), g.patch_map(), g.window()),
-        c=Operand.matrix(g.o, g.ckk, g.ckk, 1),
+        c=Operand.matrix(g.og, g.ckk, g.ckk, 1),
         dtype=g.dtype,
     )
     plan = emit_gemm(m, spec, name + ".gemm")
-    _emit_forwarder(m, name, plan.names["entry"], ("x", "dy", "dw"), ("dy", "x", "dw"))
+    offsets = [{"x": x, "dy": y, "dw": w} for x, w, y in g.group_offsets()]
+    _emit_forwarder(m, name, plan.names["entry"], ("x", "dy", "dw"), ("dy", "x", "dw"), g.dtype, offsets)
     return ConvEntry(name, plan.workspace_per_thread)
 
 
-def _emit_forwarder(m: ModuleEmitter, name: str, target: str, params: tuple[str, ...], order: tuple[str, ...]) -> None:
+def _emit_forwarder(m: ModuleEmitter, name: str, target: str, params: tuple[str, ...], order: tuple[str, ...],
+                    dtype: str, offsets: list[dict[str, int]]) -> None:
+    """``name(params..., ws)`` calls ``target(order..., ws)`` once per group, each pointer moved by
+    that group's element offset (one call, unmoved, without groups)."""
     f = FunctionEmitter(m, name, [("ptr", p) for p in (*params, "ws")])
-    f.call("void", "@" + target, [("ptr", "%" + a) for a in (*order, "ws")])
+    t = LLVM_TYPE[dtype]
+    for group in offsets:
+        args = [("ptr", f.gep(t, "%" + a, str(group[a])) if group[a] else "%" + a) for a in order]
+        f.call("void", "@" + target, [*args, ("ptr", "%ws")])
     f.ret_void()
     f.finish()
 
@@ -161,20 +199,21 @@ def emit_conv2d_backward_data(m: ModuleEmitter, g: Conv2dGeometry, name: str) ->
     """``conv2d_backward_data(dy, w, dx, ws)``: per image segment, col = W^T @ dY, then col2im."""
     esize, t = BYTES[g.dtype], LLVM_TYPE[g.dtype]
     p = g.oh * g.ow
-    per_image = g.ckk * p * esize
+    rows = g.c * g.kh * g.kw  # col rows of all groups: group i fills rows [i*ckk, (i+1)*ckk)
+    per_image = rows * p * esize
     seg = max(1, min(g.n, _COL_BUDGET_BYTES // per_image))
     sizes = sorted({seg, g.n % seg} - {0}, reverse=True)
     gemms = {}
     for imgs in sizes:
         spec = GemmSpec(
-            g.ckk, imgs * p, g.o,
-            a=Operand.matrix(g.ckk, g.o, 1, g.ckk),
-            b=Operand(IndexMap.strided(g.o, p), g.output_pixels(imgs)),
+            g.ckk, imgs * p, g.og,
+            a=Operand.matrix(g.ckk, g.og, 1, g.ckk),
+            b=Operand(IndexMap.strided(g.og, p), g.output_pixels(imgs)),
             c=Operand.matrix(g.ckk, imgs * p, imgs * p, 1),
             dtype=g.dtype,
         )
         gemms[imgs] = emit_gemm(m, spec, f"{name}.gemm{imgs}")
-    col_bytes = _round_up(g.ckk * seg * p * esize, 64)
+    col_bytes = _round_up(rows * seg * p * esize, 64)
     gemm_ws = max(plan.workspace_per_thread for plan in gemms.values())
     col2im = _emit_col2im(m, g, name + ".col2im", t)
     # The col buffer is shared by all threads, so it sits before the per-thread GEMM scratch.
@@ -188,7 +227,11 @@ def emit_conv2d_backward_data(m: ModuleEmitter, g: Conv2dGeometry, name: str) ->
     while start < g.n:
         imgs = min(seg, g.n - start)
         dy = f.gep(t, "%dy", str(start * g.o * p))
-        f.call("void", "@" + gemms[imgs].names["entry"], [("ptr", "%w"), ("ptr", dy), ("ptr", col), ("ptr", ws)])
+        for group, (_, w_off, y_off) in enumerate(g.group_offsets()):
+            col_off = group * g.ckk * imgs * p
+            args = [f.gep(t, "%w", str(w_off)) if w_off else "%w", f.gep(t, dy, str(y_off)) if y_off else dy,
+                    f.gep(t, col, str(col_off)) if col_off else col]
+            f.call("void", "@" + gemms[imgs].names["entry"], [*(("ptr", a) for a in args), ("ptr", ws)])
         f.store("ptr", col, f.gep("ptr", ctx, "0"))
         f.store("ptr", f.gep(t, "%dx", str(start * g.c * g.h * g.w)), f.gep("ptr", ctx, "1"))
         f.store("i64", str(imgs), nimg)

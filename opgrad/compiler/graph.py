@@ -96,7 +96,8 @@ class _Lowering:
         self.fn = fn
         self.buffers: list[Buffer] = []
         self.consts: dict[int, np.ndarray] = {}
-        self.kb = KernelBuilder(name, allocate=lambda shape, dtype: self.new("internal", shape, dtype))
+        self.kb = KernelBuilder(name, allocate=lambda shape, dtype: self.new("internal", shape, dtype),
+                                constant=self._table)
         self.checks: list[RangeCheck] = []
 
     def new(self, kind: str, shape: tuple[int, ...], dtype: str, index: int = -1) -> int:
@@ -137,8 +138,19 @@ class _Lowering:
         self.consts[index] = np.ascontiguousarray(value)
         return View.contiguous(index, node.shape, node.dtype)
 
+    def _table(self, array: np.ndarray) -> int:
+        """A constant buffer a lowering computed at compile time (``KernelBuilder.constant``)."""
+        index = self.new("const", array.shape, array.dtype.name)
+        self.consts[index] = array
+        return index
+
     def _call(self, call: Call, views: dict[int, View], result: int | None) -> View:
         lower = call.op.lowering_fn
+        if lower is None and call.op.lowering_reason:
+            raise NotImplementedError(
+                f"opgrad.compile: operator {call.op.name!r} has no lowering: it is reference only "
+                f"({call.op.lowering_reason}); evaluate graphs that use it with opgrad.evaluate"
+            )
         if lower is None:
             raise NotImplementedError(
                 f"opgrad.compile: operator {call.op.name!r} has no lowering; add '@{call.op.name}.lowering' "

@@ -106,5 +106,5 @@ def conv2d_geometry(
     x_shape: Sequence[int], w_shape: Sequence[int], stride: int | Sequence[int] = 1,
     padding: int | Sequence[int] = 0, dilation: int | Sequence[int] = 1, dtype: str = "float32",
 ) -> Conv2dGeometry:
-    """Normalize conv attributes; ``padding`` is an int, (ph, pw) or (top, bottom, left, right)."""
+    """Normalize conv attributes; ``padding`` is an int, (ph, pw) or (top, left, bottom, right)."""
     return Conv2dGeometry.make(tuple(x_shape), tuple(w_shape), stride, padding, dilation, dtype)

@@ -7,9 +7,10 @@ overlapping windows of a scatter stay inside one plane). Inside a plane the loop
 ``for`` nests; when there is no padding the bounds checks are omitted at compile time, which is
 what lets LLVM vectorize the common non-overlapping 2x2 case.
 
-Semantics follow ``registry/_pooling.py``: padding never wins a max (it is skipped), counts as zero
-in an average whose divisor is always ``kh*kw``, and ties go to the first maximum in row-major
-window order.
+Semantics follow ``registry/_pooling.py`` (PyTorch's): padding never wins a max (it is skipped),
+counts as zero in an average whose divisor is ``kh*kw`` or, with ceil mode or without
+``count_include_pad``, the window clipped as PyTorch clips it, and ties go to the first maximum in
+row-major window order. A ceil-mode window that overhangs the input is bounds-checked like padding.
 """
 
 from __future__ import annotations
@@ -24,15 +25,34 @@ from .views import Scalar, View, _elem_type
 
 @dataclass(frozen=True)
 class Window2d:
-    """Pool window ``(kh, kw)``, strides ``(sh, sw)`` and symmetric padding ``(ph, pw)``."""
+    """Pool window ``(kh, kw)``, strides ``(sh, sw)``, symmetric padding ``(ph, pw)``, PyTorch's
+    ``ceil_mode`` and (averages only) ``count_include_pad``."""
 
     pool: tuple[int, int]
     strides: tuple[int, int]
     padding: tuple[int, int]
+    ceil_mode: bool = False
+    count_include_pad: bool = True
 
     def out_hw(self, h: int, w: int) -> tuple[int, int]:
+        def size(n: int, k: int, s: int, p: int) -> int:
+            out = (n + 2 * p - k + (s - 1 if self.ceil_mode else 0)) // s + 1
+            return out - 1 if self.ceil_mode and (out - 1) * s >= n + p else out
+
         (kh, kw), (sh, sw), (ph, pw) = self.pool, self.strides, self.padding
-        return (h + 2 * ph - kh) // sh + 1, (w + 2 * pw - kw) // sw + 1
+        return size(h, kh, sh, ph), size(w, kw, sw, pw)
+
+    def overhangs(self, hw: tuple[int, ...]) -> bool:
+        """Whether some window reaches outside the input (padding or a ceil-mode overhang)."""
+        out = self.out_hw(hw[0], hw[1])
+        return any(self.padding) or any((out[i] - 1) * self.strides[i] + self.pool[i] > hw[i] for i in range(2))
+
+    def constant_divisor(self, hw: tuple[int, ...]) -> bool:
+        """Whether every window of an average divides by ``kh*kw``."""
+        if not self.count_include_pad:
+            return not self.overhangs(hw)
+        out = self.out_hw(hw[0], hw[1])
+        return all((out[i] - 1) * self.strides[i] + self.pool[i] <= hw[i] + 2 * self.padding[i] for i in range(2))
 
 
 class _Planes:
@@ -78,10 +98,11 @@ def _taps(p: _Planes, win: Window2d, hw: tuple[int, ...], oh: str, ow: str,
     """Call ``visit(h, w)`` for each in-bounds tap of window (oh, ow), in row-major order."""
     f = p.f
     (kh, kw), (sh, sw), (ph, pw) = win.pool, win.strides, win.padding
+    checked = win.overhangs(hw)
     with f.loop(0, kh, hint="ki") as ki, f.loop(0, kw, hint="kj") as kj:
         h = f.add(f.mul(oh, sh), f.sub(ki, ph) if ph else ki)
         w = f.add(f.mul(ow, sw), f.sub(kj, pw) if pw else kj)
-        if ph or pw:
+        if checked:
             ok = f.val(f"and i1 {f.icmp('ult', h, hw[0])}, {f.icmp('ult', w, hw[1])}")
             with f.if_then(ok, "tap"):
                 visit(h, w)
@@ -112,6 +133,26 @@ def _argmax(p: _Planes, data: View, base: str, win: Window2d, oh: str, ow: str) 
     return f.load("i64", bh), f.load("i64", bw)
 
 
+def _divisor(p: _Planes, win: Window2d, hw: tuple[int, ...], oh: str, ow: str) -> str | None:
+    """The average's divisor of window (oh, ow) as a float, or None when it is ``kh*kw`` for every window.
+
+    As PyTorch: the window clipped to the padded input, and also to the input itself without
+    ``count_include_pad``.
+    """
+    if win.constant_divisor(hw):
+        return None
+    f, s = p.f, p.s
+    counts = []
+    for o, k, st, pad, n in zip((oh, ow), win.pool, win.strides, win.padding, hw, strict=True):
+        start = f.sub(f.mul(o, st), pad)
+        end = f.smin(f.add(start, k), n + pad)
+        if not win.count_include_pad:
+            start = f.select(f.icmp("slt", start, "0"), "i64", "0", start)
+            end = f.smin(end, n)
+        counts.append(f.sub(end, start))
+    return f.val(f"sitofp i64 {f.mul(counts[0], counts[1])} to {s.t}")
+
+
 def pool2d(kb: KernelBuilder, out: View, data: View, win: Window2d, op: str) -> None:
     """``out[n,c,oh,ow]`` = max or mean (``op`` = ``max`` | ``avg``) of each window of ``data``."""
     p = _Planes(kb, "pool", [out, data])
@@ -129,7 +170,10 @@ def pool2d(kb: KernelBuilder, out: View, data: View, win: Window2d, op: str) -> 
 
         _taps(p, win, data.shape[2:], oh, ow, visit)
         res = f.load(s.t, acc)
-        f.store(s.t, res if op == "max" else s.mul(res, s.const(scale)), p.at(pout, out, oh, ow))
+        if op == "avg":
+            divisor = _divisor(p, win, data.shape[2:], oh, ow)
+            res = s.mul(res, s.const(scale)) if divisor is None else s.div(res, divisor)
+        f.store(s.t, res, p.at(pout, out, oh, ow))
     p.close()
 
 
@@ -169,7 +213,8 @@ def pool2d_scatter(kb: KernelBuilder, out: View, grad: View, data: View | None, 
             f.store(s.t, s.add(f.load(s.t, ptr), value), ptr)
 
         if data is None:
-            share = s.mul(g, s.const(scale))
+            divisor = _divisor(p, win, out.shape[2:], oh, ow)
+            share = s.mul(g, s.const(scale)) if divisor is None else s.div(g, divisor)
             _taps(p, win, out.shape[2:], oh, ow, lambda h, w: add(h, w, share))
         else:
             h, w = _argmax(p, data, bases[2], win, oh, ow)
