@@ -152,6 +152,41 @@ def test_conv_same_padding_any_stride_and_pool_padding_match_torch() -> None:
         np.testing.assert_allclose(ours, theirs, rtol=1e-10, atol=1e-12, err_msg=layer.describe())
 
 
+def test_grouped_conv_transposed_conv_and_upsampling_match_torch() -> None:
+    torch = require("torch", "conv groups, transposed convs and upsampling are checked against PyTorch")
+    F = torch.nn.functional
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((2, 4, 5, 6))
+    cases = [
+        (nn.Conv2D(6, 3, groups=2, padding=1), lambda t, p: F.conv2d(t, p["weight"], p["bias"], padding=1, groups=2)),
+        (nn.Conv2D(4, 3, groups=4, strides=2, padding="same", use_bias=False),  # depthwise
+         lambda t, p: F.conv2d(F.pad(t, (0, 1, 1, 1)), p["weight"], stride=2, groups=4)),
+        (nn.Conv2DTranspose(3, 3, strides=2, padding=1, output_padding=1),
+         lambda t, p: F.conv_transpose2d(t, p["weight"], p["bias"], stride=2, padding=1, output_padding=1)),
+        (nn.Conv2DTranspose(6, 3, strides=2, padding="same", groups=2, use_bias=False),
+         lambda t, p: F.conv_transpose2d(t, p["weight"], stride=2, groups=2)[:, :, :-1, :-1]),  # TF crops after
+        (nn.Conv2DTranspose(2, 4, strides=2, padding="same", use_bias=False),
+         lambda t, p: F.conv_transpose2d(t, p["weight"], stride=2)[:, :, 1:-1, 1:-1]),
+        (nn.UpSampling2D(2), lambda t, p: F.interpolate(t, scale_factor=2, mode="nearest")),
+        (nn.UpSampling2D(3, interpolation="bilinear"),
+         lambda t, p: F.interpolate(t, scale_factor=3, mode="bilinear", align_corners=False)),
+    ]
+    for layer, expected in cases:
+        model = nn.Sequential([layer], input_shape=x.shape[1:])
+        params = model.init_params(0, "float64")
+        xv, pv = opgrad.var("x", x.shape, "float64"), model.param_vars("float64")
+        ours = opgrad.evaluate(opgrad.function([xv, *pv.values()], model.forward(xv, pv)), x, *params.values())
+        local = {k.split(".", 1)[1]: torch.from_numpy(v) for k, v in params.items()}
+        theirs = expected(torch.from_numpy(x), local).numpy()
+        assert ours.shape == theirs.shape == (2, *model.output_shape), layer.describe()
+        np.testing.assert_allclose(ours, theirs, rtol=1e-10, atol=1e-12, err_msg=layer.describe())
+    assert nn.Conv2DTranspose(2, 4, strides=2, padding="same").build((1, 5, 6)) == (2, 10, 12)  # Keras: in * stride
+    with pytest.raises(ValueError, match="groups must be a positive divisor of filters=6"):
+        nn.Conv2D(6, 3, groups=4)
+    with pytest.raises(ShapeError, match="5 input channels do not split into 2 groups"):
+        nn.Conv2D(4, 3, groups=2)(nn.Input((5, 8, 8)))
+
+
 def test_activations_layernorm_embedding_match_torch() -> None:
     torch = require("torch", "layer semantics are checked against PyTorch")
     F = torch.nn.functional
@@ -316,7 +351,8 @@ def test_model_save_and_load_every_layer_kind(tmp_path: Path) -> None:
     tokens = nn.Input((3,), dtype="int64")
     emb = nn.Flatten()(nn.Embedding(5, 2)(tokens))
     out = nn.Dense(2, kernel_initializer="he_uniform")(nn.Concatenate()([flat, emb]))
-    pooled = nn.Dense(2)(nn.GlobalAvgPool2D()(nn.MaxPool2D(2, strides=1, padding=1)(inp)))
+    up = nn.UpSampling2D(2)(nn.Conv2DTranspose(2, 3, strides=2, padding="same", groups=2)(inp))
+    pooled = nn.Dense(2)(nn.GlobalAvgPool2D()(nn.MaxPool2D(2, strides=1, padding=1)(up)))
     model = nn.Model([inp, tokens], [nn.Add()([out, pooled])], name="every")
     kinds = {layer.kind for layer in model.layers}
     builtin = {kind for kind, cls in nn.LAYERS.items() if cls.__module__ == "opgrad.nn.layers"}

@@ -21,6 +21,7 @@ from opgrad.nn.layers import (
     BatchNorm2D,
     Concatenate,
     Conv2D,
+    Conv2DTranspose,
     Dense,
     Dropout,
     Embedding,
@@ -37,6 +38,7 @@ from opgrad.nn.layers import (
     Sigmoid,
     SymbolicTensor,
     Tanh,
+    UpSampling2D,
 )
 from opgrad.nn.losses import accuracy, softmax_cross_entropy
 from opgrad.nn.model import Model, Sequential, load_model, model_from_config
@@ -73,6 +75,7 @@ __all__ = [
     "BatchNorm2D",
     "Concatenate",
     "Conv2D",
+    "Conv2DTranspose",
     "Dense",
     "Dropout",
     "Embedding",
@@ -102,6 +105,7 @@ __all__ = [
     "Tanh",
     "TrainStep",
     "Trainer",
+    "UpSampling2D",
     "WarmupLR",
     "accuracy",
     "build_model",

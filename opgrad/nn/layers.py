@@ -56,6 +56,7 @@ __all__ = [
     "BufferSpec",
     "Concatenate",
     "Conv2D",
+    "Conv2DTranspose",
     "Dense",
     "Dropout",
     "Embedding",
@@ -73,6 +74,7 @@ __all__ = [
     "Sigmoid",
     "SymbolicTensor",
     "Tanh",
+    "UpSampling2D",
 ]
 
 Shape = tuple[int, ...]
@@ -385,19 +387,25 @@ class Conv2D(Layer):
     ``padding`` is ``"valid"`` (Keras' default, no padding), ``"same"`` (TF/Keras semantics for
     any stride and dilation: output ``ceil(in / stride)``, the odd pixel of padding at the bottom
     and right, done with ``ops.pad`` when it is asymmetric) or explicit zeros per side as an int
-    or a pair (PyTorch's ``padding``). ``dilation_rate`` spaces the kernel taps.
+    or a pair (PyTorch's ``padding``). ``dilation_rate`` spaces the kernel taps. ``groups`` splits
+    the channels into independent convolutions (PyTorch's; ``groups == channels`` is depthwise),
+    so the weight is ``(filters, channels / groups, KH, KW)``.
     """
 
     kind = "conv"
 
     def __init__(self, filters: int, kernel_size: int | Sequence[int], *, strides: int | Sequence[int] = 1,
                  padding: str | int | Sequence[int] = "valid", dilation_rate: int | Sequence[int] = 1,
-                 activation: str | None = None, use_bias: bool = True,
+                 groups: int = 1, activation: str | None = None, use_bias: bool = True,
                  kernel_initializer: str | Initializer = "glorot_uniform",
                  bias_initializer: str | Initializer = "zeros", name: str | None = None) -> None:
         super().__init__(name)
         if int(filters) < 1:
-            raise ValueError(f"Conv2D filters must be >= 1, got {filters}")
+            raise ValueError(f"{type(self).__name__} filters must be >= 1, got {filters}")
+        if isinstance(groups, bool) or int(groups) < 1 or int(filters) % int(groups):
+            raise ValueError(f"{type(self).__name__} groups must be a positive divisor of filters={filters}, "
+                             f"got {groups!r}")
+        self.groups = int(groups)
         self.filters = int(filters)
         self.kernel_size = _pair(kernel_size, "kernel_size")
         self.strides = _pair(strides, "strides")
@@ -411,13 +419,15 @@ class Conv2D(Layer):
     def get_config(self) -> dict[str, Any]:
         return {"filters": self.filters, "kernel_size": list(self.kernel_size), "strides": list(self.strides),
                 "padding": self.padding if isinstance(self.padding, str) else list(self.padding),
-                "dilation_rate": list(self.dilation_rate), "activation": self.activation, "use_bias": self.use_bias,
-                "kernel_initializer": _init_config(self.kernel_init), "bias_initializer": _init_config(self.bias_init)}
+                "dilation_rate": list(self.dilation_rate), "groups": self.groups, "activation": self.activation,
+                "use_bias": self.use_bias, "kernel_initializer": _init_config(self.kernel_init),
+                "bias_initializer": _init_config(self.bias_init)}
 
     def config(self) -> str:
         kh, kw = self.kernel_size
         extras = [f"stride {self.strides[0]}" if self.strides != (1, 1) else "",
                   f"dilation {self.dilation_rate[0]}" if self.dilation_rate != (1, 1) else "",
+                  f"groups {self.groups}" if self.groups != 1 else "",
                   "same" if self.padding == "same" else "", self.activation or ""]
         return ", ".join([f"{self.filters}", f"{kh}x{kw}", *(e for e in extras if e)])
 
@@ -435,7 +445,9 @@ class Conv2D(Layer):
     def output_shape_for(self, input_shape: Shape) -> Shape:
         if len(input_shape) != 3:
             raise self._shape_error(input_shape, "Conv2D needs (channels, height, width)")
-        _, h, w = input_shape
+        c, h, w = input_shape
+        if c % self.groups:
+            raise self._shape_error(input_shape, f"{c} input channels do not split into {self.groups} groups")
         size = []
         for extent, k, s, d, (before, after) in zip((h, w), self.kernel_size, self.strides, self.dilation_rate,
                                                      self.pads(h, w)):
@@ -448,7 +460,8 @@ class Conv2D(Layer):
 
     def param_specs(self) -> dict[str, ParamSpec]:
         assert self.input_shape is not None, "build() first"
-        specs = {"weight": ParamSpec((self.filters, self.input_shape[0], *self.kernel_size), self.kernel_init)}
+        specs = {"weight": ParamSpec((self.filters, self.input_shape[0] // self.groups, *self.kernel_size),
+                                     self.kernel_init)}
         if self.use_bias:
             specs["bias"] = ParamSpec((self.filters,), self.bias_init)
         return specs
@@ -460,10 +473,114 @@ class Conv2D(Layer):
         else:  # asymmetric "same": the conv pads symmetrically, the extra pixel comes from ops.pad
             x = ops.pad(x, pad_width=((0, 0), (0, 0), (0, bottom - top), (0, right - left)))
             padding = (top, left)
-        y = ops.conv2d(x, params["weight"], strides=self.strides, padding=padding, dilation=self.dilation_rate)
+        y = ops.conv2d(x, params["weight"], strides=self.strides, padding=padding, dilation=self.dilation_rate,
+                       groups=self.groups)
         if self.use_bias:
             y = ops.bias_add(y, params["bias"], axis=1)
         return _activate(y, self.activation)
+
+
+class Conv2DTranspose(Conv2D):
+    """Transposed convolution (PyTorch's ``ConvTranspose2d``, Keras' ``Conv2DTranspose``), NCHW.
+
+    The weight is PyTorch's ``(channels, filters / groups, KH, KW)``. ``padding`` is ``"valid"``
+    (output ``(in - 1) * stride + dilation * (KH - 1) + 1``), ``"same"`` (Keras: output
+    ``in * stride``, cropping the odd pixel at the bottom/right, the adjoint of ``Conv2D``'s
+    "same") or explicit pixels cropped per side (PyTorch's ``padding``); ``output_padding`` adds
+    rows/columns at the bottom/right (each smaller than its stride), as PyTorch's.
+    """
+
+    kind = "convtranspose"
+
+    def __init__(self, filters: int, kernel_size: int | Sequence[int], *, strides: int | Sequence[int] = 1,
+                 padding: str | int | Sequence[int] = "valid", output_padding: int | Sequence[int] = 0,
+                 dilation_rate: int | Sequence[int] = 1, groups: int = 1, activation: str | None = None,
+                 use_bias: bool = True, kernel_initializer: str | Initializer = "glorot_uniform",
+                 bias_initializer: str | Initializer = "zeros", name: str | None = None) -> None:
+        super().__init__(filters, kernel_size, strides=strides, padding=padding, dilation_rate=dilation_rate,
+                         groups=groups, activation=activation, use_bias=use_bias,
+                         kernel_initializer=kernel_initializer, bias_initializer=bias_initializer, name=name)
+        self.output_padding = _pair(output_padding, "output_padding", minimum=0)
+        if any(o >= s for o, s in zip(self.output_padding, self.strides)):
+            raise ValueError(f"Conv2DTranspose output_padding {self.output_padding} must be smaller than the "
+                             f"strides {self.strides}")
+
+    def get_config(self) -> dict[str, Any]:
+        return {**super().get_config(), "output_padding": list(self.output_padding)}
+
+    def crops(self) -> tuple[tuple[int, int, int, int], tuple[int, int]]:
+        """``((top, left, bottom, right) cropped, output_padding)`` for the op."""
+        if self.padding == "same":
+            pads, extra = [], []
+            for k, s, d in zip(self.kernel_size, self.strides, self.dilation_rate):
+                total = d * (k - 1) + 1 - s
+                pads.append((total // 2, total - total // 2) if total >= 0 else (0, 0))
+                extra.append(max(-total, 0))
+            return (pads[0][0], pads[1][0], pads[0][1], pads[1][1]), (extra[0], extra[1])
+        (top, bottom), (left, right) = self.pads(1, 1)
+        return (top, left, bottom, right), self.output_padding
+
+    def output_shape_for(self, input_shape: Shape) -> Shape:
+        if len(input_shape) != 3:
+            raise self._shape_error(input_shape, "Conv2DTranspose needs (channels, height, width)")
+        c, h, w = input_shape
+        if c % self.groups:
+            raise self._shape_error(input_shape, f"{c} input channels do not split into {self.groups} groups")
+        (top, left, bottom, right), extra = self.crops()
+        size = []
+        for extent, k, s, d, crop, more in zip((h, w), self.kernel_size, self.strides, self.dilation_rate,
+                                               (top + bottom, left + right), extra):
+            out = (extent - 1) * s + d * (k - 1) + 1 - crop + more
+            if out < 1:
+                raise self._shape_error(input_shape, f"padding {self.padding} crops the whole output")
+            size.append(out)
+        return (self.filters, size[0], size[1])
+
+    def param_specs(self) -> dict[str, ParamSpec]:
+        assert self.input_shape is not None, "build() first"
+        specs = {"weight": ParamSpec((self.input_shape[0], self.filters // self.groups, *self.kernel_size),
+                                     self.kernel_init)}
+        if self.use_bias:
+            specs["bias"] = ParamSpec((self.filters,), self.bias_init)
+        return specs
+
+    def apply(self, x: Expr, params: Mapping[str, Expr], ctx: ForwardContext) -> Expr:
+        crop, extra = self.crops()
+        y = ops.conv2d_transpose(x, params["weight"], strides=self.strides, padding=crop, output_padding=extra,
+                                 dilation=self.dilation_rate, groups=self.groups)
+        if self.use_bias:
+            y = ops.bias_add(y, params["bias"], axis=1)
+        return _activate(y, self.activation)
+
+
+class UpSampling2D(Layer):
+    """``(C, H, W) -> (C, H*size, W*size)`` by repeating pixels (``"nearest"``) or ``"bilinear"``
+    interpolation (``torch.nn.functional.interpolate`` with ``align_corners=False``)."""
+
+    kind = "upsampling"
+
+    def __init__(self, size: int = 2, *, interpolation: str = "nearest", name: str | None = None) -> None:
+        super().__init__(name)
+        if isinstance(size, bool) or not isinstance(size, (int, np.integer)) or size < 1:
+            raise ValueError(f"UpSampling2D size must be a positive int (one factor for both axes), got {size!r}")
+        if interpolation not in ("nearest", "bilinear"):
+            raise ValueError(f"UpSampling2D interpolation must be 'nearest' or 'bilinear', got {interpolation!r}")
+        self.size, self.interpolation = int(size), interpolation
+
+    def get_config(self) -> dict[str, Any]:
+        return {"size": self.size, "interpolation": self.interpolation}
+
+    def config(self) -> str:
+        return f"{self.size}x, {self.interpolation}"
+
+    def output_shape_for(self, input_shape: Shape) -> Shape:
+        if len(input_shape) != 3:
+            raise self._shape_error(input_shape, "UpSampling2D needs (channels, height, width)")
+        c, h, w = input_shape
+        return (c, h * self.size, w * self.size)
+
+    def apply(self, x: Expr, params: Mapping[str, Expr], ctx: ForwardContext) -> Expr:
+        return ops.upsampling(x, self.size, method=self.interpolation)
 
 
 class _Pool2D(Layer):
