@@ -1,4 +1,4 @@
-"""``opgrad bench``: ms per training step of the seed CNN, compiled vs reference vs PyTorch and JAX.
+"""``opgrad bench``: ms per training step of a model, compiled vs reference vs PyTorch and JAX.
 
 Why this shape: the main job is a training loop, so the number that matters is one whole step
 (forward + backward + SGD update) at the batch size ``opgrad train`` uses, not single-kernel
@@ -6,6 +6,11 @@ GFLOP/s. Every engine runs the same model from the same initial weights on the s
 third step's loss (after two updates) is compared with opgrad's reference backend, so a peer row can't be faster by
 computing something else. Times are medians (these machines vary 10-15 % run to run) of at
 least 20 steps after warm-up, and ratios are taken within one run.
+
+``--model`` picks the model (the seed CNN by default, or ``resnet`` / ``mlp``). PyTorch runs the
+same graph through :func:`torch_forward`, a layer-by-layer translation of the opgrad model to
+``torch.nn.functional`` (BatchNorm included, with its running statistics); JAX has a hand-written
+twin of the seed CNN only.
 
 PyTorch and JAX are imported lazily and only if installed; they are never opgrad dependencies.
 """
@@ -17,6 +22,7 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -39,6 +45,8 @@ class Row:
 
 def configure(parser: argparse.ArgumentParser) -> None:
     """Add ``opgrad bench``'s options to ``parser``."""
+    parser.add_argument("--model", choices=("seed-cnn", "resnet", "mlp"), default="seed-cnn",
+                        help="the model whose training step is timed (default seed-cnn)")
     parser.add_argument("--steps", type=positive_int, default=20, help="timed steps per engine (median; default 20)")
     parser.add_argument("--warmup", type=positive_int, default=3, help="untimed steps first (default 3)")
     parser.add_argument("--batch-size", type=positive_int, default=32, help="batch size (default 32, as opgrad train)")
@@ -46,18 +54,18 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="leave an engine out (repeatable)")
 
 
-def _opgrad_runner(backend: str) -> Runner:
+def _opgrad_runner(backend: str, model_name: str) -> Runner:
     def make(params: dict[str, np.ndarray], images: np.ndarray, labels: np.ndarray,
              lr: float) -> Callable[[], float]:
         from opgrad import nn
 
-        model = nn.seed_cnn()
+        model = nn.build_model(model_name)
         step = nn.TrainStep(model, nn.SGD(), batch_size=len(labels), backend=backend)
-        current = {"params": dict(params)}
+        current = {"params": dict(params), "state": model.init_buffers()}
 
         def run() -> float:
-            result = step(images, labels, current["params"], {}, lr)
-            current["params"] = result.params
+            result = step(images, labels, current["params"], current["state"], lr)
+            current["params"], current["state"] = result.params, result.state
             return result.loss
 
         return run
@@ -65,27 +73,80 @@ def _opgrad_runner(backend: str) -> Runner:
     return make
 
 
-def _torch_runner(params: dict[str, np.ndarray], images: np.ndarray, labels: np.ndarray,
-                  lr: float) -> Callable[[], float]:
+def torch_forward(model: Any, params: dict[str, Any], buffers: dict[str, Any], x: Any, *, training: bool) -> Any:
+    """The opgrad ``model``'s first output computed with ``torch.nn.functional``, layer by layer.
+
+    ``params`` and ``buffers`` are torch tensors keyed like opgrad's; BatchNorm updates the
+    buffers in place while training, as ``torch.nn.BatchNorm2d`` does. Dropout is not translated.
+    """
     import torch
     import torch.nn.functional as F
 
-    p = {k: torch.tensor(v, requires_grad=True) for k, v in params.items()}
-    x, y = torch.from_numpy(images), torch.from_numpy(labels)
+    def activate(h: Any, name: str | None) -> Any:
+        table: dict[str, Callable[[Any], Any]] = {"relu": F.relu, "leaky_relu": F.leaky_relu, "gelu": F.gelu,
+                                                  "sigmoid": torch.sigmoid, "tanh": torch.tanh}
+        return table[name](h) if name else h
 
-    def run() -> float:
-        h = F.relu(F.conv2d(x, p["conv1.weight"], p["conv1.bias"]))
-        h = F.relu(F.conv2d(h, p["conv2.weight"], p["conv2.bias"]))
-        h = F.avg_pool2d(h, 2)
-        h = F.relu(F.conv2d(h, p["conv3.weight"], p["conv3.bias"])).flatten(1)
-        loss = F.cross_entropy(F.linear(h, p["dense1.weight"], p["dense1.bias"]), y)
-        grads = torch.autograd.grad(loss, list(p.values()))
-        with torch.no_grad():
-            for value, grad in zip(p.values(), grads):
-                value -= lr * grad
-        return float(loss.detach())
+    values = {id(t): x for t in model.inputs}
+    for node in model.nodes:
+        layer, kind = node.layer, node.layer.kind
+        args = [values[id(t)] for t in node.inputs]
+        h = args[0]
+        p = {local: params[f"{layer.name}.{local}"] for local in layer.param_specs()}
+        if kind == "conv":
+            (top, bottom), (left, right) = layer.pads(h.shape[2], h.shape[3])
+            if (top, left) != (bottom, right):
+                h = F.pad(h, (left, right, top, bottom))
+                top = left = 0
+            h = activate(F.conv2d(h, p["weight"], p.get("bias"), stride=layer.strides, padding=(top, left),
+                                  dilation=layer.dilation_rate), layer.activation)
+        elif kind == "dense":
+            h = activate(F.linear(h, p["weight"], p.get("bias")), layer.activation)
+        elif kind in ("maxpool", "avgpool") and layer.padding != "same":
+            (top, _), (left, _) = layer.pads(h.shape[2], h.shape[3])
+            pool = F.max_pool2d if kind == "maxpool" else F.avg_pool2d
+            h = pool(h, layer.pool_size, layer.strides, padding=(top, left))
+        elif kind == "batchnorm":
+            h = F.batch_norm(h, buffers[f"{layer.name}.running_mean"], buffers[f"{layer.name}.running_var"],
+                             p["weight"], p["bias"], training=training, momentum=layer.momentum, eps=layer.epsilon)
+        elif kind == "globalavgpool":
+            h = h.mean(dim=(2, 3))
+        elif kind == "flatten":
+            h = h.flatten(1)
+        elif kind == "add":
+            h = sum(args[1:], args[0])
+        elif kind in ("relu", "activation"):
+            h = activate(h, getattr(layer, "activation", "relu"))
+        else:
+            raise NotImplementedError(f"torch_forward has no translation of layer {layer.describe()}")
+        values[id(node.output)] = h
+    return values[id(model.outputs[0])]
 
-    return run
+
+def _torch_runner(model_name: str) -> Runner:
+    def make(params: dict[str, np.ndarray], images: np.ndarray, labels: np.ndarray,
+             lr: float) -> Callable[[], float]:
+        import torch
+        import torch.nn.functional as F
+
+        from opgrad import nn
+
+        model = nn.build_model(model_name)
+        p = {k: torch.tensor(v, requires_grad=True) for k, v in params.items()}
+        buffers = {k: torch.tensor(v) for k, v in model.init_buffers().items()}
+        x, y = torch.from_numpy(images), torch.from_numpy(labels)
+
+        def run() -> float:
+            loss = F.cross_entropy(torch_forward(model, p, buffers, x, training=True), y)
+            grads = torch.autograd.grad(loss, list(p.values()))
+            with torch.no_grad():
+                for value, grad in zip(p.values(), grads):
+                    value -= lr * grad
+            return float(loss.detach())
+
+        return run
+
+    return make
 
 
 def _jax_runner(params: dict[str, np.ndarray], images: np.ndarray, labels: np.ndarray,
@@ -159,7 +220,7 @@ def run(args: argparse.Namespace) -> int:
     from opgrad import nn
     from opgrad.nn.step import llvm_unavailable_reason
 
-    model = nn.seed_cnn()
+    model = nn.build_model(args.model)
     params = model.init_params(seed=0)
     rng = np.random.default_rng(0)
     images = rng.random((args.batch_size, 1, 28, 28), dtype=np.float32)
@@ -168,17 +229,20 @@ def run(args: argparse.Namespace) -> int:
     torch_name = f"PyTorch {_version('torch')}".strip()
     jax_name = f"JAX {_version('jax')}".strip()
     subjects: list[tuple[str, str, Runner]] = [
-        ("llvm", "opgrad llvm (compiled)", _opgrad_runner("llvm")),
-        ("reference", "opgrad reference (numpy)", _opgrad_runner("reference")),
-        ("torch", torch_name, _torch_runner),
+        ("llvm", "opgrad llvm (compiled)", _opgrad_runner("llvm", args.model)),
+        ("reference", "opgrad reference (numpy)", _opgrad_runner("reference", args.model)),
+        ("torch", torch_name, _torch_runner(args.model)),
         ("jax", f"{jax_name} (jit)", _jax_runner),
     ]
-    print(f"opgrad bench: seed CNN training step (forward + backward + SGD), batch {args.batch_size}, float32; "
-          f"median of {args.steps} steps after {args.warmup} warm-up")
+    print(f"opgrad bench: {args.model} training step (forward + backward + SGD), {model.num_params:,} parameters, "
+          f"batch {args.batch_size}, float32; median of {args.steps} steps after {args.warmup} warm-up")
     rows: dict[str, Row] = {}
     for key, name, runner in subjects:
         if key in args.skip:
             rows[key] = Row(name, note="skipped")
+            continue
+        if key == "jax" and args.model != "seed-cnn":
+            rows[key] = Row(name, note=f"skipped (bench's JAX twin is of seed-cnn only, not {args.model})")
             continue
         if key == "llvm" and (reason := llvm_unavailable_reason()) is not None:
             rows[key] = Row(name, note=f"unavailable: {reason}")

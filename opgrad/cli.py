@@ -1,4 +1,4 @@
-"""The ``opgrad`` command: ``ops``, ``check``, ``train``, ``bench``, ``export``.
+"""The ``opgrad`` command: ``ops``, ``check``, ``train``, ``predict``, ``bench``, ``export``.
 
 Each subcommand lives with the code it drives and exposes ``configure(parser)`` and
 ``run(args) -> int``; this module only dispatches, importing the subcommand lazily so that
@@ -24,7 +24,8 @@ from opgrad.errors import UserError
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "ops": ("opgrad.optable", "list every registered operator with its gradient and kernel status"),
     "check": ("opgrad.checks.command", "verify registered gradients with hypothesis + finite differences"),
-    "train": ("opgrad.train", "train the seed CNN (or the Keras MNIST model) on real MNIST"),
+    "train": ("opgrad.train", "train the seed CNN (or keras-mnist, resnet, mlp) on real MNIST"),
+    "predict": ("opgrad.predict", "run a saved model on images: accuracy, confusion matrix, predictions"),
     "bench": ("opgrad.bench", "time the compiled training step against the reference and peers"),
     "export": ("opgrad.deploy.command", "write the training step as a C library (.o/.a/.so + header + runtime)"),
 }

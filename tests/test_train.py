@@ -188,3 +188,7 @@ def test_cli_optimizer_schedule_and_clipping_options(capsys: pytest.CaptureFixtu
     assert "linear warm-up over 1 steps, then 0.001 times 0.5 every 2 steps" in out
     assert cli.main([*SMOKE, "--optimizer", "rmsprop", "--lr-gamma", "1.5"]) == 2
     assert "--lr-gamma: expected a number in (0, 1]" in capsys.readouterr().err
+
+
+def test_train_lists_every_built_in_model() -> None:
+    assert tuple(nn.MODELS) == train.MODEL_NAMES and set(train.MODEL_EPOCHS) == set(nn.MODELS)

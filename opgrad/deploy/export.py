@@ -28,7 +28,7 @@ from opgrad.compiler.irtext import ModuleEmitter
 from opgrad.compiler.jit import Codegen, object_code
 from opgrad.compiler.target import Target, host_target, resolve_target, use_target
 from opgrad.errors import OpgradError
-from opgrad.nn import EvalStep, Optimizer, Sequential, TrainStep, build_model, make_optimizer
+from opgrad.nn import EvalStep, Model, Optimizer, TrainStep, build_model, make_optimizer
 
 from .cgen import ArrayInfo, ModelTables, Stream, render_header, render_runtime
 
@@ -104,7 +104,7 @@ def _module_ir(name: str, train: GraphPlan, evaluation: GraphPlan) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _tables(name: str, model: Sequential, optimizer: Optimizer, step: TrainStep, train: GraphPlan,
+def _tables(name: str, model: Model, optimizer: Optimizer, step: TrainStep, train: GraphPlan,
             evaluation: GraphPlan, threads: int, target: Target) -> ModelTables:
     fn = step.function
     nm = len(step.mask_names)
@@ -147,7 +147,7 @@ def _tables(name: str, model: Sequential, optimizer: Optimizer, step: TrainStep,
     )
 
 
-def export(directory: str | os.PathLike[str], *, model: str | Sequential = "seed-cnn",
+def export(directory: str | os.PathLike[str], *, model: str | Model = "seed-cnn",
            optimizer: str | Optimizer = "adam", batch_size: int = 32, eval_batch_size: int | None = None,
            target: str | Target = "host", cpu: str | None = None, features: str | None = None, threads: int = 0,
            name: str = "opgrad", cc: str | None = None, object_only: bool = False, seed: int = 0) -> ExportResult:
@@ -176,6 +176,11 @@ def export(directory: str | os.PathLike[str], *, model: str | Sequential = "seed
         tgt = target if isinstance(target, Target) else resolve_target(target, cpu, features)
     except ValueError as exc:
         raise ExportError(str(exc)) from None
+    if len(net.inputs) != 1 or len(net.outputs) != 1 or net.buffer_specs():
+        # The C runtime streams one image array and one label array and carries only parameters
+        # and optimizer state; buffers would also need to reach the evaluation graph.
+        raise ExportError(f"model {net.name!r}: export takes single-input, single-output models without "
+                          "buffers (BatchNorm2D's running statistics are not exported yet)")
     out = Path(directory)
     if out.exists() and not out.is_dir():
         raise ExportError(f"{out}: exists and is not a directory")

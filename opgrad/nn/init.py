@@ -27,7 +27,10 @@ __all__ = [
     "get_initializer",
     "glorot_uniform",
     "he_uniform",
+    "initializer_name",
+    "ones",
     "param_generator",
+    "uniform",
     "zeros",
 ]
 
@@ -76,11 +79,29 @@ def zeros(shape: tuple[int, ...], rng: np.random.Generator, dtype: str = "float3
     return np.zeros(shape, dtype=dtype)
 
 
+def ones(shape: tuple[int, ...], rng: np.random.Generator, dtype: str = "float32") -> np.ndarray:
+    """All ones (a normalization layer's scale); ``rng`` is unused."""
+    del rng
+    return np.ones(shape, dtype=dtype)
+
+
+def uniform(shape: tuple[int, ...], rng: np.random.Generator, dtype: str = "float32") -> np.ndarray:
+    """Uniform in ``[-0.05, 0.05]`` (Keras' ``RandomUniform()``, its ``Embedding`` default)."""
+    return rng.uniform(-0.05, 0.05, size=shape).astype(dtype)
+
+
 INITIALIZERS: dict[str, Initializer] = {
     "glorot_uniform": glorot_uniform,
     "he_uniform": he_uniform,
+    "ones": ones,
+    "uniform": uniform,
     "zeros": zeros,
 }
+
+
+def initializer_name(init: Initializer) -> str | None:
+    """The registered name of ``init`` (what a saved model stores), or None for a custom function."""
+    return next((name for name, fn in INITIALIZERS.items() if fn is init), None)
 
 
 def get_initializer(init: str | Initializer) -> Initializer:

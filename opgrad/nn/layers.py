@@ -1,49 +1,90 @@
-"""Layers and ``Sequential``: functional building blocks that emit registered operators.
+"""Layers: functional building blocks that emit registered operators.
 
 Why functional: a layer never holds arrays. It declares its parameters (name, shape,
-initializer) once its input shape is known, and ``apply`` turns an input expression plus
+initializer) once its input shape is known, and ``apply`` turns input expressions plus
 parameter expressions into an output expression made only of registered ops. The training step
 can then differentiate, optimize and compile the whole thing as *one* graph, and the same model
 can be evaluated with any parameter values (a checkpoint, a parity test's weights) without
 copying them into objects.
 
-Shapes are per example, without the batch axis (Keras' convention): ``Sequential`` checks the
-whole stack when it is constructed, so ``Dense`` after a conv without ``Flatten`` fails there,
-naming the layer, instead of deep inside a step.
+Layers are wired Keras-style: calling a layer on a :class:`SymbolicTensor` (from
+:func:`Input` or another layer call) builds it for that input's shape and returns its output::
 
-Layout is NCHW with OIHW convolution weights and ``(units, in)`` dense weights, as the
-operators expect.
+    inp = nn.Input((1, 28, 28))
+    x = nn.Conv2D(16, 3, padding="same", activation="relu")(inp)
+    y = nn.Add()([x, nn.Conv2D(16, 1)(inp)])
+
+``opgrad.nn.model.Model`` then collects the calls into a graph. One layer object called twice
+is one set of parameters (a shared layer), so its input shapes must agree.
+
+Shapes are per example, without the batch axis (Keras' convention); a wrong wiring fails at the
+call, naming the layer, instead of deep inside a step. Layout is NCHW with OIHW convolution
+weights and ``(units, in)`` dense weights, as the operators expect. An ``axis`` argument counts
+the batch axis as 0, as in Keras and PyTorch (``Concatenate(axis=1)`` joins NCHW channels).
+
+Non-trainable state (``BatchNorm2D``'s running statistics) is declared by ``buffer_specs`` and
+threaded through :meth:`Layer.call`, which returns the updated values; the training step makes
+them extra outputs, so they are updated inside the compiled step.
+
+Every layer's constructor arguments round-trip through :meth:`Layer.get_config` (plain JSON), and
+its class is found again by ``kind`` in :data:`LAYERS`, which is how a checkpoint rebuilds a model
+without the code that built it.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import numpy as np
 
 from opgrad import ops
 from opgrad.errors import ShapeError
-from opgrad.ir import Expr, Var, var
-from opgrad.nn.init import Initializer, get_initializer, param_generator
+from opgrad.ir import Expr
+from opgrad.nn.init import Initializer, get_initializer, initializer_name, ones, zeros
 
 __all__ = [
+    "ACTIVATIONS",
+    "GELU",
+    "LAYERS",
+    "Activation",
+    "Add",
     "AvgPool2D",
+    "BatchNorm2D",
+    "BufferSpec",
+    "Concatenate",
     "Conv2D",
+    "Conv2DTranspose",
     "Dense",
     "Dropout",
+    "Embedding",
     "Flatten",
     "ForwardContext",
+    "GlobalAvgPool2D",
+    "Input",
     "Layer",
+    "LayerNorm",
+    "LeakyReLU",
     "MaxPool2D",
+    "Node",
     "ParamSpec",
     "ReLU",
-    "Sequential",
+    "Sigmoid",
+    "SymbolicTensor",
+    "Tanh",
+    "UpSampling2D",
 ]
 
 Shape = tuple[int, ...]
-ACTIVATIONS = (None, "relu")
+#: What ``build`` takes: one per-example shape, or a list of them for a layer with several inputs.
+InputShape = Shape | list[Shape]
+
+ACTIVATIONS = (None, "relu", "leaky_relu", "gelu", "sigmoid", "tanh")
+
+#: Every layer class by ``kind``, filled as classes are defined (a user's subclass included).
+LAYERS: dict[str, type[Layer]] = {}
 
 
 @dataclass(frozen=True)
@@ -55,18 +96,27 @@ class ParamSpec:
 
 
 @dataclass(frozen=True)
+class BufferSpec:
+    """Non-trainable state a layer declares (running statistics): its shape and starting value."""
+
+    shape: Shape
+    value: float
+
+
+@dataclass(frozen=True)
 class ForwardContext:
     """What a forward pass needs besides parameters.
 
-    ``training`` switches dropout on; ``noise`` maps a dropout layer's name to its mask input
-    (an expression fed from a seeded numpy generator, so a compiled step stays deterministic).
+    ``training`` switches dropout and batch statistics on; ``noise`` maps a dropout layer's name
+    to its mask input (an expression fed from a seeded numpy generator, so a compiled step stays
+    deterministic).
     """
 
     training: bool = False
     noise: Mapping[str, Expr] = field(default_factory=dict)
 
 
-def _pair(value: int | Sequence[int], what: str) -> tuple[int, int]:
+def _pair(value: int | Sequence[int], what: str, minimum: int = 1) -> tuple[int, int]:
     if isinstance(value, bool):
         raise ValueError(f"{what} must be an int or two ints, got {value!r}")
     if isinstance(value, (int, np.integer)):
@@ -76,9 +126,29 @@ def _pair(value: int | Sequence[int], what: str) -> tuple[int, int]:
         if len(items) != 2:
             raise ValueError(f"{what} must be an int or two ints, got {value!r}")
         pair = (items[0], items[1])
-    if min(pair) < 1:
-        raise ValueError(f"{what} must be >= 1, got {value!r}")
+    if min(pair) < minimum:
+        raise ValueError(f"{what} must be >= {minimum}, got {value!r}")
     return pair
+
+
+def _padding_arg(padding: str | int | Sequence[int]) -> str | tuple[int, int]:
+    """``"valid"``, ``"same"`` or explicit zeros per side as a pair."""
+    if isinstance(padding, str):
+        if padding not in ("valid", "same"):
+            raise ValueError(f"padding must be 'valid', 'same', an int or two ints, got {padding!r}")
+        return padding
+    return _pair(padding, "padding", minimum=0)
+
+
+def _same_pads(extent: int, k: int, s: int, d: int = 1) -> tuple[int, int]:
+    """TF/Keras "same": output ``ceil(extent / s)``; the odd pixel of padding goes after (bottom/right)."""
+    out = -(-extent // s)
+    total = max((out - 1) * s + (k - 1) * d + 1 - extent, 0)
+    return total // 2, total - total // 2
+
+
+def _window_out(extent: int, k: int, s: int, before: int, after: int, d: int = 1) -> int:
+    return (extent + before + after - d * (k - 1) - 1) // s + 1
 
 
 def _check_activation(activation: str | None) -> str | None:
@@ -88,65 +158,188 @@ def _check_activation(activation: str | None) -> str | None:
 
 
 def _activate(x: Expr, activation: str | None) -> Expr:
-    return ops.relu(x) if activation == "relu" else x
+    if activation == "relu":
+        return ops.relu(x)
+    if activation == "leaky_relu":
+        return ops.leaky_relu(x)
+    if activation == "gelu":
+        return ops.gelu(x)
+    if activation == "sigmoid":
+        return ops.sigmoid(x)
+    if activation == "tanh":
+        return ops.tanh(x)
+    return x
+
+
+def _init_config(init: Initializer) -> str | None:
+    """A registered initializer's name; a custom function is not stored (the default is used on load)."""
+    return initializer_name(init)
+
+
+class Node:
+    """One call of a layer in a functional model: the layer, its input tensors and its output."""
+
+    def __init__(self, layer: Layer, inputs: list[SymbolicTensor], output_shape: Shape) -> None:
+        self.layer = layer
+        self.inputs = inputs
+        self.output = SymbolicTensor(output_shape, "float", node=self)
+
+
+class SymbolicTensor:
+    """A tensor in a functional model before any data exists: a per-example shape and its origin.
+
+    Made by :func:`Input` (``node`` is None) or by calling a layer (``node`` is that call).
+    ``dtype`` is ``"float"`` (the model's float type) or ``"int64"`` (indices, for ``Embedding``).
+    """
+
+    def __init__(self, shape: Sequence[int], dtype: str, *, node: Node | None = None,
+                 name: str | None = None) -> None:
+        self.shape: Shape = tuple(int(d) for d in shape)
+        self.dtype = dtype
+        self.node = node
+        self.name = name
+
+    def __repr__(self) -> str:
+        origin = f"input {self.name!r}" if self.node is None else f"output of {self.node.layer.describe()}"
+        return f"<SymbolicTensor {self.shape} {self.dtype}, {origin}>"
+
+
+def Input(shape: Sequence[int], *, dtype: str = "float", name: str | None = None) -> SymbolicTensor:
+    """A model input of per-example ``shape`` (Keras' ``keras.Input``).
+
+    ``dtype`` is ``"float"`` (the training step's float type, float32 by default) or ``"int64"``
+    (token ids for :class:`Embedding`). ``name`` defaults to ``input1``, ``input2``, ... in the
+    order the model lists its inputs.
+    """
+    if isinstance(shape, (int, np.integer)):
+        shape = (int(shape),)
+    dims = tuple(shape)
+    if not dims or any(isinstance(d, bool) or not isinstance(d, (int, np.integer)) or d < 1 for d in dims):
+        raise ValueError(f"Input shape must be one or more positive ints (per example, no batch axis), got {shape!r}")
+    if dtype not in ("float", "int64"):
+        raise ValueError(f"Input dtype must be 'float' or 'int64', got {dtype!r}")
+    if name is not None and (not name or "." in name or "/" in name or ":" in name):
+        raise ValueError(f"Input name must be non-empty without '.', '/' or ':', got {name!r}")
+    return SymbolicTensor(dims, dtype, name=name)
 
 
 class Layer:
     """Base class. Subclasses set ``kind`` and implement ``output_shape_for`` and ``apply``.
 
-    ``build(input_shape)`` is called once by ``Sequential``; it records the shapes and returns
-    the output shape. A layer object belongs to one model: building it again with another input
-    shape is an error (it would silently change the other model's parameters).
+    ``build(input_shape)`` is called by each call on a :class:`SymbolicTensor`; it records the
+    shapes and returns the output shape. Calling a layer again (sharing it) needs the same input
+    shape: another shape would silently change the parameters the first call uses.
+
+    A layer with several inputs (``Add``, ``Concatenate``) sets ``multi_input`` and takes lists in
+    ``build`` and ``apply``. A layer with non-trainable state declares ``buffer_specs`` and
+    overrides :meth:`call`. A subclass with a new ``kind`` is registered in :data:`LAYERS`, so a
+    checkpoint of a model using it loads wherever the subclass is defined.
     """
 
     kind: ClassVar[str] = "layer"
+    multi_input: ClassVar[bool] = False
+    #: ``"float"`` for most layers; ``"int64"`` for layers that take indices (``Embedding``).
+    input_dtype: ClassVar[str] = "float"
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "kind" in cls.__dict__:
+            LAYERS[cls.kind] = cls
 
     def __init__(self, name: str | None = None) -> None:
-        if name is not None and (not name or "." in name or "/" in name):
-            raise ValueError(f"layer name must be non-empty without '.' or '/', got {name!r}")
+        if name is not None and (not name or "." in name or "/" in name or ":" in name):
+            raise ValueError(f"layer name must be non-empty without '.', '/' or ':', got {name!r}")
         self.name = name
-        self.input_shape: Shape | None = None
+        self.input_shape: Any = None
         self.output_shape: Shape | None = None
 
-    def build(self, input_shape: Shape) -> Shape:
-        input_shape = tuple(int(d) for d in input_shape)
-        if self.input_shape is not None and self.input_shape != input_shape:
-            raise ValueError(
-                f"layer {self.describe()} was already built for input {self.input_shape}; "
-                f"create a new layer for input {input_shape}"
-            )
-        out = self.output_shape_for(input_shape)
-        self.input_shape, self.output_shape = input_shape, out
-        return out
+    # ----- wiring -----
 
-    def output_shape_for(self, input_shape: Shape) -> Shape:
-        return input_shape
+    def __call__(self, inputs: SymbolicTensor | Sequence[SymbolicTensor]) -> SymbolicTensor:
+        """Apply the layer to a symbolic tensor (a list of them for ``Add``/``Concatenate``)."""
+        if self.multi_input:
+            if isinstance(inputs, SymbolicTensor) or not isinstance(inputs, Sequence) or len(inputs) < 2:
+                raise TypeError(f"layer {self.describe()} takes a list of two or more tensors, got {inputs!r}")
+            tensors = list(inputs)
+        else:
+            if not isinstance(inputs, SymbolicTensor):
+                raise TypeError(f"layer {self.describe()} takes one tensor (from nn.Input or a layer), got {inputs!r}")
+            tensors = [inputs]
+        for tensor in tensors:
+            if not isinstance(tensor, SymbolicTensor):
+                raise TypeError(f"layer {self.describe()}: expected tensors from nn.Input or a layer, got {tensor!r}")
+            if tensor.dtype != self.input_dtype:
+                raise TypeError(f"layer {self.describe()} takes {self.input_dtype} inputs, got {tensor!r}")
+        shape: InputShape = [t.shape for t in tensors] if self.multi_input else tensors[0].shape
+        out = self.build(shape)
+        return Node(self, tensors, out).output
+
+    def build(self, input_shape: InputShape) -> Shape:
+        if self.multi_input:
+            shape: InputShape = [tuple(int(d) for d in s) for s in input_shape]  # type: ignore[union-attr]
+        else:
+            shape = tuple(int(d) for d in input_shape)  # type: ignore[arg-type]
+        if self.input_shape is not None and self.input_shape != shape:
+            raise ShapeError(
+                f"layer {self.describe()} was already built for input {self.input_shape}; a shared layer "
+                f"needs the same input shape, so create a new layer for input {shape}"
+            )
+        out = self.output_shape_for(shape)
+        self.input_shape, self.output_shape = shape, tuple(int(d) for d in out)
+        return self.output_shape
+
+    def output_shape_for(self, input_shape: Any) -> Shape:
+        return input_shape  # type: ignore[no-any-return]
+
+    # ----- declarations -----
 
     def param_specs(self) -> dict[str, ParamSpec]:
         """Local parameter names (``"weight"``, ``"bias"``) to specs; valid after ``build``."""
+        return {}
+
+    def buffer_specs(self) -> dict[str, BufferSpec]:
+        """Local non-trainable state names (``"running_mean"``) to specs; valid after ``build``."""
         return {}
 
     def noise_shape(self) -> Shape | None:
         """Per-example shape of the random mask this layer reads while training (None: no mask)."""
         return None
 
-    def apply(self, x: Expr, params: Mapping[str, Expr], ctx: ForwardContext) -> Expr:
+    # ----- the forward pass -----
+
+    def apply(self, x: Any, params: Mapping[str, Expr], ctx: ForwardContext) -> Expr:
         raise NotImplementedError
+
+    def call(self, x: Any, params: Mapping[str, Expr], buffers: Mapping[str, Expr],
+             ctx: ForwardContext) -> tuple[Expr, dict[str, Expr]]:
+        """``(output, new buffers)``; a stateless layer returns its buffers (none) unchanged."""
+        return self.apply(x, params, ctx), dict(buffers)
+
+    # ----- description and serialization -----
+
+    def get_config(self) -> dict[str, Any]:
+        """Constructor keyword arguments as plain JSON values (``name`` excluded)."""
+        return {}
+
+    @classmethod
+    def from_config(cls, config: Mapping[str, Any], name: str | None = None) -> Layer:
+        """The layer :meth:`get_config` describes; an initializer stored as None (custom) gets the default."""
+        return cls(**{k: v for k, v in config.items() if not (k.endswith("_initializer") and v is None)}, name=name)
 
     def config(self) -> str:
         return ""
 
     def describe(self) -> str:
-        label = self.name or "?"
         cfg = self.config()
-        return f"{label!r} ({type(self).__name__}{'(' + cfg + ')' if cfg else ''})"
+        label = f"{type(self).__name__}{'(' + cfg + ')' if cfg else ''}"
+        return f"{self.name!r} ({label})" if self.name else label
 
-    def _shape_error(self, input_shape: Shape, problem: str) -> ShapeError:
+    def _shape_error(self, input_shape: Any, problem: str) -> ShapeError:
         return ShapeError(f"layer {self.describe()}: input shape {input_shape} (per example): {problem}")
 
 
 class Dense(Layer):
-    """``x @ weight.T + bias`` with ``weight`` shaped ``(units, in)``; optional ReLU."""
+    """``x @ weight.T + bias`` with ``weight`` shaped ``(units, in)``; optional activation."""
 
     kind = "dense"
 
@@ -158,9 +351,13 @@ class Dense(Layer):
             raise ValueError(f"Dense units must be >= 1, got {units}")
         self.units = int(units)
         self.activation = _check_activation(activation)
-        self.use_bias = use_bias
+        self.use_bias = bool(use_bias)
         self.kernel_init = get_initializer(kernel_initializer)
         self.bias_init = get_initializer(bias_initializer)
+
+    def get_config(self) -> dict[str, Any]:
+        return {"units": self.units, "activation": self.activation, "use_bias": self.use_bias,
+                "kernel_initializer": _init_config(self.kernel_init), "bias_initializer": _init_config(self.bias_init)}
 
     def config(self) -> str:
         return f"{self.units}" + (f", {self.activation}" if self.activation else "")
@@ -185,112 +382,294 @@ class Dense(Layer):
 
 
 class Conv2D(Layer):
-    """2-D convolution (NCHW data, OIHW weight) plus a per-channel bias; optional ReLU.
+    """2-D convolution (NCHW data, OIHW weight) plus a per-channel bias; optional activation.
 
-    ``padding`` is ``"valid"`` (Keras' default, no padding), ``"same"`` (stride 1, odd kernel) or
-    explicit zeros per side as an int or a pair.
+    ``padding`` is ``"valid"`` (Keras' default, no padding), ``"same"`` (TF/Keras semantics for
+    any stride and dilation: output ``ceil(in / stride)``, the odd pixel of padding at the bottom
+    and right, done with ``ops.pad`` when it is asymmetric) or explicit zeros per side as an int
+    or a pair (PyTorch's ``padding``). ``dilation_rate`` spaces the kernel taps. ``groups`` splits
+    the channels into independent convolutions (PyTorch's; ``groups == channels`` is depthwise),
+    so the weight is ``(filters, channels / groups, KH, KW)``.
     """
 
     kind = "conv"
 
     def __init__(self, filters: int, kernel_size: int | Sequence[int], *, strides: int | Sequence[int] = 1,
-                 padding: str | int | Sequence[int] = "valid", activation: str | None = None,
-                 use_bias: bool = True, kernel_initializer: str | Initializer = "glorot_uniform",
+                 padding: str | int | Sequence[int] = "valid", dilation_rate: int | Sequence[int] = 1,
+                 groups: int = 1, activation: str | None = None, use_bias: bool = True,
+                 kernel_initializer: str | Initializer = "glorot_uniform",
                  bias_initializer: str | Initializer = "zeros", name: str | None = None) -> None:
         super().__init__(name)
         if int(filters) < 1:
-            raise ValueError(f"Conv2D filters must be >= 1, got {filters}")
+            raise ValueError(f"{type(self).__name__} filters must be >= 1, got {filters}")
+        if isinstance(groups, bool) or int(groups) < 1 or int(filters) % int(groups):
+            raise ValueError(f"{type(self).__name__} groups must be a positive divisor of filters={filters}, "
+                             f"got {groups!r}")
+        self.groups = int(groups)
         self.filters = int(filters)
         self.kernel_size = _pair(kernel_size, "kernel_size")
         self.strides = _pair(strides, "strides")
-        self.padding = self._padding(padding)
+        self.dilation_rate = _pair(dilation_rate, "dilation_rate")
+        self.padding = _padding_arg(padding)
         self.activation = _check_activation(activation)
-        self.use_bias = use_bias
+        self.use_bias = bool(use_bias)
         self.kernel_init = get_initializer(kernel_initializer)
         self.bias_init = get_initializer(bias_initializer)
 
-    def _padding(self, padding: str | int | Sequence[int]) -> tuple[int, int]:
-        if padding == "valid":
-            return (0, 0)
-        if padding == "same":
-            kh, kw = self.kernel_size
-            if self.strides != (1, 1) or kh % 2 == 0 or kw % 2 == 0:
-                raise ValueError("padding='same' is supported for stride 1 and odd kernel sizes only")
-            return (kh // 2, kw // 2)
-        if isinstance(padding, str):
-            raise ValueError(f"padding must be 'valid', 'same', an int or two ints, got {padding!r}")
-        pad = (int(padding), int(padding)) if isinstance(padding, (int, np.integer)) else tuple(padding)
-        if len(pad) != 2 or min(pad) < 0:
-            raise ValueError(f"padding must be two ints >= 0, got {padding!r}")
-        return (int(pad[0]), int(pad[1]))
+    def get_config(self) -> dict[str, Any]:
+        return {"filters": self.filters, "kernel_size": list(self.kernel_size), "strides": list(self.strides),
+                "padding": self.padding if isinstance(self.padding, str) else list(self.padding),
+                "dilation_rate": list(self.dilation_rate), "groups": self.groups, "activation": self.activation,
+                "use_bias": self.use_bias, "kernel_initializer": _init_config(self.kernel_init),
+                "bias_initializer": _init_config(self.bias_init)}
 
     def config(self) -> str:
         kh, kw = self.kernel_size
-        return f"{self.filters}, {kh}x{kw}" + (f", {self.activation}" if self.activation else "")
+        extras = [f"stride {self.strides[0]}" if self.strides != (1, 1) else "",
+                  f"dilation {self.dilation_rate[0]}" if self.dilation_rate != (1, 1) else "",
+                  f"groups {self.groups}" if self.groups != 1 else "",
+                  "same" if self.padding == "same" else "", self.activation or ""]
+        return ", ".join([f"{self.filters}", f"{kh}x{kw}", *(e for e in extras if e)])
+
+    def pads(self, height: int, width: int) -> tuple[tuple[int, int], tuple[int, int]]:
+        """``((top, bottom), (left, right))`` zeros for an input of this size."""
+        if self.padding == "valid":
+            return (0, 0), (0, 0)
+        if self.padding == "same":
+            return (_same_pads(height, self.kernel_size[0], self.strides[0], self.dilation_rate[0]),
+                    _same_pads(width, self.kernel_size[1], self.strides[1], self.dilation_rate[1]))
+        assert not isinstance(self.padding, str)
+        ph, pw = self.padding
+        return (ph, ph), (pw, pw)
 
     def output_shape_for(self, input_shape: Shape) -> Shape:
         if len(input_shape) != 3:
             raise self._shape_error(input_shape, "Conv2D needs (channels, height, width)")
-        _, h, w = input_shape
+        c, h, w = input_shape
+        if c % self.groups:
+            raise self._shape_error(input_shape, f"{c} input channels do not split into {self.groups} groups")
         size = []
-        for extent, k, s, p in zip((h, w), self.kernel_size, self.strides, self.padding):
-            out = (extent + 2 * p - k) // s + 1
+        for extent, k, s, d, (before, after) in zip((h, w), self.kernel_size, self.strides, self.dilation_rate,
+                                                     self.pads(h, w)):
+            out = _window_out(extent, k, s, before, after, d)
             if out < 1:
-                raise self._shape_error(input_shape, f"the {k}-wide kernel does not fit {extent} (+2*{p} padding)")
+                raise self._shape_error(input_shape, f"the {k}-wide kernel does not fit {extent} "
+                                                     f"(+{before}+{after} padding)")
             size.append(out)
         return (self.filters, size[0], size[1])
 
     def param_specs(self) -> dict[str, ParamSpec]:
         assert self.input_shape is not None, "build() first"
-        specs = {"weight": ParamSpec((self.filters, self.input_shape[0], *self.kernel_size), self.kernel_init)}
+        specs = {"weight": ParamSpec((self.filters, self.input_shape[0] // self.groups, *self.kernel_size),
+                                     self.kernel_init)}
         if self.use_bias:
             specs["bias"] = ParamSpec((self.filters,), self.bias_init)
         return specs
 
     def apply(self, x: Expr, params: Mapping[str, Expr], ctx: ForwardContext) -> Expr:
-        y = ops.conv2d(x, params["weight"], strides=self.strides, padding=self.padding)
+        (top, bottom), (left, right) = self.pads(x.shape[2], x.shape[3])
+        if top == bottom and left == right:
+            padding = (top, left)
+        else:  # asymmetric "same": the conv pads symmetrically, the extra pixel comes from ops.pad
+            x = ops.pad(x, pad_width=((0, 0), (0, 0), (0, bottom - top), (0, right - left)))
+            padding = (top, left)
+        y = ops.conv2d(x, params["weight"], strides=self.strides, padding=padding, dilation=self.dilation_rate,
+                       groups=self.groups)
         if self.use_bias:
             y = ops.bias_add(y, params["bias"], axis=1)
         return _activate(y, self.activation)
 
 
+class Conv2DTranspose(Conv2D):
+    """Transposed convolution (PyTorch's ``ConvTranspose2d``, Keras' ``Conv2DTranspose``), NCHW.
+
+    The weight is PyTorch's ``(channels, filters / groups, KH, KW)``. ``padding`` is ``"valid"``
+    (output ``(in - 1) * stride + dilation * (KH - 1) + 1``), ``"same"`` (Keras: output
+    ``in * stride``, cropping the odd pixel at the bottom/right, the adjoint of ``Conv2D``'s
+    "same") or explicit pixels cropped per side (PyTorch's ``padding``); ``output_padding`` adds
+    rows/columns at the bottom/right (each smaller than its stride), as PyTorch's.
+    """
+
+    kind = "convtranspose"
+
+    def __init__(self, filters: int, kernel_size: int | Sequence[int], *, strides: int | Sequence[int] = 1,
+                 padding: str | int | Sequence[int] = "valid", output_padding: int | Sequence[int] = 0,
+                 dilation_rate: int | Sequence[int] = 1, groups: int = 1, activation: str | None = None,
+                 use_bias: bool = True, kernel_initializer: str | Initializer = "glorot_uniform",
+                 bias_initializer: str | Initializer = "zeros", name: str | None = None) -> None:
+        super().__init__(filters, kernel_size, strides=strides, padding=padding, dilation_rate=dilation_rate,
+                         groups=groups, activation=activation, use_bias=use_bias,
+                         kernel_initializer=kernel_initializer, bias_initializer=bias_initializer, name=name)
+        self.output_padding = _pair(output_padding, "output_padding", minimum=0)
+        if any(o >= s for o, s in zip(self.output_padding, self.strides)):
+            raise ValueError(f"Conv2DTranspose output_padding {self.output_padding} must be smaller than the "
+                             f"strides {self.strides}")
+
+    def get_config(self) -> dict[str, Any]:
+        return {**super().get_config(), "output_padding": list(self.output_padding)}
+
+    def crops(self) -> tuple[tuple[int, int, int, int], tuple[int, int]]:
+        """``((top, left, bottom, right) cropped, output_padding)`` for the op."""
+        if self.padding == "same":
+            pads, extra = [], []
+            for k, s, d in zip(self.kernel_size, self.strides, self.dilation_rate):
+                total = d * (k - 1) + 1 - s
+                pads.append((total // 2, total - total // 2) if total >= 0 else (0, 0))
+                extra.append(max(-total, 0))
+            return (pads[0][0], pads[1][0], pads[0][1], pads[1][1]), (extra[0], extra[1])
+        (top, bottom), (left, right) = self.pads(1, 1)
+        return (top, left, bottom, right), self.output_padding
+
+    def output_shape_for(self, input_shape: Shape) -> Shape:
+        if len(input_shape) != 3:
+            raise self._shape_error(input_shape, "Conv2DTranspose needs (channels, height, width)")
+        c, h, w = input_shape
+        if c % self.groups:
+            raise self._shape_error(input_shape, f"{c} input channels do not split into {self.groups} groups")
+        (top, left, bottom, right), extra = self.crops()
+        size = []
+        for extent, k, s, d, crop, more in zip((h, w), self.kernel_size, self.strides, self.dilation_rate,
+                                               (top + bottom, left + right), extra):
+            out = (extent - 1) * s + d * (k - 1) + 1 - crop + more
+            if out < 1:
+                raise self._shape_error(input_shape, f"padding {self.padding} crops the whole output")
+            size.append(out)
+        return (self.filters, size[0], size[1])
+
+    def param_specs(self) -> dict[str, ParamSpec]:
+        assert self.input_shape is not None, "build() first"
+        specs = {"weight": ParamSpec((self.input_shape[0], self.filters // self.groups, *self.kernel_size),
+                                     self.kernel_init)}
+        if self.use_bias:
+            specs["bias"] = ParamSpec((self.filters,), self.bias_init)
+        return specs
+
+    def apply(self, x: Expr, params: Mapping[str, Expr], ctx: ForwardContext) -> Expr:
+        crop, extra = self.crops()
+        y = ops.conv2d_transpose(x, params["weight"], strides=self.strides, padding=crop, output_padding=extra,
+                                 dilation=self.dilation_rate, groups=self.groups)
+        if self.use_bias:
+            y = ops.bias_add(y, params["bias"], axis=1)
+        return _activate(y, self.activation)
+
+
+class UpSampling2D(Layer):
+    """``(C, H, W) -> (C, H*size, W*size)`` by repeating pixels (``"nearest"``) or ``"bilinear"``
+    interpolation (``torch.nn.functional.interpolate`` with ``align_corners=False``)."""
+
+    kind = "upsampling"
+
+    def __init__(self, size: int = 2, *, interpolation: str = "nearest", name: str | None = None) -> None:
+        super().__init__(name)
+        if isinstance(size, bool) or not isinstance(size, (int, np.integer)) or size < 1:
+            raise ValueError(f"UpSampling2D size must be a positive int (one factor for both axes), got {size!r}")
+        if interpolation not in ("nearest", "bilinear"):
+            raise ValueError(f"UpSampling2D interpolation must be 'nearest' or 'bilinear', got {interpolation!r}")
+        self.size, self.interpolation = int(size), interpolation
+
+    def get_config(self) -> dict[str, Any]:
+        return {"size": self.size, "interpolation": self.interpolation}
+
+    def config(self) -> str:
+        return f"{self.size}x, {self.interpolation}"
+
+    def output_shape_for(self, input_shape: Shape) -> Shape:
+        if len(input_shape) != 3:
+            raise self._shape_error(input_shape, "UpSampling2D needs (channels, height, width)")
+        c, h, w = input_shape
+        return (c, h * self.size, w * self.size)
+
+    def apply(self, x: Expr, params: Mapping[str, Expr], ctx: ForwardContext) -> Expr:
+        return ops.upsampling(x, self.size, method=self.interpolation)
+
+
 class _Pool2D(Layer):
     def __init__(self, pool_size: int | Sequence[int] = 2, *, strides: int | Sequence[int] | None = None,
-                 name: str | None = None) -> None:
+                 padding: str | int | Sequence[int] = "valid", name: str | None = None) -> None:
         super().__init__(name)
         self.pool_size = _pair(pool_size, "pool_size")
         self.strides = self.pool_size if strides is None else _pair(strides, "strides")
+        self.padding = _padding_arg(padding)
+        if isinstance(self.padding, tuple) and any(p >= k for p, k in zip(self.padding, self.pool_size)):
+            raise ValueError(f"pool padding {self.padding} must be smaller than the pool size {self.pool_size} "
+                             "(a window of padding only has no value)")
+
+    def get_config(self) -> dict[str, Any]:
+        return {"pool_size": list(self.pool_size), "strides": list(self.strides),
+                "padding": self.padding if isinstance(self.padding, str) else list(self.padding)}
 
     def config(self) -> str:
-        return f"{self.pool_size[0]}x{self.pool_size[1]}"
+        return f"{self.pool_size[0]}x{self.pool_size[1]}" + (", same" if self.padding == "same" else "")
+
+    def pads(self, height: int, width: int) -> tuple[tuple[int, int], tuple[int, int]]:
+        if self.padding == "valid":
+            return (0, 0), (0, 0)
+        if self.padding == "same":
+            return (_same_pads(height, self.pool_size[0], self.strides[0]),
+                    _same_pads(width, self.pool_size[1], self.strides[1]))
+        assert not isinstance(self.padding, str)
+        ph, pw = self.padding
+        return (ph, ph), (pw, pw)
 
     def output_shape_for(self, input_shape: Shape) -> Shape:
         if len(input_shape) != 3:
             raise self._shape_error(input_shape, f"{type(self).__name__} needs (channels, height, width)")
         c, h, w = input_shape
-        oh = (h - self.pool_size[0]) // self.strides[0] + 1
-        ow = (w - self.pool_size[1]) // self.strides[1] + 1
+        (top, bottom), (left, right) = self.pads(h, w)
+        oh = _window_out(h, self.pool_size[0], self.strides[0], top, bottom)
+        ow = _window_out(w, self.pool_size[1], self.strides[1], left, right)
         if oh < 1 or ow < 1:
             raise self._shape_error(input_shape, f"the {self.config()} pool does not fit")
         return (c, oh, ow)
 
 
 class MaxPool2D(_Pool2D):
-    """Maximum over each window (no padding); strides default to the pool size, as in Keras."""
+    """Maximum over each window; strides default to the pool size, as in Keras.
+
+    Padding never wins a window (PyTorch's and TF's semantics); ``"same"`` is TF's.
+    """
 
     kind = "maxpool"
 
     def apply(self, x: Expr, params: Mapping[str, Expr], ctx: ForwardContext) -> Expr:
-        return ops.max_pool2d(x, pool_size=self.pool_size, strides=self.strides)
+        (top, bottom), (left, right) = self.pads(x.shape[2], x.shape[3])
+        if bottom != top or right != left:  # asymmetric "same": -inf never wins a max
+            x = ops.pad(x, pad_width=((0, 0), (0, 0), (0, bottom - top), (0, right - left)), value=-math.inf)
+        return ops.max_pool2d(x, pool_size=self.pool_size, strides=self.strides, padding=(top, left))
 
 
 class AvgPool2D(_Pool2D):
-    """Mean over each window (no padding); strides default to the pool size, as in Keras."""
+    """Mean over each window; strides default to the pool size, as in Keras.
+
+    Explicit padding counts the zeros (PyTorch's default ``count_include_pad=True``); ``"same"``
+    averages only the real pixels of each window, as TF/Keras do.
+    """
 
     kind = "avgpool"
 
     def apply(self, x: Expr, params: Mapping[str, Expr], ctx: ForwardContext) -> Expr:
-        return ops.avg_pool2d(x, pool_size=self.pool_size, strides=self.strides)
+        (top, bottom), (left, right) = self.pads(x.shape[2], x.shape[3])
+        if self.padding != "same" or (top, bottom, left, right) == (0, 0, 0, 0):
+            return ops.avg_pool2d(x, pool_size=self.pool_size, strides=self.strides, padding=(top, left))
+        widths = ((0, 0), (0, 0), (top, bottom), (left, right))
+        summed = ops.avg_pool2d(ops.pad(x, pad_width=widths), pool_size=self.pool_size, strides=self.strides)
+        real = ops.avg_pool2d(ops.pad(ops.ones_like(x), pad_width=widths), pool_size=self.pool_size,
+                              strides=self.strides)
+        return ops.divide(summed, real)
+
+
+class GlobalAvgPool2D(Layer):
+    """``(C, H, W) -> (C,)``: the mean of each channel (Keras' ``GlobalAveragePooling2D``)."""
+
+    kind = "globalavgpool"
+
+    def output_shape_for(self, input_shape: Shape) -> Shape:
+        if len(input_shape) != 3:
+            raise self._shape_error(input_shape, "GlobalAvgPool2D needs (channels, height, width)")
+        return (input_shape[0],)
+
+    def apply(self, x: Expr, params: Mapping[str, Expr], ctx: ForwardContext) -> Expr:
+        return ops.flatten(ops.global_avg_pool2d(x))
 
 
 class Flatten(Layer):
@@ -305,6 +684,9 @@ class Flatten(Layer):
         return ops.flatten(x)
 
 
+# ----- activations -----
+
+
 class ReLU(Layer):
     """``max(x, 0)``."""
 
@@ -314,12 +696,94 @@ class ReLU(Layer):
         return ops.relu(x)
 
 
+class LeakyReLU(Layer):
+    """``x if x > 0 else negative_slope * x`` (PyTorch's default slope 0.01)."""
+
+    kind = "leakyrelu"
+
+    def __init__(self, negative_slope: float = 0.01, *, name: str | None = None) -> None:
+        super().__init__(name)
+        if not (math.isfinite(float(negative_slope)) and float(negative_slope) >= 0):
+            raise ValueError(f"LeakyReLU negative_slope must be a finite number >= 0, got {negative_slope!r}")
+        self.negative_slope = float(negative_slope)
+
+    def get_config(self) -> dict[str, Any]:
+        return {"negative_slope": self.negative_slope}
+
+    def config(self) -> str:
+        return f"{self.negative_slope:g}"
+
+    def apply(self, x: Expr, params: Mapping[str, Expr], ctx: ForwardContext) -> Expr:
+        return ops.leaky_relu(x, alpha=self.negative_slope)
+
+
+class GELU(Layer):
+    """Gaussian error linear unit; ``approximate`` is ``"none"`` (erf, PyTorch's default) or ``"tanh"``."""
+
+    kind = "gelu"
+
+    def __init__(self, approximate: str = "none", *, name: str | None = None) -> None:
+        super().__init__(name)
+        if approximate not in ("none", "tanh"):
+            raise ValueError(f"GELU approximate must be 'none' or 'tanh', got {approximate!r}")
+        self.approximate = approximate
+
+    def get_config(self) -> dict[str, Any]:
+        return {"approximate": self.approximate}
+
+    def apply(self, x: Expr, params: Mapping[str, Expr], ctx: ForwardContext) -> Expr:
+        return ops.gelu(x, approximate=self.approximate)
+
+
+class Sigmoid(Layer):
+    """``1 / (1 + exp(-x))``."""
+
+    kind = "sigmoid"
+
+    def apply(self, x: Expr, params: Mapping[str, Expr], ctx: ForwardContext) -> Expr:
+        return ops.sigmoid(x)
+
+
+class Tanh(Layer):
+    """``tanh(x)``."""
+
+    kind = "tanh"
+
+    def apply(self, x: Expr, params: Mapping[str, Expr], ctx: ForwardContext) -> Expr:
+        return ops.tanh(x)
+
+
+class Activation(Layer):
+    """An activation by name (Keras' ``Activation("relu")``): one of :data:`ACTIVATIONS`."""
+
+    kind = "activation"
+
+    def __init__(self, activation: str, *, name: str | None = None) -> None:
+        super().__init__(name)
+        if activation is None or _check_activation(activation) is None:
+            raise ValueError(f"activation must be one of {ACTIVATIONS[1:]}, got {activation!r}")
+        self.activation = activation
+
+    def get_config(self) -> dict[str, Any]:
+        return {"activation": self.activation}
+
+    def config(self) -> str:
+        return self.activation
+
+    def apply(self, x: Expr, params: Mapping[str, Expr], ctx: ForwardContext) -> Expr:
+        return _activate(x, self.activation)
+
+
+# ----- regularization and normalization -----
+
+
 class Dropout(Layer):
     """Inverted dropout: while training, ``x * mask`` with ``mask`` in ``{0, 1/(1-rate)}``.
 
     The mask is an *input* of the step (drawn by :meth:`sample_mask` from the trainer's seeded
     generator), not a random op inside the graph: compiled and reference steps then see the
-    same mask, and the same seed replays the same run. At evaluation it is the identity.
+    same mask, and the same seed replays the same run. At evaluation it is the identity. A shared
+    dropout layer applies the same mask at each of its calls.
     """
 
     kind = "dropout"
@@ -330,12 +794,15 @@ class Dropout(Layer):
             raise ValueError(f"Dropout rate must be in [0, 1), got {rate}")
         self.rate = float(rate)
 
+    def get_config(self) -> dict[str, Any]:
+        return {"rate": self.rate}
+
     def config(self) -> str:
         return f"{self.rate:g}"
 
     def noise_shape(self) -> Shape | None:
         assert self.input_shape is not None, "build() first"
-        return self.input_shape
+        return tuple(self.input_shape)
 
     def sample_mask(self, rng: np.random.Generator, shape: Shape, dtype: str) -> np.ndarray:
         keep = rng.random(size=shape) >= self.rate
@@ -351,93 +818,206 @@ class Dropout(Layer):
         return ops.multiply(x, mask)
 
 
-class Sequential:
-    """A stack of layers applied in order to inputs of per-example shape ``input_shape``.
+class BatchNorm2D(Layer):
+    """Batch normalization over the channel axis (axis 1) of ``(C, H, W)`` or ``(C,)`` inputs.
 
-    Unnamed layers are named by kind and position among their kind (``conv1``, ``conv2``,
-    ``dense1``, ...); parameters are named ``<layer>.<param>`` (``conv1.weight``), which is
-    also how checkpoints store them.
+    Semantics are PyTorch's ``BatchNorm2d``: while training it normalizes with the batch mean and
+    biased variance and updates ``running = (1 - momentum) * running + momentum * batch_stat``,
+    with the *unbiased* batch variance for ``running_var``; at evaluation it normalizes with the
+    running statistics. (Keras' ``momentum=0.99`` means the opposite weighting; here 0.1 is
+    PyTorch's.) Parameters ``weight`` (ones) and ``bias`` (zeros); buffers ``running_mean``
+    (zeros) and ``running_var`` (ones). The running statistics are extra outputs of the
+    training step, so they are updated inside the compiled function.
     """
 
-    def __init__(self, layers: Sequence[Layer], input_shape: Sequence[int], *, name: str = "model") -> None:
-        if not layers:
-            raise ValueError("Sequential needs at least one layer")
-        self.name = name
-        self.layers: tuple[Layer, ...] = tuple(layers)
-        self.input_shape: Shape = tuple(int(d) for d in input_shape)
-        counts: dict[str, int] = {}
-        seen: set[str] = set()
-        shape = self.input_shape
-        for layer in self.layers:
-            if not isinstance(layer, Layer):
-                raise TypeError(f"Sequential takes Layer objects, got {layer!r}")
-            if layer.name is None:
-                counts[layer.kind] = counts.get(layer.kind, 0) + 1
-                layer.name = f"{layer.kind}{counts[layer.kind]}"
-            if layer.name in seen:
-                raise ValueError(f"two layers are named {layer.name!r}; layer names must be unique")
-            seen.add(layer.name)
-            shape = layer.build(shape)
-        self.output_shape: Shape = shape
+    kind = "batchnorm"
+
+    def __init__(self, momentum: float = 0.1, epsilon: float = 1e-5, *, name: str | None = None) -> None:
+        super().__init__(name)
+        if not 0.0 <= float(momentum) <= 1.0:
+            raise ValueError(f"BatchNorm2D momentum must be in [0, 1] (PyTorch's convention), got {momentum!r}")
+        if not (math.isfinite(float(epsilon)) and float(epsilon) > 0):
+            raise ValueError(f"BatchNorm2D epsilon must be a finite number > 0, got {epsilon!r}")
+        self.momentum, self.epsilon = float(momentum), float(epsilon)
+
+    def get_config(self) -> dict[str, Any]:
+        return {"momentum": self.momentum, "epsilon": self.epsilon}
+
+    def config(self) -> str:
+        return ""
+
+    def output_shape_for(self, input_shape: Shape) -> Shape:
+        if len(input_shape) not in (1, 3):
+            raise self._shape_error(input_shape, "BatchNorm2D needs (channels, height, width) or (features,)")
+        return input_shape
 
     def param_specs(self) -> dict[str, ParamSpec]:
-        """Every parameter, in layer order: ``{"conv1.weight": ParamSpec(...), ...}``."""
-        return {f"{layer.name}.{local}": spec for layer in self.layers for local, spec in layer.param_specs().items()}
+        assert self.input_shape is not None, "build() first"
+        c = (self.input_shape[0],)
+        return {"weight": ParamSpec(c, ones), "bias": ParamSpec(c, zeros)}
 
-    def param_shapes(self) -> dict[str, Shape]:
-        return {name: spec.shape for name, spec in self.param_specs().items()}
+    def buffer_specs(self) -> dict[str, BufferSpec]:
+        assert self.input_shape is not None, "build() first"
+        c = (self.input_shape[0],)
+        return {"running_mean": BufferSpec(c, 0.0), "running_var": BufferSpec(c, 1.0)}
 
-    @property
-    def num_params(self) -> int:
-        return int(sum(int(np.prod(s.shape, dtype=np.int64)) for s in self.param_specs().values()))
+    def call(self, x: Expr, params: Mapping[str, Expr], buffers: Mapping[str, Expr],
+             ctx: ForwardContext) -> tuple[Expr, dict[str, Expr]]:
+        weight, bias = params["weight"], params["bias"]
+        mean, var = buffers["running_mean"], buffers["running_var"]
+        if not ctx.training:
+            return ops.batch_norm_inference(x, weight, bias, mean, var, axis=1, epsilon=self.epsilon), dict(buffers)
+        axes = tuple(a for a in range(x.ndim) if a != 1)
+        count = math.prod(x.shape[a] for a in axes)
+        if count < 2:
+            raise ShapeError(f"layer {self.describe()}: training needs more than one value per channel "
+                             f"(input {x.shape}), as PyTorch's BatchNorm2d; use a batch larger than 1")
+        y = ops.batch_norm(x, weight, bias, axis=1, epsilon=self.epsilon)
+        batch_mean = ops.mean(x, axis=axes, keepdims=True)
+        centered = ops.subtract(x, batch_mean)
+        unbiased = ops.multiply(ops.sum(ops.multiply(centered, centered), axis=axes), 1.0 / (count - 1))
+        m = self.momentum
+        new_mean = ops.add(ops.multiply(mean, 1.0 - m), ops.multiply(ops.reshape(batch_mean, shape=mean.shape), m))
+        new_var = ops.add(ops.multiply(var, 1.0 - m), ops.multiply(unbiased, m))
+        return y, {"running_mean": new_mean, "running_var": new_var}
 
-    def init_params(self, seed: int, dtype: str = "float32") -> dict[str, np.ndarray]:
-        """Fresh parameters; each drawn from its own generator (see ``opgrad.nn.init``)."""
-        return {
-            name: np.ascontiguousarray(spec.init(spec.shape, param_generator(seed, name), dtype))
-            for name, spec in self.param_specs().items()
-        }
 
-    def param_vars(self, dtype: str = "float32") -> dict[str, Var]:
-        """One graph variable per parameter, named like the parameter."""
-        return {name: var(name, spec.shape, dtype) for name, spec in self.param_specs().items()}
+class LayerNorm(Layer):
+    """Normalization of each example over its trailing axes from ``axis`` on (batch axis = 0).
 
-    def noise_layers(self) -> list[Dropout]:
-        """Layers that read a random mask while training (dropout), in order."""
-        return [layer for layer in self.layers if isinstance(layer, Dropout) and layer.rate > 0.0]
+    ``axis=-1`` (the default) normalizes the last axis, as Keras' ``LayerNormalization`` and
+    PyTorch's ``LayerNorm(x.shape[-1])``; ``weight`` (ones) and ``bias`` (zeros) are elementwise,
+    shaped like the normalized axes, as PyTorch's. Biased variance, ``epsilon`` inside the root.
+    """
 
-    def sample_noise(self, rng: np.random.Generator, batch: int, dtype: str = "float32") -> dict[str, np.ndarray]:
-        """One training step's masks, keyed by layer name, drawn in layer order from ``rng``."""
-        masks = {}
-        for layer in self.noise_layers():
-            assert layer.name is not None and layer.input_shape is not None
-            masks[layer.name] = layer.sample_mask(rng, (batch, *layer.input_shape), dtype)
-        return masks
+    kind = "layernorm"
 
-    def forward(self, x: Expr, params: Mapping[str, Expr], ctx: ForwardContext | None = None) -> Expr:
-        """The output expression for a batch ``x`` shaped ``(N, *input_shape)``."""
-        ctx = ctx or ForwardContext()
-        if tuple(x.shape[1:]) != self.input_shape:
-            raise ShapeError(
-                f"{self.name}: input has shape {x.shape}, expected (batch, {', '.join(map(str, self.input_shape))})"
-            )
-        missing = [n for n in self.param_specs() if n not in params]
-        if missing:
-            raise ValueError(f"{self.name}: no value given for parameter(s) {', '.join(missing)}")
-        for layer in self.layers:
-            local = {key.split(".", 1)[1]: value for key, value in params.items()
-                     if key.split(".", 1)[0] == layer.name}
-            x = layer.apply(x, local, ctx)
-        return x
+    def __init__(self, axis: int = -1, epsilon: float = 1e-5, *, name: str | None = None) -> None:
+        super().__init__(name)
+        if not (math.isfinite(float(epsilon)) and float(epsilon) > 0):
+            raise ValueError(f"LayerNorm epsilon must be a finite number > 0, got {epsilon!r}")
+        self.axis, self.epsilon = int(axis), float(epsilon)
 
-    def summary(self) -> str:
-        """A Keras-like table: layer, output shape, parameter count."""
-        rows = [("layer", "output shape", "params")]
-        for layer in self.layers:
-            count = sum(int(np.prod(s.shape, dtype=np.int64)) for s in layer.param_specs().values())
-            rows.append((layer.describe(), str(layer.output_shape), f"{count:,}"))
-        widths = [max(len(r[i]) for r in rows) for i in range(3)]
-        lines = [f"{a:<{widths[0]}}  {b:<{widths[1]}}  {c:>{widths[2]}}" for a, b, c in rows]
-        lines.insert(1, "-" * len(lines[0]))
-        lines.append(f"total: {self.num_params:,} parameters, input {self.input_shape}")
-        return "\n".join(lines)
+    def get_config(self) -> dict[str, Any]:
+        return {"axis": self.axis, "epsilon": self.epsilon}
+
+    def _first_axis(self, rank: int) -> int:
+        """The first normalized axis of a rank-``rank`` batch (batch axis included)."""
+        return self.axis % rank if -rank <= self.axis < rank else -1
+
+    def output_shape_for(self, input_shape: Shape) -> Shape:
+        if self._first_axis(len(input_shape) + 1) < 1:
+            raise self._shape_error(input_shape, f"axis {self.axis} must name a non-batch axis: 1..{len(input_shape)} "
+                                                 f"or -{len(input_shape)}..-1")
+        return input_shape
+
+    def param_specs(self) -> dict[str, ParamSpec]:
+        assert self.input_shape is not None, "build() first"
+        normalized = tuple(self.input_shape[self._first_axis(len(self.input_shape) + 1) - 1:])
+        return {"weight": ParamSpec(normalized, ones), "bias": ParamSpec(normalized, zeros)}
+
+    def apply(self, x: Expr, params: Mapping[str, Expr], ctx: ForwardContext) -> Expr:
+        return ops.layer_norm(x, params["weight"], params["bias"], axis=self._first_axis(x.ndim),
+                              epsilon=self.epsilon)
+
+
+class Embedding(Layer):
+    """Token ids ``(T,)`` int64 -> vectors ``(T, output_dim)``: rows of ``weight`` ``(input_dim, output_dim)``.
+
+    Ids must lie in ``[0, input_dim)``; the default initializer is Keras' ``uniform`` (+-0.05).
+    """
+
+    kind = "embedding"
+    input_dtype = "int64"
+
+    def __init__(self, input_dim: int, output_dim: int, *,
+                 embeddings_initializer: str | Initializer = "uniform", name: str | None = None) -> None:
+        super().__init__(name)
+        if int(input_dim) < 1 or int(output_dim) < 1:
+            raise ValueError(f"Embedding input_dim and output_dim must be >= 1, got {input_dim}, {output_dim}")
+        self.input_dim, self.output_dim = int(input_dim), int(output_dim)
+        self.embeddings_init = get_initializer(embeddings_initializer)
+
+    def get_config(self) -> dict[str, Any]:
+        return {"input_dim": self.input_dim, "output_dim": self.output_dim,
+                "embeddings_initializer": _init_config(self.embeddings_init)}
+
+    def config(self) -> str:
+        return f"{self.input_dim}, {self.output_dim}"
+
+    def output_shape_for(self, input_shape: Shape) -> Shape:
+        return (*input_shape, self.output_dim)
+
+    def param_specs(self) -> dict[str, ParamSpec]:
+        return {"weight": ParamSpec((self.input_dim, self.output_dim), self.embeddings_init)}
+
+    def apply(self, x: Expr, params: Mapping[str, Expr], ctx: ForwardContext) -> Expr:
+        return ops.take(params["weight"], x, axis=0)
+
+
+# ----- merging -----
+
+
+class Add(Layer):
+    """The elementwise sum of two or more inputs of the same shape (a residual connection)."""
+
+    kind = "add"
+    multi_input = True
+
+    def output_shape_for(self, input_shape: list[Shape]) -> Shape:
+        if any(s != input_shape[0] for s in input_shape):
+            raise self._shape_error(input_shape, "Add needs inputs of one shape; got "
+                                                 + " and ".join(str(s) for s in input_shape))
+        return input_shape[0]
+
+    def apply(self, x: list[Expr], params: Mapping[str, Expr], ctx: ForwardContext) -> Expr:
+        total = x[0]
+        for other in x[1:]:
+            total = ops.add(total, other)
+        return total
+
+
+class Concatenate(Layer):
+    """Inputs joined along ``axis`` (batch axis = 0; ``axis=1`` joins NCHW channels or features)."""
+
+    kind = "concat"
+    multi_input = True
+
+    def __init__(self, axis: int = 1, *, name: str | None = None) -> None:
+        super().__init__(name)
+        self.axis = int(axis)
+
+    def get_config(self) -> dict[str, Any]:
+        return {"axis": self.axis}
+
+    def config(self) -> str:
+        return f"axis={self.axis}"
+
+    def output_shape_for(self, input_shape: list[Shape]) -> Shape:
+        rank = len(input_shape[0]) + 1
+        if any(len(s) + 1 != rank for s in input_shape):
+            raise self._shape_error(input_shape, "Concatenate needs inputs of one rank")
+        if not -rank <= self.axis < rank or self.axis % rank == 0:
+            raise self._shape_error(input_shape, f"axis {self.axis} must name a non-batch axis: 1..{rank - 1} "
+                                                 f"or -{rank - 1}..-1")
+        a = self.axis % rank - 1
+        for s in input_shape[1:]:
+            if s[:a] + s[a + 1:] != input_shape[0][:a] + input_shape[0][a + 1:]:
+                raise self._shape_error(input_shape, f"Concatenate along axis {self.axis} needs the other axes "
+                                                     "to match; got " + " and ".join(str(t) for t in input_shape))
+        out = list(input_shape[0])
+        out[a] = sum(s[a] for s in input_shape)
+        return tuple(out)
+
+    def apply(self, x: list[Expr], params: Mapping[str, Expr], ctx: ForwardContext) -> Expr:
+        return ops.concatenate(list(x), axis=self.axis % x[0].ndim)
+
+
+def __getattr__(name: str) -> Any:
+    # ``Sequential`` lives with ``Model`` in opgrad.nn.model; this keeps ``from opgrad.nn.layers import
+    # Sequential`` working without an import cycle.
+    if name == "Sequential":
+        from opgrad.nn.model import Sequential
+
+        return Sequential
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,6 +1,7 @@
-"""The two models ``opgrad train`` knows: seed 000's CNN and the Keras MNIST example (seed 001).
+"""The models ``opgrad train`` knows: seed 000's CNN, the Keras MNIST example (seed 001), a small
+CIFAR-style ResNet and an MLP.
 
-Both take ``(1, 28, 28)`` images (NCHW, pixels in [0, 1]) and return 10 logits; the softmax is
+All take ``(1, 28, 28)`` images (NCHW, pixels in [0, 1]) and return 10 logits; the softmax is
 fused into the loss.
 """
 
@@ -8,9 +9,23 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from opgrad.nn.layers import AvgPool2D, Conv2D, Dense, Dropout, Flatten, MaxPool2D, Sequential
+from opgrad.nn.layers import (
+    Add,
+    AvgPool2D,
+    BatchNorm2D,
+    Conv2D,
+    Dense,
+    Dropout,
+    Flatten,
+    GlobalAvgPool2D,
+    Input,
+    MaxPool2D,
+    ReLU,
+    SymbolicTensor,
+)
+from opgrad.nn.model import Model, Sequential
 
-__all__ = ["MODELS", "build_model", "keras_mnist", "seed_cnn"]
+__all__ = ["MODELS", "build_model", "keras_mnist", "mlp", "resnet", "seed_cnn"]
 
 MNIST_SHAPE = (1, 28, 28)
 
@@ -54,11 +69,59 @@ def keras_mnist(num_classes: int = 10) -> Sequential:
     )
 
 
-MODELS: dict[str, Callable[[], Sequential]] = {"seed-cnn": seed_cnn, "keras-mnist": keras_mnist}
+def _basic_block(x: SymbolicTensor, filters: int, stride: int, prefix: str) -> SymbolicTensor:
+    """conv3x3-BN-relu-conv3x3-BN plus the shortcut, then relu (He et al. 2016's basic block).
+
+    The shortcut is the identity, or a strided 1x1 conv + BN where the block changes the shape
+    (torchvision's "option B").
+    """
+    y = Conv2D(filters, 3, strides=stride, padding=1, use_bias=False, kernel_initializer="he_uniform",
+               name=f"{prefix}_conv1")(x)
+    y = ReLU(name=f"{prefix}_relu1")(BatchNorm2D(name=f"{prefix}_bn1")(y))
+    y = Conv2D(filters, 3, padding=1, use_bias=False, kernel_initializer="he_uniform", name=f"{prefix}_conv2")(y)
+    y = BatchNorm2D(name=f"{prefix}_bn2")(y)
+    shortcut = x
+    if stride != 1 or x.shape[0] != filters:
+        shortcut = Conv2D(filters, 1, strides=stride, use_bias=False, kernel_initializer="he_uniform",
+                          name=f"{prefix}_down_conv")(x)
+        shortcut = BatchNorm2D(name=f"{prefix}_down_bn")(shortcut)
+    return ReLU(name=f"{prefix}_relu2")(Add(name=f"{prefix}_add")([y, shortcut]))
 
 
-def build_model(name: str) -> Sequential:
-    """A fresh model by CLI name (``seed-cnn`` or ``keras-mnist``)."""
+def resnet(num_classes: int = 10, blocks_per_stage: int = 2, widths: tuple[int, int, int] = (16, 32, 64)) -> Model:
+    """A small CIFAR-style ResNet for 28x28 digits (He et al. 2016, section 4.2).
+
+    conv3x3 16 + BN + relu, then three stages of ``blocks_per_stage`` basic blocks with 16, 32 and
+    64 channels (the second and third start with stride 2: 28 -> 14 -> 7), global average pool,
+    dense ``num_classes``. With 2 blocks per stage (ResNet-14): 174,970 parameters and 1,120 buffer values.
+    """
+    if blocks_per_stage < 1:
+        raise ValueError(f"blocks_per_stage must be >= 1, got {blocks_per_stage}")
+    inp = Input(MNIST_SHAPE, name="images")
+    x = Conv2D(widths[0], 3, padding=1, use_bias=False, kernel_initializer="he_uniform", name="stem_conv")(inp)
+    x = ReLU(name="stem_relu")(BatchNorm2D(name="stem_bn")(x))
+    for stage, filters in enumerate(widths, start=1):
+        for block in range(1, blocks_per_stage + 1):
+            stride = 2 if stage > 1 and block == 1 else 1
+            x = _basic_block(x, filters, stride, f"s{stage}b{block}")
+    x = GlobalAvgPool2D(name="pool")(x)
+    out = Dense(num_classes, name="fc")(x)
+    return Model(inp, out, name="resnet")
+
+
+def mlp(num_classes: int = 10, hidden: tuple[int, ...] = (256, 256)) -> Sequential:
+    """Flatten, then ``hidden`` dense relu layers, then dense ``num_classes``: the no-convolution baseline."""
+    return Sequential([Flatten(), *(Dense(units, activation="relu", kernel_initializer="he_uniform")
+                                    for units in hidden), Dense(num_classes)],
+                      input_shape=MNIST_SHAPE, name="mlp")
+
+
+MODELS: dict[str, Callable[[], Model]] = {"seed-cnn": seed_cnn, "keras-mnist": keras_mnist, "resnet": resnet,
+                                          "mlp": mlp}
+
+
+def build_model(name: str) -> Model:
+    """A fresh model by CLI name (``seed-cnn``, ``keras-mnist``, ``resnet`` or ``mlp``)."""
     try:
         return MODELS[name]()
     except KeyError:

@@ -10,6 +10,12 @@ Signature of the training function (all arrays, fixed shapes)::
     train(images[B,C,H,W], labels[B]:int64, <dropout masks...>, lr[], <params...>, <state...>)
         -> (loss[], <new params...>, <new state...>)
 
+``state`` is the optimizer's state followed by the model's buffers (``BatchNorm2D``'s running
+statistics), so buffers are updated inside the compiled step like the optimizer's moments. A
+model with several inputs takes one array per input in place of ``images``; one with several
+outputs takes one label array per output (softmax cross-entropy each, summed with
+``loss_weights``).
+
 The backend is a name: ``"reference"`` (``opgrad.evaluate``) or ``"llvm"``
 (``opgrad.compile(fn)``); switching is that one argument.
 
@@ -23,17 +29,19 @@ without leaving native code. The losses and weights equal K single steps bitwise
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
+from opgrad import ops
 from opgrad.autodiff import gradients
-from opgrad.errors import OpgradError
-from opgrad.ir import Function, Var, var
-from opgrad.nn.layers import ForwardContext, Sequential
+from opgrad.errors import OpgradError, ShapeError
+from opgrad.ir import Expr, Function, Var, var
+from opgrad.nn.layers import ForwardContext
 from opgrad.nn.losses import softmax_cross_entropy
+from opgrad.nn.model import Model
 from opgrad.nn.optim import Optimizer
 from opgrad.reference import evaluate
 
@@ -125,34 +133,39 @@ class TrainStep:
     """Builds the training function for ``model`` + ``optimizer`` once, then runs it per batch
     (``__call__``) or K batches per call (:meth:`run_steps`)."""
 
-    def __init__(self, model: Sequential, optimizer: Optimizer, *, batch_size: int, dtype: str = "float32",
-                 backend: str = "reference") -> None:
+    def __init__(self, model: Model, optimizer: Optimizer, *, batch_size: int, dtype: str = "float32",
+                 backend: str = "reference", loss_weights: Sequence[float] | None = None) -> None:
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         self.model, self.optimizer = model, optimizer
         self.batch_size, self.dtype, self.backend = batch_size, dtype, backend
-        images = var("images", (batch_size, *model.input_shape), dtype)
-        labels = var("labels", (batch_size,), "int64")
+        inputs = model.input_vars(batch_size, dtype)
+        single = len(model.outputs) == 1
+        labels = [var("labels" if single else f"labels:{i}", (batch_size,), "int64") for i in range(len(model.outputs))]
         masks: dict[str, Var] = {
             layer.name: var(f"mask:{layer.name}", (batch_size, *(layer.noise_shape() or ())), dtype)
             for layer in model.noise_layers() if layer.name is not None
         }
         lr = var("lr", (), dtype)
         params = model.param_vars(dtype)
-        state = {name: var(name, shape, dtype)
-                 for name, shape in optimizer.state_shapes(model.param_shapes()).items()}
-        logits = model.forward(images, params, ForwardContext(training=True, noise=masks))
-        loss = softmax_cross_entropy(logits, labels)
+        opt_state = {name: var(name, shape, dtype)
+                     for name, shape in optimizer.state_shapes(model.param_shapes()).items()}
+        buffers = model.buffer_vars(dtype)
+        outputs, new_buffers = model.call(inputs, {**params, **buffers},
+                                          ForwardContext(training=True, noise=masks))
+        loss = _classifier_loss(model, outputs, labels, loss_weights)
         grads = dict(zip(params, gradients(loss, list(params.values()))))
-        new_params, new_state = optimizer.update(params, grads, state, lr)
-        missing = sorted(set(state) - set(new_state))
+        new_params, new_state = optimizer.update(params, grads, opt_state, lr)
+        missing = sorted(set(opt_state) - set(new_state))
         if missing:
             raise RuntimeError(f"{optimizer.describe()} produced no update for state {missing}")
+        new_state.update(new_buffers)
+        state = {**opt_state, **buffers}
         self.param_names: tuple[str, ...] = tuple(params)
         self.state_names: tuple[str, ...] = tuple(state)
         self.mask_names: tuple[str, ...] = tuple(masks)
         self.function = Function(
-            [images, labels, *masks.values(), lr, *params.values(), *state.values()],
+            [*inputs, *labels, *masks.values(), lr, *params.values(), *state.values()],
             [loss, *(new_params[n] for n in self.param_names), *(new_state[n] for n in self.state_names)],
         )
         self.compiled: Any = None  # the CompiledFunction (llvm backend), with its multi-step loop
@@ -175,19 +188,22 @@ class TrainStep:
         from opgrad.compiler.steploop import StepLoop
 
         nm, k = len(self.mask_names), len(self.param_names) + len(self.state_names)
-        first = 3 + nm  # images, labels, masks..., lr, then params and state
+        # inputs (images), labels (one per output), masks..., lr, then params and state
+        first = len(self.model.inputs) + len(self.model.outputs) + nm + 1
         return StepLoop(streams=tuple(range(first)), outfeeds=(0,),
                         carry=tuple((first + j, 1 + j) for j in range(k)), nan_check=0)
 
-    def __call__(self, images: np.ndarray, labels: np.ndarray, params: Mapping[str, np.ndarray],
-                 state: Mapping[str, np.ndarray], lr: float,
+    def __call__(self, images: np.ndarray | Sequence[np.ndarray], labels: np.ndarray | Sequence[np.ndarray],
+                 params: Mapping[str, np.ndarray], state: Mapping[str, np.ndarray], lr: float,
                  masks: Mapping[str, np.ndarray] | None = None) -> StepResult:
         masks = masks or {}
         absent = [n for n in self.mask_names if n not in masks]
         if absent:
             raise ValueError(f"no dropout mask given for layer(s) {', '.join(absent)}")
         outputs = self._run(
-            images, labels, *(masks[n] for n in self.mask_names), np.asarray(lr, dtype=self.dtype),
+            *_per_input(images, len(self.model.inputs), "input"),
+            *_per_output(labels, len(self.model.outputs)),
+            *(masks[n] for n in self.mask_names), np.asarray(lr, dtype=self.dtype),
             *(params[n] for n in self.param_names), *(state[n] for n in self.state_names),
         )
         k = len(self.param_names)
@@ -197,8 +213,8 @@ class TrainStep:
             state=dict(zip(self.state_names, outputs[1 + k :])),
         )
 
-
-    def run_steps(self, images: np.ndarray, labels: np.ndarray, params: Mapping[str, np.ndarray],
+    def run_steps(self, images: np.ndarray | Sequence[np.ndarray], labels: np.ndarray | Sequence[np.ndarray],
+                  params: Mapping[str, np.ndarray],
                   state: Mapping[str, np.ndarray], lr: float | np.ndarray,
                   masks: Mapping[str, np.ndarray] | None = None, *, stop_on_nan: bool = False) -> StepsResult:
         """``K = len(labels) // batch_size`` training steps in one call; same numbers as K calls.
@@ -206,12 +222,16 @@ class TrainStep:
         ``images`` is ``(K * batch_size, *input_shape)`` and ``labels`` ``(K * batch_size,)``,
         batch-major (step ``i`` trains on rows ``i*B .. i*B+B-1``); ``masks`` holds each dropout
         layer's masks the same way; ``lr`` is one float for every step or an array of K. With
-        ``stop_on_nan`` a NaN loss raises :class:`NanLossError` carrying the state before it.
+        ``stop_on_nan`` a NaN loss raises :class:`NanLossError` carrying the state before it. A
+        model with several inputs or outputs takes lists, as :meth:`__call__` does.
         """
         b = self.batch_size
-        if len(labels) % b:
-            raise ValueError(f"run_steps: labels has {len(labels)} rows, not a multiple of the batch size {b}")
-        steps = len(labels) // b
+        inputs = _per_input(images, len(self.model.inputs), "input")
+        label_arrays = _per_output(labels, len(self.model.outputs))
+        rows_given = len(label_arrays[0])
+        if rows_given % b:
+            raise ValueError(f"run_steps: labels has {rows_given} rows, not a multiple of the batch size {b}")
+        steps = rows_given // b
         lrs = np.asarray(lr, dtype=self.dtype)
         lrs = np.full(steps, lrs, self.dtype) if lrs.ndim == 0 else lrs
         if lrs.shape != (steps,):
@@ -222,13 +242,13 @@ class TrainStep:
         if absent:
             raise ValueError(f"no dropout mask given for layer(s) {', '.join(absent)}")
         if self.compiled is None:
-            return self._run_steps_in_python(images, labels, params, state, lrs, masks, stop_on_nan)
+            return self._run_steps_in_python(inputs, label_arrays, params, state, lrs, masks, stop_on_nan)
         from opgrad.compiler.steploop import LoopStopped
 
         k = len(self.param_names)
         try:
             out = self.compiled.run_steps(
-                steps, images, labels, *(masks[n] for n in self.mask_names), lrs,
+                steps, *inputs, *label_arrays, *(masks[n] for n in self.mask_names), lrs,
                 *(params[n] for n in self.param_names), *(state[n] for n in self.state_names),
                 stop_on_nan=stop_on_nan)
         except LoopStopped as stop:
@@ -239,7 +259,7 @@ class TrainStep:
         return StepsResult(np.asarray(out[0]), dict(zip(self.param_names, out[1 : 1 + k])),
                            dict(zip(self.state_names, out[1 + k :])))
 
-    def _run_steps_in_python(self, images: np.ndarray, labels: np.ndarray, params: Mapping[str, np.ndarray],
+    def _run_steps_in_python(self, images: list[np.ndarray], labels: list[np.ndarray], params: Mapping[str, np.ndarray],
                              state: Mapping[str, np.ndarray], lrs: np.ndarray, masks: Mapping[str, np.ndarray],
                              stop_on_nan: bool) -> StepsResult:
         """The reference backend's run_steps: the same contract, one call per step."""
@@ -248,7 +268,7 @@ class TrainStep:
         losses = np.empty(len(lrs), self.dtype)
         for i in range(len(lrs)):
             rows = slice(i * b, (i + 1) * b)
-            result = self(images[rows], labels[rows], cur_params, cur_state, lrs[i],
+            result = self([a[rows] for a in images], [a[rows] for a in labels], cur_params, cur_state, lrs[i],
                           {n: m[rows] for n, m in masks.items()})
             losses[i] = result.loss
             if stop_on_nan and np.isnan(losses[i]):
@@ -258,33 +278,83 @@ class TrainStep:
         return StepsResult(losses, cur_params, cur_state)
 
 
+def _classifier_loss(model: Model, outputs: Sequence[Expr], labels: Sequence[Var],
+                     loss_weights: Sequence[float] | None) -> Expr:
+    """Softmax cross-entropy of each output against its labels, weighted and summed."""
+    weights = [1.0] * len(outputs) if loss_weights is None else [float(w) for w in loss_weights]
+    if len(weights) != len(outputs):
+        raise ValueError(f"loss_weights has {len(weights)} entries but model {model.name!r} has {len(outputs)} outputs")
+    for i, out in enumerate(outputs):
+        if out.ndim != 2:
+            raise ShapeError(f"model {model.name!r}: output {i} has shape {tuple(out.shape[1:])} per example; the "
+                             "training step's softmax cross-entropy needs class logits (classes,)")
+    if len(outputs) == 1 and weights[0] == 1.0:
+        return softmax_cross_entropy(outputs[0], labels[0])
+    total: Expr | None = None
+    for out, y, w in zip(outputs, labels, weights):
+        term = ops.multiply(softmax_cross_entropy(out, y), w)
+        total = term if total is None else ops.add(total, term)
+    assert total is not None
+    return total
+
+
+def _per_input(arrays: np.ndarray | Sequence[np.ndarray], count: int, what: str) -> list[np.ndarray]:
+    items = [arrays] if isinstance(arrays, np.ndarray) else list(arrays)
+    if len(items) != count:
+        raise ValueError(f"the model takes {count} {what} array(s), got {len(items)}")
+    return items
+
+
+def _per_output(labels: np.ndarray | Sequence[np.ndarray], count: int) -> list[np.ndarray]:
+    """One label array per output; a single array serves every output."""
+    if isinstance(labels, np.ndarray):
+        return [labels] * count
+    return _per_input(labels, count, "label")
+
+
 class EvalStep:
-    """``logits = model(images)`` (dropout off) for a fixed batch; any dataset size via padding.
+    """``outputs = model(inputs)`` (dropout off, running statistics) for a fixed batch; any dataset size.
 
     A compiled function has fixed shapes, so the last partial batch is padded with zeros and the
-    padded rows' logits are dropped.
+    padded rows' outputs are dropped. ``params`` given to :meth:`logits` / :meth:`outputs` holds
+    the parameters and the model's buffers.
     """
 
-    def __init__(self, model: Sequential, *, batch_size: int = 100, dtype: str = "float32",
+    def __init__(self, model: Model, *, batch_size: int = 100, dtype: str = "float32",
                  backend: str = "reference") -> None:
         self.model, self.batch_size, self.dtype = model, batch_size, dtype
-        images = var("images", (batch_size, *model.input_shape), dtype)
+        inputs = model.input_vars(batch_size, dtype)
+        self.input_dtypes: tuple[str, ...] = tuple(v.dtype for v in inputs)
         params = model.param_vars(dtype)
-        self.param_names: tuple[str, ...] = tuple(params)
-        logits = model.forward(images, params, ForwardContext(training=False))
-        self.function = Function([images, *params.values()], [logits])
+        buffers = model.buffer_vars(dtype)
+        self.param_names: tuple[str, ...] = (*params, *buffers)
+        outputs, _ = model.call(inputs, {**params, **buffers}, ForwardContext(training=False))
+        self.function = Function([*inputs, *params.values(), *buffers.values()], outputs)
         self._run = compile_function(self.function, backend)
 
-    def logits(self, images: np.ndarray, params: Mapping[str, np.ndarray]) -> np.ndarray:
+    def logits(self, images: np.ndarray | Sequence[np.ndarray], params: Mapping[str, np.ndarray]) -> np.ndarray:
+        """The first output (the logits of a classifier) for every example."""
+        return self.outputs(images, params)[0]
+
+    def outputs(self, inputs: np.ndarray | Sequence[np.ndarray], params: Mapping[str, np.ndarray]) -> list[np.ndarray]:
+        """Every output for every example, in the model's output order."""
+        arrays = _per_input(inputs, len(self.input_dtypes), "input")
+        absent = [n for n in self.param_names if n not in params]
+        if absent:
+            raise ValueError(f"no value given for {', '.join(absent)}")
         ordered = [params[n] for n in self.param_names]
-        chunks = []
-        for start in range(0, len(images), self.batch_size):
-            batch = images[start : start + self.batch_size]
-            real = len(batch)
-            if real < self.batch_size:
-                pad = np.zeros((self.batch_size - real, *batch.shape[1:]), dtype=batch.dtype)
-                batch = np.concatenate([batch, pad])
-            chunks.append(self._run(np.ascontiguousarray(batch, dtype=self.dtype), *ordered)[0][:real])
+        n = len(arrays[0])
+        chunks: list[list[np.ndarray]] = []
+        for start in range(0, n, self.batch_size):
+            batch = []
+            for array, dtype in zip(arrays, self.input_dtypes):
+                part = np.ascontiguousarray(array[start : start + self.batch_size], dtype=dtype)
+                if len(part) < self.batch_size:
+                    pad = np.zeros((self.batch_size - len(part), *part.shape[1:]), dtype=dtype)
+                    part = np.concatenate([part, pad])
+                batch.append(part)
+            real = min(self.batch_size, n - start)
+            chunks.append([out[:real] for out in self._run(*batch, *ordered)])
         if not chunks:
-            return np.zeros((0, *self.model.output_shape), dtype=self.dtype)
-        return np.concatenate(chunks)
+            return [np.zeros((0, *shape), dtype=self.dtype) for shape in self.model.output_shapes]
+        return [np.concatenate([chunk[i] for chunk in chunks]) for i in range(len(self.model.outputs))]

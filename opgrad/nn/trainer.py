@@ -25,8 +25,8 @@ from opgrad.checkpoint import CheckpointError
 from opgrad.data import iterate_batches
 from opgrad.errors import NonFiniteLossError
 from opgrad.history import TrainingHistory
-from opgrad.nn.layers import Sequential
 from opgrad.nn.losses import accuracy, cross_entropy_numpy
+from opgrad.nn.model import Model
 from opgrad.nn.optim import Optimizer
 from opgrad.nn.schedules import LRSchedule, Schedule, constant_lr, cosine_lr
 from opgrad.nn.step import BACKENDS, EvalStep, NanLossError, TrainStep
@@ -94,7 +94,7 @@ class Trainer:
     that step; without it training carries on with whatever the updates produce.
     """
 
-    def __init__(self, model: Sequential, optimizer: Optimizer, *, lr: float | Schedule = 1e-3,
+    def __init__(self, model: Model, optimizer: Optimizer, *, lr: float | Schedule = 1e-3,
                  batch_size: int = 32, seed: int = 0, dtype: str = "float32", backend: str = "reference",
                  eval_batch_size: int = 100, augment_shift: int = 0,
                  params: Mapping[str, np.ndarray] | None = None, stop_on_nan: bool = True) -> None:
@@ -110,13 +110,36 @@ class Trainer:
         self.batch_size, self.seed, self.dtype, self.backend = batch_size, seed, dtype, backend
         self.eval_batch_size, self.augment_shift = eval_batch_size, augment_shift
         self.stop_on_nan = stop_on_nan
-        self.params: dict[str, np.ndarray] = dict(params) if params is not None else model.init_params(seed, dtype)
-        self.state: dict[str, np.ndarray] = optimizer.init_state(self.params)
+        self._optimizer_state: dict[str, np.ndarray] = {}
+        self.params = dict(params) if params is not None else model.init_params(seed, dtype)
+        self.state = {**optimizer.init_state(self.params), **model.init_buffers(dtype)}
         self.step = 0
         self.epoch = 0
         self.history = TrainingHistory()
         self._train_step: TrainStep | None = None
         self._eval_step: EvalStep | None = None
+
+    # ----- the weights live in the model (Keras' habit: after training, model.predict uses them) -----
+
+    @property
+    def params(self) -> dict[str, np.ndarray]:
+        return self.model.params
+
+    @params.setter
+    def params(self, values: Mapping[str, np.ndarray]) -> None:
+        self.model.params = values
+
+    @property
+    def state(self) -> dict[str, np.ndarray]:
+        """The optimizer's state followed by the model's buffers (running statistics)."""
+        return {**self._optimizer_state, **self.model.buffers}
+
+    @state.setter
+    def state(self, values: Mapping[str, np.ndarray]) -> None:
+        buffers = self.model.buffer_shapes()
+        self._optimizer_state = {k: v for k, v in values.items() if k not in buffers}
+        if buffers:
+            self.model.buffers = {k: values[k] if k in values else self.model.buffers[k] for k in buffers}
 
     # ----- the two compiled functions, built once -----
 
@@ -259,7 +282,7 @@ class Trainer:
 
     def evaluate(self, images: np.ndarray, labels: np.ndarray) -> tuple[float, float]:
         """``(accuracy, mean cross-entropy)`` of the current parameters, dropout off."""
-        logits = self.eval_step.logits(images.astype(self.dtype, copy=False), self.params)
+        logits = self.eval_step.logits(images.astype(self.dtype, copy=False), {**self.params, **self.model.buffers})
         return accuracy(logits, labels), cross_entropy_numpy(logits, labels)
 
     # ----- checkpoints -----
@@ -272,6 +295,7 @@ class Trainer:
         """``(arrays, meta)`` for ``opgrad.checkpoint.save_checkpoint``."""
         meta = {
             "model": self.model.name,
+            "architecture": self.model.get_config(),
             "optimizer": self.optimizer.describe(),
             "step": self.step,
             "epoch": self.epoch,

@@ -1,0 +1,545 @@
+"""``Model``: a graph of layer calls (Keras' functional API), and ``Sequential`` as its chain.
+
+::
+
+    inp = nn.Input((1, 28, 28))
+    x = nn.Conv2D(16, 3, padding="same", activation="relu")(inp)
+    skip = x
+    x = nn.BatchNorm2D()(nn.Conv2D(16, 3, padding="same")(x))
+    x = nn.ReLU()(nn.Add()([x, skip]))
+    out = nn.Dense(10)(nn.GlobalAvgPool2D()(x))
+    model = nn.Model(inp, out)
+
+Why a graph of calls rather than a ``forward`` method: the graph is data, so the model can be
+described as JSON (:meth:`Model.get_config`) and rebuilt from a checkpoint without the code
+that built it, and its summary can show the wiring.
+
+Naming: unnamed layers are named by kind and position among their kind in the order the model
+first uses them (``conv1``, ``conv2``, ``dense1``, ...); parameters are ``<layer>.<param>``
+(``conv1.weight``) and buffers ``<layer>.<buffer>`` (``batchnorm1.running_mean``), which is also how
+checkpoints store them. Parameters are seeded by name, so the same architecture and seed give the
+same weights.
+
+A model also carries one current set of weights (``model.params``, ``model.buffers``), the
+Keras habit: ``Trainer`` trains them, ``model.predict`` and ``model.save`` use them. The graph
+functions themselves (``forward``, ``call``) take any weights as expressions.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from opgrad.errors import ShapeError
+from opgrad.ir import Expr, Var, var
+from opgrad.nn.init import param_generator
+from opgrad.nn.layers import (
+    LAYERS,
+    BufferSpec,
+    Dropout,
+    ForwardContext,
+    Input,
+    Layer,
+    Node,
+    ParamSpec,
+    SymbolicTensor,
+)
+
+__all__ = ["CONFIG_FORMAT", "Model", "Sequential", "load_model", "model_from_config"]
+
+Shape = tuple[int, ...]
+#: The ``format`` field of a model description; bumped when the JSON layout changes.
+CONFIG_FORMAT = "opgrad.model/1"
+
+
+def _as_list(value: SymbolicTensor | Sequence[SymbolicTensor], what: str) -> list[SymbolicTensor]:
+    items = [value] if isinstance(value, SymbolicTensor) else list(value)
+    if not items or not all(isinstance(t, SymbolicTensor) for t in items):
+        raise TypeError(f"Model {what} must be tensors from nn.Input or layer calls, got {value!r}")
+    return items
+
+
+def _count(shape: Shape) -> int:
+    return int(np.prod(shape, dtype=np.int64))
+
+
+class Model:
+    """The layers between ``inputs`` and ``outputs`` (one tensor or a list of each).
+
+    Supports branches, skip connections, several inputs and outputs and shared layers; every
+    tensor the outputs depend on must come from the given inputs.
+    """
+
+    def __init__(self, inputs: SymbolicTensor | Sequence[SymbolicTensor],
+                 outputs: SymbolicTensor | Sequence[SymbolicTensor], *, name: str = "model") -> None:
+        self.name = name
+        self.inputs = _as_list(inputs, "inputs")
+        self.outputs = _as_list(outputs, "outputs")
+        for tensor in self.inputs:
+            if tensor.node is not None:
+                raise TypeError(f"model {name!r}: inputs must come from nn.Input, got {tensor!r}")
+        if len(set(map(id, self.inputs))) != len(self.inputs):
+            raise ValueError(f"model {name!r}: an input is listed twice")
+        self.nodes: list[Node] = self._sort_nodes()
+        self._name_inputs()
+        self.layers: tuple[Layer, ...] = tuple(dict.fromkeys(node.layer for node in self.nodes))
+        self._name_layers()
+        self._params: dict[str, np.ndarray] | None = None
+        self._buffers: dict[str, np.ndarray] | None = None
+        self._predict_steps: dict[tuple[int, str, str], Any] = {}
+        #: The metadata of the checkpoint the model was loaded from (step, optimizer, ...), else empty.
+        self.checkpoint_meta: dict[str, Any] = {}
+
+    # ----- graph -----
+
+    def _sort_nodes(self) -> list[Node]:
+        """Every layer call the outputs depend on, inputs before users (depth-first, deterministic)."""
+        order: list[Node] = []
+        done: set[int] = set()
+        known_inputs = {id(t) for t in self.inputs}
+        for output in self.outputs:
+            stack: list[tuple[SymbolicTensor, bool]] = [(output, False)]
+            on_path: set[int] = set()
+            while stack:
+                tensor, expanded = stack.pop()
+                node = tensor.node
+                if node is None:
+                    if id(tensor) not in known_inputs:
+                        raise ValueError(
+                            f"model {self.name!r}: an output depends on input {tensor.name or tensor.shape!r} "
+                            f"{tensor.shape}, which is not among the model's inputs; pass it in Model(inputs=[...])"
+                        )
+                    continue
+                if id(node) in done:
+                    continue
+                if expanded:
+                    on_path.discard(id(node))
+                    done.add(id(node))
+                    order.append(node)
+                    continue
+                on_path.add(id(node))
+                stack.append((tensor, True))
+                stack.extend((t, False) for t in reversed(node.inputs))
+        return order
+
+    def _name_inputs(self) -> None:
+        taken = {t.name for t in self.inputs if t.name}
+        for i, tensor in enumerate(self.inputs, start=1):
+            if tensor.name is None:
+                candidate = f"input{i}"
+                while candidate in taken:
+                    candidate += "_"
+                tensor.name = candidate
+                taken.add(candidate)
+        names = [t.name for t in self.inputs]
+        if len(set(names)) != len(names):
+            raise ValueError(f"model {self.name!r}: two inputs are named alike ({names}); input names must be unique")
+
+    def _name_layers(self) -> None:
+        taken = {layer.name for layer in self.layers if layer.name}
+        counts: dict[str, int] = {}
+        for layer in self.layers:
+            if layer.name is None:
+                while True:
+                    counts[layer.kind] = counts.get(layer.kind, 0) + 1
+                    candidate = f"{layer.kind}{counts[layer.kind]}"
+                    if candidate not in taken:
+                        break
+                layer.name = candidate
+                taken.add(candidate)
+        seen: set[str] = set()
+        for layer in self.layers:
+            assert layer.name is not None
+            if layer.name in seen:
+                raise ValueError(f"two layers are named {layer.name!r}; layer names must be unique")
+            seen.add(layer.name)
+
+    @property
+    def input_shapes(self) -> list[Shape]:
+        return [t.shape for t in self.inputs]
+
+    @property
+    def output_shapes(self) -> list[Shape]:
+        return [t.shape for t in self.outputs]
+
+    @property
+    def input_shape(self) -> Shape:
+        """The per-example input shape of a single-input model."""
+        if len(self.inputs) != 1:
+            raise ValueError(f"model {self.name!r} has {len(self.inputs)} inputs; use input_shapes")
+        return self.inputs[0].shape
+
+    @property
+    def output_shape(self) -> Shape:
+        """The per-example output shape of a single-output model."""
+        if len(self.outputs) != 1:
+            raise ValueError(f"model {self.name!r} has {len(self.outputs)} outputs; use output_shapes")
+        return self.outputs[0].shape
+
+    # ----- parameters and buffers -----
+
+    def param_specs(self) -> dict[str, ParamSpec]:
+        """Every parameter, in layer order: ``{"conv1.weight": ParamSpec(...), ...}`` (shared layers once)."""
+        return {f"{layer.name}.{local}": spec for layer in self.layers for local, spec in layer.param_specs().items()}
+
+    def buffer_specs(self) -> dict[str, BufferSpec]:
+        """Every non-trainable state entry: ``{"batchnorm1.running_mean": BufferSpec(...), ...}``."""
+        return {f"{layer.name}.{local}": spec for layer in self.layers for local, spec in layer.buffer_specs().items()}
+
+    def param_shapes(self) -> dict[str, Shape]:
+        return {name: spec.shape for name, spec in self.param_specs().items()}
+
+    def buffer_shapes(self) -> dict[str, Shape]:
+        return {name: spec.shape for name, spec in self.buffer_specs().items()}
+
+    @property
+    def num_params(self) -> int:
+        return sum(_count(s.shape) for s in self.param_specs().values())
+
+    def init_params(self, seed: int, dtype: str = "float32") -> dict[str, np.ndarray]:
+        """Fresh parameters; each drawn from its own generator (see ``opgrad.nn.init``)."""
+        return {
+            name: np.ascontiguousarray(spec.init(spec.shape, param_generator(seed, name), dtype))
+            for name, spec in self.param_specs().items()
+        }
+
+    def init_buffers(self, dtype: str = "float32") -> dict[str, np.ndarray]:
+        """Starting buffers (running mean 0, running variance 1)."""
+        return {name: np.full(spec.shape, spec.value, dtype=dtype) for name, spec in self.buffer_specs().items()}
+
+    def param_vars(self, dtype: str = "float32") -> dict[str, Var]:
+        """One graph variable per parameter, named like the parameter."""
+        return {name: var(name, spec.shape, dtype) for name, spec in self.param_specs().items()}
+
+    def buffer_vars(self, dtype: str = "float32") -> dict[str, Var]:
+        return {name: var(name, spec.shape, dtype) for name, spec in self.buffer_specs().items()}
+
+    def input_vars(self, batch_size: int, dtype: str = "float32") -> list[Var]:
+        """The step's input variables: ``images`` for a single input, else ``input:<name>``."""
+        single = len(self.inputs) == 1
+        return [var("images" if single else f"input:{t.name}", (batch_size, *t.shape),
+                    dtype if t.dtype == "float" else t.dtype) for t in self.inputs]
+
+    # ----- current weights (Keras' model.weights) -----
+
+    @property
+    def params(self) -> dict[str, np.ndarray]:
+        """The model's current parameters (initialized from seed 0 on first use, unless set)."""
+        if self._params is None:
+            self._params = self.init_params(seed=0)
+        return self._params
+
+    @params.setter
+    def params(self, values: Mapping[str, np.ndarray]) -> None:
+        self._params = self._checked(values, self.param_shapes(), "parameter")
+
+    @property
+    def buffers(self) -> dict[str, np.ndarray]:
+        """The model's current buffers (running statistics), as initialized unless set or trained."""
+        if self._buffers is None:
+            self._buffers = self.init_buffers(next(iter(self.params.values())).dtype.name if self.params
+                                              else "float32")
+        return self._buffers
+
+    @buffers.setter
+    def buffers(self, values: Mapping[str, np.ndarray]) -> None:
+        self._buffers = self._checked(values, self.buffer_shapes(), "buffer")
+
+    def _checked(self, values: Mapping[str, np.ndarray], shapes: Mapping[str, Shape],
+                 what: str) -> dict[str, np.ndarray]:
+        missing = [n for n in shapes if n not in values]
+        extra = [n for n in values if n not in shapes]
+        if missing or extra:
+            raise ValueError(f"model {self.name!r}: {what}s do not match: "
+                             + "; ".join(filter(None, [f"missing {', '.join(missing)}" if missing else "",
+                                                       f"unknown {', '.join(extra)}" if extra else ""])))
+        out = {}
+        for name, shape in shapes.items():
+            value = values[name]
+            if tuple(value.shape) != shape:
+                raise ShapeError(f"model {self.name!r}: {what} {name} has shape {value.shape}, expected {shape}")
+            out[name] = value
+        return out
+
+    # ----- dropout masks -----
+
+    def noise_layers(self) -> list[Dropout]:
+        """Layers that read a random mask while training (dropout), in order."""
+        return [layer for layer in self.layers if isinstance(layer, Dropout) and layer.rate > 0.0]
+
+    def sample_noise(self, rng: np.random.Generator, batch: int, dtype: str = "float32") -> dict[str, np.ndarray]:
+        """One training step's masks, keyed by layer name, drawn in layer order from ``rng``."""
+        masks = {}
+        for layer in self.noise_layers():
+            assert layer.name is not None and layer.input_shape is not None
+            masks[layer.name] = layer.sample_mask(rng, (batch, *layer.input_shape), dtype)
+        return masks
+
+    # ----- the forward graph -----
+
+    def call(self, inputs: Sequence[Expr], variables: Mapping[str, Expr],
+             ctx: ForwardContext | None = None) -> tuple[list[Expr], dict[str, Expr]]:
+        """``(outputs, new buffers)`` for batches ``inputs`` (one per model input, in order).
+
+        ``variables`` holds every parameter and buffer by full name. Buffers change only while
+        training; a layer called twice (shared) sees the buffers its first call produced.
+        """
+        ctx = ctx or ForwardContext()
+        if len(inputs) != len(self.inputs):
+            raise ValueError(f"model {self.name!r} takes {len(self.inputs)} input(s), got {len(inputs)}")
+        for expr, tensor in zip(inputs, self.inputs):
+            if tuple(expr.shape[1:]) != tensor.shape:
+                raise ShapeError(f"{self.name}: input {tensor.name!r} has shape {expr.shape}, expected "
+                                 f"(batch, {', '.join(map(str, tensor.shape))})")
+        missing = [n for n in (*self.param_specs(), *self.buffer_specs()) if n not in variables]
+        if missing:
+            raise ValueError(f"{self.name}: no value given for parameter(s) {', '.join(missing)}")
+        values: dict[int, Expr] = {id(t): e for t, e in zip(self.inputs, inputs)}
+        buffers = {name: variables[name] for name in self.buffer_specs()}
+        for node in self.nodes:
+            layer = node.layer
+            params = {local: variables[f"{layer.name}.{local}"] for local in layer.param_specs()}
+            local_buffers = {local: buffers[f"{layer.name}.{local}"] for local in layer.buffer_specs()}
+            args = [values[id(t)] for t in node.inputs]
+            out, updated = layer.call(args if layer.multi_input else args[0], params, local_buffers, ctx)
+            buffers.update({f"{layer.name}.{local}": value for local, value in updated.items()})
+            values[id(node.output)] = out
+        return [values[id(t)] for t in self.outputs], buffers
+
+    def forward(self, x: Expr | Sequence[Expr], params: Mapping[str, Expr], ctx: ForwardContext | None = None) -> Expr:
+        """The (first) output expression for a batch ``x`` shaped ``(N, *input_shape)``.
+
+        ``params`` holds the parameters and, for a model with buffers, the buffers too.
+        """
+        inputs = [x] if isinstance(x, Expr) else list(x)
+        variables = dict(params)
+        if len(inputs) == 1 and len(self.inputs) == 1 and tuple(inputs[0].shape[1:]) != self.inputs[0].shape:
+            raise ShapeError(f"{self.name}: input has shape {inputs[0].shape}, expected "
+                             f"(batch, {', '.join(map(str, self.inputs[0].shape))})")
+        return self.call(inputs, variables, ctx)[0][0]
+
+    # ----- inference -----
+
+    def predict(self, inputs: np.ndarray | Sequence[np.ndarray], *, batch_size: int = 32,
+                backend: str = "llvm") -> np.ndarray | list[np.ndarray]:
+        """The model's outputs for ``inputs`` with its current weights, through the compiled evaluation step.
+
+        ``inputs`` is one array ``(N, *input_shape)`` (a list of them for several inputs); the
+        result is one array (a list for several outputs), logits for a classifier. ``backend``
+        ``"llvm"`` falls back to the numpy reference when the compiler cannot be imported.
+        """
+        from opgrad.nn.step import EvalStep, llvm_unavailable_reason
+
+        if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
+            raise ValueError(f"predict: batch_size must be a positive integer, got {batch_size!r}")
+        if backend == "llvm" and llvm_unavailable_reason() is not None:
+            backend = "reference"
+        arrays = [inputs] if isinstance(inputs, np.ndarray) else list(inputs)
+        if len(arrays) != len(self.inputs):
+            raise ValueError(f"predict: model {self.name!r} takes {len(self.inputs)} input(s), got {len(arrays)}")
+        for array, tensor in zip(arrays, self.inputs):
+            if tuple(array.shape[1:]) != tensor.shape:
+                raise ShapeError(f"predict: input {tensor.name!r} has shape {array.shape}, model {self.name!r} "
+                                 f"expects (N, {', '.join(map(str, tensor.shape))})")
+        dtype = next(iter(self.params.values())).dtype.name if self.params else "float32"
+        key = (int(batch_size), dtype, backend)
+        step = self._predict_steps.get(key)
+        if step is None:
+            step = self._predict_steps[key] = EvalStep(self, batch_size=int(batch_size), dtype=dtype, backend=backend)
+        outputs = step.outputs(arrays, {**self.params, **self.buffers})
+        return outputs[0] if len(outputs) == 1 else outputs
+
+    # ----- description -----
+
+    def _node_labels(self) -> dict[int, str]:
+        """A readable name per tensor: the input's name, or the layer's (``name#2`` for a second call)."""
+        labels = {id(t): str(t.name) for t in self.inputs}
+        calls: dict[int, int] = {}
+        for node in self.nodes:
+            n = calls[id(node.layer)] = calls.get(id(node.layer), 0) + 1
+            labels[id(node.output)] = f"{node.layer.name}" + (f"#{n}" if n > 1 else "")
+        return labels
+
+    def summary(self) -> str:
+        """A Keras-like table: layer, output shape, parameter count, and (for a graph) its inputs."""
+        labels = self._node_labels()
+        show_wiring = not isinstance(self, Sequential)
+        rows = [("layer", "output shape", "params", "connected to")]
+        if show_wiring:
+            rows += [(f"{t.name!r} (Input{'' if t.dtype == 'float' else ', ' + t.dtype})", str(t.shape), "0", "")
+                     for t in self.inputs]
+        counted: set[int] = set()
+        for node in self.nodes:
+            layer = node.layer
+            shared = id(layer) in counted
+            count = 0 if shared else sum(_count(s.shape) for s in layer.param_specs().values())
+            counted.add(id(layer))
+            label = layer.describe() if not shared else f"{labels[id(node.output)]!r} (shared)"
+            rows.append((label, str(node.output.shape), f"{count:,}", ", ".join(labels[id(t)] for t in node.inputs)))
+        columns = 4 if show_wiring else 3
+        widths = [max(len(r[i]) for r in rows) for i in range(columns)]
+        lines = []
+        for row in rows:
+            line = f"{row[0]:<{widths[0]}}  {row[1]:<{widths[1]}}  {row[2]:>{widths[2]}}"
+            if show_wiring:
+                line += f"  {row[3]:<{widths[3]}}"
+            lines.append(line.rstrip())
+        lines.insert(1, "-" * max(len(line) for line in lines))
+        buffers = sum(_count(s.shape) for s in self.buffer_specs().values())
+        shapes = ", ".join(str(s) for s in self.input_shapes)
+        lines.append(f"total: {self.num_params:,} parameters" + (f" (+{buffers:,} buffer values)" if buffers else "")
+                     + f", input{'s' if len(self.inputs) > 1 else ''} {shapes}")
+        return f"model {self.name!r}\n" + "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.summary()
+
+    def __repr__(self) -> str:
+        return (f"<{type(self).__name__} {self.name!r}: {len(self.layers)} layers, {self.num_params:,} parameters, "
+                f"inputs {self.input_shapes}, outputs {self.output_shapes}>")
+
+    # ----- serialization -----
+
+    def get_config(self) -> dict[str, Any]:
+        """The architecture as plain JSON: layers with their arguments, and the wiring."""
+        index = {id(t): i for i, t in enumerate(self.inputs)}
+        for k, node in enumerate(self.nodes):
+            index[id(node.output)] = len(self.inputs) + k
+        return {
+            "format": CONFIG_FORMAT,
+            "class": "Model",
+            "name": self.name,
+            "inputs": [{"name": t.name, "shape": list(t.shape), "dtype": t.dtype} for t in self.inputs],
+            "layers": [{"kind": layer.kind, "name": layer.name, "config": layer.get_config()} for layer in self.layers],
+            "nodes": [{"layer": node.layer.name, "inputs": [index[id(t)] for t in node.inputs]} for node in self.nodes],
+            "outputs": [index[id(t)] for t in self.outputs],
+        }
+
+    def save(self, path: str | os.PathLike[str]) -> None:
+        """Write the architecture, parameters and buffers to ``path`` (an opgrad ``.npz`` checkpoint)."""
+        from opgrad.checkpoint import save_checkpoint
+
+        save_checkpoint(path, {**self.params, **self.buffers},
+                        {"model": self.name, "architecture": self.get_config(), "step": 0})
+
+
+class Sequential(Model):
+    """A stack of layers applied in order to inputs of per-example shape ``input_shape``.
+
+    The chain special case of :class:`Model`: ``Sequential([a, b, c], input_shape=s)`` is
+    ``Model(inp, c(b(a(inp))))`` with ``inp = Input(s)``. Layers are named before they are
+    wired, so a shape error already names the layer (``'dense1' (Dense(10))``).
+    """
+
+    def __init__(self, layers: Sequence[Layer], input_shape: Sequence[int], *, name: str = "model") -> None:
+        if not layers:
+            raise ValueError("Sequential needs at least one layer")
+        counts: dict[str, int] = {}
+        seen: set[str] = set()
+        for layer in layers:
+            if not isinstance(layer, Layer):
+                raise TypeError(f"Sequential takes Layer objects, got {layer!r}")
+            if layer.multi_input:
+                raise TypeError(f"Sequential: layer {layer.describe()} takes several inputs; use nn.Model")
+            if layer.name is None:
+                counts[layer.kind] = counts.get(layer.kind, 0) + 1
+                layer.name = f"{layer.kind}{counts[layer.kind]}"
+            if layer.name in seen:
+                raise ValueError(f"two layers are named {layer.name!r}; layer names must be unique")
+            seen.add(layer.name)
+        inp = Input(tuple(input_shape), dtype=layers[0].input_dtype, name="images")
+        x = inp
+        for layer in layers:
+            x = layer(x)
+        super().__init__(inp, x, name=name)
+
+    def get_config(self) -> dict[str, Any]:
+        return {
+            "format": CONFIG_FORMAT,
+            "class": "Sequential",
+            "name": self.name,
+            "input_shape": list(self.input_shape),
+            "layers": [{"kind": layer.kind, "name": layer.name, "config": layer.get_config()} for layer in self.layers],
+        }
+
+
+def _layer_from_config(entry: Mapping[str, Any], source: str) -> Layer:
+    kind, name = entry.get("kind"), entry.get("name")
+    cls = LAYERS.get(str(kind))
+    if cls is None:
+        raise ValueError(
+            f"{source}: unknown layer kind {kind!r} (layer {name!r}); known kinds: {', '.join(sorted(LAYERS))}. "
+            "A custom layer's class must be defined (imported) before the model is loaded"
+        )
+    try:
+        return cls.from_config(entry.get("config") or {}, name=name)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"{source}: layer {name!r} ({cls.__name__}): cannot rebuild it from {entry.get('config')}: "
+                         f"{exc}") from None
+
+
+def model_from_config(config: Mapping[str, Any], *, source: str = "model description") -> Model:
+    """Rebuild the model :meth:`Model.get_config` described (fresh layers, no weights)."""
+    if config.get("format") != CONFIG_FORMAT:
+        raise ValueError(f"{source}: model description format {config.get('format')!r}, this opgrad reads "
+                         f"{CONFIG_FORMAT!r}")
+    try:
+        layers = [_layer_from_config(entry, source) for entry in config["layers"]]
+        if config.get("class") == "Sequential":
+            return Sequential(layers, tuple(config["input_shape"]), name=str(config["name"]))
+        if config.get("class") != "Model":
+            raise ValueError(f"{source}: unknown model class {config.get('class')!r}")
+        by_name = {layer.name: layer for layer in layers}
+        tensors: list[SymbolicTensor] = [Input(tuple(i["shape"]), dtype=i["dtype"], name=i["name"])
+                                         for i in config["inputs"]]
+        for node in config["nodes"]:
+            layer = by_name[node["layer"]]
+            args = [tensors[i] for i in node["inputs"]]
+            tensors.append(layer(args if layer.multi_input else args[0]))
+        return Model(tensors[: len(config["inputs"])], [tensors[i] for i in config["outputs"]],
+                     name=str(config["name"]))
+    except (KeyError, IndexError, TypeError) as exc:
+        raise ValueError(f"{source}: malformed model description ({type(exc).__name__}: {exc})") from None
+
+
+
+def load_model(path: str | os.PathLike[str]) -> Model:
+    """Rebuild the model a checkpoint holds, with its parameters and buffers (Keras' ``load_model``).
+
+    Works for any checkpoint written by ``model.save`` or ``opgrad train --save``, without the
+    code that built the model: the architecture is JSON in the checkpoint's metadata. Every
+    problem is a :class:`~opgrad.checkpoint.CheckpointError` naming the file: not an opgrad
+    checkpoint, an unknown layer kind, weights that do not fit the architecture.
+    """
+    from opgrad.checkpoint import CheckpointError, load_checkpoint
+
+    arrays, meta = load_checkpoint(path)
+    config = meta.get("architecture")
+    if config is None:
+        from opgrad.nn.models import MODELS
+
+        builtin = MODELS.get(str(meta.get("model")))
+        if builtin is None:
+            raise CheckpointError(f"{path}: the checkpoint holds no model description (it was saved before "
+                                  f"checkpoints carried one) and its model {meta.get('model')!r} is not built in")
+        model = builtin()
+    else:
+        try:
+            model = model_from_config(config, source=str(path))
+        except (ValueError, ShapeError) as exc:
+            raise CheckpointError(str(exc)) from None
+    problems = []
+    for name, shape in {**model.param_shapes(), **model.buffer_shapes()}.items():
+        if name not in arrays:
+            problems.append(f"missing {name}")
+        elif arrays[name].shape != shape:
+            problems.append(f"{name} has shape {arrays[name].shape}, the architecture expects {shape}")
+    if problems:
+        raise CheckpointError(f"{path}: the weights do not fit the model description: {'; '.join(problems)}")
+    model.params = {name: np.array(arrays[name], order="C") for name in model.param_shapes()}
+    model.buffers = {name: np.array(arrays[name], order="C") for name in model.buffer_shapes()}
+    model.checkpoint_meta = dict(meta)
+    return model

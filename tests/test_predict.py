@@ -1,0 +1,95 @@
+"""``opgrad predict`` and ``model.predict``: accuracy and confusion matrix of a saved model, the same
+numbers ``opgrad train`` reported, predictions written to .npy, and one-line user errors."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from opgrad import cli, nn
+from opgrad.data import load_embedded_mnist
+
+TRAIN = ["train", "--model", "mlp", "--batch-size", "16", "--max-steps", "5", "--epochs", "1"]
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, float]:
+    """An mlp trained for 5 steps by ``opgrad train --save``, with the test accuracy it printed."""
+    path = tmp_path_factory.mktemp("predict") / "mlp.npz"
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert cli.main([*TRAIN, "--save", str(path)]) == 0
+    found = re.search(r"final test accuracy ([\d.]+) %", out.getvalue())
+    assert found is not None, out.getvalue()
+    return path, float(found.group(1))
+
+
+def test_predict_embedded_digits_matches_train(trained: tuple[Path, float], capsys: pytest.CaptureFixture[str]) -> None:
+    path, train_accuracy = trained
+    assert cli.main(["predict", "--checkpoint", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert f"accuracy {train_accuracy:.2f} % (" in out
+    assert "confusion matrix (rows: true class, columns: predicted class)" in out
+    rows = [line.split() for line in out.splitlines() if re.match(r"^\s+\d\s", line)]
+    matrix = np.array([[int(v) for v in row[1:11]] for row in rows])
+    assert matrix.shape == (10, 10) and matrix.sum() == 1000 and matrix.sum(axis=1).tolist() == [100] * 10
+    assert np.trace(matrix) / 10 == pytest.approx(train_accuracy)
+
+
+def test_predict_images_file_writes_predictions(trained: tuple[Path, float], tmp_path: Path,
+                                                capsys: pytest.CaptureFixture[str]) -> None:
+    path, _ = trained
+    data = load_embedded_mnist()
+    images = np.round(data.test_images[:37, 0] * 255).astype(np.uint8)  # (N, 28, 28) uint8, as files hold them
+    np.save(tmp_path / "x.npy", images)
+    np.save(tmp_path / "y.npy", data.test_labels[:37])
+    out_file = tmp_path / "preds.npy"
+    assert cli.main(["predict", "--checkpoint", str(path), "--images", str(tmp_path / "x.npy"), "--labels",
+                     str(tmp_path / "y.npy"), "--output", str(out_file), "--batch-size", "16"]) == 0
+    out = capsys.readouterr().out
+    assert "accuracy" in out and "wrote" in out
+    predictions = np.load(out_file)
+    model = nn.load(path)
+    logits = model.predict(images[:, None].astype(np.float32) / 255, batch_size=16)
+    assert isinstance(logits, np.ndarray)
+    np.testing.assert_array_equal(predictions, logits.argmax(axis=1))
+    assert predictions.dtype == np.int64 and predictions.shape == (37,)
+    assert cli.main(["predict", "--checkpoint", str(path), "--images", str(tmp_path / "x.npy")]) == 0
+    assert "predicted classes: 0:" in capsys.readouterr().out
+
+
+def test_predict_user_errors_are_one_line(trained: tuple[Path, float], tmp_path: Path,
+                                          capsys: pytest.CaptureFixture[str]) -> None:
+    path, _ = trained
+    notes = tmp_path / "notes.txt"
+    notes.write_text("not a checkpoint")
+    np.save(tmp_path / "wrong.npy", np.zeros((3, 32, 32), np.uint8))
+    cases = [
+        (["--checkpoint", str(notes)], "notes.txt: not an .npz checkpoint"),
+        (["--checkpoint", str(tmp_path / "missing.npz")], "missing.npz: checkpoint file not found"),
+        (["--checkpoint", str(path), "--images", str(tmp_path / "wrong.npy")],
+         "wrong.npy: images have shape (3, 32, 32), the model expects (N, 1, 28, 28) or (N, 28, 28)"),
+        (["--checkpoint", str(path), "--images", str(notes)], "notes.txt: not a .npy array"),
+        (["--checkpoint", str(path), "--labels", str(notes)], "--labels goes with --images"),
+    ]
+    for args, message in cases:
+        assert cli.main(["predict", *args]) == 2, args
+        err = capsys.readouterr().err
+        assert err.startswith("opgrad predict: error: ") and message in err, err
+        assert err.count("\n") == 1, err
+
+
+def test_model_predict_pads_and_keeps_order() -> None:
+    model = nn.Sequential([nn.Flatten(), nn.Dense(3)], input_shape=(2, 2))
+    x = np.random.default_rng(0).random((7, 2, 2)).astype(np.float32)
+    w, b = model.params["dense1.weight"], model.params["dense1.bias"]
+    expected = x.reshape(7, 4) @ w.T + b
+    for batch_size in (1, 3, 7, 10):
+        np.testing.assert_allclose(model.predict(x, batch_size=batch_size), expected, rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="batch_size must be a positive integer"):
+        model.predict(x, batch_size=0)
