@@ -51,37 +51,27 @@ def int_range(low: int, high: int, why: str = "") -> Callable[[str], int]:
     return parse
 
 
-def positive_float(text: str) -> float:
-    """A finite number > 0 (``inf`` and ``nan`` are refused)."""
-    expected = "a positive finite number such as 0.001 or 1e-3"
+def _number(text: str, expected: str, ok: Callable[[float], bool]) -> float:
+    """``text`` as a float for which ``ok`` holds, or argparse's error saying what was ``expected``."""
     try:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}") from None
-    if not math.isfinite(value) or value <= 0:
+    if not ok(value):
         raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}")
     return value
+
+
+def positive_float(text: str) -> float:
+    """A finite number > 0 (``inf`` and ``nan`` are refused)."""
+    return _number(text, "a positive finite number such as 0.001 or 1e-3", lambda v: math.isfinite(v) and v > 0)
 
 
 def non_negative_float(text: str) -> float:
     """A finite number >= 0."""
-    expected = "a finite number >= 0 such as 0 or 1e-4"
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}") from None
-    if not math.isfinite(value) or value < 0:
-        raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}")
-    return value
+    return _number(text, "a finite number >= 0 such as 0 or 1e-4", lambda v: math.isfinite(v) and v >= 0)
 
 
 def fraction(text: str) -> float:
     """A number in (0, 1]."""
-    expected = "a number in (0, 1] such as 0.1"
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}") from None
-    if not 0.0 < value <= 1.0:
-        raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}")
-    return value
+    return _number(text, "a number in (0, 1] such as 0.1", lambda v: 0.0 < v <= 1.0)
