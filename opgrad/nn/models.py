@@ -1,4 +1,4 @@
-"""The models ``opgrad train`` knows: seed 000's CNN, the Keras MNIST example (seed 001), a small
+"""The models ``opgrad train`` knows: the seed CNN (TVM's autodiff MNIST tutorial), the Keras MNIST example, a small
 CIFAR-style ResNet and an MLP.
 
 All take ``(1, 28, 28)`` images (NCHW, pixels in [0, 1]) and return 10 logits; the softmax is
@@ -31,10 +31,10 @@ MNIST_SHAPE = (1, 28, 28)
 
 
 def seed_cnn(num_classes: int = 10) -> Sequential:
-    """Seed 000: conv3x3 1->32 relu, conv3x3 32->64 relu, avgpool 2, conv12x12 64->128 relu, dense 10.
+    """The seed CNN: conv3x3 1->32 relu, conv3x3 32->64 relu, avgpool 2, conv12x12 64->128 relu, dense 10.
 
-    The 12x12 convolution on the 12x12 map is seed 000's stand-in for flatten + dense (TVM's
-    autodiff could not do flatten then); it leaves a 128x1x1 map that Flatten turns into 128
+    The 12x12 convolution on the 12x12 map stands in for flatten + dense, as in TVM's autodiff
+    tutorial (whose autodiff had no flatten); it leaves a 128x1x1 map that Flatten turns into 128
     features. 1,199,882 parameters.
     """
     return Sequential(
@@ -52,7 +52,7 @@ def seed_cnn(num_classes: int = 10) -> Sequential:
 
 
 def keras_mnist(num_classes: int = 10) -> Sequential:
-    """The Keras example (seed 001): conv 32, conv 64, max pool 2, dropout .25, dense 128, dropout .5."""
+    """The Keras MNIST example: conv 32, conv 64, max pool 2, dropout .25, dense 128, dropout .5."""
     return Sequential(
         [
             Conv2D(32, 3, activation="relu"),

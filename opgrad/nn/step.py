@@ -1,8 +1,8 @@
 """The training step (forward + backward + optimizer update as ONE function) and the eval step.
 
 Why one function: it is what gets compiled. ``opgrad.compile`` then sees the whole step, can
-fuse and schedule across layer boundaries, and Python runs one call per batch (seed 004 compiled
-the whole loop for the same reason). The reference backend evaluates the very same function
+fuse and schedule across layer boundaries, and Python runs one call per batch (XLA compiles
+whole training loops for the same reason). The reference backend evaluates the very same function
 with numpy, which is what makes backend parity testable step by step.
 
 Signature of the training function (all arrays, fixed shapes)::
