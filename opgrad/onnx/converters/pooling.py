@@ -1,0 +1,70 @@
+"""MaxPool, AveragePool, GlobalAveragePool, GlobalMaxPool (2-D, NCHW)."""
+
+from __future__ import annotations
+
+import math
+
+from opgrad.nn.layers import AvgPool2D, MaxPool2D
+from opgrad.nn.ops_layers import GlobalPool2D
+from opgrad.onnx.converters.conv import same_pads, spatial_pads, symmetric_or_padded
+from opgrad.onnx.table import NodeContext, Value, converter
+
+__all__: list[str] = []
+
+
+def _pool(ctx: NodeContext, kind: str) -> list[Value]:
+    x = ctx.tensor(0, "X", rank=4)
+    kernel = ctx.ints("kernel_shape", ())
+    if len(kernel) != 2 or min(kernel) < 1:
+        raise ctx.unsupported("kernel_shape", list(kernel), "two positive ints (2-D pooling)")
+    strides = ctx.ints("strides", (1, 1))
+    if len(strides) != 2 or min(strides) < 1:
+        raise ctx.unsupported("strides", list(strides), "two positive ints")
+    dilations = ctx.ints("dilations", (1, 1))
+    if dilations != (1, 1):
+        raise ctx.unsupported("dilations", list(dilations), "[1, 1]")
+    size = x.shape[1:]
+    t, l, b, r = spatial_pads(ctx, size, kernel, strides, (1, 1))
+    if int(ctx.attr("ceil_mode", 0)):
+        for extent, k, s, pad in zip(size, kernel, strides, (t + b, l + r)):
+            if (extent + pad - k) % s:
+                floor = (extent + pad - k) // s + 1
+                raise ctx.unsupported("ceil_mode", 1, f"0, or ceil_mode=1 where it does not change the output "
+                                                      f"size (here it gives {floor + 1} instead of {floor})")
+    (st, sb), (sl, sr) = (same_pads(e, k, s, 1) for e, k, s in zip(size, kernel, strides))
+    same = (st, sl, sb, sr)
+    if kind == "max":
+        x, padding = symmetric_or_padded(ctx, x, (t, l, b, r), same, kernel, -math.inf)
+        layer = ctx.new(MaxPool2D, kernel, strides=strides, padding=padding)
+    elif int(ctx.attr("count_include_pad", 0)) or (t, l, b, r) == (0, 0, 0, 0):
+        # The nn layer's "same" averages real pixels only: padding counted must not take that path.
+        x, padding = symmetric_or_padded(ctx, x, (t, l, b, r), (-1, -1, -1, -1), kernel, 0.0)
+        layer = ctx.new(AvgPool2D, kernel, strides=strides, padding=padding)
+    elif (t, l, b, r) == same:
+        layer = ctx.new(AvgPool2D, kernel, strides=strides, padding="same")
+    else:
+        raise ctx.unsupported("count_include_pad", 0, f"1, or 0 with the pads of auto_pad SAME_UPPER ({list(same)}); "
+                                                      f"these pads are {[t, l, b, r]}")
+    return [ctx.layer(layer, x)]
+
+
+@converter("MaxPool", since=1, attributes=("auto_pad", "ceil_mode", "dilations", "kernel_shape", "pads",
+                                           "storage_order", "strides"))
+def max_pool(ctx: NodeContext) -> list[Value]:
+    return _pool(ctx, "max")
+
+
+@converter("AveragePool", since=1, attributes=("auto_pad", "ceil_mode", "count_include_pad", "dilations",
+                                               "kernel_shape", "pads", "strides"))
+def average_pool(ctx: NodeContext) -> list[Value]:
+    return _pool(ctx, "avg")
+
+
+@converter("GlobalAveragePool", since=1)
+def global_average_pool(ctx: NodeContext) -> list[Value]:
+    return [ctx.layer(ctx.new(GlobalPool2D, "avg"), ctx.tensor(0, "X", rank=4))]
+
+
+@converter("GlobalMaxPool", since=1)
+def global_max_pool(ctx: NodeContext) -> list[Value]:
+    return [ctx.layer(ctx.new(GlobalPool2D, "max"), ctx.tensor(0, "X", rank=4))]

@@ -1,0 +1,364 @@
+"""``load``: an ONNX file -> an ``opgrad.nn.Model`` with its weights.
+
+The file is parsed by the ``onnx`` package (never by hand) without following external-data
+references, checked (opset, dtypes, shapes, wiring, sizes), then walked in dependency order:
+every node goes to its converter (see :mod:`opgrad.onnx.table`), which adds ordinary
+``opgrad.nn`` layers. Nodes whose inputs are all known when reading (initializers, constants,
+shapes) are evaluated right away with ``onnx.reference`` instead, which is how the
+``Shape -> Gather -> Concat -> Reshape`` chains of exporters become a plain reshape.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from opgrad.nn.layers import Input, Layer, SymbolicTensor
+from opgrad.nn.model import Model
+from opgrad.onnx import converters  # noqa: F401  (registers the converters)
+from opgrad.onnx.table import (
+    NodeContext,
+    OnnxError,
+    StaticValue,
+    Value,
+    find_converter,
+    supported_op_types,
+)
+
+__all__ = ["MAX_ELEMENTS", "MIN_OPSET", "check", "load", "parse"]
+
+#: The oldest default-domain opset read; older files can be upgraded with ``onnx.version_converter``.
+MIN_OPSET = 11
+#: The largest tensor (elements) read or folded: a declared size above it is a hostile or broken file.
+MAX_ELEMENTS = 1 << 28
+_FLOAT_TYPES = {1: "float32", 10: "float16", 11: "float64", 16: "bfloat16"}
+#: Ops computed at import time only from their own inputs when those are all known.
+_FOLD_GUARDED = {"ConstantOfShape", "Expand", "Tile", "Range"}
+
+
+def _onnx() -> Any:
+    try:
+        import onnx
+    except ImportError:
+        raise OnnxError("reading ONNX needs the onnx package: pip install 'opgrad[interop]'") from None
+    return onnx
+
+
+def _safe_name(name: str, fallback: str) -> str:
+    cleaned = re.sub(r"[^A-Za-z0-9_-]+", "_", name).strip("_")
+    return cleaned or fallback
+
+
+def _attributes(onnx: Any, node: Any) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for attr in node.attribute:
+        value = onnx.helper.get_attribute_value(attr)
+        if isinstance(value, bytes):
+            value = value.decode("utf-8", "replace")
+        elif isinstance(value, (list, tuple)) or type(value).__name__.startswith("Repeated"):
+            value = [v.decode("utf-8", "replace") if isinstance(v, bytes) else v for v in value]
+        out[attr.name] = value
+    return out
+
+
+class _Reader:
+    def __init__(self, onnx: Any, model: Any, source: str) -> None:
+        self.onnx, self.model, self.source = onnx, model, source
+        self.graph = model.graph
+        self.values: dict[str, Value] = {}
+        self.weights: dict[str, dict[str, np.ndarray]] = {}
+        self.layer_names: set[str] = set()
+        self.batch: int | None = None
+        self.opset = self._opset()
+
+    # ----- checks of the file as a whole -----
+
+    def _opset(self) -> int:
+        versions = {imp.domain: imp.version for imp in self.model.opset_import}
+        opset = versions.get("", versions.get("ai.onnx"))
+        if opset is None:
+            raise OnnxError(f"{self.source}: the model imports no version of the default ONNX operator set "
+                            "(opset_import)")
+        newest = self.onnx.defs.onnx_opset_version()
+        if not MIN_OPSET <= opset <= newest:
+            raise OnnxError(f"{self.source}: opset {opset} is not supported; supported: opsets {MIN_OPSET} to "
+                            f"{newest} (upgrade an older model with onnx.version_converter.convert_version)")
+        return int(opset)
+
+    def tensor_array(self, tensor: Any, what: str) -> np.ndarray:
+        if tensor.data_location == self.onnx.TensorProto.EXTERNAL:
+            raise OnnxError(f"{self.source}: {what} {tensor.name!r} keeps its data in an external file; "
+                            "supported: weights stored inside the .onnx file (onnx.load then onnx.save without "
+                            "save_as_external_data)")
+        count = math.prod(int(d) for d in tensor.dims) if len(tensor.dims) else 1
+        if any(int(d) < 0 for d in tensor.dims) or count > MAX_ELEMENTS:
+            raise OnnxError(f"{self.source}: {what} {tensor.name!r} declares shape {list(tensor.dims)} "
+                            f"({count:,} elements); supported: at most {MAX_ELEMENTS:,} elements")
+        try:
+            array = self.onnx.numpy_helper.to_array(tensor)
+        except Exception as exc:  # malformed payload: wrong byte count, unknown data type
+            raise OnnxError(f"{self.source}: {what} {tensor.name!r} (shape {list(tensor.dims)}) cannot be read: "
+                            f"{exc}") from None
+        if array.dtype.kind == "f" and array.dtype != np.float64:
+            array = array.astype(np.float32)
+        return np.asarray(array)
+
+    def read_initializers(self) -> None:
+        if len(self.graph.sparse_initializer):
+            raise OnnxError(f"{self.source}: sparse initializers are not supported; supported: dense initializers")
+        for tensor in self.graph.initializer:
+            self.values[tensor.name] = StaticValue(self.tensor_array(tensor, "initializer"), initializer=tensor.name)
+
+    def read_inputs(self) -> list[SymbolicTensor]:
+        inputs = []
+        taken: set[str] = set()
+        for info in self.graph.input:
+            if info.name in self.values:  # IR < 4 lists initializers among the inputs
+                continue
+            where = f"{self.source}: input {info.name!r}"
+            if info.type.WhichOneof("value") != "tensor_type":
+                raise OnnxError(f"{where} is not a tensor; supported: float tensors (N, C, H, W) or (N, features)")
+            elem = info.type.tensor_type.elem_type
+            if elem not in _FLOAT_TYPES:
+                name = self.onnx.TensorProto.DataType.Name(elem) if elem in self.onnx.TensorProto.DataType.values() \
+                    else elem
+                raise OnnxError(f"{where} has dtype {name}; supported: float inputs (FLOAT, DOUBLE, FLOAT16)")
+            if not info.type.tensor_type.HasField("shape"):
+                raise OnnxError(f"{where} declares no shape; supported: a fixed shape with a batch axis first")
+            dims = info.type.tensor_type.shape.dim
+            if len(dims) < 2:
+                raise OnnxError(f"{where} has rank {len(dims)}; supported: a batch axis first, then one or more "
+                                "axes (NCHW or (N, features))")
+            first = dims[0]
+            if first.HasField("dim_value") and first.dim_value > 0:
+                if self.batch is not None and self.batch != first.dim_value:
+                    raise OnnxError(f"{where}: batch size {first.dim_value} differs from another input's "
+                                    f"{self.batch}")
+                self.batch = int(first.dim_value)
+            shape = []
+            for axis, dim in enumerate(dims[1:], start=1):
+                if not dim.HasField("dim_value") or dim.dim_value < 1:
+                    label = dim.dim_param or "unknown"
+                    raise OnnxError(f"{where}: axis {axis} is dynamic ({label!r}); supported: a dynamic batch "
+                                    "axis (axis 0) only; export the model with fixed sizes for the other axes")
+                shape.append(int(dim.dim_value))
+            if math.prod(shape) > MAX_ELEMENTS:
+                raise OnnxError(f"{where} declares shape {shape} per example; supported: at most "
+                                f"{MAX_ELEMENTS:,} elements")
+            name = _safe_name(info.name, f"input{len(inputs) + 1}")
+            while name in taken:
+                name += "_"
+            taken.add(name)
+            tensor = Input(tuple(shape), name=name)
+            self.values[info.name] = tensor
+            inputs.append(tensor)
+        if not inputs:
+            raise OnnxError(f"{self.source}: the graph has no data input (every input is an initializer)")
+        return inputs
+
+    def node_order(self) -> list[Any]:
+        """The nodes in dependency order; a missing producer or a cycle is an error naming the node."""
+        nodes = list(self.graph.node)
+        producer: dict[str, int] = {}
+        for i, node in enumerate(nodes):
+            for out in node.output:
+                if not out:
+                    continue
+                if out in producer or out in self.values:
+                    raise OnnxError(f"{self.source}: node {node.name!r} ({node.op_type}) writes {out!r}, which "
+                                    "another node, an input or an initializer already defines")
+                producer[out] = i
+        waiting = [0] * len(nodes)
+        users: dict[int, list[int]] = {}
+        for i, node in enumerate(nodes):
+            for name in node.input:
+                if not name or name in self.values:
+                    continue
+                if name not in producer:
+                    raise OnnxError(f"{self.source}: node {node.name!r} ({node.op_type}) reads {name!r}, which is "
+                                    "neither a graph input, an initializer nor the output of a node")
+                waiting[i] += 1
+                users.setdefault(producer[name], []).append(i)
+        ready = [i for i, n in enumerate(waiting) if n == 0]
+        order: list[int] = []
+        while ready:
+            i = ready.pop(0)
+            order.append(i)
+            for j in users.get(i, []):
+                waiting[j] -= 1
+                if waiting[j] == 0:
+                    ready.append(j)
+        if len(order) != len(nodes):
+            stuck = [f"{nodes[i].name!r} ({nodes[i].op_type})" for i in range(len(nodes)) if waiting[i]]
+            raise OnnxError(f"{self.source}: the graph has a cycle through node(s) {', '.join(stuck[:5])}; "
+                            "supported: acyclic graphs")
+        return [nodes[i] for i in order]
+
+    # ----- building -----
+
+    def add_layer(self, node: Any, layer: Layer, tensors: list[SymbolicTensor],
+                  weights: dict[str, np.ndarray]) -> SymbolicTensor:
+        base = _safe_name(node.name, node.op_type.lower())
+        name, n = base, 1
+        while name in self.layer_names:
+            n += 1
+            name = f"{base}_{n}"
+        self.layer_names.add(name)
+        layer.name = name
+        out = layer(tensors if layer.multi_input else tensors[0])
+        specs = {**{k: s.shape for k, s in layer.param_specs().items()},
+                 **{k: s.shape for k, s in layer.buffer_specs().items()}}
+        if set(specs) != set(weights):
+            raise ValueError(f"layer {layer.describe()} needs weights {sorted(specs)}, the node gives {sorted(weights)}")
+        for key, shape in specs.items():
+            if tuple(weights[key].shape) != shape:
+                raise ValueError(f"weight {key} has shape {tuple(weights[key].shape)}, the layer needs {shape}")
+        self.weights[name] = {k: np.ascontiguousarray(v, dtype=np.float32) for k, v in weights.items()}
+        return out
+
+    def fold(self, node: Any, attributes: dict[str, Any], where: str) -> list[StaticValue]:
+        """Evaluate a node whose inputs are all known now (``onnx.reference``; shapes holding the batch by hand)."""
+        inputs = [self.values[name].array if name else None for name in node.input]  # type: ignore[union-attr]
+        if any(a is not None and a.dtype == object for a in inputs):
+            from opgrad.onnx.converters.shape import fold_batch_shape
+
+            return [StaticValue(a) for a in fold_batch_shape(node, attributes, inputs, self.opset, where)]
+        if node.op_type in _FOLD_GUARDED:
+            sizes = [a for a in inputs if a is not None and a.dtype.kind in "iu"]
+            if any(np.prod(np.abs(a.astype(np.float64))) > MAX_ELEMENTS for a in sizes):
+                raise OnnxError(f"{where}: computes a constant larger than {MAX_ELEMENTS:,} elements")
+        try:
+            from onnx.reference import ReferenceEvaluator
+
+            evaluator = ReferenceEvaluator(node, opsets={"": self.opset})
+            feeds = {name: a for name, a in zip(node.input, inputs) if name}
+            results = evaluator.run(None, feeds)
+        except Exception as exc:
+            raise OnnxError(f"{where}: cannot evaluate it on its constant inputs: {type(exc).__name__}: "
+                            f"{str(exc).splitlines()[0] if str(exc) else ''}") from None
+        out = []
+        for result in results:
+            array = np.asarray(result)
+            if array.size > MAX_ELEMENTS:
+                raise OnnxError(f"{where}: computes a constant of {array.size:,} elements; supported: at most "
+                                f"{MAX_ELEMENTS:,}")
+            out.append(StaticValue(array))
+        return out
+
+    def convert(self, node: Any) -> None:
+        label = repr(node.name) if node.name else f"producing {node.output[0]!r}" if node.output else "(unnamed)"
+        where = f"{self.source}: node {label} ({node.op_type})"
+        if node.domain not in ("", "ai.onnx"):
+            raise OnnxError(f"{where}: domain {node.domain!r} is not supported; supported: the default ONNX domain")
+        attributes = _attributes(self.onnx, node)
+        given = [name for name in node.input if name]
+        if given and all(isinstance(self.values[name], StaticValue) for name in given):
+            results: Sequence[Value] = self.fold(node, attributes, where)
+        else:
+            found = find_converter(node.op_type, self.opset)
+            if found is None:
+                if node.op_type in supported_op_types():
+                    raise OnnxError(f"{where}: not supported at opset {self.opset}")
+                raise OnnxError(f"{where}: op type {node.op_type} is not supported; supported op types: "
+                                f"{', '.join(supported_op_types())}")
+            unknown = sorted(set(attributes) - found.attributes)
+            if unknown:
+                known = ", ".join(sorted(found.attributes)) or "none"
+                raise OnnxError(f"{where}: attribute {unknown[0]}={attributes[unknown[0]]!r} is not supported; "
+                                f"supported attributes: {known}")
+            ctx = NodeContext(node, self.opset, self.values, self.source,
+                              lambda layer, tensors, weights: self.add_layer(node, layer, tensors, weights),
+                              self.batch, attributes)
+            results = found.fn(ctx)
+        outputs = list(node.output)
+        for index, name in enumerate(outputs):
+            if not name:
+                continue
+            if index >= len(results):
+                raise OnnxError(f"{where}: output {index} ({name!r}) is not supported; supported: the first "
+                                f"{len(results)} output(s)")
+            self.values[name] = results[index]
+
+    def build(self, inputs: list[SymbolicTensor], order: list[Any]) -> Model:
+        for node in order:
+            self.convert(node)
+        outputs = []
+        for info in self.graph.output:
+            value = self.values.get(info.name)
+            if value is None:
+                raise OnnxError(f"{self.source}: graph output {info.name!r} is not produced by any node")
+            if isinstance(value, StaticValue):
+                raise OnnxError(f"{self.source}: graph output {info.name!r} is a constant; supported: outputs "
+                                "computed from the model input")
+            outputs.append(value)
+        if not outputs:
+            raise OnnxError(f"{self.source}: the graph has no outputs")
+        name = _safe_name(self.graph.name, "onnx-model")
+        try:
+            model = Model(inputs, outputs, name=name)
+        except (ValueError, TypeError) as exc:
+            raise OnnxError(f"{self.source}: {exc}") from None
+        params, buffers = {}, {}
+        for layer in model.layers:
+            assert layer.name is not None
+            for key, array in self.weights.get(layer.name, {}).items():
+                full = f"{layer.name}.{key}"
+                (buffers if key in layer.buffer_specs() else params)[full] = array
+        model.params = params
+        model.buffers = buffers
+        return model
+
+
+def parse(data: bytes, source: str) -> Any:
+    """The ``ModelProto`` in ``data``; anything that is not a usable ONNX model is an :class:`OnnxError`."""
+    onnx = _onnx()
+    from google.protobuf.message import DecodeError
+
+    model = onnx.ModelProto()
+    try:
+        model.ParseFromString(data)
+    except (DecodeError, ValueError, RuntimeError) as exc:
+        raise OnnxError(f"{source}: not an ONNX model (the protobuf cannot be decoded: {exc}); a truncated "
+                        "download or another file type") from None
+    if model.ir_version < 3 or not model.HasField("graph") or not len(model.graph.output):
+        raise OnnxError(f"{source}: not an ONNX model (no IR version, graph or outputs)")
+    return model
+
+
+def check(onnx: Any, model: Any, source: str) -> None:
+    """``onnx.checker`` on the parsed model, its message made one line and attributed to the file."""
+    try:
+        onnx.checker.check_model(model)
+    except Exception as exc:
+        message = "; ".join(line.strip() for line in str(exc).splitlines() if line.strip())
+        raise OnnxError(f"{source}: not a valid ONNX model: {message}") from None
+
+
+def load(path: str | os.PathLike[str]) -> Model:
+    """The ONNX model at ``path`` as an ``opgrad.nn.Model`` holding its weights (``model.params``/``buffers``).
+
+    Inputs must be float tensors with the batch axis first (symbolic or fixed) and fixed other
+    axes. Everything opgrad cannot represent exactly is an :class:`OnnxError` naming the file,
+    the node, its op type and the attribute, with what is supported.
+    """
+    onnx = _onnx()
+    source = str(path)
+    try:
+        data = Path(path).read_bytes()
+    except OSError as exc:
+        raise OnnxError(f"{source}: cannot read the file: {exc.strerror or exc}") from None
+    model = parse(data, source)
+    # opgrad's own checks first: they name the node and say what is supported, where the checker's
+    # messages are vaguer (and a hostile size must be refused before anything allocates it).
+    reader = _Reader(onnx, model, source)
+    reader.read_initializers()
+    inputs = reader.read_inputs()
+    order = reader.node_order()
+    check(onnx, model, source)
+    return reader.build(inputs, order)
