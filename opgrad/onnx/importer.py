@@ -28,6 +28,7 @@ from opgrad.onnx.table import (
     StaticValue,
     Value,
     find_converter,
+    require_onnx,
     supported_op_types,
 )
 
@@ -40,14 +41,6 @@ MAX_ELEMENTS = 1 << 28
 _FLOAT_TYPES = {1: "float32", 10: "float16", 11: "float64", 16: "bfloat16"}
 #: Ops computed at import time only from their own inputs when those are all known.
 _FOLD_GUARDED = {"ConstantOfShape", "Expand", "Tile", "Range"}
-
-
-def _onnx() -> Any:
-    try:
-        import onnx
-    except ImportError:
-        raise OnnxError("reading ONNX needs the onnx package: pip install 'opgrad[interop]'") from None
-    return onnx
 
 
 def _safe_name(name: str, fallback: str) -> str:
@@ -317,7 +310,7 @@ class _Reader:
 
 def parse(data: bytes, source: str) -> Any:
     """The ``ModelProto`` in ``data``; anything that is not a usable ONNX model is an :class:`OnnxError`."""
-    onnx = _onnx()
+    onnx = require_onnx()
     from google.protobuf.message import DecodeError
 
     model = onnx.ModelProto()
@@ -347,7 +340,7 @@ def load(path: str | os.PathLike[str]) -> Model:
     axes. Everything opgrad cannot represent exactly is an :class:`OnnxError` naming the file,
     the node, its op type and the attribute, with what is supported.
     """
-    onnx = _onnx()
+    onnx = require_onnx()
     source = str(path)
     try:
         data = Path(path).read_bytes()

@@ -28,12 +28,22 @@ __all__ = [
     "Value",
     "converter",
     "find_converter",
+    "require_onnx",
     "supported_op_types",
 ]
 
 
 class OnnxError(UserError, ValueError):
     """An ONNX file opgrad cannot read or a model it cannot write; the message names file, node and attribute."""
+
+
+def require_onnx() -> Any:
+    """The ``onnx`` module, or an :class:`OnnxError` saying how to install it."""
+    try:
+        import onnx
+    except ImportError:
+        raise OnnxError("ONNX support needs the onnx package: pip install 'opgrad[interop]'") from None
+    return onnx
 
 
 class _Batch:

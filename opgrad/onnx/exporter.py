@@ -1,0 +1,376 @@
+"""``save``: an ``opgrad.nn.Model`` with its weights -> a standard ONNX graph (opset 17).
+
+One emitter per layer kind, found in :data:`EMITTERS` (the mirror of the import table): it
+writes the ONNX nodes that compute the layer in inference mode (dropout off, BatchNorm with
+its running statistics). Parameters and buffers become initializers named like opgrad's
+(``conv1.weight``), so an exported and re-imported model keeps them; the batch axis is the
+symbolic dimension ``N``. The graph passes ``onnx.checker`` before it is written atomically.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from opgrad.nn.layers import Layer
+from opgrad.nn.model import Model
+from opgrad.onnx.table import OnnxError, require_onnx
+
+__all__ = ["EMITTERS", "OPSET", "emitter", "save", "to_onnx"]
+
+#: The default-domain opset written (LayerNormalization needs 17).
+OPSET = 17
+INT64_MAX = 2**63 - 1
+INT64_MIN = -(2**63)
+Shape = tuple[int, ...]
+
+
+class GraphBuilder:
+    """Collects nodes and initializers; every name it hands out is unique."""
+
+    def __init__(self, onnx: Any, dtype: np.dtype) -> None:
+        self.onnx, self.dtype = onnx, dtype
+        self.nodes: list[Any] = []
+        self.initializers: dict[str, Any] = {}
+        self.taken: set[str] = set()
+        self.weights: dict[str, np.ndarray] = {}
+
+    def fresh(self, hint: str) -> str:
+        name, n = hint, 1
+        while name in self.taken:
+            n += 1
+            name = f"{hint}_{n}"
+        self.taken.add(name)
+        return name
+
+    def constant(self, value: Any, hint: str, dtype: Any = None) -> str:
+        array = np.asarray(value, dtype=self.dtype if dtype is None else dtype)
+        name = self.fresh(hint)
+        self.initializers[name] = self.onnx.numpy_helper.from_array(array, name)
+        return name
+
+    def weight(self, layer: Layer, local: str) -> str:
+        name = f"{layer.name}.{local}"
+        if name not in self.initializers:
+            self.taken.add(name)
+            array = np.asarray(self.weights[name], dtype=self.dtype)
+            self.initializers[name] = self.onnx.numpy_helper.from_array(array, name)
+        return name
+
+    def node(self, op_type: str, inputs: list[str], output: str | None = None, hint: str = "", **attrs: Any) -> str:
+        out = output or self.fresh(f"{hint or op_type}_out")
+        self.nodes.append(self.onnx.helper.make_node(op_type, inputs, [out], name=self.fresh(hint or op_type),
+                                                     **attrs))
+        return out
+
+
+#: ``(builder, layer, input names, per-example input shapes, output name) -> None``.
+Emitter = Callable[[GraphBuilder, Any, list[str], list[Shape], str], None]
+#: layer kind -> the function that writes its ONNX nodes.
+EMITTERS: dict[str, Emitter] = {}
+
+
+def emitter(*kinds: str) -> Callable[[Emitter], Emitter]:
+    def register(fn: Emitter) -> Emitter:
+        for kind in kinds:
+            EMITTERS[kind] = fn
+        return fn
+
+    return register
+
+
+def _activation(b: GraphBuilder, x: str, activation: str | None, out: str, hint: str) -> None:
+    if activation is None:
+        b.node("Identity", [x], out, hint)
+    elif activation == "relu":
+        b.node("Relu", [x], out, hint)
+    elif activation == "leaky_relu":
+        b.node("LeakyRelu", [x], out, hint, alpha=0.01)
+    elif activation == "sigmoid":
+        b.node("Sigmoid", [x], out, hint)
+    elif activation == "tanh":
+        b.node("Tanh", [x], out, hint)
+    elif activation == "gelu":
+        _gelu(b, x, "none", out, hint)
+    else:
+        raise OnnxError(f"activation {activation!r} has no ONNX export")
+
+
+def _gelu(b: GraphBuilder, x: str, approximate: str, out: str, hint: str) -> None:
+    # Opset 17 has no Gelu node: the formula, as PyTorch exports it.
+    half = b.constant(0.5, f"{hint}.half")
+    one = b.constant(1.0, f"{hint}.one")
+    if approximate == "tanh":
+        cube = b.node("Mul", [x, b.node("Mul", [x, x], hint=hint)], hint=hint)
+        inner = b.node("Add", [x, b.node("Mul", [cube, b.constant(0.044715, f"{hint}.c")], hint=hint)], hint=hint)
+        scaled = b.node("Mul", [inner, b.constant(math.sqrt(2.0 / math.pi), f"{hint}.k")], hint=hint)
+        gate = b.node("Tanh", [scaled], hint=hint)
+    else:
+        gate = b.node("Erf", [b.node("Div", [x, b.constant(math.sqrt(2.0), f"{hint}.sqrt2")], hint=hint)], hint=hint)
+    b.node("Mul", [b.node("Mul", [x, half], hint=hint), b.node("Add", [gate, one], hint=hint)], out, hint)
+
+
+@emitter("dense")
+def _dense(b: GraphBuilder, layer: Any, x: list[str], shapes: list[Shape], out: str) -> None:
+    inputs = [x[0], b.weight(layer, "weight")] + ([b.weight(layer, "bias")] if layer.use_bias else [])
+    y = b.node("Gemm", inputs, None if layer.activation else out, layer.name, transB=1)
+    if layer.activation:
+        _activation(b, y, layer.activation, out, layer.name)
+
+
+@emitter("conv")
+def _conv(b: GraphBuilder, layer: Any, x: list[str], shapes: list[Shape], out: str) -> None:
+    (top, bottom), (left, right) = layer.pads(shapes[0][1], shapes[0][2])
+    inputs = [x[0], b.weight(layer, "weight")] + ([b.weight(layer, "bias")] if layer.use_bias else [])
+    y = b.node("Conv", inputs, None if layer.activation else out, layer.name, kernel_shape=list(layer.kernel_size),
+               strides=list(layer.strides), dilations=list(layer.dilation_rate), group=layer.groups,
+               pads=[top, left, bottom, right])
+    if layer.activation:
+        _activation(b, y, layer.activation, out, layer.name)
+
+
+@emitter("convtranspose")
+def _conv_transpose(b: GraphBuilder, layer: Any, x: list[str], shapes: list[Shape], out: str) -> None:
+    (top, left, bottom, right), extra = layer.crops()
+    inputs = [x[0], b.weight(layer, "weight")] + ([b.weight(layer, "bias")] if layer.use_bias else [])
+    y = b.node("ConvTranspose", inputs, None if layer.activation else out, layer.name,
+               kernel_shape=list(layer.kernel_size), strides=list(layer.strides), dilations=list(layer.dilation_rate),
+               group=layer.groups, pads=[top, left, bottom, right], output_padding=list(extra))
+    if layer.activation:
+        _activation(b, y, layer.activation, out, layer.name)
+
+
+def _resize(b: GraphBuilder, name: str, x: str, size: tuple[int, int], method: str, align_corners: bool,
+            out: str) -> None:
+    # Sizes, not scales: the output size is then exact, as opgrad's; the batch and channel
+    # entries come from the data's own shape, so the batch axis stays symbolic.
+    leading = b.node("Shape", [x], hint=name, start=0, end=2)
+    sizes = b.node("Concat", [leading, b.constant(list(size), f"{name}.size", np.int64)], hint=name, axis=0)
+    if method == "nearest":
+        attrs = {"mode": "nearest", "coordinate_transformation_mode": "asymmetric", "nearest_mode": "floor"}
+    else:
+        attrs = {"mode": "linear",
+                 "coordinate_transformation_mode": "align_corners" if align_corners else "half_pixel"}
+    b.node("Resize", [x, "", "", sizes], out, name, **attrs)
+
+
+@emitter("upsampling")
+def _upsampling(b: GraphBuilder, layer: Any, x: list[str], shapes: list[Shape], out: str) -> None:
+    _, h, w = shapes[0]
+    _resize(b, layer.name, x[0], (h * layer.size, w * layer.size), layer.interpolation, False, out)
+
+
+@emitter("resize")
+def _resize_layer(b: GraphBuilder, layer: Any, x: list[str], shapes: list[Shape], out: str) -> None:
+    _resize(b, layer.name, x[0], layer.size, layer.method, layer.align_corners, out)
+
+
+@emitter("maxpool", "avgpool")
+def _pool(b: GraphBuilder, layer: Any, x: list[str], shapes: list[Shape], out: str) -> None:
+    (top, bottom), (left, right) = layer.pads(shapes[0][1], shapes[0][2])
+    attrs: dict[str, Any] = {"kernel_shape": list(layer.pool_size), "strides": list(layer.strides),
+                             "pads": [top, left, bottom, right]}
+    if layer.kind == "avgpool":
+        # opgrad's "same" averages the real pixels only; explicit padding counts the zeros.
+        attrs["count_include_pad"] = 0 if layer.padding == "same" else 1
+    b.node("MaxPool" if layer.kind == "maxpool" else "AveragePool", [x[0]], out, layer.name, **attrs)
+
+
+@emitter("globalavgpool")
+def _global_avg_pool(b: GraphBuilder, layer: Any, x: list[str], shapes: list[Shape], out: str) -> None:
+    b.node("Flatten", [b.node("GlobalAveragePool", [x[0]], hint=layer.name)], out, layer.name, axis=1)
+
+
+@emitter("globalpool")
+def _global_pool(b: GraphBuilder, layer: Any, x: list[str], shapes: list[Shape], out: str) -> None:
+    b.node("GlobalAveragePool" if layer.op == "avg" else "GlobalMaxPool", [x[0]], out, layer.name)
+
+
+@emitter("flatten")
+def _flatten(b: GraphBuilder, layer: Any, x: list[str], shapes: list[Shape], out: str) -> None:
+    b.node("Flatten", [x[0]], out, layer.name, axis=1)
+
+
+@emitter("relu", "sigmoid", "tanh", "activation", "leakyrelu", "gelu")
+def _activation_layer(b: GraphBuilder, layer: Any, x: list[str], shapes: list[Shape], out: str) -> None:
+    if layer.kind == "leakyrelu":
+        b.node("LeakyRelu", [x[0]], out, layer.name, alpha=layer.negative_slope)
+    elif layer.kind == "gelu":
+        _gelu(b, x[0], layer.approximate, out, layer.name)
+    else:
+        _activation(b, x[0], layer.activation if layer.kind == "activation" else layer.kind, out, layer.name)
+
+
+@emitter("dropout")
+def _dropout(b: GraphBuilder, layer: Any, x: list[str], shapes: list[Shape], out: str) -> None:
+    b.node("Identity", [x[0]], out, layer.name)  # inference: dropout is off
+
+
+@emitter("batchnorm")
+def _batch_norm(b: GraphBuilder, layer: Any, x: list[str], shapes: list[Shape], out: str) -> None:
+    inputs = [x[0], *(b.weight(layer, k) for k in ("weight", "bias", "running_mean", "running_var"))]
+    b.node("BatchNormalization", inputs, out, layer.name, epsilon=layer.epsilon, momentum=1.0 - layer.momentum)
+
+
+@emitter("layernorm")
+def _layer_norm(b: GraphBuilder, layer: Any, x: list[str], shapes: list[Shape], out: str) -> None:
+    axis = layer.axis % (len(shapes[0]) + 1)  # validated against the rank when the layer was built
+    b.node("LayerNormalization", [x[0], b.weight(layer, "weight"), b.weight(layer, "bias")], out, layer.name,
+           axis=axis, epsilon=layer.epsilon)
+
+
+@emitter("embedding")
+def _embedding(b: GraphBuilder, layer: Any, x: list[str], shapes: list[Shape], out: str) -> None:
+    b.node("Gather", [b.weight(layer, "weight"), x[0]], out, layer.name, axis=0)
+
+
+def _fold(b: GraphBuilder, op_type: str, x: list[str], out: str, hint: str) -> None:
+    total = x[0]
+    for i, other in enumerate(x[1:], start=2):
+        total = b.node(op_type, [total, other], out if i == len(x) else None, hint)
+
+
+@emitter("add")
+def _add(b: GraphBuilder, layer: Any, x: list[str], shapes: list[Shape], out: str) -> None:
+    _fold(b, "Add", x, out, layer.name)
+
+
+_ONNX_ARITHMETIC = {"add": "Add", "subtract": "Sub", "multiply": "Mul", "divide": "Div", "maximum": "Max",
+                    "minimum": "Min"}
+
+
+@emitter("elementwise")
+def _elementwise(b: GraphBuilder, layer: Any, x: list[str], shapes: list[Shape], out: str) -> None:
+    _fold(b, _ONNX_ARITHMETIC[layer.op], x, out, layer.name)
+
+
+@emitter("arithmetic")
+def _arithmetic(b: GraphBuilder, layer: Any, x: list[str], shapes: list[Shape], out: str) -> None:
+    operand = b.weight(layer, "operand") if layer.operand is None else b.constant(layer.operand,
+                                                                                 f"{layer.name}.operand")
+    pair = [operand, x[0]] if layer.reverse else [x[0], operand]
+    b.node(_ONNX_ARITHMETIC[layer.op], pair, out, layer.name)
+
+
+@emitter("concat")
+def _concat(b: GraphBuilder, layer: Any, x: list[str], shapes: list[Shape], out: str) -> None:
+    b.node("Concat", x, out, layer.name, axis=layer.axis % (len(shapes[0]) + 1))
+
+
+@emitter("reshape")
+def _reshape(b: GraphBuilder, layer: Any, x: list[str], shapes: list[Shape], out: str) -> None:
+    shape = b.constant([0, *layer.output_shape], f"{layer.name}.shape", np.int64)  # 0: keep the batch axis
+    b.node("Reshape", [x[0], shape], out, layer.name)
+
+
+@emitter("transpose")
+def _transpose(b: GraphBuilder, layer: Any, x: list[str], shapes: list[Shape], out: str) -> None:
+    b.node("Transpose", [x[0]], out, layer.name, perm=[0, *(a + 1 for a in layer.axes)])
+
+
+@emitter("softmax", "logsoftmax")
+def _softmax(b: GraphBuilder, layer: Any, x: list[str], shapes: list[Shape], out: str) -> None:
+    axis = layer.axis % (len(shapes[0]) + 1)
+    b.node("Softmax" if layer.kind == "softmax" else "LogSoftmax", [x[0]], out, layer.name, axis=axis)
+
+
+@emitter("clip")
+def _clip(b: GraphBuilder, layer: Any, x: list[str], shapes: list[Shape], out: str) -> None:
+    bounds = ["" if v is None else b.constant(v, f"{layer.name}.{k}")
+              for k, v in (("min", layer.min_value), ("max", layer.max_value))]
+    b.node("Clip", [x[0], *bounds], out, layer.name)
+
+
+@emitter("pad")
+def _pad(b: GraphBuilder, layer: Any, x: list[str], shapes: list[Shape], out: str) -> None:
+    pads = b.constant([0, *(p[0] for p in layer.pads), 0, *(p[1] for p in layer.pads)], f"{layer.name}.pads",
+                      np.int64)
+    inputs = [x[0], pads] + ([b.constant(layer.value, f"{layer.name}.value")] if layer.mode == "constant" else [])
+    b.node("Pad", inputs, out, layer.name, mode=layer.mode)
+
+
+@emitter("slice")
+def _slice(b: GraphBuilder, layer: Any, x: list[str], shapes: list[Shape], out: str) -> None:
+    starts, ends, axes, steps = [], [], [], []
+    for axis, (begin, end, step) in enumerate(zip(layer.begin, layer.end, layer.steps)):
+        start, stop, step = slice(begin, end, step).indices(shapes[0][axis])
+        starts.append(start)
+        ends.append(INT64_MIN if stop < 0 else stop)  # ONNX reads -1 as "the last", numpy's indices as "before 0"
+        axes.append(axis + 1)
+        steps.append(step)
+    inputs = [b.constant(v, f"{layer.name}.{k}", np.int64)
+              for k, v in (("starts", starts), ("ends", ends), ("axes", axes), ("steps", steps))]
+    b.node("Slice", [x[0], *inputs], out, layer.name)
+
+
+@emitter("reduce")
+def _reduce(b: GraphBuilder, layer: Any, x: list[str], shapes: list[Shape], out: str) -> None:
+    axes = [a % (len(shapes[0]) + 1) for a in layer.axes]
+    op_type = {"mean": "ReduceMean", "sum": "ReduceSum", "max": "ReduceMax"}[layer.op]
+    if op_type == "ReduceSum":  # an input from opset 13, the others' from 18
+        b.node(op_type, [x[0], b.constant(axes, f"{layer.name}.axes", np.int64)], out, layer.name,
+               keepdims=int(layer.keepdims))
+    else:
+        b.node(op_type, [x[0]], out, layer.name, axes=axes, keepdims=int(layer.keepdims))
+
+
+def to_onnx(model: Model, *, opset: int = OPSET) -> Any:
+    """The ``onnx.ModelProto`` of ``model`` with its current weights (checked by ``onnx.checker``)."""
+    onnx = require_onnx()
+    if opset != OPSET:
+        raise OnnxError(f"opset {opset} is not written; opgrad writes opset {OPSET}")
+    weights = {**model.params, **model.buffers}
+    dtype = next(iter(weights.values())).dtype if weights else np.dtype(np.float32)
+    elem = onnx.TensorProto.DOUBLE if dtype == np.float64 else onnx.TensorProto.FLOAT
+    b = GraphBuilder(onnx, dtype)
+    b.weights = weights
+    names: dict[int, str] = {}
+    graph_inputs = []
+    for tensor in model.inputs:
+        name = b.fresh(str(tensor.name))
+        names[id(tensor)] = name
+        kind = onnx.TensorProto.INT64 if tensor.dtype == "int64" else elem
+        graph_inputs.append(onnx.helper.make_tensor_value_info(name, kind, ["N", *tensor.shape]))
+    final = {id(t): (f"output{i + 1}" if len(model.outputs) > 1 else "output") for i, t in enumerate(model.outputs)}
+    for name in final.values():
+        b.taken.add(name)
+    for node in model.nodes:
+        layer = node.layer
+        fn = EMITTERS.get(layer.kind)
+        if fn is None:
+            raise OnnxError(f"model {model.name!r}: layer {layer.describe()} (kind {layer.kind!r}) has no ONNX "
+                            f"export; exportable kinds: {', '.join(sorted(EMITTERS))}")
+        out = final.get(id(node.output)) or b.fresh(str(layer.name))
+        fn(b, layer, [names[id(t)] for t in node.inputs], [t.shape for t in node.inputs], out)
+        names[id(node.output)] = out
+    outputs = []
+    for tensor in model.outputs:
+        name = final[id(tensor)]
+        if names[id(tensor)] != name:  # an output that is an input or reused: copy it under the output's name
+            b.node("Identity", [names[id(tensor)]], name, "output")
+        outputs.append(onnx.helper.make_tensor_value_info(name, elem, ["N", *tensor.shape]))
+    graph = onnx.helper.make_graph(b.nodes, model.name, graph_inputs, outputs, list(b.initializers.values()))
+    proto = onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", opset)],
+                                   producer_name="opgrad", ir_version=8)
+    try:
+        onnx.checker.check_model(proto, full_check=True)
+    except Exception as exc:  # a bug in an emitter, reported with the checker's words
+        raise OnnxError(f"model {model.name!r}: the ONNX graph written fails onnx.checker: {exc}") from None
+    return proto
+
+
+def save(model: Model, path: str | os.PathLike[str], *, opset: int = OPSET) -> None:
+    """Write ``model`` (its current ``params`` and ``buffers``) to ``path`` as ONNX, atomically.
+
+    The result runs in onnxruntime with opgrad's outputs (inference mode: dropout off, BatchNorm
+    with its running statistics). A layer kind without an emitter is an :class:`OnnxError`.
+    """
+    from opgrad.atomic import atomic_writer
+
+    data = to_onnx(model, opset=opset).SerializeToString()
+    with atomic_writer(path, what="the ONNX model") as handle:
+        handle.write(data)
