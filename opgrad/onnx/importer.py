@@ -109,7 +109,7 @@ class _Reader:
             self.values[tensor.name] = StaticValue(self.tensor_array(tensor, "initializer"), initializer=tensor.name)
 
     def read_inputs(self) -> list[SymbolicTensor]:
-        inputs = []
+        inputs: list[SymbolicTensor] = []
         taken: set[str] = set()
         for info in self.graph.input:
             if info.name in self.values:  # IR < 4 lists initializers among the inputs
@@ -208,7 +208,8 @@ class _Reader:
         specs = {**{k: s.shape for k, s in layer.param_specs().items()},
                  **{k: s.shape for k, s in layer.buffer_specs().items()}}
         if set(specs) != set(weights):
-            raise ValueError(f"layer {layer.describe()} needs weights {sorted(specs)}, the node gives {sorted(weights)}")
+            raise ValueError(f"layer {layer.describe()} needs weights {sorted(specs)}, the node gives "
+                             f"{sorted(weights)}")
         for key, shape in specs.items():
             if tuple(weights[key].shape) != shape:
                 raise ValueError(f"weight {key} has shape {tuple(weights[key].shape)}, the layer needs {shape}")
@@ -297,7 +298,8 @@ class _Reader:
             model = Model(inputs, outputs, name=name)
         except (ValueError, TypeError) as exc:
             raise OnnxError(f"{self.source}: {exc}") from None
-        params, buffers = {}, {}
+        params: dict[str, np.ndarray] = {}
+        buffers: dict[str, np.ndarray] = {}
         for layer in model.layers:
             assert layer.name is not None
             for key, array in self.weights.get(layer.name, {}).items():

@@ -61,7 +61,7 @@ for _op_type in ("Softmax", "LogSoftmax"):
 @converter("Clip", since=11)
 def clip(ctx: NodeContext) -> list[Value]:
     x = ctx.tensor(0, "input")
-    bounds = []
+    bounds: list[float | None] = []
     for index, what in ((1, "min"), (2, "max")):
         if ctx.has_input(index):
             value = ctx.static_floats(index, what)

@@ -37,7 +37,7 @@ def _output_size(ctx: NodeContext, shape: tuple[int, ...]) -> tuple[int, int]:
         if abs(scaled - round(scaled)) > 1e-6 * max(1.0, scaled):
             raise ctx.error(f"scale {by_axis.get(axis)} of axis {axis} gives {scaled:g} pixels; supported: scales "
                             "giving whole output sizes (or give sizes)")
-        out.append(int(round(scaled)))
+        out.append(round(scaled))
     return out[0], out[1]
 
 

@@ -9,7 +9,7 @@ passes it through (:func:`fold_batch_shape`), so ``Reshape(x, [N, -1])`` stays a
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -239,8 +239,8 @@ def concat(ctx: NodeContext) -> list[Value]:
 def _slice_layer(ctx: NodeContext, x: SymbolicTensor, axis: int, start: int | None, stop: int | None,
                  step: int = 1) -> SymbolicTensor:
     """``x[..., start:stop:step, ...]`` along per-example ``axis``."""
-    begin: list[int | None] = [None] * axis + [start]
-    end: list[int | None] = [None] * axis + [stop]
+    begin: list[int | None] = [*([None] * axis), start]
+    end: list[int | None] = [*([None] * axis), stop]
     return ctx.layer(ctx.new(Slice, begin, end, [1] * axis + [step]), x)
 
 
@@ -349,8 +349,13 @@ def _reduce(ctx: NodeContext, op: str, axes_input: bool) -> list[Value]:
     return [ctx.layer(layer, x)]
 
 
+def _reducer(op: str, axes_input: bool) -> Callable[[NodeContext], list[Value]]:
+    def convert(ctx: NodeContext) -> list[Value]:
+        return _reduce(ctx, op, axes_input)
+
+    return convert
+
+
 for _op_type, _op, _since in (("ReduceMean", "mean", 18), ("ReduceSum", "sum", 13), ("ReduceMax", "max", 18)):
-    converter(_op_type, since=1, attributes=("axes", "keepdims"))(
-        lambda ctx, op=_op: _reduce(ctx, op, False))
-    converter(_op_type, since=_since, attributes=("keepdims", "noop_with_empty_axes"))(
-        lambda ctx, op=_op: _reduce(ctx, op, True))
+    converter(_op_type, since=1, attributes=("axes", "keepdims"))(_reducer(_op, False))
+    converter(_op_type, since=_since, attributes=("keepdims", "noop_with_empty_axes"))(_reducer(_op, True))
