@@ -1,4 +1,4 @@
-"""The ``opgrad`` command: ``ops``, ``check``, ``train``, ``predict``, ``bench``, ``export``.
+"""The ``opgrad`` command: ops, check, train, predict, bench, export, import and export-onnx.
 
 Each subcommand lives with the code it drives and exposes ``configure(parser)`` and
 ``run(args) -> int``; this module only dispatches, importing the subcommand lazily so that
@@ -28,6 +28,8 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "predict": ("opgrad.predict", "run a saved model on images: accuracy, confusion matrix, predictions"),
     "bench": ("opgrad.bench", "time the compiled training step against the reference and peers"),
     "export": ("opgrad.deploy.command", "write the training step as a C library (.o/.a/.so + header + runtime)"),
+    "import": ("opgrad.interop", "read an ONNX or Keras model into an opgrad checkpoint"),
+    "export-onnx": ("opgrad.onnx.command", "write a checkpoint's model as ONNX (opset 17)"),
 }
 
 

@@ -41,7 +41,7 @@ DEFAULT_LR = {"adam": 1e-3, "adamw": 1e-3, "rmsprop": 1e-3, "sgd": 1e-2, "moment
 
 def configure(parser: argparse.ArgumentParser) -> None:
     """Add ``opgrad train``'s options to ``parser``."""
-    parser.add_argument("--model", default="seed-cnn", choices=MODEL_NAMES,
+    parser.add_argument("--model", default=None, choices=MODEL_NAMES,
                         help="seed-cnn: the seed CNN, the MNIST CNN of TVM's autodiff tutorial (default); "
                              "keras-mnist: the Keras example model; resnet: a small CIFAR-style ResNet with "
                              "BatchNorm; mlp: two dense hidden layers")
@@ -82,7 +82,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="seeds weights, batch order, dropout (default 0)")
     parser.add_argument("--save", metavar="PATH", default=None,
                         help="write a checkpoint (.npz) after every epoch, atomically")
-    parser.add_argument("--resume", metavar="PATH", default=None, help="continue from a checkpoint")
+    parser.add_argument("--resume", metavar="PATH", default=None,
+                        help="continue from a checkpoint (its architecture, unless --model is given)")
+    parser.add_argument("--init", metavar="PATH", default=None,
+                        help="fine-tune: start from this checkpoint's architecture and weights (opgrad import, "
+                             "model.save or --save), with a fresh optimizer")
     parser.add_argument("--plot", metavar="PATH", default=None, help="write a PNG of the loss and accuracy curves")
     parser.add_argument("--max-steps", type=positive_int, default=None, metavar="N",
                         help="stop each epoch after N steps (smoke tests, benchmarks)")
@@ -148,6 +152,25 @@ def _preflight(args: argparse.Namespace) -> None:
                           '`pip install "opgrad[train]"` (or `pip install matplotlib`), or train without --plot')
 
 
+def _initial_model(args: argparse.Namespace) -> Any:
+    """The model to train: built in by ``--model``, or rebuilt from the ``--init``/``--resume`` checkpoint."""
+    from opgrad.nn import build_model, load_model
+
+    if args.init and (args.resume or args.model):
+        raise ConfigError(f"--init {args.init}: the checkpoint gives the architecture and weights; leave out "
+                          + ("--resume (which continues a run)" if args.resume else f"--model {args.model}"))
+    source = args.init or (args.resume if args.model is None else None)
+    if source is None:
+        args.model = args.model or "seed-cnn"
+        return build_model(args.model)
+    model = load_model(source)
+    if model.input_shapes != [(1, 28, 28)] or len(model.output_shape) != 1 or model.output_shape[0] < 10:
+        raise ConfigError(f"--{'init' if args.init else 'resume'} {source}: model {model.name!r} takes "
+                          f"{', '.join(map(str, model.input_shapes))} and returns {model.output_shapes}; opgrad "
+                          "train feeds MNIST digits (1, 28, 28) and needs one output of at least 10 class logits")
+    return model
+
+
 def run(args: argparse.Namespace) -> int:
     """Train; returns a process exit code (0 ok).
 
@@ -155,15 +178,16 @@ def run(args: argparse.Namespace) -> int:
     output path, a diverging loss), which ``opgrad.cli`` prints as one line.
     """
     from opgrad.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
-    from opgrad.nn import Trainer, build_model, make_optimizer
+    from opgrad.nn import Trainer, make_optimizer
     from opgrad.nn.schedules import LRSchedule, Schedule, StepLR, WarmupLR
 
     _preflight(args)
+    model = _initial_model(args)
+    initial_buffers = dict(model.buffers) if args.init else {}
     if args.epochs is None:
-        args.epochs = MODEL_EPOCHS[args.model]
+        args.epochs = MODEL_EPOCHS.get(args.model or model.name, DEFAULT_EPOCHS)
     data = _load_data(args.data)
     backend = resolve_backend(args.backend)
-    model = build_model(args.model)
     optimizer = make_optimizer(args.optimizer, weight_decay=args.weight_decay, clip_norm=args.clip_norm,
                                clip_value=args.clip_value)
     lr = args.lr if args.lr is not None else DEFAULT_LR[args.optimizer]
@@ -181,7 +205,9 @@ def run(args: argparse.Namespace) -> int:
         schedule = WarmupLR(schedule, args.warmup_steps)
     trainer = Trainer(model, optimizer, lr=schedule, batch_size=args.batch_size,
                       seed=args.seed, backend=backend, augment_shift=args.augment_shift,
-                      stop_on_nan=args.stop_on_nan)
+                      stop_on_nan=args.stop_on_nan, params=model.params if args.init else None)
+    if initial_buffers:  # the Trainer starts from fresh running statistics; fine-tuning keeps the checkpoint's
+        trainer.state = {**trainer.state, **initial_buffers}
     if args.resume:
         arrays, meta = load_checkpoint(args.resume, expected=trainer.expected_arrays())
         try:
@@ -195,6 +221,8 @@ def run(args: argparse.Namespace) -> int:
     print(f"model {model.name}: {model.num_params:,} parameters; data {data.summary()}")
     print(f"optimizer {optimizer.describe()}, lr {trainer.schedule.describe()}, batch {args.batch_size}, "
           f"augment shift {args.augment_shift}, seed {args.seed}, backend {backend}")
+    if args.init:
+        print(f"fine-tuning from {args.init}")
     if trainer.epoch:
         print(f"resumed from {args.resume} after epoch {trainer.epoch} (step {trainer.step})")
     if trainer.epoch >= args.epochs:

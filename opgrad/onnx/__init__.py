@@ -14,12 +14,11 @@ See docs/interop.md for the supported nodes and the errors.
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING
-
-from opgrad.onnx.table import OnnxError
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from opgrad.nn.model import Model
+    from opgrad.onnx.table import OnnxError
 
 __all__ = ["OnnxError", "load", "save"]
 
@@ -36,3 +35,13 @@ def save(model: Model, path: str | os.PathLike[str], *, opset: int = 17) -> None
     from opgrad.onnx.exporter import save as save_model
 
     save_model(model, path, opset=opset)
+
+
+def __getattr__(name: str) -> Any:
+    # Imported on use: `opgrad export-onnx` is configured on every `opgrad` start, which should not
+    # load opgrad.nn for it.
+    if name == "OnnxError":
+        from opgrad.onnx.table import OnnxError
+
+        return OnnxError
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
