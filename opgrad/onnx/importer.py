@@ -23,6 +23,7 @@ from opgrad.nn.layers import Input, Layer, SymbolicTensor
 from opgrad.nn.model import Model
 from opgrad.onnx import converters  # noqa: F401  (registers the converters)
 from opgrad.onnx.table import (
+    BATCH,
     NodeContext,
     OnnxError,
     StaticValue,
@@ -222,7 +223,9 @@ class _Reader:
         if any(a is not None and a.dtype == object for a in inputs):
             from opgrad.onnx.converters.shape import fold_batch_shape
 
-            return [StaticValue(a) for a in fold_batch_shape(node, attributes, inputs, self.opset, where)]
+            results = [np.asarray(a, dtype=object) for a in fold_batch_shape(node, attributes, inputs, self.opset,
+                                                                            where)]
+            return [StaticValue(a if any(v is BATCH for v in a.ravel()) else a.astype(np.int64)) for a in results]
         if node.op_type in _FOLD_GUARDED:
             sizes = [a for a in inputs if a is not None and a.dtype.kind in "iu"]
             if any(np.prod(np.abs(a.astype(np.float64))) > MAX_ELEMENTS for a in sizes):
@@ -293,7 +296,8 @@ class _Reader:
             outputs.append(value)
         if not outputs:
             raise OnnxError(f"{self.source}: the graph has no outputs")
-        name = _safe_name(self.graph.name, "onnx-model")
+        # The file's name, which the user chose, rather than the exporter's graph name ("main_graph").
+        name = _safe_name(Path(self.source).stem, _safe_name(self.graph.name, "onnx-model"))
         try:
             model = Model(inputs, outputs, name=name)
         except (ValueError, TypeError) as exc:
