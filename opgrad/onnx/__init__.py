@@ -30,7 +30,7 @@ def load(path: str | os.PathLike[str]) -> Model:
     return load_model(path)
 
 
-def save(model: Model, path: str | os.PathLike[str], *, opset: int = 17) -> None:
+def save(model: Model, path: str | os.PathLike[str], *, opset: int | None = None) -> None:
     """Write ``model`` with its current weights to ``path`` as ONNX; see :func:`opgrad.onnx.exporter.save`."""
     from opgrad.onnx.exporter import save as save_model
 

@@ -1,4 +1,4 @@
-"""``save``: an ``opgrad.nn.Model`` with its weights -> a standard ONNX graph (opset 17).
+"""``save``: an ``opgrad.nn.Model`` with its weights -> a standard ONNX graph (opset 17, or 20 for GELU).
 
 One emitter per layer kind, found in :data:`EMITTERS` (the mirror of the import table): it
 writes the ONNX nodes that compute the layer in inference mode (dropout off, BatchNorm with
@@ -20,10 +20,14 @@ from opgrad.nn.layers import Layer
 from opgrad.nn.model import Model
 from opgrad.onnx.table import OnnxError, require_onnx
 
-__all__ = ["EMITTERS", "OPSET", "emitter", "save", "to_onnx"]
+__all__ = ["EMITTERS", "GELU_OPSET", "OPSET", "OPSETS", "emitter", "save", "to_onnx", "uses_gelu"]
 
-#: The default-domain opset written (LayerNormalization needs 17).
+#: The default-domain opset written (LayerNormalization needs 17); a model with GELU gets 20, the
+#: first with a Gelu node (at 17 it is written as its erf formula, which onnxruntime runs but
+#: opgrad's importer does not read back).
 OPSET = 17
+GELU_OPSET = 20
+OPSETS = range(17, 21)
 INT64_MAX = 2**63 - 1
 INT64_MIN = -(2**63)
 Shape = tuple[int, ...]
@@ -32,8 +36,8 @@ Shape = tuple[int, ...]
 class GraphBuilder:
     """Collects nodes and initializers; every name it hands out is unique."""
 
-    def __init__(self, onnx: Any, dtype: np.dtype) -> None:
-        self.onnx, self.dtype = onnx, dtype
+    def __init__(self, onnx: Any, dtype: np.dtype, opset: int) -> None:
+        self.onnx, self.dtype, self.opset = onnx, dtype, opset
         self.nodes: list[Any] = []
         self.initializers: dict[str, Any] = {}
         self.taken: set[str] = set()
@@ -101,7 +105,10 @@ def _activation(b: GraphBuilder, x: str, activation: str | None, out: str, hint:
 
 
 def _gelu(b: GraphBuilder, x: str, approximate: str, out: str, hint: str) -> None:
-    # Opset 17 has no Gelu node: the formula, as PyTorch exports it.
+    if b.opset >= GELU_OPSET:
+        b.node("Gelu", [x], out, hint, approximate=approximate)
+        return
+    # Before opset 20 there is no Gelu node: the formula, as PyTorch exports it.
     half = b.constant(0.5, f"{hint}.half")
     one = b.constant(1.0, f"{hint}.one")
     if approximate == "tanh":
@@ -311,22 +318,31 @@ def _slice(b: GraphBuilder, layer: Any, x: list[str], shapes: list[Shape], out: 
 def _reduce(b: GraphBuilder, layer: Any, x: list[str], shapes: list[Shape], out: str) -> None:
     axes = [a % (len(shapes[0]) + 1) for a in layer.axes]
     op_type = {"mean": "ReduceMean", "sum": "ReduceSum", "max": "ReduceMax"}[layer.op]
-    if op_type == "ReduceSum":  # an input from opset 13, the others' from 18
+    if op_type == "ReduceSum" or b.opset >= 18:  # axes are an input from opset 13 (ReduceSum), 18 (the others)
         b.node(op_type, [x[0], b.constant(axes, f"{layer.name}.axes", np.int64)], out, layer.name,
                keepdims=int(layer.keepdims))
     else:
         b.node(op_type, [x[0]], out, layer.name, axes=axes, keepdims=int(layer.keepdims))
 
 
-def to_onnx(model: Model, *, opset: int = OPSET) -> Any:
-    """The ``onnx.ModelProto`` of ``model`` with its current weights (checked by ``onnx.checker``)."""
+def uses_gelu(model: Model) -> bool:
+    return any(layer.kind == "gelu" or getattr(layer, "activation", None) == "gelu" for layer in model.layers)
+
+
+def to_onnx(model: Model, *, opset: int | None = None) -> Any:
+    """The ``onnx.ModelProto`` of ``model`` with its current weights (checked by ``onnx.checker``).
+
+    ``opset`` defaults to 17, or 20 when the model uses GELU; 17 to 20 can be asked for.
+    """
     onnx = require_onnx()
-    if opset != OPSET:
-        raise OnnxError(f"opset {opset} is not written; opgrad writes opset {OPSET}")
+    if opset is None:
+        opset = GELU_OPSET if uses_gelu(model) else OPSET
+    if opset not in OPSETS:
+        raise OnnxError(f"opset {opset} is not written; opgrad writes opsets {OPSETS[0]} to {OPSETS[-1]}")
     weights = {**model.params, **model.buffers}
     dtype = next(iter(weights.values())).dtype if weights else np.dtype(np.float32)
     elem = onnx.TensorProto.DOUBLE if dtype == np.float64 else onnx.TensorProto.FLOAT
-    b = GraphBuilder(onnx, dtype)
+    b = GraphBuilder(onnx, dtype, opset)
     b.weights = weights
     names: dict[int, str] = {}
     graph_inputs = []
@@ -363,7 +379,7 @@ def to_onnx(model: Model, *, opset: int = OPSET) -> Any:
     return proto
 
 
-def save(model: Model, path: str | os.PathLike[str], *, opset: int = OPSET) -> None:
+def save(model: Model, path: str | os.PathLike[str], *, opset: int | None = None) -> None:
     """Write ``model`` (its current ``params`` and ``buffers``) to ``path`` as ONNX, atomically.
 
     The result runs in onnxruntime with opgrad's outputs (inference mode: dropout off, BatchNorm

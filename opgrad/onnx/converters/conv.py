@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from opgrad.nn.layers import Conv2D, Conv2DTranspose, SymbolicTensor
-from opgrad.nn.ops_layers import Pad
+from opgrad.nn.ops_layers import Pad, Slice
 from opgrad.onnx.table import NodeContext, Value, converter
 
 __all__ = ["AUTO_PADS", "same_pads", "spatial_pads", "symmetric_or_padded"]
@@ -126,10 +126,14 @@ def conv_transpose(ctx: NodeContext) -> list[Value]:
         pads = (begin[0], begin[1], totals[0] - begin[0], totals[1] - begin[1])
     else:
         pads = spatial_pads(ctx, x.shape[1:], kernel, strides, dilations)
-    if pads[0] != pads[2] or pads[1] != pads[3]:
-        raise ctx.unsupported("pads", list(pads), "equal pads at the begin and end of each axis (top = bottom, "
-                                                  "left = right)")
-    layer = ctx.new(Conv2DTranspose, filters, kernel, strides=strides, padding=(pads[0], pads[1]),
+    # Unequal crops: the layer crops what both sides share, a Slice the rest.
+    top, left = min(pads[0], pads[2]), min(pads[1], pads[3])
+    layer = ctx.new(Conv2DTranspose, filters, kernel, strides=strides, padding=(top, left),
                     output_padding=extra, dilation_rate=dilations, groups=group, use_bias=b is not None)
     weights = {"weight": w} if b is None else {"weight": w, "bias": b}
-    return [ctx.layer(layer, x, weights)]
+    y = ctx.layer(layer, x, weights)
+    crops = (pads[0] - top, pads[1] - left, pads[2] - top, pads[3] - left)
+    if crops == (0, 0, 0, 0):
+        return [y]
+    end = [None, -crops[2] or None, -crops[3] or None]
+    return [ctx.layer(ctx.new(Slice, [None, crops[0], crops[1]], end), y)]

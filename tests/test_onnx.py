@@ -1,0 +1,470 @@
+"""ONNX interop: PyTorch-exported models load and predict like PyTorch, their gradients pass the
+checker, they fine-tune with compiled kernels, and opgrad models go back out as ONNX that
+onnxruntime runs with opgrad's outputs. Every node kind is checked against onnxruntime on a small
+hand-built graph; every refused case names the node, its op type and the attribute."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from optional import require
+
+onnx = require("onnx", "the ONNX importer reads files with it (pip install 'opgrad[interop]')")
+ort = require("onnxruntime", "the ONNX tests run exported models in it")
+
+import opgrad  # noqa: E402
+from opgrad import cli, nn  # noqa: E402
+from opgrad import onnx as opgrad_onnx  # noqa: E402
+from opgrad.checks import check_function  # noqa: E402
+from opgrad.data import load_embedded_mnist  # noqa: E402
+from opgrad.nn.losses import softmax_cross_entropy  # noqa: E402
+from opgrad.onnx.exporter import to_onnx  # noqa: E402
+from opgrad.onnx.table import OnnxError  # noqa: E402
+
+from onnx import TensorProto, helper, numpy_helper  # noqa: E402
+
+FIXTURES = Path(__file__).parent / "fixtures"
+TORCH_MODELS = ["onnx_resnet", "onnx_mlp"]
+INT_MAX = 2**63 - 1
+
+
+def run_onnxruntime(path: Path | str, *arrays: np.ndarray) -> list[np.ndarray]:
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    feeds = {i.name: a for i, a in zip(session.get_inputs(), arrays)}
+    return [np.asarray(o) for o in session.run(None, feeds)]
+
+
+def as_list(outputs: Any) -> list[np.ndarray]:
+    return outputs if isinstance(outputs, list) else [outputs]
+
+
+def expected(name: str) -> Any:
+    return np.load(FIXTURES / f"{name}_expected.npz")
+
+
+# ----- models exported by PyTorch -----
+
+
+@pytest.mark.parametrize("name", TORCH_MODELS)
+def test_pytorch_exports_predict_like_pytorch(name: str) -> None:
+    model = opgrad_onnx.load(FIXTURES / f"{name}.onnx")
+    data = expected(name)
+    assert isinstance(model, nn.Model) and model.input_shape == (1, 28, 28) and model.output_shape == (10,)
+    ours = model.predict(data["x"], batch_size=2, backend="reference")  # a partial last batch too
+    np.testing.assert_allclose(ours, data["y"], rtol=0, atol=1e-5)
+    np.testing.assert_allclose(run_onnxruntime(FIXTURES / f"{name}.onnx", data["x"])[0], data["y"], atol=1e-5)
+
+
+def test_imported_resnet_keeps_its_structure_and_checkpoints(tmp_path: Path) -> None:
+    model = opgrad_onnx.load(FIXTURES / "onnx_resnet.onnx")
+    kinds = [layer.kind for layer in model.layers]
+    for kind in ("conv", "batchnorm", "relu", "maxpool", "add", "avgpool", "globalpool", "flatten", "dense"):
+        assert kind in kinds
+    assert model.num_params == 2642 and len(model.buffers) == 8
+    model.save(tmp_path / "resnet.npz")
+    again = nn.load(tmp_path / "resnet.npz")
+    assert again.get_config() == model.get_config()
+    x = expected("onnx_resnet")["x"]
+    np.testing.assert_array_equal(again.predict(x, backend="reference"), model.predict(x, backend="reference"))
+
+
+@pytest.mark.parametrize("name", TORCH_MODELS)
+def test_imported_model_gradient_passes_the_checker(name: str) -> None:
+    """The training loss (batch statistics in BatchNorm, as fine-tuning uses) differentiated by opgrad."""
+    model = opgrad_onnx.load(FIXTURES / f"{name}.onnx")
+    x, labels = opgrad.var("x", (2, 1, 28, 28)), opgrad.var("labels", (2,), "int64")
+    params, buffers = model.param_vars(), model.buffer_vars()
+    outputs, _ = model.call([x], {**params, **buffers}, nn.ForwardContext(training=True))
+    loss = opgrad.function([x, labels, *params.values(), *buffers.values()], softmax_cross_entropy(outputs[0], labels))
+    arrays = [expected(name)["x"][:2], np.array([3, 7]), *model.params.values(), *model.buffers.values()]
+    report = check_function(loss, arrays, wrt=list(params), seed=0, max_examples=1, directions=2)
+    assert report.passed, str(report)
+
+
+def test_imported_resnet_fine_tunes_with_compiled_kernels() -> None:
+    model = opgrad_onnx.load(FIXTURES / "onnx_resnet.onnx")
+    before = {k: v.copy() for k, v in model.params.items()}
+    buffers = dict(model.buffers)
+    mnist = load_embedded_mnist()
+    images, labels = mnist.train_images[:32], mnist.train_labels[:32]
+    trainer = nn.Trainer(model, nn.Adam(), lr=3e-3, batch_size=32, backend="llvm", params=model.params)
+    trainer.state = {**trainer.state, **buffers}
+    losses = [trainer.train_batch(images, labels) for _ in range(8)]
+    assert losses[-1] < 0.8 * losses[0], losses
+    assert any(not np.array_equal(before[k], model.params[k]) for k in before)
+    assert not np.array_equal(buffers["stem_stem_1_BatchNormalization.running_mean"],
+                              model.buffers["stem_stem_1_BatchNormalization.running_mean"])
+
+
+# ----- opgrad -> ONNX -> onnxruntime -----
+
+
+def _perturbed(model: nn.Model, seed: int = 0) -> nn.Model:
+    """Weights and running statistics away from their initial values, so BatchNorm's matter."""
+    rng = np.random.default_rng(seed)
+    model.params = {k: (v + 0.05 * rng.standard_normal(v.shape)).astype(np.float32) for k, v in model.params.items()}
+    if model.buffers:
+        model.buffers = {k: (rng.uniform(0.5, 1.5, v.shape) if k.endswith("var") else
+                             rng.uniform(-0.2, 0.2, v.shape)).astype(np.float32) for k, v in model.buffers.items()}
+    return model
+
+
+@pytest.mark.parametrize("name", ["seed-cnn", "resnet", "mlp", "keras-mnist"])
+def test_builtin_models_round_trip_through_onnxruntime(name: str, tmp_path: Path) -> None:
+    model = _perturbed(nn.build_model(name))
+    path = tmp_path / f"{name}.onnx"
+    opgrad_onnx.save(model, path)
+    x = np.random.default_rng(1).random((3, 1, 28, 28), dtype=np.float32)
+    ours = model.predict(x, batch_size=3, backend="reference")
+    np.testing.assert_allclose(run_onnxruntime(path, x)[0], ours, rtol=1e-5, atol=1e-5)
+    back = opgrad_onnx.load(path)
+    np.testing.assert_allclose(back.predict(x, batch_size=3, backend="reference"), ours, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", TORCH_MODELS)
+def test_imported_models_go_back_out_as_onnx(name: str, tmp_path: Path) -> None:
+    model = opgrad_onnx.load(FIXTURES / f"{name}.onnx")
+    opgrad_onnx.save(model, tmp_path / "out.onnx")
+    data = expected(name)
+    np.testing.assert_allclose(run_onnxruntime(tmp_path / "out.onnx", data["x"])[0], data["y"], atol=1e-5)
+
+
+def generic_layers_model() -> nn.Model:
+    """Every opgrad layer kind the importer produces or the exporter writes, in one graph."""
+    inp = nn.Input((3, 8, 8), name="images")
+    x = nn.Conv2D(4, 3, padding="same", strides=2, activation="gelu")(inp)
+    x = nn.Conv2DTranspose(4, 3, strides=2, padding="same", activation="tanh")(x)
+    x = nn.BatchNorm2D()(nn.Pad([(0, 0), (1, 0), (0, 2)], mode="reflect")(x))
+    up = nn.Resize((6, 10), method="bilinear")(nn.Slice([None, None, 1], [None, None, -1], [1, 1, 1])(x))
+    near = nn.UpSampling2D(2)(nn.AvgPool2D(2, padding="same")(nn.MaxPool2D(3, strides=1, padding=1)(x)))
+    both = nn.Concatenate(axis=1)([nn.Slice([None, 0, 0], [None, 6, 10])(near), up])
+    scaled = nn.Arithmetic("divide", operand=[[[2.0]]], reverse=True)(nn.Clip(0.1, 3.0)(nn.Sigmoid()(both)))
+    shifted = nn.Arithmetic("subtract", operand_shape=(8, 1, 1))(scaled)
+    mixed = nn.Elementwise("multiply")([shifted, nn.Reduce("mean", [2, 3])(shifted)])
+    pooled = nn.Flatten()(nn.GlobalPool2D("max")(nn.Transpose([0, 2, 1])(mixed)))
+    flat = nn.Reshape((2, -1))(nn.LeakyReLU(0.2)(nn.Dense(8)(pooled)))
+    logits = nn.Dense(10)(nn.Flatten()(nn.Softmax(axis=1)(nn.Reduce("sum", [-1])(flat))))
+    side = nn.LogSoftmax()(nn.Dense(5, activation="relu")(nn.Flatten()(nn.GlobalAvgPool2D()(x))))
+    return nn.Model(inp, [logits, side], name="generic")
+
+
+def test_generic_layers_export_import_and_checkpoint(tmp_path: Path) -> None:
+    model = _perturbed(generic_layers_model())
+    x = np.random.default_rng(2).random((2, 3, 8, 8), dtype=np.float32)
+    ours = as_list(model.predict(x, batch_size=2, backend="reference"))
+    opgrad_onnx.save(model, tmp_path / "generic.onnx")
+    for theirs, mine in zip(run_onnxruntime(tmp_path / "generic.onnx", x), ours):
+        np.testing.assert_allclose(theirs, mine, rtol=1e-5, atol=1e-5)
+    assert onnx.load(tmp_path / "generic.onnx").opset_import[0].version == 20  # the first opset with Gelu
+    opgrad_onnx.save(model, tmp_path / "generic17.onnx", opset=17)  # GELU as its erf formula
+    for theirs, mine in zip(run_onnxruntime(tmp_path / "generic17.onnx", x), ours):
+        np.testing.assert_allclose(theirs, mine, rtol=1e-5, atol=1e-5)
+    back = opgrad_onnx.load(tmp_path / "generic.onnx")
+    for again, mine in zip(as_list(back.predict(x, batch_size=2, backend="reference")), ours):
+        np.testing.assert_allclose(again, mine, rtol=1e-5, atol=1e-6)
+    model.save(tmp_path / "generic.npz")
+    loaded = nn.load(tmp_path / "generic.npz")
+    assert loaded.get_config() == model.get_config()
+    for again, mine in zip(as_list(loaded.predict(x, batch_size=2, backend="reference")), ours):
+        np.testing.assert_array_equal(again, mine)
+
+
+# ----- every node kind against onnxruntime -----
+
+
+def build(nodes: list[Any], input_shape: tuple[int, ...], initializers: dict[str, Any] | None = None, *,
+          outputs: tuple[str, ...] = ("y",), opset: int = 17, input_type: int = TensorProto.FLOAT,
+          batch: Any = "N") -> Any:
+    graph = helper.make_graph(
+        nodes, "case", [helper.make_tensor_value_info("x", input_type, [batch, *input_shape])],
+        [helper.make_tensor_value_info(name, TensorProto.FLOAT, None) for name in outputs],
+        [numpy_helper.from_array(np.asarray(v), k) for k, v in (initializers or {}).items()])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)], ir_version=8)
+    try:  # the checker wants the outputs' shapes: let ONNX's shape inference write them
+        return onnx.shape_inference.infer_shapes(model, strict_mode=True)
+    except Exception:  # a graph made to be refused; it keeps its outputs untyped
+        return model
+
+
+def node(op_type: str, inputs: list[str], outputs: list[str] | None = None, **attrs: Any) -> Any:
+    return helper.make_node(op_type, inputs, outputs or ["y"], name=f"my_{op_type.lower()}", **attrs)
+
+
+def _rand(*shape: int, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).standard_normal(shape).astype(np.float32)
+
+
+def _i64(*values: int) -> np.ndarray:
+    return np.array(values, dtype=np.int64)
+
+
+CASES: dict[str, tuple[list[Any], tuple[int, ...], dict[str, Any]] | tuple[Any, ...]] = {
+    "conv groups, dilations, asymmetric pads": (
+        [node("Conv", ["x", "w", "b"], group=2, dilations=[2, 1], strides=[2, 1], pads=[1, 2, 0, 1])],
+        (4, 9, 9), {"w": _rand(6, 2, 3, 3), "b": _rand(6)}),
+    "conv SAME_LOWER": ([node("Conv", ["x", "w"], auto_pad="SAME_LOWER", strides=[2, 2])], (3, 8, 7),
+                        {"w": _rand(4, 3, 3, 3)}),
+    "conv SAME_UPPER": ([node("Conv", ["x", "w"], auto_pad="SAME_UPPER", strides=[2, 2])], (3, 8, 7),
+                        {"w": _rand(4, 3, 3, 3)}),
+    "conv transpose": ([node("ConvTranspose", ["x", "w", "b"], strides=[2, 2], pads=[1, 1, 1, 1],
+                             output_padding=[1, 1])], (3, 4, 5), {"w": _rand(3, 4, 3, 3), "b": _rand(4)}),
+    "conv transpose groups, output_shape": (
+        [node("ConvTranspose", ["x", "w"], group=2, strides=[2, 2], output_shape=[6, 7])], (4, 4, 4),
+        {"w": _rand(4, 1, 2, 2)}),
+    "gemm alpha, beta, transB=0": ([node("Gemm", ["x", "w", "c"], alpha=0.5, beta=2.0)], (5,),
+                                   {"w": _rand(5, 3), "c": _rand(1, 3)}),
+    "matmul + add initializer": ([node("MatMul", ["x", "w"], ["h"]), node("Add", ["h", "b"])], (5,),
+                                 {"w": _rand(5, 4), "b": _rand(4)}),
+    "sub/div against constants": (
+        [helper.make_node("Constant", [], ["c"], value=numpy_helper.from_array(np.array(1.5, np.float32))),
+         node("Sub", ["c", "x"], ["h"]), node("Div", ["h", "d"])], (3, 2, 2), {"d": _rand(3, 1, 1) + 3}),
+    "mul between tensors, broadcast": ([node("ReduceMean", ["x"], ["m"], axes=[2, 3], keepdims=1),
+                                        node("Mul", ["x", "m"])], (3, 4, 5), {}),
+    "softmax axis 1, logsoftmax": ([node("Softmax", ["x"], ["s"], axis=1), node("LogSoftmax", ["s"])], (3, 4), {}),
+    "softmax opset 11 flattens": ([node("Softmax", ["x"], axis=1)], (3, 4), {}, 11),
+    "maxpool asymmetric pads": ([node("MaxPool", ["x"], kernel_shape=[3, 3], strides=[2, 2], pads=[0, 1, 1, 0])],
+                                (2, 7, 8), {}),
+    "maxpool SAME_UPPER": ([node("MaxPool", ["x"], kernel_shape=[2, 3], strides=[2, 2], auto_pad="SAME_UPPER")],
+                           (2, 7, 8), {}),
+    "avgpool count_include_pad": ([node("AveragePool", ["x"], kernel_shape=[3, 3], strides=[2, 2],
+                                        pads=[1, 1, 1, 1], count_include_pad=1)], (2, 7, 8), {}),
+    "avgpool SAME_UPPER excludes pads": ([node("AveragePool", ["x"], kernel_shape=[3, 3], strides=[2, 2],
+                                               auto_pad="SAME_UPPER")], (2, 7, 8), {}),
+    "avgpool ceil_mode without effect": ([node("AveragePool", ["x"], kernel_shape=[2, 2], strides=[2, 2],
+                                               ceil_mode=1)], (2, 8, 6), {}),
+    "global pools, concat, flatten": ([node("GlobalMaxPool", ["x"], ["a"]), node("GlobalAveragePool", ["x"], ["b"]),
+                                       node("Concat", ["a", "b"], ["c"], axis=1), node("Flatten", ["c"], axis=1)],
+                                      (3, 4, 5), {}),
+    "transpose, reshape [0, -1]": ([node("Transpose", ["x"], ["t"], perm=[0, 2, 3, 1]),
+                                    node("Reshape", ["t", "s"])], (3, 4, 5), {"s": _i64(0, -1)}),
+    "split, slice with a negative step": (
+        [node("Split", ["x", "sizes"], ["a", "b"], axis=1), node("Slice", ["b", "st", "en", "ax", "sp"], ["y"])],
+        (4, 3, 7), {"sizes": _i64(1, 3), "st": _i64(-1, 0), "en": _i64(-INT_MAX, INT_MAX), "ax": _i64(3, 0),
+                    "sp": _i64(-2, 1)}, 17, ("a", "y")),
+    "pad constant value": ([node("Pad", ["x", "p", "v"], mode="constant")], (2, 3, 4),
+                           {"p": _i64(0, 0, 1, 2, 0, 0, 2, 1), "v": np.array(0.5, np.float32)}),
+    "pad reflect": ([node("Pad", ["x", "p"], mode="reflect")], (2, 3, 4), {"p": _i64(0, 0, 1, 2, 0, 0, 2, 1)}),
+    "pad edge with axes": ([node("Pad", ["x", "p", "", "a"], mode="edge")], (2, 3, 4),
+                           {"p": _i64(1, 0, 2, 3), "a": _i64(2, 3)}, 18),
+    "resize nearest": ([node("Resize", ["x", "", "s"], mode="nearest", coordinate_transformation_mode="asymmetric",
+                             nearest_mode="floor")], (2, 3, 4), {"s": np.array([1, 1, 2, 3], np.float32)}),
+    "resize linear pytorch_half_pixel": ([node("Resize", ["x", "", "s"], mode="linear",
+                                               coordinate_transformation_mode="pytorch_half_pixel")],
+                                         (2, 3, 4), {"s": np.array([1, 1, 2, 1.5], np.float32)}),
+    "resize linear align_corners": ([node("Resize", ["x", "", "s"], mode="linear",
+                                          coordinate_transformation_mode="align_corners")],
+                                    (2, 3, 4), {"s": np.array([1, 1, 3, 2], np.float32)}),
+    "reduce sum (axes input) and max": ([node("ReduceSum", ["x", "a"], ["s"], keepdims=0),
+                                         node("ReduceMax", ["s"], axes=[-1], keepdims=1)], (2, 3, 4),
+                                        {"a": _i64(2)}),
+    "clip, cast, identity, dropout": (
+        [helper.make_node("Constant", [], ["lo"], value_float=-0.5), node("Clip", ["x", "lo"], ["c"]),
+         node("Cast", ["c"], ["d"], to=TensorProto.FLOAT), node("Identity", ["d"], ["e"]),
+         node("Dropout", ["e", "r"])], (3, 4), {"r": np.array(0.3, np.float32)}),
+    "activations": ([node("LeakyRelu", ["x"], ["a"], alpha=0.2), node("Sigmoid", ["a"], ["b"]),
+                     node("Tanh", ["b"], ["c"]), node("Relu", ["c"])], (3, 4), {}),
+    "unsqueeze, squeeze": ([node("Unsqueeze", ["x", "a"], ["u"]), node("Squeeze", ["u", "b"])], (6,),
+                           {"a": _i64(2, 3), "b": _i64(3)}),
+    "flatten axis 2": ([node("Flatten", ["x"], axis=2)], (1, 4, 3), {}),
+    "batchnorm on features": ([node("BatchNormalization", ["x", "g", "b", "m", "v"], epsilon=1e-3)], (4,),
+                              {"g": _rand(4), "b": _rand(4), "m": _rand(4), "v": np.abs(_rand(4)) + 0.5}),
+    "shape arithmetic into reshape": (
+        [node("Shape", ["x"], ["sh"]), node("Gather", ["sh", "zero"], ["n"], axis=0),
+         node("Unsqueeze", ["n", "ax"], ["n1"]), node("Concat", ["n1", "rest"], ["target"], axis=0),
+         node("Reshape", ["x", "target"])], (2, 3, 4), {"zero": np.array(0, np.int64), "ax": _i64(0),
+                                                       "rest": _i64(4, 6)}),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_node_kinds_match_onnxruntime_and_round_trip(case: str, tmp_path: Path) -> None:
+    nodes, shape, inits, *rest = CASES[case]
+    opset = rest[0] if rest else 17
+    outputs = rest[1] if len(rest) > 1 else ("y",)
+    path = tmp_path / "case.onnx"
+    onnx.save(build(nodes, shape, inits, outputs=outputs, opset=opset), path)
+    x = _rand(2, *shape, seed=3)
+    reference = run_onnxruntime(path, x)
+    model = opgrad_onnx.load(path)
+    ours = as_list(model.predict(x, batch_size=2, backend="reference"))
+    assert len(ours) == len(reference)
+    for theirs, mine in zip(reference, ours):
+        np.testing.assert_allclose(mine, theirs, rtol=1e-5, atol=1e-5)
+    opgrad_onnx.save(model, tmp_path / "back.onnx")
+    for theirs, again in zip(reference, run_onnxruntime(tmp_path / "back.onnx", x)):
+        np.testing.assert_allclose(again, theirs, rtol=1e-5, atol=1e-5)
+
+
+# ----- refused: one clear error each -----
+
+
+def _huge_initializer() -> Any:
+    tensor = TensorProto(name="w", data_type=TensorProto.FLOAT, dims=[1 << 20, 1 << 20], raw_data=b"\0" * 16)
+    model = build([node("MatMul", ["x", "w"])], (4,))
+    model.graph.initializer.append(tensor)
+    return model
+
+
+def _external_initializer() -> Any:
+    model = build([node("MatMul", ["x", "w"])], (4,), {"w": _rand(4, 2)})
+    tensor = model.graph.initializer[0]
+    tensor.ClearField("raw_data")
+    tensor.data_location = TensorProto.EXTERNAL
+    entry = tensor.external_data.add()
+    entry.key, entry.value = "location", "../../etc/passwd"
+    return model
+
+
+def _cycle() -> Any:
+    return build([node("Relu", ["x", "b"], ["a"]), node("Add", ["a", "x"], ["b"]), node("Identity", ["b"])], (3,))
+
+
+REFUSED: dict[str, tuple[Any, str]] = {
+    "unsupported op": (build([node("HardSwish", ["x"])], (3,)),
+                       r"node 'my_hardswish' \(HardSwish\): op type HardSwish is not supported; supported op types:"),
+    "unsupported attribute value": (
+        build([node("Resize", ["x", "", "s"], mode="cubic")], (1, 2, 2), {"s": np.array([1, 1, 2, 2], np.float32)}),
+        r"node 'my_resize' \(Resize\): attribute mode='cubic' is not supported; supported: nearest, linear"),
+    "max pool dilations": (build([node("MaxPool", ["x"], kernel_shape=[2, 2], dilations=[2, 2])], (1, 6, 6)),
+                           r"'my_maxpool' \(MaxPool\): attribute dilations=\[2, 2\] is not supported"),
+    "ceil_mode that changes the size": (build([node("MaxPool", ["x"], kernel_shape=[2, 2], strides=[2, 2],
+                                                    ceil_mode=1)], (1, 5, 5)),
+                                        r"\(MaxPool\): attribute ceil_mode=1 is not supported; supported: 0, or"),
+    "avg pool excluding explicit pads": (build([node("AveragePool", ["x"], kernel_shape=[2, 2], pads=[1, 1, 1, 1])],
+                                               (1, 5, 5)),
+                                         r"\(AveragePool\): attribute count_include_pad=0 is not supported"),
+    "transpose moving the batch axis": (build([node("Transpose", ["x"], perm=[1, 0, 2])], (2, 3)),
+                                        r"\(Transpose\): attribute perm=\[1, 0, 2\] is not supported; supported: "
+                                        r"permutations that keep the batch axis first"),
+    "gemm transA": (build([node("Gemm", ["x", "w"], transA=1)], (3,), {"w": _rand(3, 3)}),
+                    r"\(Gemm\): attribute transA=1 is not supported"),
+    "negative leaky slope": (build([node("LeakyRelu", ["x"], alpha=-0.5)], (3,)),
+                             r"\(LeakyRelu\): attribute alpha=-0.5 is not supported; supported: a finite slope"),
+    "1-D convolution": (build([node("Conv", ["x", "w"])], (2, 5), {"w": _rand(3, 2, 3)}),
+                        r"\(Conv\): input 0 \(X\) has shape \(N, 2, 5\); supported: rank 4"),
+    "reshape that changes the batch": (build([node("Reshape", ["x", "s"])], (2, 3), {"s": _i64(-1, 3)}),
+                                       r"\(Reshape\): shape \[-1, 3\] changes the batch axis"),
+    "cast to an integer": (build([node("Cast", ["x"], ["i"], to=TensorProto.INT64),
+                                  node("Cast", ["i"], to=TensorProto.FLOAT)], (3,)),
+                           r"\(Cast\): attribute to=7 is not supported; supported: float types"),
+    "weights computed from the input": (build([node("MatMul", ["x", "x"])], (3,)),
+                                        r"\(MatMul\): input 1 \(B, 'x'\) is computed from the model input"),
+    "integer input": (build([node("Relu", ["x"])], (3,), input_type=TensorProto.INT32),
+                      r"input 'x' has dtype INT32; supported: float inputs"),
+    "dynamic non-batch axis": (build([node("Relu", ["x"])], (3, "H", 4)),
+                               r"input 'x': axis 2 is dynamic \('H'\); supported: a dynamic batch axis"),
+    "old opset": (build([node("Relu", ["x"])], (3,), opset=9), r"opset 9 is not supported; supported: opsets 11"),
+    "missing initializer": (build([node("MatMul", ["x", "w"])], (3,)),
+                            r"node 'my_matmul' \(MatMul\) reads 'w', which is neither a graph input, an initializer"),
+    "cycle": (_cycle(), r"the graph has a cycle through node\(s\) 'my_relu' \(Relu\), 'my_add' \(Add\)"),
+    "huge declared dims": (_huge_initializer(), r"initializer 'w' declares shape \[1048576, 1048576\]"),
+    "external data": (_external_initializer(), r"initializer 'w' keeps its data in an external file"),
+}
+
+
+@pytest.mark.parametrize("case", list(REFUSED))
+def test_refused_models_give_one_clear_error(case: str, tmp_path: Path) -> None:
+    model, message = REFUSED[case]
+    path = tmp_path / "bad.onnx"
+    path.write_bytes(model.SerializeToString())
+    with pytest.raises(OnnxError, match=message) as info:
+        opgrad_onnx.load(path)
+    assert str(info.value).startswith(str(path)) and "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("content, message", [
+    (b"", "not an ONNX model"),
+    (b"def forward(x):\n    return x\n", "not an ONNX model"),
+    (None, "not an ONNX model"),  # truncated
+])
+def test_files_that_are_not_onnx_are_refused(content: bytes | None, message: str, tmp_path: Path) -> None:
+    path = tmp_path / "model.onnx"
+    data = (FIXTURES / "onnx_resnet.onnx").read_bytes()
+    path.write_bytes(data[: len(data) // 3] if content is None else content)
+    with pytest.raises(OnnxError, match=message):
+        opgrad_onnx.load(path)
+    with pytest.raises(OnnxError, match="cannot read the file"):
+        opgrad_onnx.load(tmp_path / "missing.onnx")
+
+
+def test_export_refuses_a_layer_without_onnx_form() -> None:
+    class Square(nn.Layer):
+        kind = "test_square"
+
+        def apply(self, x: Any, params: Any, ctx: Any) -> Any:
+            return opgrad.ops.multiply(x, x)
+
+    inp = nn.Input((3,))
+    model = nn.Model(inp, Square(name="sq")(inp))
+    with pytest.raises(OnnxError, match=r"layer 'sq' \(Square\) \(kind 'test_square'\) has no ONNX export"):
+        to_onnx(model)
+
+
+# ----- the command line -----
+
+
+def test_cli_import_export_onnx_and_fine_tune(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    ckpt, out, tuned = tmp_path / "resnet.npz", tmp_path / "resnet.onnx", tmp_path / "tuned.npz"
+    assert cli.main(["import", str(FIXTURES / "onnx_resnet.onnx"), "--save", str(ckpt)]) == 0
+    data = expected("onnx_resnet")
+    np.testing.assert_allclose(nn.load(ckpt).predict(data["x"], backend="reference"), data["y"], atol=1e-5)
+    assert cli.main(["export-onnx", str(ckpt), str(out)]) == 0
+    np.testing.assert_allclose(run_onnxruntime(out, data["x"])[0], data["y"], atol=1e-5)
+    assert cli.main(["train", "--init", str(ckpt), "--backend", "reference", "--batch-size", "8", "--max-steps", "2",
+                     "--test-limit", "40", "--epochs", "1", "--save", str(tuned)]) == 0
+    assert "fine-tuning from" in capsys.readouterr().out
+    model = nn.load(tuned)
+    assert model.name == "onnx_resnet" and model.checkpoint_meta["step"] == 2
+    assert cli.main(["train", "--resume", str(tuned), "--backend", "reference", "--batch-size", "8",
+                     "--max-steps", "2", "--test-limit", "40", "--epochs", "2"]) == 0
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["import", "model.txt", "--save", "x.npz"], "unknown model file type '.txt'; supported: .onnx, .keras, .h5"),
+    (["import", "missing.onnx", "--save", "x.npz"], "missing.onnx: no such file"),
+    (["export-onnx", "missing.npz", "out.onnx"], "missing.npz"),
+    (["train", "--init", "a.npz", "--model", "mlp"], "leave out --model mlp"),
+])
+def test_cli_mistakes_are_one_line_errors(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and err.count("\n") == 0 and err.startswith(f"opgrad {argv[0]}: error:")
+
+
+def test_cli_import_of_a_bad_onnx_file_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "bad.onnx"
+    path.write_bytes(REFUSED["unsupported op"][0].SerializeToString())
+    assert cli.main(["import", str(path), "--save", str(tmp_path / "x.npz")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "(HardSwish): op type HardSwish is not supported" in err and err.count("\n") == 0
+    assert not (tmp_path / "x.npz").exists()
+
+
+# ----- the committed fixtures are what the script makes -----
+
+
+def test_fixtures_regenerate_consistently(tmp_path: Path) -> None:
+    require("torch", "tests/fixtures/make_models.py exports the ONNX fixtures from PyTorch")
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("make_models", FIXTURES / "make_models.py")
+    assert spec is not None and spec.loader is not None
+    make_models = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(make_models)
+
+    make_models.make(tmp_path, [name for name in make_models.FIXTURES if name.startswith("onnx_")])
+    for name in TORCH_MODELS:
+        fresh, committed = np.load(tmp_path / f"{name}_expected.npz"), expected(name)
+        np.testing.assert_array_equal(fresh["x"], committed["x"])
+        np.testing.assert_allclose(fresh["y"], committed["y"], rtol=1e-6, atol=1e-6)
+        weights = {t.name: numpy_helper.to_array(t) for t in onnx.load(tmp_path / f"{name}.onnx").graph.initializer}
+        stored = {t.name: numpy_helper.to_array(t) for t in onnx.load(FIXTURES / f"{name}.onnx").graph.initializer}
+        assert weights.keys() == stored.keys()
+        for key in weights:
+            np.testing.assert_array_equal(weights[key], stored[key])
+    total = sum(p.stat().st_size for p in FIXTURES.iterdir() if p.name.startswith("onnx_"))
+    assert total < 200_000, f"the ONNX fixtures take {total:,} bytes"
