@@ -10,7 +10,6 @@ from typing import Any
 
 import numpy as np
 import pytest
-
 from optional import require
 
 onnx = require("onnx", "the ONNX importer reads files with it (pip install 'opgrad[interop]')")
@@ -25,7 +24,7 @@ from opgrad.nn.losses import softmax_cross_entropy  # noqa: E402
 from opgrad.onnx.exporter import to_onnx  # noqa: E402
 from opgrad.onnx.table import OnnxError  # noqa: E402
 
-from onnx import TensorProto, helper, numpy_helper  # noqa: E402
+TensorProto, helper, numpy_helper = onnx.TensorProto, onnx.helper, onnx.numpy_helper
 
 FIXTURES = Path(__file__).parent / "fixtures"
 TORCH_MODELS = ["onnx_resnet", "onnx_mlp"]
