@@ -5,6 +5,7 @@ hand-built graph; every refused case names the node, its op type and the attribu
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 from typing import Any
 
@@ -90,10 +91,11 @@ def test_imported_resnet_fine_tunes_with_compiled_kernels() -> None:
     buffers = dict(model.buffers)
     mnist = load_embedded_mnist()
     images, labels = mnist.train_images[:32], mnist.train_labels[:32]
-    trainer = nn.Trainer(model, nn.Adam(), lr=3e-3, batch_size=32, backend="llvm", params=model.params)
+    trainer = nn.Trainer(model, nn.Adam(), lr=1e-2, batch_size=32, backend="llvm", params=model.params)
     trainer.state = {**trainer.state, **buffers}
-    losses = [trainer.train_batch(images, labels) for _ in range(8)]
-    assert losses[-1] < 0.8 * losses[0], losses
+    losses = [trainer.train_batch(images, labels) for _ in range(10)]
+    assert all(later < earlier for earlier, later in itertools.pairwise(losses)), losses  # one batch, learned
+    assert losses[-1] < losses[0] - 0.25, losses
     assert any(not np.array_equal(before[k], model.params[k]) for k in before)
     assert not np.array_equal(buffers["stem_stem_1_BatchNormalization.running_mean"],
                               model.buffers["stem_stem_1_BatchNormalization.running_mean"])

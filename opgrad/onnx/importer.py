@@ -223,9 +223,9 @@ class _Reader:
         if any(a is not None and a.dtype == object for a in inputs):
             from opgrad.onnx.converters.shape import fold_batch_shape
 
-            results = [np.asarray(a, dtype=object) for a in fold_batch_shape(node, attributes, inputs, self.opset,
-                                                                            where)]
-            return [StaticValue(a if any(v is BATCH for v in a.ravel()) else a.astype(np.int64)) for a in results]
+            shapes = [np.asarray(a, dtype=object) for a in fold_batch_shape(node, attributes, inputs, self.opset,
+                                                                           where)]
+            return [StaticValue(a if any(v is BATCH for v in a.ravel()) else a.astype(np.int64)) for a in shapes]
         if node.op_type in _FOLD_GUARDED:
             sizes = [a for a in inputs if a is not None and a.dtype.kind in "iu"]
             if any(np.prod(np.abs(a.astype(np.float64))) > MAX_ELEMENTS for a in sizes):

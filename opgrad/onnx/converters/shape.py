@@ -123,7 +123,7 @@ def fold_batch_shape(node: Any, attributes: dict[str, Any], inputs: list[np.ndar
 def reshape(ctx: NodeContext) -> list[Value]:
     x = ctx.tensor(0, "data")
     target = ctx.static(1, "shape")
-    entries = [v if v is BATCH else int(v) for v in target.array.ravel()]
+    entries: list[Any] = [v if v is BATCH else int(v) for v in target.array.ravel()]
     allowzero = int(ctx.attr("allowzero", 0))
     if not entries:
         raise ctx.error("shape is empty; supported: a shape with the batch axis first")
