@@ -273,6 +273,8 @@ CASES: dict[str, tuple[list[Any], tuple[int, ...], dict[str, Any]] | tuple[Any, 
     "flatten axis 2": ([node("Flatten", ["x"], axis=2)], (1, 4, 3), {}),
     "batchnorm on features": ([node("BatchNormalization", ["x", "g", "b", "m", "v"], epsilon=1e-3)], (4,),
                               {"g": _rand(4), "b": _rand(4), "m": _rand(4), "v": np.abs(_rand(4)) + 0.5}),
+    "layer normalization": ([node("LayerNormalization", ["x", "g", "b"], axis=-2, epsilon=1e-3)], (3, 4, 5),
+                            {"g": _rand(4, 5), "b": _rand(5)}),
     "shape arithmetic into reshape": (
         [node("Shape", ["x"], ["sh"]), node("Gather", ["sh", "zero"], ["n"], axis=0),
          node("Unsqueeze", ["n", "ax"], ["n1"]), node("Concat", ["n1", "rest"], ["target"], axis=0),
@@ -298,6 +300,17 @@ def test_node_kinds_match_onnxruntime_and_round_trip(case: str, tmp_path: Path) 
     opgrad_onnx.save(model, tmp_path / "back.onnx")
     for theirs, again in zip(reference, run_onnxruntime(tmp_path / "back.onnx", x)):
         np.testing.assert_allclose(again, theirs, rtol=1e-5, atol=1e-5)
+
+
+def test_a_fixed_batch_size_is_read_as_the_batch_axis(tmp_path: Path) -> None:
+    """A model exported with batch 1 and ``Reshape(x, [1, -1])`` predicts any batch, row by row."""
+    path = tmp_path / "batch1.onnx"
+    onnx.save(build([node("Reshape", ["x", "s"], ["r"]), node("Gemm", ["r", "w"])], (2, 3),
+                    {"s": _i64(1, -1), "w": _rand(6, 4)}, batch=1), path)
+    x = _rand(3, 2, 3)
+    model = opgrad_onnx.load(path)
+    rows = np.concatenate([run_onnxruntime(path, x[i : i + 1])[0] for i in range(3)])
+    np.testing.assert_allclose(model.predict(x, backend="reference"), rows, rtol=1e-5, atol=1e-6)
 
 
 # ----- refused: one clear error each -----
