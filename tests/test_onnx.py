@@ -482,3 +482,16 @@ def test_fixtures_regenerate_consistently(tmp_path: Path) -> None:
             np.testing.assert_array_equal(weights[key], stored[key])
     total = sum(p.stat().st_size for p in FIXTURES.iterdir() if p.name.startswith("onnx_"))
     assert total < 200_000, f"the ONNX fixtures take {total:,} bytes"
+
+
+def test_hostile_constant_computations_are_refused_before_they_allocate(tmp_path: Path) -> None:
+    path = tmp_path / "range.onnx"
+    limits = {"start": np.array(0, np.int64), "limit": np.array(1 << 40, np.int64), "delta": np.array(1, np.int64)}
+    model = build([node("Range", ["start", "limit", "delta"], ["r"]), node("Relu", ["x"])], (3,), limits)
+    path.write_bytes(model.SerializeToString())
+    with pytest.raises(OnnxError, match=r"node 'my_range' \(Range\): computes a constant larger than"):
+        opgrad_onnx.load(path)
+    padded = build([node("Pad", ["x", "p"])], (3,), {"p": _i64(0, 0, 0, 1 << 30)})
+    path.write_bytes(padded.SerializeToString())
+    with pytest.raises(OnnxError, match=r"node 'my_pad' \(Pad\): .*more than 268,435,456 elements per example"):
+        opgrad_onnx.load(path)

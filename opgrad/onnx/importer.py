@@ -22,6 +22,7 @@ import numpy as np
 from opgrad.nn.layers import Input, Layer, SymbolicTensor
 from opgrad.nn.model import Model
 from opgrad.onnx import converters  # noqa: F401  (registers the converters)
+from opgrad.onnx.converters.shape import fold_batch_shape
 from opgrad.onnx.table import (
     BATCH,
     NodeContext,
@@ -40,8 +41,27 @@ MIN_OPSET = 11
 #: The largest tensor (elements) read or folded: a declared size above it is a hostile or broken file.
 MAX_ELEMENTS = 1 << 28
 _FLOAT_TYPES = {1: "float32", 10: "float16", 11: "float64", 16: "bfloat16"}
-#: Ops computed at import time only from their own inputs when those are all known.
-_FOLD_GUARDED = {"ConstantOfShape", "Expand", "Tile", "Range"}
+
+
+def _folded_size(op_type: str, inputs: list[np.ndarray | None]) -> float:
+    """The element count of a constant an op would make, for the ops whose inputs say it (0 for others).
+
+    Checked before evaluating, so a hostile file cannot make the evaluator allocate it.
+    """
+    def number(i: int) -> np.ndarray:
+        value = inputs[i] if i < len(inputs) else None
+        return np.zeros(1) if value is None or value.dtype == object else np.abs(value.astype(np.float64))
+
+    if op_type == "ConstantOfShape":
+        return float(np.prod(number(0)))
+    if op_type == "Expand":
+        return float(np.prod(number(1))) * max(1.0, float(number(0).size))
+    if op_type == "Tile":
+        return float(np.prod(number(1))) * float(number(0).size)
+    if op_type == "Range":
+        start, limit, delta = (float(number(i).ravel()[0]) if number(i).size else 0.0 for i in range(3))
+        return abs(limit - start) / delta if delta else math.inf
+    return 0.0
 
 
 def _safe_name(name: str, fallback: str) -> str:
@@ -206,6 +226,8 @@ class _Reader:
         self.layer_names.add(name)
         layer.name = name
         out = layer(tensors if layer.multi_input else tensors[0])
+        if math.prod(out.shape) > MAX_ELEMENTS:
+            raise ValueError(f"its output {out.shape} has more than {MAX_ELEMENTS:,} elements per example")
         specs = {**{k: s.shape for k, s in layer.param_specs().items()},
                  **{k: s.shape for k, s in layer.buffer_specs().items()}}
         if set(specs) != set(weights):
@@ -221,15 +243,11 @@ class _Reader:
         """Evaluate a node whose inputs are all known now (``onnx.reference``; shapes holding the batch by hand)."""
         inputs = [self.values[name].array if name else None for name in node.input]  # type: ignore[union-attr]
         if any(a is not None and a.dtype == object for a in inputs):
-            from opgrad.onnx.converters.shape import fold_batch_shape
-
             shapes = [np.asarray(a, dtype=object) for a in fold_batch_shape(node, attributes, inputs, self.opset,
                                                                            where)]
             return [StaticValue(a if any(v is BATCH for v in a.ravel()) else a.astype(np.int64)) for a in shapes]
-        if node.op_type in _FOLD_GUARDED:
-            sizes = [a for a in inputs if a is not None and a.dtype.kind in "iu"]
-            if any(np.prod(np.abs(a.astype(np.float64))) > MAX_ELEMENTS for a in sizes):
-                raise OnnxError(f"{where}: computes a constant larger than {MAX_ELEMENTS:,} elements")
+        if _folded_size(node.op_type, inputs) > MAX_ELEMENTS:
+            raise OnnxError(f"{where}: computes a constant larger than {MAX_ELEMENTS:,} elements")
         try:
             from onnx.reference import ReferenceEvaluator
 
