@@ -495,3 +495,23 @@ def test_hostile_constant_computations_are_refused_before_they_allocate(tmp_path
     path.write_bytes(padded.SerializeToString())
     with pytest.raises(OnnxError, match=r"node 'my_pad' \(Pad\): .*more than 268,435,456 elements per example"):
         opgrad_onnx.load(path)
+
+
+def test_corrupted_files_load_or_fail_with_onnx_error_only(tmp_path: Path) -> None:
+    """Random bytes changed in the graph part of a real file: every outcome is a model or an OnnxError."""
+    data = (FIXTURES / "onnx_resnet.onnx").read_bytes()
+    rng = np.random.default_rng(0)
+    outcomes = {"loaded": 0, "refused": 0}
+    for i in range(60):
+        corrupted = bytearray(data)
+        for position in rng.integers(0, 3000, size=int(rng.integers(1, 4))):
+            corrupted[int(position)] = int(rng.integers(0, 256))
+        path = tmp_path / f"corrupted{i}.onnx"
+        path.write_bytes(bytes(corrupted))
+        try:
+            opgrad_onnx.load(path)
+            outcomes["loaded"] += 1
+        except OnnxError as exc:
+            assert str(exc).startswith(str(path)) and "\n" not in str(exc)
+            outcomes["refused"] += 1
+    assert outcomes["refused"] > 0
