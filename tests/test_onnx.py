@@ -57,6 +57,8 @@ def test_pytorch_exports_predict_like_pytorch(name: str) -> None:
     ours = model.predict(data["x"], batch_size=2, backend="reference")  # a partial last batch too
     np.testing.assert_allclose(ours, data["y"], rtol=0, atol=1e-5)
     np.testing.assert_allclose(run_onnxruntime(FIXTURES / f"{name}.onnx", data["x"])[0], data["y"], atol=1e-5)
+    if name == "onnx_mlp":  # the compiled evaluation step too (the ResNet's is compiled by the fine-tuning test)
+        np.testing.assert_allclose(model.predict(data["x"], batch_size=2, backend="llvm"), data["y"], atol=1e-5)
 
 
 def test_imported_resnet_keeps_its_structure_and_checkpoints(tmp_path: Path) -> None:
@@ -87,6 +89,8 @@ def test_imported_model_gradient_passes_the_checker(name: str) -> None:
 
 def test_imported_resnet_fine_tunes_with_compiled_kernels() -> None:
     model = opgrad_onnx.load(FIXTURES / "onnx_resnet.onnx")
+    data = expected("onnx_resnet")
+    np.testing.assert_allclose(model.predict(data["x"], batch_size=5, backend="llvm"), data["y"], atol=1e-5)
     before = {k: v.copy() for k, v in model.params.items()}
     buffers = dict(model.buffers)
     mnist = load_embedded_mnist()
