@@ -33,7 +33,8 @@ Shape = tuple[int, ...]
 _MISSING = object()
 #: Config fields that change nothing in the imported model: names, initializers (the weights are
 #: loaded), seeds, the trainable flag (reported as a note when a layer is frozen) and dtype (checked).
-_ALWAYS_IGNORED = {"name", "trainable", "dtype", "seed", "build_config", "input_length"}
+_ALWAYS_IGNORED = {"name", "trainable", "dtype", "seed", "build_config", "input_length", "batch_input_shape",
+                   "batch_shape"}
 #: Float dtype policies; the imported model computes in float32 whatever the policy.
 _FLOAT_POLICIES = ("float32", "float16", "bfloat16", "float64", "mixed_float16", "mixed_bfloat16")
 
@@ -218,7 +219,8 @@ class Builder:
         return candidate
 
 
-def _input_tensor(builder: Builder, spec: LayerSpec, layout: str) -> Tensor:
+def _input_tensor(builder: Builder, spec: LayerSpec, layout: str) -> tuple[SymbolicTensor, Tensor]:
+    """The model input and the tensor the layers read (NCHW, through a transpose for ``layout="NHWC"``)."""
     call = LayerCall(builder, spec)
     shape = call.take("batch_shape", None)
     if shape is None:
@@ -245,9 +247,11 @@ def _input_tensor(builder: Builder, spec: LayerSpec, layout: str) -> Tensor:
     keras_shape = tuple(int(d) for d in dims)
     if len(dims) == 3 and kind == "float" and layout == "NCHW":
         h, w, c = keras_shape
-        return Tensor(Input((c, h, w), name=name), "channels_first", keras_shape)
-    tensor = Tensor(Input(keras_shape, dtype=kind, name=name), "keras", keras_shape)
-    return call.canonical(tensor) if len(dims) == 3 and kind == "float" else tensor
+        image = Input((c, h, w), name=name)
+        return image, Tensor(image, "channels_first", keras_shape)
+    raw = Input(keras_shape, dtype=kind, name=name)
+    tensor = Tensor(raw, "keras", keras_shape)
+    return raw, call.canonical(tensor) if len(dims) == 3 and kind == "float" else tensor
 
 
 def build_model(spec: ModelSpec, builder: Builder, converters: Mapping[str, Converter], *,
@@ -262,8 +266,8 @@ def build_model(spec: ModelSpec, builder: Builder, converters: Mapping[str, Conv
         layer = by_name.get(ref.layer)
         if layer is None or layer.class_name != "InputLayer":
             raise KerasImportError(f"{builder.path}: model input {ref.layer!r} is not an InputLayer of the model")
-        tensors[ref.layer] = _input_tensor(builder, layer, layout)
-        inputs.append(tensors[ref.layer])
+        raw, tensors[ref.layer] = _input_tensor(builder, layer, layout)
+        inputs.append(raw)
     pending = [layer for layer in spec.layers if layer.class_name != "InputLayer"]
     for layer in pending:
         if layer.class_name in MODEL_CLASSES:
@@ -306,7 +310,7 @@ def build_model(spec: ModelSpec, builder: Builder, converters: Mapping[str, Conv
         if tensor is None or ref.node != 0 or ref.index != 0:
             raise KerasImportError(f"{builder.path}: model output {ref} is not produced by the model's layers")
         outputs.append(_output(builder, by_name[ref.layer], tensor, layout, keep_softmax))
-    model = Model([t.sym for t in inputs], [t.sym for t in outputs], name=_safe_name(spec.name))
+    model = Model(inputs, [t.sym for t in outputs], name=_safe_name(spec.name))
     model.params = builder.params
     model.buffers = builder.buffers
     return model

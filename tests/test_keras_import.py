@@ -1,0 +1,326 @@
+"""opgrad.keras: Keras 3 .keras and legacy .h5 models imported, checked, fine-tuned and saved.
+
+The fixtures (tests/fixtures/keras) and Keras' predictions on fixed inputs are committed, made by
+tests/fixtures/make_keras_models.py; only the regeneration test needs Keras itself.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import shutil
+import subprocess
+import sys
+import zipfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from optional import require
+
+h5py = require("h5py", "opgrad.keras reads Keras files' HDF5 weights with h5py (the interop extra)")
+
+import opgrad  # noqa: E402
+from opgrad import nn, ops  # noqa: E402
+from opgrad.checks import check_function  # noqa: E402
+from opgrad.keras import KerasImportError, load, read  # noqa: E402
+
+FIXTURES = Path(__file__).parent / "fixtures" / "keras"
+EXPECTED = dict(np.load(FIXTURES / "expected.npz"))
+#: fixture file -> the model it holds
+FILES = {
+    "mnist_cnn.keras": "mnist_cnn",
+    "mnist_cnn.h5": "mnist_cnn",
+    "mnist_cnn_keras2.h5": "mnist_cnn",
+    "residual.keras": "residual",
+    "shapes.keras": "shapes",
+    "embedding.keras": "embedding",
+}
+
+
+def softmax(x: np.ndarray) -> np.ndarray:
+    e = np.exp(x - x.max(axis=-1, keepdims=True))
+    return e / e.sum(axis=-1, keepdims=True)
+
+
+def nchw(x: np.ndarray) -> np.ndarray:
+    return x.transpose(0, 3, 1, 2) if x.ndim == 4 else x.astype(np.int64)
+
+
+# ----- outputs equal Keras' -----
+
+
+@pytest.mark.parametrize("filename", FILES)
+def test_outputs_equal_keras(filename: str) -> None:
+    name = FILES[filename]
+    imported = read(FIXTURES / filename)
+    x, keras_out = EXPECTED[f"{name}.x"], EXPECTED[f"{name}.y"]
+    out = imported.model.predict(nchw(x), batch_size=len(x), backend="reference")
+    assert isinstance(out, np.ndarray)
+    stripped = any("final softmax is left out" in note for note in imported.notes)
+    assert stripped == (name != "embedding")  # every other fixture ends in a softmax
+    np.testing.assert_allclose(softmax(out) if stripped else out, keras_out, atol=1e-5, rtol=0)
+    assert imported.format == Path(filename).suffix
+
+
+def test_keep_softmax_and_nhwc_layout_give_keras_predictions_directly() -> None:
+    x, keras_out = EXPECTED["residual.x"], EXPECTED["residual.y"]
+    model = load(FIXTURES / "residual.keras", layout="NHWC", keep_softmax=True)
+    assert model.input_shape == x.shape[1:]
+    out = model.predict(x, batch_size=len(x), backend="reference")
+    np.testing.assert_allclose(out, keras_out, atol=1e-5, rtol=0)
+
+
+def test_seed_mnist_model_layers_and_weight_layouts() -> None:
+    """The Keras MNIST CNN: NCHW input, OIHW kernels, and the Dense after Flatten reordered to C, H, W."""
+    model = load(FIXTURES / "mnist_cnn.keras")
+    assert model.input_shape == (1, 28, 28) and model.output_shape == (10,)
+    kinds = [layer.kind for layer in model.layers]
+    assert kinds == ["conv", "conv", "maxpool", "dropout", "flatten", "dense", "dropout", "dense"]
+    with h5py.File(io.BytesIO(zipfile.ZipFile(FIXTURES / "mnist_cnn.keras").read("model.weights.h5"))) as f:
+        kernel = f["layers/conv2d/vars/0"][()]
+        dense = f["layers/dense/vars/0"][()]
+    np.testing.assert_array_equal(model.params["conv2d.weight"], kernel.transpose(3, 2, 0, 1))
+    # Keras' feature (h, w, c) of the 12x12x8 image is opgrad's feature (c, h, w).
+    h, w, c = 5, 7, 3
+    np.testing.assert_array_equal(model.params["dense.weight"][:, c * 144 + h * 12 + w],
+                                  dense[h * 12 * 8 + w * 8 + c, :])
+
+
+@pytest.mark.parametrize(("filename", "keep_softmax"), [("residual.keras", False), ("shapes.keras", True)])
+def test_checkpoint_round_trip_gives_identical_predictions(tmp_path: Path, filename: str,
+                                                           keep_softmax: bool) -> None:
+    model = load(FIXTURES / filename, keep_softmax=keep_softmax)
+    x = nchw(EXPECTED[f"{FILES[filename]}.x"])
+    path = tmp_path / "model.npz"
+    model.save(path)
+    again = nn.load(path)
+    assert [layer.get_config() for layer in again.layers] == [layer.get_config() for layer in model.layers]
+    np.testing.assert_array_equal(again.predict(x, backend="reference"), model.predict(x, backend="reference"))
+
+
+def test_import_does_not_need_keras() -> None:
+    code = ("import sys, opgrad.keras; opgrad.keras.load(sys.argv[1]); "
+            "assert 'keras' not in sys.modules and 'torch' not in sys.modules, 'imported keras or torch'")
+    env = {k: v for k, v in os.environ.items() if k != "KERAS_BACKEND"}
+    subprocess.run([sys.executable, "-c", code, str(FIXTURES / "mnist_cnn.keras")], check=True, env=env,
+                   cwd=Path(__file__).parent.parent)
+
+
+# ----- gradients and fine-tuning -----
+
+
+def test_imported_model_gradient_passes_the_checker() -> None:
+    model = load(FIXTURES / "residual.keras")
+    batch = 2
+    x = opgrad.var("x", (batch, *model.input_shape))
+    labels = opgrad.var("labels", (batch,), "int64")
+    params, buffers = model.param_vars(), model.buffer_vars()
+    logits = model.forward(x, {**params, **buffers})
+    fn = opgrad.function([x, labels, *params.values(), *buffers.values()],
+                         ops.softmax_cross_entropy(logits, labels))
+    arrays = [nchw(EXPECTED["residual.x"][:batch]), np.array([1, 4]), *model.params.values(),
+              *model.buffers.values()]
+    report = check_function(fn, arrays, wrt=list(params), seed=0, directions=2, name="imported residual loss")
+    assert report.passed, str(report)
+
+
+def test_fine_tune_with_compiled_kernels_lowers_the_loss() -> None:
+    if nn.llvm_unavailable_reason() is not None:
+        pytest.skip(f"the llvm backend is unavailable: {nn.llvm_unavailable_reason()}")
+    model = load(FIXTURES / "mnist_cnn.h5")
+    rng = np.random.default_rng(0)
+    labels = np.arange(16) % 10
+    images = rng.random((16, 1, 28, 28), dtype=np.float32) * 0.2
+    for i, label in enumerate(labels):  # a bar whose height gives the class
+        images[i, 0, 2 * label:2 * label + 6, 4:24] += 0.8
+    before = model.predict(images, batch_size=16, backend="reference")
+    trainer = nn.Trainer(model, nn.Adam(), lr=1e-2, batch_size=16, backend="llvm", params=model.params)
+    losses = trainer.train_batches([(images, labels)] * 30)
+    assert np.mean(losses[-5:]) < 0.75 * losses[0], losses
+    # the imported weights were the starting point: the first loss is the imported model's loss
+    # (dropout is on while training, so only roughly)
+    first = -np.mean(np.log(softmax(before)[np.arange(16), labels]))
+    assert losses[0] == pytest.approx(first, rel=0.1)
+
+
+def test_trainer_keeps_imported_batchnorm_statistics() -> None:
+    model = load(FIXTURES / "residual.keras")
+    running = {k: v.copy() for k, v in model.buffers.items()}
+    trainer = nn.Trainer(model, nn.SGD(), batch_size=3, backend="reference", params=model.params)
+    for name, value in running.items():
+        np.testing.assert_array_equal(trainer.state[name], value)
+
+
+# ----- errors -----
+
+
+def _rewrite_keras(source: Path, target: Path, edit: Callable[[dict[str, Any]], None] | None = None,
+                   drop: str | None = None) -> Path:
+    """A copy of ``source`` (.keras) with its config.json edited or one entry left out."""
+    with zipfile.ZipFile(source) as archive:
+        entries = {info.filename: archive.read(info) for info in archive.infolist()}
+    if edit is not None:
+        config = json.loads(entries["config.json"])
+        edit(config)
+        entries["config.json"] = json.dumps(config).encode()
+    with zipfile.ZipFile(target, "w") as archive:
+        for name, data in entries.items():
+            if name != drop:
+                archive.writestr(name, data)
+    return target
+
+
+def _layer(config: dict[str, Any], name: str) -> dict[str, Any]:
+    return next(entry for entry in config["config"]["layers"] if entry["config"].get("name") == name)
+
+
+def _set(layer: str, **fields: Any) -> Callable[[dict[str, Any]], None]:
+    def edit(config: dict[str, Any]) -> None:
+        _layer(config, layer)["config"].update(fields)
+    return edit
+
+
+def _rename_class(layer: str, class_name: str) -> Callable[[dict[str, Any]], None]:
+    def edit(config: dict[str, Any]) -> None:
+        _layer(config, layer)["class_name"] = class_name
+    return edit
+
+
+def _nest(config: dict[str, Any]) -> None:
+    entry = _layer(config, "dense")
+    entry["class_name"] = "Sequential"
+    entry["config"] = {"name": "dense", "layers": []}
+
+
+def _share(config: dict[str, Any]) -> None:
+    entry = _layer(config, "stem_relu")
+    entry["inbound_nodes"] = entry["inbound_nodes"] * 2
+
+
+def _corrupt(tmp_path: Path, name: str) -> Path:
+    target = tmp_path / name
+    if name == "not_a_model.keras":
+        target.write_bytes(b"this is text, not a model\n" * 10)
+    elif name == "truncated.keras":
+        data = (FIXTURES / "mnist_cnn.keras").read_bytes()
+        target.write_bytes(data[: len(data) // 2])
+    elif name == "no_config.keras":
+        _rewrite_keras(FIXTURES / "mnist_cnn.keras", target, drop="config.json")
+    elif name == "no_weights.keras":
+        _rewrite_keras(FIXTURES / "mnist_cnn.keras", target, drop="model.weights.h5")
+    elif name == "bad_json.keras":
+        with zipfile.ZipFile(target, "w") as archive:
+            archive.writestr("config.json", "{not json")
+    elif name == "weights_only.h5":
+        with h5py.File(target, "w") as f:
+            f.attrs["layer_names"] = [b"dense"]
+            f.create_group("dense").attrs["weight_names"] = []
+    elif name == "int8_weights.h5":
+        shutil.copy(FIXTURES / "mnist_cnn.h5", target)
+        with h5py.File(target, "r+") as f:
+            path = "model_weights/dense_1/mnist_cnn/dense_1/kernel"
+            kernel = f[path][()]
+            del f[path]
+            f[path] = (kernel * 100).astype(np.int8)
+    elif name == "nan_weights.h5":
+        shutil.copy(FIXTURES / "mnist_cnn.h5", target)
+        with h5py.File(target, "r+") as f:
+            f["model_weights/dense_1/mnist_cnn/dense_1/bias"][0] = np.nan
+    elif name == "external_link.h5":
+        shutil.copy(FIXTURES / "mnist_cnn.h5", target)
+        with h5py.File(target, "r+") as f:
+            del f["model_weights/dense_1/mnist_cnn/dense_1/bias"]
+            f["model_weights/dense_1/mnist_cnn/dense_1/bias"] = h5py.ExternalLink("/etc/other.h5", "/bias")
+    return target
+
+
+EDITS: dict[str, tuple[str, Callable[[dict[str, Any]], None]]] = {
+    "weights_shape": ("mnist_cnn.keras", _set("dense", units=9)),
+    "unknown_layer": ("mnist_cnn.keras", _rename_class("dropout", "GaussianNoise")),
+    "channels_first": ("mnist_cnn.keras", _set("conv2d", data_format="channels_first")),
+    "activation": ("mnist_cnn.keras", _set("conv2d_1", activation="selu")),
+    "unknown_field": ("mnist_cnn.keras", _set("dense", dot_general="int8")),
+    "dtype": ("mnist_cnn.keras", _set("dense", dtype="int8_from_float32")),
+    "nested": ("mnist_cnn.keras", _nest),
+    "shared": ("residual.keras", _share),
+    "batchnorm_axis": ("residual.keras", _set("stem_bn", axis=1)),
+    "max_value": ("residual.keras", _set("stem_relu", max_value=6.0)),
+}
+
+ERRORS = [
+    ("not_a_model.keras", None, "neither a Keras 3 .keras file"),
+    ("truncated.keras", None, "not a readable .keras archive"),
+    ("no_config.keras", None, "has no config.json"),
+    ("no_weights.keras", None, "has no model.weights.h5"),
+    ("bad_json.keras", None, "config.json is not valid JSON"),
+    ("weights_only.h5", None, "weights only (saved with save_weights)"),
+    ("int8_weights.h5", "dense_1", "dtype int8; supported: float16, float32, float64"),
+    ("nan_weights.h5", "dense_1", "holds nan or infinite values"),
+    ("external_link.h5", None, "is a ExternalLink"),
+    ("weights_shape", "dense", "variable kernel (layers/dense/vars/0) has shape (1152, 8), expected (1152, 9)"),
+    ("unknown_layer", "dropout", "class 'GaussianNoise', which the importer does not support; supported: Activation"),
+    ("channels_first", "conv2d", "data_format='channels_first' is not supported; supported: 'channels_last'"),
+    ("activation", "conv2d_1", "activation='selu' is not supported; supported: linear, relu"),
+    ("unknown_field", "dense", "config field dot_general='int8' is not supported"),
+    ("dtype", "dense", "dtype='int8_from_float32' is not supported"),
+    ("nested", "dense", "is itself a model (Sequential)"),
+    ("shared", "stem_relu", "is called 2 times (a shared layer)"),
+    ("batchnorm_axis", "stem_bn", "supported: the channel (last) axis"),
+    ("max_value", "stem_relu", "max_value=6.0 is not supported; supported: None"),
+]
+
+
+@pytest.mark.parametrize(("case", "layer", "message"), ERRORS, ids=[case for case, _, _ in ERRORS])
+def test_unsupported_or_malformed_files_give_one_clear_error(tmp_path: Path, case: str, layer: str | None,
+                                                             message: str) -> None:
+    if case in EDITS:
+        source, edit = EDITS[case]
+        path = _rewrite_keras(FIXTURES / source, tmp_path / f"{case}.keras", edit)
+    else:
+        path = _corrupt(tmp_path, case)
+    with pytest.raises(KerasImportError) as info:
+        load(path)
+    text = str(info.value)
+    assert text.startswith(str(path)), text
+    assert message in text, text
+    if layer is not None:
+        assert f"layer {layer!r}" in text, text
+
+
+def test_missing_file_and_bad_layout_are_clear(tmp_path: Path) -> None:
+    with pytest.raises(KerasImportError, match="no such file"):
+        load(tmp_path / "missing.keras")
+    with pytest.raises(ValueError, match="layout must be one of"):
+        load(FIXTURES / "mnist_cnn.keras", layout="CHWN")
+
+
+# ----- the fixtures are what the generator makes -----
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # Keras' own numpy 2 deprecations
+def test_fixtures_regenerate_identically(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KERAS_BACKEND", os.environ.get("KERAS_BACKEND", "torch"))
+    require("keras", "regenerating the Keras fixtures needs Keras 3 (with the torch backend)")
+    sys.path.insert(0, str(FIXTURES.parent))
+    try:
+        import make_keras_models
+    finally:
+        sys.path.remove(str(FIXTURES.parent))
+    expected = make_keras_models.generate(tmp_path)
+    assert sorted(expected) == sorted(EXPECTED)
+    for key, value in expected.items():
+        np.testing.assert_allclose(value, EXPECTED[key], atol=1e-6, rtol=0, err_msg=key)
+    for filename, name in FILES.items():
+        fresh, committed = read(tmp_path / filename), read(FIXTURES / filename)
+        assert fresh.model.get_config() == committed.model.get_config(), filename
+        for key, value in committed.model.params.items():
+            np.testing.assert_array_equal(fresh.model.params[key], value, err_msg=f"{filename} {key}")
+        # what today's Keras writes imports to its own predictions
+        out = fresh.model.predict(nchw(expected[f"{name}.x"]), backend="reference")
+        out = softmax(out) if name != "embedding" else out
+        np.testing.assert_allclose(out, expected[f"{name}.y"], atol=1e-5, rtol=0, err_msg=filename)
