@@ -19,7 +19,6 @@ from typing import Any
 
 import numpy as np
 import pytest
-
 from optional import require
 
 h5py = require("h5py", "opgrad.keras reads Keras files' HDF5 weights with h5py (the interop extra)")
