@@ -60,9 +60,11 @@ def read(path: str | os.PathLike[str], *, layout: str = "NCHW", keep_softmax: bo
         raise ValueError(f"opgrad.keras.load: layout must be one of {LAYOUTS}, got {layout!r}")
     name = os.fspath(path)
     spec, store, facts = read_model_file(name)
+    builder = Builder(name, store)
     try:
-        builder = Builder(name, store)
         model = build_model(spec, builder, CONVERTERS, layout=layout, keep_softmax=bool(keep_softmax))
+    except OSError as exc:  # h5py's error for damaged data inside an HDF5 file that opened
+        raise KerasImportError(f"{name}: the weights cannot be read ({exc})") from None
     finally:
         store.file.close()
     return ImportedModel(model, builder.notes, facts["format"], facts["keras_version"])
