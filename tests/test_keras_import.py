@@ -301,16 +301,34 @@ def test_missing_file_and_bad_layout_are_clear(tmp_path: Path) -> None:
 # ----- the fixtures are what the generator makes -----
 
 
-@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # Keras' own numpy 2 deprecations
-def test_fixtures_regenerate_identically(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def _generator(monkeypatch: pytest.MonkeyPatch) -> Any:
+    """tests/fixtures/make_keras_models.py, with Keras 3 on the torch backend (skips without Keras)."""
     monkeypatch.setenv("KERAS_BACKEND", os.environ.get("KERAS_BACKEND", "torch"))
     require("keras", "regenerating the Keras fixtures needs Keras 3 (with the torch backend)")
-    sys.path.insert(0, str(FIXTURES.parent))
-    try:
-        import make_keras_models
-    finally:
-        sys.path.remove(str(FIXTURES.parent))
-    expected = make_keras_models.generate(tmp_path)
+    monkeypatch.syspath_prepend(str(FIXTURES.parent))
+    import make_keras_models
+
+    return make_keras_models
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # Keras' own numpy 2 deprecations
+def test_full_size_keras_mnist_cnn_predicts_like_keras(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The Keras MNIST example at its real size (1.2 M parameters), too big to commit, made here."""
+    generator = _generator(monkeypatch)
+    keras_model = generator.mnist_cnn((32, 64, 128))
+    generator.randomize(keras_model, seed=7)
+    x = np.random.default_rng(7).random((2, 28, 28, 1), dtype=np.float32)
+    expected = np.asarray(keras_model.predict(x, verbose=0))
+    for suffix in (".keras", ".h5"):
+        keras_model.save(tmp_path / f"mnist{suffix}")
+        model = load(tmp_path / f"mnist{suffix}", layout="NHWC", keep_softmax=True)
+        assert model.num_params == 1_199_882
+        np.testing.assert_allclose(model.predict(x, backend="reference"), expected, atol=1e-5, rtol=0)
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # Keras' own numpy 2 deprecations
+def test_fixtures_regenerate_identically(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    expected = _generator(monkeypatch).generate(tmp_path)
     assert sorted(expected) == sorted(EXPECTED)
     for key, value in expected.items():
         np.testing.assert_allclose(value, EXPECTED[key], atol=1e-6, rtol=0, err_msg=key)
