@@ -66,6 +66,61 @@ def test_outputs_equal_keras(filename: str) -> None:
     assert imported.format == Path(filename).suffix
 
 
+#: Where Keras 3 stores each class's variables in a .keras file: its class name in snake case.
+SNAKE = {"InputLayer": "input_layer", "Conv2D": "conv2d", "BatchNormalization": "batch_normalization",
+         "ReLU": "re_lu", "Add": "add", "DepthwiseConv2D": "depthwise_conv2d", "Concatenate": "concatenate",
+         "Conv2DTranspose": "conv2d_transpose", "AveragePooling2D": "average_pooling2d",
+         "MaxPooling2D": "max_pooling2d", "GlobalAveragePooling2D": "global_average_pooling2d",
+         "Flatten": "flatten", "Dense": "dense"}
+
+
+def _as_keras2_h5(source: Path, target: Path) -> None:
+    """The functional model of ``source`` (.keras) in the HDF5 layout Keras 2 / tf.keras wrote."""
+    with zipfile.ZipFile(source) as archive:
+        config = json.loads(archive.read("config.json"))["config"]
+        weights = h5py.File(io.BytesIO(archive.read("model.weights.h5")))
+    layers, seen = [], {}
+    with h5py.File(target, "w") as f:
+        group = f.create_group("model_weights")
+        for entry in config["layers"]:
+            fields = {**entry["config"], "dtype": "float32"}
+            if entry["class_name"] == "InputLayer":
+                fields["batch_input_shape"] = fields.pop("batch_shape")
+            nodes = []
+            for node in entry["inbound_nodes"]:
+                args = node["args"][0]
+                nodes.append([[t["config"]["keras_history"][0], 0, 0, {}]
+                              for t in (args if isinstance(args, list) else [args])])
+            layers.append({"class_name": entry["class_name"], "name": entry["name"], "config": fields,
+                           "inbound_nodes": nodes})
+            snake = SNAKE[entry["class_name"]]
+            stored = snake if snake not in seen else f"{snake}_{seen[snake] + 1}"
+            seen[snake] = seen.get(snake, -1) + 1
+            variables = weights[f"layers/{stored}/vars"]
+            sub = group.create_group(entry["name"])
+            names = []
+            for i in range(len(variables)):
+                name = f"{entry['name']}/w{i}:0"
+                sub[name] = variables[str(i)][()]
+                names.append(name.encode())
+            sub.attrs["weight_names"] = names
+        model = {"class_name": "Model", "config": {"name": config["name"], "layers": layers,
+                                                   "input_layers": [["image", 0, 0]],
+                                                   "output_layers": [["classes", 0, 0]]}}
+        f.attrs["model_config"] = json.dumps(model).encode()
+        f.attrs["keras_version"] = b"2.4.0"
+    weights.close()
+
+
+def test_keras2_functional_h5_predicts_like_keras(tmp_path: Path) -> None:
+    _as_keras2_h5(FIXTURES / "residual.keras", tmp_path / "residual.h5")
+    imported = read(tmp_path / "residual.h5")
+    assert imported.keras_version == "2.4.0"
+    x = nchw(EXPECTED["residual.x"])
+    np.testing.assert_allclose(softmax(imported.model.predict(x, backend="reference")), EXPECTED["residual.y"],
+                               atol=1e-5, rtol=0)
+
+
 def test_keep_softmax_and_nhwc_layout_give_keras_predictions_directly() -> None:
     x, keras_out = EXPECTED["residual.x"], EXPECTED["residual.y"]
     model = load(FIXTURES / "residual.keras", layout="NHWC", keep_softmax=True)
