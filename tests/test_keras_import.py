@@ -270,6 +270,9 @@ def _corrupt(tmp_path: Path, name: str) -> Path:
     elif name == "bad_json.keras":
         with zipfile.ZipFile(target, "w") as archive:
             archive.writestr("config.json", "{not json")
+    elif name == "deep_json.keras":
+        with zipfile.ZipFile(target, "w") as archive:
+            archive.writestr("config.json", "[" * 100_000 + "]" * 100_000)
     elif name == "weights_only.h5":
         with h5py.File(target, "w") as f:
             f.attrs["layer_names"] = [b"dense"]
@@ -304,6 +307,10 @@ EDITS: dict[str, tuple[str, Callable[[dict[str, Any]], None]]] = {
     "shared": ("residual.keras", _share),
     "batchnorm_axis": ("residual.keras", _set("stem_bn", axis=1)),
     "max_value": ("residual.keras", _set("stem_relu", max_value=6.0)),
+    "bad_value": ("mnist_cnn.keras", _set("dense", units="ten")),
+    "bad_input_shape": ("residual.keras", _set("image", batch_shape=[None, "9", 9, 3])),
+    "dynamic_input": ("residual.keras", _set("image", batch_shape=[None, None, None, 3])),
+    "bad_wiring": ("residual.keras", lambda config: config["config"].update(input_layers=[["image", "x", 0]])),
 }
 
 ERRORS = [
@@ -326,6 +333,11 @@ ERRORS = [
     ("shared", "stem_relu", "is called 2 times (a shared layer)"),
     ("batchnorm_axis", "stem_bn", "supported: the channel (last) axis"),
     ("max_value", "stem_relu", "max_value=6.0 is not supported; supported: None"),
+    ("bad_value", "dense", "malformed config"),
+    ("bad_input_shape", "image", "is not a list of positive ints"),
+    ("dynamic_input", "image", "has an unknown dimension"),
+    ("bad_wiring", None, "malformed Functional config"),
+    ("deep_json.keras", None, "nested too deeply"),
 ]
 
 
@@ -379,6 +391,36 @@ def test_full_size_keras_mnist_cnn_predicts_like_keras(tmp_path: Path, monkeypat
         model = load(tmp_path / f"mnist{suffix}", layout="NHWC", keep_softmax=True)
         assert model.num_params == 1_199_882
         np.testing.assert_allclose(model.predict(x, backend="reference"), expected, atol=1e-5, rtol=0)
+
+
+LAYER_VARIANTS = {
+    "transpose_kernel_below_stride": lambda layers: layers.Conv2DTranspose(2, 1, strides=2),
+    "transpose_valid_output_padding": lambda layers: layers.Conv2DTranspose(2, 3, strides=2, output_padding=1),
+    "transpose_same_even_kernel": lambda layers: layers.Conv2DTranspose(2, 4, strides=2, padding="same"),
+    "conv_strided_valid": lambda layers: layers.Conv2D(3, (3, 2), strides=(2, 1), activation="sigmoid"),
+    "conv_same_stride3": lambda layers: layers.Conv2D(2, 2, strides=3, padding="same", use_bias=False),
+    "maxpool_same_strided": lambda layers: layers.MaxPooling2D(3, strides=2, padding="same"),
+    "avgpool_valid_strided": lambda layers: layers.AveragePooling2D((2, 3), strides=(1, 2)),
+    "gap_keepdims": lambda layers: layers.GlobalAveragePooling2D(keepdims=True),
+    "relu_negative_slope": lambda layers: layers.ReLU(negative_slope=0.1),
+    "channel_softmax": lambda layers: layers.Softmax(axis=-1),
+}
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # Keras' own numpy 2 deprecations
+@pytest.mark.parametrize("variant", LAYER_VARIANTS)
+def test_layer_variants_predict_like_keras(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, variant: str) -> None:
+    generator = _generator(monkeypatch)
+    import keras
+
+    inp = keras.Input((7, 6, 3))
+    keras_model = keras.Model(inp, LAYER_VARIANTS[variant](keras.layers)(inp))
+    generator.randomize(keras_model, seed=3)
+    x = np.random.default_rng(3).standard_normal((2, 7, 6, 3)).astype(np.float32)
+    expected = np.asarray(keras_model.predict(x, verbose=0))
+    keras_model.save(tmp_path / "layer.keras")
+    model = load(tmp_path / "layer.keras", layout="NHWC", keep_softmax=True)
+    np.testing.assert_allclose(model.predict(x, backend="reference"), expected, atol=1e-5, rtol=0)
 
 
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")  # Keras' own numpy 2 deprecations

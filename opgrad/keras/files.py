@@ -174,6 +174,8 @@ def _json(path: str, text: str | bytes, what: str) -> Any:
         return json.loads(text)
     except (ValueError, UnicodeDecodeError) as exc:
         raise KerasImportError(f"{path}: {what} is not valid JSON ({exc})") from None
+    except RecursionError:
+        raise KerasImportError(f"{path}: {what} is nested too deeply to be a model description") from None
 
 
 def read_model_file(path: str | os.PathLike[str]) -> tuple[ModelSpec, WeightStore, dict[str, str]]:
@@ -260,7 +262,9 @@ def _model_spec(path: str, config: Any) -> ModelSpec:
             return _sequential(path, body)
         if kind in ("Functional", "Model"):
             return _functional(path, body)
-    except (KeyError, IndexError, TypeError, AttributeError) as exc:
+    except KerasImportError:
+        raise
+    except (KeyError, IndexError, TypeError, AttributeError, ValueError) as exc:
         raise KerasImportError(f"{path}: malformed {kind} config ({type(exc).__name__}: {exc})") from None
     raise KerasImportError(f"{path}: the model is a {kind!r}; supported: Sequential and functional models "
                            "(a subclassed model's Python code is not in the file)")

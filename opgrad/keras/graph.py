@@ -14,6 +14,7 @@ field that is set to something, naming the layer, the field and its value.
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -230,7 +231,9 @@ def _input_tensor(builder: Builder, spec: LayerSpec, layout: str) -> tuple[Symbo
     if not isinstance(shape, list) or len(shape) < 2:
         raise call.fail(f"the input shape {shape!r} is not (batch, ...) with at least one axis per example")
     dims = shape[1:]
-    if not all(isinstance(d, int) and not isinstance(d, bool) and d >= 1 for d in dims):
+    if not all(d is None or (isinstance(d, int) and not isinstance(d, bool) and d >= 1) for d in dims):
+        raise call.fail(f"input shape {shape!r} is not a list of positive ints")
+    if None in dims:
         raise call.fail(f"input shape {shape} has an unknown dimension; opgrad models have fixed per-example "
                         "shapes: give keras.Input a full shape")
     dtype = call.take("dtype", "float32")
@@ -266,7 +269,13 @@ def build_model(spec: ModelSpec, builder: Builder, converters: Mapping[str, Conv
         layer = by_name.get(ref.layer)
         if layer is None or layer.class_name != "InputLayer":
             raise KerasImportError(f"{builder.path}: model input {ref.layer!r} is not an InputLayer of the model")
-        raw, tensors[ref.layer] = _input_tensor(builder, layer, layout)
+        try:
+            raw, tensors[ref.layer] = _input_tensor(builder, layer, layout)
+        except KerasImportError:
+            raise
+        except (TypeError, ValueError, KeyError, IndexError, AttributeError) as exc:
+            raise KerasImportError(f"{builder.path}: input layer {layer.name!r}: malformed config "
+                                   f"{json.dumps(layer.config, default=str)[:300]}: {exc}") from None
         inputs.append(raw)
     pending = [layer for layer in spec.layers if layer.class_name != "InputLayer"]
     for layer in pending:
@@ -296,7 +305,15 @@ def build_model(spec: ModelSpec, builder: Builder, converters: Mapping[str, Conv
         for layer in ready:
             call = LayerCall(builder, layer)
             args = [tensors[ref.layer] for ref in layer.calls[0]]
-            out = converters[layer.class_name](call, args)
+            try:
+                out = converters[layer.class_name](call, args)
+            except KerasImportError:
+                raise
+            except (TypeError, ValueError, KeyError, IndexError, AttributeError) as exc:
+                # A config value of the wrong kind ("units": "ten", "kernel_size": {}) in a hand-edited
+                # or damaged file.
+                raise call.fail(f"malformed config {json.dumps(layer.config, default=str)[:300]}: "
+                                f"{type(exc).__name__}: {exc}") from None
             call.finish()
             leftover = builder.store.variables(layer.name) if layer.name not in builder.read_layers else []
             if leftover:
