@@ -358,6 +358,27 @@ def test_unsupported_or_malformed_files_give_one_clear_error(tmp_path: Path, cas
         assert f"layer {layer!r}" in text, text
 
 
+def test_mutated_config_fields_import_or_fail_clearly(tmp_path: Path) -> None:
+    """A sample of config fields set to values of the wrong kind: never anything but KerasImportError."""
+    with zipfile.ZipFile(FIXTURES / "residual.keras") as archive:
+        config = json.loads(archive.read("config.json"))
+    cases = [(i, key) for i, entry in enumerate(config["config"]["layers"]) for key in entry["config"]]
+    rng = np.random.default_rng(0)
+    values: list[Any] = ["x", -1, None, [], {"a": 1}, 0, 10**9, [1, 2, 3], True, 2.5]
+    for k in rng.choice(len(cases), size=30, replace=False):
+        index, key = cases[k]
+        value = values[int(rng.integers(len(values)))]
+
+        def edit(config: dict[str, Any], index: int = index, key: str = key, value: Any = value) -> None:
+            config["config"]["layers"][index]["config"][key] = value
+
+        path = _rewrite_keras(FIXTURES / "residual.keras", tmp_path / f"mutated{k}.keras", edit)
+        try:
+            load(path)
+        except KerasImportError as exc:
+            assert str(exc).startswith(str(path))
+
+
 def test_missing_file_and_bad_layout_are_clear(tmp_path: Path) -> None:
     with pytest.raises(KerasImportError, match="no such file"):
         load(tmp_path / "missing.keras")
