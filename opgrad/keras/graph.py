@@ -327,9 +327,13 @@ def build_model(spec: ModelSpec, builder: Builder, converters: Mapping[str, Conv
         if tensor is None or ref.node != 0 or ref.index != 0:
             raise KerasImportError(f"{builder.path}: model output {ref} is not produced by the model's layers")
         outputs.append(_output(builder, by_name[ref.layer], tensor, layout, keep_softmax))
-    model = Model(inputs, [t.sym for t in outputs], name=_safe_name(spec.name))
-    model.params = builder.params
-    model.buffers = builder.buffers
+    try:
+        model = Model(inputs, [t.sym for t in outputs], name=_safe_name(spec.name))
+        # Layers no output depends on are not in the model; their weights are left behind.
+        model.params = {name: builder.params[name] for name in model.param_shapes()}
+        model.buffers = {name: builder.buffers[name] for name in model.buffer_shapes()}
+    except (TypeError, ValueError, KeyError) as exc:  # ShapeError included
+        raise KerasImportError(f"{builder.path}: the model's wiring does not form an opgrad model: {exc}") from None
     return model
 
 
