@@ -180,6 +180,29 @@ def depthwise_conv2d(call: LayerCall, inputs: list[Tensor]) -> Tensor:
     return _activate(call, out, act) if act not in _FUSED else out
 
 
+def separable_conv2d(call: LayerCall, inputs: list[Tensor]) -> Tensor:
+    """A depthwise convolution then a 1x1 convolution: two opgrad Conv2D layers (the bias on the second)."""
+    tensor = _image(call, inputs)
+    c = tensor.keras_shape[2]
+    common = _conv_common(call)
+    filters, multiplier = int(call.take("filters")), int(call.take("depth_multiplier", 1))
+    use_bias, act = _use_bias(call), _activation_name(call)
+    kh, kw = common["kernel_size"]
+    weights = call.weights({"depthwise_kernel": (kh, kw, c, multiplier),
+                            "pointwise_kernel": (1, 1, c * multiplier, filters),
+                            **({"bias": (filters,)} if use_bias else {})})
+    depthwise = Conv2D(c * multiplier, **common, groups=c, use_bias=False)
+    mid = _image_out(call.add(depthwise, tensor, "channels_first", (1, 1, c * multiplier)))
+    call.set_param(depthwise, "weight",
+                   weights["depthwise_kernel"].transpose(2, 3, 0, 1).reshape(c * multiplier, 1, kh, kw))
+    pointwise = Conv2D(filters, 1, activation=_fused(act), use_bias=use_bias)
+    out = _image_out(call.add(pointwise, mid, "channels_first", (1, 1, filters), suffix="pointwise"))
+    call.set_param(pointwise, "weight", weights["pointwise_kernel"].transpose(3, 2, 0, 1))
+    if use_bias:
+        call.set_param(pointwise, "bias", weights["bias"])
+    return _activate(call, out, act) if act not in _FUSED else out
+
+
 def conv2d_transpose(call: LayerCall, inputs: list[Tensor]) -> Tensor:
     tensor = _image(call, inputs)
     c = tensor.keras_shape[2]
@@ -479,6 +502,7 @@ CONVERTERS: dict[str, Converter] = {
     "Permute": permute,
     "ReLU": relu,
     "Reshape": reshape,
+    "SeparableConv2D": separable_conv2d,
     "Softmax": softmax,
     "UpSampling2D": upsampling2d,
     "ZeroPadding2D": zero_padding2d,
