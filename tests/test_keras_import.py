@@ -425,6 +425,7 @@ LAYER_VARIANTS = {
     "gap_keepdims": lambda layers: layers.GlobalAveragePooling2D(keepdims=True),
     "relu_negative_slope": lambda layers: layers.ReLU(negative_slope=0.1),
     "channel_softmax": lambda layers: layers.Softmax(axis=-1),
+    "rescaling": lambda layers: layers.Rescaling(1 / 255, offset=-0.5),
     "separable": lambda layers: layers.SeparableConv2D(4, 3, depth_multiplier=2, padding="same", strides=2,
                                                        activation="relu"),
     "separable_no_bias": lambda layers: layers.SeparableConv2D(2, (2, 3), dilation_rate=2, use_bias=False),

@@ -1,4 +1,4 @@
-"""nn.Reshape, nn.Permute, nn.ZeroPadding2D and nn.Softmax: values, gradients, configs and errors."""
+"""nn.Reshape, nn.Permute, nn.ZeroPadding2D, nn.Rescaling and nn.Softmax: values, gradients, configs and errors."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ def _model() -> nn.Model:
     nhwc = nn.Permute((2, 3, 1))(inp)
     rows = nn.Reshape((-1, 2))(nhwc)
     probs = nn.Softmax(axis=1)(rows)
-    padded = nn.ZeroPadding2D(((1, 0), (2, 1)))(inp)
+    padded = nn.ZeroPadding2D(((1, 0), (2, 1)))(nn.Rescaling(2.0, offset=0.5)(inp))
     flat = nn.Dense(3)(nn.Concatenate()([nn.Flatten()(probs), nn.Flatten()(padded)]))
     return nn.Model(inp, [probs, padded, flat])
 
@@ -30,7 +30,7 @@ def test_values_match_numpy() -> None:
     rows = x.transpose(0, 2, 3, 1).reshape(2, 12, 2)
     expected = np.exp(rows) / np.exp(rows).sum(axis=1, keepdims=True)
     np.testing.assert_allclose(probs, expected, rtol=1e-6, atol=1e-7)
-    np.testing.assert_array_equal(padded, np.pad(x, ((0, 0), (0, 0), (1, 0), (2, 1))))
+    np.testing.assert_array_equal(padded, np.pad(x * 2 + 0.5, ((0, 0), (0, 0), (1, 0), (2, 1))))
 
 
 def test_gradients_pass_the_checker() -> None:
@@ -61,6 +61,7 @@ def test_checkpoint_round_trip(tmp_path: Path) -> None:
     (lambda: nn.Permute((0, 1, 2)), "permutation of 1..3"),
     (lambda: nn.ZeroPadding2D(-1), "ZeroPadding2D padding must be"),
     (lambda: nn.ZeroPadding2D((1, 2, 3)), "ZeroPadding2D padding must be"),
+    (lambda: nn.Rescaling(float("inf")), "must be finite"),
 ])
 def test_bad_arguments(make, message: str) -> None:  # type: ignore[no-untyped-def]
     with pytest.raises(ValueError, match=message):

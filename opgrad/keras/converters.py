@@ -31,6 +31,7 @@ from opgrad.nn.layers import (
     LeakyReLU,
     MaxPool2D,
     ReLU,
+    Rescaling,
     Sigmoid,
     Softmax,
     Tanh,
@@ -450,6 +451,15 @@ def softmax(call: LayerCall, inputs: list[Tensor]) -> Tensor:
     return out
 
 
+def rescaling(call: LayerCall, inputs: list[Tensor]) -> Tensor:
+    tensor = _one(call, inputs)
+    scale, offset = call.take("scale", 1.0), call.take("offset", 0.0)
+    for key, value in (("scale", scale), ("offset", offset)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise call.unsupported(key, value, "one number (not one per channel)")
+    return call.add(Rescaling(scale, offset), tensor, tensor.layout, tensor.keras_shape, chw=tensor.chw)
+
+
 # ----- merging -----
 
 
@@ -501,6 +511,7 @@ CONVERTERS: dict[str, Converter] = {
     "MaxPooling2D": _pool(MaxPool2D),
     "Permute": permute,
     "ReLU": relu,
+    "Rescaling": rescaling,
     "Reshape": reshape,
     "SeparableConv2D": separable_conv2d,
     "Softmax": softmax,

@@ -71,6 +71,7 @@ __all__ = [
     "Node",
     "ParamSpec",
     "ReLU",
+    "Rescaling",
     "Sigmoid",
     "Softmax",
     "SymbolicTensor",
@@ -782,6 +783,28 @@ class Softmax(Layer):
 
     def apply(self, x: Expr, params: Mapping[str, Expr], ctx: ForwardContext) -> Expr:
         return ops.softmax(x, axis=self.axis % x.ndim)
+
+
+class Rescaling(Layer):
+    """``x * scale + offset`` with constant scalars (Keras' ``Rescaling(1 / 255)`` preprocessing)."""
+
+    kind = "rescaling"
+
+    def __init__(self, scale: float, offset: float = 0.0, *, name: str | None = None) -> None:
+        super().__init__(name)
+        if not (math.isfinite(float(scale)) and math.isfinite(float(offset))):
+            raise ValueError(f"Rescaling scale and offset must be finite numbers, got {scale!r}, {offset!r}")
+        self.scale, self.offset = float(scale), float(offset)
+
+    def get_config(self) -> dict[str, Any]:
+        return {"scale": self.scale, "offset": self.offset}
+
+    def config(self) -> str:
+        return f"{self.scale:g}" + (f", {self.offset:+g}" if self.offset else "")
+
+    def apply(self, x: Expr, params: Mapping[str, Expr], ctx: ForwardContext) -> Expr:
+        y = ops.multiply(x, self.scale) if self.scale != 1.0 else x
+        return ops.add(y, self.offset) if self.offset else y
 
 
 class Activation(Layer):
