@@ -35,7 +35,9 @@ from opgrad.nn.layers import (
     MaxPool2D,
     ParamSpec,
     ReLU,
+    Rescaling,
     Sigmoid,
+    Softmax,
     SymbolicTensor,
     Tanh,
     UpSampling2D,
@@ -44,6 +46,7 @@ from opgrad.nn.losses import accuracy, softmax_cross_entropy
 from opgrad.nn.model import Model, Sequential, load_model, model_from_config
 from opgrad.nn.models import MODELS, build_model, keras_mnist, mlp, resnet, seed_cnn
 from opgrad.nn.optim import OPTIMIZERS, SGD, Adam, AdamW, Optimizer, RMSprop, make_optimizer
+from opgrad.nn.reshaping import Permute, Reshape, ZeroPadding2D
 from opgrad.nn.schedules import LRSchedule, Schedule, StepLR, WarmupLR, constant_lr, cosine_lr
 from opgrad.nn.step import (
     BACKENDS,
@@ -93,11 +96,15 @@ __all__ = [
     "NanLossError",
     "Optimizer",
     "ParamSpec",
+    "Permute",
     "RMSprop",
     "ReLU",
+    "Rescaling",
+    "Reshape",
     "Schedule",
     "Sequential",
     "Sigmoid",
+    "Softmax",
     "StepLR",
     "StepResult",
     "StepsResult",
@@ -107,6 +114,7 @@ __all__ = [
     "Trainer",
     "UpSampling2D",
     "WarmupLR",
+    "ZeroPadding2D",
     "accuracy",
     "build_model",
     "compile_function",

@@ -123,7 +123,8 @@ class Trainer:
     """Trains ``model`` with ``optimizer`` on fixed-size batches with the chosen backend.
 
     ``backend`` is ``"reference"`` or ``"llvm"``; the steps are built on first use and reused.
-    ``params`` defaults to a fresh initialization from ``seed``. With ``stop_on_nan`` (the
+    ``params`` defaults to a fresh initialization from ``seed`` with fresh running statistics;
+    given ``params`` (``model.params`` of a loaded model) keep the model's buffers. With ``stop_on_nan`` (the
     default) a step whose loss is nan or infinite raises :class:`~opgrad.errors.NonFiniteLossError`
     naming the epoch, step, loss and learning rate, and leaves the parameters as they were before
     that step; without it training carries on with whatever the updates produce.
@@ -153,7 +154,11 @@ class Trainer:
         self.stop_on_nan = stop_on_nan
         self._optimizer_state: dict[str, np.ndarray] = {}
         self.params = dict(params) if params is not None else model.init_params(seed, dtype)
-        self.state = {**optimizer.init_state(self.params), **model.init_buffers(dtype)}
+        # Given weights (a loaded or imported model's) come with their running statistics; fresh
+        # weights start from fresh statistics.
+        buffers = ({k: v.astype(dtype, copy=False) for k, v in model.buffers.items()} if params is not None
+                   else model.init_buffers(dtype))
+        self.state = {**optimizer.init_state(self.params), **buffers}
         self.step = 0
         self.epoch = 0
         self.history = TrainingHistory()
