@@ -75,3 +75,14 @@ def non_negative_float(text: str) -> float:
 def fraction(text: str) -> float:
     """A number in (0, 1]."""
     return _number(text, "a number in (0, 1] such as 0.1", lambda v: 0.0 < v <= 1.0)
+
+
+def float_range(low: float, high: float, what: str = "a number") -> Callable[[str], float]:
+    """A ``type=`` for a finite number from ``low`` to ``high`` inclusive."""
+    expected = f"{what} from {low:g} to {high:g}"
+
+    def parse(text: str) -> float:
+        return _number(text, expected, lambda v: math.isfinite(v) and low <= v <= high)
+
+    parse.__name__ = f"float_range({low:g}, {high:g})"
+    return parse

@@ -397,8 +397,12 @@ def test_export_argument_errors(tmp_path: Path, capsys: pytest.CaptureFixture[st
         opgrad.export(tmp_path, target="sparc")
     with pytest.raises(ExportError, match="unknown model 'vgg'"):
         opgrad.export(tmp_path, model="vgg")
-    with pytest.raises(ExportError, match=r"model 'resnet': export takes .* without buffers"):
-        opgrad.export(tmp_path, model="resnet")
+    two_heads = nn.Input((1, 8, 8))
+    features = nn.Flatten()(two_heads)
+    with pytest.raises(ExportError, match=r"model 'heads': export takes single-input, single-output models; this "
+                                          r"one has 1 input\(s\) and 2 output\(s\)"):
+        opgrad.export(tmp_path, model=nn.Model(two_heads, [nn.Dense(3)(features), nn.Dense(2)(features)],
+                                               name="heads"))
     with pytest.raises(ExportError, match=r"C compiler 'no-such-cc' for host .* is not on PATH"):
         opgrad.export(tmp_path, cc="no-such-cc")
     (tmp_path / "file").write_text("")
@@ -462,3 +466,64 @@ def test_x86_64_v3_baseline_runs_here_and_agrees(python_losses: np.ndarray, tmp_
     run = subprocess.run([str(tmp_path / "train"), str(tmp_path), "6", "3"], capture_output=True, text=True)
     assert run.returncode == 0, run.stderr
     np.testing.assert_allclose(_losses(run.stdout), python_losses[:6], rtol=1e-5, atol=0)
+
+
+def _batchnorm_model() -> nn.Model:
+    inp = nn.Input((1, 28, 28))
+    x = nn.Conv2D(4, 3, strides=2, padding="same", use_bias=False)(inp)
+    x = nn.ReLU()(nn.BatchNorm2D()(x))
+    skip = x
+    x = nn.BatchNorm2D()(nn.Conv2D(4, 3, padding="same", use_bias=False)(x))
+    x = nn.GlobalAvgPool2D()(nn.ReLU()(nn.Add()([x, skip])))
+    return nn.Model(inp, nn.Dense(10)(x), name="bn-net")
+
+
+def test_checkpoint_with_batchnorm_exports_trains_and_evaluates_like_python(tmp_path: Path) -> None:
+    """opgrad export --checkpoint ships a saved model's architecture and weights; BatchNorm's running
+    statistics are updated by the C training steps and used by its evaluation, as in Python."""
+    _require("cc")
+    from opgrad.data import load_embedded_mnist
+
+    model = _batchnorm_model()
+    model.params = model.init_params(3)
+    model.save(tmp_path / "bn.npz")
+    out = tmp_path / "lib"
+    assert cli.main(["export", str(out), "--checkpoint", str(tmp_path / "bn.npz"), "--optimizer", "momentum",
+                     "--batch-size", "4", "--threads", "1", "--name", "bn"]) == 0
+    header = (out / "bn.h").read_text()
+    assert all(name in header for name in model.buffers) and "#define BN_NUM_PARAM_ARRAYS 12" in header
+
+    so = ctypes.CDLL(str(out / "libbn.so"))
+    vp = ctypes.c_void_p
+    so.bn_model_create.restype = vp
+    so.bn_model_load.argtypes = [vp, ctypes.c_char_p]
+    so.bn_model_save.argtypes = [vp, ctypes.c_char_p]
+    so.bn_train_steps.argtypes = [vp, ctypes.c_int64, vp, vp, vp, vp, ctypes.c_int]
+    so.bn_eval.argtypes = [vp, vp, vp]
+    so.bn_model_free.argtypes = [vp]
+    handle = so.bn_model_create()
+    assert so.bn_model_load(handle, str(out / "bn_init.npz").encode()) == OK
+
+    data = load_embedded_mnist()
+    steps, b = 3, 4
+    x, y = np.ascontiguousarray(data.train_images[: steps * b]), data.train_labels[: steps * b].copy()
+    lrs = np.array([0.05, 0.04, 0.03], np.float32)
+    losses = np.zeros(steps, np.float32)
+    assert so.bn_train_steps(handle, steps, x.ctypes.data, y.ctypes.data, lrs.ctypes.data, losses.ctypes.data, 0) == OK
+    logits = np.zeros((4, 10), np.float32)
+    test_x = np.ascontiguousarray(data.test_images[:4])
+    assert so.bn_eval(handle, test_x.ctypes.data, logits.ctypes.data) == OK
+    assert so.bn_model_save(handle, str(tmp_path / "trained.npz").encode()) == OK
+    so.bn_model_free(handle)
+
+    net, opt = nn.load(tmp_path / "bn.npz"), nn.SGD(momentum=0.9)
+    want = nn.TrainStep(net, opt, batch_size=b, backend="llvm").run_steps(
+        x, y, net.params, {**opt.init_state(net.params), **net.buffers}, lrs)
+    np.testing.assert_allclose(losses, want.losses, rtol=1e-5)
+    arrays, _ = load_checkpoint(tmp_path / "trained.npz")
+    for name in net.buffers:
+        assert not np.array_equal(arrays[name], net.buffers[name]), name  # training moved the statistics
+        np.testing.assert_allclose(arrays[name], want.state[name], rtol=1e-5, atol=1e-6)
+    net.params = {n: want.params[n] for n in net.params}
+    net.buffers = {n: want.state[n] for n in net.buffers}
+    np.testing.assert_allclose(logits, net.predict(test_x, batch_size=4), rtol=1e-4, atol=1e-5)

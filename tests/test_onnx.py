@@ -147,10 +147,11 @@ def generic_layers_model() -> nn.Model:
     up = nn.Resize((6, 10), method="bilinear")(nn.Slice([None, None, 1], [None, None, -1], [1, 1, 1])(x))
     near = nn.UpSampling2D(2)(nn.AvgPool2D(2, padding="same")(nn.MaxPool2D(3, strides=1, padding=1)(x)))
     both = nn.Concatenate(axis=1)([nn.Slice([None, 0, 0], [None, 6, 10])(near), up])
-    scaled = nn.Arithmetic("divide", operand=[[[2.0]]], reverse=True)(nn.Clip(0.1, 3.0)(nn.Sigmoid()(both)))
+    clipped = nn.Clip(0.1, 3.0)(nn.Sigmoid()(nn.Rescaling(0.5, 0.25)(nn.ZeroPadding2D(((0, 1), (2, 0)))(both))))
+    scaled = nn.Arithmetic("divide", operand=[[[2.0]]], reverse=True)(clipped)
     shifted = nn.Arithmetic("subtract", operand_shape=(8, 1, 1))(scaled)
     mixed = nn.Elementwise("multiply")([shifted, nn.Reduce("mean", [2, 3])(shifted)])
-    pooled = nn.Flatten()(nn.GlobalPool2D("max")(nn.Transpose([0, 2, 1])(mixed)))
+    pooled = nn.Flatten()(nn.GlobalPool2D("max")(nn.Permute((1, 3, 2))(mixed)))
     flat = nn.Reshape((2, -1))(nn.LeakyReLU(0.2)(nn.Dense(8)(pooled)))
     logits = nn.Dense(10)(nn.Flatten()(nn.Softmax(axis=1)(nn.Reduce("sum", [-1])(flat))))
     side = nn.LogSoftmax()(nn.Dense(5, activation="relu")(nn.Flatten()(nn.GlobalAvgPool2D()(x))))
@@ -169,6 +170,7 @@ def test_generic_layers_export_import_and_checkpoint(tmp_path: Path) -> None:
     for theirs, mine in zip(run_onnxruntime(tmp_path / "generic17.onnx", x), ours):
         np.testing.assert_allclose(theirs, mine, rtol=1e-5, atol=1e-5)
     back = opgrad_onnx.load(tmp_path / "generic.onnx")
+    assert back.num_params == model.num_params  # fixed constants come back fixed, weights as weights
     for again, mine in zip(as_list(back.predict(x, batch_size=2, backend="reference")), ours):
         np.testing.assert_allclose(again, mine, rtol=1e-5, atol=1e-6)
     model.save(tmp_path / "generic.npz")

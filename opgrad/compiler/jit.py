@@ -46,6 +46,7 @@ from opgrad.env import cache_dir_setting, compile_in_process_setting
 from opgrad.errors import CompileError, CompileWarning
 
 from . import llvm_worker
+from .merge import merge_identical_functions
 from .target import HostTarget, Target, ensure_native_initialized, host_target
 
 __all__ = ["ENGINE_VERSION", "Codegen", "HostTarget", "NativeModule", "ObjectCache", "build_object", "cache_key",
@@ -380,6 +381,7 @@ def build_object(ir_text: str, what: str = "", kernel_labels: Mapping[str, str] 
     """
     codegen = codegen or host_jit()
     host = codegen.target
+    ir_text = merge_identical_functions(ir_text)
     if compile_in_process_setting():
         return llvm_worker.compile_object(ir_text, host.triple, host.cpu, host.features,
                                           **_object_options(codegen))

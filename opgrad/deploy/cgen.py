@@ -43,7 +43,7 @@ class ArrayInfo:
     init: float  # every element's value after opgrad_model_create (parameters: 0, to be loaded)
     train_param: int
     train_result: int
-    eval_param: int  # -1 for optimizer state
+    eval_param: int  # -1 for optimizer state (parameters and buffers feed the evaluation graph)
 
 
 @dataclass(frozen=True)
@@ -146,11 +146,12 @@ def render_header(t: ModelTables) -> str:
  * {P}_OK (0) or an error code, and {p}_last_error(model) says what went wrong; nothing
  * aborts the process. Arrays are C-ordered (row-major), aligned to their element size, and
  * never kept after a call returns. One model must not be used by two threads at once; separate
- * models may. The parameter and optimizer-state arrays the model owns:
+ * models may. The arrays the model owns: parameters, buffers (BatchNorm's running statistics,
+ * updated by training steps and used by evaluation), then optimizer state:
  *
 {arrays}
  *
- * {p}_model_create leaves the parameters at zero and the optimizer state at its initial values:
+ * {p}_model_create leaves parameters and buffers at zero and the optimizer state at its initial values:
  * load {p}_init.npz (written by the export) or a checkpoint of `opgrad train --save` first.
  */
 #ifndef {P}_H
@@ -170,8 +171,8 @@ extern "C" {{
 #define {P}_INPUT_SHAPE {{{shape}}} /* one example: float32{list(t.input_shape)} */
 #define {P}_INPUT_SIZE {in_size} /* elements of one example */
 #define {P}_NUM_CLASSES {t.num_classes} /* logits per example; labels are in [0, {t.num_classes}) */
-#define {P}_NUM_ARRAYS {len(t.arrays)} /* parameter + optimizer-state arrays */
-#define {P}_NUM_PARAM_ARRAYS {t.num_params}
+#define {P}_NUM_ARRAYS {len(t.arrays)} /* parameter, buffer and optimizer-state arrays */
+#define {P}_NUM_PARAM_ARRAYS {t.num_params} /* parameters and buffers: the model's own arrays */
 #define {P}_THREADS {t.threads} /* worker threads (0: one per online CPU; $OPGRAD_NUM_THREADS overrides) */
 {masks}
 /* Return codes */
@@ -209,12 +210,12 @@ const char *{p}_last_error(const {p}_model *model);
 /* Logits of {eb} examples with the current parameters (dropout off). */
 {proto("int", f"{p}_eval", eval_args)}
 
-/* Load parameters (and optimizer state, if the file has it; else the state is reset) from an
+/* Load parameters and buffers (and optimizer state, if the file has it; else the state is reset) from an
  * opgrad checkpoint (.npz, as `opgrad train --save` and {p}_model_save write it). The checksum,
  * names, shapes and dtypes are checked; on any error the model is unchanged. */
 int {p}_model_load({p}_model *model, const char *path);
 
-/* Save parameters, optimizer state, step and epoch as an opgrad checkpoint, atomically (a
+/* Save parameters, buffers, optimizer state, step and epoch as an opgrad checkpoint, atomically (a
  * temporary file renamed over `path`); `opgrad train --resume` and opgrad.checkpoint read it. */
 int {p}_model_save({p}_model *model, const char *path);
 
@@ -329,7 +330,7 @@ typedef struct {{
     const unsigned char *data;
 }} og_const;
 
-/* Parameters first, then optimizer state: the loop's carried (parameter, result) slot pairs. */
+/* Parameters and buffers first, then optimizer state: the loop's carried (parameter, result) slot pairs. */
 static const og_array og_arrays[OG_NARRAYS] = {{
 {arrays}
 }};

@@ -17,6 +17,7 @@ import shutil
 import subprocess
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -105,7 +106,7 @@ def _module_ir(name: str, train: GraphPlan, evaluation: GraphPlan) -> str:
 
 
 def _tables(name: str, model: Model, optimizer: Optimizer, step: TrainStep, train: GraphPlan,
-            evaluation: GraphPlan, threads: int, target: Target) -> ModelTables:
+            evaluation: GraphPlan, evaluation_names: Sequence[str], threads: int, target: Target) -> ModelTables:
     fn = step.function
     nm = len(step.mask_names)
     first = 3 + nm
@@ -123,25 +124,31 @@ def _tables(name: str, model: Model, optimizer: Optimizer, step: TrainStep, trai
         streams.append(Stream(c_name, train.params[2 + i], "float", 4, fn.params[2 + i].shape,
                               f"float32: dropout mask of layer {layer} (0 or 1/(1-rate))"))
     streams.append(Stream("lrs", train.params[2 + nm], "float", 4, (), "float32"))
-    init_params = {n: 0.0 for n in step.param_names}
     state0 = optimizer.init_state({n: np.zeros(shape, np.float32) for n, shape in model.param_shapes().items()})
+    # The model's arrays (parameters, then buffers such as BatchNorm's running statistics) come first:
+    # they feed the evaluation graph and are loaded from checkpoints; the optimizer's state follows and
+    # is reset when a checkpoint has none. Each keeps its own slots, so the order is the table's only.
+    carried_names = (*step.param_names, *step.state_names)
+    eval_index = {name: i for i, name in enumerate(evaluation_names)}
+    model_arrays = [n for n in carried_names if n in eval_index]
     arrays = []
-    for j, array_name in enumerate((*step.param_names, *step.state_names)):
-        if j < k:
-            init = init_params[array_name]
+    for array_name in (*model_arrays, *(n for n in carried_names if n not in eval_index)):
+        j = carried_names.index(array_name)
+        if array_name in eval_index:
+            init = 0.0  # loaded from a checkpoint before training or evaluation
         else:
-            value = state0[array_name]
-            flat = value.reshape(-1)
+            flat = state0[array_name].reshape(-1)
             if flat.size and not (flat == flat[0]).all():
                 raise ExportError(f"optimizer state {array_name!r} does not start as one constant value")
             init = float(flat[0]) if flat.size else 0.0
         arrays.append(ArrayInfo(array_name, fn.params[first + j].shape, init, train.params[first + j],
-                                train.results[1 + j], evaluation.params[1 + j] if j < k else -1))
+                                train.results[1 + j],
+                                evaluation.params[1 + eval_index[array_name]] if array_name in eval_index else -1))
     return ModelTables(
         name=name, model=model.name, optimizer=optimizer.describe(), batch_size=step.batch_size,
         eval_batch_size=evaluation.function.params[0].shape[0], input_shape=model.input_shape,
         num_classes=model.output_shape[-1], threads=threads, target=f"{target.triple} ({target.cpu})",
-        train=train, eval=evaluation, streams=tuple(streams), arrays=tuple(arrays), num_params=k,
+        train=train, eval=evaluation, streams=tuple(streams), arrays=tuple(arrays), num_params=len(model_arrays),
         loss_slot=train.results[0], eval_images_slot=evaluation.params[0],
         eval_logits_slot=evaluation.results[0],
     )
@@ -150,12 +157,15 @@ def _tables(name: str, model: Model, optimizer: Optimizer, step: TrainStep, trai
 def export(directory: str | os.PathLike[str], *, model: str | Model = "seed-cnn",
            optimizer: str | Optimizer = "adam", batch_size: int = 32, eval_batch_size: int | None = None,
            target: str | Target = "host", cpu: str | None = None, features: str | None = None, threads: int = 0,
-           name: str = "opgrad", cc: str | None = None, object_only: bool = False, seed: int = 0) -> ExportResult:
+           name: str = "opgrad", cc: str | None = None, object_only: bool = False,
+           seed: int | None = None) -> ExportResult:
     """Write ``model`` + ``optimizer``'s training library for ``target`` into ``directory``.
 
     Always written: ``<name>.h`` (the C API), ``<name>_runtime.c`` (the runtime), ``<name>_kernels.o``
-    (the compiled graphs) and ``<name>_init.npz`` (parameters initialized from ``seed`` and the
-    optimizer's initial state, an opgrad checkpoint). Unless ``object_only``, the C compiler
+    (the compiled graphs) and ``<name>_init.npz`` (the starting parameters and buffers with the
+    optimizer's initial state, an opgrad checkpoint). The starting weights are drawn from ``seed``
+    when it is given or ``model`` is a name (seed 0), else they are ``model``'s current weights — so
+    ``export(dir, model=nn.load("trained.npz"))`` ships a trained model. Unless ``object_only``, the C compiler
     ``cc`` (default: :func:`default_c_compiler`) also builds ``<name>.o``, ``lib<name>.a`` and
     ``lib<name>.so``. ``threads`` is the runtime's pool size (0: one thread per online CPU;
     1: no threads at all). Files are written atomically.
@@ -176,11 +186,10 @@ def export(directory: str | os.PathLike[str], *, model: str | Model = "seed-cnn"
         tgt = target if isinstance(target, Target) else resolve_target(target, cpu, features)
     except ValueError as exc:
         raise ExportError(str(exc)) from None
-    if len(net.inputs) != 1 or len(net.outputs) != 1 or net.buffer_specs():
-        # The C runtime streams one image array and one label array and carries only parameters
-        # and optimizer state; buffers would also need to reach the evaluation graph.
-        raise ExportError(f"model {net.name!r}: export takes single-input, single-output models without "
-                          "buffers (BatchNorm2D's running statistics are not exported yet)")
+    if len(net.inputs) != 1 or len(net.outputs) != 1:
+        # The C API streams one image array and one label array per step and returns one logits array.
+        raise ExportError(f"model {net.name!r}: export takes single-input, single-output models; this one has "
+                          f"{len(net.inputs)} input(s) and {len(net.outputs)} output(s)")
     out = Path(directory)
     if out.exists() and not out.is_dir():
         raise ExportError(f"{out}: exists and is not a directory")
@@ -201,7 +210,7 @@ def export(directory: str | os.PathLike[str], *, model: str | Model = "seed-cnn"
     with use_target(tgt):
         train = plan_graph(step.function, name=f"{name}_train_graph", loop=step.step_loop())
         evaluation = plan_graph(evaluation_step.function, name=f"{name}_eval_graph")
-    tables = _tables(name, net, opt, step, train, evaluation, threads, tgt)
+    tables = _tables(name, net, opt, step, train, evaluation, evaluation_step.param_names, threads, tgt)
     ir = _module_ir(name, train, evaluation)
     labels = {**train.kernel_labels, **evaluation.kernel_labels}
     obj, times = object_code(ir, Codegen(tgt, jit=False), what=f"the exported {net.name} steps ({name})",
@@ -213,8 +222,12 @@ def export(directory: str | os.PathLike[str], *, model: str | Model = "seed-cnn"
     _write(files["header"], render_header(tables).encode())
     _write(files["runtime"], render_runtime(tables).encode())
     _write(files["kernels"], obj)
-    params = net.init_params(seed)
-    save_checkpoint(files["init"], {**params, **opt.init_state(params)},
+    if seed is not None or isinstance(model, str):
+        params, buffers = net.init_params(seed or 0), net.init_buffers("float32")
+    else:
+        params = {n: np.asarray(a, np.float32) for n, a in net.params.items()}
+        buffers = {n: np.asarray(a, np.float32) for n, a in net.buffers.items()}
+    save_checkpoint(files["init"], {**params, **buffers, **opt.init_state(params)},
                     {"model": net.name, "optimizer": opt.describe(), "step": 0, "epoch": 0, "seed": seed,
                      "batch_size": batch_size, "dtype": "float32"})
     if not object_only:

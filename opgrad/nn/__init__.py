@@ -35,7 +35,9 @@ from opgrad.nn.layers import (
     MaxPool2D,
     ParamSpec,
     ReLU,
+    Rescaling,
     Sigmoid,
+    Softmax,
     SymbolicTensor,
     Tanh,
     UpSampling2D,
@@ -51,13 +53,11 @@ from opgrad.nn.ops_layers import (
     LogSoftmax,
     Pad,
     Reduce,
-    Reshape,
     Resize,
     Slice,
-    Softmax,
-    Transpose,
 )
 from opgrad.nn.optim import OPTIMIZERS, SGD, Adam, AdamW, Optimizer, RMSprop, make_optimizer
+from opgrad.nn.reshaping import Permute, Reshape, ZeroPadding2D
 from opgrad.nn.schedules import LRSchedule, Schedule, StepLR, WarmupLR, constant_lr, cosine_lr
 from opgrad.nn.step import (
     BACKENDS,
@@ -113,9 +113,11 @@ __all__ = [
     "Optimizer",
     "Pad",
     "ParamSpec",
+    "Permute",
     "RMSprop",
     "ReLU",
     "Reduce",
+    "Rescaling",
     "Reshape",
     "Resize",
     "Schedule",
@@ -130,9 +132,9 @@ __all__ = [
     "Tanh",
     "TrainStep",
     "Trainer",
-    "Transpose",
     "UpSampling2D",
     "WarmupLR",
+    "ZeroPadding2D",
     "accuracy",
     "build_model",
     "compile_function",

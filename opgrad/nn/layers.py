@@ -71,7 +71,9 @@ __all__ = [
     "Node",
     "ParamSpec",
     "ReLU",
+    "Rescaling",
     "Sigmoid",
+    "Softmax",
     "SymbolicTensor",
     "Tanh",
     "UpSampling2D",
@@ -751,6 +753,58 @@ class Tanh(Layer):
 
     def apply(self, x: Expr, params: Mapping[str, Expr], ctx: ForwardContext) -> Expr:
         return ops.tanh(x)
+
+
+class Softmax(Layer):
+    """``exp(x) / sum(exp(x))`` along ``axis`` (batch axis = 0; -1 is the last axis), Keras' ``Softmax``.
+
+    A classifier trained here ends in logits, because the loss applies the softmax itself; this
+    layer is for a softmax inside a model, or for a model whose outputs must be probabilities.
+    """
+
+    kind = "softmax"
+
+    def __init__(self, axis: int = -1, *, name: str | None = None) -> None:
+        super().__init__(name)
+        self.axis = int(axis)
+
+    def get_config(self) -> dict[str, Any]:
+        return {"axis": self.axis}
+
+    def config(self) -> str:
+        return f"axis={self.axis}" if self.axis != -1 else ""
+
+    def output_shape_for(self, input_shape: Shape) -> Shape:
+        rank = len(input_shape) + 1
+        if not -rank <= self.axis < rank or self.axis % rank == 0:
+            raise self._shape_error(input_shape, f"axis {self.axis} must name a non-batch axis: 1..{rank - 1} "
+                                                 f"or -{rank - 1}..-1")
+        return input_shape
+
+    def apply(self, x: Expr, params: Mapping[str, Expr], ctx: ForwardContext) -> Expr:
+        return ops.softmax(x, axis=self.axis % x.ndim)
+
+
+class Rescaling(Layer):
+    """``x * scale + offset`` with constant scalars (Keras' ``Rescaling(1 / 255)`` preprocessing)."""
+
+    kind = "rescaling"
+
+    def __init__(self, scale: float, offset: float = 0.0, *, name: str | None = None) -> None:
+        super().__init__(name)
+        if not (math.isfinite(float(scale)) and math.isfinite(float(offset))):
+            raise ValueError(f"Rescaling scale and offset must be finite numbers, got {scale!r}, {offset!r}")
+        self.scale, self.offset = float(scale), float(offset)
+
+    def get_config(self) -> dict[str, Any]:
+        return {"scale": self.scale, "offset": self.offset}
+
+    def config(self) -> str:
+        return f"{self.scale:g}" + (f", {self.offset:+g}" if self.offset else "")
+
+    def apply(self, x: Expr, params: Mapping[str, Expr], ctx: ForwardContext) -> Expr:
+        y = ops.multiply(x, self.scale) if self.scale != 1.0 else x
+        return ops.add(y, self.offset) if self.offset else y
 
 
 class Activation(Layer):

@@ -1,9 +1,11 @@
-"""Generic tensor layers: reshape, transpose, slice, pad, reduce, broadcasting arithmetic, softmax, ...
+"""Generic tensor layers: slice, pad, reduce, broadcasting arithmetic, log-softmax, clip, resize, ...
 
 The layers in :mod:`opgrad.nn.layers` are the building blocks of a model one writes by hand.
 An imported graph (ONNX, Keras) also holds plain tensor operations between them: a reshape
 before a dense layer, a constant scale, a channel slice. These layers express such operations
-as ordinary model layers, so an imported model trains, checkpoints and exports like any other.
+as ordinary model layers, so an imported model trains, checkpoints and exports like any other
+(``Reshape``, ``Permute`` and ``Softmax`` live with Keras' names in :mod:`opgrad.nn.reshaping` and
+:mod:`opgrad.nn.layers`).
 
 As everywhere in ``opgrad.nn``, shapes are per example and an ``axis`` counts the batch axis as
 0; none of these layers may move, reduce or slice the batch axis.
@@ -20,7 +22,7 @@ import numpy as np
 from opgrad import ops
 from opgrad.ir import Const, Expr
 from opgrad.nn.init import zeros
-from opgrad.nn.layers import ForwardContext, Layer, ParamSpec
+from opgrad.nn.layers import ForwardContext, Layer, ParamSpec, Softmax
 
 __all__ = [
     "ARITHMETIC",
@@ -31,11 +33,8 @@ __all__ = [
     "LogSoftmax",
     "Pad",
     "Reduce",
-    "Reshape",
     "Resize",
     "Slice",
-    "Softmax",
-    "Transpose",
 ]
 
 Shape = tuple[int, ...]
@@ -61,64 +60,6 @@ def _broadcast(shapes: Sequence[Shape]) -> Shape | None:
         return None
 
 
-class Reshape(Layer):
-    """``(d1, d2, ...) -> target_shape`` per example, same elements in row-major order (one entry may be -1)."""
-
-    kind = "reshape"
-
-    def __init__(self, target_shape: Sequence[int], *, name: str | None = None) -> None:
-        super().__init__(name)
-        shape = tuple(int(d) for d in target_shape)
-        if not shape or any(d == 0 or d < -1 for d in shape) or shape.count(-1) > 1:
-            raise ValueError(f"Reshape target_shape must be positive ints with at most one -1, got {target_shape!r}")
-        self.target_shape = shape
-
-    def get_config(self) -> dict[str, Any]:
-        return {"target_shape": list(self.target_shape)}
-
-    def config(self) -> str:
-        return str(self.target_shape)
-
-    def output_shape_for(self, input_shape: Shape) -> Shape:
-        size = math.prod(input_shape)
-        known = math.prod(d for d in self.target_shape if d != -1)
-        if -1 in self.target_shape:
-            if size % known:
-                raise self._shape_error(input_shape, f"{size} elements do not fill {self.target_shape}")
-            return tuple(size // known if d == -1 else d for d in self.target_shape)
-        if known != size:
-            raise self._shape_error(input_shape, f"{size} elements cannot take shape {self.target_shape}")
-        return self.target_shape
-
-    def apply(self, x: Expr, params: Mapping[str, Expr], ctx: ForwardContext) -> Expr:
-        assert self.output_shape is not None
-        return ops.reshape(x, shape=(x.shape[0], *self.output_shape))
-
-
-class Transpose(Layer):
-    """Permute the per-example axes: ``axes`` is a permutation of ``0..rank-1`` (batch axis excluded)."""
-
-    kind = "transpose"
-
-    def __init__(self, axes: Sequence[int], *, name: str | None = None) -> None:
-        super().__init__(name)
-        self.axes = tuple(int(a) for a in axes)
-        if sorted(self.axes) != list(range(len(self.axes))):
-            raise ValueError(f"Transpose axes must be a permutation of 0..n-1 (per example), got {axes!r}")
-
-    def get_config(self) -> dict[str, Any]:
-        return {"axes": list(self.axes)}
-
-    def config(self) -> str:
-        return str(self.axes)
-
-    def output_shape_for(self, input_shape: Shape) -> Shape:
-        if len(input_shape) != len(self.axes):
-            raise self._shape_error(input_shape, f"axes {self.axes} need rank {len(self.axes)} inputs")
-        return tuple(input_shape[a] for a in self.axes)
-
-    def apply(self, x: Expr, params: Mapping[str, Expr], ctx: ForwardContext) -> Expr:
-        return ops.transpose(x, axes=(0, *(a + 1 for a in self.axes)))
 
 
 class Elementwise(Layer):
@@ -207,31 +148,9 @@ class Arithmetic(Layer):
         return _binary(self.op, w, x) if self.reverse else _binary(self.op, x, w)
 
 
-class Softmax(Layer):
-    """``exp(x) / sum(exp(x))`` along ``axis`` (batch axis = 0; default the last)."""
-
-    kind = "softmax"
-
-    def __init__(self, axis: int = -1, *, name: str | None = None) -> None:
-        super().__init__(name)
-        self.axis = int(axis)
-
-    def get_config(self) -> dict[str, Any]:
-        return {"axis": self.axis}
-
-    def output_shape_for(self, input_shape: Shape) -> Shape:
-        try:
-            _example_axis(self.axis, len(input_shape) + 1, "axis")
-        except ValueError as exc:
-            raise self._shape_error(input_shape, str(exc)) from None
-        return input_shape
-
-    def apply(self, x: Expr, params: Mapping[str, Expr], ctx: ForwardContext) -> Expr:
-        return ops.softmax(x, axis=self.axis % x.ndim)
-
 
 class LogSoftmax(Softmax):
-    """``x - log(sum(exp(x)))`` along ``axis`` (batch axis = 0; default the last)."""
+    """``x - log(sum(exp(x)))`` along ``axis`` (batch axis = 0; default the last): ``nn.Softmax``'s log."""
 
     kind = "logsoftmax"
 

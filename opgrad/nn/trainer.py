@@ -31,7 +31,7 @@ from opgrad.nn.optim import Optimizer
 from opgrad.nn.schedules import LRSchedule, Schedule, constant_lr, cosine_lr
 from opgrad.nn.step import BACKENDS, EvalStep, NanLossError, TrainStep
 
-__all__ = ["LRSchedule", "Trainer", "constant_lr", "cosine_lr", "shift_images"]
+__all__ = ["LRSchedule", "Trainer", "affine_images", "constant_lr", "cosine_lr", "shift_images"]
 
 _NOISE_TAG = 0x6E6F6973  # "nois": dropout masks
 _SHIFT_TAG = 0x73686966  # "shif": augmentation shifts
@@ -84,11 +84,47 @@ def shift_images(images: np.ndarray, rng: np.random.Generator, max_shift: int) -
     return out
 
 
+def affine_images(images: np.ndarray, rng: np.random.Generator, max_degrees: float, max_scale: float,
+                  max_shift: float) -> np.ndarray:
+    """Rotate each NCHW image by up to ``max_degrees``, scale it by a factor in
+    ``[1 - max_scale, 1 + max_scale]`` and translate it by up to ``max_shift`` pixels per axis, all
+    drawn uniformly per image, about the image centre; bilinear sampling, zero outside the image
+    (Keras' RandomRotation + RandomZoom + RandomTranslation with ``fill_mode="constant"``).
+
+    Handwriting varies in slant and size as well as position, so on a few thousand digits these
+    draws generalize further than shifts alone.
+    """
+    n, c, h, w = images.shape
+    theta = np.deg2rad(rng.uniform(-max_degrees, max_degrees, n))
+    scale = rng.uniform(1.0 - max_scale, 1.0 + max_scale, n)
+    shift_y, shift_x = rng.uniform(-max_shift, max_shift, (2, n))
+    cy, cx = (h - 1) / 2.0, (w - 1) / 2.0
+    ys, xs = np.meshgrid(np.arange(h) - cy, np.arange(w) - cx, indexing="ij")
+    # Output pixel p comes from source R(-theta) (p - t) / s + centre.
+    cos, sin = (np.cos(theta) / scale)[:, None, None], (np.sin(theta) / scale)[:, None, None]
+    oy, ox = ys[None] - shift_y[:, None, None], xs[None] - shift_x[:, None, None]
+    src_y = cos * oy - sin * ox + cy
+    src_x = sin * oy + cos * ox + cx
+    y0, x0 = np.floor(src_y).astype(np.int64), np.floor(src_x).astype(np.int64)
+    fy, fx = (src_y - y0).astype(images.dtype), (src_x - x0).astype(images.dtype)
+    flat = images.reshape(n, c, h * w)
+    out = np.zeros_like(images)
+    for dy, dx, weight in ((0, 0, (1 - fy) * (1 - fx)), (0, 1, (1 - fy) * fx), (1, 0, fy * (1 - fx)),
+                           (1, 1, fy * fx)):
+        yy, xx = y0 + dy, x0 + dx
+        inside = (yy >= 0) & (yy < h) & (xx >= 0) & (xx < w)
+        index = np.where(inside, yy * w + xx, 0).reshape(n, 1, h * w)
+        values = np.take_along_axis(flat, np.broadcast_to(index, (n, c, h * w)), axis=2).reshape(n, c, h, w)
+        out += values * (weight * inside)[:, None]
+    return out
+
+
 class Trainer:
     """Trains ``model`` with ``optimizer`` on fixed-size batches with the chosen backend.
 
     ``backend`` is ``"reference"`` or ``"llvm"``; the steps are built on first use and reused.
-    ``params`` defaults to a fresh initialization from ``seed``. With ``stop_on_nan`` (the
+    ``params`` defaults to a fresh initialization from ``seed`` with fresh running statistics;
+    given ``params`` (``model.params`` of a loaded model) keep the model's buffers. With ``stop_on_nan`` (the
     default) a step whose loss is nan or infinite raises :class:`~opgrad.errors.NonFiniteLossError`
     naming the epoch, step, loss and learning rate, and leaves the parameters as they were before
     that step; without it training carries on with whatever the updates produce.
@@ -96,12 +132,17 @@ class Trainer:
 
     def __init__(self, model: Model, optimizer: Optimizer, *, lr: float | Schedule = 1e-3,
                  batch_size: int = 32, seed: int = 0, dtype: str = "float32", backend: str = "reference",
-                 eval_batch_size: int = 100, augment_shift: int = 0,
-                 params: Mapping[str, np.ndarray] | None = None, stop_on_nan: bool = True) -> None:
+                 eval_batch_size: int = 100, augment_shift: int = 0, augment_rotate: float = 0.0,
+                 augment_scale: float = 0.0, params: Mapping[str, np.ndarray] | None = None,
+                 stop_on_nan: bool = True) -> None:
         _check_positive_int("batch_size", batch_size)
         _check_positive_int("eval_batch_size", eval_batch_size)
         if isinstance(augment_shift, bool) or not isinstance(augment_shift, (int, np.integer)) or augment_shift < 0:
             raise ValueError(f"Trainer: augment_shift must be an integer >= 0, got {augment_shift!r}")
+        if not (isinstance(augment_rotate, (int, float)) and 0 <= augment_rotate <= 180):
+            raise ValueError(f"Trainer: augment_rotate must be degrees in [0, 180], got {augment_rotate!r}")
+        if not (isinstance(augment_scale, (int, float)) and 0 <= augment_scale < 1):
+            raise ValueError(f"Trainer: augment_scale must be a fraction in [0, 1), got {augment_scale!r}")
         if backend not in BACKENDS:
             raise ValueError(f"Trainer: unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
         self.model, self.optimizer = model, optimizer
@@ -109,10 +150,15 @@ class Trainer:
         _check_lr(self.schedule.base)
         self.batch_size, self.seed, self.dtype, self.backend = batch_size, seed, dtype, backend
         self.eval_batch_size, self.augment_shift = eval_batch_size, augment_shift
+        self.augment_rotate, self.augment_scale = float(augment_rotate), float(augment_scale)
         self.stop_on_nan = stop_on_nan
         self._optimizer_state: dict[str, np.ndarray] = {}
         self.params = dict(params) if params is not None else model.init_params(seed, dtype)
-        self.state = {**optimizer.init_state(self.params), **model.init_buffers(dtype)}
+        # Given weights (a loaded or imported model's) come with their running statistics; fresh
+        # weights start from fresh statistics.
+        buffers = ({k: v.astype(dtype, copy=False) for k, v in model.buffers.items()} if params is not None
+                   else model.init_buffers(dtype))
+        self.state = {**optimizer.init_state(self.params), **buffers}
         self.step = 0
         self.epoch = 0
         self.history = TrainingHistory()
@@ -159,6 +205,17 @@ class Trainer:
 
     # ----- training -----
 
+    def augment(self, images: np.ndarray, step: int) -> np.ndarray:
+        """The training images of global step ``step`` as augmented (drawn from the run's seed and the
+        step, so a resumed run draws the same): integer shifts alone, or a random affine map when a
+        rotation or scale range is set."""
+        rng = _step_rng(self.seed, _SHIFT_TAG, step)
+        if self.augment_rotate or self.augment_scale:
+            return affine_images(images, rng, self.augment_rotate, self.augment_scale, self.augment_shift)
+        if self.augment_shift:
+            return shift_images(images, rng, self.augment_shift)
+        return images
+
     def train_batch(self, images: np.ndarray, labels: np.ndarray) -> float:
         """One optimizer step on one batch; returns its loss (before the update).
 
@@ -168,8 +225,7 @@ class Trainer:
         return self._train_batch(images, labels, epoch_step=None)
 
     def _train_batch(self, images: np.ndarray, labels: np.ndarray, *, epoch_step: int | None) -> float:
-        if self.augment_shift:
-            images = shift_images(images, _step_rng(self.seed, _SHIFT_TAG, self.step), self.augment_shift)
+        images = self.augment(images, self.step)
         masks = self.model.sample_noise(_step_rng(self.seed, _NOISE_TAG, self.step), len(labels), self.dtype)
         lr = self.schedule(self.step)
         inputs = (images.astype(self.dtype, copy=False), labels, self.params, self.state, lr, masks)
@@ -208,8 +264,7 @@ class Trainer:
         lrs: list[float] = []
         for i, (images, labels) in enumerate(batches):
             step = self.step + i
-            if self.augment_shift:
-                images = shift_images(images, _step_rng(self.seed, _SHIFT_TAG, step), self.augment_shift)
+            images = self.augment(images, step)
             for name, mask in self.model.sample_noise(_step_rng(self.seed, _NOISE_TAG, step), len(labels),
                                                       self.dtype).items():
                 masks.setdefault(name, []).append(mask)

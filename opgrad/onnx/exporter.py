@@ -52,9 +52,12 @@ class GraphBuilder:
         return name
 
     def constant(self, value: Any, hint: str, dtype: Any = None) -> str:
+        """A fixed value as a ``Constant`` node: initializers are the weights, which an importer may train."""
         array = np.asarray(value, dtype=self.dtype if dtype is None else dtype)
         name = self.fresh(hint)
-        self.initializers[name] = self.onnx.numpy_helper.from_array(array, name)
+        tensor = self.onnx.numpy_helper.from_array(array, name)
+        self.nodes.append(self.onnx.helper.make_node("Constant", [], [name], name=self.fresh(f"{hint}_const"),
+                                                     value=tensor))
         return name
 
     def weight(self, layer: Layer, local: str) -> str:
@@ -274,9 +277,24 @@ def _reshape(b: GraphBuilder, layer: Any, x: list[str], shapes: list[Shape], out
     b.node("Reshape", [x[0], shape], out, layer.name)
 
 
-@emitter("transpose")
-def _transpose(b: GraphBuilder, layer: Any, x: list[str], shapes: list[Shape], out: str) -> None:
-    b.node("Transpose", [x[0]], out, layer.name, perm=[0, *(a + 1 for a in layer.axes)])
+@emitter("permute")
+def _permute(b: GraphBuilder, layer: Any, x: list[str], shapes: list[Shape], out: str) -> None:
+    b.node("Transpose", [x[0]], out, layer.name, perm=[0, *layer.dims])
+
+
+@emitter("zeropadding")
+def _zero_padding(b: GraphBuilder, layer: Any, x: list[str], shapes: list[Shape], out: str) -> None:
+    (top, bottom), (left, right) = layer.padding
+    pads = b.constant([0, 0, top, left, 0, 0, bottom, right], f"{layer.name}.pads", np.int64)
+    b.node("Pad", [x[0], pads], out, layer.name, mode="constant")
+
+
+@emitter("rescaling")
+def _rescaling(b: GraphBuilder, layer: Any, x: list[str], shapes: list[Shape], out: str) -> None:
+    scaled = b.node("Mul", [x[0], b.constant(layer.scale, f"{layer.name}.scale")], None if layer.offset else out,
+                    layer.name)
+    if layer.offset:
+        b.node("Add", [scaled, b.constant(layer.offset, f"{layer.name}.offset")], out, layer.name)
 
 
 @emitter("softmax", "logsoftmax")

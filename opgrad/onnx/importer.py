@@ -236,7 +236,8 @@ class _Reader:
         for key, shape in specs.items():
             if tuple(weights[key].shape) != shape:
                 raise ValueError(f"weight {key} has shape {tuple(weights[key].shape)}, the layer needs {shape}")
-        self.weights[name] = {k: np.ascontiguousarray(v, dtype=np.float32) for k, v in weights.items()}
+        # np.array, not np.ascontiguousarray, which turns a 0-d weight into shape (1,).
+        self.weights[name] = {k: np.array(v, dtype=np.float32, order="C") for k, v in weights.items()}
         return out
 
     def fold(self, node: Any, attributes: dict[str, Any], where: str) -> list[StaticValue]:

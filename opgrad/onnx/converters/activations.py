@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import math
 
-from opgrad.nn.layers import GELU, Dropout, LeakyReLU, ReLU, Sigmoid, Tanh
-from opgrad.nn.ops_layers import Clip, LogSoftmax, Reshape, Softmax
+from opgrad.nn.layers import GELU, Dropout, LeakyReLU, ReLU, Sigmoid, Softmax, Tanh
+from opgrad.nn.ops_layers import Clip, LogSoftmax
+from opgrad.nn.reshaping import Reshape
 from opgrad.onnx.table import NodeContext, StaticValue, Value, converter
 
 __all__: list[str] = []

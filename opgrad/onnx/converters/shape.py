@@ -15,7 +15,8 @@ from typing import Any
 import numpy as np
 
 from opgrad.nn.layers import Concatenate, Flatten, SymbolicTensor
-from opgrad.nn.ops_layers import Pad, Reduce, Reshape, Slice, Transpose
+from opgrad.nn.ops_layers import Pad, Reduce, Slice
+from opgrad.nn.reshaping import Permute, Reshape
 from opgrad.onnx.table import BATCH, NodeContext, OnnxError, StaticValue, Value, converter
 
 __all__ = ["INT_MAX", "fold_batch_shape"]
@@ -189,7 +190,7 @@ def transpose(ctx: NodeContext) -> list[Value]:
     axes = [p - 1 for p in perm[1:]]
     if axes == sorted(axes):
         return [x]
-    return [ctx.layer(ctx.new(Transpose, axes), x)]
+    return [ctx.layer(ctx.new(Permute, [a + 1 for a in axes]), x)]
 
 
 def _axes(ctx: NodeContext, index: int, attribute: str) -> list[int]:

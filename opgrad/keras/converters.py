@@ -1,0 +1,520 @@
+"""One converter per Keras layer class, found by class name in :data:`CONVERTERS`.
+
+A converter reads the config fields it understands (``call.take``/``choose``/``pair``), checks the
+input it is given, reads the layer's variables with the shapes the config implies, converts
+them to opgrad's layouts (HWIO -> OIHW kernels, ``(in, units)`` -> ``(units, in)`` dense kernels)
+and adds the opgrad layers. Anything it does not map is refused with the field and what is
+supported, or recorded as a note when it only matters to Keras' own training.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from opgrad.keras.graph import Converter, LayerCall, Tensor
+from opgrad.nn.layers import (
+    GELU,
+    Add,
+    AvgPool2D,
+    BatchNorm2D,
+    Concatenate,
+    Conv2D,
+    Conv2DTranspose,
+    Dense,
+    Dropout,
+    Embedding,
+    Flatten,
+    GlobalAvgPool2D,
+    LayerNorm,
+    LeakyReLU,
+    MaxPool2D,
+    ReLU,
+    Rescaling,
+    Sigmoid,
+    Softmax,
+    Tanh,
+    UpSampling2D,
+)
+from opgrad.nn.reshaping import Permute, Reshape, ZeroPadding2D
+
+__all__ = ["ACTIVATIONS", "CONVERTERS"]
+
+#: Keras activation names the importer maps; ``relu``/``sigmoid``/``tanh``/``gelu`` fuse into Dense/Conv.
+ACTIVATIONS = ("linear", "relu", "sigmoid", "tanh", "gelu", "leaky_relu", "softmax")
+_FUSED = ("relu", "sigmoid", "tanh")
+
+
+def _activation_name(call: LayerCall, key: str = "activation") -> str:
+    value = call.take(key, "linear")
+    if isinstance(value, dict):  # a serialized function: {"class_name": "function", "config": "relu", ...}
+        value = value.get("config")
+    if value is None:
+        value = "linear"
+    if value not in ACTIVATIONS:
+        raise call.unsupported(key, value, ", ".join(ACTIVATIONS))
+    return str(value)
+
+
+def _activate(call: LayerCall, tensor: Tensor, name: str) -> Tensor:
+    """``tensor`` through Keras activation ``name`` as separate opgrad layers (after a fused-free layer)."""
+    if name == "linear":
+        return tensor
+    layer: Any
+    if name == "softmax":
+        layer = Softmax(call.opgrad_axis(tensor, -1))
+        out = call.add(layer, tensor, tensor.layout, tensor.keras_shape, suffix="softmax", chw=tensor.chw)
+        call.builder.softmax_inputs[id(out.sym)] = (tensor, call.spec.name)
+        return out
+    layer = {"relu": ReLU, "sigmoid": Sigmoid, "tanh": Tanh}.get(name)
+    if layer is not None:
+        layer = layer()
+    elif name == "gelu":
+        layer = GELU("none")  # keras.activations.gelu's default is the exact (erf) form
+    else:
+        layer = LeakyReLU(0.2)  # keras.activations.leaky_relu's default slope
+    return call.add(layer, tensor, tensor.layout, tensor.keras_shape, suffix=name, chw=tensor.chw)
+
+
+def _one(call: LayerCall, inputs: list[Tensor]) -> Tensor:
+    if len(inputs) != 1:
+        raise call.fail(f"takes one input, got {len(inputs)}")
+    return inputs[0]
+
+
+def _image(call: LayerCall, inputs: list[Tensor]) -> Tensor:
+    tensor = _one(call, inputs)
+    if tensor.layout != "channels_first":
+        raise call.fail(f"needs an image input (height, width, channels), got shape {tensor.keras_shape}")
+    return tensor
+
+
+def _image_out(tensor: Tensor) -> Tensor:
+    """``tensor`` with its Keras shape ``(H, W, C)`` read off the NCHW opgrad tensor."""
+    c, h, w = tensor.sym.shape
+    return Tensor(tensor.sym, "channels_first", (h, w, c))
+
+
+def _padding(call: LayerCall) -> str:
+    return str(call.choose("padding", ("valid", "same"), "valid"))
+
+
+def _use_bias(call: LayerCall) -> bool:
+    return bool(call.take("use_bias", True))
+
+
+# ----- dense and convolutions -----
+
+
+def dense(call: LayerCall, inputs: list[Tensor]) -> Tensor:
+    tensor = _one(call, inputs)
+    if tensor.keras_rank != 1:
+        raise call.fail(f"input shape {tensor.keras_shape}: opgrad's Dense takes flat features; supported: "
+                        "a Dense after Flatten or another Dense")
+    units, use_bias, act = int(call.take("units")), _use_bias(call), _activation_name(call)
+    call.choose("lora_rank", (None, 0), None)
+    features = tensor.keras_shape[0]
+    expected = {"kernel": (features, units), **({"bias": (units,)} if use_bias else {})}
+    weights = call.weights(expected)
+    kernel = weights["kernel"]
+    if tensor.layout == "flat_chw":
+        # Keras flattened (H, W, C); the opgrad tensor is flattened (C, H, W): reorder the kernel rows.
+        assert tensor.chw is not None
+        c, h, w = tensor.chw
+        weight = kernel.reshape(h, w, c, units).transpose(3, 2, 0, 1).reshape(units, features)
+    else:
+        weight = kernel.T
+    layer = Dense(units, activation=act if act in _FUSED else None, use_bias=use_bias)
+    out = call.add(layer, tensor, "keras", (units,))
+    call.set_param(layer, "weight", weight)
+    if use_bias:
+        call.set_param(layer, "bias", weights["bias"])
+    return out if act in _FUSED else _activate(call, out, act)
+
+
+def _conv_common(call: LayerCall) -> dict[str, Any]:
+    call.channels_last()
+    return {"kernel_size": call.pair("kernel_size"), "strides": call.pair("strides", 1), "padding": _padding(call),
+            "dilation_rate": call.pair("dilation_rate", 1)}
+
+
+def _fused(act: str) -> str | None:
+    return act if act in _FUSED else None
+
+
+def conv2d(call: LayerCall, inputs: list[Tensor]) -> Tensor:
+    tensor = _image(call, inputs)
+    c = tensor.keras_shape[2]
+    common = _conv_common(call)
+    filters, groups = int(call.take("filters")), int(call.take("groups", 1))
+    use_bias, act = _use_bias(call), _activation_name(call)
+    call.choose("lora_rank", (None, 0), None)
+    if groups < 1 or c % groups or filters % groups:
+        raise call.fail(f"groups={groups} does not divide {c} input channels and {filters} filters")
+    kh, kw = common["kernel_size"]
+    weights = call.weights({"kernel": (kh, kw, c // groups, filters), **({"bias": (filters,)} if use_bias else {})})
+    layer = Conv2D(filters, **common, groups=groups, activation=_fused(act), use_bias=use_bias)
+    out = _image_out(call.add(layer, tensor, "channels_first", (1, 1, filters)))
+    call.set_param(layer, "weight", weights["kernel"].transpose(3, 2, 0, 1))  # HWIO -> OIHW
+    if use_bias:
+        call.set_param(layer, "bias", weights["bias"])
+    return _activate(call, out, act) if act not in _FUSED else out
+
+
+def depthwise_conv2d(call: LayerCall, inputs: list[Tensor]) -> Tensor:
+    tensor = _image(call, inputs)
+    c = tensor.keras_shape[2]
+    common = _conv_common(call)
+    multiplier = int(call.take("depth_multiplier", 1))
+    use_bias, act = _use_bias(call), _activation_name(call)
+    kh, kw = common["kernel_size"]
+    filters = c * multiplier
+    weights = call.weights({"depthwise_kernel": (kh, kw, c, multiplier), **({"bias": (filters,)} if use_bias else {})})
+    layer = Conv2D(filters, **common, groups=c, activation=_fused(act), use_bias=use_bias)
+    out = _image_out(call.add(layer, tensor, "channels_first", (1, 1, filters)))
+    # Keras' output channel c * multiplier + m comes from input channel c: the grouped conv's order.
+    weight = weights["depthwise_kernel"].transpose(2, 3, 0, 1).reshape(filters, 1, kh, kw)
+    call.set_param(layer, "weight", weight)
+    if use_bias:
+        call.set_param(layer, "bias", weights["bias"])
+    return _activate(call, out, act) if act not in _FUSED else out
+
+
+def separable_conv2d(call: LayerCall, inputs: list[Tensor]) -> Tensor:
+    """A depthwise convolution then a 1x1 convolution: two opgrad Conv2D layers (the bias on the second)."""
+    tensor = _image(call, inputs)
+    c = tensor.keras_shape[2]
+    common = _conv_common(call)
+    filters, multiplier = int(call.take("filters")), int(call.take("depth_multiplier", 1))
+    use_bias, act = _use_bias(call), _activation_name(call)
+    kh, kw = common["kernel_size"]
+    weights = call.weights({"depthwise_kernel": (kh, kw, c, multiplier),
+                            "pointwise_kernel": (1, 1, c * multiplier, filters),
+                            **({"bias": (filters,)} if use_bias else {})})
+    depthwise = Conv2D(c * multiplier, **common, groups=c, use_bias=False)
+    mid = _image_out(call.add(depthwise, tensor, "channels_first", (1, 1, c * multiplier)))
+    call.set_param(depthwise, "weight",
+                   weights["depthwise_kernel"].transpose(2, 3, 0, 1).reshape(c * multiplier, 1, kh, kw))
+    pointwise = Conv2D(filters, 1, activation=_fused(act), use_bias=use_bias)
+    out = _image_out(call.add(pointwise, mid, "channels_first", (1, 1, filters), suffix="pointwise"))
+    call.set_param(pointwise, "weight", weights["pointwise_kernel"].transpose(3, 2, 0, 1))
+    if use_bias:
+        call.set_param(pointwise, "bias", weights["bias"])
+    return _activate(call, out, act) if act not in _FUSED else out
+
+
+def conv2d_transpose(call: LayerCall, inputs: list[Tensor]) -> Tensor:
+    tensor = _image(call, inputs)
+    c = tensor.keras_shape[2]
+    common = _conv_common(call)
+    filters = int(call.take("filters"))
+    call.choose("groups", (1, None), 1)
+    use_bias, act = _use_bias(call), _activation_name(call)
+    output_padding = call.take("output_padding", None)
+    kh, kw = common["kernel_size"]
+    (sh, sw), (dh, dw) = common["strides"], common["dilation_rate"]
+    if output_padding is not None:
+        if common["padding"] == "same":
+            raise call.unsupported("output_padding", output_padding, "None with padding='same'")
+        extra = call.pair("output_padding") if output_padding != [0, 0] else (0, 0)
+    elif common["padding"] == "valid":
+        # Keras' "valid" output is in * stride + max(kernel - stride, 0): a kernel smaller than its
+        # stride leaves rows that PyTorch's formula does not count.
+        extra = tuple(max(s - (d * (k - 1) + 1), 0) for k, s, d in zip((kh, kw), (sh, sw), (dh, dw)))
+    else:
+        extra = (0, 0)
+    weights = call.weights({"kernel": (kh, kw, filters, c), **({"bias": (filters,)} if use_bias else {})})
+    layer = Conv2DTranspose(filters, **common, output_padding=extra, activation=_fused(act), use_bias=use_bias)
+    out = _image_out(call.add(layer, tensor, "channels_first", (1, 1, filters)))
+    call.set_param(layer, "weight", weights["kernel"].transpose(3, 2, 0, 1))  # (KH, KW, out, in) -> (in, out, KH, KW)
+    if use_bias:
+        call.set_param(layer, "bias", weights["bias"])
+    return _activate(call, out, act) if act not in _FUSED else out
+
+
+# ----- pooling and resizing -----
+
+
+def _pool(kind: type[MaxPool2D] | type[AvgPool2D]) -> Converter:
+    def convert(call: LayerCall, inputs: list[Tensor]) -> Tensor:
+        tensor = _image(call, inputs)
+        call.channels_last()
+        size = call.pair("pool_size", 2)
+        strides = size if call.take("strides", None) is None else call.pair("strides")
+        layer = kind(size, strides=strides, padding=_padding(call))
+        return _image_out(call.add(layer, tensor, "channels_first", tensor.keras_shape))
+    return convert
+
+
+def global_average_pooling2d(call: LayerCall, inputs: list[Tensor]) -> Tensor:
+    tensor = _image(call, inputs)
+    call.channels_last()
+    keepdims = bool(call.take("keepdims", False))
+    c = tensor.keras_shape[2]
+    out = call.add(GlobalAvgPool2D(), tensor, "keras", (c,))
+    if keepdims:
+        return call.add(Reshape((c, 1, 1)), out, "channels_first", (1, 1, c), suffix="keepdims")
+    return out
+
+
+def upsampling2d(call: LayerCall, inputs: list[Tensor]) -> Tensor:
+    tensor = _image(call, inputs)
+    call.channels_last()
+    size = call.pair("size", 2)
+    if size[0] != size[1]:
+        raise call.unsupported("size", list(size), "one factor for both axes, e.g. (2, 2)")
+    interpolation = call.choose("interpolation", ("nearest", "bilinear"), "nearest")
+    h, w, c = tensor.keras_shape
+    return call.add(UpSampling2D(size[0], interpolation=interpolation), tensor, "channels_first",
+                    (h * size[0], w * size[0], c))
+
+
+def zero_padding2d(call: LayerCall, inputs: list[Tensor]) -> Tensor:
+    tensor = _image(call, inputs)
+    call.channels_last()
+    padding = call.take("padding", 1)
+    try:
+        layer = ZeroPadding2D(padding)
+    except ValueError as exc:
+        raise call.fail(str(exc)) from None
+    (top, bottom), (left, right) = layer.padding
+    h, w, c = tensor.keras_shape
+    return call.add(layer, tensor, "channels_first", (h + top + bottom, w + left + right, c))
+
+
+# ----- normalization -----
+
+
+def _axes(call: LayerCall, tensor: Tensor, default: Any) -> list[int]:
+    value = call.take("axis", default)
+    items = value if isinstance(value, list) else [value]
+    rank = tensor.keras_rank + 1
+    if not items or not all(isinstance(a, int) and -rank <= a < rank and a % rank for a in items):
+        raise call.unsupported("axis", value, f"non-batch axes of the {rank}-d input")
+    return sorted(a % rank for a in items)
+
+
+def batch_normalization(call: LayerCall, inputs: list[Tensor]) -> Tensor:
+    tensor = call.to_keras_order(_one(call, inputs)) if inputs[0].layout == "flat_chw" else _one(call, inputs)
+    axes = _axes(call, tensor, -1)
+    if tensor.keras_rank not in (1, 3) or axes != [tensor.keras_rank]:
+        raise call.fail(f"axis {axes} of input {tensor.keras_shape}: supported: the channel (last) axis of an "
+                        "image or of flat features")
+    momentum, epsilon = float(call.take("momentum", 0.99)), float(call.take("epsilon", 1e-3))
+    center, scale = bool(call.take("center", True)), bool(call.take("scale", True))
+    call.choose("renorm", (False,), False)
+    call.take("renorm_momentum", None), call.take("renorm_clipping", None)  # used by renorm only
+    if call.take("synchronized", False):
+        call.note("synchronized is ignored: it only changes how Keras trains on several devices")
+    c = tensor.keras_shape[-1]
+    expected = {**({"gamma": (c,)} if scale else {}), **({"beta": (c,)} if center else {}),
+                "moving_mean": (c,), "moving_variance": (c,)}
+    weights = call.weights(expected)
+    # Keras keeps `momentum` of the old statistic, PyTorch (and opgrad) weights the new batch by it.
+    layer = BatchNorm2D(momentum=1.0 - momentum, epsilon=epsilon)
+    out = call.add(layer, tensor, tensor.layout, tensor.keras_shape)
+    call.set_param(layer, "weight", weights.get("gamma", np.ones(c)))
+    call.set_param(layer, "bias", weights.get("beta", np.zeros(c)))
+    call.set_buffer(layer, "running_mean", weights["moving_mean"])
+    call.set_buffer(layer, "running_var", weights["moving_variance"])
+    if not (center and scale):
+        call.note("has no " + " or ".join(n for n, on in (("gamma", scale), ("beta", center)) if not on)
+                  + ": opgrad's BatchNorm2D starts it at its neutral value and trains it")
+    return out
+
+
+def layer_normalization(call: LayerCall, inputs: list[Tensor]) -> Tensor:
+    tensor = call.to_keras_order(inputs[0]) if _one(call, inputs).layout == "flat_chw" else inputs[0]
+    axes = _axes(call, tensor, -1)
+    epsilon = float(call.take("epsilon", 1e-3))
+    center, scale = bool(call.take("center", True)), bool(call.take("scale", True))
+    call.choose("rms_scaling", (False,), False)
+    rank = tensor.keras_rank
+    if axes != list(range(axes[0], rank + 1)):
+        raise call.unsupported("axis", axes, "the last axes of the input, e.g. -1")
+    shape = tuple(tensor.keras_shape[a - 1] for a in axes)
+    weights = call.weights({**({"gamma": shape} if scale else {}), **({"beta": shape} if center else {})})
+    gamma, beta = weights.get("gamma", np.ones(shape)), weights.get("beta", np.zeros(shape))
+    work = tensor
+    if tensor.layout == "channels_first" and axes == [1, 2, 3]:
+        gamma, beta = gamma.transpose(2, 0, 1), beta.transpose(2, 0, 1)  # normalized (H, W, C) -> (C, H, W)
+        first = 1
+    elif tensor.layout == "channels_first":
+        work, first = call.to_keras_order(tensor), axes[0]  # channels only: normalize NHWC's last axis
+    else:
+        first = axes[0]
+    layer = LayerNorm(axis=first, epsilon=epsilon)
+    out = call.add(layer, work, work.layout, work.keras_shape)
+    call.set_param(layer, "weight", gamma)
+    call.set_param(layer, "bias", beta)
+    return call.canonical(out)
+
+
+# ----- shapes -----
+
+
+def flatten(call: LayerCall, inputs: list[Tensor]) -> Tensor:
+    tensor = _one(call, inputs)
+    call.channels_last()
+    size = int(np.prod(tensor.keras_shape))
+    if tensor.layout == "channels_first":
+        h, w, c = tensor.keras_shape
+        return call.add(Flatten(), tensor, "flat_chw", (size,), chw=(c, h, w))
+    if tensor.keras_rank == 1:
+        return tensor
+    return call.add(Flatten(), tensor, "keras", (size,))
+
+
+def reshape(call: LayerCall, inputs: list[Tensor]) -> Tensor:
+    tensor = call.to_keras_order(_one(call, inputs))
+    target = call.take("target_shape")
+    try:
+        layer = Reshape(target)
+    except (TypeError, ValueError) as exc:
+        raise call.fail(str(exc)) from None
+    out = call.add(layer, tensor, "keras", (1,))
+    return call.canonical(Tensor(out.sym, "keras", out.sym.shape))
+
+
+def permute(call: LayerCall, inputs: list[Tensor]) -> Tensor:
+    tensor = call.to_keras_order(_one(call, inputs))
+    try:
+        layer = Permute(call.take("dims"))
+    except (TypeError, ValueError) as exc:
+        raise call.fail(str(exc)) from None
+    out = call.add(layer, tensor, "keras", (1,))
+    return call.canonical(Tensor(out.sym, "keras", out.sym.shape))
+
+
+def embedding(call: LayerCall, inputs: list[Tensor]) -> Tensor:
+    tensor = _one(call, inputs)
+    if tensor.sym.dtype != "int64":
+        raise call.fail("needs integer token ids: give its keras.Input dtype='int32' or 'int64'")
+    input_dim, output_dim = int(call.take("input_dim")), int(call.take("output_dim"))
+    if call.take("mask_zero", False):
+        call.note("mask_zero is ignored: no supported layer reads a mask, so the outputs are unchanged")
+    weights = call.weights({"embeddings": (input_dim, output_dim)})
+    layer = Embedding(input_dim, output_dim)
+    out = call.add(layer, tensor, "keras", (*tensor.keras_shape, output_dim))
+    call.set_param(layer, "weight", weights["embeddings"])
+    return out
+
+
+# ----- activations and regularization -----
+
+
+def dropout(call: LayerCall, inputs: list[Tensor]) -> Tensor:
+    tensor = _one(call, inputs)
+    rate = float(call.take("rate"))
+    if call.take("noise_shape", None) is not None:
+        call.note("noise_shape is ignored: opgrad's Dropout draws one mask value per element while training")
+    return call.add(Dropout(rate), tensor, tensor.layout, tensor.keras_shape, chw=tensor.chw)
+
+
+def activation(call: LayerCall, inputs: list[Tensor]) -> Tensor:
+    tensor = _one(call, inputs)
+    name = _activation_name(call)
+    if name == "linear":
+        return tensor
+    if name == "softmax":
+        return _activate(call, tensor, name)
+    layer = {"relu": ReLU, "sigmoid": Sigmoid, "tanh": Tanh}.get(name)
+    built = layer() if layer else GELU("none") if name == "gelu" else LeakyReLU(0.2)
+    return call.add(built, tensor, tensor.layout, tensor.keras_shape, chw=tensor.chw)
+
+
+def relu(call: LayerCall, inputs: list[Tensor]) -> Tensor:
+    tensor = _one(call, inputs)
+    call.choose("max_value", (None,), None)
+    call.choose("threshold", (0, 0.0), 0.0)
+    slope = float(call.take("negative_slope", 0.0))
+    layer = LeakyReLU(slope) if slope else ReLU()
+    return call.add(layer, tensor, tensor.layout, tensor.keras_shape, chw=tensor.chw)
+
+
+def leaky_relu(call: LayerCall, inputs: list[Tensor]) -> Tensor:
+    tensor = _one(call, inputs)
+    keras2 = "alpha" in call.config and "negative_slope" not in call.config
+    slope = float(call.take("alpha", 0.3) if keras2 else call.take("negative_slope", 0.3))
+    return call.add(LeakyReLU(slope), tensor, tensor.layout, tensor.keras_shape, chw=tensor.chw)
+
+
+def softmax(call: LayerCall, inputs: list[Tensor]) -> Tensor:
+    tensor = _one(call, inputs)
+    axis = call.take("axis", -1)
+    if not isinstance(axis, int):
+        raise call.unsupported("axis", axis, "one axis")
+    out = call.add(Softmax(call.opgrad_axis(tensor, axis)), tensor, tensor.layout, tensor.keras_shape, chw=tensor.chw)
+    if axis % (tensor.keras_rank + 1) == tensor.keras_rank:
+        call.builder.softmax_inputs[id(out.sym)] = (tensor, call.spec.name)
+    return out
+
+
+def rescaling(call: LayerCall, inputs: list[Tensor]) -> Tensor:
+    tensor = _one(call, inputs)
+    scale, offset = call.take("scale", 1.0), call.take("offset", 0.0)
+    for key, value in (("scale", scale), ("offset", offset)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise call.unsupported(key, value, "one number (not one per channel)")
+    return call.add(Rescaling(scale, offset), tensor, tensor.layout, tensor.keras_shape, chw=tensor.chw)
+
+
+# ----- merging -----
+
+
+def _same_layout(call: LayerCall, inputs: list[Tensor]) -> list[Tensor]:
+    if len(inputs) < 2:
+        raise call.fail(f"takes two or more inputs, got {len(inputs)}")
+    if len({(t.layout, t.chw) for t in inputs}) == 1:
+        return inputs
+    return [call.to_keras_order(t) if t.layout == "flat_chw" else t for t in inputs]
+
+
+def add(call: LayerCall, inputs: list[Tensor]) -> Tensor:
+    tensors = _same_layout(call, inputs)
+    first = tensors[0]
+    return call.add(Add(), tensors, first.layout, first.keras_shape, chw=first.chw)
+
+
+def concatenate(call: LayerCall, inputs: list[Tensor]) -> Tensor:
+    tensors = _same_layout(call, inputs)
+    if tensors[0].layout == "flat_chw":
+        tensors = [call.to_keras_order(t) for t in tensors]
+    axis = call.take("axis", -1)
+    if not isinstance(axis, int):
+        raise call.unsupported("axis", axis, "one axis")
+    layer = Concatenate(call.opgrad_axis(tensors[0], axis))
+    out = call.add(layer, tensors, tensors[0].layout, tensors[0].keras_shape)
+    keras_axis = axis % (tensors[0].keras_rank + 1) - 1
+    shape = list(tensors[0].keras_shape)
+    shape[keras_axis] = sum(t.keras_shape[keras_axis] for t in tensors)
+    return Tensor(out.sym, out.layout, tuple(shape))
+
+
+CONVERTERS: dict[str, Converter] = {
+    "Activation": activation,
+    "Add": add,
+    "AveragePooling2D": _pool(AvgPool2D),
+    "BatchNormalization": batch_normalization,
+    "Concatenate": concatenate,
+    "Conv2D": conv2d,
+    "Conv2DTranspose": conv2d_transpose,
+    "DepthwiseConv2D": depthwise_conv2d,
+    "Dense": dense,
+    "Dropout": dropout,
+    "Embedding": embedding,
+    "Flatten": flatten,
+    "GlobalAveragePooling2D": global_average_pooling2d,
+    "LayerNormalization": layer_normalization,
+    "LeakyReLU": leaky_relu,
+    "MaxPooling2D": _pool(MaxPool2D),
+    "Permute": permute,
+    "ReLU": relu,
+    "Rescaling": rescaling,
+    "Reshape": reshape,
+    "SeparableConv2D": separable_conv2d,
+    "Softmax": softmax,
+    "UpSampling2D": upsampling2d,
+    "ZeroPadding2D": zero_padding2d,
+}

@@ -1,0 +1,465 @@
+"""opgrad.keras: Keras 3 .keras and legacy .h5 models imported, checked, fine-tuned and saved.
+
+The fixtures (tests/fixtures/keras) and Keras' predictions on fixed inputs are committed, made by
+tests/fixtures/make_keras_models.py; only the regeneration test needs Keras itself.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import shutil
+import subprocess
+import sys
+import zipfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from optional import require
+
+h5py = require("h5py", "opgrad.keras reads Keras files' HDF5 weights with h5py (the interop extra)")
+
+import opgrad  # noqa: E402
+from opgrad import nn, ops  # noqa: E402
+from opgrad.checks import check_function  # noqa: E402
+from opgrad.keras import KerasImportError, load, read  # noqa: E402
+
+FIXTURES = Path(__file__).parent / "fixtures" / "keras"
+EXPECTED = dict(np.load(FIXTURES / "expected.npz"))
+#: fixture file -> the model it holds
+FILES = {
+    "mnist_cnn.keras": "mnist_cnn",
+    "mnist_cnn.h5": "mnist_cnn",
+    "mnist_cnn_keras2.h5": "mnist_cnn",
+    "residual.keras": "residual",
+    "shapes.keras": "shapes",
+    "embedding.keras": "embedding",
+}
+
+
+def softmax(x: np.ndarray) -> np.ndarray:
+    e = np.exp(x - x.max(axis=-1, keepdims=True))
+    return e / e.sum(axis=-1, keepdims=True)
+
+
+def nchw(x: np.ndarray) -> np.ndarray:
+    return x.transpose(0, 3, 1, 2) if x.ndim == 4 else x.astype(np.int64)
+
+
+# ----- outputs equal Keras' -----
+
+
+@pytest.mark.parametrize("filename", FILES)
+def test_outputs_equal_keras(filename: str) -> None:
+    name = FILES[filename]
+    imported = read(FIXTURES / filename)
+    x, keras_out = EXPECTED[f"{name}.x"], EXPECTED[f"{name}.y"]
+    out = imported.model.predict(nchw(x), batch_size=len(x), backend="reference")
+    assert isinstance(out, np.ndarray)
+    stripped = any("final softmax is left out" in note for note in imported.notes)
+    assert stripped == (name != "embedding")  # every other fixture ends in a softmax
+    np.testing.assert_allclose(softmax(out) if stripped else out, keras_out, atol=1e-5, rtol=0)
+    assert imported.format == Path(filename).suffix
+
+
+#: Where Keras 3 stores each class's variables in a .keras file: its class name in snake case.
+SNAKE = {"InputLayer": "input_layer", "Conv2D": "conv2d", "BatchNormalization": "batch_normalization",
+         "ReLU": "re_lu", "Add": "add", "DepthwiseConv2D": "depthwise_conv2d", "Concatenate": "concatenate",
+         "Conv2DTranspose": "conv2d_transpose", "AveragePooling2D": "average_pooling2d",
+         "MaxPooling2D": "max_pooling2d", "GlobalAveragePooling2D": "global_average_pooling2d",
+         "Flatten": "flatten", "Dense": "dense"}
+
+
+def _as_keras2_h5(source: Path, target: Path) -> None:
+    """The functional model of ``source`` (.keras) in the HDF5 layout Keras 2 / tf.keras wrote."""
+    with zipfile.ZipFile(source) as archive:
+        config = json.loads(archive.read("config.json"))["config"]
+        weights = h5py.File(io.BytesIO(archive.read("model.weights.h5")))
+    layers, seen = [], {}
+    with h5py.File(target, "w") as f:
+        group = f.create_group("model_weights")
+        for entry in config["layers"]:
+            fields = {**entry["config"], "dtype": "float32"}
+            if entry["class_name"] == "InputLayer":
+                fields["batch_input_shape"] = fields.pop("batch_shape")
+            nodes = []
+            for node in entry["inbound_nodes"]:
+                args = node["args"][0]
+                nodes.append([[t["config"]["keras_history"][0], 0, 0, {}]
+                              for t in (args if isinstance(args, list) else [args])])
+            layers.append({"class_name": entry["class_name"], "name": entry["name"], "config": fields,
+                           "inbound_nodes": nodes})
+            snake = SNAKE[entry["class_name"]]
+            stored = snake if snake not in seen else f"{snake}_{seen[snake] + 1}"
+            seen[snake] = seen.get(snake, -1) + 1
+            variables = weights[f"layers/{stored}/vars"]
+            sub = group.create_group(entry["name"])
+            names = []
+            for i in range(len(variables)):
+                name = f"{entry['name']}/w{i}:0"
+                sub[name] = variables[str(i)][()]
+                names.append(name.encode())
+            sub.attrs["weight_names"] = names
+        model = {"class_name": "Model", "config": {"name": config["name"], "layers": layers,
+                                                   "input_layers": [["image", 0, 0]],
+                                                   "output_layers": [["classes", 0, 0]]}}
+        f.attrs["model_config"] = json.dumps(model).encode()
+        f.attrs["keras_version"] = b"2.4.0"
+    weights.close()
+
+
+def test_keras2_functional_h5_predicts_like_keras(tmp_path: Path) -> None:
+    _as_keras2_h5(FIXTURES / "residual.keras", tmp_path / "residual.h5")
+    imported = read(tmp_path / "residual.h5")
+    assert imported.keras_version == "2.4.0"
+    x = nchw(EXPECTED["residual.x"])
+    np.testing.assert_allclose(softmax(imported.model.predict(x, backend="reference")), EXPECTED["residual.y"],
+                               atol=1e-5, rtol=0)
+
+
+def test_keep_softmax_and_nhwc_layout_give_keras_predictions_directly() -> None:
+    x, keras_out = EXPECTED["residual.x"], EXPECTED["residual.y"]
+    model = load(FIXTURES / "residual.keras", layout="NHWC", keep_softmax=True)
+    assert model.input_shape == x.shape[1:]
+    out = model.predict(x, batch_size=len(x), backend="reference")
+    np.testing.assert_allclose(out, keras_out, atol=1e-5, rtol=0)
+
+
+def test_seed_mnist_model_layers_and_weight_layouts() -> None:
+    """The Keras MNIST CNN: NCHW input, OIHW kernels, and the Dense after Flatten reordered to C, H, W."""
+    model = load(FIXTURES / "mnist_cnn.keras")
+    assert model.input_shape == (1, 28, 28) and model.output_shape == (10,)
+    kinds = [layer.kind for layer in model.layers]
+    assert kinds == ["conv", "conv", "maxpool", "dropout", "flatten", "dense", "dropout", "dense"]
+    with h5py.File(io.BytesIO(zipfile.ZipFile(FIXTURES / "mnist_cnn.keras").read("model.weights.h5"))) as f:
+        kernel = f["layers/conv2d/vars/0"][()]
+        dense = f["layers/dense/vars/0"][()]
+    np.testing.assert_array_equal(model.params["conv2d.weight"], kernel.transpose(3, 2, 0, 1))
+    # Keras' feature (h, w, c) of the 12x12x8 image is opgrad's feature (c, h, w).
+    h, w, c = 5, 7, 3
+    np.testing.assert_array_equal(model.params["dense.weight"][:, c * 144 + h * 12 + w],
+                                  dense[h * 12 * 8 + w * 8 + c, :])
+
+
+@pytest.mark.parametrize(("filename", "keep_softmax"), [("residual.keras", False), ("shapes.keras", True)])
+def test_checkpoint_round_trip_gives_identical_predictions(tmp_path: Path, filename: str,
+                                                           keep_softmax: bool) -> None:
+    model = load(FIXTURES / filename, keep_softmax=keep_softmax)
+    x = nchw(EXPECTED[f"{FILES[filename]}.x"])
+    path = tmp_path / "model.npz"
+    model.save(path)
+    again = nn.load(path)
+    assert [layer.get_config() for layer in again.layers] == [layer.get_config() for layer in model.layers]
+    np.testing.assert_array_equal(again.predict(x, backend="reference"), model.predict(x, backend="reference"))
+
+
+def test_import_does_not_need_keras() -> None:
+    code = ("import sys, opgrad.keras; opgrad.keras.load(sys.argv[1]); "
+            "assert 'keras' not in sys.modules and 'torch' not in sys.modules, 'imported keras or torch'")
+    env = {k: v for k, v in os.environ.items() if k != "KERAS_BACKEND"}
+    subprocess.run([sys.executable, "-c", code, str(FIXTURES / "mnist_cnn.keras")], check=True, env=env,
+                   cwd=Path(__file__).parent.parent)
+
+
+# ----- gradients and fine-tuning -----
+
+
+def test_imported_model_gradient_passes_the_checker() -> None:
+    model = load(FIXTURES / "residual.keras")
+    batch = 2
+    x = opgrad.var("x", (batch, *model.input_shape))
+    labels = opgrad.var("labels", (batch,), "int64")
+    params, buffers = model.param_vars(), model.buffer_vars()
+    logits = model.forward(x, {**params, **buffers})
+    fn = opgrad.function([x, labels, *params.values(), *buffers.values()],
+                         ops.softmax_cross_entropy(logits, labels))
+    arrays = [nchw(EXPECTED["residual.x"][:batch]), np.array([1, 4]), *model.params.values(),
+              *model.buffers.values()]
+    report = check_function(fn, arrays, wrt=list(params), seed=0, directions=2, name="imported residual loss")
+    assert report.passed, str(report)
+
+
+def test_fine_tune_with_compiled_kernels_lowers_the_loss() -> None:
+    if nn.llvm_unavailable_reason() is not None:
+        pytest.skip(f"the llvm backend is unavailable: {nn.llvm_unavailable_reason()}")
+    model = load(FIXTURES / "mnist_cnn.h5")
+    rng = np.random.default_rng(0)
+    labels = np.arange(16) % 10
+    images = rng.random((16, 1, 28, 28), dtype=np.float32) * 0.2
+    for i, label in enumerate(labels):  # a bar whose height gives the class
+        images[i, 0, 2 * label:2 * label + 6, 4:24] += 0.8
+    before = model.predict(images, batch_size=16, backend="reference")
+    trainer = nn.Trainer(model, nn.Adam(), lr=1e-2, batch_size=16, backend="llvm", params=model.params)
+    losses = trainer.train_batches([(images, labels)] * 30)
+    assert np.mean(losses[-5:]) < 0.75 * losses[0], losses
+    # the imported weights were the starting point: the first loss is the imported model's loss
+    # (dropout is on while training, so only roughly)
+    first = -np.mean(np.log(softmax(before)[np.arange(16), labels]))
+    assert losses[0] == pytest.approx(first, rel=0.1)
+
+
+def test_trainer_keeps_imported_batchnorm_statistics() -> None:
+    model = load(FIXTURES / "residual.keras")
+    running = {k: v.copy() for k, v in model.buffers.items()}
+    trainer = nn.Trainer(model, nn.SGD(), batch_size=3, backend="reference", params=model.params)
+    for name, value in running.items():
+        np.testing.assert_array_equal(trainer.state[name], value)
+
+
+# ----- errors -----
+
+
+def _rewrite_keras(source: Path, target: Path, edit: Callable[[dict[str, Any]], None] | None = None,
+                   drop: str | None = None) -> Path:
+    """A copy of ``source`` (.keras) with its config.json edited or one entry left out."""
+    with zipfile.ZipFile(source) as archive:
+        entries = {info.filename: archive.read(info) for info in archive.infolist()}
+    if edit is not None:
+        config = json.loads(entries["config.json"])
+        edit(config)
+        entries["config.json"] = json.dumps(config).encode()
+    with zipfile.ZipFile(target, "w") as archive:
+        for name, data in entries.items():
+            if name != drop:
+                archive.writestr(name, data)
+    return target
+
+
+def _layer(config: dict[str, Any], name: str) -> dict[str, Any]:
+    return next(entry for entry in config["config"]["layers"] if entry["config"].get("name") == name)
+
+
+def _set(layer: str, **fields: Any) -> Callable[[dict[str, Any]], None]:
+    def edit(config: dict[str, Any]) -> None:
+        _layer(config, layer)["config"].update(fields)
+    return edit
+
+
+def _rename_class(layer: str, class_name: str) -> Callable[[dict[str, Any]], None]:
+    def edit(config: dict[str, Any]) -> None:
+        _layer(config, layer)["class_name"] = class_name
+    return edit
+
+
+def _nest(config: dict[str, Any]) -> None:
+    entry = _layer(config, "dense")
+    entry["class_name"] = "Sequential"
+    entry["config"] = {"name": "dense", "layers": []}
+
+
+def _share(config: dict[str, Any]) -> None:
+    entry = _layer(config, "stem_relu")
+    entry["inbound_nodes"] = entry["inbound_nodes"] * 2
+
+
+def _corrupt(tmp_path: Path, name: str) -> Path:
+    target = tmp_path / name
+    if name == "not_a_model.keras":
+        target.write_bytes(b"this is text, not a model\n" * 10)
+    elif name == "truncated.keras":
+        data = (FIXTURES / "mnist_cnn.keras").read_bytes()
+        target.write_bytes(data[: len(data) // 2])
+    elif name == "no_config.keras":
+        _rewrite_keras(FIXTURES / "mnist_cnn.keras", target, drop="config.json")
+    elif name == "no_weights.keras":
+        _rewrite_keras(FIXTURES / "mnist_cnn.keras", target, drop="model.weights.h5")
+    elif name == "bad_json.keras":
+        with zipfile.ZipFile(target, "w") as archive:
+            archive.writestr("config.json", "{not json")
+    elif name == "deep_json.keras":
+        with zipfile.ZipFile(target, "w") as archive:
+            archive.writestr("config.json", "[" * 100_000 + "]" * 100_000)
+    elif name == "weights_only.h5":
+        with h5py.File(target, "w") as f:
+            f.attrs["layer_names"] = [b"dense"]
+            f.create_group("dense").attrs["weight_names"] = []
+    elif name == "int8_weights.h5":
+        shutil.copy(FIXTURES / "mnist_cnn.h5", target)
+        with h5py.File(target, "r+") as f:
+            path = "model_weights/dense_1/mnist_cnn/dense_1/kernel"
+            kernel = f[path][()]
+            del f[path]
+            f[path] = (kernel * 100).astype(np.int8)
+    elif name == "nan_weights.h5":
+        shutil.copy(FIXTURES / "mnist_cnn.h5", target)
+        with h5py.File(target, "r+") as f:
+            f["model_weights/dense_1/mnist_cnn/dense_1/bias"][0] = np.nan
+    elif name == "external_link.h5":
+        shutil.copy(FIXTURES / "mnist_cnn.h5", target)
+        with h5py.File(target, "r+") as f:
+            del f["model_weights/dense_1/mnist_cnn/dense_1/bias"]
+            f["model_weights/dense_1/mnist_cnn/dense_1/bias"] = h5py.ExternalLink("/etc/other.h5", "/bias")
+    return target
+
+
+EDITS: dict[str, tuple[str, Callable[[dict[str, Any]], None]]] = {
+    "weights_shape": ("mnist_cnn.keras", _set("dense", units=9)),
+    "unknown_layer": ("mnist_cnn.keras", _rename_class("dropout", "GaussianNoise")),
+    "channels_first": ("mnist_cnn.keras", _set("conv2d", data_format="channels_first")),
+    "activation": ("mnist_cnn.keras", _set("conv2d_1", activation="selu")),
+    "unknown_field": ("mnist_cnn.keras", _set("dense", dot_general="int8")),
+    "dtype": ("mnist_cnn.keras", _set("dense", dtype="int8_from_float32")),
+    "nested": ("mnist_cnn.keras", _nest),
+    "shared": ("residual.keras", _share),
+    "batchnorm_axis": ("residual.keras", _set("stem_bn", axis=1)),
+    "max_value": ("residual.keras", _set("stem_relu", max_value=6.0)),
+    "bad_value": ("mnist_cnn.keras", _set("dense", units="ten")),
+    "bad_input_shape": ("residual.keras", _set("image", batch_shape=[None, "9", 9, 3])),
+    "dynamic_input": ("residual.keras", _set("image", batch_shape=[None, None, None, 3])),
+    "bad_wiring": ("residual.keras", lambda config: config["config"].update(input_layers=[["image", "x", 0]])),
+}
+
+ERRORS = [
+    ("not_a_model.keras", None, "neither a Keras 3 .keras file"),
+    ("truncated.keras", None, "not a readable .keras archive"),
+    ("no_config.keras", None, "has no config.json"),
+    ("no_weights.keras", None, "has no model.weights.h5"),
+    ("bad_json.keras", None, "config.json is not valid JSON"),
+    ("weights_only.h5", None, "weights only (saved with save_weights)"),
+    ("int8_weights.h5", "dense_1", "dtype int8; supported: float16, float32, float64"),
+    ("nan_weights.h5", "dense_1", "holds nan or infinite values"),
+    ("external_link.h5", None, "is a ExternalLink"),
+    ("weights_shape", "dense", "variable kernel (layers/dense/vars/0) has shape (1152, 8), expected (1152, 9)"),
+    ("unknown_layer", "dropout", "class 'GaussianNoise', which the importer does not support; supported: Activation"),
+    ("channels_first", "conv2d", "data_format='channels_first' is not supported; supported: 'channels_last'"),
+    ("activation", "conv2d_1", "activation='selu' is not supported; supported: linear, relu"),
+    ("unknown_field", "dense", "config field dot_general='int8' is not supported"),
+    ("dtype", "dense", "dtype='int8_from_float32' is not supported"),
+    ("nested", "dense", "is itself a model (Sequential)"),
+    ("shared", "stem_relu", "is called 2 times (a shared layer)"),
+    ("batchnorm_axis", "stem_bn", "supported: the channel (last) axis"),
+    ("max_value", "stem_relu", "max_value=6.0 is not supported; supported: None"),
+    ("bad_value", "dense", "malformed config"),
+    ("bad_input_shape", "image", "is not a list of positive ints"),
+    ("dynamic_input", "image", "has an unknown dimension"),
+    ("bad_wiring", None, "malformed Functional config"),
+    ("deep_json.keras", None, "nested too deeply"),
+]
+
+
+@pytest.mark.parametrize(("case", "layer", "message"), ERRORS, ids=[case for case, _, _ in ERRORS])
+def test_unsupported_or_malformed_files_give_one_clear_error(tmp_path: Path, case: str, layer: str | None,
+                                                             message: str) -> None:
+    if case in EDITS:
+        source, edit = EDITS[case]
+        path = _rewrite_keras(FIXTURES / source, tmp_path / f"{case}.keras", edit)
+    else:
+        path = _corrupt(tmp_path, case)
+    with pytest.raises(KerasImportError) as info:
+        load(path)
+    text = str(info.value)
+    assert text.startswith(str(path)), text
+    assert message in text, text
+    if layer is not None:
+        assert f"layer {layer!r}" in text, text
+
+
+def test_mutated_config_fields_import_or_fail_clearly(tmp_path: Path) -> None:
+    """A sample of config fields set to values of the wrong kind: never anything but KerasImportError."""
+    with zipfile.ZipFile(FIXTURES / "residual.keras") as archive:
+        config = json.loads(archive.read("config.json"))
+    cases = [(i, key) for i, entry in enumerate(config["config"]["layers"]) for key in entry["config"]]
+    rng = np.random.default_rng(0)
+    values: list[Any] = ["x", -1, None, [], {"a": 1}, 0, 10**9, [1, 2, 3], True, 2.5]
+    for k in rng.choice(len(cases), size=30, replace=False):
+        index, key = cases[k]
+        value = values[int(rng.integers(len(values)))]
+
+        def edit(config: dict[str, Any], index: int = index, key: str = key, value: Any = value) -> None:
+            config["config"]["layers"][index]["config"][key] = value
+
+        path = _rewrite_keras(FIXTURES / "residual.keras", tmp_path / f"mutated{k}.keras", edit)
+        try:
+            load(path)
+        except KerasImportError as exc:
+            assert str(exc).startswith(str(path))
+
+
+def test_missing_file_and_bad_layout_are_clear(tmp_path: Path) -> None:
+    with pytest.raises(KerasImportError, match="no such file"):
+        load(tmp_path / "missing.keras")
+    with pytest.raises(ValueError, match="layout must be one of"):
+        load(FIXTURES / "mnist_cnn.keras", layout="CHWN")
+
+
+# ----- the fixtures are what the generator makes -----
+
+
+def _generator(monkeypatch: pytest.MonkeyPatch) -> Any:
+    """tests/fixtures/make_keras_models.py, with Keras 3 on the torch backend (skips without Keras)."""
+    monkeypatch.setenv("KERAS_BACKEND", os.environ.get("KERAS_BACKEND", "torch"))
+    require("keras", "regenerating the Keras fixtures needs Keras 3 (with the torch backend)")
+    monkeypatch.syspath_prepend(str(FIXTURES.parent))
+    import make_keras_models
+
+    return make_keras_models
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # Keras' own numpy 2 deprecations
+def test_full_size_keras_mnist_cnn_predicts_like_keras(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The Keras MNIST example at its real size (1.2 M parameters), too big to commit, made here."""
+    generator = _generator(monkeypatch)
+    keras_model = generator.mnist_cnn((32, 64, 128))
+    generator.randomize(keras_model, seed=7)
+    x = np.random.default_rng(7).random((2, 28, 28, 1), dtype=np.float32)
+    expected = np.asarray(keras_model.predict(x, verbose=0))
+    for suffix in (".keras", ".h5"):
+        keras_model.save(tmp_path / f"mnist{suffix}")
+        model = load(tmp_path / f"mnist{suffix}", layout="NHWC", keep_softmax=True)
+        assert model.num_params == 1_199_882
+        np.testing.assert_allclose(model.predict(x, backend="reference"), expected, atol=1e-5, rtol=0)
+
+
+LAYER_VARIANTS = {
+    "transpose_kernel_below_stride": lambda layers: layers.Conv2DTranspose(2, 1, strides=2),
+    "transpose_valid_output_padding": lambda layers: layers.Conv2DTranspose(2, 3, strides=2, output_padding=1),
+    "transpose_same_even_kernel": lambda layers: layers.Conv2DTranspose(2, 4, strides=2, padding="same"),
+    "conv_strided_valid": lambda layers: layers.Conv2D(3, (3, 2), strides=(2, 1), activation="sigmoid"),
+    "conv_same_stride3": lambda layers: layers.Conv2D(2, 2, strides=3, padding="same", use_bias=False),
+    "maxpool_same_strided": lambda layers: layers.MaxPooling2D(3, strides=2, padding="same"),
+    "avgpool_valid_strided": lambda layers: layers.AveragePooling2D((2, 3), strides=(1, 2)),
+    "gap_keepdims": lambda layers: layers.GlobalAveragePooling2D(keepdims=True),
+    "relu_negative_slope": lambda layers: layers.ReLU(negative_slope=0.1),
+    "channel_softmax": lambda layers: layers.Softmax(axis=-1),
+    "rescaling": lambda layers: layers.Rescaling(1 / 255, offset=-0.5),
+    "separable": lambda layers: layers.SeparableConv2D(4, 3, depth_multiplier=2, padding="same", strides=2,
+                                                       activation="relu"),
+    "separable_no_bias": lambda layers: layers.SeparableConv2D(2, (2, 3), dilation_rate=2, use_bias=False),
+}
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # Keras' own numpy 2 deprecations
+@pytest.mark.parametrize("variant", LAYER_VARIANTS)
+def test_layer_variants_predict_like_keras(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, variant: str) -> None:
+    generator = _generator(monkeypatch)
+    import keras
+
+    inp = keras.Input((7, 6, 3))
+    keras_model = keras.Model(inp, LAYER_VARIANTS[variant](keras.layers)(inp))
+    generator.randomize(keras_model, seed=3)
+    x = np.random.default_rng(3).standard_normal((2, 7, 6, 3)).astype(np.float32)
+    expected = np.asarray(keras_model.predict(x, verbose=0))
+    keras_model.save(tmp_path / "layer.keras")
+    model = load(tmp_path / "layer.keras", layout="NHWC", keep_softmax=True)
+    np.testing.assert_allclose(model.predict(x, backend="reference"), expected, atol=1e-5, rtol=0)
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # Keras' own numpy 2 deprecations
+def test_fixtures_regenerate_identically(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    expected = _generator(monkeypatch).generate(tmp_path)
+    assert sorted(expected) == sorted(EXPECTED)
+    for key, value in expected.items():
+        np.testing.assert_allclose(value, EXPECTED[key], atol=1e-6, rtol=0, err_msg=key)
+    for filename, name in FILES.items():
+        fresh, committed = read(tmp_path / filename), read(FIXTURES / filename)
+        assert fresh.model.get_config() == committed.model.get_config(), filename
+        for key, value in committed.model.params.items():
+            np.testing.assert_array_equal(fresh.model.params[key], value, err_msg=f"{filename} {key}")
+        # what today's Keras writes imports to its own predictions
+        out = fresh.model.predict(nchw(expected[f"{name}.x"]), backend="reference")
+        out = softmax(out) if name != "embedding" else out
+        np.testing.assert_allclose(out, expected[f"{name}.y"], atol=1e-5, rtol=0, err_msg=filename)

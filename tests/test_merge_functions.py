@@ -1,0 +1,81 @@
+"""Identical kernels are compiled once: the IR merge keeps results and exported symbols."""
+
+from __future__ import annotations
+
+import numpy as np
+
+import opgrad
+from opgrad import ops
+from opgrad.compiler.merge import merge_identical_functions
+
+MODULE = """; ModuleID = 'm'
+declare float @llvm.exp.f32(float)
+define internal float @m.a.leaf(float %x) {
+entry:
+  %y = call float @llvm.exp.f32(float %x)
+  ret float %y
+}
+define internal float @m.b.leaf(float %x) {
+entry:
+  %y = call float @llvm.exp.f32(float %x)
+  ret float %y
+}
+define internal float @m.a(float %x) {
+entry:
+  %y = call float @m.a.leaf(float %x)
+  ret float %y
+}
+define internal float @m.b(float %x) {
+entry:
+  %y = call float @m.b.leaf(float %x)
+  ret float %y
+}
+define internal float @m.other(float %x) {
+entry:
+  ret float %x
+}
+define float @m(float %x) {
+entry:
+  %a = call float @m.a(float %x)
+  %b = call float @m.b(float %x)
+  %c = call float @m.other(float %x)
+  %s = fadd float %a, %b
+  %t = fadd float %s, %c
+  ret float %t
+}
+define float @m.exported_copy(float %x) {
+entry:
+  ret float %x
+}
+"""
+
+
+def test_merges_copies_and_their_callers_and_keeps_exported_functions() -> None:
+    merged = merge_identical_functions(MODULE)
+    defined = [line.split("@")[1].split("(")[0] for line in merged.splitlines() if line.startswith("define")]
+    assert defined == ["m.a.leaf", "m.a", "m.other", "m", "m.exported_copy"]
+    assert "@m.b" not in merged
+    assert "%b = call float @m.a(float %x)" in merged
+
+
+def test_text_without_functions_or_with_stray_text_is_left_alone() -> None:
+    assert merge_identical_functions("; ModuleID = 'empty'\n") == "; ModuleID = 'empty'\n"
+    odd = MODULE.replace("define internal float @m.b(", "@g = global i32 0\ndefine internal float @m.b(")
+    assert merge_identical_functions(odd) == odd
+
+
+def test_repeated_layers_compile_to_the_reference_numbers() -> None:
+    x = opgrad.var("x", (2, 3, 9, 9), "float32")
+    w1, w2 = opgrad.var("w1", (3, 3, 3, 3), "float32"), opgrad.var("w2", (3, 3, 3, 3), "float32")
+    h = ops.relu(ops.conv2d(x, w1, padding=(1, 1)))
+    y = ops.relu(ops.conv2d(h, w2, padding=(1, 1)))
+    fn = opgrad.Function([x, w1, w2], ops.sum(ops.multiply(y, y)))
+    grad_fn = opgrad.grad(fn, wrt=[1, 2])
+    rng = np.random.default_rng(0)
+    args = [rng.standard_normal(v.shape).astype(np.float32) for v in (x, w1, w2)]
+    want = opgrad.evaluate(grad_fn, *args)
+    compiled = opgrad.compile(grad_fn)
+    assert merge_identical_functions(compiled.ir).count("\ndefine ") < compiled.ir.count("\ndefine ")
+    got = compiled(*args)
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-4)
