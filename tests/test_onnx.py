@@ -521,3 +521,22 @@ def test_corrupted_files_load_or_fail_with_onnx_error_only(tmp_path: Path) -> No
             assert str(exc).startswith(str(path)) and "\n" not in str(exc)
             outcomes["refused"] += 1
     assert outcomes["refused"] > 0
+
+
+KERAS_FIXTURES = sorted(p.name for p in (FIXTURES / "keras").glob("*") if p.suffix in (".keras", ".h5"))
+
+
+@pytest.mark.parametrize("name", KERAS_FIXTURES)
+def test_keras_imports_go_out_as_onnx(name: str, tmp_path: Path) -> None:
+    """Keras -> opgrad -> ONNX: onnxruntime computes what the imported model computes."""
+    require("h5py", "opgrad.keras reads Keras weights with it")
+    from opgrad import keras as opgrad_keras
+
+    model = opgrad_keras.load(FIXTURES / "keras" / name)
+    rng = np.random.default_rng(4)
+    inputs = [rng.integers(0, 5, (3, *t.shape)).astype(np.int64) if t.dtype == "int64" else
+              rng.random((3, *t.shape), dtype=np.float32) for t in model.inputs]
+    ours = as_list(model.predict(inputs if len(inputs) > 1 else inputs[0], batch_size=3, backend="reference"))
+    opgrad_onnx.save(model, tmp_path / "keras.onnx")
+    for theirs, mine in zip(run_onnxruntime(tmp_path / "keras.onnx", *inputs), ours):
+        np.testing.assert_allclose(theirs, mine, rtol=1e-5, atol=1e-5)
