@@ -31,7 +31,7 @@ from opgrad.nn.optim import Optimizer
 from opgrad.nn.schedules import LRSchedule, Schedule, constant_lr, cosine_lr
 from opgrad.nn.step import BACKENDS, EvalStep, NanLossError, TrainStep
 
-__all__ = ["LRSchedule", "Trainer", "constant_lr", "cosine_lr", "shift_images"]
+__all__ = ["LRSchedule", "Trainer", "constant_lr", "cosine_lr", "noise_rng", "shift_images", "shift_rng"]
 
 _NOISE_TAG = 0x6E6F6973  # "nois": dropout masks
 _SHIFT_TAG = 0x73686966  # "shif": augmentation shifts
@@ -56,6 +56,16 @@ def _check_lr(lr: object) -> float:
 
 def _step_rng(seed: int, tag: int, step: int) -> np.random.Generator:
     return np.random.Generator(np.random.PCG64([seed, tag, step]))
+
+
+def noise_rng(seed: int, step: int) -> np.random.Generator:
+    """The generator of global step ``step``'s dropout masks (drawn for the whole batch)."""
+    return _step_rng(seed, _NOISE_TAG, step)
+
+
+def shift_rng(seed: int, step: int) -> np.random.Generator:
+    """The generator of global step ``step``'s augmentation shifts (drawn for the whole batch)."""
+    return _step_rng(seed, _SHIFT_TAG, step)
 
 
 def epoch_shuffle_seed(seed: int, epoch: int) -> int:
