@@ -31,14 +31,17 @@ printing the error (:func:`abort_on_error`); a rank that dies is cleaned up by `
 
 from __future__ import annotations
 
+import hashlib
 import os
 import sys
+import traceback
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any, TypeVar
 
 import numpy as np
 
+from opgrad.env import NUM_THREADS_VAR
 from opgrad.errors import ConfigError, NonFiniteLossError, UserError
 from opgrad.nn.gradstep import GradientStep, UpdateStep
 from opgrad.nn.losses import accuracy, cross_entropy_numpy
@@ -54,7 +57,9 @@ __all__ = [
     "RankFailedError",
     "abort_on_error",
     "agree",
+    "check_same_everywhere",
     "shard_bounds",
+    "share_cores",
     "world",
 ]
 
@@ -171,21 +176,67 @@ def _ranks(ranks: Sequence[int]) -> str:
 
 
 @contextmanager
-def abort_on_error(comm: Communicator, report: Callable[[BaseException], str]) -> Iterator[None]:
+def abort_on_error(comm: Communicator, command: str) -> Iterator[None]:
     """Around a distributed run: an exception that is this rank's alone ends the whole job.
 
     An exception every rank raised together (after :func:`agree` or a failed step) propagates
     normally and each rank exits on its own. Any other exception means the other ranks may be
-    waiting in a collective this rank will never join: its message (``report(exc)``) is printed
-    and ``MPI_Abort`` ends every rank with the error's exit code.
+    waiting in a collective this rank will never join: the error is printed (one line for a
+    user's mistake, the traceback for anything else) and ``MPI_Abort`` ends every rank with the
+    error's exit code. (An MPI rank that merely exits leaves the others waiting forever.)
     """
     try:
         yield
     except BaseException as exc:
         if comm.size > 1 and not getattr(exc, "collective", False):
-            print(f"[rank {comm.rank}] {report(exc)}", file=sys.stderr, flush=True)
-            comm.abort(getattr(exc, "exit_code", 1) if isinstance(exc, UserError) else 1)
+            if isinstance(exc, UserError):
+                message = "; ".join(line.strip() for line in str(exc).splitlines() if line.strip())
+                print(f"{command}: error: [rank {comm.rank}] {message}", file=sys.stderr, flush=True)
+            else:
+                print(f"{command}: rank {comm.rank} failed; ending every rank:", file=sys.stderr)
+                traceback.print_exc()
+                sys.stderr.flush()
+            code = exc.exit_code if isinstance(exc, UserError) else 130 if isinstance(exc, KeyboardInterrupt) else 1
+            comm.abort(code)
         raise
+
+
+def share_cores(comm: Communicator) -> None:
+    """Give each rank its share of this machine's cores for compiled kernels.
+
+    Without it every rank starts one worker thread per core and N ranks on one machine run N
+    times too many threads. An explicit ``$OPGRAD_NUM_THREADS`` is kept. Collective.
+    """
+    local = comm.ranks_on_this_host()
+    if os.environ.get(NUM_THREADS_VAR, "").strip():
+        return
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cores = os.cpu_count() or 1
+    os.environ[NUM_THREADS_VAR] = str(max(1, cores // max(1, local)))
+
+
+def check_same_everywhere(comm: Communicator, arrays: Mapping[str, np.ndarray], what: str) -> None:
+    """Raise on every rank unless ``arrays`` are bitwise the same on every rank. Collective.
+
+    Ranks that start from different weights (another ``--seed``, another checkpoint) would
+    silently train different models that share gradients; one 64-bit digest per rank, compared
+    with a min and a max all-reduce, catches it before the first step.
+    """
+    digest = hashlib.sha256()
+    for name in sorted(arrays):
+        value = np.ascontiguousarray(arrays[name])
+        digest.update(f"{name}:{value.dtype.str}:{value.shape}".encode())
+        digest.update(value.tobytes())
+    mine = np.frombuffer(digest.digest()[:8], np.uint64).copy()
+    low, high = mine.copy(), mine.copy()
+    comm.comm.Allreduce(comm.mpi.IN_PLACE, low, op=comm.mpi.MIN)
+    comm.comm.Allreduce(comm.mpi.IN_PLACE, high, op=comm.mpi.MAX)
+    if low[0] != high[0]:
+        raise _collective(RankFailedError(
+            f"{what} differ between the ranks (rank {comm.rank} of {comm.size}); every rank must start from the "
+            "same --seed and the same checkpoint"))
 
 
 def _collective(exc: BaseException) -> BaseException:
