@@ -1,0 +1,215 @@
+"""Data-parallel training over MPI: equivalence with one process, sharding, faults, checkpoints.
+
+The MPI tests start ``mpirun -n 2`` (MPICH's, from the ``distributed`` extra) on small scripts and
+models, each under a timeout, so a hang fails the test instead of stalling the suite.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+from optional import require
+
+require("mpi4py", "distributed training runs on MPI through mpi4py (the `distributed` extra)")
+
+from opgrad.checkpoint import load_checkpoint  # noqa: E402
+from opgrad.distributed import DistributedTrainer, FusedBuffer, shard_bounds  # noqa: E402
+from opgrad.nn import SGD, Adam, Conv2D, Dense, Dropout, Flatten, MaxPool2D, ReLU, Sequential, Trainer  # noqa: E402
+
+TIMEOUT = 120  # seconds for one mpirun; a run that hangs is killed and fails its test
+
+
+def mpirun() -> str:
+    """MPICH's mpirun from the environment running the tests (the wheel puts it beside python)."""
+    beside = Path(sys.executable).parent / "mpirun"
+    found = str(beside) if beside.exists() else shutil.which("mpirun")
+    if found is None:
+        if os.environ.get("CI") == "true":
+            raise RuntimeError("mpirun not found: install the `distributed` extra (pip install mpich)")
+        pytest.skip("mpirun not found: pip install mpich")
+    return found
+
+
+def run_mpi(args: list[str], cwd: Path, timeout: int = TIMEOUT) -> subprocess.CompletedProcess[str]:
+    try:
+        return subprocess.run([mpirun(), *args], cwd=cwd, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as exc:
+        raise AssertionError(f"mpirun {' '.join(args)} hung for {timeout}s:\n{exc.stdout}\n{exc.stderr}") from None
+
+
+# The model and data of the equivalence runs: a conv layer, dropout and augmentation shifts, so
+# every random draw of a step is exercised, and a global batch of 9 that two ranks split 5 + 4.
+COMMON = textwrap.dedent("""
+    import numpy as np
+    from opgrad.nn import SGD, Adam, Conv2D, Dense, Dropout, Flatten, MaxPool2D, ReLU, Sequential
+
+    def tiny_model():
+        return Sequential([Conv2D(3, 3), ReLU(), MaxPool2D(2), Flatten(), Dropout(0.3), Dense(4)],
+                          input_shape=(1, 8, 8), name="tiny")
+
+    def tiny_data(n=45):
+        rng = np.random.default_rng(7)
+        return rng.standard_normal((n, 1, 8, 8)).astype(np.float32), rng.integers(0, 4, n)
+
+    def settings(optimizer):
+        return dict(lr=0.05 if optimizer == "momentum" else 0.01, batch_size=9, seed=5, augment_shift=1,
+                    backend="llvm")
+
+    def make_optimizer(name):
+        return SGD(momentum=0.9, clip_norm=1.0) if name == "momentum" else Adam(weight_decay=0.01)
+""")
+
+
+def tiny_namespace() -> dict:
+    namespace: dict = {}
+    exec(COMMON, namespace)
+    return namespace
+
+
+def write_script(tmp_path: Path, name: str, body: str) -> Path:
+    (tmp_path / "common_dist.py").write_text(COMMON)
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(body))
+    return path
+
+
+# ----- in-process pieces: the shard split and the fused buffer -----
+
+
+@pytest.mark.parametrize("total", [1, 7, 9, 32, 100])
+@pytest.mark.parametrize("size", [1, 2, 3, 4, 7])
+def test_shards_cover_every_row_once_and_differ_by_at_most_one(total: int, size: int) -> None:
+    bounds = [shard_bounds(total, rank, size) for rank in range(size)]
+    rows = [i for start, stop in bounds for i in range(start, stop)]
+    assert rows == list(range(total))
+    sizes = [stop - start for start, stop in bounds]
+    assert max(sizes) - min(sizes) <= 1
+    with pytest.raises(ValueError, match="rank 2 is not in a world of 2"):
+        shard_bounds(total, 2, 2)
+
+
+def test_every_sample_is_seen_once_per_epoch_across_ranks() -> None:
+    """The global batches of an epoch, split by rank, cover the epoch's samples exactly once."""
+    ns = tiny_namespace()
+    images, labels = ns["tiny_data"](50)
+    ids = np.arange(50)
+    trainer = Trainer(ns["tiny_model"](), SGD(), batch_size=9, seed=3)
+    for epoch in range(2):
+        trainer.epoch = epoch
+        seen: list[int] = []
+        for x, _ in trainer.epoch_batches(images, labels):
+            for rank in range(3):
+                start, stop = shard_bounds(len(x), rank, 3)
+                seen += [int(np.flatnonzero((images == row).all(axis=(1, 2, 3)))[0]) for row in x[start:stop]]
+        assert len(seen) == len(set(seen)) == 45  # 50 // 9 full batches; the short last one is dropped
+        assert set(seen) <= set(ids.tolist())
+
+
+def test_fused_buffer_packs_weighted_slots_and_reads_views() -> None:
+    buffer = FusedBuffer(3, {"w": (2, 3), "b": (4,)}, "float32")
+    w, b = np.arange(6, dtype=np.float32).reshape(2, 3), np.ones(4, np.float32)
+    buffer.pack(2.0, {"w": w, "b": b}, 0.5)
+    assert buffer.array.shape == (3 + 1 + 6 + 4,) and buffer.loss == 1.0 and buffer.failed_ranks() == []
+    np.testing.assert_array_equal(buffer.view("w"), w * 0.5)
+    assert np.shares_memory(buffer.view("b"), buffer.array)
+    buffer.mark_failed(2)
+    assert buffer.failed_ranks() == [2] and buffer.loss == 0.0
+
+
+def test_one_rank_is_bitwise_the_plain_trainer() -> None:
+    """In a world of one, the split step + all-reduce computes exactly the single function."""
+    ns = tiny_namespace()
+    images, labels = ns["tiny_data"]()
+    options = {**ns["settings"]("adam"), "backend": "reference"}
+    plain = Trainer(ns["tiny_model"](), ns["make_optimizer"]("adam"), **options)
+    split = DistributedTrainer(ns["tiny_model"](), ns["make_optimizer"]("adam"), **options)
+    assert split.comm.size == 1
+    for _ in range(2):
+        assert plain.train_epoch(images, labels) == split.train_epoch(images, labels)
+    for name in plain.params:
+        np.testing.assert_array_equal(plain.params[name], split.params[name])
+    assert plain.evaluate(images, labels) == split.evaluate(images, labels)
+
+
+# ----- two ranks under mpirun -----
+
+
+EQUIVALENCE = """
+    import json, sys
+    import numpy as np
+    from common_dist import tiny_model, tiny_data, settings, make_optimizer
+    from opgrad.distributed import DistributedTrainer, world
+
+    optimizer = sys.argv[1]
+    comm = world()
+    images, labels = tiny_data()
+    trainer = DistributedTrainer(tiny_model(), make_optimizer(optimizer), **settings(optimizer))
+    losses = []
+    while len(losses) < 20:  # 5 steps per epoch: four epochs, each with its own batch order
+        trainer.train_epoch(images, labels, on_step=lambda i, loss: losses.append(loss))
+    accuracy, test_loss = trainer.evaluate(images, labels)
+    # Which samples this rank trained on in one more epoch, found through a wrapped gradient step.
+    ids = np.arange(len(labels), dtype=np.float32)
+    marked = images.copy()
+    marked[:, 0, 0, 0] = ids
+    seen = []
+    step = trainer.gradient_step
+    trainer.augment_shift = 0
+    def spy(x, y, params, buffers, masks):
+        seen.extend(int(v) for v in x[:, 0, 0, 0])
+        return step(x, y, params, buffers, masks)
+    trainer._gradient_step = spy
+    trainer.train_epoch(marked, labels)
+    np.savez(f"rank{comm.rank}.npz", losses=np.array(losses), seen=np.array(seen),
+             **{"param:" + k: v for k, v in trainer.params.items()})
+    json.dump({"rows": trainer.rows, "eval": [accuracy, test_loss], "size": comm.size},
+              open(f"rank{comm.rank}.json", "w"))
+"""
+
+
+@pytest.mark.parametrize("optimizer", ["adam", "momentum"])
+def test_two_ranks_match_one_process_with_the_whole_batch(tmp_path: Path, optimizer: str) -> None:
+    script = write_script(tmp_path, "equivalence.py", EQUIVALENCE)
+    done = run_mpi(["-n", "2", sys.executable, str(script), optimizer], tmp_path)
+    assert done.returncode == 0, done.stderr
+    ns = tiny_namespace()
+    images, labels = ns["tiny_data"]()
+    single = Trainer(ns["tiny_model"](), ns["make_optimizer"](optimizer), **ns["settings"](optimizer))
+    losses: list[float] = []
+    while len(losses) < 20:
+        single.train_epoch(images, labels, on_step=lambda i, loss: losses.append(loss))
+    expected_eval = single.evaluate(images, labels)
+    ranks = [np.load(tmp_path / f"rank{r}.npz") for r in range(2)]
+    infos = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert [info["rows"] for info in infos] == [[0, 5], [5, 9]] and infos[0]["size"] == 2
+    for rank in ranks:
+        np.testing.assert_allclose(rank["losses"], losses, rtol=1e-5)
+    for info in infos:
+        np.testing.assert_allclose(info["eval"], expected_eval, rtol=1e-5)
+    # Every rank holds the same weights, bitwise: the update ran on the same all-reduced sum.
+    for name in single.params:
+        np.testing.assert_array_equal(ranks[0][f"param:{name}"], ranks[1][f"param:{name}"])
+    # The spied epoch: rank 0 saw rows 0-4 and rank 1 rows 5-8 of each global batch, and
+    # together every sample of the epoch's five full batches exactly once.
+    seen = [ranks[r]["seen"].tolist() for r in range(2)]
+    assert len(seen[0]) == 25 and len(seen[1]) == 20
+    union = seen[0] + seen[1]
+    assert len(set(union)) == 45 == len(union)
+    single.augment_shift = 0
+    marked = images.copy()
+    marked[:, 0, 0, 0] = np.arange(len(labels))
+    order = [int(v) for x, _ in single.epoch_batches(marked, labels) for v in x[:, 0, 0, 0]]
+    assert sorted(order) == sorted(union)
+    assert seen[0] == [v for i, v in enumerate(order) if i % 9 < 5]
+    single.train_epoch(marked, labels)
+    for name, value in single.params.items():
+        got = ranks[0][f"param:{name}"]
+        np.testing.assert_allclose(got, value, rtol=1e-5, atol=1e-5 * float(np.abs(value).max()))
