@@ -213,3 +213,106 @@ def test_two_ranks_match_one_process_with_the_whole_batch(tmp_path: Path, optimi
     for name, value in single.params.items():
         got = ranks[0][f"param:{name}"]
         np.testing.assert_allclose(got, value, rtol=1e-5, atol=1e-5 * float(np.abs(value).max()))
+
+
+# ----- faults: every rank stops with an error, none hangs -----
+
+
+FAILING_STEP = """
+    import sys
+    from common_dist import tiny_model, tiny_data, settings, make_optimizer
+    from opgrad.distributed import DistributedTrainer, abort_on_error, world
+
+    comm = world()
+    where = sys.argv[1]
+    with abort_on_error(comm, "script"):
+        if where == "setup" and comm.rank == 1:
+            raise ValueError("rank 1 could not read its shard")
+        images, labels = tiny_data()
+        trainer = DistributedTrainer(tiny_model(), make_optimizer("adam"), **{**settings("adam"), "backend": "reference"})
+        step = trainer.gradient_step
+        def flaky(x, y, params, buffers, masks):
+            if comm.rank == 1 and trainer.step == 3:
+                if where == "step":
+                    raise ValueError("bad batch on rank 1")
+                if where == "exit":
+                    import os
+                    os._exit(3)
+                if where == "kill":
+                    import os, signal
+                    os.kill(os.getpid(), signal.SIGKILL)
+            return step(x, y, params, buffers, masks)
+        trainer._gradient_step = flaky
+        trainer.train_epoch(images, labels)
+    print(f"rank {comm.rank} finished")
+"""
+
+
+def test_an_exception_in_one_ranks_step_stops_every_rank_with_an_error(tmp_path: Path) -> None:
+    script = write_script(tmp_path, "failing.py", FAILING_STEP)
+    done = run_mpi(["-n", "2", sys.executable, str(script), "step"], tmp_path, timeout=60)
+    assert done.returncode != 0
+    assert "ValueError: bad batch on rank 1" in done.stderr
+    assert "RankFailedError: rank 1 failed at step 4 (epoch 1)" in done.stderr
+    assert "finished" not in done.stdout
+
+
+@pytest.mark.parametrize("where", ["setup", "exit", "kill"])
+def test_a_rank_that_fails_alone_or_dies_ends_the_job(tmp_path: Path, where: str) -> None:
+    script = write_script(tmp_path, "failing.py", FAILING_STEP)
+    done = run_mpi(["-n", "2", sys.executable, str(script), where], tmp_path, timeout=60)
+    assert done.returncode != 0
+    assert "finished" not in done.stdout
+    if where == "setup":  # raised outside any collective: printed, then MPI_Abort ends rank 0 too
+        assert "script: rank 1 failed; ending every rank" in done.stderr
+        assert "ValueError: rank 1 could not read its shard" in done.stderr
+
+
+def opgrad_cli() -> str:
+    return str(Path(sys.executable).parent / "opgrad")
+
+
+def test_cli_a_rank_with_bad_data_or_other_weights_stops_every_rank(tmp_path: Path) -> None:
+    common = ["train", "--distributed", "--model", "mlp", "--epochs", "1", "--max-steps", "2", "--test-limit", "50"]
+    done = run_mpi(["-n", "1", opgrad_cli(), *common, ":", "-n", "1", opgrad_cli(), *common, "--data",
+                    str(tmp_path / "missing")], tmp_path, timeout=60)
+    assert done.returncode != 0
+    assert "opgrad train: error:" in done.stderr and "missing" in done.stderr
+    assert "rank 1 failed while loading the data" in done.stderr
+    done = run_mpi(["-n", "1", opgrad_cli(), *common, ":", "-n", "1", opgrad_cli(), *common, "--seed", "1"],
+                   tmp_path, timeout=60)
+    assert done.returncode != 0
+    assert "the parameters and optimizer state differ between the ranks" in done.stderr
+    assert "every rank must start from the same --seed" in done.stderr
+
+
+# ----- checkpoints: rank 0 writes, a different number of ranks resumes -----
+
+
+def test_cli_checkpoint_of_two_ranks_resumes_in_one_process(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from opgrad import cli
+
+    # Momentum rather than Adam: Adam scales each step to about lr whatever the gradient's size, so
+    # the rounding of the averaged sum on weights whose gradient is ~0 (border pixels) shows as
+    # ~1e-4 relative in those few weights; momentum keeps rounding at rounding size.
+    common = ["--model", "mlp", "--max-steps", "4", "--test-limit", "50", "--lr-schedule", "constant",
+              "--backend", "reference", "--optimizer", "momentum"]
+    done = run_mpi(["-n", "2", opgrad_cli(), "train", "--distributed", *common, "--epochs", "1",
+                    "--save", "two.npz"], tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.count("model mlp:") == 1  # rank 0 alone prints
+    assert "data-parallel over 2 MPI rank(s): 16 examples per rank per step" in done.stdout
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["two.npz"]  # one file, no temporaries
+    arrays, meta = load_checkpoint(tmp_path / "two.npz")
+    assert meta["ranks"] == 2 and meta["step"] == 4 and meta["epoch"] == 1
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(["train", *common, "--epochs", "2", "--resume", "two.npz", "--save", "resumed.npz"]) == 0
+    assert cli.main(["train", *common, "--epochs", "2", "--save", "straight.npz"]) == 0
+    resumed, resumed_meta = load_checkpoint(tmp_path / "resumed.npz")
+    straight, straight_meta = load_checkpoint(tmp_path / "straight.npz")
+    assert resumed_meta["step"] == straight_meta["step"] == 8
+    for name, value in straight.items():
+        np.testing.assert_allclose(resumed[name], value, rtol=1e-5, atol=1e-5 * float(np.abs(value).max()),
+                                   err_msg=name)
+    assert resumed_meta["history"]["step_losses"][:4] == pytest.approx(straight_meta["history"]["step_losses"][:4],
+                                                                         rel=1e-5)
