@@ -22,7 +22,7 @@ require("mpi4py", "distributed training runs on MPI through mpi4py (the `distrib
 
 from opgrad.checkpoint import load_checkpoint  # noqa: E402
 from opgrad.distributed import DistributedTrainer, FusedBuffer, shard_bounds  # noqa: E402
-from opgrad.nn import SGD, Adam, Conv2D, Dense, Dropout, Flatten, MaxPool2D, ReLU, Sequential, Trainer  # noqa: E402
+from opgrad.nn import SGD, Trainer  # noqa: E402
 
 TIMEOUT = 120  # seconds for one mpirun; a run that hangs is killed and fails its test
 
@@ -229,7 +229,8 @@ FAILING_STEP = """
         if where == "setup" and comm.rank == 1:
             raise ValueError("rank 1 could not read its shard")
         images, labels = tiny_data()
-        trainer = DistributedTrainer(tiny_model(), make_optimizer("adam"), **{**settings("adam"), "backend": "reference"})
+        options = {**settings("adam"), "backend": "reference"}
+        trainer = DistributedTrainer(tiny_model(), make_optimizer("adam"), **options)
         step = trainer.gradient_step
         def flaky(x, y, params, buffers, masks):
             if comm.rank == 1 and trainer.step == 3:
@@ -303,7 +304,7 @@ def test_cli_checkpoint_of_two_ranks_resumes_in_one_process(tmp_path: Path, monk
     assert done.stdout.count("model mlp:") == 1  # rank 0 alone prints
     assert "data-parallel over 2 MPI rank(s): 16 examples per rank per step" in done.stdout
     assert sorted(p.name for p in tmp_path.iterdir()) == ["two.npz"]  # one file, no temporaries
-    arrays, meta = load_checkpoint(tmp_path / "two.npz")
+    _, meta = load_checkpoint(tmp_path / "two.npz")
     assert meta["ranks"] == 2 and meta["step"] == 4 and meta["epoch"] == 1
     monkeypatch.chdir(tmp_path)
     assert cli.main(["train", *common, "--epochs", "2", "--resume", "two.npz", "--save", "resumed.npz"]) == 0
