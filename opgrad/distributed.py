@@ -34,6 +34,7 @@ from __future__ import annotations
 import hashlib
 import os
 import sys
+import time
 import traceback
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -294,13 +295,15 @@ class DistributedTrainer(Trainer):
     of it and the all-reduced mean updates every rank's copy of the parameters. Everything else
     (schedules, seeds, checkpoints, ``restore``, evaluation) is the Trainer's, so a checkpoint of
     a distributed run resumes on any number of ranks, or in one plain process. Evaluation is
-    sharded too, and returns the same numbers on every rank.
+    sharded too, and returns the same numbers on every rank. With one rank the Trainer's fused
+    step runs (``fused_when_alone=False`` keeps the split step, which benchmarks measure).
     """
 
     def __init__(self, model: Model, optimizer: Optimizer, *, comm: Communicator | None = None,
                  lr: float | Schedule = 1e-3, batch_size: int = 32, seed: int = 0, dtype: str = "float32",
                  backend: str = "reference", eval_batch_size: int = 100, augment_shift: int = 0,
-                 params: Mapping[str, np.ndarray] | None = None, stop_on_nan: bool = True) -> None:
+                 params: Mapping[str, np.ndarray] | None = None, stop_on_nan: bool = True,
+                 fused_when_alone: bool = True) -> None:
         super().__init__(model, optimizer, lr=lr, batch_size=batch_size, seed=seed, dtype=dtype, backend=backend,
                          eval_batch_size=eval_batch_size, augment_shift=augment_shift, params=params,
                          stop_on_nan=stop_on_nan)
@@ -309,9 +312,16 @@ class DistributedTrainer(Trainer):
             raise ConfigError(f"the global batch size {batch_size} is smaller than the number of ranks "
                               f"({self.comm.size}); every rank needs at least one example per step")
         self.rows = shard_bounds(batch_size, self.comm.rank, self.comm.size)
+        # Alone, nothing is averaged: the single fused step computes the same numbers, faster.
+        self.fused = fused_when_alone and self.comm.size == 1
         self._gradient_step: GradientStep | None = None
         self._update_step: UpdateStep | None = None
         self._buffer: FusedBuffer | None = None
+        #: Seconds spent in each phase of the steps so far: local forward + backward (with the
+        #: batch slicing and packing), the all-reduce (waiting for the slowest rank included),
+        #: and the optimizer update. ``steps`` counts them.
+        self.times = {"gradients": 0.0, "allreduce": 0.0, "update": 0.0}
+        self.timed_steps = 0
 
     @property
     def local_batch_size(self) -> int:
@@ -337,10 +347,6 @@ class DistributedTrainer(Trainer):
             self._buffer = FusedBuffer(self.comm.size, shapes, self.dtype)
         return self._buffer
 
-    def build_steps(self) -> None:
-        """Build (compile) both halves of the step on every rank, agreeing on success."""
-        agree(self.comm, "compiling the training step", lambda: (self.gradient_step, self.update_step))
-
     # ----- one step: local gradients, one all-reduce, the update everywhere -----
 
     def _local_gradients(self, images: np.ndarray, labels: np.ndarray) -> None:
@@ -361,14 +367,22 @@ class DistributedTrainer(Trainer):
         self.fused_buffer.pack(result.loss, {**result.grads, **result.buffers}, weight)
 
     def _train_batch(self, images: np.ndarray, labels: np.ndarray, *, epoch_step: int | None) -> float:
+        if self.fused:
+            return super()._train_batch(images, labels, epoch_step=epoch_step)
         buffer = self.fused_buffer
         error: Exception | None = None
+        started = time.perf_counter()
         try:
+            # Both halves are built (compiled) inside the check-in, and outside the timings.
+            _ = self.gradient_step, self.update_step
+            started = time.perf_counter()
             self._local_gradients(images, labels)
         except Exception as exc:
             error = exc
             buffer.mark_failed(self.comm.rank)
+        computed = time.perf_counter()
         self.comm.allreduce_sum(buffer.array)
+        reduced = time.perf_counter()
         failed = buffer.failed_ranks()
         if error is not None:
             raise _collective(error)
@@ -387,12 +401,18 @@ class DistributedTrainer(Trainer):
         # The views are overwritten by the next step's all-reduce: keep copies of the buffers.
         self.params = params
         self.state = {**optimizer_state, **{name: buffer.view(name).copy() for name in self.model.buffer_shapes()}}
+        self.times["gradients"] += computed - started
+        self.times["allreduce"] += reduced - computed
+        self.times["update"] += time.perf_counter() - reduced
+        self.timed_steps += 1
         self.step += 1
         self.history.record_step(loss)
         return loss
 
     def _train_batches(self, batches: Sequence[tuple[np.ndarray, np.ndarray]], *,
                        epoch_step: int | None) -> list[float]:
+        if self.fused:
+            return super()._train_batches(batches, epoch_step=epoch_step)
         # Each step needs its all-reduce, so the native multi-step loop does not apply.
         first = 1 if epoch_step is None else epoch_step
         return [self._train_batch(x, y, epoch_step=None if epoch_step is None else first + i)

@@ -21,11 +21,14 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from opgrad.argtypes import fraction, int_range, non_negative_float, non_negative_int, positive_float, positive_int
 from opgrad.errors import ConfigError, NonFiniteLossError
 from opgrad.progress import ProgressBar, format_duration
+
+if TYPE_CHECKING:
+    from opgrad.distributed import DistributedTrainer
 
 DEFAULT_EPOCHS = 10
 #: The models ``--model`` offers (``opgrad.nn.MODELS``; listed here so the CLI starts without importing nn).
@@ -209,12 +212,12 @@ def _train(args: argparse.Namespace, comm: Any) -> int:
         schedule = WarmupLR(schedule, args.warmup_steps)
     options = {"lr": schedule, "batch_size": args.batch_size, "seed": args.seed, "backend": backend,
                "augment_shift": args.augment_shift, "stop_on_nan": args.stop_on_nan}
+    parallel: DistributedTrainer | None = None
     if comm is not None:
         from opgrad.distributed import DistributedTrainer
 
-        trainer: Trainer = DistributedTrainer(model, optimizer, comm=comm, **options)
-    else:
-        trainer = Trainer(model, optimizer, **options)
+        parallel = DistributedTrainer(model, optimizer, comm=comm, **options)
+    trainer = parallel if parallel is not None else Trainer(model, optimizer, **options)
 
     def resume() -> None:
         arrays, meta = load_checkpoint(args.resume, expected=trainer.expected_arrays())
@@ -280,11 +283,15 @@ def _train(args: argparse.Namespace, comm: Any) -> int:
         say(f"epoch {epoch_no}/{args.epochs}: train loss {train_loss:.4f}, test loss {test_loss:.4f}, "
               f"test accuracy {acc * 100:.2f} % ({format_duration(time.perf_counter() - epoch_start)}, "
               f"{epoch_train / steps_per_epoch * 1000:.0f} ms/step)", flush=True)
+        if parallel is not None and parallel.timed_steps:
+            times, count = parallel.times, parallel.timed_steps
+            say(f"  per step: forward+backward {times['gradients'] / count * 1e3:.1f} ms, all-reduce "
+                f"{times['allreduce'] / count * 1e3:.1f} ms, update {times['update'] / count * 1e3:.1f} ms (rank 0)")
         if args.save:
             extra = {"lr": lr, "lr_schedule": args.lr_schedule, "epochs": args.epochs,
                      "augment_shift": args.augment_shift, "data": data.source}
-            if comm is not None:
-                trainer.save(args.save, extra)  # type: ignore[attr-defined]
+            if parallel is not None:
+                parallel.save(args.save, extra)
             else:
                 arrays, meta = trainer.checkpoint()
                 meta.update(extra)
