@@ -70,7 +70,7 @@ def worker(args: argparse.Namespace) -> None:
                                  fused_when_alone=False)
     for x, y in batches[:warmup]:
         trainer.train_batch(x, y)
-    trainer.times = dict.fromkeys(trainer.times, 0.0)
+    trainer.reset_times()
     comm.barrier()
     start = time.perf_counter()
     for x, y in batches[warmup:]:

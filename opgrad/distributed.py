@@ -320,6 +320,12 @@ class DistributedTrainer(Trainer):
         #: Seconds spent in each phase of the steps so far: local forward + backward (with the
         #: batch slicing and packing), the all-reduce (waiting for the slowest rank included),
         #: and the optimizer update. ``steps`` counts them.
+        self.times: dict[str, float] = {}
+        self.timed_steps = 0
+        self.reset_times()
+
+    def reset_times(self) -> None:
+        """Start :attr:`times` and :attr:`timed_steps` from zero (per epoch, say)."""
         self.times = {"gradients": 0.0, "allreduce": 0.0, "update": 0.0}
         self.timed_steps = 0
 

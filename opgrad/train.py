@@ -258,6 +258,8 @@ def _train(args: argparse.Namespace, comm: Any) -> int:
     while trainer.epoch < args.epochs:
         epoch_no = trainer.epoch + 1
         epoch_start = time.perf_counter()
+        if parallel is not None:
+            parallel.reset_times()
         with ProgressBar(steps_per_epoch, desc=f"epoch {epoch_no}/{args.epochs}",
                          stream=None if root else io.StringIO()) as bar:
 
