@@ -62,21 +62,25 @@ def worker(args: argparse.Namespace) -> None:
         plain = Trainer(build_model(args.model), Adam(), batch_size=args.batch, backend="llvm")
         for x, y in batches[:warmup]:
             plain.train_batch(x, y)
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.process_time()
         for x, y in batches[warmup:]:
             plain.train_batch(x, y)
         result["fused_ms"] = (time.perf_counter() - start) / args.steps * 1e3
+        result["fused_cpu_ms"] = (time.process_time() - cpu_start) / args.steps * 1e3
     trainer = DistributedTrainer(build_model(args.model), Adam(), comm=comm, batch_size=args.batch, backend="llvm",
                                  fused_when_alone=False)
     for x, y in batches[:warmup]:
         trainer.train_batch(x, y)
     trainer.reset_times()
     comm.barrier()
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.process_time()
     for x, y in batches[warmup:]:
         trainer.train_batch(x, y)
     wall = (time.perf_counter() - start) / args.steps
-    result.update({"step_ms": wall * 1e3, **{f"{k}_ms": v / args.steps * 1e3 for k, v in trainer.times.items()}})
+    cpu = np.array([(time.process_time() - cpu_start) / args.steps])
+    comm.allreduce_sum(cpu)  # the CPU time of every rank: what the step costs the machine
+    result.update({"step_ms": wall * 1e3, "cpu_ms": float(cpu[0]) * 1e3,
+                   **{f"{k}_ms": v / args.steps * 1e3 for k, v in trainer.times.items()}})
     buffer = np.ones(trainer.fused_buffer.array.size, np.float32)
     result["buffer_mb"] = buffer.nbytes / 1e6
     result["params"] = int(sum(p.size for p in trainer.params.values()))
@@ -114,15 +118,19 @@ def main() -> None:
         return
     cores = len(os.sched_getaffinity(0))
     print(f"{args.model}, global batch {args.batch}, {args.steps} timed steps, float32, llvm; "
-          f"{cpu_name()}, {cores} core(s)")
+          f"{cpu_name()}, {cores} core(s), load average {os.getloadavg()[0]:.1f} at the start")
     rows = [launch(n, args) for n in args.ranks]
     first = rows[0]
     print(f"{first['params']:,} parameters; all-reduce buffer {first['buffer_mb']:.2f} MB "
           "(gradients + loss + one flag per rank)")
     fused = next((r["fused_ms"] for r in rows if "fused_ms" in r), None)
     if fused is not None:
-        print(f"peer: one process, fused train step (opgrad.nn.Trainer): {fused:.1f} ms/step")
-    print(f"{'ranks':>5} {'step ms':>8} {'fwd+bwd':>8} {'allreduce':>9} {'update':>7} {'bare AR':>8} "
+        fused_cpu = next(r["fused_cpu_ms"] for r in rows if "fused_cpu_ms" in r)
+        print(f"peer: one process, fused train step (opgrad.nn.Trainer): {fused:.1f} ms/step, "
+              f"{fused_cpu:.1f} CPU ms/step")
+    print("times per step in ms: wall, CPU of all ranks together, then rank 0's phases; bare AR: the all-reduce "
+          "alone; GB/s: ring-all-reduce bus bandwidth of the bare AR; vs fused: fused wall / this wall")
+    print(f"{'ranks':>5} {'step':>7} {'CPU':>7} {'fwd+bwd':>8} {'allreduce':>9} {'update':>7} {'bare AR':>8} "
           f"{'AR GB/s':>8} {'vs fused':>8}")
     for r in rows:
         n = int(r["ranks"])
@@ -130,7 +138,8 @@ def main() -> None:
         moved = 2 * (n - 1) / n * r["buffer_mb"] / 1e3
         bandwidth = f"{moved / (r['bare_allreduce_ms'] / 1e3):8.2f}" if n > 1 else f"{'-':>8}"
         ratio = f"{fused / r['step_ms']:7.2f}x" if fused else f"{'-':>8}"
-        print(f"{n:>5} {r['step_ms']:8.1f} {r['gradients_ms']:8.1f} {r['allreduce_ms']:9.2f} {r['update_ms']:7.2f} "
+        print(f"{n:>5} {r['step_ms']:7.1f} {r['cpu_ms']:7.1f} {r['gradients_ms']:8.1f} {r['allreduce_ms']:9.2f} "
+              f"{r['update_ms']:7.2f} "
               f"{r['bare_allreduce_ms']:8.2f} {bandwidth} {ratio}")
 
 
