@@ -317,3 +317,24 @@ def test_cli_checkpoint_of_two_ranks_resumes_in_one_process(tmp_path: Path, monk
                                    err_msg=name)
     assert resumed_meta["history"]["step_losses"][:4] == pytest.approx(straight_meta["history"]["step_losses"][:4],
                                                                          rel=1e-5)
+
+
+def test_distributed_without_mpi4py_is_a_one_line_error(monkeypatch: pytest.MonkeyPatch,
+                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    from opgrad import cli, distributed
+
+    monkeypatch.setitem(sys.modules, "mpi4py", None)  # as if it were not installed
+    monkeypatch.setattr(distributed, "_WORLD", None)
+    assert cli.main(["train", "--distributed", "--model", "mlp", "--epochs", "1", "--max-steps", "1"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("opgrad train: error: distributed training needs mpi4py")
+    assert 'pip install "opgrad[distributed]"' in err and "\n" not in err
+
+
+def test_a_global_batch_smaller_than_the_world_is_refused() -> None:
+    class FakeWorld:
+        rank, size = 0, 4
+
+    ns = tiny_namespace()
+    with pytest.raises(ValueError, match="global batch size 3 is smaller than the number of ranks \\(4\\)"):
+        DistributedTrainer(ns["tiny_model"](), SGD(), comm=FakeWorld(), batch_size=3)  # type: ignore[arg-type]
