@@ -111,10 +111,6 @@ class Communicator:
         self.comm.Allreduce(self.mpi.IN_PLACE, buffer, op=self.mpi.SUM)
         return buffer
 
-    def broadcast(self, value: T, root: int = 0) -> T:
-        """``root``'s ``value`` on every rank (a small JSON-like object; mpi4py pickles it in memory)."""
-        return self.comm.bcast(value, root=root)  # type: ignore[no-any-return]
-
     def barrier(self) -> None:
         self.comm.Barrier()
 
@@ -319,7 +315,7 @@ class DistributedTrainer(Trainer):
         self._buffer: FusedBuffer | None = None
         #: Seconds spent in each phase of the steps so far: local forward + backward (with the
         #: batch slicing and packing), the all-reduce (waiting for the slowest rank included),
-        #: and the optimizer update. ``steps`` counts them.
+        #: and the optimizer update; ``timed_steps`` counts the steps.
         self.times: dict[str, float] = {}
         self.timed_steps = 0
         self.reset_times()
@@ -464,4 +460,4 @@ class DistributedTrainer(Trainer):
                 meta.update({"ranks": self.comm.size, **(extra_meta or {})})
                 save_checkpoint(path, arrays, meta)
 
-        agree(self.comm, f"rank 0 wrote the checkpoint {os.fspath(path)}", write)
+        agree(self.comm, f"writing the checkpoint {os.fspath(path)}", write)

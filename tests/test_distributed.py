@@ -245,6 +245,8 @@ FAILING_STEP = """
             return step(x, y, params, buffers, masks)
         trainer._gradient_step = flaky
         trainer.train_epoch(images, labels)
+        if where == "save":
+            trainer.save("no-such-directory/checkpoint.npz")
     print(f"rank {comm.rank} finished")
 """
 
@@ -256,6 +258,14 @@ def test_an_exception_in_one_ranks_step_stops_every_rank_with_an_error(tmp_path:
     assert "ValueError: bad batch on rank 1" in done.stderr
     assert "RankFailedError: rank 1 failed at step 4 (epoch 1)" in done.stderr
     assert "finished" not in done.stdout
+
+
+def test_a_checkpoint_rank_0_cannot_write_stops_every_rank(tmp_path: Path) -> None:
+    script = write_script(tmp_path, "failing.py", FAILING_STEP)
+    done = run_mpi(["-n", "2", sys.executable, str(script), "save"], tmp_path, timeout=60)
+    assert done.returncode != 0 and "finished" not in done.stdout
+    assert "no-such-directory" in done.stderr
+    assert "RankFailedError: rank 0 failed while writing the checkpoint no-such-directory/checkpoint.npz" in done.stderr
 
 
 @pytest.mark.parametrize("where", ["setup", "exit", "kill"])
