@@ -28,7 +28,7 @@ from opgrad.errors import ConfigError, NonFiniteLossError
 from opgrad.progress import ProgressBar, format_duration
 
 if TYPE_CHECKING:
-    from opgrad.distributed import DistributedTrainer
+    from opgrad.distributed import Communicator, DistributedTrainer
 
 DEFAULT_EPOCHS = 10
 #: The models ``--model`` offers (``opgrad.nn.MODELS``; listed here so the CLI starts without importing nn).
@@ -177,7 +177,7 @@ def run(args: argparse.Namespace) -> int:
         return _train(args, comm)
 
 
-def _train(args: argparse.Namespace, comm: Any) -> int:
+def _train(args: argparse.Namespace, comm: Communicator | None) -> int:
     from opgrad.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
     from opgrad.nn import Trainer, build_model, make_optimizer
     from opgrad.nn.schedules import LRSchedule, Schedule, StepLR, WarmupLR
@@ -242,9 +242,10 @@ def _train(args: argparse.Namespace, comm: Any) -> int:
     say(f"optimizer {optimizer.describe()}, lr {trainer.schedule.describe()}, batch {args.batch_size}, "
         f"augment shift {args.augment_shift}, seed {args.seed}, backend {backend}")
     if comm is not None:
-        say(f"data-parallel over {comm.size} MPI rank(s): {args.batch_size // comm.size}"
-            f"{'' if args.batch_size % comm.size == 0 else '-' + str(-(-args.batch_size // comm.size))}"
-            " examples per rank per step, one all-reduce per step")
+        fewest, most = args.batch_size // comm.size, -(-args.batch_size // comm.size)
+        per_rank = str(fewest) if fewest == most else f"{fewest}-{most}"
+        say(f"data-parallel over {comm.size} MPI rank(s): {per_rank} examples per rank per step, "
+            "one all-reduce per step")
     if trainer.epoch:
         say(f"resumed from {args.resume} after epoch {trainer.epoch} (step {trainer.step})")
     if trainer.epoch >= args.epochs:
