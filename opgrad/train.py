@@ -16,11 +16,12 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import io
 import os
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from opgrad.argtypes import (
     float_range,
@@ -33,6 +34,9 @@ from opgrad.argtypes import (
 )
 from opgrad.errors import ConfigError, NonFiniteLossError
 from opgrad.progress import ProgressBar, format_duration
+
+if TYPE_CHECKING:
+    from opgrad.distributed import Communicator, DistributedTrainer
 
 DEFAULT_EPOCHS = 10
 #: The models ``--model`` offers (``opgrad.nn.MODELS``; listed here so the CLI starts without importing nn).
@@ -115,7 +119,15 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps-per-call", type=positive_int, default=1, metavar="K",
                         help="run K training steps per native call (the compiled multi-step loop; same "
                              "numbers as K single steps; default 1)")
+    parser.add_argument("--distributed", action="store_true",
+                        help="data-parallel training over the ranks of an MPI job (run under `mpirun -n N`); "
+                             "--batch-size is the global batch, split over the ranks; rank 0 prints and saves. "
+                             'Needs `pip install "opgrad[distributed]"`')
     parser.add_argument("--test-limit", type=positive_int, default=None, metavar="N", help=argparse.SUPPRESS)
+
+
+def _quiet(*_args: Any, **_kwargs: Any) -> None:
+    """``print`` on the ranks other than 0, which train silently."""
 
 
 def _err(message: str) -> None:
@@ -194,18 +206,36 @@ def run(args: argparse.Namespace) -> int:
     """Train; returns a process exit code (0 ok).
 
     User errors raise :class:`~opgrad.errors.UserError` subclasses (bad data, checkpoint or
-    output path, a diverging loss), which ``opgrad.cli`` prints as one line.
+    output path, a diverging loss), which ``opgrad.cli`` prints as one line. With
+    ``--distributed`` an error on one rank alone ends every rank (``opgrad.distributed``).
     """
+    if not args.distributed:
+        return _train(args, None)
+    from opgrad.distributed import abort_on_error, share_cores, world
+
+    comm = world()
+    share_cores(comm)
+    with abort_on_error(comm, "opgrad train"):
+        return _train(args, comm)
+
+
+def _train(args: argparse.Namespace, comm: Communicator | None) -> int:
     from opgrad.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
     from opgrad.nn import Trainer, make_optimizer
     from opgrad.nn.schedules import LRSchedule, Schedule, StepLR, WarmupLR
 
+    root = comm is None or comm.is_root
+    say = print if root else _quiet
     _preflight(args)
     model = _initial_model(args)
-    initial_buffers = dict(model.buffers) if args.init else {}
     if args.epochs is None:
         args.epochs = MODEL_EPOCHS.get(args.model or model.name, DEFAULT_EPOCHS)
-    data = _load_data(args.data)
+    if comm is not None:
+        from opgrad.distributed import agree
+
+        data = agree(comm, "loading the data", lambda: _load_data(args.data))
+    else:
+        data = _load_data(args.data)
     backend = resolve_backend(args.backend)
     optimizer = make_optimizer(args.optimizer, weight_decay=args.weight_decay, clip_norm=args.clip_norm,
                                clip_value=args.clip_value)
@@ -222,37 +252,57 @@ def run(args: argparse.Namespace) -> int:
                           if args.lr_schedule == "step" else LRSchedule(lr))
     if args.warmup_steps:
         schedule = WarmupLR(schedule, args.warmup_steps)
-    rotate, scale = MODEL_AFFINE.get(args.model, (0.0, 0.0))
+    rotate, scale = MODEL_AFFINE.get(args.model or model.name, (0.0, 0.0))
     args.augment_rotate = rotate if args.augment_rotate is None else args.augment_rotate
     args.augment_scale = scale if args.augment_scale is None else args.augment_scale
-    trainer = Trainer(model, optimizer, lr=schedule, batch_size=args.batch_size,
-                      seed=args.seed, backend=backend, augment_shift=args.augment_shift,
-                      augment_rotate=args.augment_rotate, augment_scale=args.augment_scale,
-                      stop_on_nan=args.stop_on_nan, params=model.params if args.init else None)
-    if initial_buffers:  # the Trainer starts from fresh running statistics; fine-tuning keeps the checkpoint's
-        trainer.state = {**trainer.state, **initial_buffers}
-    if args.resume:
+    # Given params (--init) come with the model's running statistics (the Trainer keeps them).
+    options = {"lr": schedule, "batch_size": args.batch_size, "seed": args.seed, "backend": backend,
+               "augment_shift": args.augment_shift, "augment_rotate": args.augment_rotate,
+               "augment_scale": args.augment_scale, "stop_on_nan": args.stop_on_nan,
+               "params": model.params if args.init else None}
+    parallel: DistributedTrainer | None = None
+    if comm is not None:
+        from opgrad.distributed import DistributedTrainer
+
+        parallel = DistributedTrainer(model, optimizer, comm=comm, **options)
+    trainer = parallel if parallel is not None else Trainer(model, optimizer, **options)
+
+    def resume() -> None:
         arrays, meta = load_checkpoint(args.resume, expected=trainer.expected_arrays())
         try:
             trainer.restore(arrays, meta)
         except CheckpointError as exc:
             raise CheckpointError(f"{args.resume}: {exc}") from None
+
+    if args.resume and comm is not None:
+        agree(comm, f"loading the checkpoint {args.resume}", resume)
+    elif args.resume:
+        resume()
+    if comm is not None:
+        from opgrad.distributed import check_same_everywhere
+
+        check_same_everywhere(comm, {**trainer.params, **trainer.state}, "the parameters and optimizer state")
     test_images, test_labels = data.test_images, data.test_labels
     if args.test_limit is not None:
         test_images, test_labels = test_images[: args.test_limit], test_labels[: args.test_limit]
 
-    print(f"model {model.name}: {model.num_params:,} parameters; data {data.summary()}")
-    print(f"optimizer {optimizer.describe()}, lr {trainer.schedule.describe()}, batch {args.batch_size}, "
-          f"augment shift {args.augment_shift}"
-          + (f" rotate {args.augment_rotate:g} scale {args.augment_scale:g}"
-             if args.augment_rotate or args.augment_scale else "")
-          + f", seed {args.seed}, backend {backend}")
+    say(f"model {model.name}: {model.num_params:,} parameters; data {data.summary()}")
+    say(f"optimizer {optimizer.describe()}, lr {trainer.schedule.describe()}, batch {args.batch_size}, "
+        f"augment shift {args.augment_shift}"
+        + (f" rotate {args.augment_rotate:g} scale {args.augment_scale:g}"
+           if args.augment_rotate or args.augment_scale else "")
+        + f", seed {args.seed}, backend {backend}")
     if args.init:
-        print(f"fine-tuning from {args.init}")
+        say(f"fine-tuning from {args.init}")
+    if comm is not None:
+        fewest, most = args.batch_size // comm.size, -(-args.batch_size // comm.size)
+        per_rank = str(fewest) if fewest == most else f"{fewest}-{most}"
+        say(f"data-parallel over {comm.size} MPI rank(s): {per_rank} examples per rank per step, "
+            "one all-reduce per step")
     if trainer.epoch:
-        print(f"resumed from {args.resume} after epoch {trainer.epoch} (step {trainer.step})")
+        say(f"resumed from {args.resume} after epoch {trainer.epoch} (step {trainer.step})")
     if trainer.epoch >= args.epochs:
-        print(f"nothing to do: the checkpoint has already trained {trainer.epoch} of {args.epochs} epoch(s)")
+        say(f"nothing to do: the checkpoint has already trained {trainer.epoch} of {args.epochs} epoch(s)")
 
     run_start = time.perf_counter()
     # Per-step time of the epochs after the first: the first includes building/compiling the step.
@@ -262,7 +312,10 @@ def run(args: argparse.Namespace) -> int:
     while trainer.epoch < args.epochs:
         epoch_no = trainer.epoch + 1
         epoch_start = time.perf_counter()
-        with ProgressBar(steps_per_epoch, desc=f"epoch {epoch_no}/{args.epochs}") as bar:
+        if parallel is not None:
+            parallel.reset_times()
+        with ProgressBar(steps_per_epoch, desc=f"epoch {epoch_no}/{args.epochs}",
+                         stream=None if root else io.StringIO()) as bar:
 
             def show_step(_index: int, loss: float, bar: ProgressBar = bar) -> None:
                 bar.update(1, loss=loss)
@@ -283,21 +336,29 @@ def run(args: argparse.Namespace) -> int:
         first_epoch = False
         acc, test_loss = trainer.evaluate(test_images, test_labels)
         trainer.history.record_epoch(acc, train_loss, test_loss)
-        print(f"epoch {epoch_no}/{args.epochs}: train loss {train_loss:.4f}, test loss {test_loss:.4f}, "
+        say(f"epoch {epoch_no}/{args.epochs}: train loss {train_loss:.4f}, test loss {test_loss:.4f}, "
               f"test accuracy {acc * 100:.2f} % ({format_duration(time.perf_counter() - epoch_start)}, "
               f"{epoch_train / steps_per_epoch * 1000:.0f} ms/step)", flush=True)
+        if parallel is not None and parallel.timed_steps:
+            times, count = parallel.times, parallel.timed_steps
+            say(f"  per step: forward+backward {times['gradients'] / count * 1e3:.1f} ms, all-reduce "
+                f"{times['allreduce'] / count * 1e3:.1f} ms, update {times['update'] / count * 1e3:.1f} ms (rank 0)")
         if args.save:
-            arrays, meta = trainer.checkpoint()
-            meta.update({"lr": lr, "lr_schedule": args.lr_schedule, "epochs": args.epochs,
-                         "augment_shift": args.augment_shift, "augment_rotate": args.augment_rotate,
-                         "augment_scale": args.augment_scale, "data": data.source})
-            save_checkpoint(args.save, arrays, meta)
+            extra = {"lr": lr, "lr_schedule": args.lr_schedule, "epochs": args.epochs,
+                     "augment_shift": args.augment_shift, "augment_rotate": args.augment_rotate,
+                     "augment_scale": args.augment_scale, "data": data.source}
+            if parallel is not None:
+                parallel.save(args.save, extra)
+            else:
+                arrays, meta = trainer.checkpoint()
+                meta.update(extra)
+                save_checkpoint(args.save, arrays, meta)
 
-    if args.plot:
+    if args.plot and root:
         from opgrad.plot import plot_training
 
         plot_training(args.plot, trainer.history, title=f"opgrad train --model {model.name} ({optimizer.name})")
-        print(f"wrote {args.plot}")
+        say(f"wrote {args.plot}")
 
     history = trainer.history
     if history.epoch_accuracies:
@@ -305,7 +366,7 @@ def run(args: argparse.Namespace) -> int:
         best_epoch = history.epoch_accuracies.index(best) + 1
         final = history.epoch_accuracies[-1]
         per_step = f", {train_seconds / steps_done * 1000:.0f} ms/step after epoch 1" if steps_done else ""
-        print(f"done: final test accuracy {final * 100:.2f} % (best {best * 100:.2f} % at epoch {best_epoch}) "
+        say(f"done: final test accuracy {final * 100:.2f} % (best {best * 100:.2f} % at epoch {best_epoch}) "
               f"on {len(test_labels)} held-out digits; {trainer.epoch} epoch(s), "
               f"{format_duration(time.perf_counter() - run_start)} this run{per_step}, backend {backend}"
               + (f"; checkpoint {args.save}" if args.save else ""))

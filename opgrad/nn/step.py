@@ -53,8 +53,11 @@ __all__ = [
     "StepResult",
     "StepsResult",
     "TrainStep",
+    "classifier_loss",
     "compile_function",
     "llvm_unavailable_reason",
+    "per_input",
+    "per_output",
 ]
 
 #: A function's runnable form: arrays in, a tuple of arrays out (as ``opgrad.evaluate`` returns).
@@ -153,7 +156,7 @@ class TrainStep:
         buffers = model.buffer_vars(dtype)
         outputs, new_buffers = model.call(inputs, {**params, **buffers},
                                           ForwardContext(training=True, noise=masks))
-        loss = _classifier_loss(model, outputs, labels, loss_weights)
+        loss = classifier_loss(model, outputs, labels, loss_weights)
         grads = dict(zip(params, gradients(loss, list(params.values()))))
         new_params, new_state = optimizer.update(params, grads, opt_state, lr)
         missing = sorted(set(opt_state) - set(new_state))
@@ -201,8 +204,8 @@ class TrainStep:
         if absent:
             raise ValueError(f"no dropout mask given for layer(s) {', '.join(absent)}")
         outputs = self._run(
-            *_per_input(images, len(self.model.inputs), "input"),
-            *_per_output(labels, len(self.model.outputs)),
+            *per_input(images, len(self.model.inputs), "input"),
+            *per_output(labels, len(self.model.outputs)),
             *(masks[n] for n in self.mask_names), np.asarray(lr, dtype=self.dtype),
             *(params[n] for n in self.param_names), *(state[n] for n in self.state_names),
         )
@@ -226,8 +229,8 @@ class TrainStep:
         model with several inputs or outputs takes lists, as :meth:`__call__` does.
         """
         b = self.batch_size
-        inputs = _per_input(images, len(self.model.inputs), "input")
-        label_arrays = _per_output(labels, len(self.model.outputs))
+        inputs = per_input(images, len(self.model.inputs), "input")
+        label_arrays = per_output(labels, len(self.model.outputs))
         rows_given = len(label_arrays[0])
         if rows_given % b:
             raise ValueError(f"run_steps: labels has {rows_given} rows, not a multiple of the batch size {b}")
@@ -278,7 +281,7 @@ class TrainStep:
         return StepsResult(losses, cur_params, cur_state)
 
 
-def _classifier_loss(model: Model, outputs: Sequence[Expr], labels: Sequence[Var],
+def classifier_loss(model: Model, outputs: Sequence[Expr], labels: Sequence[Var],
                      loss_weights: Sequence[float] | None) -> Expr:
     """Softmax cross-entropy of each output against its labels, weighted and summed."""
     weights = [1.0] * len(outputs) if loss_weights is None else [float(w) for w in loss_weights]
@@ -298,18 +301,19 @@ def _classifier_loss(model: Model, outputs: Sequence[Expr], labels: Sequence[Var
     return total
 
 
-def _per_input(arrays: np.ndarray | Sequence[np.ndarray], count: int, what: str) -> list[np.ndarray]:
+def per_input(arrays: np.ndarray | Sequence[np.ndarray], count: int, what: str) -> list[np.ndarray]:
+    """``arrays`` as a list of ``count`` arrays (one array alone when ``count`` is 1)."""
     items = [arrays] if isinstance(arrays, np.ndarray) else list(arrays)
     if len(items) != count:
         raise ValueError(f"the model takes {count} {what} array(s), got {len(items)}")
     return items
 
 
-def _per_output(labels: np.ndarray | Sequence[np.ndarray], count: int) -> list[np.ndarray]:
+def per_output(labels: np.ndarray | Sequence[np.ndarray], count: int) -> list[np.ndarray]:
     """One label array per output; a single array serves every output."""
     if isinstance(labels, np.ndarray):
         return [labels] * count
-    return _per_input(labels, count, "label")
+    return per_input(labels, count, "label")
 
 
 class EvalStep:
@@ -338,7 +342,7 @@ class EvalStep:
 
     def outputs(self, inputs: np.ndarray | Sequence[np.ndarray], params: Mapping[str, np.ndarray]) -> list[np.ndarray]:
         """Every output for every example, in the model's output order."""
-        arrays = _per_input(inputs, len(self.input_dtypes), "input")
+        arrays = per_input(inputs, len(self.input_dtypes), "input")
         absent = [n for n in self.param_names if n not in params]
         if absent:
             raise ValueError(f"no value given for {', '.join(absent)}")

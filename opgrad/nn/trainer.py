@@ -31,7 +31,8 @@ from opgrad.nn.optim import Optimizer
 from opgrad.nn.schedules import LRSchedule, Schedule, constant_lr, cosine_lr
 from opgrad.nn.step import BACKENDS, EvalStep, NanLossError, TrainStep
 
-__all__ = ["LRSchedule", "Trainer", "affine_images", "constant_lr", "cosine_lr", "shift_images"]
+__all__ = ["LRSchedule", "Trainer", "affine_images", "constant_lr", "cosine_lr", "noise_rng", "shift_images",
+           "shift_rng"]
 
 _NOISE_TAG = 0x6E6F6973  # "nois": dropout masks
 _SHIFT_TAG = 0x73686966  # "shif": augmentation shifts
@@ -56,6 +57,16 @@ def _check_lr(lr: object) -> float:
 
 def _step_rng(seed: int, tag: int, step: int) -> np.random.Generator:
     return np.random.Generator(np.random.PCG64([seed, tag, step]))
+
+
+def noise_rng(seed: int, step: int) -> np.random.Generator:
+    """The generator of global step ``step``'s dropout masks (drawn for the whole batch)."""
+    return _step_rng(seed, _NOISE_TAG, step)
+
+
+def shift_rng(seed: int, step: int) -> np.random.Generator:
+    """The generator of global step ``step``'s augmentation (shifts or affine maps, drawn for the whole batch)."""
+    return _step_rng(seed, _SHIFT_TAG, step)
 
 
 def epoch_shuffle_seed(seed: int, epoch: int) -> int:
@@ -209,7 +220,7 @@ class Trainer:
         """The training images of global step ``step`` as augmented (drawn from the run's seed and the
         step, so a resumed run draws the same): integer shifts alone, or a random affine map when a
         rotation or scale range is set."""
-        rng = _step_rng(self.seed, _SHIFT_TAG, step)
+        rng = shift_rng(self.seed, step)
         if self.augment_rotate or self.augment_scale:
             return affine_images(images, rng, self.augment_rotate, self.augment_scale, self.augment_shift)
         if self.augment_shift:
@@ -226,7 +237,7 @@ class Trainer:
 
     def _train_batch(self, images: np.ndarray, labels: np.ndarray, *, epoch_step: int | None) -> float:
         images = self.augment(images, self.step)
-        masks = self.model.sample_noise(_step_rng(self.seed, _NOISE_TAG, self.step), len(labels), self.dtype)
+        masks = self.model.sample_noise(noise_rng(self.seed, self.step), len(labels), self.dtype)
         lr = self.schedule(self.step)
         inputs = (images.astype(self.dtype, copy=False), labels, self.params, self.state, lr, masks)
         if self.stop_on_nan:
@@ -265,7 +276,7 @@ class Trainer:
         for i, (images, labels) in enumerate(batches):
             step = self.step + i
             images = self.augment(images, step)
-            for name, mask in self.model.sample_noise(_step_rng(self.seed, _NOISE_TAG, step), len(labels),
+            for name, mask in self.model.sample_noise(noise_rng(self.seed, step), len(labels),
                                                       self.dtype).items():
                 masks.setdefault(name, []).append(mask)
             xs.append(images.astype(self.dtype, copy=False))

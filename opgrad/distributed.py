@@ -1,0 +1,464 @@
+"""Data-parallel training over MPI: every rank runs the same compiled step on its shard of the batch.
+
+The design is Horovod's and PyTorch DDP's, on ``mpi4py`` (``pip install "opgrad[distributed]"``
+brings ``mpi4py`` and MPICH's ``mpirun``; a cluster's own MPI works the same under ``mpirun`` or
+``srun``):
+
+* every rank holds the whole model, parameters and optimizer state, identical on every rank;
+* each step every rank draws the same global batch (the batch order depends on the seed and the
+  epoch only), takes its contiguous block of rows (:func:`shard_bounds`), and runs the compiled
+  forward + backward (:class:`~opgrad.nn.gradstep.GradientStep`) on it;
+* the gradients, the loss, the BatchNorm running statistics and one failure flag per rank are
+  packed into ONE contiguous buffer (:class:`FusedBuffer`) and summed by one ``Allreduce``;
+  each rank's share is weighted by its row count, so the sum is the mean over the global batch
+  even when the batch does not split evenly;
+* every rank runs the compiled optimizer update (:class:`~opgrad.nn.gradstep.UpdateStep`) on the
+  averaged gradients, so the parameters stay identical without being sent;
+* rank 0 alone prints and writes checkpoints (atomically, as ``opgrad.checkpoint`` always does).
+
+Dropout masks and augmentation shifts are drawn for the whole global batch from the step's seed
+and sliced, so N ranks with global batch B compute what one process with batch B computes.
+BatchNorm normalizes with each rank's own batch statistics (PyTorch's default without
+``SyncBatchNorm``); the running statistics are averaged over the ranks in the same all-reduce,
+so every rank, and every checkpoint, holds the same values.
+
+Faults: a rank whose step raises (bad data, a bug, a diverging loss) still joins the all-reduce
+with its flag set, so every rank learns at the same step which ranks failed and stops with an
+error naming them (:class:`RankFailedError`) instead of waiting forever. A failure outside a step
+on one rank only (:func:`agree` is not reached) aborts the whole job through ``MPI_Abort`` after
+printing the error (:func:`abort_on_error`); a rank that dies is cleaned up by ``mpirun``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import sys
+import time
+import traceback
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from typing import Any, TypeVar
+
+import numpy as np
+
+from opgrad.env import NUM_THREADS_VAR
+from opgrad.errors import ConfigError, NonFiniteLossError, UserError
+from opgrad.nn.gradstep import GradientStep, UpdateStep
+from opgrad.nn.losses import accuracy, cross_entropy_numpy
+from opgrad.nn.model import Model
+from opgrad.nn.optim import Optimizer
+from opgrad.nn.schedules import Schedule
+from opgrad.nn.trainer import Trainer, noise_rng
+
+__all__ = [
+    "Communicator",
+    "DistributedTrainer",
+    "FusedBuffer",
+    "RankFailedError",
+    "abort_on_error",
+    "agree",
+    "check_same_everywhere",
+    "shard_bounds",
+    "share_cores",
+    "world",
+]
+
+T = TypeVar("T")
+INSTALL_HINT = 'install it with `pip install "opgrad[distributed]"` (mpi4py and MPICH\'s mpirun)'
+
+
+class RankFailedError(UserError, RuntimeError):
+    """Another rank failed; this rank stops with it. The failing rank printed its own error."""
+
+    exit_code = 1
+
+
+class Communicator:
+    """The few collectives data-parallel training needs, over an ``mpi4py`` communicator.
+
+    ``comm`` defaults to ``MPI.COMM_WORLD``. Every method is collective unless it says otherwise:
+    all ranks call it, in the same order.
+    """
+
+    def __init__(self, comm: Any = None) -> None:
+        try:
+            from mpi4py import MPI
+        except ImportError as exc:
+            raise ConfigError(f"distributed training needs mpi4py ({exc}); {INSTALL_HINT}") from None
+        self.mpi = MPI
+        self.comm = MPI.COMM_WORLD if comm is None else comm
+        self.rank: int = self.comm.Get_rank()
+        self.size: int = self.comm.Get_size()
+
+    @property
+    def is_root(self) -> bool:
+        """Rank 0, the one that prints and writes files (not collective)."""
+        return self.rank == 0
+
+    def ranks_on_this_host(self) -> int:
+        """How many ranks share this machine (its cores)."""
+        local = self.comm.Split_type(self.mpi.COMM_TYPE_SHARED, key=self.rank)
+        try:
+            return int(local.Get_size())
+        finally:
+            local.Free()
+
+    def allreduce_sum(self, buffer: np.ndarray) -> np.ndarray:
+        """Sum ``buffer`` (contiguous) over every rank, in place; returns it."""
+        if not buffer.flags.c_contiguous:
+            raise ValueError("allreduce_sum needs a contiguous buffer")
+        self.comm.Allreduce(self.mpi.IN_PLACE, buffer, op=self.mpi.SUM)
+        return buffer
+
+    def barrier(self) -> None:
+        self.comm.Barrier()
+
+    def abort(self, exit_code: int) -> None:
+        """End every rank of the job now (not collective: one rank calls it)."""
+        self.comm.Abort(exit_code)
+
+
+_WORLD: Communicator | None = None
+
+
+def world() -> Communicator:
+    """The communicator of every rank of this job (``MPI.COMM_WORLD``), created once."""
+    global _WORLD
+    if _WORLD is None:
+        _WORLD = Communicator()
+    return _WORLD
+
+
+def shard_bounds(total: int, rank: int, size: int) -> tuple[int, int]:
+    """``(start, stop)`` of ``rank``'s contiguous block when ``total`` rows go to ``size`` ranks.
+
+    The first ``total % size`` ranks take one row more, so block sizes differ by at most one,
+    every row goes to exactly one rank, and the split depends on nothing but the three numbers.
+    """
+    if size < 1 or not 0 <= rank < size:
+        raise ValueError(f"shard_bounds: rank {rank} is not in a world of {size} rank(s)")
+    base, extra = divmod(total, size)
+    start = rank * base + min(rank, extra)
+    return start, start + base + (1 if rank < extra else 0)
+
+
+def agree(comm: Communicator, what: str, action: Callable[[], T]) -> T:
+    """Run ``action`` on every rank; if it raises on any rank, every rank raises.
+
+    The rank that failed re-raises its own exception; the others raise :class:`RankFailedError`
+    naming the failed ranks and ``what`` was being done. This is the check-in that turns one
+    rank's failure into a clean stop everywhere rather than a hang in the next collective.
+    """
+    error: BaseException | None = None
+    result: Any = None
+    try:
+        result = action()
+    except Exception as exc:
+        error = exc
+    flags = np.zeros(comm.size, np.int32)
+    flags[comm.rank] = error is not None
+    comm.allreduce_sum(flags)
+    failed = np.flatnonzero(flags).tolist()
+    if error is not None:
+        raise _collective(error)
+    if failed:
+        raise _collective(RankFailedError(f"rank {_ranks(failed)} failed while {what} (its error is printed "
+                                          f"above); rank {comm.rank} stops too"))
+    return result  # type: ignore[no-any-return]
+
+
+def _ranks(ranks: Sequence[int]) -> str:
+    return ", ".join(str(r) for r in ranks)
+
+
+@contextmanager
+def abort_on_error(comm: Communicator, command: str) -> Iterator[None]:
+    """Around a distributed run: an exception that is this rank's alone ends the whole job.
+
+    An exception every rank raised together (after :func:`agree` or a failed step) propagates
+    normally and each rank exits on its own. Any other exception means the other ranks may be
+    waiting in a collective this rank will never join: the error is printed (one line for a
+    user's mistake, the traceback for anything else) and ``MPI_Abort`` ends every rank with the
+    error's exit code. (An MPI rank that merely exits leaves the others waiting forever.)
+    """
+    try:
+        yield
+    except BaseException as exc:
+        if comm.size > 1 and not getattr(exc, "collective", False):
+            if isinstance(exc, UserError):
+                message = "; ".join(line.strip() for line in str(exc).splitlines() if line.strip())
+                print(f"{command}: error: [rank {comm.rank}] {message}", file=sys.stderr, flush=True)
+            else:
+                print(f"{command}: rank {comm.rank} failed; ending every rank:", file=sys.stderr)
+                traceback.print_exc()
+                sys.stderr.flush()
+            code = exc.exit_code if isinstance(exc, UserError) else 130 if isinstance(exc, KeyboardInterrupt) else 1
+            comm.abort(code)
+        raise
+
+
+def share_cores(comm: Communicator) -> None:
+    """Give each rank its share of this machine's cores for compiled kernels.
+
+    Without it every rank starts one worker thread per core and N ranks on one machine run N
+    times too many threads. An explicit ``$OPGRAD_NUM_THREADS`` is kept. Collective.
+    """
+    local = comm.ranks_on_this_host()
+    if os.environ.get(NUM_THREADS_VAR, "").strip():
+        return
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cores = os.cpu_count() or 1
+    os.environ[NUM_THREADS_VAR] = str(max(1, cores // max(1, local)))
+
+
+def check_same_everywhere(comm: Communicator, arrays: Mapping[str, np.ndarray], what: str) -> None:
+    """Raise on every rank unless ``arrays`` are bitwise the same on every rank. Collective.
+
+    Ranks that start from different weights (another ``--seed``, another checkpoint) would
+    silently train different models that share gradients; one 64-bit digest per rank, compared
+    with a min and a max all-reduce, catches it before the first step.
+    """
+    digest = hashlib.sha256()
+    for name in sorted(arrays):
+        value = np.ascontiguousarray(arrays[name])
+        digest.update(f"{name}:{value.dtype.str}:{value.shape}".encode())
+        digest.update(value.tobytes())
+    mine = np.frombuffer(digest.digest()[:8], np.uint64).copy()
+    low, high = mine.copy(), mine.copy()
+    comm.comm.Allreduce(comm.mpi.IN_PLACE, low, op=comm.mpi.MIN)
+    comm.comm.Allreduce(comm.mpi.IN_PLACE, high, op=comm.mpi.MAX)
+    if low[0] != high[0]:
+        raise _collective(RankFailedError(
+            f"{what} differ between the ranks (rank {comm.rank} of {comm.size}); every rank must start from the "
+            "same --seed and the same checkpoint"))
+
+
+def _collective(exc: BaseException) -> BaseException:
+    """Mark ``exc`` as raised on every rank at the same point (see :func:`abort_on_error`)."""
+    exc.collective = True  # type: ignore[attr-defined]
+    return exc
+
+
+class FusedBuffer:
+    """One contiguous array that carries a step's whole all-reduce, and views into it.
+
+    Layout: ``[failure flag per rank | loss | every gradient, flattened | every buffer]``.
+    Packing copies each array into its slot once; after the all-reduce the slots are read back
+    as reshaped views, without copies.
+    """
+
+    def __init__(self, size: int, shapes: Mapping[str, tuple[int, ...]], dtype: str) -> None:
+        self.flags = slice(0, size)
+        self.loss_index = size
+        offset = size + 1
+        self.slots: dict[str, tuple[int, int, tuple[int, ...]]] = {}
+        for name, shape in shapes.items():
+            count = int(np.prod(shape, dtype=np.int64))
+            self.slots[name] = (offset, offset + count, tuple(shape))
+            offset += count
+        self.array = np.zeros(offset, dtype=dtype)
+
+    def pack(self, loss: float, arrays: Mapping[str, np.ndarray], weight: float) -> None:
+        """Write ``weight * loss`` and ``weight * array`` for every slot; flags cleared."""
+        self.array[self.flags] = 0
+        self.array[self.loss_index] = loss * weight
+        for name, (start, stop, _) in self.slots.items():
+            np.multiply(arrays[name].reshape(-1), weight, out=self.array[start:stop])
+
+    def mark_failed(self, rank: int) -> None:
+        self.array[:] = 0
+        self.array[self.flags.start + rank] = 1
+
+    def failed_ranks(self) -> list[int]:
+        return np.flatnonzero(self.array[self.flags]).tolist()
+
+    @property
+    def loss(self) -> float:
+        return float(self.array[self.loss_index])
+
+    def view(self, name: str) -> np.ndarray:
+        start, stop, shape = self.slots[name]
+        return self.array[start:stop].reshape(shape)
+
+
+class DistributedTrainer(Trainer):
+    """A :class:`~opgrad.nn.trainer.Trainer` whose steps are split over the ranks of ``comm``.
+
+    ``batch_size`` is the global batch: each step every rank computes the gradients of its block
+    of it and the all-reduced mean updates every rank's copy of the parameters. Everything else
+    (schedules, seeds, checkpoints, ``restore``, evaluation) is the Trainer's, so a checkpoint of
+    a distributed run resumes on any number of ranks, or in one plain process. Evaluation is
+    sharded too, and returns the same numbers on every rank. With one rank the Trainer's fused
+    step runs (``fused_when_alone=False`` keeps the split step, which benchmarks measure).
+    """
+
+    def __init__(self, model: Model, optimizer: Optimizer, *, comm: Communicator | None = None,
+                 lr: float | Schedule = 1e-3, batch_size: int = 32, seed: int = 0, dtype: str = "float32",
+                 backend: str = "reference", eval_batch_size: int = 100, augment_shift: int = 0,
+                 augment_rotate: float = 0.0, augment_scale: float = 0.0,
+                 params: Mapping[str, np.ndarray] | None = None, stop_on_nan: bool = True,
+                 fused_when_alone: bool = True) -> None:
+        super().__init__(model, optimizer, lr=lr, batch_size=batch_size, seed=seed, dtype=dtype, backend=backend,
+                         eval_batch_size=eval_batch_size, augment_shift=augment_shift,
+                         augment_rotate=augment_rotate, augment_scale=augment_scale, params=params,
+                         stop_on_nan=stop_on_nan)
+        self.comm = comm if comm is not None else world()
+        if batch_size < self.comm.size:
+            raise ConfigError(f"the global batch size {batch_size} is smaller than the number of ranks "
+                              f"({self.comm.size}); every rank needs at least one example per step")
+        self.rows = shard_bounds(batch_size, self.comm.rank, self.comm.size)
+        # Alone, nothing is averaged: the single fused step computes the same numbers, faster.
+        self.fused = fused_when_alone and self.comm.size == 1
+        self._gradient_step: GradientStep | None = None
+        self._update_step: UpdateStep | None = None
+        self._buffer: FusedBuffer | None = None
+        #: Seconds spent in each phase of the steps so far: local forward + backward (with the
+        #: batch slicing and packing), the all-reduce (waiting for the slowest rank included),
+        #: and the optimizer update; ``timed_steps`` counts the steps.
+        self.times: dict[str, float] = {}
+        self.timed_steps = 0
+        self.reset_times()
+
+    def reset_times(self) -> None:
+        """Start :attr:`times` and :attr:`timed_steps` from zero (per epoch, say)."""
+        self.times = {"gradients": 0.0, "allreduce": 0.0, "update": 0.0}
+        self.timed_steps = 0
+
+    @property
+    def local_batch_size(self) -> int:
+        return self.rows[1] - self.rows[0]
+
+    @property
+    def gradient_step(self) -> GradientStep:
+        if self._gradient_step is None:
+            self._gradient_step = GradientStep(self.model, batch_size=self.local_batch_size, dtype=self.dtype,
+                                               backend=self.backend)
+        return self._gradient_step
+
+    @property
+    def update_step(self) -> UpdateStep:
+        if self._update_step is None:
+            self._update_step = UpdateStep(self.model, self.optimizer, dtype=self.dtype, backend=self.backend)
+        return self._update_step
+
+    @property
+    def fused_buffer(self) -> FusedBuffer:
+        if self._buffer is None:
+            shapes = {**self.model.param_shapes(), **self.model.buffer_shapes()}
+            self._buffer = FusedBuffer(self.comm.size, shapes, self.dtype)
+        return self._buffer
+
+    # ----- one step: local gradients, one all-reduce, the update everywhere -----
+
+    def _local_gradients(self, images: np.ndarray, labels: np.ndarray) -> None:
+        """This rank's share of the step, packed into the fused buffer (weighted by its rows)."""
+        if len(labels) != self.batch_size:
+            raise ValueError(f"distributed step: the global batch has {len(labels)} rows, expected "
+                             f"{self.batch_size} (every rank passes the same whole batch)")
+        images = self.augment(images, self.step)
+        masks = self.model.sample_noise(noise_rng(self.seed, self.step), self.batch_size, self.dtype)
+        start, stop = self.rows
+        local_masks = {name: np.ascontiguousarray(m[start:stop]) for name, m in masks.items()}
+        x = np.ascontiguousarray(images[start:stop], dtype=self.dtype)
+        y = np.ascontiguousarray(labels[start:stop])
+        with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+            result = self.gradient_step(x, y, self.params, self.model.buffers, local_masks)
+        weight = self.local_batch_size / self.batch_size
+        self.fused_buffer.pack(result.loss, {**result.grads, **result.buffers}, weight)
+
+    def _train_batch(self, images: np.ndarray, labels: np.ndarray, *, epoch_step: int | None) -> float:
+        if self.fused:
+            return super()._train_batch(images, labels, epoch_step=epoch_step)
+        buffer = self.fused_buffer
+        error: Exception | None = None
+        started = time.perf_counter()
+        try:
+            # Both halves are built (compiled) inside the check-in, and outside the timings.
+            _ = self.gradient_step, self.update_step
+            started = time.perf_counter()
+            self._local_gradients(images, labels)
+        except Exception as exc:
+            error = exc
+            buffer.mark_failed(self.comm.rank)
+        computed = time.perf_counter()
+        self.comm.allreduce_sum(buffer.array)
+        reduced = time.perf_counter()
+        failed = buffer.failed_ranks()
+        if error is not None:
+            raise _collective(error)
+        if failed:
+            raise _collective(RankFailedError(
+                f"rank {_ranks(failed)} failed at step {self.step + 1} (epoch {self.epoch + 1}); its error is "
+                f"printed above; rank {self.comm.rank} stops too"))
+        loss = buffer.loss
+        lr = self.schedule(self.step)
+        if self.stop_on_nan and not np.isfinite(loss):
+            raise _collective(NonFiniteLossError(loss, epoch=self.epoch + 1, step=self.step + 1, lr=lr,
+                                                 epoch_step=epoch_step))
+        grads = {name: buffer.view(name) for name in self.model.param_shapes()}
+        with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+            params, optimizer_state = self.update_step(self.params, grads, self.state, lr)
+        # The views are overwritten by the next step's all-reduce: keep copies of the buffers.
+        self.params = params
+        self.state = {**optimizer_state, **{name: buffer.view(name).copy() for name in self.model.buffer_shapes()}}
+        self.times["gradients"] += computed - started
+        self.times["allreduce"] += reduced - computed
+        self.times["update"] += time.perf_counter() - reduced
+        self.timed_steps += 1
+        self.step += 1
+        self.history.record_step(loss)
+        return loss
+
+    def _train_batches(self, batches: Sequence[tuple[np.ndarray, np.ndarray]], *,
+                       epoch_step: int | None) -> list[float]:
+        if self.fused:
+            return super()._train_batches(batches, epoch_step=epoch_step)
+        # Each step needs its all-reduce, so the native multi-step loop does not apply.
+        first = 1 if epoch_step is None else epoch_step
+        return [self._train_batch(x, y, epoch_step=None if epoch_step is None else first + i)
+                for i, (x, y) in enumerate(batches)]
+
+    # ----- evaluation: every rank scores its block of the data, the counts are summed -----
+
+    def evaluate(self, images: np.ndarray, labels: np.ndarray) -> tuple[float, float]:
+        """``(accuracy, mean cross-entropy)`` over all of ``images``, the same on every rank."""
+        start, stop = shard_bounds(len(labels), self.comm.rank, self.comm.size)
+        totals = np.zeros(self.comm.size + 2, np.float64)  # failure flags, correct, summed loss
+        error: Exception | None = None
+        try:
+            if stop > start:
+                logits = self.eval_step.logits(images[start:stop].astype(self.dtype, copy=False),
+                                               {**self.params, **self.model.buffers})
+                part = labels[start:stop]
+                totals[-2] = accuracy(logits, part) * len(part)
+                totals[-1] = cross_entropy_numpy(logits, part) * len(part)
+        except Exception as exc:
+            error = exc
+            totals[:] = 0
+            totals[self.comm.rank] = 1
+        self.comm.allreduce_sum(totals)
+        failed = np.flatnonzero(totals[: self.comm.size]).tolist()
+        if error is not None:
+            raise _collective(error)
+        if failed:
+            raise _collective(RankFailedError(f"rank {_ranks(failed)} failed while evaluating; its error is "
+                                              f"printed above; rank {self.comm.rank} stops too"))
+        n = max(1, len(labels))
+        return float(totals[-2] / n), float(totals[-1] / n)
+
+    # ----- checkpoints: rank 0 writes, everyone learns whether it worked -----
+
+    def save(self, path: str | os.PathLike[str], extra_meta: Mapping[str, Any] | None = None) -> None:
+        """Rank 0 writes the checkpoint atomically; every rank raises if that failed."""
+        from opgrad.checkpoint import save_checkpoint
+
+        def write() -> None:
+            if self.comm.is_root:
+                arrays, meta = self.checkpoint()
+                meta.update({"ranks": self.comm.size, **(extra_meta or {})})
+                save_checkpoint(path, arrays, meta)
+
+        agree(self.comm, f"writing the checkpoint {os.fspath(path)}", write)

@@ -1,0 +1,124 @@
+"""The training step in two halves: gradients, then the optimizer update.
+
+:class:`~opgrad.nn.step.TrainStep` compiles forward + backward + update as ONE function, which
+is the fastest form on one process. Data-parallel training needs a seam between backward and
+update, where the gradients of every rank are averaged: :class:`GradientStep` ends at the
+gradients and :class:`UpdateStep` starts from them. Both are compiled the same way as the whole
+step, from the same layers, loss and optimizer, so the two halves compute the numbers the single
+function does (up to the rounding of the averaged sum).
+
+Signatures (all arrays, fixed shapes)::
+
+    gradients(images[B,...], labels[B], <dropout masks...>, <params...>, <buffers...>)
+        -> (loss[], <grads...>, <new buffers...>)
+    update(lr[], <params...>, <grads...>, <optimizer state...>)
+        -> (<new params...>, <new optimizer state...>)
+
+Gradient clipping and weight decay belong to the optimizer (``Optimizer.update``), so they act
+on the averaged gradient, as in a single process with the whole batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from opgrad.autodiff import gradients
+from opgrad.ir import Function, Var, var
+from opgrad.nn.layers import ForwardContext
+from opgrad.nn.model import Model
+from opgrad.nn.optim import Optimizer
+from opgrad.nn.step import classifier_loss, compile_function, per_input, per_output
+
+__all__ = ["GradientResult", "GradientStep", "UpdateStep"]
+
+
+@dataclass(frozen=True)
+class GradientResult:
+    """One batch's mean loss, the gradients of the parameters and the model's new buffers."""
+
+    loss: float
+    grads: dict[str, np.ndarray]
+    buffers: dict[str, np.ndarray]
+
+
+class GradientStep:
+    """Forward + backward for ``model`` on a fixed batch: the loss, every gradient, new buffers."""
+
+    def __init__(self, model: Model, *, batch_size: int, dtype: str = "float32", backend: str = "reference",
+                 loss_weights: Sequence[float] | None = None) -> None:
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        self.model, self.batch_size, self.dtype, self.backend = model, batch_size, dtype, backend
+        inputs = model.input_vars(batch_size, dtype)
+        single = len(model.outputs) == 1
+        labels = [var("labels" if single else f"labels:{i}", (batch_size,), "int64") for i in range(len(model.outputs))]
+        masks: dict[str, Var] = {
+            layer.name: var(f"mask:{layer.name}", (batch_size, *(layer.noise_shape() or ())), dtype)
+            for layer in model.noise_layers() if layer.name is not None
+        }
+        params = model.param_vars(dtype)
+        buffers = model.buffer_vars(dtype)
+        outputs, new_buffers = model.call(inputs, {**params, **buffers},
+                                          ForwardContext(training=True, noise=masks))
+        loss = classifier_loss(model, outputs, labels, loss_weights)
+        grads = gradients(loss, list(params.values()))
+        self.param_names: tuple[str, ...] = tuple(params)
+        self.buffer_names: tuple[str, ...] = tuple(buffers)
+        self.mask_names: tuple[str, ...] = tuple(masks)
+        self.function = Function(
+            [*inputs, *labels, *masks.values(), *params.values(), *buffers.values()],
+            [loss, *grads, *(new_buffers[n] for n in self.buffer_names)],
+        )
+        self._run = compile_function(self.function, backend)
+
+    def __call__(self, images: np.ndarray | Sequence[np.ndarray], labels: np.ndarray | Sequence[np.ndarray],
+                 params: Mapping[str, np.ndarray], buffers: Mapping[str, np.ndarray],
+                 masks: Mapping[str, np.ndarray] | None = None) -> GradientResult:
+        masks = masks or {}
+        absent = [n for n in self.mask_names if n not in masks]
+        if absent:
+            raise ValueError(f"no dropout mask given for layer(s) {', '.join(absent)}")
+        outputs = self._run(
+            *per_input(images, len(self.model.inputs), "input"),
+            *per_output(labels, len(self.model.outputs)),
+            *(masks[n] for n in self.mask_names),
+            *(params[n] for n in self.param_names), *(buffers[n] for n in self.buffer_names),
+        )
+        k = len(self.param_names)
+        return GradientResult(float(outputs[0]), dict(zip(self.param_names, outputs[1 : 1 + k])),
+                              dict(zip(self.buffer_names, outputs[1 + k :])))
+
+
+class UpdateStep:
+    """``optimizer``'s update of ``model``'s parameters from given gradients, compiled once."""
+
+    def __init__(self, model: Model, optimizer: Optimizer, *, dtype: str = "float32",
+                 backend: str = "reference") -> None:
+        self.model, self.optimizer, self.dtype, self.backend = model, optimizer, dtype, backend
+        lr = var("lr", (), dtype)
+        params = model.param_vars(dtype)
+        grads = {name: var(f"grad:{name}", p.shape, dtype) for name, p in params.items()}
+        state = {name: var(name, shape, dtype)
+                 for name, shape in optimizer.state_shapes(model.param_shapes()).items()}
+        new_params, new_state = optimizer.update(params, grads, state, lr)
+        missing = sorted(set(state) - set(new_state))
+        if missing:
+            raise RuntimeError(f"{optimizer.describe()} produced no update for state {missing}")
+        self.param_names: tuple[str, ...] = tuple(params)
+        self.state_names: tuple[str, ...] = tuple(state)
+        self.function = Function(
+            [lr, *params.values(), *grads.values(), *state.values()],
+            [*(new_params[n] for n in self.param_names), *(new_state[n] for n in self.state_names)],
+        )
+        self._run = compile_function(self.function, backend)
+
+    def __call__(self, params: Mapping[str, np.ndarray], grads: Mapping[str, np.ndarray],
+                 state: Mapping[str, np.ndarray], lr: float) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+        """``(new params, new optimizer state)``; ``state`` may hold more entries (buffers)."""
+        outputs = self._run(np.asarray(lr, dtype=self.dtype), *(params[n] for n in self.param_names),
+                            *(grads[n] for n in self.param_names), *(state[n] for n in self.state_names))
+        k = len(self.param_names)
+        return dict(zip(self.param_names, outputs[:k])), dict(zip(self.state_names, outputs[k:]))
