@@ -106,16 +106,19 @@ class Context:
         return self.example.specs
 
     def rng(self, salt: int) -> np.random.Generator:
-        return np.random.default_rng([self.example.value_seed, salt])
+        return np.random.default_rng([self.example.noise_seed, salt])
 
     def fail(self, check: str, problem: str, mismatch: Mismatch | None = None, *, input: str | None = None,
-             step: float | None = None, rtol: float | None = None) -> CheckFailure:
+             step: float | None = None, rtol: float | None = None, dtype: str = "float64") -> CheckFailure:
+        """The failure of ``check``; ``dtype`` is the one the failing comparison evaluated in (the
+        gradient checks run in float64; checks a and g also in float32)."""
         case = self.example.case
         failure = Failure(
             op=self.op.name, check=check, problem=problem,
             shapes={spec.name: tuple(s) for spec, s in zip(self.specs, case.shapes)},
-            attrs=dict(case.attrs), seed=self.seed, value_seed=self.example.value_seed, input=input,
-            step=step, tolerance=rtol, dtype=self.example.dtype, arrays=[a.copy() for a in self.arrays],
+            attrs=dict(case.attrs), seed=self.seed, input=input, step=step, tolerance=rtol, dtype=dtype,
+            arrays=[a.astype(dtype) if spec.kind == "float" else a.copy() for spec, a in zip(self.specs, self.arrays)],
+            names=[spec.name for spec in self.specs],
         )
         if mismatch is not None:
             failure.index = mismatch.index
@@ -167,11 +170,12 @@ def check_a_build(ctx: Context) -> None:
         try:
             params, call, cot, grads = _build(op, ctx.rule, case.shapes, case.attrs, dtype)
         except Exception as exc:  # a wrong rule fails in many ways; each is a finding, not a crash
-            raise ctx.fail("a", f"building the gradient in {dtype} raised {type(exc).__name__}: {exc}") from None
+            raise ctx.fail("a", f"building the gradient in {dtype} raised {type(exc).__name__}: {exc}",
+                           dtype=dtype) from None
         for k, g in zip(ctx.diff, grads):
             if g.type != params[k].type:
                 raise ctx.fail("a", f"gradient for {ctx.specs[k].name!r} has type {g.type}, expected {params[k].type}",
-                               input=ctx.specs[k].name)
+                               input=ctx.specs[k].name, dtype=dtype)
     ctx.params, ctx.call, ctx.cotangent, ctx.grads = params, call, cot, grads
     ctx.vjp_fn = Function([*params, cot], grads)
 
@@ -421,17 +425,18 @@ def check_g_backend(ctx: Context, backend: Backend | None) -> bool:
                 runner = backend(fn) if backend is not None else None
                 got = runner(*args) if runner is not None else expected
             except Exception as exc:
-                raise ctx.fail("g", f"evaluating the {what} in {dtype} raised {type(exc).__name__}: {exc}") from None
+                raise ctx.fail("g", f"evaluating the {what} in {dtype} raised {type(exc).__name__}: {exc}",
+                               dtype=dtype) from None
             pairs = zip(got, expected) if isinstance(expected, tuple) else [(got, expected)]
             for got_k, exp_k in pairs:
                 got_k = np.asarray(got_k)
                 if got_k.shape != exp_k.shape or got_k.dtype != exp_k.dtype:
                     raise ctx.fail("g", f"the backend's {what} is {got_k.dtype}{list(got_k.shape)}, the reference's "
-                                   f"{exp_k.dtype}{list(exp_k.shape)}", input=what)
+                                   f"{exp_k.dtype}{list(exp_k.shape)}", input=what, dtype=dtype)
                 m = worst_mismatch(got_k, exp_k, tol.backend_rtol, tol.backend_atol)
                 if m.ratio > 1:
                     raise ctx.fail("g", f"the backend's {what} in {dtype} differs from the numpy reference", m,
-                                   input=what, rtol=tol.backend_rtol)
+                                   input=what, rtol=tol.backend_rtol, dtype=dtype)
             if runner is not None:
                 _compare_nonfinite(ctx, fn, what, dtype, args, runner, tol)
     return True
@@ -468,9 +473,9 @@ def _compare_nonfinite(ctx: Context, fn: Function, what: str, dtype: str, args: 
                     index = tuple(int(k) for k in np.unravel_index(int(np.argmax(differ)), differ.shape))
                     raise ctx.fail("g", f"with {label}, the backend's {what} in {dtype} has {got_k[index]} at "
                                    f"{index} where the numpy reference has {exp_k[index]} ({name} must agree)",
-                                   input=what)
+                                   input=what, dtype=dtype)
             finite = np.isfinite(exp_k)
             m = worst_mismatch(got_k[finite], exp_k[finite], tol.backend_rtol, tol.backend_atol)
             if m.ratio > 1:
                 raise ctx.fail("g", f"with {label}, the backend's finite {what} values in {dtype} differ from the "
-                               "numpy reference", m, input=what, rtol=tol.backend_rtol)
+                               "numpy reference", m, input=what, rtol=tol.backend_rtol, dtype=dtype)
