@@ -190,6 +190,29 @@ def _conv2d_gradient(call, grad):
     ]
 
 
+@conv2d.mutant("d_data with the row stride on both axes (right when the strides are equal)")
+def _conv2d_square_strides(call, grad):
+    data, weight = call.args
+    window = _window(call.attrs)
+    rows = window["strides"][0]
+    return [
+        ops.conv2d_backward_input(grad, weight, input_size=data.shape[2:], **{**window, "strides": (rows, rows)}),
+        ops.conv2d_backward_weight(grad, data, kernel_size=weight.shape[2:], **window),
+    ]
+
+
+@conv2d.mutant("d_weight from the first sample of the batch only (right for batch 1)")
+def _conv2d_weight_first_sample(call, grad):
+    data, weight = call.args
+    window = _window(call.attrs)
+    return [
+        ops.conv2d_backward_input(grad, weight, input_size=data.shape[2:], **window),
+        ops.conv2d_backward_weight(ops.strided_slice(grad, begin=(0,), end=(1,)),
+                                   ops.strided_slice(data, begin=(0,), end=(1,)),
+                                   kernel_size=weight.shape[2:], **window),
+    ]
+
+
 @conv2d.mutant("d_data with top and bottom padding swapped")
 def _conv2d_pads_swapped(call, grad):
     data, weight = call.args

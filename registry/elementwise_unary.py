@@ -29,6 +29,16 @@ def _negative_gradient(call, grad):
     return [ops.negative(grad)]
 
 
+@negative.mutant("gradient not negated")
+def _negative_identity(call, grad):
+    return [grad]
+
+
+@negative.mutant("off by 1e-4 relative")
+def _negative_slightly_off(call, grad):
+    return [ops.multiply(grad, -1.0001)]
+
+
 @negative.lowering
 def _negative_lowering(kb, call, out, data):
     """out = -data"""
@@ -50,6 +60,11 @@ def _exp_forward(data: np.ndarray) -> np.ndarray:
 def _exp_gradient(call, grad):
     """d_data = grad * exp(data)"""
     return [ops.multiply(grad, call)]
+
+
+@exp.mutant("a 1e-8 bias: grad * exp(data) + 1e-8, below finite differences' noise, nonzero for a zero cotangent")
+def _exp_biased(call, grad):
+    return [ops.add(ops.multiply(grad, call), 1e-8)]
 
 
 @exp.lowering
@@ -96,6 +111,16 @@ def _sqrt_forward(data: np.ndarray) -> np.ndarray:
 def _sqrt_gradient(call, grad):
     """d_data = grad / (2 sqrt(data))"""
     return [ops.divide(ops.multiply(grad, 0.5), call)]
+
+
+@sqrt.mutant("the 1/2 forgotten: grad / sqrt(data)")
+def _sqrt_no_half(call, grad):
+    return [ops.divide(grad, call)]
+
+
+@sqrt.mutant("sqrt(data) held constant: right first order, wrong second (grad(grad(sqrt)) = 0)")
+def _sqrt_frozen_output(call, grad):
+    return [ops.divide(ops.multiply(grad, 0.5), ops.stop_gradient(call))]
 
 
 @sqrt.lowering

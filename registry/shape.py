@@ -113,6 +113,17 @@ def _reshape_gradient(call, grad):
     return [ops.reshape(grad, shape=call.args[0].shape)]
 
 
+def column_major(grad, shape):
+    """``grad``'s elements laid into ``shape`` in Fortran order: the same as row-major only when at
+    most one axis of ``shape`` is longer than 1."""
+    return ops.transpose(ops.reshape(grad, shape=tuple(reversed(shape))))
+
+
+@reshape.mutant("gradient reshaped in column-major order (right for vectors, single rows and columns)")
+def _reshape_column_major(call, grad):
+    return [column_major(grad, call.args[0].shape)]
+
+
 @reshape.sampler
 def _reshape_cases(d):
     shape = d.shape()
@@ -157,6 +168,11 @@ def _flatten_forward(data: np.ndarray) -> np.ndarray:
 def _flatten_gradient(call, grad):
     """d_data = reshape(grad, data.shape)"""
     return [ops.reshape(grad, shape=call.args[0].shape)]
+
+
+@flatten.mutant("gradient unflattened in column-major order (right when only one axis is longer than 1)")
+def _flatten_column_major(call, grad):
+    return [column_major(grad, call.args[0].shape)]
 
 
 @flatten.sampler
