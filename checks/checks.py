@@ -109,15 +109,19 @@ class Context:
         return np.random.default_rng([self.example.noise_seed, salt])
 
     def fail(self, check: str, problem: str, mismatch: Mismatch | None = None, *, input: str | None = None,
-             step: float | None = None, rtol: float | None = None, dtype: str = "float64") -> CheckFailure:
+             step: float | None = None, rtol: float | None = None, dtype: str = "float64",
+             arrays: Sequence[np.ndarray] | None = None) -> CheckFailure:
         """The failure of ``check``; ``dtype`` is the one the failing comparison evaluated in (the
-        gradient checks run in float64; checks a and g also in float32)."""
+        gradient checks run in float64; checks a and g also in float32), ``arrays`` the inputs
+        it evaluated when they are not the example's (on a kink, random ones for the adjoint test)."""
         case = self.example.case
+        shown = self.arrays if arrays is None else arrays
         failure = Failure(
             op=self.op.name, check=check, problem=problem,
             shapes={spec.name: tuple(s) for spec, s in zip(self.specs, case.shapes)},
             attrs=dict(case.attrs), seed=self.seed, input=input, step=step, tolerance=rtol, dtype=dtype,
-            arrays=[a.astype(dtype) if spec.kind == "float" else a.copy() for spec, a in zip(self.specs, self.arrays)],
+            arrays=[np.asarray(a).astype(dtype) if spec.kind == "float" else np.array(a)
+                    for spec, a in zip(self.specs, shown)],
             names=[spec.name for spec in self.specs],
         )
         if mismatch is not None:
@@ -328,7 +332,7 @@ def check_d_adjoint(ctx: Context) -> None:
         if m.ratio > 1:
             names = ", ".join(ctx.specs[k].name for k in group)
             raise ctx.fail("d", f"adjoint test in ({names}): sum <u, VJP(c)> (analytic) != <op(u), c> (expected); "
-                           "the op is declared linear there", m, input=names, rtol=rtol)
+                           "the op is declared linear there", m, input=names, rtol=rtol, arrays=arrays)
 
 
 def check_e_second_order(ctx: Context) -> tuple[bool, float]:
@@ -397,7 +401,7 @@ def check_f_kinks(ctx: Context) -> None:
         m = worst_mismatch(g, want, rtol, rtol * max(1.0, float(np.max(np.abs(c), initial=0))), rel_floor=0)
         if m.ratio > 1:
             raise ctx.fail("f", f"at a kink the gradient for {name!r} breaks the declared convention "
-                           f"({kinks.convention})", m, input=name, rtol=rtol)
+                           f"({kinks.convention})", m, input=name, rtol=rtol, arrays=placed)
 
 
 def check_g_backend(ctx: Context, backend: Backend | None) -> bool:
