@@ -86,9 +86,9 @@ def run(args: argparse.Namespace) -> int:
     from opgrad.checkpoint import CheckpointError
     from opgrad.data import load_embedded_mnist, load_mnist_dir
     from opgrad.nn import load_model
-    from opgrad.train import _check_output, resolve_backend
+    from opgrad.train import check_output, resolve_backend
 
-    _check_output(args.output, "--output")
+    check_output(args.output, "--output")
     if args.labels and not args.images:
         raise ConfigError("--labels goes with --images (--data and the embedded digits bring their own labels)")
     model = load_model(args.checkpoint)
