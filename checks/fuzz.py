@@ -63,7 +63,7 @@ class FuzzDraw(CaseDraw):
         pool = self.choice(("small", "small", "odd", "odd", "long"))
         sizes = {"small": SMALL_SIZES, "odd": ODD_SIZES, "long": LONG_SIZES}[pool]
         fitting = [n for n in sizes if low <= n <= room] or [n for n in SMALL_SIZES if n >= low] or [low]
-        n = self.choice(fitting)
+        n: int = self.choice(fitting)
         self._elements *= max(n, 1)
         return n
 

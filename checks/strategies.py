@@ -58,7 +58,8 @@ def resolve_op(op: Operator | str) -> Operator:
         return op
     from opgrad import registry
 
-    return registry.get(op)
+    found: Operator = registry.get(op)
+    return found
 
 
 class CaseDraw:
@@ -80,10 +81,12 @@ class CaseDraw:
 
     def int(self, low: int, high: int) -> int:
         """An int in ``[low, high]`` (inclusive); shrinks towards ``low``."""
-        return self._draw(st.integers(low, high))
+        value: builtins.int = self._draw(st.integers(low, high))
+        return value
 
-    def bool(self) -> bool:
-        return self._draw(st.booleans())
+    def bool(self) -> builtins.bool:
+        value: builtins.bool = self._draw(st.booleans())
+        return value
 
     def choice(self, options: Sequence[Any]) -> Any:
         return self._draw(st.sampled_from(list(options)))
@@ -317,7 +320,7 @@ def int_array(draw: Callable[[st.SearchStrategy[Any]], Any], shape: tuple[int, .
         return np.array([draw(st.integers(low, high - 1)) for _ in range(size)], dtype=np.int64).reshape(shape)
     pattern = np.random.default_rng(size).integers(0, high - low, size)
     offset = draw(st.integers(0, high - low - 1))
-    return (low + (pattern + offset) % (high - low)).astype(np.int64).reshape(shape)
+    return np.asarray(low + (pattern + offset) % (high - low), dtype=np.int64).reshape(shape)
 
 
 def int_bounds(op: Operator, case: Case, spec: Input) -> tuple[int, int]:

@@ -73,7 +73,7 @@ class Conv2dGeometry:
         else:
             top, left, bottom, right = (int(p) for p in padding)
             pads = (top, bottom, left, right)
-        geom = Conv2dGeometry(n, c, h, w, o, kh, kw, _pair(stride), pads, _pair(dilation), dtype,  # type: ignore[arg-type]
+        geom = Conv2dGeometry(n, c, h, w, o, kh, kw, _pair(stride), pads, _pair(dilation), dtype,
                               groups)
         assert geom.oh >= 1 and geom.ow >= 1, "empty output"
         return geom
