@@ -29,6 +29,8 @@ _EXPORTS: dict[str, str] = {
     "CaseDraw": "strategies",
     "Example": "strategies",
     "op_cases": "strategies",
+    "cases": "strategies",
+    "inputs": "strategies",
     "op_examples": "strategies",
     "draw_values": "strategies",
     "make_inputs": "strategies",

@@ -106,16 +106,23 @@ class Context:
         return self.example.specs
 
     def rng(self, salt: int) -> np.random.Generator:
-        return np.random.default_rng([self.example.value_seed, salt])
+        return np.random.default_rng([self.example.noise_seed, salt])
 
     def fail(self, check: str, problem: str, mismatch: Mismatch | None = None, *, input: str | None = None,
-             step: float | None = None, rtol: float | None = None) -> CheckFailure:
+             step: float | None = None, rtol: float | None = None, dtype: str = "float64",
+             arrays: Sequence[np.ndarray] | None = None) -> CheckFailure:
+        """The failure of ``check``; ``dtype`` is the one the failing comparison evaluated in (the
+        gradient checks run in float64; checks a and g also in float32), ``arrays`` the inputs
+        it evaluated when they are not the example's (on a kink, random ones for the adjoint test)."""
         case = self.example.case
+        shown = self.arrays if arrays is None else arrays
         failure = Failure(
             op=self.op.name, check=check, problem=problem,
             shapes={spec.name: tuple(s) for spec, s in zip(self.specs, case.shapes)},
-            attrs=dict(case.attrs), seed=self.seed, value_seed=self.example.value_seed, input=input,
-            step=step, tolerance=rtol, dtype=self.example.dtype, arrays=[a.copy() for a in self.arrays],
+            attrs=dict(case.attrs), seed=self.seed, input=input, step=step, tolerance=rtol, dtype=dtype,
+            arrays=[np.asarray(a).astype(dtype) if spec.kind == "float" else np.array(a)
+                    for spec, a in zip(self.specs, shown)],
+            names=[spec.name for spec in self.specs],
         )
         if mismatch is not None:
             failure.index = mismatch.index
@@ -167,11 +174,12 @@ def check_a_build(ctx: Context) -> None:
         try:
             params, call, cot, grads = _build(op, ctx.rule, case.shapes, case.attrs, dtype)
         except Exception as exc:  # a wrong rule fails in many ways; each is a finding, not a crash
-            raise ctx.fail("a", f"building the gradient in {dtype} raised {type(exc).__name__}: {exc}") from None
+            raise ctx.fail("a", f"building the gradient in {dtype} raised {type(exc).__name__}: {exc}",
+                           dtype=dtype) from None
         for k, g in zip(ctx.diff, grads):
             if g.type != params[k].type:
                 raise ctx.fail("a", f"gradient for {ctx.specs[k].name!r} has type {g.type}, expected {params[k].type}",
-                               input=ctx.specs[k].name)
+                               input=ctx.specs[k].name, dtype=dtype)
     ctx.params, ctx.call, ctx.cotangent, ctx.grads = params, call, cot, grads
     ctx.vjp_fn = Function([*params, cot], grads)
 
@@ -324,7 +332,7 @@ def check_d_adjoint(ctx: Context) -> None:
         if m.ratio > 1:
             names = ", ".join(ctx.specs[k].name for k in group)
             raise ctx.fail("d", f"adjoint test in ({names}): sum <u, VJP(c)> (analytic) != <op(u), c> (expected); "
-                           "the op is declared linear there", m, input=names, rtol=rtol)
+                           "the op is declared linear there", m, input=names, rtol=rtol, arrays=arrays)
 
 
 def check_e_second_order(ctx: Context) -> tuple[bool, float]:
@@ -393,7 +401,7 @@ def check_f_kinks(ctx: Context) -> None:
         m = worst_mismatch(g, want, rtol, rtol * max(1.0, float(np.max(np.abs(c), initial=0))), rel_floor=0)
         if m.ratio > 1:
             raise ctx.fail("f", f"at a kink the gradient for {name!r} breaks the declared convention "
-                           f"({kinks.convention})", m, input=name, rtol=rtol)
+                           f"({kinks.convention})", m, input=name, rtol=rtol, arrays=placed)
 
 
 def check_g_backend(ctx: Context, backend: Backend | None) -> bool:
@@ -421,17 +429,18 @@ def check_g_backend(ctx: Context, backend: Backend | None) -> bool:
                 runner = backend(fn) if backend is not None else None
                 got = runner(*args) if runner is not None else expected
             except Exception as exc:
-                raise ctx.fail("g", f"evaluating the {what} in {dtype} raised {type(exc).__name__}: {exc}") from None
+                raise ctx.fail("g", f"evaluating the {what} in {dtype} raised {type(exc).__name__}: {exc}",
+                               dtype=dtype) from None
             pairs = zip(got, expected) if isinstance(expected, tuple) else [(got, expected)]
             for got_k, exp_k in pairs:
                 got_k = np.asarray(got_k)
                 if got_k.shape != exp_k.shape or got_k.dtype != exp_k.dtype:
                     raise ctx.fail("g", f"the backend's {what} is {got_k.dtype}{list(got_k.shape)}, the reference's "
-                                   f"{exp_k.dtype}{list(exp_k.shape)}", input=what)
+                                   f"{exp_k.dtype}{list(exp_k.shape)}", input=what, dtype=dtype)
                 m = worst_mismatch(got_k, exp_k, tol.backend_rtol, tol.backend_atol)
                 if m.ratio > 1:
                     raise ctx.fail("g", f"the backend's {what} in {dtype} differs from the numpy reference", m,
-                                   input=what, rtol=tol.backend_rtol)
+                                   input=what, rtol=tol.backend_rtol, dtype=dtype)
             if runner is not None:
                 _compare_nonfinite(ctx, fn, what, dtype, args, runner, tol)
     return True
@@ -468,9 +477,9 @@ def _compare_nonfinite(ctx: Context, fn: Function, what: str, dtype: str, args: 
                     index = tuple(int(k) for k in np.unravel_index(int(np.argmax(differ)), differ.shape))
                     raise ctx.fail("g", f"with {label}, the backend's {what} in {dtype} has {got_k[index]} at "
                                    f"{index} where the numpy reference has {exp_k[index]} ({name} must agree)",
-                                   input=what)
+                                   input=what, dtype=dtype)
             finite = np.isfinite(exp_k)
             m = worst_mismatch(got_k[finite], exp_k[finite], tol.backend_rtol, tol.backend_atol)
             if m.ratio > 1:
                 raise ctx.fail("g", f"with {label}, the backend's finite {what} values in {dtype} differ from the "
-                               "numpy reference", m, input=what, rtol=tol.backend_rtol)
+                               "numpy reference", m, input=what, rtol=tol.backend_rtol, dtype=dtype)

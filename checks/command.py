@@ -1,8 +1,10 @@
-"""``opgrad check [OP ...] [--examples N] [--seed S] [--backend B] [--jobs J]``.
+"""``opgrad check [OP ...] [--examples N] [--seed S] [--backend B] [--jobs J] [--mutants]``.
 
 Prints one table row per operator as it finishes, then the failure report of every failing
-operator, and exits 1 if any failed. Imports stay inside ``run``: the CLI imports this module
-for every subcommand, and ``opgrad ops`` must not pay for hypothesis.
+operator, and exits 1 if any failed. With ``--mutants`` it checks the operators' planted wrong
+gradients instead, prints which check killed each, and exits 1 if one survived. Imports stay
+inside ``run``: the CLI imports this module for every subcommand, and ``opgrad ops`` must not
+pay for hypothesis.
 """
 
 from __future__ import annotations
@@ -28,6 +30,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--jobs", type=positive_int, default=min(2, os.cpu_count() or 1),
                         help="operators checked in parallel processes (default: 2 or the CPU count)")
     parser.add_argument("--no-shrink", action="store_true", help="report the first failing example unshrunk")
+    parser.add_argument("--mutants", action="store_true",
+                        help="check the planted wrong gradients of OP (default: of every op) and say which check "
+                             "killed each")
 
 
 def loaded_modules() -> list[str]:
@@ -72,6 +77,8 @@ def run(args: argparse.Namespace) -> int:
         resolve_backend(args.backend)  # fail early, with the reason, if the backend is unavailable
     except (RegistryError, ValueError) as exc:
         raise ConfigError(str(exc)) from None
+    if args.mutants:
+        return _run_mutants(names, args)
     options = {"max_examples": args.examples, "seed": args.seed, "backend": args.backend,
                "shrink": not args.no_shrink}
     jobs = [(n, dict(options)) for n in names]
@@ -117,3 +124,30 @@ def _record(reports: list[Any], backend: str, examples: int) -> None:
         record(reports, backend, examples)
     except (OSError, OpgradError) as exc:
         print(f"opgrad check: note: results not recorded: {exc}", file=sys.stderr)
+
+
+def _run_mutants(names: list[str], args: argparse.Namespace) -> int:
+    from opgrad.checks.mutants import MUTANTS, run_mutants
+    from opgrad.errors import ConfigError
+
+    chosen = [m for m in MUTANTS if m.op in set(names)]
+    if not chosen:
+        raise ConfigError(f"no planted mutants for {', '.join(names)}; operators with mutants: "
+                          f"{', '.join(sorted({m.op for m in MUTANTS}))}")
+    seed = 0 if args.seed is None else args.seed
+    print(f"checking {len(chosen)} mutant(s) of {len({m.op for m in chosen})} operator(s), up to {args.examples} "
+          f"examples each, seed {seed}", flush=True)
+    start = time.perf_counter()
+    survived = 0
+    width = max(len(m.op) for m in chosen)
+    for mutant, report in run_mutants(max_examples=args.examples, seed=seed, shrink=not args.no_shrink,
+                                      mutants=chosen):
+        if report.failure is not None:
+            verdict = f"killed by check {report.failure.check} ({report.failure.check_name}) after " \
+                      f"{report.examples + 1} example(s)"
+        else:
+            verdict = f"SURVIVED {report.examples} examples"
+            survived += 1
+        print(f"{mutant.op:{width}}  {mutant.mistake}\n{'':{width}}  -> {verdict}", flush=True)
+    print(f"\nkilled {len(chosen) - survived}/{len(chosen)} in {time.perf_counter() - start:.1f}s")
+    return 1 if survived else 0

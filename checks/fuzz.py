@@ -36,7 +36,7 @@ from opgrad.errors import CompileWarning
 from opgrad.ir import Expr, Function, var
 from opgrad.op import Case, Operator
 
-from .strategies import MAX_SIDE, CaseDraw, make_inputs, op_cases
+from .strategies import CaseDraw, make_inputs, op_cases
 
 #: Sizes that break code generators: 1, primes, vector widths and their neighbours, rows of
 #: 72-140 (the sizes of a loop-vectorizer crash seen on AVX-512), and long rows.
@@ -56,20 +56,20 @@ class FuzzDraw(CaseDraw):
         super().__init__(draw)
         self._elements = 1
 
-    def size(self, low: builtins.int = 1, high: builtins.int = MAX_SIDE) -> builtins.int:
-        if high != MAX_SIDE:  # the sampler bounds this size for a reason of its own
+    def size(self, low: builtins.int = 1, high: builtins.int | None = None) -> builtins.int:
+        if high is not None:  # the sampler bounds this size for a reason of its own
             return self.int(low, high)
         room = ELEMENT_BUDGET // max(self._elements, 1)
         pool = self.choice(("small", "small", "odd", "odd", "long"))
         sizes = {"small": SMALL_SIZES, "odd": ODD_SIZES, "long": LONG_SIZES}[pool]
         fitting = [n for n in sizes if low <= n <= room] or [n for n in SMALL_SIZES if n >= low] or [low]
-        n = self.choice(fitting)
+        n: int = self.choice(fitting)
         self._elements *= max(n, 1)
         return n
 
-    def shape(self, min_rank: builtins.int = 0, max_rank: builtins.int = 3, min_side: builtins.int = 1,
-              max_side: builtins.int = MAX_SIDE) -> tuple[builtins.int, ...]:
-        rank = self.int(min_rank, max_rank)
+    def shape(self, min_rank: builtins.int = 0, max_rank: builtins.int | None = None, min_side: builtins.int = 1,
+              max_side: builtins.int | None = None) -> tuple[builtins.int, ...]:
+        rank = self.int(min_rank, 3 if max_rank is None else max_rank)
         return tuple(self.size(min_side, max_side) for _ in range(rank))
 
 

@@ -10,14 +10,16 @@ from __future__ import annotations
 
 import sys
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from opgrad import ops
+from opgrad.ir import Call, Expr
+from opgrad.op import GradientRule
 
 from .report import OpReport
 
-Rule = Callable[..., list]
+Rule = GradientRule
 
 
 @dataclass(frozen=True)
@@ -27,20 +29,21 @@ class Mutant:
     rule: Rule
 
 
-def _window(call) -> dict:
+def _window(call: Call) -> dict[str, Any]:
     return {k: call.attrs[k] for k in ("strides", "padding", "dilation")}
 
 
-def _without(call, key: str, value) -> dict:
+def _without(call: Call, key: str, value: Any) -> dict[str, Any]:
     return {**call.attrs, key: value}
 
 
-def _dense_grads(call, grad):
+def _dense_grads(call: Call, grad: Expr) -> tuple[Expr, Expr]:
     data, weight = call.args
     return ops.dense(grad, ops.transpose(weight)), ops.dense(ops.transpose(grad), ops.transpose(data))
 
 
-def _conv_grads(call, grad, data_window=None, weight_window=None):
+def _conv_grads(call: Call, grad: Expr, data_window: dict[str, Any] | None = None,
+                weight_window: dict[str, Any] | None = None) -> list[Expr | None]:
     data, weight = call.args
     return [
         ops.conv2d_backward_input(grad, weight, input_size=data.shape[2:], **(data_window or _window(call))),
@@ -48,16 +51,16 @@ def _conv_grads(call, grad, data_window=None, weight_window=None):
     ]
 
 
-def _bias_grad(call, grad):
+def _bias_grad(call: Call, grad: Expr) -> Expr:
     return ops.sum(grad, axis=tuple(i for i in range(grad.ndim) if i != call.attrs["axis"]))
 
 
-def _reduced_first(call) -> tuple[int, ...]:
+def _reduced_first(call: Call) -> tuple[int, ...]:
     shape, axes = call.args[0].shape, call.attrs["axis"]
     return (1,) * len(axes) + tuple(d for i, d in enumerate(shape) if i not in axes)
 
 
-def _pool_size_plus_one(call) -> dict:
+def _pool_size_plus_one(call: Call) -> dict[str, Any]:
     kh, kw = call.attrs["pool_size"]
     return {**call.attrs, "pool_size": (kh + 1, kw), "padding": (0, 0)}
 

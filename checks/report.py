@@ -1,8 +1,8 @@
 """The checker's results: one structured failure, one report per operator, and their text forms.
 
 A failure carries everything needed to act on it without rerunning anything: which check, the
-shrunk shapes and attributes, the seeds that reproduce it, the worst element with both values,
-and the step. ``str(failure)`` is the text a person reads; the dataclass is what tools read.
+shrunk shapes, attributes and input values, the seed that reproduces it, the worst element with
+both values, and the step. ``str(failure)`` is the text a person reads; the dataclass is what tools read.
 """
 
 from __future__ import annotations
@@ -34,7 +34,6 @@ class Failure:
     shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
     attrs: dict[str, Any] = field(default_factory=dict)
     seed: int | None = None  # the hypothesis run seed (`opgrad check OP --seed SEED`)
-    value_seed: int | None = None  # numpy seed of the input values inside that example
     input: str | None = None  # which input's gradient (or "direction k", "output")
     index: tuple[int, ...] | None = None  # the worst element
     analytic: float | None = None
@@ -45,6 +44,7 @@ class Failure:
     tolerance: float | None = None
     dtype: str = "float64"
     arrays: list[np.ndarray] | None = field(default=None, repr=False)  # the inputs, to reproduce by hand
+    names: list[str] | None = None  # the name of each of ``arrays`` (default: the keys of ``shapes``)
     # How to rerun exactly this check; the CLI form only reproduces runs of the registered rule
     # with every check, so check_op sets the Python call when a candidate gradient or a subset ran.
     rerun: str | None = None
@@ -71,15 +71,42 @@ class Failure:
                          f"(tolerance {self.tolerance:.1g})")
         if self.step is not None:
             lines.append(f"  step:     {self.step:g} (central differences)")
-        repro = []
+        if self.arrays:
+            names = self.names or list(self.shapes)
+            lines.append("  inputs:")
+            for name, array in zip(names, self.arrays):
+                worst = self.index if self.input == name else None
+                lines.extend("    " + line for line in format_array(name, array, worst).splitlines())
         if self.seed is not None:
             rerun = self.rerun or f"opgrad check {self.op} --seed {self.seed}"
-            repro.append(f"seed {self.seed}: {rerun}")
-        if self.value_seed is not None:
-            repro.append(f"value seed {self.value_seed}")
-        if repro:
-            lines.append("  repro:    " + "; ".join(repro))
+            lines.append(f"  repro:    seed {self.seed}: {rerun}")
         return "\n".join(lines)
+
+
+#: Arrays with at most this many elements are printed in full in a failure report.
+PRINT_IN_FULL = 64
+
+
+def format_array(name: str, array: np.ndarray, worst: tuple[int, ...] | None = None) -> str:
+    """``name = <values>`` for a report: every value of a small array (repr precision, so the
+    numbers can be pasted back), else a summary and the neighbourhood of the worst element
+    (or of the start when no element is singled out)."""
+    a = np.asarray(array)
+    kind = f"{a.dtype}{list(a.shape)}"
+    with np.printoptions(precision=17, floatmode="unique", threshold=PRINT_IN_FULL, linewidth=100):
+        if a.size <= PRINT_IN_FULL:
+            text = np.array2string(a, separator=", ", prefix=f"{name} = ")
+            return f"{name} = {text}  # {kind}"
+        finite = a[np.isfinite(a)] if a.dtype.kind == "f" else a
+        stats = (f"min {finite.min():.6g}, max {finite.max():.6g}, mean {finite.mean():.6g}" if finite.size
+                 else "no finite value")
+        centre = tuple(worst) if worst is not None and len(worst) == a.ndim else (0,) * a.ndim
+        window = tuple(slice(max(i - 1, 0), i + 2) for i in centre)
+        corner = [s.start for s in window]
+        where = "the worst element" if worst is not None and len(worst) == a.ndim else "the start"
+        around = np.array2string(a[window], separator=", ", prefix="  ")
+        return (f"{name}: {kind}, {stats}\n  around {where} {list(centre)} (the block from {corner}):\n"
+                f"  {around}")
 
 
 @dataclass

@@ -16,15 +16,10 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from opgrad import ops
 from opgrad.dtypes import collapses_to
 from opgrad.errors import GradientError
 from opgrad.ir import Call, Const, Expr, Function, Var, topological_order, var
-
-
-def _ops():
-    from opgrad import ops
-
-    return ops
 
 
 def _describe(call: Call) -> str:
@@ -48,7 +43,7 @@ def fit_to_input(call: Call, index: int, grad: Expr) -> Expr:
                 f"gradient of {call.op.name!r} for input {spec.name!r} has shape {grad.shape}, "
                 f"which cannot be summed to the input's shape {target.shape} (call: {_describe(call)})"
             )
-        grad = _ops().collapse_sum_like(grad, target)
+        grad = ops.collapse_sum_like(grad, target)
     if grad.dtype != target.dtype:
         raise GradientError(
             f"gradient of {call.op.name!r} for input {spec.name!r} has dtype {grad.dtype}, "
@@ -72,7 +67,6 @@ def gradients(output: Expr, wrt: Sequence[Expr], cotangent: Expr | None = None) 
     ``cotangent`` defaults to ones (so a scalar output gives its gradient). Expressions in
     ``wrt`` that ``output`` does not depend on get ``zeros_like``.
     """
-    ops = _ops()
     if cotangent is None:
         cotangent = ops.ones_like(output)
     elif cotangent.type != output.type:
@@ -183,7 +177,6 @@ def hvp(fn: Function, wrt: Sequence[int | str | Var] | int | str | Var | None = 
     targets = resolve_wrt(fn, wrt)
     vectors = [var(f"v_{t.name}", t.shape, t.dtype) for t in targets]
     firsts = list(first.outputs)
-    ops = _ops()
     total = ops.sum(ops.multiply(firsts[0], vectors[0]))
     for g, v in zip(firsts[1:], vectors[1:]):
         total = ops.add(total, ops.sum(ops.multiply(g, v)))
@@ -205,7 +198,6 @@ def jvp(fn: Function, wrt: Sequence[int | str | Var] | int | str | Var | None = 
     targets = resolve_wrt(fn, wrt)
     tangents = [var(f"t_{t.name}", t.shape, t.dtype) for t in targets]
     u = var("jvp_cotangent", y.shape, y.dtype)
-    ops = _ops()
     pulled = gradients(y, targets, cotangent=u)
     total = ops.sum(ops.multiply(pulled[0], tangents[0]))
     for g, t in zip(pulled[1:], tangents[1:]):

@@ -168,7 +168,7 @@ def _jax_runner(params: dict[str, np.ndarray], images: np.ndarray, labels: np.nd
         logp = jax.nn.log_softmax(logits, axis=1)
         return -jnp.mean(jnp.take_along_axis(logp, y[:, None], axis=1))
 
-    @jax.jit
+    @jax.jit  # type: ignore[untyped-decorator, unused-ignore]  # typed only where jax ships its stubs
     def step(p: dict[str, jax.Array], x: jax.Array, y: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
         loss, grads = jax.value_and_grad(loss_fn)(p, x, y)
         return loss, {k: p[k] - lr * grads[k] for k in p}

@@ -32,7 +32,7 @@ def canonical_dtype(dtype: object) -> str:
         raise TypeError(f"unsupported dtype {dtype!r}; expected one of {', '.join(ALL_DTYPES)}") from exc
     if name not in ALL_DTYPES:
         raise TypeError(f"unsupported dtype {name!r}; expected one of {', '.join(ALL_DTYPES)}")
-    return name
+    return str(name)
 
 
 def as_shape(shape: object) -> Shape:

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from opgrad import ops
 from opgrad.dtypes import ALL_DTYPES, FLOAT_DTYPES, TensorType, canonical_dtype
 from opgrad.errors import OpCallError, OpInputTypeError
 
@@ -47,31 +48,31 @@ class Expr:
 
     # Python operators build calls of the registered elementwise ops.
     def __add__(self, other: Any) -> Call:
-        return _ops().add(self, other)
+        return ops.add(self, other)
 
     def __radd__(self, other: Any) -> Call:
-        return _ops().add(other, self)
+        return ops.add(other, self)
 
     def __sub__(self, other: Any) -> Call:
-        return _ops().subtract(self, other)
+        return ops.subtract(self, other)
 
     def __rsub__(self, other: Any) -> Call:
-        return _ops().subtract(other, self)
+        return ops.subtract(other, self)
 
     def __mul__(self, other: Any) -> Call:
-        return _ops().multiply(self, other)
+        return ops.multiply(self, other)
 
     def __rmul__(self, other: Any) -> Call:
-        return _ops().multiply(other, self)
+        return ops.multiply(other, self)
 
     def __truediv__(self, other: Any) -> Call:
-        return _ops().divide(self, other)
+        return ops.divide(self, other)
 
     def __rtruediv__(self, other: Any) -> Call:
-        return _ops().divide(other, self)
+        return ops.divide(other, self)
 
     def __neg__(self) -> Call:
-        return _ops().negative(self)
+        return ops.negative(self)
 
     def __matmul__(self, other: Any) -> Call:
         """``a @ b`` for 2-D operands, as ``dense(a, transpose(b))``."""
@@ -81,11 +82,11 @@ class Expr:
                 f"'@' needs two 2-D operands, got {self.type} @ {other.type}; "
                 "use opgrad.ops.dense or reshape first"
             )
-        return _ops().dense(self, _ops().transpose(other))
+        return ops.dense(self, ops.transpose(other))
 
     @property
     def T(self) -> Call:
-        return _ops().transpose(self)
+        return ops.transpose(self)
 
     def __bool__(self) -> bool:
         raise TypeError("an opgrad expression has no truth value; it is a graph node, not an array")
@@ -183,11 +184,6 @@ class Function:
 
 # ----- construction helpers -----
 
-
-def _ops() -> Any:
-    from opgrad import ops
-
-    return ops
 
 
 def var(name: str, shape: Sequence[int] | int, dtype: str = "float32") -> Var:

@@ -36,12 +36,22 @@ import numpy as np
 from opgrad.dtypes import FLOAT_DTYPES, INT_DTYPES, TensorType
 from opgrad.errors import OpCallError, ShapeError
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # types only: the compiler and the checker sit above this layer
+    from opgrad.checks.strategies import CaseDraw
+    from opgrad.compiler.views import View
     from opgrad.ir import Call, Expr
 
 Attrs = Mapping[str, Any]
+#: ``rule(call, grad) -> [expr | None per input]`` (see ``Operator.gradient``).
 GradientRule = Callable[["Call", "Expr"], Sequence["Expr | None"]]
+#: ``rule(*input_types, attrs) -> TensorType``: as many types as the call has inputs.
 ShapeRule = Callable[..., TensorType]
+#: ``lowering(kb, call, out, *inputs) -> View | None``: one ``View`` per input (see ``Operator.lowering``).
+Lowering = Callable[..., "View | None"]
+#: ``sampler(d) -> Case`` (see ``Operator.sampler``).
+Sampler = Callable[["CaseDraw"], "Case"]
+#: ``forward(*arrays, **attrs) -> ndarray``.
+Reference = Callable[..., np.ndarray]
 
 _NO_DEFAULT = object()
 
@@ -164,12 +174,12 @@ class Operator:
         self.kinks = kinks
         self.broadcast = broadcast
         self._shape_rule: ShapeRule | None = None
-        self._reference: Callable[..., np.ndarray] | None = None
+        self._reference: Reference | None = None
         self._gradient: GradientRule | None = None
         self._gradient_reason = "no gradient declared"
-        self._lowering: Callable[..., Any] | None = None
+        self._lowering: Lowering | None = None
         self._lowering_reason = ""
-        self._sampler: Callable[..., Any] | None = None
+        self._sampler: Sampler | None = None
         self._mutants: list[tuple[str, GradientRule]] = []
         #: Where the op is declared: a registry file's stem ("relu"), or a user's module ("mylib.ops").
         self.module: str = ""
@@ -200,7 +210,7 @@ class Operator:
         self._shape_rule = fn
         return fn
 
-    def reference(self, fn: Callable[..., np.ndarray]) -> Callable[..., np.ndarray]:
+    def reference(self, fn: Reference) -> Reference:
         """Attach the numpy forward ``fn(*arrays, **attrs) -> ndarray``."""
         self._reference = fn
         return fn
@@ -219,7 +229,7 @@ class Operator:
         self._gradient = None
         self._gradient_reason = reason
 
-    def lowering(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+    def lowering(self, fn: Lowering) -> Lowering:
         """Attach the LLVM lowering used by ``opgrad.compile`` (see ``docs/compiler.md``).
 
         Calling convention: ``fn(kb, call, out, *inputs) -> View | None`` where ``kb`` is an
@@ -243,7 +253,7 @@ class Operator:
         self._lowering = None
         self._lowering_reason = reason
 
-    def sampler(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+    def sampler(self, fn: Sampler) -> Sampler:
         """Attach a case generator for ops whose shapes and attrs are tied together.
 
         Calling convention: ``fn(d) -> Case``. ``d`` is an ``opgrad.checks.CaseDraw``: every
@@ -301,13 +311,13 @@ class Operator:
         return self._gradient
 
     @property
-    def reference_fn(self) -> Callable[..., np.ndarray]:
+    def reference_fn(self) -> Reference:
         if self._reference is None:
             raise NotImplementedError(f"operator {self.name!r} has no numpy reference")
         return self._reference
 
     @property
-    def lowering_fn(self) -> Callable[..., Any] | None:
+    def lowering_fn(self) -> Lowering | None:
         return self._lowering
 
     @property
@@ -316,7 +326,7 @@ class Operator:
         return self._lowering_reason
 
     @property
-    def sampler_fn(self) -> Callable[..., Any] | None:
+    def sampler_fn(self) -> Sampler | None:
         return self._sampler
 
     @property

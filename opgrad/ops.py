@@ -7,7 +7,10 @@ Each name resolves to the ``Operator`` declared in ``registry/``; calling it ret
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from opgrad.op import Composite, Operator
 
 
 def _registry() -> Any:
@@ -15,17 +18,18 @@ def _registry() -> Any:
     return importlib.import_module("opgrad.registry")
 
 
-def __getattr__(name: str) -> Any:
+def __getattr__(name: str) -> Operator | Composite:
     if name.startswith("__"):
         raise AttributeError(name)
     from opgrad.errors import RegistryError
 
     registry = _registry()
-    builder = registry.get_composite(name)
+    builder: Composite | None = registry.get_composite(name)
     if builder is not None:
         return builder
     try:
-        return registry.get(name)
+        op: Operator = registry.get(name)
+        return op
     except RegistryError as exc:
         raise AttributeError(str(exc)) from None
 

@@ -37,7 +37,10 @@ def rows() -> list[tuple[str, str, str, str, str]]:
 
 def format_table(table: Sequence[tuple[str, ...]], header: tuple[str, ...]) -> str:
     widths = [max(len(r[i]) for r in [header, *table]) for i in range(len(header))]
-    line = lambda r: "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip()  # noqa: E731
+
+    def line(r: Sequence[str]) -> str:
+        return "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip()
+
     return "\n".join([line(header), line(tuple("-" * w for w in widths)), *(line(r) for r in table)])
 
 
@@ -93,7 +96,7 @@ def nnvm_rows() -> list[tuple[str, str, str]]:
                 answers.append(f"planned: {name}")
                 grads.append("-")
             elif what == "composite":
-                uses = registry.get_composite(name).uses  # type: ignore[union-attr]
+                uses = registry.get_composite(name).uses
                 answers.append(f"composite {name} ({', '.join(uses)})")
                 grads.append("through its ops")
             else:

@@ -55,7 +55,7 @@ def _images_from_npy(path: str, shape: tuple[int, ...]) -> np.ndarray:
         raise DataError(f"{path}: images have shape {stored.shape}, the model expects (N, {', '.join(map(str, shape))})"
                         + (f" or (N, {shape[1]}, {shape[2]})" if len(shape) == 3 and shape[0] == 1 else ""))
     if images.dtype == np.uint8:
-        return images.astype(np.float32) / np.float32(255.0)
+        return np.asarray(images.astype(np.float32) / np.float32(255.0), dtype=np.float32)
     if not np.issubdtype(images.dtype, np.floating):
         raise DataError(f"{path}: images have dtype {images.dtype}, expected uint8 (0..255) or floats in [0, 1]")
     return images.astype(np.float32)
@@ -86,9 +86,9 @@ def run(args: argparse.Namespace) -> int:
     from opgrad.checkpoint import CheckpointError
     from opgrad.data import load_embedded_mnist, load_mnist_dir
     from opgrad.nn import load_model
-    from opgrad.train import _check_output, resolve_backend
+    from opgrad.train import check_output, resolve_backend
 
-    _check_output(args.output, "--output")
+    check_output(args.output, "--output")
     if args.labels and not args.images:
         raise ConfigError("--labels goes with --images (--data and the embedded digits bring their own labels)")
     model = load_model(args.checkpoint)

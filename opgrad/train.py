@@ -153,7 +153,7 @@ def _load_data(directory: str | None) -> Any:
     return load_mnist_dir(directory) if directory else load_embedded_mnist()
 
 
-def _check_output(path: str | None, option: str) -> None:
+def check_output(path: str | None, option: str) -> None:
     """Refuse, before any training, an output path that cannot be written (``ConfigError``)."""
     if path is None:
         return
@@ -171,8 +171,8 @@ def _check_output(path: str | None, option: str) -> None:
 
 def _preflight(args: argparse.Namespace) -> None:
     """Checks that need no data or model, so that a typo fails in a second, not after an epoch."""
-    _check_output(args.save, "--save")
-    _check_output(args.plot, "--plot")
+    check_output(args.save, "--save")
+    check_output(args.plot, "--plot")
     if args.plot:
         for option, other in (("--save", args.save), ("--resume", args.resume)):
             if other and os.path.abspath(other) == os.path.abspath(args.plot):

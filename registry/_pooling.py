@@ -78,7 +78,7 @@ def _grid(hw: Sequence[int], pool_size: Any, strides: Any, padding: Any, ceil_mo
     overhang the bottom/right padding."""
     out = pooled_hw(hw, {"pool_size": pool_size, "strides": strides, "padding": padding, "ceil_mode": ceil_mode})
     extent = tuple(max(hw[i] + 2 * padding[i], (out[i] - 1) * strides[i] + pool_size[i]) for i in range(2))
-    return out, extent  # type: ignore[return-value]
+    return out, extent
 
 
 def windows(data: np.ndarray, pool_size: Any, strides: Any, padding: Any, fill: float,

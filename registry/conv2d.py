@@ -179,26 +179,41 @@ def _conv2d_forward(data: np.ndarray, weight: np.ndarray, strides: Any, padding:
     return _per_group(lambda x, w: _conv2d_one_group(x, w, strides, padding, dilation), groups, data, 1, weight, 0, 1)
 
 
+def _conv2d_grads(call, grad, data_window=None, batch=None):
+    """[d_data, d_weight] as the gradient builds them; the mutants below change one piece:
+    ``data_window`` replaces d_data's window attributes, ``batch`` limits d_weight's samples."""
+    data, weight = call.args
+    window = _window(call.attrs)
+    grad_w, data_w = grad, data
+    if batch is not None:
+        grad_w, data_w = (ops.strided_slice(x, begin=(0,), end=(batch,)) for x in (grad, data))
+    return [
+        ops.conv2d_backward_input(grad, weight, input_size=data.shape[2:], **{**window, **(data_window or {})}),
+        ops.conv2d_backward_weight(grad_w, data_w, kernel_size=weight.shape[2:], **window),
+    ]
+
+
 @conv2d.gradient
 def _conv2d_gradient(call, grad):
     """d_data = conv2d_backward_input(grad, weight) ; d_weight = conv2d_backward_weight(grad, data)"""
-    data, weight = call.args
-    window = _window(call.attrs)
-    return [
-        ops.conv2d_backward_input(grad, weight, input_size=data.shape[2:], **window),
-        ops.conv2d_backward_weight(grad, data, kernel_size=weight.shape[2:], **window),
-    ]
+    return _conv2d_grads(call, grad)
+
+
+@conv2d.mutant("d_data with the row stride on both axes (right when the strides are equal)")
+def _conv2d_square_strides(call, grad):
+    rows = call.attrs["strides"][0]
+    return _conv2d_grads(call, grad, data_window={"strides": (rows, rows)})
+
+
+@conv2d.mutant("d_weight from the first sample of the batch only (right for batch 1)")
+def _conv2d_weight_first_sample(call, grad):
+    return _conv2d_grads(call, grad, batch=1)
 
 
 @conv2d.mutant("d_data with top and bottom padding swapped")
 def _conv2d_pads_swapped(call, grad):
-    data, weight = call.args
     top, left, bottom, right = call.attrs["padding"]
-    return [
-        ops.conv2d_backward_input(grad, weight, input_size=data.shape[2:],
-                                  **{**_window(call.attrs), "padding": (bottom, left, top, right)}),
-        ops.conv2d_backward_weight(grad, data, kernel_size=weight.shape[2:], **_window(call.attrs)),
-    ]
+    return _conv2d_grads(call, grad, data_window={"padding": (bottom, left, top, right)})
 
 
 @conv2d.mutant("d_weight correlates every group's grad with the first group's data")

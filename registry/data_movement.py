@@ -248,6 +248,16 @@ def _take_backward_gradient(call, grad):
     return [ops.take(grad, call.args[1], axis=call.attrs["axis"]), None]
 
 
+@take_backward.mutant("gathers along the last axis whatever the axis (right when axis is the last)")
+def _take_backward_last_axis(call, grad):
+    return [ops.take(grad, call.args[1], axis=-1), None]
+
+
+@take_backward.mutant("off by 1e-4 relative")
+def _take_backward_slightly_off(call, grad):
+    return [ops.multiply(ops.take(grad, call.args[1], axis=call.attrs["axis"]), 1.0001), None]
+
+
 @take_backward.sampler
 def _take_backward_cases(d):
     shape = d.shape(min_rank=1, max_rank=3)
@@ -499,6 +509,11 @@ def _pad_backward_gradient(call, grad):
     return [ops.pad(grad, pad_width=call.attrs["pad_width"], mode=call.attrs["mode"])]
 
 
+@pad_backward.mutant("pads with zeros whatever the mode (right for constant; edge and reflect differ at borders)")
+def _pad_backward_constant_only(call, grad):
+    return [ops.pad(grad, pad_width=call.attrs["pad_width"], mode="constant")]
+
+
 @pad_backward.sampler
 def _pad_backward_cases(d):
     return _draw_pad_case(d, padded_input=True)
@@ -700,6 +715,19 @@ def _strided_slice_backward_gradient(call, grad):
     """d_grad = strided_slice(c): the adjoint of writing into zeros is reading back"""
     attrs = {k: call.attrs[k] for k in ("begin", "end", "strides")}
     return [ops.strided_slice(grad, **attrs)]
+
+
+@strided_slice_backward.mutant("reads back at the slice's positions shifted by one step (right only at stride 1 "
+                               "from the start)")
+def _strided_slice_backward_shifted(call, grad):
+    begin = tuple(None if b is None else b + (1 if s is None or s > 0 else -1)
+                  for b, s in zip(call.attrs["begin"], call.attrs["strides"] or (None,) * len(call.attrs["begin"])))
+    return [ops.strided_slice(grad, begin=begin, end=call.attrs["end"], strides=call.attrs["strides"])]
+
+
+@strided_slice_backward.mutant("strides taken as 1 (right only when every step is 1)")
+def _strided_slice_backward_unit_steps(call, grad):
+    return [ops.strided_slice(grad, begin=call.attrs["begin"], end=call.attrs["end"])]
 
 
 @strided_slice_backward.sampler

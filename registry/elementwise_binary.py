@@ -35,6 +35,16 @@ def _add_gradient(call, grad):
     return [grad, grad]
 
 
+@add.mutant("d_rhs negated (subtract's rule)")
+def _add_as_subtract(call, grad):
+    return [grad, ops.negative(grad)]
+
+
+@add.mutant("d_lhs off by 1e-7 relative: inside finite differences' noise, not the adjoint test's round-off")
+def _add_slightly_off(call, grad):
+    return [ops.multiply(grad, 1.0000001), grad]
+
+
 @add.lowering
 def _add_lowering(kb, call, out, lhs, rhs):
     """out = lhs + rhs, one loop over the broadcast views"""

@@ -16,7 +16,14 @@ import numpy as np
 from opgrad import ops
 from opgrad.dtypes import FLOAT_DTYPES, TensorType
 from opgrad.op import Attr, Attrs, Case, Input, Kink, Operator, require
-from opgrad.registry._common import POSITIVE, broadcast_rule, distance_to_zero, place_on_zero, same_as_first
+from opgrad.registry._common import (
+    POSITIVE,
+    broadcast_rule,
+    distance_to_zero,
+    place_on_zero,
+    same_as_first,
+    smooth_unary,
+)
 from opgrad.registry.collapse_sum_like import sum_to_shape
 
 
@@ -73,19 +80,11 @@ def _abs_lowering(kb, call, out, data):
 
 # ----- square -----
 
-square = Operator("square", inputs=[Input("data")], doc="data * data (np.square, torch.square).")
-square.shape_rule(same_as_first)
-
-
-@square.reference
-def _square_forward(data: np.ndarray) -> np.ndarray:
-    return np.square(data)
-
-
-@square.gradient
-def _square_gradient(call, grad):
-    """d_data = 2 grad data"""
-    return [ops.multiply(grad, ops.multiply(call.args[0], 2.0))]
+square = smooth_unary(
+    "square", "data * data (np.square, torch.square).", forward=np.square,
+    gradient=("d_data = 2 grad data", lambda call, grad: ops.multiply(grad, ops.multiply(call.args[0], 2.0))),
+    lowering=("out = data * data", lambda s, v: s.mul(v[0], v[0])),
+)
 
 
 @square.mutant("forgets the factor 2")
@@ -93,39 +92,20 @@ def _square_no_two(call, grad):
     return [ops.multiply(grad, call.args[0])]
 
 
-@square.lowering
-def _square_lowering(kb, call, out, data):
-    """out = data * data"""
-    kb.elementwise(out, [data], lambda s, v: s.mul(v[0], v[0]))
-
-
 # ----- rsqrt -----
 
-rsqrt = Operator("rsqrt", inputs=[Input("data", domain=POSITIVE)],
-                 doc="1 / sqrt(data) (torch.rsqrt); inf at 0 and NaN below, as numpy's 1 / np.sqrt.")
-rsqrt.shape_rule(same_as_first)
-
-
-@rsqrt.reference
-def _rsqrt_forward(data: np.ndarray) -> np.ndarray:
-    return (1 / np.sqrt(data)).astype(data.dtype, copy=False)
-
-
-@rsqrt.gradient
-def _rsqrt_gradient(call, grad):
-    """d_data = -grad * out^3 / 2, out = rsqrt(data)"""
-    return [ops.multiply(grad, ops.multiply(ops.multiply(call, ops.multiply(call, call)), -0.5))]
+rsqrt = smooth_unary(
+    "rsqrt", "1 / sqrt(data) (torch.rsqrt); inf at 0 and NaN below, as numpy's 1 / np.sqrt.",
+    forward=lambda data: 1 / np.sqrt(data), domain=POSITIVE,
+    gradient=("d_data = -grad * out^3 / 2, out = rsqrt(data)",
+              lambda call, grad: ops.multiply(grad, ops.multiply(ops.multiply(call, ops.multiply(call, call)), -0.5))),
+    lowering=("out = 1 / sqrt(data)", lambda s, v: s.div(s.const(1.0), s.call("sqrt", v[0]))),
+)
 
 
 @rsqrt.mutant("d/dx of sqrt instead of 1/sqrt: grad * out / 2")
 def _rsqrt_sqrt_rule(call, grad):
     return [ops.multiply(grad, ops.multiply(call, 0.5))]
-
-
-@rsqrt.lowering
-def _rsqrt_lowering(kb, call, out, data):
-    """out = 1 / sqrt(data)"""
-    kb.elementwise(out, [data], lambda s, v: s.div(s.const(1.0), s.call("sqrt", v[0])))
 
 
 # ----- clip -----

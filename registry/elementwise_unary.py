@@ -1,7 +1,8 @@
 """Smooth elementwise unary functions: negative, exp, log, sqrt, sigmoid, tanh.
 
 Their gradients reuse the forward's output (``call``) where that is cheaper, as frameworks do:
-exp' = exp, sigmoid' = s (1 - s), tanh' = 1 - t^2, sqrt' = 1 / (2 sqrt).
+exp' = exp, sigmoid' = s (1 - s), tanh' = 1 - t^2, sqrt' = 1 / (2 sqrt). A smooth op whose
+reference and lowering are one numpy/libm call is one ``smooth_unary`` declaration.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ import numpy as np
 
 from opgrad import ops
 from opgrad.op import Input, Operator
-from opgrad.registry._common import POSITIVE, same_as_first
+from opgrad.registry._common import POSITIVE, same_as_first, smooth_unary
 
 # ----- negative -----
 
@@ -29,6 +30,16 @@ def _negative_gradient(call, grad):
     return [ops.negative(grad)]
 
 
+@negative.mutant("gradient not negated")
+def _negative_identity(call, grad):
+    return [grad]
+
+
+@negative.mutant("off by 1e-4 relative")
+def _negative_slightly_off(call, grad):
+    return [ops.multiply(grad, -1.0001)]
+
+
 @negative.lowering
 def _negative_lowering(kb, call, out, data):
     """out = -data"""
@@ -37,71 +48,44 @@ def _negative_lowering(kb, call, out, data):
 
 # ----- exp -----
 
-exp = Operator("exp", inputs=[Input("data")], doc="e ** data.")
-exp.shape_rule(same_as_first)
+exp = smooth_unary(
+    "exp", "e ** data.", forward=np.exp,
+    gradient=("d_data = grad * exp(data)", lambda call, grad: ops.multiply(grad, call)),
+    lowering=("out = exp(data)", lambda s, v: s.call("exp", v[0])),
+)
 
 
-@exp.reference
-def _exp_forward(data: np.ndarray) -> np.ndarray:
-    return np.exp(data)
-
-
-@exp.gradient
-def _exp_gradient(call, grad):
-    """d_data = grad * exp(data)"""
-    return [ops.multiply(grad, call)]
-
-
-@exp.lowering
-def _exp_lowering(kb, call, out, data):
-    """out = exp(data)"""
-    kb.elementwise(out, [data], lambda s, v: s.call("exp", v[0]))
+@exp.mutant("a 1e-8 bias: grad * exp(data) + 1e-8, below finite differences' noise, nonzero for a zero cotangent")
+def _exp_biased(call, grad):
+    return [ops.add(ops.multiply(grad, call), 1e-8)]
 
 
 # ----- log -----
 
-log = Operator("log", inputs=[Input("data", domain=POSITIVE)], doc="Natural logarithm (data > 0).")
-log.shape_rule(same_as_first)
-
-
-@log.reference
-def _log_forward(data: np.ndarray) -> np.ndarray:
-    return np.log(data)
-
-
-@log.gradient
-def _log_gradient(call, grad):
-    """d_data = grad / data"""
-    return [ops.divide(grad, call.args[0])]
-
-
-@log.lowering
-def _log_lowering(kb, call, out, data):
-    """out = log(data)"""
-    kb.elementwise(out, [data], lambda s, v: s.call("log", v[0]))
+log = smooth_unary(
+    "log", "Natural logarithm (data > 0).", forward=np.log, domain=POSITIVE,
+    gradient=("d_data = grad / data", lambda call, grad: ops.divide(grad, call.args[0])),
+    lowering=("out = log(data)", lambda s, v: s.call("log", v[0])),
+)
 
 
 # ----- sqrt -----
 
-sqrt = Operator("sqrt", inputs=[Input("data", domain=POSITIVE)], doc="Square root (data > 0); used by Adam.")
-sqrt.shape_rule(same_as_first)
+sqrt = smooth_unary(
+    "sqrt", "Square root (data > 0); used by Adam.", forward=np.sqrt, domain=POSITIVE,
+    gradient=("d_data = grad / (2 sqrt(data))", lambda call, grad: ops.divide(ops.multiply(grad, 0.5), call)),
+    lowering=("out = sqrt(data)", lambda s, v: s.call("sqrt", v[0])),
+)
 
 
-@sqrt.reference
-def _sqrt_forward(data: np.ndarray) -> np.ndarray:
-    return np.sqrt(data)
+@sqrt.mutant("the 1/2 forgotten: grad / sqrt(data)")
+def _sqrt_no_half(call, grad):
+    return [ops.divide(grad, call)]
 
 
-@sqrt.gradient
-def _sqrt_gradient(call, grad):
-    """d_data = grad / (2 sqrt(data))"""
-    return [ops.divide(ops.multiply(grad, 0.5), call)]
-
-
-@sqrt.lowering
-def _sqrt_lowering(kb, call, out, data):
-    """out = sqrt(data)"""
-    kb.elementwise(out, [data], lambda s, v: s.call("sqrt", v[0]))
+@sqrt.mutant("sqrt(data) held constant: right first order, wrong second (grad(grad(sqrt)) = 0)")
+def _sqrt_frozen_output(call, grad):
+    return [ops.divide(ops.multiply(grad, 0.5), ops.stop_gradient(call))]
 
 
 # ----- sigmoid -----
@@ -141,22 +125,9 @@ def _sigmoid_lowering(kb, call, out, data):
 
 # ----- tanh -----
 
-tanh = Operator("tanh", inputs=[Input("data")], doc="Hyperbolic tangent.")
-tanh.shape_rule(same_as_first)
-
-
-@tanh.reference
-def _tanh_forward(data: np.ndarray) -> np.ndarray:
-    return np.tanh(data)
-
-
-@tanh.gradient
-def _tanh_gradient(call, grad):
-    """d_data = grad * (1 - t^2), t = tanh(data)"""
-    return [ops.multiply(grad, ops.subtract(1.0, ops.multiply(call, call)))]
-
-
-@tanh.lowering
-def _tanh_lowering(kb, call, out, data):
-    """out = tanh(data)"""
-    kb.elementwise(out, [data], lambda s, v: s.call("tanh", v[0]))
+tanh = smooth_unary(
+    "tanh", "Hyperbolic tangent.", forward=np.tanh,
+    gradient=("d_data = grad * (1 - t^2), t = tanh(data)",
+              lambda call, grad: ops.multiply(grad, ops.subtract(1.0, ops.multiply(call, call)))),
+    lowering=("out = tanh(data)", lambda s, v: s.call("tanh", v[0])),
+)

@@ -55,6 +55,26 @@ def _leaky_relu_gradient(call, grad):
     return [ops.where(positive, grad, ops.multiply(grad, call.attrs["alpha"]))]
 
 
+@leaky_relu.mutant("alpha on the positive side instead of the negative one")
+def _leaky_relu_sides_swapped(call, grad):
+    data = call.args[0]
+    positive = ops.greater(data, ops.zeros_like(data))
+    return [ops.where(positive, ops.multiply(grad, call.attrs["alpha"]), grad)]
+
+
+@leaky_relu.mutant("relu's rule: zero gradient on the negative side")
+def _leaky_relu_as_relu(call, grad):
+    data = call.args[0]
+    return [ops.where(ops.greater(data, ops.zeros_like(data)), grad, ops.zeros_like(grad))]
+
+
+@leaky_relu.mutant("slope 1 at exactly zero (data >= 0) against the declared alpha")
+def _leaky_relu_kink_side(call, grad):
+    data = call.args[0]
+    negative = ops.greater(ops.zeros_like(data), data)
+    return [ops.where(negative, ops.multiply(grad, call.attrs["alpha"]), grad)]
+
+
 @leaky_relu.sampler
 def _leaky_relu_cases(d):
     return Case([d.shape()], {"alpha": d.choice([0.01, 0.2, 0.5])})

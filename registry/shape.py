@@ -113,6 +113,17 @@ def _reshape_gradient(call, grad):
     return [ops.reshape(grad, shape=call.args[0].shape)]
 
 
+def column_major(grad, shape):
+    """``grad``'s elements laid into ``shape`` in Fortran order: the same as row-major only when at
+    most one axis of ``shape`` is longer than 1."""
+    return ops.transpose(ops.reshape(grad, shape=tuple(reversed(shape))))
+
+
+@reshape.mutant("gradient reshaped in column-major order (right for vectors, single rows and columns)")
+def _reshape_column_major(call, grad):
+    return [column_major(grad, call.args[0].shape)]
+
+
 @reshape.sampler
 def _reshape_cases(d):
     shape = d.shape()
@@ -153,10 +164,12 @@ def _flatten_forward(data: np.ndarray) -> np.ndarray:
     return data.reshape(data.shape[0], -1)
 
 
-@flatten.gradient
-def _flatten_gradient(call, grad):
-    """d_data = reshape(grad, data.shape)"""
-    return [ops.reshape(grad, shape=call.args[0].shape)]
+flatten.gradient(_reshape_gradient)
+
+
+@flatten.mutant("gradient unflattened in column-major order (right when only one axis is longer than 1)")
+def _flatten_column_major(call, grad):
+    return [column_major(grad, call.args[0].shape)]
 
 
 @flatten.sampler
@@ -164,13 +177,7 @@ def _flatten_cases(d):
     return Case([d.shape(min_rank=1, max_rank=4)])
 
 
-@flatten.lowering
-def _flatten_lowering(kb, call, out, data):
-    """a view of dense data as (N, rest); a strided input is copied into out first"""
-    view = data.reshape(out.shape)
-    if view is None:
-        kb.elementwise(out.reshape(data.shape), [data], lambda s, v: v[0])
-    return view
+flatten.lowering(_reshape_lowering)  # a flatten is a reshape to (N, rest)
 
 
 # ----- broadcast_to -----

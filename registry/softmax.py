@@ -6,7 +6,7 @@ import numpy as np
 
 from opgrad import ops
 from opgrad.op import Attr, Case, Input, Operator
-from opgrad.registry._common import axis_attr, same_as_first
+from opgrad.registry._common import LOGITS, axis_attr, same_as_first
 
 
 def stable_log_softmax(data: np.ndarray, axis: int) -> np.ndarray:
@@ -17,7 +17,7 @@ def stable_log_softmax(data: np.ndarray, axis: int) -> np.ndarray:
 
 softmax = Operator(
     "softmax",
-    inputs=[Input("data")],
+    inputs=[Input("data", domain=LOGITS)],
     attrs=[Attr("axis", default=-1, convert=axis_attr, uses_types=True)],
     doc="exp(data) / sum(exp(data), axis).",
 )
@@ -35,6 +35,19 @@ def _softmax_gradient(call, grad):
     axis = call.attrs["axis"]
     inner = ops.sum(ops.multiply(grad, call), axis=axis, keepdims=True)
     return [ops.multiply(call, ops.subtract(grad, inner))]
+
+
+def naive_softmax(data, axis):
+    """exp(data) / sum(exp(data)) without the max subtracted: inf / inf = NaN at logits near 1e3."""
+    e = ops.exp(data)
+    return ops.divide(e, ops.sum(e, axis=axis, keepdims=True))
+
+
+@softmax.mutant("y recomputed naively as exp(data) / sum(exp(data)): overflows at large logits")
+def _softmax_naive(call, grad):
+    y = naive_softmax(call.args[0], call.attrs["axis"])
+    return [ops.multiply(y, ops.subtract(grad, ops.sum(ops.multiply(grad, y), axis=call.attrs["axis"],
+                                                                keepdims=True)))]
 
 
 @softmax.sampler
@@ -63,7 +76,7 @@ def _softmax_lowering(kb, call, out, data):
 
 log_softmax = Operator(
     "log_softmax",
-    inputs=[Input("data")],
+    inputs=[Input("data", domain=LOGITS)],
     attrs=[Attr("axis", default=-1, convert=axis_attr, uses_types=True)],
     doc="data - log(sum(exp(data), axis)).",
 )
@@ -81,6 +94,18 @@ def _log_softmax_gradient(call, grad):
     axis = call.attrs["axis"]
     total = ops.sum(grad, axis=axis, keepdims=True)
     return [ops.subtract(grad, ops.multiply(ops.exp(call), total))]
+
+
+@log_softmax.mutant("exp(y) * grad instead of exp(y) * sum(grad): right only when the axis has length 1")
+def _log_softmax_no_sum(call, grad):
+    return [ops.subtract(grad, ops.multiply(ops.exp(call), grad))]
+
+
+@log_softmax.mutant("softmax recomputed naively as exp(data) / sum(exp(data)): overflows at large logits")
+def _log_softmax_naive(call, grad):
+    axis = call.attrs["axis"]
+    return [ops.subtract(grad, ops.multiply(naive_softmax(call.args[0], axis), ops.sum(grad, axis=axis,
+                                                                                        keepdims=True)))]
 
 
 log_softmax.sampler(_softmax_cases)

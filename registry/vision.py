@@ -47,7 +47,7 @@ def _variances(value: Any) -> tuple[float, float, float, float]:
         raise ValueError("expected 4 floats (x, y, w, h)") from None
     if len(items) != 4 or not all(np.isfinite(items)):
         raise ValueError("expected 4 finite floats (x, y, w, h)")
-    return items  # type: ignore[return-value]
+    return items
 
 
 def _top_k(value: Any) -> int:

@@ -71,19 +71,55 @@ def test_sampler_cases_are_valid_and_usable_in_user_tests(example) -> None:
 
 
 def test_failure_report_has_everything_to_act_on() -> None:
-    report = check_op("dense", gradient=_mutant("dense", "swapped"), max_examples=50, seed=11)
+    report = check_op("dense", gradient=_mutant("dense", "swapped"), checks="abc", max_examples=50, seed=11)
     assert not report.passed and not report
     f = report.failure
     assert f is not None and f.check == "b" and f.op == "dense" and f.seed == 11
     assert set(f.shapes) == {"data", "weight"} and f.step == TOLERANCES["float64"].fd_step
     assert f.index is not None and f.abs_error > 0 and f.rel_error > 1e-3
-    assert f.analytic is not None and f.numeric is not None and f.value_seed is not None
+    assert f.analytic is not None and f.numeric is not None and f.arrays is not None
     text = str(report)
-    rerun = "opgrad.checks.check_op('dense', gradient=<your rule>, max_examples=50, seed=11)"
-    for piece in ("check b", "shapes:", "worst:", "analytic:", "numeric", "step:", rerun):
+    rerun = "opgrad.checks.check_op('dense', gradient=<your rule>, checks='abc', max_examples=50, seed=11)"
+    for piece in ("check b", "shapes:", "worst:", "analytic:", "numeric", "step:", "inputs:", "data = [", rerun):
         assert piece in text
-    again = check_op("dense", gradient=_mutant("dense", "swapped"), max_examples=50, seed=11).failure
+    again = check_op("dense", gradient=_mutant("dense", "swapped"), checks="abc", max_examples=50, seed=11).failure
     assert again is not None and (again.shapes, again.index, again.analytic) == (f.shapes, f.index, f.analytic)
+
+
+def test_values_shrink_to_a_minimal_input_printed_in_the_report() -> None:
+    report = check_op("conv2d", gradient=_mutant("conv2d", "wrong sign"), max_examples=50, seed=2)
+    f = report.failure
+    assert f is not None and f.arrays is not None
+    # The smallest failing input: one element per tensor, the values as simple as a failure allows.
+    assert [a.size for a in f.arrays] == [1, 1]
+    assert all(float(v) in (0.0, 1.0, -1.0) for a in f.arrays for v in a.ravel()), f.arrays
+    text = str(f)
+    assert "data = [[[[" in text and "# float64[1, 1, 1, 1]" in text
+
+
+def test_a_float32_failure_says_float32() -> None:
+    def float32_only_off(fn):
+        def run(*arrays):
+            out = np.asarray(opgrad.evaluate(fn, *arrays))
+            return out * np.float32(1.01) if out.dtype == np.float32 else out
+        return run
+
+    report = check_op("exp", backend=float32_only_off, checks="g", max_examples=5, seed=0)
+    f = report.failure
+    assert f is not None and f.check == "g" and f.dtype == "float32"
+    assert "dtype:    float32" in str(f) and "float64" not in str(f).split("inputs:")[1]
+
+
+def test_big_inputs_are_summarized_around_the_worst_element() -> None:
+    from opgrad.checks.report import format_array
+
+    a = np.arange(5 * 6 * 7, dtype=np.float32).reshape(5, 6, 7)
+    text = format_array("x", a, worst=(4, 2, 6))
+    assert "float32[5, 6, 7]" in text and "min 0, max 209" in text and "[4, 2, 6]" in text
+    block = text.split("[3, 1, 5]):")[1]
+    assert "188." in block and "138." in block and "209." not in block  # a[4, 2, 6] and its neighbours only
+    small = format_array("y", np.array([0.1, -2.0]))
+    assert small == "y = [ 0.1, -2. ]  # float64[2]"
 
 
 def test_shrinking_gives_a_small_case() -> None:

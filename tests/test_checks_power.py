@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+import opgrad
+from opgrad import cli
 from opgrad.checks import check_op
 from opgrad.checks.mutants import MUTANTS, Mutant, main
 
@@ -29,3 +31,42 @@ def test_kill_rate_is_printed(capsys: pytest.CaptureFixture[str]) -> None:
     assert f"kill rate: {len(MUTANTS)}/{len(MUTANTS)} = 100%" in out
     with capsys.disabled():
         print("\n" + out.strip().splitlines()[-1])
+
+
+def test_every_differentiable_op_has_mutants() -> None:
+    planted = {m.op for m in MUTANTS}
+    missing = [op.name for op in opgrad.registry.all_ops()
+               if op.gradient_rule is not None and any(s.differentiable for s in op.inputs) and op.name not in planted]
+    assert not missing, f"differentiable operators without a planted mutant: {missing}"
+
+
+def _mistake(op: str, words: str) -> Mutant:
+    return next(m for m in MUTANTS if m.op == op and words in m.mistake)
+
+
+@pytest.mark.parametrize(("op", "words", "killer"), [
+    ("exp", "1e-8 bias", "c"),  # VJP(0) != 0, by 1e-8: far below central differences' noise
+    ("add", "1e-7 relative", "d"),  # the exact adjoint test sees round-off only
+    ("sqrt", "held constant", "e"),  # right first order, wrong second
+])
+def test_checks_c_d_e_kill_what_finite_differences_miss(op: str, words: str, killer: str) -> None:
+    mutant = _mistake(op, words)
+    assert check_op(op, gradient=mutant.rule, checks="ab", max_examples=60, seed=0).passed
+    report = check_op(op, gradient=mutant.rule, max_examples=60, seed=0)
+    assert report.failure is not None and report.failure.check == killer, report
+
+
+@pytest.mark.parametrize(("op", "words"), [
+    ("softmax", "naively"), ("log_softmax", "naively"), ("logsumexp", "unshifted"),
+])
+def test_overflow_at_large_logits_is_reached_on_purpose(op: str, words: str) -> None:
+    report = check_op(op, gradient=_mistake(op, words).rule, max_examples=60, seed=0)
+    assert report.failure is not None and report.failure.arrays is not None
+    assert max(float(abs(a).max()) for a in report.failure.arrays) > 700  # exp overflows there, not at 2
+
+
+def test_cli_runs_one_ops_mutants(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["check", "--mutants", "sqrt", "--examples", "30", "--no-shrink"]) == 0
+    out = capsys.readouterr().out
+    assert "held constant" in out and "killed by check e" in out and "killed 2/2" in out
+    assert cli.main(["check", "--mutants", "one_hot"]) == 2

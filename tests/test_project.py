@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import shutil
 import subprocess
 import sys
@@ -59,3 +60,89 @@ def test_readme_example_runs_and_compiled_matches_reference(capsys) -> None:
     reference, compiled_outputs = namespace["reference"], (namespace["loss_value"], namespace["d_w"], namespace["d_v"])
     for ref, got in zip(reference, compiled_outputs):
         assert abs(ref - got).max() <= 1e-4 * max(1.0, abs(ref).max())
+
+
+# ----- the house: no private names across modules, no import circles -----
+
+PACKAGES = {"opgrad": ROOT / "opgrad", "opgrad.registry": ROOT / "registry", "opgrad.checks": ROOT / "checks"}
+
+
+def _modules() -> dict[str, Path]:
+    """Every opgrad module by its import name (registry/ and checks/ install as opgrad.registry/.checks)."""
+    found = {}
+    for package, folder in PACKAGES.items():
+        for path in folder.rglob("*.py"):
+            parts = [p for p in path.relative_to(folder).with_suffix("").parts if p != "__init__"]
+            found[".".join([package, *parts])] = path
+    return found
+
+
+def _absolute(module: str, path: Path, node: ast.ImportFrom) -> str:
+    if not node.level:
+        return node.module or ""
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    for _ in range(node.level - 1):
+        package = package.rpartition(".")[0]
+    return f"{package}.{node.module}" if node.module else package
+
+
+def test_no_private_names_are_imported_across_modules() -> None:
+    offenders = []
+    for module, path in _modules().items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                offenders += [f"{path.relative_to(ROOT)}:{node.lineno}: from {_absolute(module, path, node)} import "
+                              f"{alias.name}" for alias in node.names
+                              if alias.name.startswith("_") and not alias.name.startswith("__")]
+    assert not offenders, "private names imported from another module (make them public or move them):\n" + \
+        "\n".join(offenders)
+
+
+def _module_level_imports(module: str, path: Path, known: dict[str, Path]) -> set[str]:
+    """The opgrad modules ``module`` imports when it is imported: top-level statements, including
+    those under if/try, but not under ``if TYPE_CHECKING`` nor inside functions."""
+    names: set[str] = set()
+
+    def visit(body: list[ast.stmt]) -> None:
+        for node in body:
+            if isinstance(node, ast.If):
+                if "TYPE_CHECKING" not in ast.unparse(node.test):
+                    visit(node.body)
+                visit(node.orelse)
+            elif isinstance(node, ast.Try):
+                visit(node.body + node.orelse + node.finalbody + [s for h in node.handlers for s in h.body])
+            elif isinstance(node, ast.Import):
+                names.update(alias.name for alias in node.names)
+            elif isinstance(node, ast.ImportFrom):
+                base = _absolute(module, path, node)
+                names.update(f"{base}.{a.name}" if f"{base}.{a.name}" in known else base for a in node.names)
+
+    visit(ast.parse(path.read_text()).body)
+    resolved = set()
+    for name in names:
+        while name and name not in known:
+            name = name.rpartition(".")[0]
+        if name and name != module and not module.startswith(name + "."):  # a package's own parents load first
+            resolved.add(name)
+    return resolved
+
+
+def test_no_import_circles_at_module_level() -> None:
+    known = _modules()
+    graph = {m: _module_level_imports(m, p, known) for m, p in known.items()}
+    circles, state = [], dict.fromkeys(graph, 0)  # 0 unvisited, 1 on the current path, 2 done
+
+    def walk(module: str, trail: list[str]) -> None:
+        state[module] = 1
+        for other in sorted(graph[module]):
+            if state[other] == 1:
+                circles.append(" -> ".join(trail[trail.index(other):] + [other]))
+            elif state[other] == 0:
+                walk(other, trail + [other])
+        state[module] = 2
+
+    for module in sorted(graph):
+        if state[module] == 0:
+            walk(module, [module])
+    assert not circles, "module-level import circles (move a typing-only import under TYPE_CHECKING, or move " \
+        "the shared code down a layer):\n" + "\n".join(circles)

@@ -36,6 +36,7 @@ import numpy as np
 
 from .conv import Conv2dGeometry, emit_conv2d_backward_data, emit_conv2d_backward_weight, emit_conv2d_forward
 from .gemm import GemmSpec, IndexMap, Operand, emit_gemm
+from .grouped import conv2d_direct
 from .irtext import BYTES, LLVM_TYPE, FunctionEmitter, ModuleEmitter
 from .jit import NativeModule, register_symbol
 from .threads import PARALLEL_FOR, PARALLEL_FOR_DECL, pool
@@ -46,12 +47,13 @@ from .views import (
     Body,
     Scalar,
     View,
-    _collapse,
-    _elem_type,
-    _identity,
-    _load,
-    _row_major,
+    collapse,
+    elem_type,
+    identity,
+    load,
+    row_major,
 )
+from .windows import Window2d, pool2d, pool2d_argmax_gather, pool2d_scatter
 
 #: Loops with fewer output elements than this run on the calling thread.
 PARALLEL_MIN_ELEMENTS = 1 << 16
@@ -68,7 +70,7 @@ class Step:
     kind: str
     out: View | None = None
     inputs: list[View] = field(default_factory=list)
-    body: Body = _identity
+    body: Body = identity
     axes: tuple[int, ...] = ()
     op: str = "sum"
     scale: float = 1.0
@@ -127,9 +129,9 @@ class KernelBuilder:
     def contiguous(self, view: View) -> View:
         """``view`` itself if it is dense row-major memory at offset 0, else a copy that is."""
         if view.is_memory and view.is_contiguous and view.offset == 0:
-            return replace(view, strides=_row_major(view.shape))
+            return replace(view, strides=row_major(view.shape))
         tmp = self.temporary(view.shape, view.dtype)
-        self.elementwise(tmp, [view], _identity)
+        self.elementwise(tmp, [view], identity)
         return tmp
 
     @staticmethod
@@ -169,7 +171,7 @@ class KernelBuilder:
     # ----- reductions -----
 
     def map_reduce(self, out: View, inputs: Sequence[View], axes: Sequence[int], op: str = "sum",
-                   body: Body = _identity, scale: float = 1.0) -> None:
+                   body: Body = identity, scale: float = 1.0) -> None:
         """``out = scale * op over axes of body(inputs...)``; inputs share one shape.
 
         ``out`` has that shape with ``axes`` set to 1 (keepdims) or removed. ``op`` is ``sum``,
@@ -188,7 +190,7 @@ class KernelBuilder:
 
     def reduce(self, out: View, inp: View, axes: Sequence[int], op: str = "sum", scale: float = 1.0) -> None:
         """``out = scale * op(inp, axes)``; see :meth:`map_reduce`."""
-        self.map_reduce(out, [inp], axes, op, _identity, scale)
+        self.map_reduce(out, [inp], axes, op, identity, scale)
 
     # ----- heavy primitives -----
 
@@ -226,13 +228,11 @@ class KernelBuilder:
             return
         dst = out if out.is_contiguous and out.offset == 0 else self.temporary(out.shape, out.dtype)
         if geom.groups > GROUPED_GEMM_MAX_GROUPS:
-            from .grouped import conv2d_direct
-
             conv2d_direct(self, pass_, geom, dst, a, b)
         else:
             self.conv2d(geom, pass_, (a.buffer, b.buffer, dst.buffer))
         if dst is not out:
-            self.elementwise(out, [dst], _identity)
+            self.elementwise(out, [dst], identity)
 
     def _conv_as_matmul(self, pass_: str, geom: Conv2dGeometry, out: View, a: View, b: View) -> None:
         """A kernel covering the whole unpadded input (a 1x1 output, e.g. the seed CNN's 12x12 conv)
@@ -253,7 +253,7 @@ class KernelBuilder:
         else:  # backward_weight: dw[o, :] = dy[:, o]^T @ x
             self.matmul(as2d(flat, o, ckk), as2d(b, n, o).T, as2d(a, n, ckk))
         if flat is not out:
-            self.elementwise(out, [flat], _identity)
+            self.elementwise(out, [flat], identity)
 
     def conv2d(self, geom: Conv2dGeometry, pass_: str, buffers: tuple[int, int, int]) -> None:
         """One conv pass: ``forward`` (x, w, y), ``backward_data`` (dy, w, dx), ``backward_weight`` (x, dy, dw)."""
@@ -287,16 +287,12 @@ class KernelBuilder:
     def pool2d(self, out: View, data: View, pool: Sequence[int], strides: Sequence[int], padding: Sequence[int],
                op: str, ceil_mode: bool = False, count_include_pad: bool = True) -> None:
         """Window max or mean (``op`` = ``max`` | ``avg``) over NCHW ``data``; see :mod:`.windows`."""
-        from .windows import Window2d, pool2d
-
         win = Window2d(tuple(pool), tuple(strides), tuple(padding), ceil_mode, count_include_pad)  # type: ignore[arg-type]
         pool2d(self, out, data, win, op)
 
     def pool2d_argmax_gather(self, out: View, values: View, data: View, pool: Sequence[int],
                              strides: Sequence[int], padding: Sequence[int], ceil_mode: bool = False) -> None:
         """``values`` read at the first maximum of each window of ``data``."""
-        from .windows import Window2d, pool2d_argmax_gather
-
         win = Window2d(tuple(pool), tuple(strides), tuple(padding), ceil_mode)  # type: ignore[arg-type]
         pool2d_argmax_gather(self, out, values, data, win)
 
@@ -304,8 +300,6 @@ class KernelBuilder:
                        strides: Sequence[int], padding: Sequence[int], ceil_mode: bool = False,
                        count_include_pad: bool = True) -> None:
         """Adjoint of a window reduction: spread ``grad`` (``data=None``) or add it at each window's argmax."""
-        from .windows import Window2d, pool2d_scatter
-
         win = Window2d(tuple(pool), tuple(strides), tuple(padding), ceil_mode, count_include_pad)  # type: ignore[arg-type]
         pool2d_scatter(self, out, grad, data, win)
 
@@ -433,14 +427,14 @@ class KernelBuilder:
         out = st.out
         assert out is not None
         views = [out, *st.inputs]
-        shape, strides = _collapse(out.shape, [v.strides for v in views])
+        shape, strides = collapse(out.shape, [v.strides for v in views])
         name = self.fresh("ew")
         mem = [i for i, v in enumerate(views) if v.is_memory]
         f = self.loop_function(name, len(mem))
-        ptrs = {i: f.gep(_elem_type(views[i].dtype), f"%p{n}", str(views[i].offset)) for n, i in enumerate(mem)}
+        ptrs = {i: f.gep(elem_type(views[i].dtype), f"%p{n}", str(views[i].offset)) for n, i in enumerate(mem)}
         int_copy = out.dtype in INT_TYPE  # an int result (a label array returned as is) is only copied
         if int_copy:
-            assert len(st.inputs) == 1 and st.inputs[0].dtype == out.dtype and st.body is _identity, \
+            assert len(st.inputs) == 1 and st.inputs[0].dtype == out.dtype and st.body is identity, \
                 "int results can only be copies of int inputs"
         s = None if int_copy else Scalar(f, out.dtype)
 
@@ -451,7 +445,7 @@ class KernelBuilder:
                     value = f.load(it, f.gep(it, ptrs[1], offs[1]))
                     f.store(it, value, f.gep(it, ptrs[0], offs[0]))
                     return
-                vals = [_load(s, v, ptrs.get(i + 1), offs[i + 1]) for i, v in enumerate(st.inputs)]
+                vals = [load(s, v, ptrs.get(i + 1), offs[i + 1]) for i, v in enumerate(st.inputs)]
                 f.store(s.t, st.body(s, vals), f.gep(s.t, ptrs[0], offs[0]))
                 return
             lo, hi = ("%lo", "%hi") if level == 0 else ("0", str(shape[level]))
@@ -478,13 +472,13 @@ class KernelBuilder:
         name = self.fresh("red")
         f = self.loop_function(name, len(mem))
         t = LLVM_TYPE[s_dtype]
-        ptrs = {i: f.gep(_elem_type(views[i].dtype), f"%p{n}", str(views[i].offset)) for n, i in enumerate(mem)}
+        ptrs = {i: f.gep(elem_type(views[i].dtype), f"%p{n}", str(views[i].offset)) for n, i in enumerate(mem)}
         s = Scalar(f, s_dtype)
         acc = f.alloca(t, "acc")
 
         def inner(level: int, offs: list[str]) -> None:
             if level == len(st.axes):
-                vals = [_load(s, v, ptrs.get(i + 1), offs[i]) for i, v in enumerate(st.inputs)]
+                vals = [load(s, v, ptrs.get(i + 1), offs[i]) for i, v in enumerate(st.inputs)]
                 v = st.body(s, vals)
                 cur = f.load(t, acc)
                 f.store(t, s.accumulate(cur, v) if st.op == "sum" else getattr(s, st.op)(cur, v), acc)
@@ -514,7 +508,7 @@ class KernelBuilder:
 
     def compile(self) -> CompiledGraph:
         """Finish, compile (disk-cached) and wrap the entry for ctypes."""
-        _register_libm()
+        register_libm()
         nthreads = pool().nthreads
         module = NativeModule(self.finish(), kernel_labels=self.kernel_labels)
         return CompiledGraph(module, self.name, self.workspace_per_thread * nthreads)
@@ -563,7 +557,7 @@ class CompiledGraph:
 _libm_done = False
 
 
-def _register_libm() -> None:
+def register_libm() -> None:
     """Scalar math intrinsics lower to libm calls on x86; make those symbols resolvable."""
     global _libm_done
     if _libm_done:

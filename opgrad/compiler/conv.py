@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from .gemm import GemmSpec, IndexMap, Operand, _round_up, emit_gemm
+from .gemm import GemmSpec, IndexMap, Operand, emit_gemm, round_up
 from .irtext import BYTES, LLVM_TYPE, FunctionEmitter, ModuleEmitter
 from .threads import PARALLEL_FOR
 
@@ -73,7 +73,7 @@ class Conv2dGeometry:
         else:
             top, left, bottom, right = (int(p) for p in padding)
             pads = (top, bottom, left, right)
-        geom = Conv2dGeometry(n, c, h, w, o, kh, kw, _pair(stride), pads, _pair(dilation), dtype,  # type: ignore[arg-type]
+        geom = Conv2dGeometry(n, c, h, w, o, kh, kw, _pair(stride), pads, _pair(dilation), dtype,
                               groups)
         assert geom.oh >= 1 and geom.ow >= 1, "empty output"
         return geom
@@ -213,7 +213,7 @@ def emit_conv2d_backward_data(m: ModuleEmitter, g: Conv2dGeometry, name: str) ->
             dtype=g.dtype,
         )
         gemms[imgs] = emit_gemm(m, spec, f"{name}.gemm{imgs}")
-    col_bytes = _round_up(rows * seg * p * esize, 64)
+    col_bytes = round_up(rows * seg * p * esize, 64)
     gemm_ws = max(plan.workspace_per_thread for plan in gemms.values())
     col2im = _emit_col2im(m, g, name + ".col2im", t)
     # The col buffer is shared by all threads, so it sits before the per-thread GEMM scratch.

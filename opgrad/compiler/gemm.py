@@ -140,7 +140,7 @@ class Blocking:
         vl = target.vector_width(BYTES[dtype])
         mr = 8 if target.vector_registers >= 32 else 6
         mc = 128 if BYTES[dtype] == 4 else 64
-        return Blocking(mr=mr, nr=2 * vl, vl=vl, kc=256, mc=_round_up(mc, mr), nc=2048)
+        return Blocking(mr=mr, nr=2 * vl, vl=vl, kc=256, mc=round_up(mc, mr), nc=2048)
 
 
 @dataclass(frozen=True)
@@ -187,18 +187,18 @@ class GemmPlan:
         s, b = self.spec, self.blk
         nk = -(-s.k // b.kc)
         self.kc = -(-s.k // nk)  # even K blocks: no tiny tail block
-        self.nc = min(b.nc, _round_up(s.n, b.nr))
+        self.nc = min(b.nc, round_up(s.n, b.nr))
         self.split_n = s.n >= s.m
         esize = BYTES[s.dtype]
-        a_bytes = _round_up(b.mc, b.mr) * self.kc * esize
-        b_bytes = _round_up(self.nc, b.nr) * self.kc * esize
-        self.workspace_per_thread = _round_up(a_bytes, 64) + _round_up(b_bytes, 64)
+        a_bytes = round_up(b.mc, b.mr) * self.kc * esize
+        b_bytes = round_up(self.nc, b.nr) * self.kc * esize
+        self.workspace_per_thread = round_up(a_bytes, 64) + round_up(b_bytes, 64)
 
     def workspace_bytes(self, nthreads: int) -> int:
         return self.workspace_per_thread * nthreads
 
 
-def _round_up(x: int, q: int) -> int:
+def round_up(x: int, q: int) -> int:
     return -(-x // q) * q
 
 
@@ -467,7 +467,7 @@ def _emit_block(m: ModuleEmitter, base: str, plan: GemmPlan, t: str) -> None:
                              ("i64", "m1"), ("i64", "n0"), ("i64", "n1")], linkage="internal",
     )
     ap = "%ws"
-    bp = f.gep("i8", "%ws", str(_round_up(_round_up(b.mc, mr) * plan.kc * esize, 64)))
+    bp = f.gep("i8", "%ws", str(round_up(round_up(b.mc, mr) * plan.kc * esize, 64)))
     accs = [[f.alloca(vt, f"acc{r}_{c}") for c in range(nr // vl)] for r in range(mr)]
     with f.loop("%n0", "%n1", plan.nc, hint="jc") as jc:
         nc = f.smin(f.sub("%n1", jc), plan.nc)

@@ -32,12 +32,12 @@ from opgrad.errors import ArgumentError
 from opgrad.ir import Call, Const, Function, Var, topological_order
 from opgrad.reference import check_arguments
 
-from .builder import KernelBuilder, _register_libm
+from .builder import KernelBuilder, register_libm
 from .irtext import ModuleEmitter
 from .jit import CompileTimes, NativeModule
 from .steploop import LOOP_NAN, LOOP_RANGE, STATUS_WORDS, STOP_ON_NAN, LoopCheck, LoopStopped, StepLoop, emit_step_loop
 from .threads import pool
-from .views import ELEMENT_BYTES, View, _identity
+from .views import ELEMENT_BYTES, View, identity
 
 _ALIGN = 64
 
@@ -127,7 +127,7 @@ class _Lowering:
         for i, out in enumerate(fn.outputs):  # results not computed in place: copy (rarely needed)
             target = View.contiguous(results[i], out.shape, out.dtype)
             if views[out._uid] != target:
-                self.kb.elementwise(target, [views[out._uid]], _identity)
+                self.kb.elementwise(target, [views[out._uid]], identity)
         return results
 
     def _const(self, node: Const) -> View:
@@ -296,7 +296,7 @@ class CompiledFunction:
         self.plan = plan
         self.fused, self.arena_bytes, self.steps = plan.fused, plan.arena_bytes, plan.steps
         self.step_labels = plan.step_labels
-        _register_libm()
+        register_libm()
         nthreads = pool().nthreads
         self.ir = plan.ir
         self._module = NativeModule(self.ir, what=_describe(fn), kernel_labels=plan.kernel_labels)

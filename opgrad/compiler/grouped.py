@@ -13,10 +13,14 @@ the products of real taps that land inside the input.
 
 from __future__ import annotations
 
-from .builder import KernelBuilder
+from typing import TYPE_CHECKING
+
 from .conv import Conv2dGeometry
 from .irtext import FunctionEmitter
 from .views import Scalar, View
+
+if TYPE_CHECKING:  # the builder imports this module; the type is all this one needs of it
+    from .builder import KernelBuilder
 
 
 def _tap(f: FunctionEmitter, g: Conv2dGeometry, oh: str, ow: str, ki: str, kj: str) -> tuple[str, str, str | None]:

@@ -9,6 +9,10 @@ The worker OS threads are Python ``threading.Thread`` objects whose target is th
 called through ctypes (which releases the GIL), so no ``pthread_create`` is needed in JIT code. An
 ``atexit`` hook stops and joins them; they are daemons so a missed stop can never block exit.
 
+Platforms: the workers sleep in Linux's ``futex`` (syscall numbers for x86-64 and AArch64).
+Elsewhere the pool starts no workers and every kernel runs its shares on the calling thread:
+correct, single-threaded (:func:`futex_supported` says which applies).
+
 Contract for tasks: ``void task(ptr ctx, i32 tid, i32 nthreads)`` must do the share ``tid`` of
 ``nthreads`` and must produce results that do not depend on ``nthreads`` (split over outputs,
 never split a reduction). If the pool is busy (another Python thread, or a nested call) the
@@ -22,6 +26,7 @@ import ctypes
 import ctypes.util
 import os
 import platform
+import sys
 import threading
 
 from opgrad.env import num_threads_setting
@@ -54,7 +59,7 @@ def _runtime_ir() -> str:
     m.add_global(f"@pool.timeout = internal constant [2 x i64] [i64 0, i64 {_SLEEP_NS}], align 8")
     m.declare("syscall", "declare i64 @syscall(i64, ...)")
     m.declare("sched_yield", "declare i32 @sched_yield()")
-    sys_futex = _SYS_FUTEX.get(platform.machine(), 202)
+    sys_futex = _SYS_FUTEX.get(platform.machine(), -1)  # never called where futex_supported() is False
     pause = ""
     if host.is_x86:  # `pause` keeps a spinning core from starving its SMT sibling
         pause = m.declare("llvm.x86.sse2.pause", "declare void @llvm.x86.sse2.pause()")
@@ -209,6 +214,11 @@ def _runtime_ir() -> str:
     return m.text()
 
 
+def futex_supported() -> bool:
+    """Whether pool workers can sleep in ``futex``: Linux on a machine whose syscall number is known."""
+    return sys.platform.startswith("linux") and platform.machine() in _SYS_FUTEX
+
+
 def default_num_threads() -> int:
     """``$OPGRAD_NUM_THREADS`` or the number of CPUs this process may run on.
 
@@ -236,6 +246,8 @@ class ThreadPool:
         self._stop = self.module.cfunc("opgrad_pool_stop", None)
         self._set_size = self.module.cfunc("opgrad_pool_set_size", None, ctypes.c_int32)
         self.parallel_for_address = self.module.address(PARALLEL_FOR)
+        if not futex_supported():
+            nthreads = 1  # no workers to sleep or wake: parallel_for runs every share inline
         self.nthreads = nthreads
         self._threads: list[threading.Thread] = []
         self._set_size(nthreads)
@@ -248,7 +260,8 @@ class ThreadPool:
     def shutdown(self) -> None:
         """Stop the workers; afterwards every parallel_for runs on the calling thread."""
         self._set_size(1)
-        self._stop()
+        if self._threads:  # waking sleepers is a futex call: only where workers were started
+            self._stop()
         for t in self._threads:
             t.join(timeout=1.0)
         self._threads.clear()

@@ -41,7 +41,7 @@ class View:
 
     @staticmethod
     def contiguous(buffer: int, shape: Sequence[int], dtype: str = "float32", offset: int = 0) -> View:
-        return View(buffer, tuple(shape), _row_major(shape), offset, dtype)
+        return View(buffer, tuple(shape), row_major(shape), offset, dtype)
 
     @staticmethod
     def iota(shape: Sequence[int], axis: int) -> View:
@@ -54,7 +54,7 @@ class View:
         """The row-major flat index of every position of ``shape``, loaded as a raw ``i64`` (not
         converted to the body's float type, so it is exact at any size): the counter of a
         counter-based hash such as :meth:`Scalar.hash64`."""
-        return View(IOTA, tuple(shape), _row_major(shape), 0, "int64")
+        return View(IOTA, tuple(shape), row_major(shape), 0, "int64")
 
     @staticmethod
     def scalar(value: float, dtype: str, shape: Sequence[int] = ()) -> View:
@@ -76,7 +76,7 @@ class View:
     @property
     def is_contiguous(self) -> bool:
         """Row-major dense (dims of extent 1 may have any stride)."""
-        return all(d == 1 or s == e for d, s, e in zip(self.shape, self.strides, _row_major(self.shape), strict=True))
+        return all(d == 1 or s == e for d, s, e in zip(self.shape, self.strides, row_major(self.shape), strict=True))
 
     def broadcast_to(self, shape: Sequence[int]) -> View:
         """Right-aligned numpy broadcasting expressed as 0-strides."""
@@ -103,7 +103,7 @@ class View:
             return View.scalar(self.value or 0.0, self.dtype, shape)
         if not self.is_contiguous:
             return None
-        return replace(self, shape=shape, strides=_row_major(shape))
+        return replace(self, shape=shape, strides=row_major(shape))
 
     def expand_dims(self, axis: int) -> View:
         """Insert a unit axis at ``axis`` (then :meth:`broadcast_to` can stretch it)."""
@@ -123,7 +123,7 @@ class View:
         return replace(self, shape=(), strides=(), offset=off)
 
 
-def _row_major(shape: Sequence[int]) -> tuple[int, ...]:
+def row_major(shape: Sequence[int]) -> tuple[int, ...]:
     strides, acc = [], 1
     for d in reversed(tuple(shape)):
         strides.append(acc)
@@ -172,7 +172,7 @@ class Scalar:
     def libm(self, name: str, *args: str) -> str:
         """The C math library's ``name`` on this type (``erf``/``erff``, ``log1p``/``log1pf``, ...).
 
-        For functions without an LLVM intrinsic; their symbols are registered by ``_register_libm``.
+        For functions without an LLVM intrinsic; their symbols are registered by ``register_libm``.
         """
         fn = name + ("f" if self.t == "float" else "")
         ref = self.f.module.declare(fn, f"declare {self.t} @{fn}({', '.join([self.t] * len(args))})")
@@ -230,15 +230,15 @@ def _suffix(t: str) -> str:
 Body = Callable[[Scalar, list[str]], str]
 
 
-def _identity(s: Scalar, v: list[str]) -> str:
+def identity(s: Scalar, v: list[str]) -> str:
     return v[0]
 
 
-def _elem_type(dtype: str) -> str:
+def elem_type(dtype: str) -> str:
     return LLVM_TYPE.get(dtype) or INT_TYPE[dtype]
 
 
-def _load(s: Scalar, v: View, ptr: str | None, off: str) -> str:
+def load(s: Scalar, v: View, ptr: str | None, off: str) -> str:
     """The value of ``v`` at element offset ``off``, as ``s``'s float type."""
     f = s.f
     if v.buffer == CONSTANT:
@@ -258,7 +258,7 @@ def _load(s: Scalar, v: View, ptr: str | None, off: str) -> str:
     return val
 
 
-def _collapse(shape: tuple[int, ...], strides: list[tuple[int, ...]]) -> tuple[list[int], list[list[int]]]:
+def collapse(shape: tuple[int, ...], strides: list[tuple[int, ...]]) -> tuple[list[int], list[list[int]]]:
     """Merge adjacent dims that are contiguous in every view: fewer, longer loops vectorize better."""
     dims = [d for d in range(len(shape)) if shape[d] != 1] or []
     if not dims:

@@ -17,10 +17,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from .builder import KernelBuilder
 from .irtext import LLVM_TYPE, FunctionEmitter
-from .views import Scalar, View, _elem_type
+from .views import Scalar, View, elem_type
+
+if TYPE_CHECKING:  # the builder imports this module; the type is all this one needs of it
+    from .builder import KernelBuilder
 
 
 @dataclass(frozen=True)
@@ -75,7 +78,7 @@ class _Planes:
         bases = []
         for i, v in enumerate(self.views):
             off = f.add(f.add(f.mul(n, v.strides[0]), f.mul(c, v.strides[1])), v.offset)
-            bases.append(f.gep(_elem_type(v.dtype), f"%p{i}", off))
+            bases.append(f.gep(elem_type(v.dtype), f"%p{i}", off))
         return bases
 
     def close(self) -> None:
