@@ -273,7 +273,7 @@ class FusedBuffer:
         self.array[self.flags.start + rank] = 1
 
     def failed_ranks(self) -> list[int]:
-        return np.flatnonzero(self.array[self.flags]).tolist()
+        return [int(rank) for rank in np.flatnonzero(self.array[self.flags])]
 
     @property
     def loss(self) -> float:
