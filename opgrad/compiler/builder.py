@@ -77,6 +77,8 @@ class Step:
     reads: list[int] = field(default_factory=list)
     writes: list[int] = field(default_factory=list)
     label: str = ""  # what produced it (the graph compiler puts op names here, for profiles)
+    flops: int = 0  # multiply-adds count 2: what a per-kernel report divides by the time
+    detail: str = ""  # the shapes behind a heavy step ("conv x32x32x26x26 w64x32x3x3"), for reports
 
     @staticmethod
     def of_views(kind: str, out: View, inputs: list[View], **kw: object) -> Step:
@@ -100,6 +102,7 @@ class KernelBuilder:
         self._allocate = allocate
         self._constant = constant
         self._count = 0
+        self._detail = ""  # set while a conv lowers, so its GEMM steps are reported as that conv
         #: Emitted kernel name -> the op(s) it lowers (filled by :meth:`finish`), for compile errors.
         self.kernel_labels: dict[str, str] = {}
 
@@ -210,7 +213,8 @@ class KernelBuilder:
         """``C (=|+=) alpha * A @ B`` with the layouts in ``spec``; a, b, c are buffer indices."""
         plan = emit_gemm(self.m, spec, self.fresh("gemm"))
         reads = [a, b, c] if spec.accumulate else [a, b]
-        self.add_call(plan.names["entry"], [a, b, c], reads, [c], plan.workspace_per_thread)
+        self.add_call(plan.names["entry"], [a, b, c], reads, [c], plan.workspace_per_thread,
+                      flops=2 * spec.m * spec.n * spec.k, detail=self._detail or f"gemm {spec.m}x{spec.n}x{spec.k}")
 
     def conv(self, pass_: str, geom: Conv2dGeometry, out: View, first: View, second: View) -> None:
         """A conv2d pass on views: ``forward`` (x, w) -> y, ``backward_data`` (dy, w) -> dx,
@@ -221,6 +225,13 @@ class KernelBuilder:
             self.fill(out, 0.0)
             return
         a, b = self.contiguous(first), self.contiguous(second)
+        self._detail = geom.describe()
+        try:
+            self._conv_steps(pass_, geom, out, a, b)
+        finally:
+            self._detail = ""
+
+    def _conv_steps(self, pass_: str, geom: Conv2dGeometry, out: View, a: View, b: View) -> None:
         if _window_is_whole_input(geom):
             self._conv_as_matmul(pass_, geom, out, a, b)
             return
@@ -260,7 +271,8 @@ class KernelBuilder:
         emit = {"forward": emit_conv2d_forward, "backward_data": emit_conv2d_backward_data,
                 "backward_weight": emit_conv2d_backward_weight}[pass_]
         entry = emit(self.m, geom, self.fresh("conv"))
-        self.add_call(entry.entry, list(buffers), list(buffers[:2]), [buffers[2]], entry.workspace_per_thread)
+        self.add_call(entry.entry, list(buffers), list(buffers[:2]), [buffers[2]], entry.workspace_per_thread,
+                      flops=geom.flops(), detail=geom.describe())
 
     def conv2d_forward(self, out: View, data: View, weight: View, strides: Sequence[int],
                        padding: Sequence[int], dilation: Sequence[int], groups: int = 1) -> None:
@@ -311,9 +323,11 @@ class KernelBuilder:
 
     # ----- extension points for primitive modules (e.g. windows.py) -----
 
-    def add_call(self, fn: str, buffers: list[int], reads: list[int], writes: list[int], workspace: int = 0) -> None:
-        """Record a call of emitted ``void fn(ptr buf..., ptr ws)``."""
-        self.steps.append(Step("call", call=fn, call_buffers=buffers, reads=reads, writes=writes))
+    def add_call(self, fn: str, buffers: list[int], reads: list[int], writes: list[int], workspace: int = 0,
+                 flops: int = 0, detail: str = "") -> None:
+        """Record a call of emitted ``void fn(ptr buf..., ptr ws)``; ``flops`` and ``detail`` only feed reports."""
+        self.steps.append(Step("call", call=fn, call_buffers=buffers, reads=reads, writes=writes, flops=flops,
+                               detail=detail or self._detail))
         self.workspace_per_thread = max(self.workspace_per_thread, workspace)
 
     def loop_function(self, name: str, nptrs: int) -> FunctionEmitter:

@@ -20,7 +20,6 @@ from __future__ import annotations
 import atexit
 import ctypes
 import ctypes.util
-import os
 import platform
 import threading
 
@@ -28,6 +27,7 @@ from opgrad.env import num_threads_setting
 
 from .irtext import FunctionEmitter, ModuleEmitter
 from .jit import NativeModule, host_target, register_symbol
+from .peak import available_cpus
 
 #: Symbol that kernels declare as ``declare void @opgrad_parallel_for(ptr, ptr)``.
 PARALLEL_FOR = "opgrad_parallel_for"
@@ -210,17 +210,15 @@ def _runtime_ir() -> str:
 
 
 def default_num_threads() -> int:
-    """``$OPGRAD_NUM_THREADS`` or the number of CPUs this process may run on.
+    """``$OPGRAD_NUM_THREADS`` or the number of CPUs this process may run on (its affinity mask,
+    capped by a cgroup CPU quota: a container limited to 2 CPUs on a 64-core host gets 2 threads).
 
     A value that is not a positive integer is a ``ConfigError`` naming the variable.
     """
     configured = num_threads_setting()
     if configured is not None:
         return configured
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except AttributeError:  # not Linux
-        return max(1, os.cpu_count() or 1)
+    return available_cpus()
 
 
 class ThreadPool:
