@@ -35,7 +35,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from .conv import Conv2dGeometry, emit_conv2d_backward_data, emit_conv2d_backward_weight, emit_conv2d_forward
-from .gemm import GemmSpec, IndexMap, Operand, emit_gemm
+from .gemm import GemmSpec, IndexMap, Operand, emit_batched_gemm, emit_gemm
 from .irtext import BYTES, LLVM_TYPE, FunctionEmitter, ModuleEmitter
 from .jit import NativeModule, register_symbol
 from .threads import PARALLEL_FOR, PARALLEL_FOR_DECL, pool
@@ -208,6 +208,32 @@ class KernelBuilder:
         a, b = (v if v.is_memory else self.contiguous(v) for v in (a, b))
         spec = GemmSpec(m, n, k, _operand(a), _operand(b), _operand(out), out.dtype, alpha, accumulate)
         self.gemm(spec, a.buffer, b.buffer, out.buffer)
+
+    def batch_matmul(self, out: View, a: View, b: View) -> None:
+        """``out[i] = a[i] @ b[i]`` for 3-D views; an operand with a batch of 1 is used for every entry.
+
+        One GEMM kernel with a loop over the batch, so code size and compile time do not depend on it.
+        """
+        batch, m, n = out.shape
+        k = a.shape[2]
+        assert a.shape[1:] == (m, k) and b.shape[1:] == (k, n) and {a.shape[0], b.shape[0]} <= {1, batch}, \
+            f"batch_matmul {a.shape} @ {b.shape} -> {out.shape}"
+        if out.size == 0:
+            return
+        if k == 0:
+            self.fill(out, 0.0)
+            return
+        a, b = (v if v.is_memory else self.contiguous(v) for v in (a, b))
+
+        def entry(v: View) -> View:
+            return replace(v, shape=v.shape[1:], strides=v.strides[1:])
+
+        spec = GemmSpec(m, n, k, _operand(entry(a)), _operand(entry(b)), _operand(entry(out)), out.dtype)
+        sa, sb, sc = (v.strides[0] if v.shape[0] > 1 else 0 for v in (a, b, out))
+        plan = emit_batched_gemm(self.m, spec, batch, (sa, sb, sc), self.fresh("bgemm"))
+        self.add_call(plan.names["entry"], [a.buffer, b.buffer, out.buffer], [a.buffer, b.buffer], [out.buffer],
+                      plan.workspace_per_thread, flops=2 * batch * m * n * k,
+                      detail=f"batch {batch} x gemm {m}x{n}x{k}")
 
     def gemm(self, spec: GemmSpec, a: int, b: int, c: int) -> None:
         """``C (=|+=) alpha * A @ B`` with the layouts in ``spec``; a, b, c are buffer indices."""
