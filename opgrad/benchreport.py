@@ -80,7 +80,7 @@ def _child(engine: str, model_name: str, batch: int, threads: int, steps: int) -
         step = nn.TrainStep(model, nn.SGD(), batch_size=batch, backend="llvm")
         compiled = step.compiled
         result.update(compile_s=compiled.compile_seconds, plan_s=compiled.plan_seconds,
-                      optimize_s=compiled.times.optimize, load_s=compiled.times.load,
+                      optimize_s=compiled.times.optimize, load_s=compiled.times.load, parts=compiled.times.parts,
                       cache_hit=compiled.cache_hit, threads=_pool_threads())
         state = {"params": dict(params), "state": model.init_buffers()}
 
@@ -174,7 +174,8 @@ def compile_report(model_name: str, batch: int, threads: int) -> None:
         surprise = "" if r["cache_hit"] == name.startswith("warm") else \
             f"  (unexpected cache {'hit' if r['cache_hit'] else 'miss'})"
         print(f"  {name:<27} {r['compile_s']:6.2f} s  = build IR {r['plan_s']:.2f} s + optimize/codegen "
-              f"{r['optimize_s']:.2f} s + load {r['load_s']:.3f} s + rest{surprise}")
+              f"{r['optimize_s']:.2f} s ({r['parts']} part{'s' if r['parts'] > 1 else ''} in parallel workers) "
+              f"+ load {r['load_s']:.3f} s + rest{surprise}")
 
 
 def memory_report(model_name: str, batch: int, threads: int, with_torch: bool) -> None:

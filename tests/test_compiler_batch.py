@@ -61,3 +61,36 @@ def test_small_gemm_loop_nest_honours_alpha_and_accumulate(alpha: float, accumul
     kernel = gemm_kernel(GemmSpec.dense(9, 5, 7, trans_b=True, alpha=alpha, accumulate=accumulate))
     kernel(a, b, c)
     np.testing.assert_allclose(c, want, rtol=1e-5, atol=1e-5)
+
+
+def test_split_module_defines_every_function_once() -> None:
+    from opgrad.compiler.split import DEFINE, split_module
+
+    ir = plan_graph(_batch_fn(3, 1, 33, 70, 90)).ir
+    parts = split_module(ir, 2)
+    assert len(parts) == 2
+    defined = [m.group("name") for text in parts for line in text.splitlines() if (m := DEFINE.match(line))]
+    whole = [m.group("name") for line in ir.splitlines() if (m := DEFINE.match(line))]
+    assert sorted(defined) == sorted(whole)
+    assert split_module("@state = internal global i32 0\n" + ir, 2) == ["@state = internal global i32 0\n" + ir]
+
+
+def test_a_module_cut_in_parts_runs_and_loads_from_the_cache(monkeypatch: pytest.MonkeyPatch,
+                                                             tmp_path: object) -> None:
+    from opgrad.compiler import jit
+
+    monkeypatch.setenv("OPGRAD_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(jit, "SPLIT_MIN_CHARS", 0)
+    monkeypatch.setattr(jit, "SPLIT_PART_CHARS", 1)
+    monkeypatch.setattr(jit, "available_cpus", lambda: 3)
+    a, b = opgrad.var("a", (20, 30), "float32"), opgrad.var("b", (30, 40), "float32")
+    fn = opgrad.function([a, b], ops.relu(ops.matmul(ops.tanh(a), b)))
+    rng = np.random.default_rng(2)
+    x, y = rng.standard_normal((20, 30)).astype(np.float32), rng.standard_normal((30, 40)).astype(np.float32)
+    want = np.maximum(np.tanh(x) @ y, 0)
+    cold = opgrad.compile(fn)
+    assert not cold.cache_hit and cold.times.parts > 1
+    np.testing.assert_allclose(cold(x, y), want, rtol=1e-5, atol=1e-5)
+    warm = opgrad.compile(fn)
+    assert warm.cache_hit and warm.times.parts == cold.times.parts
+    np.testing.assert_allclose(warm(x, y), want, rtol=1e-5, atol=1e-5)

@@ -23,7 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from .irtext import BYTES, LLVM_TYPE, FunctionEmitter, ModuleEmitter, float_const, iota_const, splat_const
-from .target import Target, current_target
+from .target import Target, cache_size, current_target, host_target
 from .threads import PARALLEL_FOR, PARALLEL_FOR_DECL
 
 _I32_LIMIT = 2**31 - 1
@@ -139,12 +139,25 @@ class Blocking:
     def for_target(dtype: str, target: Target | None = None) -> Blocking:
         """Register tile sized to the register file: 8 x 2 vectors with 32 registers (AVX-512,
         AArch64), 6 x 2 with 16 (AVX2), leaving room for the B vectors and the A broadcast.
-        ``target`` defaults to the one code is being generated for (the host unless set)."""
+        ``target`` defaults to the one code is being generated for (the host unless set).
+
+        Cache blocking follows the host's caches where sysfs gives them (BLIS's rule): a KC-deep
+        A sliver and B panel fill about 3/4 of L1d, and an MC x KC block of A half of L2. Other
+        targets, and hosts that do not say, keep KC = 256 and MC = 128 (fp32).
+        """
         target = target or current_target()
-        vl = target.vector_width(BYTES[dtype])
+        esize = BYTES[dtype]
+        vl = target.vector_width(esize)
         mr = 8 if target.vector_registers >= 32 else 6
-        mc = 128 if BYTES[dtype] == 4 else 64
-        return Blocking(mr=mr, nr=2 * vl, vl=vl, kc=256, mc=_round_up(mc, mr), nc=2048)
+        nr = 2 * vl
+        kc, mc = 256, (128 if esize == 4 else 64)
+        if target == host_target():
+            l1, l2 = cache_size(1), cache_size(2)
+            if l1:
+                kc = max(128, min(512, (l1 * 3 // 4 // ((mr + nr) * esize)) // 16 * 16))
+            if l2:
+                mc = max(4 * mr, min(512, l2 // 2 // (kc * esize)))
+        return Blocking(mr=mr, nr=nr, vl=vl, kc=kc, mc=_round_up(mc, mr) if mc % mr else mc, nc=2048)
 
 
 @dataclass(frozen=True)

@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import math
-import os
 import threading
 import time
 from collections.abc import Sequence
@@ -24,59 +22,14 @@ from pathlib import Path
 
 import numpy as np
 
+from opgrad.env import available_cpus, cgroup_cpu_limit
+
 from .irtext import ModuleEmitter
 from .jit import NativeModule
-from .target import Target, host_target
+from .target import Target, cache_size, host_target
 
 __all__ = ["HostInfo", "available_cpus", "cgroup_cpu_limit", "host_info", "measure_bandwidth", "measure_peak",
            "peak_chains"]
-
-
-def cgroup_cpu_limit(path: Path = Path("/sys/fs/cgroup/cpu.max")) -> float | None:
-    """CPUs the cgroup (v2) quota allows (``quota / period``), or None when unlimited or unknown."""
-    try:
-        quota, period = path.read_text().split()[:2]
-    except (OSError, ValueError):
-        return None
-    if quota == "max":
-        return None
-    try:
-        return int(quota) / int(period)
-    except (ValueError, ZeroDivisionError):
-        return None
-
-
-def available_cpus() -> int:
-    """The CPUs this process may use: its affinity mask, capped by the cgroup's CPU quota."""
-    try:
-        cpus = len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        cpus = os.cpu_count() or 1
-    limit = cgroup_cpu_limit()
-    if limit is not None:
-        cpus = min(cpus, max(1, math.floor(limit)))
-    return max(1, cpus)
-
-
-def _cache_size(level: int) -> int | None:
-    """Bytes of the data (or unified) cache at ``level`` of CPU 0, from sysfs; None if unknown."""
-    root = Path("/sys/devices/system/cpu/cpu0/cache")
-    try:
-        entries = sorted(root.glob("index*"))
-    except OSError:
-        return None
-    for entry in entries:
-        try:
-            if int((entry / "level").read_text()) != level or (entry / "type").read_text().strip() == "Instruction":
-                continue
-            text = (entry / "size").read_text().strip().upper()
-        except (OSError, ValueError):
-            continue
-        scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
-        digits = text.rstrip("KMG")
-        if digits.isdigit():
-            return int(digits) * scale
-    return None
 
 
 def _cpu_model_name() -> str:
@@ -118,7 +71,7 @@ class HostInfo:
 def host_info() -> HostInfo:
     target = host_target()
     return HostInfo(_cpu_model_name(), target.cpu, target.vector_width(1) * 8, target.vector_registers,
-                    available_cpus(), _cache_size(1), _cache_size(2), _cache_size(3))
+                    available_cpus(), cache_size(1), cache_size(2), cache_size(3))
 
 
 def peak_chains(target: Target) -> int:

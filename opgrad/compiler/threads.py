@@ -23,11 +23,10 @@ import ctypes.util
 import platform
 import threading
 
-from opgrad.env import num_threads_setting
+from opgrad.env import available_cpus, num_threads_setting
 
 from .irtext import FunctionEmitter, ModuleEmitter
 from .jit import NativeModule, host_target, register_symbol
-from .peak import available_cpus
 
 #: Symbol that kernels declare as ``declare void @opgrad_parallel_for(ptr, ptr)``.
 PARALLEL_FOR = "opgrad_parallel_for"
