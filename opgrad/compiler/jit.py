@@ -46,7 +46,7 @@ from opgrad.env import available_cpus, cache_dir_setting, compile_in_process_set
 from opgrad.errors import CompileError, CompileWarning
 
 from . import llvm_worker
-from .split import DEFINE, split_module
+from .split import DEFINE, isolate_kernels, split_module
 from .target import HostTarget, Target, ensure_native_initialized, host_target
 
 __all__ = ["ENGINE_VERSION", "Codegen", "HostTarget", "NativeModule", "ObjectCache", "build_object", "cache_key",
@@ -331,7 +331,7 @@ def _split_objects(ir_text: str) -> list[bytes] | None:
     parts = min(available_cpus(), 8, len(ir_text) // SPLIT_PART_CHARS)
     if len(ir_text) < SPLIT_MIN_CHARS or parts < 2 or compile_in_process_setting():
         return None
-    texts = split_module(ir_text, parts)
+    texts = split_module(isolate_kernels(ir_text), parts)
     if len(texts) < 2:
         return None
     with _worker_lock:
@@ -455,6 +455,7 @@ def build_object(ir_text: str, what: str = "", kernel_labels: Mapping[str, str] 
     """
     codegen = codegen or host_jit()
     host = codegen.target
+    ir_text = isolate_kernels(ir_text)  # the same code as the parts of a split build (see split.py)
     if compile_in_process_setting():
         return llvm_worker.compile_object(ir_text, host.triple, host.cpu, host.features,
                                           **_object_options(codegen))

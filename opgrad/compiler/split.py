@@ -18,7 +18,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-__all__ = ["DEFINE", "split_module"]
+__all__ = ["DEFINE", "isolate_kernels", "split_module"]
 
 #: One function definition's first line, as the emitters write it.
 DEFINE = re.compile(r"^define (?:internal )?(?P<ret>[^@]*) @(?P<name>[^(]+)\((?P<params>[^)]*)\)(?P<attrs>[^{]*)\{$")
@@ -37,6 +37,36 @@ class _Function:
 def _group_of(name: str) -> str:
     """``graph.conv2.gemm.pack_a`` -> ``graph.conv2``: a kernel and its helpers travel together."""
     return ".".join(name.split(".")[:2])
+
+
+def isolate_kernels(ir_text: str) -> str:
+    """``ir_text`` with every function that another group refers to made external and ``noinline``.
+
+    Both the whole-module build and the parts go through this, so a kernel is optimized the same
+    way whichever part it lands in, and the machine code, and every rounding, is the same whether
+    the module is compiled whole (an exported library) or in parts (the JIT): inlined across
+    kernels, LLVM could contract one kernel's multiply with the next one's add.
+    """
+    names: dict[str, str] = {}
+    for line in ir_text.splitlines():
+        if (m := DEFINE.match(line)) is not None:
+            names[m.group("name")] = _group_of(m.group("name"))
+    shared: set[str] = set()
+    group = ""
+    for line in ir_text.splitlines():
+        if (m := DEFINE.match(line)) is not None:
+            group = names[m.group("name")]
+            continue
+        if "@" in line:
+            shared.update(n for n in _REFERENCE.findall(line) if n in names and names[n] != group)
+    out = []
+    for line in ir_text.splitlines():
+        m = DEFINE.match(line)
+        if m is not None and m.group("name") in shared:
+            line = line.replace("define internal ", "define ", 1)
+            line = line[:-1] + "noinline {" if "noinline" not in m.group("attrs") else line
+        out.append(line)
+    return "\n".join(out) + "\n"
 
 
 def split_module(ir_text: str, parts: int) -> list[str]:
