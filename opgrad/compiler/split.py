@@ -40,7 +40,8 @@ def _group_of(name: str) -> str:
 
 
 def isolate_kernels(ir_text: str) -> str:
-    """``ir_text`` with every function that another group refers to made external and ``noinline``.
+    """``ir_text`` with every function that another group refers to made external (hidden: a shared
+    library still exports its C API only) and ``noinline``.
 
     Both the whole-module build and the parts go through this, so a kernel is optimized the same
     way whichever part it lands in, and the machine code, and every rounding, is the same whether
@@ -63,7 +64,7 @@ def isolate_kernels(ir_text: str) -> str:
     for line in ir_text.splitlines():
         m = DEFINE.match(line)
         if m is not None and m.group("name") in shared:
-            line = line.replace("define internal ", "define ", 1)
+            line = line.replace("define internal ", "define hidden ", 1)
             line = line[:-1] + "noinline {" if "noinline" not in m.group("attrs") else line
         out.append(line)
     return "\n".join(out) + "\n"
@@ -120,7 +121,7 @@ def split_module(ir_text: str, parts: int) -> list[str]:
                 continue
             first = fn.lines[0]
             if fn.name in called_across:
-                first = first.replace("define internal ", "define ", 1)
+                first = first.replace("define internal ", "define hidden ", 1)
             out.append(first)
             out.extend(fn.lines[1:])
         texts.append("\n".join(out) + "\n")
