@@ -50,6 +50,7 @@ class Row:
     note: str = ""
     setup_s: float | None = None
     best_ms: float | None = None
+    cpu_ms: float | None = None  # CPU time of the whole process per step: steadier on a shared machine
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -234,13 +235,14 @@ def _measure(name: str, runner: Runner, params: dict[str, np.ndarray], images: n
     # Warm-up doubles as the correctness check: the third step's loss has been through two
     # backward passes and updates, so it compares gradients and SGD too, not just the forward.
     losses = [first] + [run() for _ in range(max(CHECK_STEP, warmup) - 1)]
-    times = []
+    times, cpu = [], []
     for _ in range(steps):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         run()
         times.append(time.perf_counter() - t0)
+        cpu.append(time.process_time() - c0)
     return Row(name, ms=statistics.median(times) * 1000, check_loss=losses[CHECK_STEP - 1], setup_s=setup,
-               best_ms=min(times) * 1000)
+               best_ms=min(times) * 1000, cpu_ms=statistics.median(cpu) * 1000)
 
 
 def _setup_threads(requested: int | None) -> int:
@@ -321,7 +323,7 @@ def run(args: argparse.Namespace) -> int:
     base_key = "llvm" if rows["llvm"].ms is not None else "reference"
     base = rows[base_key].ms
     ref_loss = rows["reference"].check_loss
-    print(f"{'engine':<28} {'ms/step':>9} {'best':>7} {'GFLOP/s':>8} {'% peak':>7} "
+    print(f"{'engine':<28} {'ms/step':>9} {'best':>7} {'CPU ms':>7} {'GFLOP/s':>8} {'% peak':>7} "
           f"{'vs ' + rows[base_key].name.split(' (')[0]:>20} {'setup':>8}  loss check")
     for row in rows.values():
         if row.ms is None:
@@ -335,7 +337,10 @@ def run(args: argparse.Namespace) -> int:
         setup = f"{row.setup_s:.2f}s" if row.setup_s is not None else "-"
         rate = flops / row.ms / 1e6 if flops else None
         rate_text = f"{rate:>8.1f} {100 * rate / peak_all:>6.1f}%" if rate and peak_all else f"{'-':>8} {'-':>7}"
-        print(f"{row.name:<28} {row.ms:>9.1f} {row.best_ms or 0:>7.1f} {rate_text} {ratio:>20} {setup:>8}  {check}")
+        print(f"{row.name:<28} {row.ms:>9.1f} {row.best_ms or 0:>7.1f} {row.cpu_ms or 0:>7.1f} {rate_text} "
+              f"{ratio:>20} {setup:>8}  {check}")
+    print("ms/step = median wall time, best = fastest step, CPU ms = median CPU time of the process (all its "
+          "threads, spinning included) per step, the steadier figure when other jobs share the cores")
     print(f"ratio = ms/step divided by the first row that ran; GFLOP/s = the {flops / 1e9:.2f} GFLOP of the step's "
           f"conv/dense kernels per second, % of the measured peak on {threads} thread(s); setup = build/compile + "
           "first step; loss check = loss of step 3 (after two SGD updates) against opgrad's reference backend")
