@@ -23,6 +23,7 @@ import ctypes
 import math
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -337,6 +338,7 @@ class CompiledFunction:
         self._ws_addr = _aligned(self._ws)
         self._lock = threading.Lock()
         self._profile: list[list[float]] | None = None
+        self._profile_clock: Callable[[], float] = time.perf_counter
         self._step_fns = [self._module.cfunc(f"{plan.name}.step{i}", None, ctypes.c_void_p, ctypes.c_void_p)
                           for i in range(self.steps)] if step_entries else []
         self._loop_fn = (self._module.cfunc(plan.loop_entry, ctypes.c_int32, ctypes.c_void_p, ctypes.c_void_p,
@@ -366,10 +368,11 @@ class CompiledFunction:
                 table[b] = arr.ctypes.data
             self._fn(self._table_addr, self._ws_addr)
             if self._profile is not None:  # rerun each step alone on the same buffers, timed
+                clock = self._profile_clock
                 for i, step in enumerate(self._step_fns):
-                    t = time.perf_counter()
+                    t = clock()
                     step(self._table_addr, self._ws_addr)
-                    self._profile[i].append(time.perf_counter() - t)
+                    self._profile[i].append(clock() - t)
         return tuple(outs) if self.function.returns_tuple else outs[0]
 
     def run_steps(self, steps: int, *arrays: Any, stop_on_nan: bool = False,
@@ -453,16 +456,19 @@ class CompiledFunction:
             raise RuntimeError(f"{who}: the native loop returned unknown code {code}")
         return result
 
-    def profile(self, *arrays: Any, runs: int = 5, best: bool = False) -> list[tuple[str, float]]:
+    def profile(self, *arrays: Any, runs: int = 5, best: bool = False,
+                clock: Callable[[], float] = time.perf_counter) -> list[tuple[str, float]]:
         """Median (``best``: fastest) milliseconds of each step, labelled with the op(s) it came from.
 
         Needs ``opgrad.compile(fn, step_entries=True)``; each step is re-run alone after a full call,
         so it sees warm caches and valid inputs. Use it to find where a graph spends its time; on a
-        shared machine the fastest run is the steadier figure (others' jobs only add time).
+        shared machine the fastest run is the steadier figure (others' jobs only add time), and with
+        one thread ``clock=time.thread_time`` leaves out the time other jobs held the core.
         """
         if not self._step_fns:
             raise ValueError("compile with opgrad.compile(fn, step_entries=True) to profile steps")
         self._profile = [[] for _ in self._step_fns]
+        self._profile_clock = clock
         try:
             for _ in range(runs):
                 self(*arrays)
