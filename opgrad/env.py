@@ -85,18 +85,25 @@ def check_environment(environ: Mapping[str, str] | None = None) -> None:
     compile_in_process_setting(environ)
 
 
-def cgroup_cpu_limit(path: Path = Path("/sys/fs/cgroup/cpu.max")) -> float | None:
-    """CPUs the cgroup (v2) quota allows (``quota / period``), or None when unlimited or unknown."""
+def cgroup_cpu_limit(path: Path = Path("/sys/fs/cgroup/cpu.max"),
+                     v1: Path = Path("/sys/fs/cgroup/cpu")) -> float | None:
+    """CPUs the cgroup quota allows (``quota / period``: v2's ``cpu.max``, else v1's
+    ``cpu.cfs_quota_us`` / ``cpu.cfs_period_us``), or None when unlimited or unknown."""
     try:
         quota, period = path.read_text().split()[:2]
     except (OSError, ValueError):
-        return None
-    if quota == "max":
+        try:
+            quota = (v1 / "cpu.cfs_quota_us").read_text().strip()
+            period = (v1 / "cpu.cfs_period_us").read_text().strip()
+        except OSError:
+            return None
+    if quota in ("max", "-1"):
         return None
     try:
-        return int(quota) / int(period)
+        limit = int(quota) / int(period)
     except (ValueError, ZeroDivisionError):
         return None
+    return limit if limit > 0 else None
 
 
 def available_cpus() -> int:

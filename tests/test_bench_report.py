@@ -17,8 +17,15 @@ from opgrad.compiler.peak import available_cpus, cgroup_cpu_limit, host_info, me
 def test_cgroup_quota_is_read_from_cpu_max(tmp_path: Path, text: str, expected: float | None) -> None:
     path = tmp_path / "cpu.max"
     path.write_text(text)
-    assert cgroup_cpu_limit(path) == expected
-    assert cgroup_cpu_limit(tmp_path / "absent") is None
+    assert cgroup_cpu_limit(path, v1=tmp_path / "no-v1") == expected
+    assert cgroup_cpu_limit(tmp_path / "absent", v1=tmp_path / "no-v1") is None
+
+
+@pytest.mark.parametrize(("quota", "expected"), [("-1", None), ("250000", 2.5)])
+def test_cgroup_v1_quota_is_read_when_v2_is_absent(tmp_path: Path, quota: str, expected: float | None) -> None:
+    (tmp_path / "cpu.cfs_quota_us").write_text(quota + "\n")
+    (tmp_path / "cpu.cfs_period_us").write_text("100000\n")
+    assert cgroup_cpu_limit(tmp_path / "absent", v1=tmp_path) == expected
 
 
 def test_available_cpus_honours_affinity() -> None:
