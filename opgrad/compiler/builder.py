@@ -34,8 +34,9 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
+from .batched import emit_batched_gemm
 from .conv import Conv2dGeometry, emit_conv2d_backward_data, emit_conv2d_backward_weight, emit_conv2d_forward
-from .gemm import GemmSpec, IndexMap, Operand, emit_batched_gemm, emit_gemm
+from .gemm import GemmSpec, IndexMap, Operand, emit_gemm
 from .irtext import BYTES, LLVM_TYPE, FunctionEmitter, ModuleEmitter
 from .jit import NativeModule, register_symbol
 from .threads import PARALLEL_FOR, PARALLEL_FOR_DECL, pool
