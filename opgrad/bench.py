@@ -12,12 +12,20 @@ same graph through :func:`torch_forward`, a layer-by-layer translation of the op
 ``torch.nn.functional`` (BatchNorm included, with its running statistics); JAX has a hand-written
 twin of the seed CNN only.
 
+Every table shows each engine's GFLOP/s (the FLOPs of the step's GEMM and conv kernels, counted
+from opgrad's plan, over its time) and the percent of this machine's fp32 FMA peak on the threads
+used, measured first by a generated FMA loop (:mod:`opgrad.compiler.peak`). ``--threads`` sets
+opgrad's pool and PyTorch's intra-op threads alike (default: the CPUs this process may use).
+``--peak``, ``--kernels``, ``--scaling``, ``--compile-times`` and ``--memory`` add the sections of
+:mod:`opgrad.benchreport`.
+
 PyTorch and JAX are imported lazily and only if installed; they are never opgrad dependencies.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 from collections.abc import Callable
@@ -41,6 +49,8 @@ class Row:
     check_loss: float | None = None
     note: str = ""
     setup_s: float | None = None
+    best_ms: float | None = None
+    cpu_ms: float | None = None  # CPU time of the whole process per step: steadier on a shared machine
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -52,15 +62,30 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch-size", type=positive_int, default=32, help="batch size (default 32, as opgrad train)")
     parser.add_argument("--skip", action="append", default=[], choices=("llvm", "reference", "torch", "jax"),
                         help="leave an engine out (repeatable)")
+    parser.add_argument("--threads", type=positive_int, default=None,
+                        help="threads for opgrad and PyTorch (default: $OPGRAD_NUM_THREADS, else the CPUs this "
+                             "process may use, honouring affinity and the cgroup CPU quota)")
+    parser.add_argument("--peak", action="store_true",
+                        help="print the host, its measured fp32 FMA peak (1 thread and all used) and copy bandwidth")
+    parser.add_argument("--kernels", action="store_true",
+                        help="per-kernel table: GFLOP/s and %% of peak of each conv/dense pass, GB/s of the others")
+    parser.add_argument("--scaling", action="store_true", help="time the step on 1, 2, 4, ... threads (children)")
+    parser.add_argument("--compile-times", action="store_true",
+                        help="cold (empty object cache) and warm compile time of the step (children)")
+    parser.add_argument("--memory", action="store_true",
+                        help="peak resident memory of a process running the step, opgrad vs PyTorch (children)")
+    parser.add_argument("--all", action="store_true", help="all of the sections above")
 
 
-def _opgrad_runner(backend: str, model_name: str) -> Runner:
+def _opgrad_runner(backend: str, model_name: str, holder: dict[str, Any] | None = None) -> Runner:
     def make(params: dict[str, np.ndarray], images: np.ndarray, labels: np.ndarray,
              lr: float) -> Callable[[], float]:
         from opgrad import nn
 
         model = nn.build_model(model_name)
         step = nn.TrainStep(model, nn.SGD(), batch_size=len(labels), backend=backend)
+        if holder is not None:
+            holder["compiled"] = step.compiled
         current = {"params": dict(params), "state": model.init_buffers()}
 
         def run() -> float:
@@ -123,7 +148,8 @@ def torch_forward(model: Any, params: dict[str, Any], buffers: dict[str, Any], x
     return values[id(model.outputs[0])]
 
 
-def _torch_runner(model_name: str) -> Runner:
+def torch_runner(model_name: str, threads: int | None = None) -> Runner:
+    """PyTorch's training step of ``model_name`` (on ``threads`` intra-op threads if given)."""
     def make(params: dict[str, np.ndarray], images: np.ndarray, labels: np.ndarray,
              lr: float) -> Callable[[], float]:
         import torch
@@ -132,6 +158,8 @@ def _torch_runner(model_name: str) -> Runner:
         from opgrad import nn
 
         model = nn.build_model(model_name)
+        if threads is not None:
+            torch.set_num_threads(threads)
         p = {k: torch.tensor(v, requires_grad=True) for k, v in params.items()}
         buffers = {k: torch.tensor(v) for k, v in model.init_buffers().items()}
         x, y = torch.from_numpy(images), torch.from_numpy(labels)
@@ -207,35 +235,77 @@ def _measure(name: str, runner: Runner, params: dict[str, np.ndarray], images: n
     # Warm-up doubles as the correctness check: the third step's loss has been through two
     # backward passes and updates, so it compares gradients and SGD too, not just the forward.
     losses = [first] + [run() for _ in range(max(CHECK_STEP, warmup) - 1)]
-    times = []
+    times, cpu = [], []
     for _ in range(steps):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         run()
         times.append(time.perf_counter() - t0)
-    return Row(name, ms=statistics.median(times) * 1000, check_loss=losses[CHECK_STEP - 1], setup_s=setup)
+        cpu.append(time.process_time() - c0)
+    return Row(name, ms=statistics.median(times) * 1000, check_loss=losses[CHECK_STEP - 1], setup_s=setup,
+               best_ms=min(times) * 1000, cpu_ms=statistics.median(cpu) * 1000)
+
+
+def _setup_threads(requested: int | None) -> int:
+    """Size opgrad's pool (before it exists) and return the thread count both engines use."""
+    from opgrad.env import NUM_THREADS_VAR
+
+    if requested is not None:
+        os.environ[NUM_THREADS_VAR] = str(requested)
+    from opgrad.compiler.threads import pool
+
+    return pool().nthreads
+
+
+def _step_flops(model_name: str, batch: int, compiled: Any) -> int:
+    """FLOPs of the step's GEMM and conv kernels, from opgrad's plan (so every engine is divided alike)."""
+    if compiled is None:
+        from opgrad import nn
+        from opgrad.compiler import plan_graph
+
+        step = nn.TrainStep(nn.build_model(model_name), nn.SGD(), batch_size=batch, backend="reference")
+        return sum(cost.flops for cost in plan_graph(step.function).step_costs)
+    return sum(cost.flops for cost in compiled.plan.step_costs)
 
 
 def run(args: argparse.Namespace) -> int:
-    """Time each engine and print the table; returns 0."""
+    """Time each engine and print the table (and the sections asked for); returns 0."""
     from opgrad import nn
     from opgrad.nn.step import llvm_unavailable_reason
 
+    for section in ("peak", "kernels", "scaling", "compile_times", "memory"):
+        setattr(args, section, getattr(args, section, False) or getattr(args, "all", False))
     model = nn.build_model(args.model)
     params = model.init_params(seed=0)
     rng = np.random.default_rng(0)
     images = rng.random((args.batch_size, 1, 28, 28), dtype=np.float32)
     labels = rng.integers(0, 10, args.batch_size).astype(np.int64)
     lr = 0.01
+    llvm_reason = llvm_unavailable_reason()
+    threads = _setup_threads(getattr(args, "threads", None)) if llvm_reason is None else (args.threads or 1)
+    peak = peak_all = bandwidth = None
+    if llvm_reason is None:
+        from opgrad.compiler.peak import host_info, measure_bandwidth, measure_peak
+
+        peak = measure_peak(1)
+        peak_all = measure_peak(threads) if threads > 1 else peak
+        print(f"host: {host_info().describe()}")
+        if args.peak:
+            bandwidth = measure_bandwidth(1)
+            print(f"peak fp32 FMA: {peak:.1f} GFLOP/s on 1 thread, {peak_all:.1f} on {threads} "
+                  f"({peak_all / peak:.2f}x; generated loop of independent vector FMAs, best of 10, thread CPU time); "
+                  f"copy bandwidth {bandwidth:.1f} GB/s on 1 thread (8 MiB arrays)")
     torch_name = f"PyTorch {_version('torch')}".strip()
     jax_name = f"JAX {_version('jax')}".strip()
+    llvm_holder: dict[str, Any] = {}
     subjects: list[tuple[str, str, Runner]] = [
-        ("llvm", "opgrad llvm (compiled)", _opgrad_runner("llvm", args.model)),
+        ("llvm", "opgrad llvm (compiled)", _opgrad_runner("llvm", args.model, llvm_holder)),
         ("reference", "opgrad reference (numpy)", _opgrad_runner("reference", args.model)),
-        ("torch", torch_name, _torch_runner(args.model)),
+        ("torch", torch_name, torch_runner(args.model, threads)),
         ("jax", f"{jax_name} (jit)", _jax_runner),
     ]
     print(f"opgrad bench: {args.model} training step (forward + backward + SGD), {model.num_params:,} parameters, "
-          f"batch {args.batch_size}, float32; median of {args.steps} steps after {args.warmup} warm-up")
+          f"batch {args.batch_size}, float32, {threads} thread{'s' if threads > 1 else ''}; "
+          f"median of {args.steps} steps after {args.warmup} warm-up")
     rows: dict[str, Row] = {}
     for key, name, runner in subjects:
         if key in args.skip:
@@ -244,15 +314,17 @@ def run(args: argparse.Namespace) -> int:
         if key == "jax" and args.model != "seed-cnn":
             rows[key] = Row(name, note=f"skipped (bench's JAX twin is of seed-cnn only, not {args.model})")
             continue
-        if key == "llvm" and (reason := llvm_unavailable_reason()) is not None:
-            rows[key] = Row(name, note=f"unavailable: {reason}")
+        if key == "llvm" and llvm_reason is not None:
+            rows[key] = Row(name, note=f"unavailable: {llvm_reason}")
             continue
         rows[key] = _measure(name, runner, params, images, labels, lr, args.steps, args.warmup,
                              peer=key in ("torch", "jax"))
+    flops = _step_flops(args.model, args.batch_size, llvm_holder.get("compiled")) if llvm_reason is None else 0
     base_key = "llvm" if rows["llvm"].ms is not None else "reference"
     base = rows[base_key].ms
     ref_loss = rows["reference"].check_loss
-    print(f"{'engine':<28} {'ms/step':>9} {'vs ' + rows[base_key].name.split(' (')[0]:>22} {'setup':>8}  loss check")
+    print(f"{'engine':<28} {'ms/step':>9} {'best':>7} {'CPU ms':>7} {'GFLOP/s':>8} {'% peak':>7} "
+          f"{'vs ' + rows[base_key].name.split(' (')[0]:>20} {'setup':>8}  loss check")
     for row in rows.values():
         if row.ms is None:
             print(f"{row.name:<28} {row.note}")
@@ -263,7 +335,33 @@ def run(args: argparse.Namespace) -> int:
             rel = abs(row.check_loss - ref_loss) / abs(ref_loss)
             check = f"ok (rel. diff {rel:.1e})" if rel < 1e-4 else f"MISMATCH {row.check_loss:.6f} vs {ref_loss:.6f}"
         setup = f"{row.setup_s:.2f}s" if row.setup_s is not None else "-"
-        print(f"{row.name:<28} {row.ms:>9.1f} {ratio:>22} {setup:>8}  {check}")
-    print("ratio = ms/step divided by the first row that ran; setup = build/compile + first step; "
-          "loss check = loss of step 3 (after two SGD updates) against opgrad's reference backend")
+        rate = flops / row.ms / 1e6 if flops else None
+        rate_text = f"{rate:>8.1f} {100 * rate / peak_all:>6.1f}%" if rate and peak_all else f"{'-':>8} {'-':>7}"
+        print(f"{row.name:<28} {row.ms:>9.1f} {row.best_ms or 0:>7.1f} {row.cpu_ms or 0:>7.1f} {rate_text} "
+              f"{ratio:>20} {setup:>8}  {check}")
+    print("ms/step = median wall time, best = fastest step, CPU ms = median CPU time of the process (all its "
+          "threads, spinning included) per step, the steadier figure when other jobs share the cores")
+    print(f"ratio = ms/step divided by the first row that ran; GFLOP/s = the {flops / 1e9:.2f} GFLOP of the step's "
+          f"conv/dense kernels per second, % of the measured peak on {threads} thread(s); setup = build/compile + "
+          "first step; loss check = loss of step 3 (after two SGD updates) against opgrad's reference backend")
+    if llvm_reason is None and peak is not None and peak_all is not None:
+        _sections(args, threads, flops, peak, peak_all, bandwidth, with_torch="torch" not in args.skip)
     return 0
+
+
+def _sections(args: argparse.Namespace, threads: int, flops: int, peak: float, peak_all: float,
+              bandwidth: float | None, *, with_torch: bool) -> None:
+    from opgrad import benchreport
+    from opgrad.compiler.peak import measure_bandwidth
+
+    if args.kernels:
+        bw = bandwidth if bandwidth is not None and threads == 1 else measure_bandwidth(threads)
+        benchreport.kernels_report(args.model, args.batch_size, threads, peak_all, bw, max(args.steps, 10))
+    if args.scaling:
+        from opgrad.compiler.peak import available_cpus
+
+        benchreport.scaling_report(args.model, args.batch_size, available_cpus(), flops, args.steps, with_torch)
+    if args.compile_times:
+        benchreport.compile_report(args.model, args.batch_size, threads)
+    if args.memory:
+        benchreport.memory_report(args.model, args.batch_size, threads, with_torch)

@@ -9,6 +9,7 @@ checks every variable here up front, so a typo fails before any work, as one lin
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -19,7 +20,9 @@ __all__ = [
     "CACHE_DIR_VAR",
     "COMPILE_IN_PROCESS_VAR",
     "NUM_THREADS_VAR",
+    "available_cpus",
     "cache_dir_setting",
+    "cgroup_cpu_limit",
     "check_environment",
     "compile_in_process_setting",
     "num_threads_setting",
@@ -80,3 +83,36 @@ def check_environment(environ: Mapping[str, str] | None = None) -> None:
     num_threads_setting(environ)
     cache_dir_setting(environ)
     compile_in_process_setting(environ)
+
+
+def cgroup_cpu_limit(path: Path = Path("/sys/fs/cgroup/cpu.max"),
+                     v1: Path = Path("/sys/fs/cgroup/cpu")) -> float | None:
+    """CPUs the cgroup quota allows (``quota / period``: v2's ``cpu.max``, else v1's
+    ``cpu.cfs_quota_us`` / ``cpu.cfs_period_us``), or None when unlimited or unknown."""
+    try:
+        quota, period = path.read_text().split()[:2]
+    except (OSError, ValueError):
+        try:
+            quota = (v1 / "cpu.cfs_quota_us").read_text().strip()
+            period = (v1 / "cpu.cfs_period_us").read_text().strip()
+        except OSError:
+            return None
+    if quota in ("max", "-1"):
+        return None
+    try:
+        limit = int(quota) / int(period)
+    except (ValueError, ZeroDivisionError):
+        return None
+    return limit if limit > 0 else None
+
+
+def available_cpus() -> int:
+    """The CPUs this process may use: its affinity mask, capped by the cgroup's CPU quota."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cpus = os.cpu_count() or 1
+    limit = cgroup_cpu_limit()
+    if limit is not None:
+        cpus = min(cpus, max(1, math.floor(limit)))
+    return max(1, cpus)

@@ -6,7 +6,6 @@ gradients are strides of the GEMM, never copies.
 
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -127,13 +126,5 @@ def _batch_matmul_cases(d):
 
 @batch_matmul.lowering
 def _batch_matmul_lowering(kb, call, out, a, b):
-    """out[i] = a[i or 0] @ b[i or 0]: one GEMM per batch entry on offset views"""
-    a = a if a.is_memory else kb.contiguous(a)
-    b = b if b.is_memory else kb.contiguous(b)
-
-    def entry(view, i):
-        i = i if view.shape[0] > 1 else 0
-        return replace(view, shape=view.shape[1:], strides=view.strides[1:], offset=view.offset + i * view.strides[0])
-
-    for i in range(out.shape[0]):
-        kb.matmul(entry(out, i), entry(a, i), entry(b, i))
+    """out[i] = a[i or 0] @ b[i or 0]: one GEMM kernel looping over the batch"""
+    kb.batch_matmul(out, a, b)

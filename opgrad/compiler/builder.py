@@ -34,6 +34,7 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
+from .batched import emit_batched_gemm
 from .conv import Conv2dGeometry, emit_conv2d_backward_data, emit_conv2d_backward_weight, emit_conv2d_forward
 from .gemm import GemmSpec, IndexMap, Operand, emit_gemm
 from .grouped import conv2d_direct
@@ -79,6 +80,8 @@ class Step:
     reads: list[int] = field(default_factory=list)
     writes: list[int] = field(default_factory=list)
     label: str = ""  # what produced it (the graph compiler puts op names here, for profiles)
+    flops: int = 0  # multiply-adds count 2: what a per-kernel report divides by the time
+    detail: str = ""  # the shapes behind a heavy step ("conv x32x32x26x26 w64x32x3x3"), for reports
 
     @staticmethod
     def of_views(kind: str, out: View, inputs: list[View], **kw: object) -> Step:
@@ -102,6 +105,7 @@ class KernelBuilder:
         self._allocate = allocate
         self._constant = constant
         self._count = 0
+        self._detail = ""  # set while a conv lowers, so its GEMM steps are reported as that conv
         #: Emitted kernel name -> the op(s) it lowers (filled by :meth:`finish`), for compile errors.
         self.kernel_labels: dict[str, str] = {}
 
@@ -208,11 +212,38 @@ class KernelBuilder:
         spec = GemmSpec(m, n, k, _operand(a), _operand(b), _operand(out), out.dtype, alpha, accumulate)
         self.gemm(spec, a.buffer, b.buffer, out.buffer)
 
+    def batch_matmul(self, out: View, a: View, b: View) -> None:
+        """``out[i] = a[i] @ b[i]`` for 3-D views; an operand with a batch of 1 is used for every entry.
+
+        One GEMM kernel with a loop over the batch, so code size and compile time do not depend on it.
+        """
+        batch, m, n = out.shape
+        k = a.shape[2]
+        assert a.shape[1:] == (m, k) and b.shape[1:] == (k, n) and {a.shape[0], b.shape[0]} <= {1, batch}, \
+            f"batch_matmul {a.shape} @ {b.shape} -> {out.shape}"
+        if out.size == 0:
+            return
+        if k == 0:
+            self.fill(out, 0.0)
+            return
+        a, b = (v if v.is_memory else self.contiguous(v) for v in (a, b))
+
+        def entry(v: View) -> View:
+            return replace(v, shape=v.shape[1:], strides=v.strides[1:])
+
+        spec = GemmSpec(m, n, k, _operand(entry(a)), _operand(entry(b)), _operand(entry(out)), out.dtype)
+        sa, sb, sc = (v.strides[0] if v.shape[0] > 1 else 0 for v in (a, b, out))
+        plan = emit_batched_gemm(self.m, spec, batch, (sa, sb, sc), self.fresh("bgemm"))
+        self.add_call(plan.names["entry"], [a.buffer, b.buffer, out.buffer], [a.buffer, b.buffer], [out.buffer],
+                      plan.workspace_per_thread, flops=2 * batch * m * n * k,
+                      detail=f"batch {batch} x gemm {m}x{n}x{k}")
+
     def gemm(self, spec: GemmSpec, a: int, b: int, c: int) -> None:
         """``C (=|+=) alpha * A @ B`` with the layouts in ``spec``; a, b, c are buffer indices."""
         plan = emit_gemm(self.m, spec, self.fresh("gemm"))
         reads = [a, b, c] if spec.accumulate else [a, b]
-        self.add_call(plan.names["entry"], [a, b, c], reads, [c], plan.workspace_per_thread)
+        self.add_call(plan.names["entry"], [a, b, c], reads, [c], plan.workspace_per_thread,
+                      flops=2 * spec.m * spec.n * spec.k, detail=self._detail or f"gemm {spec.m}x{spec.n}x{spec.k}")
 
     def conv(self, pass_: str, geom: Conv2dGeometry, out: View, first: View, second: View) -> None:
         """A conv2d pass on views: ``forward`` (x, w) -> y, ``backward_data`` (dy, w) -> dx,
@@ -223,6 +254,13 @@ class KernelBuilder:
             self.fill(out, 0.0)
             return
         a, b = self.contiguous(first), self.contiguous(second)
+        self._detail = geom.describe()
+        try:
+            self._conv_steps(pass_, geom, out, a, b)
+        finally:
+            self._detail = ""
+
+    def _conv_steps(self, pass_: str, geom: Conv2dGeometry, out: View, a: View, b: View) -> None:
         if _window_is_whole_input(geom):
             self._conv_as_matmul(pass_, geom, out, a, b)
             return
@@ -260,7 +298,8 @@ class KernelBuilder:
         emit = {"forward": emit_conv2d_forward, "backward_data": emit_conv2d_backward_data,
                 "backward_weight": emit_conv2d_backward_weight}[pass_]
         entry = emit(self.m, geom, self.fresh("conv"))
-        self.add_call(entry.entry, list(buffers), list(buffers[:2]), [buffers[2]], entry.workspace_per_thread)
+        self.add_call(entry.entry, list(buffers), list(buffers[:2]), [buffers[2]], entry.workspace_per_thread,
+                      flops=geom.flops(), detail=geom.describe())
 
     def conv2d_forward(self, out: View, data: View, weight: View, strides: Sequence[int],
                        padding: Sequence[int], dilation: Sequence[int], groups: int = 1) -> None:
@@ -305,9 +344,11 @@ class KernelBuilder:
 
     # ----- extension points for primitive modules (e.g. windows.py) -----
 
-    def add_call(self, fn: str, buffers: list[int], reads: list[int], writes: list[int], workspace: int = 0) -> None:
-        """Record a call of emitted ``void fn(ptr buf..., ptr ws)``."""
-        self.steps.append(Step("call", call=fn, call_buffers=buffers, reads=reads, writes=writes))
+    def add_call(self, fn: str, buffers: list[int], reads: list[int], writes: list[int], workspace: int = 0,
+                 flops: int = 0, detail: str = "") -> None:
+        """Record a call of emitted ``void fn(ptr buf..., ptr ws)``; ``flops`` and ``detail`` only feed reports."""
+        self.steps.append(Step("call", call=fn, call_buffers=buffers, reads=reads, writes=writes, flops=flops,
+                               detail=detail or self._detail))
         self.workspace_per_thread = max(self.workspace_per_thread, workspace)
 
     def loop_function(self, name: str, nptrs: int) -> FunctionEmitter:

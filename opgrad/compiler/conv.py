@@ -105,6 +105,17 @@ class Conv2dGeometry:
         """The GEMMs' reduction (forward) length: one group's input channels times the kernel taps."""
         return self.cg * self.kh * self.kw
 
+    def describe(self) -> str:
+        """The shapes in one line, e.g. ``conv x32x32x26x26 w64x32x3x3`` (plus stride/pads/groups if set)."""
+        text = f"conv x{self.n}x{self.c}x{self.h}x{self.w} w{self.o}x{self.cg}x{self.kh}x{self.kw}"
+        if self.stride != (1, 1):
+            text += f" s{self.stride[0]}x{self.stride[1]}"
+        if any(self.pads):
+            text += " p" + ",".join(map(str, self.pads))
+        if self.groups > 1:
+            text += f" g{self.groups}"
+        return text
+
     def group_offsets(self) -> list[tuple[int, int, int]]:
         """Element offsets of each group's first (input channel, weight row, output channel)."""
         return [(g * self.cg * self.h * self.w, g * self.og * self.ckk, g * self.og * self.oh * self.ow)

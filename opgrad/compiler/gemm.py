@@ -23,13 +23,17 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from .irtext import BYTES, LLVM_TYPE, FunctionEmitter, ModuleEmitter, float_const, iota_const, splat_const
-from .target import Target, current_target
+from .target import Target, cache_size, current_target, host_target
 from .threads import PARALLEL_FOR, PARALLEL_FOR_DECL
 
 _I32_LIMIT = 2**31 - 1
 #: GEMMs below this many flops pack without the transposing path (about 0.06 s of compile time
 #: per GEMM, and their packing takes microseconds either way).
 _RUNS_MIN_FLOPS = 1e6
+#: Unpadded GEMMs below this many flops (a classifier's dense layer and its gradients) run as one
+#: small loop nest instead of the packed engine: they take microseconds either way, and the
+#: engine's packing and tile code cost about 0.3 s of compile time per GEMM.
+SMALL_GEMM_MAX_FLOPS = 1e6
 
 
 @dataclass(frozen=True)
@@ -135,12 +139,25 @@ class Blocking:
     def for_target(dtype: str, target: Target | None = None) -> Blocking:
         """Register tile sized to the register file: 8 x 2 vectors with 32 registers (AVX-512,
         AArch64), 6 x 2 with 16 (AVX2), leaving room for the B vectors and the A broadcast.
-        ``target`` defaults to the one code is being generated for (the host unless set)."""
+        ``target`` defaults to the one code is being generated for (the host unless set).
+
+        Cache blocking follows the host's caches where sysfs gives them (BLIS's rule): a KC-deep
+        A sliver and B panel fill about 3/4 of L1d, and an MC x KC block of A half of L2. Other
+        targets, and hosts that do not say, keep KC = 256 and MC = 128 (fp32).
+        """
         target = target or current_target()
-        vl = target.vector_width(BYTES[dtype])
+        esize = BYTES[dtype]
+        vl = target.vector_width(esize)
         mr = 8 if target.vector_registers >= 32 else 6
-        mc = 128 if BYTES[dtype] == 4 else 64
-        return Blocking(mr=mr, nr=2 * vl, vl=vl, kc=256, mc=round_up(mc, mr), nc=2048)
+        nr = 2 * vl
+        kc, mc = 256, (128 if esize == 4 else 64)
+        if target == host_target():
+            l1, l2 = cache_size(1), cache_size(2)
+            if l1:
+                kc = max(128, min(512, (l1 * 3 // 4 // ((mr + nr) * esize)) // 16 * 16))
+            if l2:
+                mc = max(4 * mr, min(512, l2 // 2 // (kc * esize)))
+        return Blocking(mr=mr, nr=nr, vl=vl, kc=kc, mc=round_up(mc, mr) if mc % mr else mc, nc=2048)
 
 
 @dataclass(frozen=True)
@@ -446,6 +463,12 @@ def emit_gemm(
     base = m.unique(name or f"gemm_{spec.m}x{spec.n}x{spec.k}")
     m.declare(PARALLEL_FOR, PARALLEL_FOR_DECL)
     t = LLVM_TYPE[spec.dtype]
+    if blocking is None and spec.a.window is None and spec.b.window is None \
+            and 2.0 * spec.m * spec.n * spec.k < SMALL_GEMM_MAX_FLOPS:
+        plan.workspace_per_thread = round_up(spec.n * BYTES[spec.dtype], 64)
+        _emit_small_gemm(m, base, spec, t)
+        plan.names = {"entry": base}
+        return plan
     runs = 2.0 * spec.m * spec.n * spec.k >= _RUNS_MIN_FLOPS
     _emit_pack(m, base + ".pack_a", spec.a, True, blk.mr, blk.vl, t, runs)
     _emit_pack(m, base + ".pack_b", spec.b, False, blk.nr, blk.vl, t, runs)
@@ -455,12 +478,46 @@ def emit_gemm(
     return plan
 
 
+def _emit_small_gemm(m: ModuleEmitter, base: str, spec: GemmSpec, t: str) -> None:
+    """``base(a, b, c, ws)`` on the calling thread: for each row i, ``row += A[i,k] * B[k,:]`` for k
+    in order (in ``ws``), then ``C[i,:] (=|+=) alpha * row``. Each C element is one FMA chain over
+    k, as in the packed engine; the j loop is left to LLVM's vectorizer."""
+    fma = m.fma(t)
+    f = FunctionEmitter(m, base, [("ptr", "a"), ("ptr", "b"), ("ptr", "c"), ("ptr", "ws")])
+    row = "%ws"
+    with f.loop(0, spec.m, hint="i") as i:
+        a_row, _, _ = spec.a.rows.terms(f, i)
+        c_row, _, _ = spec.c.rows.terms(f, i)
+        with f.loop(0, spec.n, hint="z") as j:
+            f.store(t, "0.0", f.gep(t, row, j))
+        with f.loop(0, spec.k, hint="k") as k:
+            a_col, _, _ = spec.a.cols.terms(f, k)
+            av = f.load(t, f.gep(t, "%a", f.add(a_row, a_col)))
+            b_row, _, _ = spec.b.rows.terms(f, k)
+            with f.loop(0, spec.n, hint="j") as j:
+                b_col, _, _ = spec.b.cols.terms(f, j)
+                bv = f.load(t, f.gep(t, "%b", f.add(b_row, b_col)))
+                acc = f.gep(t, row, j)
+                f.store(t, f.call(t, fma, [(t, av), (t, bv), (t, f.load(t, acc))]), acc)
+        with f.loop(0, spec.n, hint="s") as j:
+            c_col, _, _ = spec.c.cols.terms(f, j)
+            ptr = f.gep(t, "%c", f.add(c_row, c_col))
+            v = f.load(t, f.gep(t, row, j))
+            if spec.alpha != 1.0:
+                v = f.val(f"fmul {t} {v}, {float_const(spec.alpha, t)}")
+            if spec.accumulate:
+                v = f.val(f"fadd {t} {f.load(t, ptr)}, {v}")
+            f.store(t, v, ptr)
+    f.ret_void()
+    f.finish()
+
+
 def _emit_block(m: ModuleEmitter, base: str, plan: GemmPlan, t: str) -> None:
     """``block(a, b, c, ws, m0, m1, n0, n1)``: the C sub-block [m0,m1) x [n0,n1), full K, one thread."""
     s, b = plan.spec, plan.blk
     esize = BYTES[s.dtype]
     vl, mr, nr = b.vl, b.mr, b.nr
-    vt, it, mt = f"<{vl} x {t}>", f"<{vl} x i32>", f"<{vl} x i1>"
+    vt, it = f"<{vl} x {t}>", f"<{vl} x i32>"
     fma = m.fma(vt)
     f = FunctionEmitter(
         m, base + ".block", [("ptr", "a"), ("ptr", "b"), ("ptr", "c"), ("ptr", "ws"), ("i64", "m0"),
@@ -488,7 +545,7 @@ def _emit_block(m: ModuleEmitter, base: str, plan: GemmPlan, t: str) -> None:
                         apanel = f.gep(t, ap, f.mul(ir, kc))
                         _microkernel(f, fma, accs, apanel, bpanel, kc, t, vt, mr, nr, vl)
                         mvalid = f.smin(f.sub(mc, ir), mr)
-                        _store_tile(f, m, plan, accs, f.add(ic, ir), mvalid, col_info, overwrite, t, vt, it, mt)
+                        _store_tile(f, plan, accs, f.add(ic, ir), mvalid, nvalid, col_info, overwrite, t, vt, it)
     f.ret_void()
     f.finish()
 
@@ -536,42 +593,52 @@ def _microkernel(
 
 
 def _store_tile(
-    f: FunctionEmitter, m: ModuleEmitter, plan: GemmPlan, accs: list[list[str]], i0: str, mvalid: str,
-    col_info: tuple[list[tuple[str, str]], str], overwrite: str, t: str, vt: str, it: str, mt: str,
+    f: FunctionEmitter, plan: GemmPlan, accs: list[list[str]], i0: str, mvalid: str, nvalid: str,
+    col_info: tuple[list[tuple[str, str]], str], overwrite: str, t: str, vt: str, it: str,
 ) -> None:
-    """Write rows ``i0 .. i0+mvalid`` of the tile: vector stores on contiguous panels, scatter otherwise."""
+    """Write rows ``i0 .. i0+mvalid``, columns ``< nvalid`` of the tile: vector stores on contiguous
+    panels, otherwise (edge tiles, panels that cross a C row) the tile goes through a stack buffer
+    and one scalar loop nest. The loop keeps the code small: unrolled masked scatters become
+    dozens of branches each on AVX2, and they made up most of a GEMM's compile time."""
     s, b = plan.spec, plan.blk
     esize = BYTES[s.dtype]
     chunks, contig = col_info
-    gather, scatter = _gather(m, b.vl, t), _scatter(m, b.vl, t)
     alpha = None if s.alpha == 1.0 else splat_const(b.vl, t, float_const(s.alpha, t))
+    width = len(chunks) * b.vl
+
+    def value(r: int, c: int) -> str:
+        v = f.load(vt, accs[r][c])
+        return f.val(f"fmul {vt} {v}, {alpha}") if alpha else v
+
+    fast, slow, done = f.if_else(contig, "st")
+    f.block(fast)
     for r in range(b.mr):
         with f.if_then(f.icmp("slt", str(r), mvalid), "row"):
             roff, _, _ = s.c.rows.terms(f, f.add(i0, r))
-            fast, slow, done = f.if_else(contig, "st")
-            for mode, label in (("fast", fast), ("slow", slow)):
-                f.block(label)
-                for c, (off, ok) in enumerate(chunks):
-                    v = f.load(vt, accs[r][c])
-                    if alpha:
-                        v = f.val(f"fmul {vt} {v}, {alpha}")
-                    if mode == "fast":
-                        off0 = f.val(f"extractelement {it} {off}, i32 0")
-                        ptr = f.gep(t, "%c", f.add(roff, f.val(f"sext i32 {off0} to i64")))
-                        old = f.load(vt, ptr, align=esize)
-                        new = f.val(f"select i1 {overwrite}, {vt} {v}, {vt} {f.val(f'fadd {vt} {old}, {v}')}")
-                        f.store(vt, new, ptr, align=esize)
-                    else:
-                        r32 = f.val(f"trunc i64 {roff} to i32")
-                        idx = f.val(f"add {it} {off}, {f.splat(b.vl, 'i32', r32)}")
-                        ptrs = f.val(f"getelementptr {t}, ptr %c, {it} {idx}", "ptrs")
-                        old = f.call(vt, gather, [(f"<{b.vl} x ptr>", ptrs), ("i32", str(esize)), (mt, ok),
-                                                  (vt, "zeroinitializer")])
-                        new = f.val(f"select i1 {overwrite}, {vt} {v}, {vt} {f.val(f'fadd {vt} {old}, {v}')}")
-                        f.call("void", scatter, [(vt, new), (f"<{b.vl} x ptr>", ptrs), ("i32", str(esize)),
-                                                 (mt, ok)])
-                f.br(done)
-            f.block(done)
+            for c, (off, _ok) in enumerate(chunks):
+                off0 = f.val(f"extractelement {it} {off}, i32 0")
+                ptr = f.gep(t, "%c", f.add(roff, f.val(f"sext i32 {off0} to i64")))
+                old = f.load(vt, ptr, align=esize)
+                v = value(r, c)
+                new = f.val(f"select i1 {overwrite}, {vt} {v}, {vt} {f.val(f'fadd {vt} {old}, {v}')}")
+                f.store(vt, new, ptr, align=esize)
+    f.br(done)
+    f.block(slow)
+    tile = f.alloca(f"[{b.mr * width} x {t}]", "tilebuf", align=64)
+    offs = f.alloca(f"[{width} x i32]", "offbuf", align=64)
+    for c, (off, _ok) in enumerate(chunks):
+        f.store(it, off, f.gep("i32", offs, str(c * b.vl)), align=4)
+        for row in range(b.mr):
+            f.store(vt, value(row, c), f.gep(t, tile, str(row * width + c * b.vl)), align=esize)
+    with f.loop(0, mvalid, hint="sr") as i:
+        roff, _, _ = s.c.rows.terms(f, f.add(i0, i))
+        with f.loop(0, nvalid, hint="sc") as j:
+            x = f.load(t, f.gep(t, tile, f.add(f.mul(i, width), j)))
+            ptr = f.gep(t, "%c", f.add(roff, f.val(f"sext i32 {f.load('i32', f.gep('i32', offs, j))} to i64")))
+            old = f.load(t, ptr)
+            f.store(t, f.val(f"select i1 {overwrite}, {t} {x}, {t} {f.val(f'fadd {t} {old}, {x}')}"), ptr)
+    f.br(done)
+    f.block(done)
 
 
 def _emit_task_and_entry(m: ModuleEmitter, base: str, plan: GemmPlan) -> None:

@@ -23,6 +23,7 @@ import ctypes
 import math
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -206,6 +207,17 @@ def _check_range(arr: np.ndarray, check: RangeCheck, what: str) -> None:
         )
 
 
+@dataclass(frozen=True)
+class StepCost:
+    """What one native step of a plan does, for per-kernel reports: ``flops`` counts the multiply-adds
+    of GEMM/conv steps as 2 (0 elsewhere), ``bytes`` the sizes of the buffers it reads and writes."""
+
+    label: str
+    detail: str
+    flops: int
+    bytes: int
+
+
 @dataclass
 class GraphPlan:
     """Everything about a compiled graph except its machine code: the pointer table's slots
@@ -235,6 +247,7 @@ class GraphPlan:
     loop: StepLoop | None = None
     loop_entry: str = ""
     loop_checks: list[LoopCheck] = field(default_factory=list)
+    step_costs: list[StepCost] = field(default_factory=list)
 
 
 def plan_graph(fn: Function, *, name: str = "opgrad_graph", step_entries: bool = False,
@@ -260,6 +273,9 @@ def plan_graph(fn: Function, *, name: str = "opgrad_graph", step_entries: bool =
     offsets, arena_bytes = plan_arena({b: low.buffers[b].nbytes for b in lifetimes}, lifetimes)
     params = [i for i, b in enumerate(low.buffers) if b.kind == "param"]
     step_labels = [step.label or "copy" for step in kb.steps]
+    step_costs = [StepCost(label, step.detail, step.flops,
+                           sum(low.buffers[b].nbytes for b in {*step.reads, *step.writes}))
+                  for label, step in zip(step_labels, kb.steps, strict=True)]
     ir = kb.finish(step_entries)
     loop_entry = ""
     loop_checks: list[LoopCheck] = []
@@ -274,7 +290,7 @@ def plan_graph(fn: Function, *, name: str = "opgrad_graph", step_entries: bool =
         ir = kb.m.text()
     return GraphPlan(fn, name, low.buffers, params, results, offsets, arena_bytes, low.consts, low.checks,
                      kb.workspace_per_thread, len(kb.steps), fused, step_labels, kb.kernel_labels, kb.m, ir,
-                     loop, loop_entry, loop_checks)
+                     loop, loop_entry, loop_checks, step_costs)
 
 
 class CompiledFunction:
@@ -294,6 +310,7 @@ class CompiledFunction:
         self.function = fn
         plan = plan_graph(fn, step_entries=step_entries, loop=loop)
         self.plan = plan
+        self.plan_seconds = time.perf_counter() - t0  # lowering, fusion, buffer plan and IR text
         self.fused, self.arena_bytes, self.steps = plan.fused, plan.arena_bytes, plan.steps
         self.step_labels = plan.step_labels
         register_libm()
@@ -321,6 +338,7 @@ class CompiledFunction:
         self._ws_addr = _aligned(self._ws)
         self._lock = threading.Lock()
         self._profile: list[list[float]] | None = None
+        self._profile_clock: Callable[[], float] = time.perf_counter
         self._step_fns = [self._module.cfunc(f"{plan.name}.step{i}", None, ctypes.c_void_p, ctypes.c_void_p)
                           for i in range(self.steps)] if step_entries else []
         self._loop_fn = (self._module.cfunc(plan.loop_entry, ctypes.c_int32, ctypes.c_void_p, ctypes.c_void_p,
@@ -350,10 +368,11 @@ class CompiledFunction:
                 table[b] = arr.ctypes.data
             self._fn(self._table_addr, self._ws_addr)
             if self._profile is not None:  # rerun each step alone on the same buffers, timed
+                clock = self._profile_clock
                 for i, step in enumerate(self._step_fns):
-                    t = time.perf_counter()
+                    t = clock()
                     step(self._table_addr, self._ws_addr)
-                    self._profile[i].append(time.perf_counter() - t)
+                    self._profile[i].append(clock() - t)
         return tuple(outs) if self.function.returns_tuple else outs[0]
 
     def run_steps(self, steps: int, *arrays: Any, stop_on_nan: bool = False,
@@ -437,19 +456,23 @@ class CompiledFunction:
             raise RuntimeError(f"{who}: the native loop returned unknown code {code}")
         return result
 
-    def profile(self, *arrays: Any, runs: int = 5) -> list[tuple[str, float]]:
-        """Median milliseconds of each step, labelled with the op(s) it came from.
+    def profile(self, *arrays: Any, runs: int = 5, best: bool = False,
+                clock: Callable[[], float] = time.perf_counter) -> list[tuple[str, float]]:
+        """Median (``best``: fastest) milliseconds of each step, labelled with the op(s) it came from.
 
         Needs ``opgrad.compile(fn, step_entries=True)``; each step is re-run alone after a full call,
-        so it sees warm caches and valid inputs. Use it to find where a graph spends its time.
+        so it sees warm caches and valid inputs. Use it to find where a graph spends its time; on a
+        shared machine the fastest run is the steadier figure (others' jobs only add time), and with
+        one thread ``clock=time.thread_time`` leaves out the time other jobs held the core.
         """
         if not self._step_fns:
             raise ValueError("compile with opgrad.compile(fn, step_entries=True) to profile steps")
         self._profile = [[] for _ in self._step_fns]
+        self._profile_clock = clock
         try:
             for _ in range(runs):
                 self(*arrays)
-            timings = [1e3 * float(np.median(t)) for t in self._profile]
+            timings = [1e3 * float(np.min(t) if best else np.median(t)) for t in self._profile]
         finally:
             self._profile = None
         return list(zip(self.step_labels, timings, strict=True))
@@ -483,4 +506,4 @@ def compile(fn: Function, *, step_entries: bool = False, loop: StepLoop | None =
     return CompiledFunction(fn, step_entries, loop)
 
 
-__all__ = ["CompiledFunction", "GraphPlan", "compile", "plan_arena", "plan_graph"]
+__all__ = ["CompiledFunction", "GraphPlan", "StepCost", "compile", "plan_arena", "plan_graph"]

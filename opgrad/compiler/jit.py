@@ -42,11 +42,12 @@ import llvmlite
 import llvmlite.binding as llvm
 
 from opgrad.atomic import atomic_writer
-from opgrad.env import cache_dir_setting, compile_in_process_setting
+from opgrad.env import available_cpus, cache_dir_setting, compile_in_process_setting
 from opgrad.errors import CompileError, CompileWarning
 
 from . import llvm_worker
 from .merge import merge_identical_functions
+from .split import DEFINE, isolate_kernels, split_module
 from .target import HostTarget, Target, ensure_native_initialized, host_target
 
 __all__ = ["ENGINE_VERSION", "Codegen", "HostTarget", "NativeModule", "ObjectCache", "build_object", "cache_key",
@@ -283,15 +284,18 @@ def _shorten_llvm_message(line: str) -> str:
 
 
 def close_worker() -> None:
-    """End this process's compile worker, if any; the next compile starts a new one."""
+    """End this process's compile workers, if any; the next compile starts new ones."""
     global _worker
     with _worker_lock:
-        if _worker is not None and _worker.pid_of_owner == os.getpid():
-            _worker.close()
+        for worker in [_worker, *_part_workers]:
+            if worker is not None and worker.pid_of_owner == os.getpid():
+                worker.close()
         _worker = None
+        _part_workers.clear()
 
 
 _worker: CompileWorker | None = None
+_part_workers: list[CompileWorker] = []  # more workers, for the parts of a module cut by split_module
 _worker_lock = threading.Lock()
 atexit.register(close_worker)
 
@@ -312,7 +316,79 @@ def _isolated_object(ir_text: str, vectorize: bool, codegen: Codegen | None = No
             raise
 
 
-_DEFINE = re.compile(r"^define (?:internal )?(?P<ret>[^@]*) @(?P<name>[^(]+)\((?P<params>[^)]*)\)(?P<attrs>[^{]*)\{$")
+_DEFINE = DEFINE
+
+
+#: Modules shorter than this (IR characters) compile in one piece: a worker's start costs more.
+SPLIT_MIN_CHARS = 150_000
+#: IR characters per part at least, so that each part is worth a worker.
+SPLIT_PART_CHARS = 60_000
+
+
+def _split_objects(ir_text: str) -> list[bytes] | None:
+    """Objects for the parts of ``ir_text``, compiled at once in one worker each (as many as the CPUs
+    this process may use); None when the module is not worth cutting or a worker crashed (the
+    caller then builds it whole, which finds and reports the crashing kernel)."""
+    ir_text = merge_identical_functions(ir_text)  # before sizing the parts: repeated kernels compile once
+    parts = min(available_cpus(), 8, len(ir_text) // SPLIT_PART_CHARS)
+    if len(ir_text) < SPLIT_MIN_CHARS or parts < 2 or compile_in_process_setting():
+        return None
+    texts = split_module(isolate_kernels(ir_text), parts)
+    if len(texts) < 2:
+        return None
+    with _worker_lock:
+        _part_workers[:] = [w for w in _part_workers if w.alive and w.pid_of_owner == os.getpid()]
+        while len(_part_workers) < len(texts):
+            _part_workers.append(CompileWorker())
+        workers = _part_workers[: len(texts)]
+        results: list[bytes | BaseException | None] = [None] * len(texts)
+
+        def run(i: int) -> None:
+            try:
+                results[i] = workers[i].compile(texts[i], True)
+            except BaseException as exc:  # handed to the calling thread below
+                results[i] = exc
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(len(texts))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if any(isinstance(r, WorkerDied) for r in results):
+            _part_workers[:] = [w for w in _part_workers if w.alive]
+            return None
+    for r in results:
+        if isinstance(r, BaseException):
+            raise r
+    return [r for r in results if isinstance(r, bytes)]
+
+
+_MULTI_MAGIC = b"OPGRDMUL"
+_COUNT = struct.Struct("<I")
+
+
+def pack_objects(objects: list[bytes]) -> bytes:
+    """One cache payload for several objects (a single object is stored as itself)."""
+    if len(objects) == 1:
+        return objects[0]
+    lengths = b"".join(llvm_worker.PAYLOAD_LENGTH.pack(len(o)) for o in objects)
+    return _MULTI_MAGIC + _COUNT.pack(len(objects)) + lengths + b"".join(objects)
+
+
+def unpack_objects(payload: bytes) -> list[bytes]:
+    """The objects :func:`pack_objects` stored (the cache has already checked the payload's sha256)."""
+    if not payload.startswith(_MULTI_MAGIC):
+        return [payload]
+    (count,) = _COUNT.unpack_from(payload, len(_MULTI_MAGIC))
+    pos = len(_MULTI_MAGIC) + _COUNT.size
+    size = llvm_worker.PAYLOAD_LENGTH
+    lengths = [size.unpack_from(payload, pos + i * size.size)[0] for i in range(count)]
+    pos += count * size.size
+    objects = []
+    for n in lengths:
+        objects.append(payload[pos : pos + n])
+        pos += n
+    return objects
 
 
 def _defined_functions(ir_text: str) -> list[str]:
@@ -382,6 +458,7 @@ def build_object(ir_text: str, what: str = "", kernel_labels: Mapping[str, str] 
     codegen = codegen or host_jit()
     host = codegen.target
     ir_text = merge_identical_functions(ir_text)
+    ir_text = isolate_kernels(ir_text)  # the same code as the parts of a split build (see split.py)
     if compile_in_process_setting():
         return llvm_worker.compile_object(ir_text, host.triple, host.cpu, host.features,
                                           **_object_options(codegen))
@@ -447,6 +524,7 @@ class CompileTimes:
     codegen: float = 0.0
     load: float = 0.0
     cache_hit: bool = False
+    parts: int = 1  # objects the module was compiled as, in parallel workers (:mod:`.split`)
 
     @property
     def total(self) -> float:
@@ -474,18 +552,21 @@ class NativeModule:
         self.key = cache_key(self.ir_text)
         store = (self.cache or ObjectCache()) if self.use_cache else None
         t0 = time.perf_counter()
-        obj = store.load(self.key) if store is not None else None
-        if obj is None:
-            obj = build_object(self.ir_text, self.what, self.kernel_labels)
+        payload = store.load(self.key) if store is not None else None
+        if payload is None:
+            objects = _split_objects(self.ir_text) or [build_object(self.ir_text, self.what, self.kernel_labels)]
             self.times.optimize = time.perf_counter() - t0
             if store is not None:
-                store.store(self.key, obj)
+                store.store(self.key, pack_objects(objects))
         else:
+            objects = unpack_objects(payload)
             self.times.cache_hit = True
         t1 = time.perf_counter()
         self._engine = llvm.create_mcjit_compiler(llvm.parse_assembly(""), _target_machine())
-        self._object = llvm.ObjectFileRef.from_data(obj)
-        self._engine.add_object_file(self._object)
+        self.times.parts = len(objects)
+        self._objects = [llvm.ObjectFileRef.from_data(obj) for obj in objects]
+        for obj_ref in self._objects:
+            self._engine.add_object_file(obj_ref)
         self._engine.finalize_object()
         self.times.load = time.perf_counter() - t1
 

@@ -25,12 +25,14 @@ import threading
 from collections.abc import Iterator
 from contextvars import ContextVar
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import llvmlite.binding as llvm
 
 __all__ = [
     "NAMED_TARGETS",
     "Target",
+    "cache_size",
     "current_target",
     "host_target",
     "resolve_target",
@@ -124,6 +126,29 @@ def host_target() -> Target:
         cpu=llvm.get_host_cpu_name(),
         features=llvm.get_host_cpu_features().flatten(),
     )
+
+
+@functools.lru_cache(maxsize=8)
+def cache_size(level: int) -> int | None:
+    """Bytes of this host's level-``level`` data (or unified) cache per core, from Linux's sysfs;
+    None where it is not exposed (then callers keep their defaults)."""
+    root = Path("/sys/devices/system/cpu/cpu0/cache")
+    try:
+        entries = sorted(root.glob("index*"))
+    except OSError:
+        return None
+    for entry in entries:
+        try:
+            if int((entry / "level").read_text()) != level or (entry / "type").read_text().strip() == "Instruction":
+                continue
+            text = (entry / "size").read_text().strip().upper()
+        except (OSError, ValueError):
+            continue
+        scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+        digits = text.rstrip("KMG")
+        if digits.isdigit():
+            return int(digits) * scale
+    return None
 
 
 _X86_V2 = "+cx16,+popcnt,+sse3,+sse4.1,+sse4.2,+ssse3,+sahf"

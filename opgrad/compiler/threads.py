@@ -24,12 +24,11 @@ from __future__ import annotations
 import atexit
 import ctypes
 import ctypes.util
-import os
 import platform
 import sys
 import threading
 
-from opgrad.env import num_threads_setting
+from opgrad.env import available_cpus, num_threads_setting
 
 from .irtext import FunctionEmitter, ModuleEmitter
 from .jit import NativeModule, host_target, register_symbol
@@ -220,17 +219,15 @@ def futex_supported() -> bool:
 
 
 def default_num_threads() -> int:
-    """``$OPGRAD_NUM_THREADS`` or the number of CPUs this process may run on.
+    """``$OPGRAD_NUM_THREADS`` or the number of CPUs this process may run on (its affinity mask,
+    capped by a cgroup CPU quota: a container limited to 2 CPUs on a 64-core host gets 2 threads).
 
     A value that is not a positive integer is a ``ConfigError`` naming the variable.
     """
     configured = num_threads_setting()
     if configured is not None:
         return configured
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except AttributeError:  # not Linux
-        return max(1, os.cpu_count() or 1)
+    return available_cpus()
 
 
 class ThreadPool:

@@ -1,0 +1,285 @@
+"""The parts of ``opgrad bench`` that look beneath the step time: per-kernel GFLOP/s, thread scaling,
+compile time and peak memory.
+
+Why child processes: opgrad's thread pool is sized once per process, the object cache is read per
+process, and peak resident memory only ever grows, so thread counts, cold/warm
+compiles and memory are each measured in a fresh ``python -m opgrad.benchreport`` child that
+prints one JSON line. A child measures only its own engine (the opgrad child never imports torch),
+and reports its resident memory after the imports as well as at the end, so the step's own
+footprint is the difference.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+#: Kernels below this many FLOPs are too small for the peak targets (their call overhead dominates).
+TARGET_MIN_FLOPS = 50_000_000
+#: The issue's targets for heavy kernels: % of peak on one thread, and on more.
+TARGET_ONE_THREAD, TARGET_THREADS = 75.0, 70.0
+
+_PASS = {"conv2d": "forward", "conv2d_backward_input": "backward-data", "conv2d_backward_weight": "backward-weight"}
+
+
+def _batch(batch: int) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(0)
+    return rng.random((batch, 1, 28, 28), dtype=np.float32), rng.integers(0, 10, batch).astype(np.int64)
+
+
+def _maxrss_mib() -> float:
+    """This process's peak resident memory. Linux's VmHWM belongs to the process image, whereas
+    ``ru_maxrss`` carries the parent's peak across fork and exec (a child of a big bench process
+    would report the parent's size)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+
+
+# ----- the child process -----
+
+def _child(engine: str, model_name: str, batch: int, threads: int, steps: int) -> dict[str, Any]:
+    """Build and time one engine's training step; runs in a fresh process (see the module doc)."""
+    from opgrad import nn
+
+    result: dict[str, Any] = {}
+    if engine == "torch":
+        import torch
+
+        torch.set_num_threads(threads)
+    else:  # the compiler's own libraries (LLVM) count as imports, as torch's do
+        from opgrad.compiler.threads import pool
+
+        pool()
+    result["rss_after_imports_mib"] = _maxrss_mib()
+    model = nn.build_model(model_name)
+    params = model.init_params(seed=0)
+    images, labels = _batch(batch)
+    t0 = time.perf_counter()
+    if engine == "torch":
+        from opgrad.bench import torch_runner
+
+        run = torch_runner(model_name)(params, images, labels, 0.01)
+    else:
+        cpu0 = time.process_time()
+        step = nn.TrainStep(model, nn.SGD(), batch_size=batch, backend="llvm")
+        compiled = step.compiled
+        from opgrad.compiler.jit import close_worker
+
+        close_worker()  # its CPU time then counts in RUSAGE_CHILDREN
+        children = resource.getrusage(resource.RUSAGE_CHILDREN)
+        result["compile_cpu_s"] = time.process_time() - cpu0 + children.ru_utime + children.ru_stime
+        result.update(compile_s=compiled.compile_seconds, plan_s=compiled.plan_seconds,
+                      optimize_s=compiled.times.optimize, load_s=compiled.times.load, parts=compiled.times.parts,
+                      cache_hit=compiled.cache_hit, threads=_pool_threads())
+        state = {"params": dict(params), "state": model.init_buffers()}
+
+        def run() -> float:
+            out = step(images, labels, state["params"], state["state"], 0.01)
+            state["params"], state["state"] = out.params, out.state
+            return out.loss
+
+    result["setup_s"] = time.perf_counter() - t0
+    for _ in range(3):
+        run()
+    times = []
+    for _ in range(steps):
+        t = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - t)
+    result.update(ms=1e3 * statistics.median(times), best_ms=1e3 * min(times), rss_mib=_maxrss_mib())
+    return result
+
+
+def _pool_threads() -> int:
+    from opgrad.compiler.threads import pool
+
+    return pool().nthreads
+
+
+def run_child(engine: str, model_name: str, batch: int, threads: int, steps: int,
+              cache_dir: str | None = None) -> dict[str, Any]:
+    """Run :func:`_child` in a fresh interpreter with ``threads`` threads; its JSON result, or
+    ``{"error": ...}`` when it failed."""
+    env = {**os.environ, "OPGRAD_NUM_THREADS": str(threads), "OMP_NUM_THREADS": str(threads)}
+    if cache_dir is not None:
+        env["OPGRAD_CACHE_DIR"] = cache_dir
+    cmd = [sys.executable, "-m", "opgrad.benchreport", engine, model_name, str(batch), str(threads), str(steps)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    lines = proc.stdout.strip().splitlines()
+    if proc.returncode != 0 or not lines:
+        tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+        return {"error": f"exit {proc.returncode}: {tail}"}
+    result: dict[str, Any] = json.loads(lines[-1])
+    return result
+
+
+# ----- reports -----
+
+def thread_counts(available: int) -> list[int]:
+    """1, 2, 4, ... up to ``available``, and ``available`` itself."""
+    counts = [1]
+    while counts[-1] * 2 <= available:
+        counts.append(counts[-1] * 2)
+    if counts[-1] != available:
+        counts.append(available)
+    return counts
+
+
+def scaling_report(model_name: str, batch: int, available: int, flops: int, steps: int, with_torch: bool) -> None:
+    """ms/step, speed-up and % of the same threads' peak for 1, 2, 4, ... threads (children)."""
+    from opgrad.compiler.peak import measure_peak
+
+    print(f"\nscaling ({model_name}, batch {batch}; each row in fresh processes):")
+    print(f"{'threads':>7} {'peak GFLOP/s':>13} {'opgrad ms':>10} {'speed-up':>9} {'GFLOP/s':>8} {'% peak':>7}"
+          f"{'  PyTorch ms' if with_torch else ''}{'   ratio' if with_torch else ''}")
+    base = None
+    for t in thread_counts(available):
+        peak = measure_peak(t)
+        ours = run_child("opgrad", model_name, batch, t, steps)
+        theirs = run_child("torch", model_name, batch, t, steps) if with_torch else {}
+        if "error" in ours:
+            print(f"{t:>7} {peak:>13.1f}  failed: {ours['error']}")
+            continue
+        base = base or ours["ms"]
+        rate = flops / ours["ms"] / 1e6
+        line = (f"{t:>7} {peak:>13.1f} {ours['ms']:>10.2f} {base / ours['ms']:>8.2f}x {rate:>8.1f} "
+                f"{100 * rate / peak:>6.1f}%")
+        if with_torch:
+            line += (f"  {theirs['ms']:>10.2f} {theirs['ms'] / ours['ms']:>6.2f}x" if "ms" in theirs
+                     else f"  {theirs.get('error', '-')}")
+        print(line)
+
+
+def compile_report(model_name: str, batch: int, threads: int) -> None:
+    """Cold compile (empty object cache) and warm (a second process, same cache), in children."""
+    with tempfile.TemporaryDirectory(prefix="opgrad-bench-cache-") as cache:
+        cold = run_child("opgrad", model_name, batch, threads, 3, cache_dir=cache)
+        warm = run_child("opgrad", model_name, batch, threads, 3, cache_dir=cache)
+    print("\ncompile time of the training step (fresh processes):")
+    for name, r in (("cold (empty object cache)", cold), ("warm (object cache hit)", warm)):
+        if "error" in r:
+            print(f"  {name:<27} failed: {r['error']}")
+            continue
+        surprise = "" if r["cache_hit"] == name.startswith("warm") else \
+            f"  (unexpected cache {'hit' if r['cache_hit'] else 'miss'})"
+        print(f"  {name:<27} {r['compile_s']:6.2f} s  = build IR {r['plan_s']:.2f} s + optimize/codegen "
+              f"{r['optimize_s']:.2f} s ({r['parts']} part{'s' if r['parts'] > 1 else ''} in parallel workers) "
+              f"+ load {r['load_s']:.3f} s + rest; CPU {r['compile_cpu_s']:.2f} s in all processes{surprise}")
+
+
+def memory_report(model_name: str, batch: int, threads: int, with_torch: bool) -> None:
+    """Peak resident memory of a process running the step, opgrad vs PyTorch (children)."""
+    print("\npeak resident memory (VmHWM of a fresh process running 20 steps):")
+    print(f"  {'engine':<22} {'after imports':>14} {'peak':>10} {'step adds':>10}")
+    engines = ["opgrad", "torch"] if with_torch else ["opgrad"]
+    for engine in engines:
+        r = run_child(engine, model_name, batch, threads, 20)
+        if "error" in r:
+            print(f"  {engine:<22} failed: {r['error']}")
+            continue
+        name = "opgrad llvm" if engine == "opgrad" else "PyTorch"
+        print(f"  {name:<22} {r['rss_after_imports_mib']:>10.0f} MiB {r['rss_mib']:>6.0f} MiB "
+              f"{r['rss_mib'] - r['rss_after_imports_mib']:>6.0f} MiB")
+
+
+@dataclass
+class KernelRow:
+    name: str
+    detail: str
+    ms: float
+    flops: int
+    bytes: int
+
+
+def kernel_rows(model_name: str, batch: int, runs: int, cpu_clock: bool = False) -> list[KernelRow]:
+    """Each native step of the compiled training step, timed alone (fastest of ``runs``; by the
+    thread's CPU time with ``cpu_clock``, right only when the pool has one thread)."""
+    import opgrad
+    from opgrad import nn
+
+    model = nn.build_model(model_name)
+    step = nn.TrainStep(model, nn.SGD(), batch_size=batch, backend="reference")
+    compiled = opgrad.compile(step.function, step_entries=True)
+    params, buffers = model.init_params(seed=0), model.init_buffers()
+    images, labels = _batch(batch)
+    args = [images, labels, np.asarray(0.01, np.float32), *(params[n] for n in step.param_names),
+            *(buffers[n] for n in step.state_names)]
+    timings = compiled.profile(*args, runs=runs, best=True, clock=time.thread_time if cpu_clock else time.perf_counter)
+    conv_names = [layer.name or "conv" for layer in model.layers if layer.kind == "conv"]
+    by_geometry: dict[str, str] = {}  # a conv's shapes -> its layer name, in forward order
+    rows = []
+    for cost, (_, ms) in zip(compiled.plan.step_costs, timings, strict=True):
+        name = cost.label
+        if cost.label in _PASS and cost.detail:
+            if cost.label == "conv2d" and cost.detail not in by_geometry and len(by_geometry) < len(conv_names):
+                by_geometry[cost.detail] = conv_names[len(by_geometry)]
+            name = f"{by_geometry.get(cost.detail) or 'conv'} {_PASS[cost.label]}"
+        rows.append(KernelRow(name, cost.detail, ms, cost.flops, cost.bytes))
+    return rows
+
+
+def kernels_report(model_name: str, batch: int, threads: int, peak: float, bandwidth: float, runs: int) -> None:
+    """The per-kernel table: GFLOP/s and % of peak for GEMM/conv steps, GB/s for the rest."""
+    rows = kernel_rows(model_name, batch, runs, cpu_clock=threads == 1)
+    total = sum(r.ms for r in rows)
+    target = TARGET_ONE_THREAD if threads == 1 else TARGET_THREADS
+    how = "thread CPU time" if threads == 1 else "wall time"
+    print(f"\nkernels of the {model_name} step ({threads} thread{'s' if threads > 1 else ''}, each step re-run alone, "
+          f"fastest of {runs}, {how}); peak {peak:.1f} GFLOP/s, copy bandwidth {bandwidth:.1f} GB/s")
+    print(f"  {'kernel':<30} {'shapes':<28} {'ms':>7} {'share':>6} {'GFLOP/s':>8} {'% peak':>7} {'GB/s':>6}  target")
+    small = [r for r in rows if r.flops == 0 and r.ms < 0.01 * total]
+    for r in rows:
+        if r in small:
+            continue
+        share = f"{100 * r.ms / total:5.1f}%"
+        if r.flops:
+            rate = r.flops / r.ms / 1e6
+            verdict = "-"
+            if r.flops >= TARGET_MIN_FLOPS:
+                verdict = "ok" if 100 * rate / peak >= target else f"below {target:.0f}%"
+            print(f"  {r.name[:30]:<30} {r.detail[5:33] if r.detail.startswith('conv ') else r.detail[:28]:<28} "
+                  f"{r.ms:>7.3f} {share:>6} {rate:>8.1f} {100 * rate / peak:>6.1f}% {'':>6}  {verdict}")
+        else:
+            gbs = r.bytes / r.ms / 1e6
+            print(f"  {r.name[:30]:<30} {'':<28} {r.ms:>7.3f} {share:>6} {'':>8} {'':>7} {gbs:>6.1f}  "
+                  f"{100 * gbs / bandwidth:.0f}% of copy bw")
+    if small:
+        print(f"  {f'{len(small)} smaller passes':<30} {'':<28} {sum(r.ms for r in small):>7.3f} "
+              f"{100 * sum(r.ms for r in small) / total:5.1f}%")
+    flops = sum(r.flops for r in rows)
+    print(f"  {'all steps':<30} {'':<28} {total:>7.3f} {'100%':>6} {flops / total / 1e6:>8.1f} "
+          f"{100 * flops / total / 1e6 / peak:>6.1f}%")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m opgrad.benchreport",
+                                     description="one engine's training step in this process (bench's child)")
+    parser.add_argument("engine", choices=("opgrad", "torch"))
+    parser.add_argument("model")
+    parser.add_argument("batch", type=int)
+    parser.add_argument("threads", type=int)
+    parser.add_argument("steps", type=int)
+    args = parser.parse_args(argv)
+    print(json.dumps(_child(args.engine, args.model, args.batch, args.threads, args.steps)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

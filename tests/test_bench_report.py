@@ -1,0 +1,89 @@
+"""opgrad bench's measuring tools: peak, CPUs available, per-kernel costs, child processes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import opgrad
+from opgrad import benchreport, cli
+from opgrad.compiler.peak import available_cpus, cgroup_cpu_limit, host_info, measure_bandwidth, measure_peak
+
+
+@pytest.mark.parametrize(("text", "expected"), [("max 100000\n", None), ("150000 100000\n", 1.5),
+                                                ("200000 100000", 2.0), ("garbage", None), ("", None)])
+def test_cgroup_quota_is_read_from_cpu_max(tmp_path: Path, text: str, expected: float | None) -> None:
+    path = tmp_path / "cpu.max"
+    path.write_text(text)
+    assert cgroup_cpu_limit(path, v1=tmp_path / "no-v1") == expected
+    assert cgroup_cpu_limit(tmp_path / "absent", v1=tmp_path / "no-v1") is None
+
+
+@pytest.mark.parametrize(("quota", "expected"), [("-1", None), ("250000", 2.5)])
+def test_cgroup_v1_quota_is_read_when_v2_is_absent(tmp_path: Path, quota: str, expected: float | None) -> None:
+    (tmp_path / "cpu.cfs_quota_us").write_text(quota + "\n")
+    (tmp_path / "cpu.cfs_period_us").write_text("100000\n")
+    assert cgroup_cpu_limit(tmp_path / "absent", v1=tmp_path) == expected
+
+
+def test_available_cpus_honours_affinity() -> None:
+    import os
+
+    assert 1 <= available_cpus() <= len(os.sched_getaffinity(0))
+
+
+def test_peak_and_bandwidth_are_measured() -> None:
+    one = measure_peak(1, seconds=0.002, repeats=3)
+    info = host_info()
+    # at least one vector FMA per cycle at 0.5 GHz: a generated loop that fell back to scalar or
+    # library calls would be far below it
+    assert one > info.vector_bits / 32 * 2 * 0.5
+    assert measure_bandwidth(1, mib=1, repeats=2) > 0.1
+    assert info.vector_registers in (16, 32) and info.cpus >= 1 and info.llvm_cpu
+
+
+@pytest.mark.parametrize(("available", "counts"), [(1, [1]), (2, [1, 2]), (6, [1, 2, 4, 6]), (8, [1, 2, 4, 8])])
+def test_scaling_thread_counts(available: int, counts: list[int]) -> None:
+    assert benchreport.thread_counts(available) == counts
+
+
+def test_plan_counts_conv_and_gemm_flops() -> None:
+    from opgrad import ops
+    from opgrad.compiler import plan_graph
+
+    x = opgrad.var("x", (2, 3, 9, 8), "float32")
+    w = opgrad.var("w", (5, 3, 3, 2), "float32")
+    d = opgrad.var("d", (5 * 7 * 7, 4), "float32")
+    y = ops.conv2d(x, w)
+    fn = opgrad.function([x, w, d], ops.matmul(ops.reshape(y, (2, 5 * 7 * 7)), d))
+    costs = plan_graph(fn).step_costs
+    conv = [c for c in costs if c.label == "conv2d"]
+    assert [c.flops for c in conv] == [2 * 2 * 5 * 7 * 7 * 3 * 3 * 2]
+    assert conv[0].detail == "conv x2x3x9x8 w5x3x3x2"
+    assert [c.flops for c in costs if c.label == "matmul"] == [2 * 2 * 4 * 245]
+    assert all(c.bytes > 0 for c in costs)
+
+
+def test_bench_prints_peak_percent_and_kernels(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["bench", "--model", "mlp", "--peak", "--kernels", "--steps", "2", "--warmup", "3",
+            "--skip", "torch", "--skip", "jax", "--skip", "reference"]
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "peak fp32 FMA:" in out and "GFLOP/s" in out and "% peak" in out
+    row = next(line for line in out.splitlines() if line.startswith("opgrad llvm (compiled)"))
+    assert "%" in row
+    kernels = out.split("kernels of the mlp step", 1)[1]
+    dense = [line for line in kernels.splitlines() if line.strip().startswith("dense")]
+    assert len(dense) >= 6 and all("gemm" in line and "%" in line for line in dense)
+    assert "all steps" in kernels
+
+
+def test_child_reports_time_compile_and_memory(tmp_path: Path) -> None:
+    result = benchreport.run_child("opgrad", "mlp", 8, 1, 2, cache_dir=str(tmp_path))
+    assert "error" not in result, result
+    assert result["threads"] == 1 and not result["cache_hit"]
+    assert result["ms"] > 0 and result["rss_mib"] >= result["rss_after_imports_mib"] > 10
+    warm = benchreport.run_child("opgrad", "mlp", 8, 1, 2, cache_dir=str(tmp_path))
+    assert warm["cache_hit"] and np.isfinite(warm["compile_s"])
