@@ -10,57 +10,67 @@ from opgrad.compiler.merge import merge_identical_functions
 
 MODULE = """; ModuleID = 'm'
 declare float @llvm.exp.f32(float)
-define internal float @m.a.leaf(float %x) {
+define internal float @m.a.leaf(float %x) nounwind {
 entry:
   %y = call float @llvm.exp.f32(float %x)
   ret float %y
 }
-define internal float @m.b.leaf(float %x) {
-entry:
-  %y = call float @llvm.exp.f32(float %x)
-  ret float %y
-}
-define internal float @m.a(float %x) {
+define float @m.a(float %x) nounwind {
 entry:
   %y = call float @m.a.leaf(float %x)
   ret float %y
 }
-define internal float @m.b(float %x) {
+define internal float @m.b.leaf(float %x) nounwind {
+entry:
+  %y = call float @llvm.exp.f32(float %x)
+  ret float %y
+}
+define float @m.b(float %x) nounwind {
 entry:
   %y = call float @m.b.leaf(float %x)
   ret float %y
 }
-define internal float @m.other(float %x) {
+define internal float @m.c.leaf(float %x) nounwind {
 entry:
   ret float %x
+}
+define float @m.c(float %x) nounwind {
+entry:
+  %y = call float @m.c.leaf(float %x)
+  ret float %y
 }
 define float @m(float %x) {
 entry:
   %a = call float @m.a(float %x)
   %b = call float @m.b(float %x)
-  %c = call float @m.other(float %x)
+  %c = call float @m.c(float %x)
   %s = fadd float %a, %b
   %t = fadd float %s, %c
   ret float %t
 }
-define float @m.exported_copy(float %x) {
-entry:
-  ret float %x
-}
 """
 
 
-def test_merges_copies_and_their_callers_and_keeps_exported_functions() -> None:
+def _defined(text: str) -> list[str]:
+    return [line.split("@")[1].split("(")[0] for line in text.splitlines() if line.startswith("define")]
+
+
+def test_a_repeated_kernel_group_becomes_entry_points_calling_the_first() -> None:
     merged = merge_identical_functions(MODULE)
-    defined = [line.split("@")[1].split("(")[0] for line in merged.splitlines() if line.startswith("define")]
-    assert defined == ["m.a.leaf", "m.a", "m.other", "m", "m.exported_copy"]
-    assert "@m.b" not in merged
-    assert "%b = call float @m.a(float %x)" in merged
+    assert _defined(merged) == ["m.a.leaf", "m.a", "m.b", "m.c.leaf", "m.c", "m"]
+    assert "define float @m.b(float %x) nounwind {\nentry:\n  %result = tail call float @m.a(float %x)" in merged
+    assert "m.b.leaf" not in merged
+    assert merge_identical_functions(merged) == merged
+
+
+def test_a_group_whose_helper_is_used_elsewhere_stays() -> None:
+    shared = MODULE.replace("%c = call float @m.c(float %x)", "%c = call float @m.b.leaf(float %x)")
+    assert _defined(merge_identical_functions(shared)) == _defined(shared)
 
 
 def test_text_without_functions_or_with_stray_text_is_left_alone() -> None:
     assert merge_identical_functions("; ModuleID = 'empty'\n") == "; ModuleID = 'empty'\n"
-    odd = MODULE.replace("define internal float @m.b(", "@g = global i32 0\ndefine internal float @m.b(")
+    odd = MODULE.replace("define float @m.b(", "@g = global i32 0\ndefine float @m.b(")
     assert merge_identical_functions(odd) == odd
 
 
