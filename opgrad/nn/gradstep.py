@@ -30,7 +30,7 @@ from opgrad.ir import Function, Var, var
 from opgrad.nn.layers import ForwardContext
 from opgrad.nn.model import Model
 from opgrad.nn.optim import Optimizer
-from opgrad.nn.step import classifier_loss, compile_function, per_input, per_output
+from opgrad.nn.step import classifier_loss, compile_function, mask_arrays, per_input, per_output
 
 __all__ = ["GradientResult", "GradientStep", "UpdateStep"]
 
@@ -77,14 +77,10 @@ class GradientStep:
     def __call__(self, images: np.ndarray | Sequence[np.ndarray], labels: np.ndarray | Sequence[np.ndarray],
                  params: Mapping[str, np.ndarray], buffers: Mapping[str, np.ndarray],
                  masks: Mapping[str, np.ndarray] | None = None) -> GradientResult:
-        masks = masks or {}
-        absent = [n for n in self.mask_names if n not in masks]
-        if absent:
-            raise ValueError(f"no dropout mask given for layer(s) {', '.join(absent)}")
         outputs = self._run(
             *per_input(images, len(self.model.inputs), "input"),
             *per_output(labels, len(self.model.outputs)),
-            *(masks[n] for n in self.mask_names),
+            *mask_arrays(self.mask_names, masks),
             *(params[n] for n in self.param_names), *(buffers[n] for n in self.buffer_names),
         )
         k = len(self.param_names)

@@ -56,6 +56,7 @@ __all__ = [
     "classifier_loss",
     "compile_function",
     "llvm_unavailable_reason",
+    "mask_arrays",
     "per_input",
     "per_output",
 ]
@@ -199,14 +200,10 @@ class TrainStep:
     def __call__(self, images: np.ndarray | Sequence[np.ndarray], labels: np.ndarray | Sequence[np.ndarray],
                  params: Mapping[str, np.ndarray], state: Mapping[str, np.ndarray], lr: float,
                  masks: Mapping[str, np.ndarray] | None = None) -> StepResult:
-        masks = masks or {}
-        absent = [n for n in self.mask_names if n not in masks]
-        if absent:
-            raise ValueError(f"no dropout mask given for layer(s) {', '.join(absent)}")
         outputs = self._run(
             *per_input(images, len(self.model.inputs), "input"),
             *per_output(labels, len(self.model.outputs)),
-            *(masks[n] for n in self.mask_names), np.asarray(lr, dtype=self.dtype),
+            *mask_arrays(self.mask_names, masks), np.asarray(lr, dtype=self.dtype),
             *(params[n] for n in self.param_names), *(state[n] for n in self.state_names),
         )
         k = len(self.param_names)
@@ -240,10 +237,8 @@ class TrainStep:
         if lrs.shape != (steps,):
             raise ValueError(f"run_steps: lr must be a float or an array of {steps} (one per step), "
                              f"got shape {lrs.shape}")
+        mask_arrays(self.mask_names, masks)  # every mask is given
         masks = masks or {}
-        absent = [n for n in self.mask_names if n not in masks]
-        if absent:
-            raise ValueError(f"no dropout mask given for layer(s) {', '.join(absent)}")
         if self.compiled is None:
             return self._run_steps_in_python(inputs, label_arrays, params, state, lrs, masks, stop_on_nan)
         from opgrad.compiler.steploop import LoopStopped
@@ -299,6 +294,15 @@ def classifier_loss(model: Model, outputs: Sequence[Expr], labels: Sequence[Var]
         total = term if total is None else ops.add(total, term)
     assert total is not None
     return total
+
+
+def mask_arrays(names: Sequence[str], masks: Mapping[str, np.ndarray] | None) -> list[np.ndarray]:
+    """The dropout masks of the layers ``names``, in order; a ValueError names the layers without one."""
+    masks = masks or {}
+    absent = [n for n in names if n not in masks]
+    if absent:
+        raise ValueError(f"no dropout mask given for layer(s) {', '.join(absent)}")
+    return [masks[n] for n in names]
 
 
 def per_input(arrays: np.ndarray | Sequence[np.ndarray], count: int, what: str) -> list[np.ndarray]:
