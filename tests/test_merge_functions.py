@@ -89,3 +89,12 @@ def test_repeated_layers_compile_to_the_reference_numbers() -> None:
     got = compiled(*args)
     for g, w in zip(got, want):
         np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-4)
+
+
+def test_wrappers_of_hidden_kernels_call_with_the_return_type_only() -> None:
+    hidden = MODULE.replace("define float @m.", "define hidden float @m.")
+    merged = merge_identical_functions(hidden)
+    assert "define hidden float @m.b(float %x) nounwind {\nentry:\n  %result = tail call float @m.a(float %x)" in merged
+    import llvmlite.binding as llvm
+
+    llvm.parse_assembly(merged).verify()

@@ -22,8 +22,8 @@ import re
 __all__ = ["merge_identical_functions"]
 
 _GLOBAL_NAME = re.compile(r'@("[^"]+"|[\w.$-]+)')
-_DEFINE = re.compile(r"define (?P<internal>internal )?(?P<ret>[^@]*?) ?@(?P<name>[\w.$-]+)\((?P<params>[^)]*)\)"
-                     r"(?P<attrs>[^{]*)\{")
+_DEFINE = re.compile(r"define (?P<linkage>(?:(?:internal|private|hidden|protected|dso_local|external) )*)"
+                     r"(?P<ret>[^@]*?) ?@(?P<name>[\w.$-]+)\((?P<params>[^)]*)\)(?P<attrs>[^{]*)\{")
 _PARAM = re.compile(r"^(?P<type>ptr|i\d+|float|double) (?P<name>%[\w.]+)$")
 _FUNCTION_END = "\n}\n"
 
