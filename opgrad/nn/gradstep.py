@@ -26,11 +26,11 @@ from dataclasses import dataclass
 import numpy as np
 
 from opgrad.autodiff import gradients
-from opgrad.ir import Function, Var, var
+from opgrad.ir import Function, var
 from opgrad.nn.layers import ForwardContext
 from opgrad.nn.model import Model
 from opgrad.nn.optim import Optimizer
-from opgrad.nn.step import classifier_loss, compile_function, mask_arrays, per_input, per_output
+from opgrad.nn.step import batch_vars, classifier_loss, compile_function, mask_arrays, per_input, per_output
 
 __all__ = ["GradientResult", "GradientStep", "UpdateStep"]
 
@@ -52,13 +52,7 @@ class GradientStep:
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         self.model, self.batch_size, self.dtype, self.backend = model, batch_size, dtype, backend
-        inputs = model.input_vars(batch_size, dtype)
-        single = len(model.outputs) == 1
-        labels = [var("labels" if single else f"labels:{i}", (batch_size,), "int64") for i in range(len(model.outputs))]
-        masks: dict[str, Var] = {
-            layer.name: var(f"mask:{layer.name}", (batch_size, *(layer.noise_shape() or ())), dtype)
-            for layer in model.noise_layers() if layer.name is not None
-        }
+        inputs, labels, masks = batch_vars(model, batch_size, dtype)
         params = model.param_vars(dtype)
         buffers = model.buffer_vars(dtype)
         outputs, new_buffers = model.call(inputs, {**params, **buffers},

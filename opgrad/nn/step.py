@@ -53,6 +53,7 @@ __all__ = [
     "StepResult",
     "StepsResult",
     "TrainStep",
+    "batch_vars",
     "classifier_loss",
     "compile_function",
     "llvm_unavailable_reason",
@@ -143,13 +144,7 @@ class TrainStep:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         self.model, self.optimizer = model, optimizer
         self.batch_size, self.dtype, self.backend = batch_size, dtype, backend
-        inputs = model.input_vars(batch_size, dtype)
-        single = len(model.outputs) == 1
-        labels = [var("labels" if single else f"labels:{i}", (batch_size,), "int64") for i in range(len(model.outputs))]
-        masks: dict[str, Var] = {
-            layer.name: var(f"mask:{layer.name}", (batch_size, *(layer.noise_shape() or ())), dtype)
-            for layer in model.noise_layers() if layer.name is not None
-        }
+        inputs, labels, masks = batch_vars(model, batch_size, dtype)
         lr = var("lr", (), dtype)
         params = model.param_vars(dtype)
         opt_state = {name: var(name, shape, dtype)
@@ -294,6 +289,16 @@ def classifier_loss(model: Model, outputs: Sequence[Expr], labels: Sequence[Var]
         total = term if total is None else ops.add(total, term)
     assert total is not None
     return total
+
+
+def batch_vars(model: Model, batch_size: int, dtype: str) -> tuple[list[Var], list[Var], dict[str, Var]]:
+    """A training batch's variables: the inputs, one label array per output, and a dropout mask per
+    noise layer (keyed by layer name), in the order the step functions take them."""
+    single = len(model.outputs) == 1
+    labels = [var("labels" if single else f"labels:{i}", (batch_size,), "int64") for i in range(len(model.outputs))]
+    masks = {layer.name: var(f"mask:{layer.name}", (batch_size, *(layer.noise_shape() or ())), dtype)
+             for layer in model.noise_layers() if layer.name is not None}
+    return model.input_vars(batch_size, dtype), labels, masks
 
 
 def mask_arrays(names: Sequence[str], masks: Mapping[str, np.ndarray] | None) -> list[np.ndarray]:
