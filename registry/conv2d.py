@@ -169,7 +169,10 @@ def _conv2d_one_group(data: np.ndarray, weight: np.ndarray, strides: Any, paddin
     khw = weight.shape[2:]
     out_hw = _output_hw(data.shape[2:], khw, {"strides": strides, "padding": padding, "dilation": dilation})
     win = _windows(data, khw, strides, padding, dilation, out_hw)
-    out = np.tensordot(win, weight, axes=([1, 4, 5], [1, 2, 3]))  # (N, OH, OW, O)
+    if np.isfinite(win).all() and np.isfinite(weight).all():
+        out = np.tensordot(win, weight, axes=([1, 4, 5], [1, 2, 3]))  # (N, OH, OW, O)
+    else:  # BLAS may skip zero operands and so drop NaN * 0; einsum's own loops follow IEEE
+        out = np.einsum("nchwyx,ocyx->nhwo", win, weight, optimize=False)
     return np.ascontiguousarray(out.transpose(0, 3, 1, 2))
 
 
