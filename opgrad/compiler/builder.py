@@ -35,7 +35,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from .batched import emit_batched_gemm
-from .conv import Conv2dGeometry, emit_conv2d_backward_data, emit_conv2d_backward_weight, emit_conv2d_forward
+from .conv import Conv2dGeometry
 from .gemm import GemmSpec, IndexMap, Operand, emit_gemm
 from .grouped import conv2d_direct
 from .irtext import BYTES, LLVM_TYPE, FunctionEmitter, ModuleEmitter
@@ -55,6 +55,7 @@ from .views import (
     row_major,
 )
 from .windows import Window2d, pool2d, pool2d_argmax_gather, pool2d_scatter
+from .winograd import emit_conv2d_pass
 
 #: Loops with fewer output elements than this run on the calling thread.
 PARALLEL_MIN_ELEMENTS = 1 << 16
@@ -295,11 +296,10 @@ class KernelBuilder:
 
     def conv2d(self, geom: Conv2dGeometry, pass_: str, buffers: tuple[int, int, int]) -> None:
         """One conv pass: ``forward`` (x, w, y), ``backward_data`` (dy, w, dx), ``backward_weight`` (x, dy, dw)."""
-        emit = {"forward": emit_conv2d_forward, "backward_data": emit_conv2d_backward_data,
-                "backward_weight": emit_conv2d_backward_weight}[pass_]
-        entry = emit(self.m, geom, self.fresh("conv"))
+        entry, algorithm = emit_conv2d_pass(self.m, geom, pass_, self.fresh("conv"))
+        detail = geom.describe() + ("" if algorithm == "direct" else f" ({algorithm})")
         self.add_call(entry.entry, list(buffers), list(buffers[:2]), [buffers[2]], entry.workspace_per_thread,
-                      flops=geom.flops(), detail=geom.describe())
+                      flops=geom.flops(), detail=detail)
 
     def conv2d_forward(self, out: View, data: View, weight: View, strides: Sequence[int],
                        padding: Sequence[int], dilation: Sequence[int], groups: int = 1) -> None:
