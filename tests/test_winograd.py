@@ -1,5 +1,5 @@
-"""Winograd conv2d kernels (forward and backward-data of 3x3 stride-1 convolutions) against
-float64 direct sums, including padding, ragged tiles, non-finite inputs and the dispatch rules."""
+"""Winograd conv2d kernels (the three passes of 3x3 stride-1 convolutions) against float64 direct
+sums, including padding, ragged tiles, non-finite inputs and the dispatch rules."""
 
 from __future__ import annotations
 
@@ -8,11 +8,13 @@ import pytest
 from numpy.lib.stride_tricks import sliding_window_view
 
 from opgrad.compiler import conv2d_geometry
+from opgrad.compiler.convpass import emit_conv2d_pass
 from opgrad.compiler.irtext import ModuleEmitter
 from opgrad.compiler.jit import NativeModule
 from opgrad.compiler.kernels import CompiledKernel
 from opgrad.compiler.threads import pool
-from opgrad.compiler.winograd import F2X3, F4X3, WinogradTiles, emit_conv2d_pass, emit_winograd, winograd_conv
+from opgrad.compiler.winograd import F2X3, F4X3, WinogradTiles, emit_winograd, winograd_conv
+from opgrad.compiler.winograd_weight import emit_winograd_weight
 from opgrad.env import CONV_ALGORITHM_VAR, conv_algorithm_setting
 from opgrad.errors import ConfigError
 
@@ -33,6 +35,13 @@ def _forward(x: np.ndarray, w: np.ndarray, pads: tuple[int, int, int, int]) -> n
     return np.einsum("ncpqij,ocij->nopq", windows, w.astype(np.float64))
 
 
+def _backward_weight(x: np.ndarray, dy: np.ndarray, pads: tuple[int, int, int, int]) -> np.ndarray:
+    top, left, bottom, right = pads
+    xp = np.pad(x.astype(np.float64), ((0, 0), (0, 0), (top, bottom), (left, right)))
+    windows = sliding_window_view(xp, (3, 3), axis=(2, 3))
+    return np.einsum("ncpqij,nopq->ocij", windows, dy.astype(np.float64))
+
+
 def _backward_data(dy: np.ndarray, w: np.ndarray, x_shape: tuple[int, ...],
                    pads: tuple[int, int, int, int]) -> np.ndarray:
     top, left, bottom, right = pads
@@ -51,7 +60,10 @@ def _kernel(x_shape: tuple[int, ...], w_shape: tuple[int, ...], pads: tuple[int,
     problem = winograd_conv(conv2d_geometry(x_shape, w_shape, 1, pads, 1, dtype), pass_, require_gain=False)
     assert problem is not None
     m = ModuleEmitter("winograd_test")
-    entry = emit_winograd(m, problem, "conv", tiles)
+    if pass_ == "backward_weight":
+        entry = emit_winograd_weight(m, problem, "conv")
+    else:
+        entry = emit_winograd(m, problem, "conv", tiles)
     return CompiledKernel(NativeModule(m.text()), entry.entry, 3, entry.workspace_per_thread * nthreads)
 
 
@@ -92,6 +104,13 @@ def test_forward_and_backward_data_match_the_direct_sum(case: tuple, dtype: str,
     _kernel(x_shape, w_shape, pads, "backward_data", tiles, dtype)(dy, w, dx)
     np.testing.assert_allclose(dx, want_dx, rtol=0, atol=tol)
 
+    if tiles is F2X3:  # the weight gradient has one form, F(3x3, 2x2)
+        want_dw = _backward_weight(x, dy, pads)
+        dw = np.full(w_shape, np.nan, dtype)
+        _kernel(x_shape, w_shape, pads, "backward_weight", tiles, dtype)(x, dy, dw)
+        scale = max(1.0, np.abs(want_dw).max())
+        np.testing.assert_allclose(dw, want_dw, rtol=0, atol={"float64": 1e-11, "float32": 2e-6}[dtype] * scale)
+
 
 @pytest.mark.parametrize("value", [np.nan, np.inf, -np.inf])
 @pytest.mark.parametrize("where", ["data", "weight"])
@@ -111,11 +130,22 @@ def test_non_finite_inputs_give_the_direct_sums_nan_and_infinities(value: float,
         want = _forward(x, w, pads)
     y = np.zeros(want.shape, np.float32)
     _kernel(x_shape, w_shape, pads, "forward", F2X3, "float32")(x, w, y)
+    _same_non_finite(y, want)
+    if where == "data":  # the weight gradient reads the data and dY
+        dy = rng.standard_normal(want.shape).astype(np.float32)
+        with np.errstate(all="ignore"):
+            want_dw = _backward_weight(x, dy, pads)
+        dw = np.zeros(w_shape, np.float32)
+        _kernel(x_shape, w_shape, pads, "backward_weight", F2X3, "float32")(x, dy, dw)
+        _same_non_finite(dw, want_dw)
+
+
+def _same_non_finite(got: np.ndarray, want: np.ndarray) -> None:
     for test in (np.isnan, np.isposinf, np.isneginf):
-        np.testing.assert_array_equal(test(y), test(want))
+        np.testing.assert_array_equal(test(got), test(want))
     finite = np.isfinite(want)
-    assert finite.any()
-    np.testing.assert_allclose(y[finite], want[finite], rtol=0, atol=1e-5 * np.abs(want[finite]).max())
+    if finite.any():
+        np.testing.assert_allclose(got[finite], want[finite], rtol=0, atol=1e-5 * np.abs(want[finite]).max())
 
 
 def test_dispatch_applies_only_to_three_by_three_stride_one_convolutions(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -126,7 +156,7 @@ def test_dispatch_applies_only_to_three_by_three_stride_one_convolutions(monkeyp
 
     assert algorithm((8, 16, 14, 14), (32, 16, 3, 3)) == "winograd F(2,3)"
     assert algorithm((8, 16, 14, 14), (32, 16, 3, 3), pass_="backward_data") == "winograd F(2,3)"
-    assert algorithm((8, 16, 14, 14), (32, 16, 3, 3), pass_="backward_weight") == "direct"
+    assert algorithm((8, 16, 14, 14), (32, 16, 3, 3), pass_="backward_weight") == "winograd F(3x3,2x2)"
     assert algorithm((8, 16, 14, 14), (32, 16, 3, 3), stride=2) == "direct"
     assert algorithm((8, 16, 14, 14), (32, 16, 3, 3), dilation=2) == "direct"
     assert algorithm((8, 16, 14, 14), (32, 16, 5, 5)) == "direct"

@@ -36,6 +36,7 @@ import numpy as np
 
 from .batched import emit_batched_gemm
 from .conv import Conv2dGeometry
+from .convpass import emit_conv2d_pass
 from .gemm import GemmSpec, IndexMap, Operand, emit_gemm
 from .grouped import conv2d_direct
 from .irtext import BYTES, LLVM_TYPE, FunctionEmitter, ModuleEmitter
@@ -55,7 +56,6 @@ from .views import (
     row_major,
 )
 from .windows import Window2d, pool2d, pool2d_argmax_gather, pool2d_scatter
-from .winograd import emit_conv2d_pass
 
 #: Loops with fewer output elements than this run on the calling thread.
 PARALLEL_MIN_ELEMENTS = 1 << 16

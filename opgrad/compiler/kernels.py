@@ -16,11 +16,11 @@ from dataclasses import dataclass
 import numpy as np
 
 from .conv import Conv2dGeometry
+from .convpass import emit_conv2d_pass
 from .gemm import GemmSpec, emit_gemm
 from .irtext import ModuleEmitter
 from .jit import NativeModule
 from .threads import pool
-from .winograd import emit_conv2d_pass
 
 
 class CompiledKernel:

@@ -26,17 +26,10 @@ so results are bitwise identical for any thread count.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 
-from opgrad.env import conv_algorithm_setting
-
-from .conv import (
-    Conv2dGeometry,
-    ConvEntry,
-    emit_conv2d_backward_data,
-    emit_conv2d_backward_weight,
-    emit_conv2d_forward,
-)
+from .conv import Conv2dGeometry, ConvEntry
 from .gemm import Blocking, round_up
 from .irtext import BYTES, LLVM_TYPE, FunctionEmitter, ModuleEmitter, float_const, splat_const
 from .target import current_target
@@ -45,10 +38,11 @@ from .threads import PARALLEL_FOR, PARALLEL_FOR_DECL
 __all__ = [
     "F2X3",
     "F4X3",
+    "TileSource",
     "WinogradConv",
+    "WinogradEmitter",
     "WinogradTiles",
     "choose_tiles",
-    "emit_conv2d_pass",
     "emit_winograd",
     "winograd_conv",
 ]
@@ -115,9 +109,25 @@ class WinogradConv:
     dtype: str
 
 
+@dataclass(frozen=True)
+class TileSource:
+    """Where a block's tiles come from: ``channels`` planes of ``h x w``, placed at ``top``/``left``
+    in a zero plane of ``plane_rows x plane_cols``; each tile reads ``size x size`` values and
+    tiles start ``m`` apart."""
+
+    channels: int
+    h: int
+    w: int
+    top: int
+    left: int
+    size: int
+    plane_rows: int
+    plane_cols: int
+
+
 def winograd_conv(g: Conv2dGeometry, pass_: str, require_gain: bool = True) -> WinogradConv | None:
     """The Winograd form of a conv2d pass, or None where it does not apply: 3x3 kernels at stride 1
-    without dilation or groups, padding of at most 2 (backward-weight stays on the direct GEMM).
+    without dilation or groups, padding of at most 2.
     ``require_gain`` also asks for :data:`MIN_CHANNELS` channels on both sides, below which the
     GEMMs are too thin to pay for the transforms."""
     if (g.kh, g.kw) != (3, 3) or g.stride != (1, 1) or g.dilation != (1, 1) or g.groups != 1:
@@ -127,11 +137,15 @@ def winograd_conv(g: Conv2dGeometry, pass_: str, require_gain: bool = True) -> W
     if require_gain:
         # Thin GEMMs, or outputs so small that padding them to whole tiles costs more products
         # than the direct sum (a 3x3 output takes 4 tiles: 64 products against 81).
-        tiles = -(-g.oh // 2) * -(-g.ow // 2) if pass_ == "forward" else -(-g.h // 2) * -(-g.w // 2)
-        pixels = g.oh * g.ow if pass_ == "forward" else g.h * g.w
+        out_h, out_w = (g.h, g.w) if pass_ == "backward_data" else (g.oh, g.ow)  # the 2x2-tiled plane
+        tiles, pixels = -(-out_h // 2) * -(-out_w // 2), out_h * out_w
         if min(g.c, g.o) < MIN_CHANNELS or 16 * tiles > 0.75 * 9 * pixels:
             return None
     if pass_ == "forward":
+        return WinogradConv(g.n, g.c, g.h, g.w, g.o, g.oh, g.ow, g.pads[0], g.pads[2], (g.c * 9, 9, 3, 1), 0,
+                            g.dtype)
+    if pass_ == "backward_weight":
+        # dW[o, c] = sum_n dy[n, o] (*) x[n, c]: stored where the forward reads w'[o, c].
         return WinogradConv(g.n, g.c, g.h, g.w, g.o, g.oh, g.ow, g.pads[0], g.pads[2], (g.c * 9, 9, 3, 1), 0,
                             g.dtype)
     if pass_ == "backward_data":
@@ -149,7 +163,7 @@ def choose_tiles(p: WinogradConv) -> WinogradTiles:
     return F2X3
 
 
-class _Emitter:
+class WinogradEmitter:
     """Shared emission state of one Winograd kernel: types, vector width and constants."""
 
     def __init__(self, mod: ModuleEmitter, p: WinogradConv, tiles: WinogradTiles) -> None:
@@ -314,39 +328,62 @@ class _Emitter:
 
     def inputs(self, f: FunctionEmitter, x: str, ty0: str, plane: str, v: str) -> None:
         """``V[pos][c][r * tw + tx] = (B^T d B)[pos]`` for the block's tiles of every input channel."""
-        p, t, m, vl, alpha = self.p, self.t, self.tiles.m, self.vl, self.alpha
+        p = self.p
+        source = TileSource(p.cin, p.h, p.w, p.top, p.left, self.alpha, self.hp, self.wp)
+        self.transform_tiles(f, x, source, ty0, plane, self.tiles.bt, v, self.v_pos)
+
+    def transform_tiles(self, f: FunctionEmitter, x: str, source: TileSource, ty0: str, plane: str, matrix: Matrix,
+                        dest: str, pos_stride: int) -> None:
+        """``dest[pos][c][r * tw + tx] = (matrix d matrix^T)[pos]`` for the ``size x size`` tiles ``d`` of
+        the block's ``rows`` tile rows (from tile row ``ty0``) in every channel of ``source``;
+        ``plane`` is 64-byte aligned scratch for one zero-padded channel."""
+        t = self.t
+        self.clear_plane(f, source, plane)
+        with f.loop(0, source.channels, hint="ci") as ci:
+            self.fill_plane(f, f.gep(t, x, f.mul(ci, source.h * source.w)), source, ty0, plane)
+            row_base = f.mul(ci, self.stride)
+            for r, tx0, out in self.chunks(f, source, plane, matrix):
+                col = f.add(row_base, r * self.tw + tx0)
+                for a in range(len(matrix)):
+                    for b in range(len(matrix)):
+                        ptr = f.gep(t, dest, f.add(col, (a * len(matrix) + b) * pos_stride))
+                        f.store(self.vt, out[a][b], ptr, align=self.esize)
+
+    def clear_plane(self, f: FunctionEmitter, source: TileSource, plane: str) -> None:
+        """Zero the plane; every channel fills the same interior, so the border stays zero for the block."""
+        f.emit(f"call void @llvm.memset.p0.i64(ptr align 64 {plane}, i8 0, "
+               f"i64 {source.plane_rows * source.plane_cols * self.esize}, i1 false)")
+
+    def fill_plane(self, f: FunctionEmitter, src: str, source: TileSource, ty0: str, plane: str) -> None:
+        """Copy the rows of one channel ``src`` that the block's tiles read into the plane's interior."""
+        t = self.t
+        first_row = f.sub(f.mul(ty0, self.tiles.m), source.top)
+        with f.loop(0, source.plane_rows, hint="pr") as pr:
+            ir = f.add(first_row, pr)
+            with f.if_then(f.icmp("ult", ir, source.h), "inrow"):
+                dst = f.gep(t, plane, f.add(f.mul(pr, source.plane_cols), source.left))
+                f.emit(f"call void @llvm.memcpy.p0.p0.i64(ptr {dst}, ptr {f.gep(t, src, f.mul(ir, source.w))}, "
+                       f"i64 {source.w * self.esize}, i1 false)")
+
+    def chunks(self, f: FunctionEmitter, source: TileSource, plane: str,
+               matrix: Matrix) -> Iterator[tuple[int, int, list[list[str]]]]:
+        """For each run of VL tiles of the block (tile row ``r``, first tile ``tx0``), in order: the
+        transformed tiles, one vector over the VL tiles per position."""
+        t, m, vl, size = self.t, self.tiles.m, self.vl, source.size
         wide = f"<{m * vl} x {t}>"
         picks = ["<" + ", ".join(f"i32 {m * i + phase}" for i in range(vl)) + ">" for phase in range(m)]
-        first_row = f.sub(f.mul(ty0, m), p.top)
-        # Every channel fills the same interior of the plane, so its zero border is written once per block.
-        f.emit(f"call void @llvm.memset.p0.i64(ptr align 64 {plane}, i8 0, i64 {self.hp * self.wp * self.esize}, "
-               "i1 false)")
-        with f.loop(0, p.cin, hint="ci") as ci:
-            src = f.gep(t, x, f.mul(ci, p.h * p.w))
-            with f.loop(0, self.hp, hint="pr") as pr:
-                ir = f.add(first_row, pr)
-                with f.if_then(f.icmp("ult", ir, p.h), "inrow"):
-                    dst = f.gep(t, plane, f.add(f.mul(pr, self.wp), p.left))
-                    f.emit(f"call void @llvm.memcpy.p0.p0.i64(ptr {dst}, ptr {f.gep(t, src, f.mul(ir, p.w))}, "
-                           f"i64 {p.w * self.esize}, i1 false)")
-            row_base = f.mul(ci, self.stride)
-            for r in range(self.rows):
-                for tx0 in range(0, self.tw, vl):
-                    d = []
-                    for i in range(alpha):
-                        row = (m * r + i) * self.wp + m * tx0
-                        # Column j of the VL tiles is phase j % m of the wide load that starts j // m
-                        # tiles on: every phase comes from one of ceil(alpha / m) loads.
-                        sources = [f.load(wide, f.gep(t, plane, str(row + m * q)), align=self.esize)
-                                   for q in range(-(-alpha // m))]
-                        d.append([f.val(f"shufflevector {wide} {sources[j // m]}, {wide} poison, "
-                                        f"<{vl} x i32> {picks[j % m]}", "dv") for j in range(alpha)])
-                    out = self.sandwich(f, self.tiles.bt, d, self.tiles.bt, vector=True)
-                    col = f.add(row_base, r * self.tw + tx0)
-                    for a in range(alpha):
-                        for b in range(alpha):
-                            ptr = f.gep(t, v, f.add(col, (a * alpha + b) * self.v_pos))
-                            f.store(self.vt, out[a][b], ptr, align=self.esize)
+        for r in range(self.rows):
+            for tx0 in range(0, self.tw, vl):
+                d = []
+                for i in range(size):
+                    row = (m * r + i) * source.plane_cols + m * tx0
+                    # Column j of the VL tiles is phase j % m of the wide load that starts j // m
+                    # tiles on: every phase comes from one of ceil(size / m) loads.
+                    sources = [f.load(wide, f.gep(t, plane, str(row + m * q)), align=self.esize)
+                               for q in range(-(-size // m))]
+                    d.append([f.val(f"shufflevector {wide} {sources[j // m]}, {wide} poison, "
+                                    f"<{vl} x i32> {picks[j % m]}", "dv") for j in range(size)])
+                yield r, tx0, self.sandwich(f, matrix, d, matrix, vector=True)
 
     def gemms(self, f: FunctionEmitter, u: str, v: str, mm: str) -> None:
         """``M[pos] = U[pos] @ V[pos]`` for every position: MR x NR register tiles over the block's columns."""
@@ -494,7 +531,7 @@ def emit_winograd(mod: ModuleEmitter, p: WinogradConv, name: str, tiles: Winogra
     """``name(x, w, y, ws)``: the correlation ``p`` by Winograd ``tiles`` (chosen by :func:`choose_tiles`
     unless given). The workspace holds the packed U, shared, then each thread's plane, V and M."""
     tiles = tiles or choose_tiles(p)
-    e = _Emitter(mod, p, tiles)
+    e = WinogradEmitter(mod, p, tiles)
     mod.declare(PARALLEL_FOR, PARALLEL_FOR_DECL)
     mod.declare("llvm.memset.p0.i64", "declare void @llvm.memset.p0.i64(ptr, i8, i64, i1)")
     mod.declare("llvm.memcpy.p0.p0.i64", "declare void @llvm.memcpy.p0.p0.i64(ptr, ptr, i64, i1)")
@@ -524,15 +561,3 @@ def emit_winograd(mod: ModuleEmitter, p: WinogradConv, name: str, tiles: Winogra
     f.finish()
     return ConvEntry(name, u_bytes + 64 + scratch_stride)
 
-
-def emit_conv2d_pass(mod: ModuleEmitter, g: Conv2dGeometry, pass_: str, name: str) -> tuple[ConvEntry, str]:
-    """One conv2d pass (``forward``, ``backward_data`` or ``backward_weight``) by the algorithm that
-    ``$OPGRAD_CONV_ALGORITHM`` and the shapes choose; returns the entry and the algorithm's name."""
-    setting = conv_algorithm_setting()
-    problem = None if setting == "direct" else winograd_conv(g, pass_, require_gain=setting == "auto")
-    if problem is not None:
-        tiles = choose_tiles(problem)
-        return emit_winograd(mod, problem, name, tiles), f"winograd F({tiles.m},3)"
-    emit = {"forward": emit_conv2d_forward, "backward_data": emit_conv2d_backward_data,
-            "backward_weight": emit_conv2d_backward_weight}[pass_]
-    return emit(mod, g, name), "direct"
