@@ -342,8 +342,8 @@ class WinogradEmitter:
         with f.loop(0, source.channels, hint="ci") as ci:
             self.fill_plane(f, f.gep(t, x, f.mul(ci, source.h * source.w)), source, ty0, plane)
             row_base = f.mul(ci, self.stride)
-            for r, tx0, out in self.chunks(f, source, plane, matrix):
-                col = f.add(row_base, r * self.tw + tx0)
+            for r, chunk, out in self.chunks(f, source, plane, matrix):
+                col = f.add(row_base, f.add(f.mul(r, self.tw), chunk * self.vl))
                 for a in range(len(matrix)):
                     for b in range(len(matrix)):
                         ptr = f.gep(t, dest, f.add(col, (a * len(matrix) + b) * pos_stride))
@@ -366,24 +366,25 @@ class WinogradEmitter:
                        f"i64 {source.w * self.esize}, i1 false)")
 
     def chunks(self, f: FunctionEmitter, source: TileSource, plane: str,
-               matrix: Matrix) -> Iterator[tuple[int, int, list[list[str]]]]:
-        """For each run of VL tiles of the block (tile row ``r``, first tile ``tx0``), in order: the
-        transformed tiles, one vector over the VL tiles per position."""
+               matrix: Matrix) -> Iterator[tuple[str, int, list[list[str]]]]:
+        """For each run of VL tiles of the block, in order: its tile row ``r`` (an IR value: the rows
+        are a loop), its index ``chunk`` in the row (tiles ``chunk * VL ...``) and the transformed
+        tiles, one vector over the VL tiles per position."""
         t, m, vl, size = self.t, self.tiles.m, self.vl, source.size
         wide = f"<{m * vl} x {t}>"
         picks = ["<" + ", ".join(f"i32 {m * i + phase}" for i in range(vl)) + ">" for phase in range(m)]
-        for r in range(self.rows):
-            for tx0 in range(0, self.tw, vl):
+        with f.loop(0, self.rows, hint="r") as r:
+            for chunk, tx0 in enumerate(range(0, self.tw, vl)):
                 d = []
                 for i in range(size):
-                    row = (m * r + i) * source.plane_cols + m * tx0
+                    row = f.add(f.mul(f.add(f.mul(r, m), i), source.plane_cols), m * tx0)
                     # Column j of the VL tiles is phase j % m of the wide load that starts j // m
                     # tiles on: every phase comes from one of ceil(size / m) loads.
-                    sources = [f.load(wide, f.gep(t, plane, str(row + m * q)), align=self.esize)
+                    sources = [f.load(wide, f.gep(t, plane, f.add(row, m * q)), align=self.esize)
                                for q in range(-(-size // m))]
                     d.append([f.val(f"shufflevector {wide} {sources[j // m]}, {wide} poison, "
                                     f"<{vl} x i32> {picks[j % m]}", "dv") for j in range(size)])
-                yield r, tx0, self.sandwich(f, matrix, d, matrix, vector=True)
+                yield r, chunk, self.sandwich(f, matrix, d, matrix, vector=True)
 
     def gemms(self, f: FunctionEmitter, u: str, v: str, mm: str) -> None:
         """``M[pos] = U[pos] @ V[pos]`` for every position: MR x NR register tiles over the block's columns."""
@@ -430,10 +431,10 @@ class WinogradEmitter:
         with f.loop(0, p.cout, hint="co") as co:
             dst = f.gep(t, y, f.mul(co, p.oh * p.ow))
             base = f.mul(co, self.stride)
-            for r in range(self.rows):
+            with f.loop(0, self.rows, hint="r") as r:
                 for chunk, tx0 in enumerate(range(0, self.tw, vl)):
                     columns = m * vl if chunk < full_cols else p.ow - m * tx0
-                    col = f.add(base, r * self.tw + tx0)
+                    col = f.add(base, f.add(f.mul(r, self.tw), tx0))
                     grid = [[f.load(self.vt, f.gep(t, mm, f.add(col, (a * alpha + b) * self.m_pos)),
                                     align=self.esize) for b in range(alpha)] for a in range(alpha)]
                     out = self.sandwich(f, self.tiles.at, grid, self.tiles.at, vector=True)

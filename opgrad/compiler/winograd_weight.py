@@ -126,28 +126,31 @@ class WeightGradEmitter(WinogradEmitter):
         """``dest[pos][tile][c] = (matrix d matrix^T)[pos]`` for the block's tiles: VL channels are
         transformed into the staging area, then each position's VL x VL square is transposed."""
         t, vt, vl, a2 = self.t, self.vt, self.vl, len(matrix) ** 2
+        chunks = -(-self.tw // vl)
         self.clear_plane(f, source, plane)
         with f.loop(0, channels_pad, step=vl, hint="cg") as cg:
             with f.loop(0, vl, hint="cl") as lane:
                 ci = f.add(cg, lane)
                 with f.if_then(f.icmp("slt", ci, source.channels), "real"):
                     self.fill_plane(f, f.gep(t, x, f.mul(ci, source.h * source.w)), source, ty0, plane)
-                    for run, (_, _, out) in enumerate(self.chunks(f, source, plane, matrix)):
+                    for r, chunk, out in self.chunks(f, source, plane, matrix):
+                        run = f.add(f.mul(r, chunks), chunk)
+                        square0 = f.gep(t, staging, f.add(f.mul(run, a2 * vl * vl), f.mul(lane, vl)))
                         for pos in range(a2):
-                            slot = f.add(f.mul(lane, vl), (run * a2 + pos) * vl * vl)
-                            f.store(vt, out[pos // len(matrix)][pos % len(matrix)], f.gep(t, staging, slot),
-                                    align=self.esize)
-            for run in range(self.runs):
-                r, tx0 = divmod(run, -(-self.tw // vl))
-                col = r * self.tw + tx0 * vl
-                with f.loop(0, a2, hint="tp") as position:
-                    square = f.gep(t, staging, f.mul(f.add(position, run * a2), vl * vl))
-                    rows = [f.load(vt, f.gep(t, square, str(i * vl)), align=self.esize) for i in range(vl)]
-                    columns = transpose_square(f, rows, vt, vl)
-                    base = f.add(f.mul(position, pos_stride), cg)
-                    for tile in range(vl):
-                        ptr = f.gep(t, dest, f.add(base, (col + tile) * channels_pad))
-                        f.store(vt, columns[tile], ptr, align=self.esize)
+                            f.store(vt, out[pos // len(matrix)][pos % len(matrix)],
+                                    f.gep(t, square0, str(pos * vl * vl)), align=self.esize)
+            with f.loop(0, self.rows, hint="tr") as r:
+                for chunk in range(chunks):
+                    run = f.add(f.mul(r, chunks), chunk)
+                    col = f.add(f.mul(r, self.tw), chunk * vl)
+                    with f.loop(0, a2, hint="tp") as position:
+                        square = f.gep(t, staging, f.mul(f.add(f.mul(run, a2), position), vl * vl))
+                        rows = [f.load(vt, f.gep(t, square, str(i * vl)), align=self.esize) for i in range(vl)]
+                        columns = transpose_square(f, rows, vt, vl)
+                        base = f.add(f.add(f.mul(position, pos_stride), cg), f.mul(col, channels_pad))
+                        for tile in range(vl):
+                            ptr = f.gep(t, dest, f.add(base, tile * channels_pad))
+                            f.store(vt, columns[tile], ptr, align=self.esize)
 
     def outer_gemms(self, f: FunctionEmitter, wide: str, narrow: str, out: str) -> None:
         """``out[pos][n][w] += sum_tile narrow[pos][n][tile] * wide[pos][tile][w]`` over the block."""
@@ -195,33 +198,39 @@ class WeightGradEmitter(WinogradEmitter):
         s0, s1, s2, s3 = p.weight_strides
         plane = self.o_pad * self.c_pad
         gt = _transpose(self.tiles.g)
+        sums = [f.alloca(vt, f"gsum{pos}") for pos in range(alpha**2)]
+
+        def lanes_of(n: str, w0: str, lanes: int) -> None:
+            at = f.add(f.mul(n, self.wide), w0)
+            for acc in sums:
+                f.store(vt, "zeroinitializer", acc)
+            with f.loop(0, self.groups, hint="g") as g:
+                group = f.gep(t, partial, f.add(at, f.mul(g, self.w_group)))
+                for pos, acc in enumerate(sums):
+                    v = f.load(vt, f.gep(t, group, str(pos * plane)), align=self.esize)
+                    f.store(vt, f.val(f"fadd {vt} {f.load(vt, acc)}, {v}", "gs"), acc)
+            grid = [[f.load(vt, sums[a * alpha + b]) for b in range(alpha)] for a in range(alpha)]
+            out = self.sandwich(f, gt, grid, gt, vector=True)
+            keep = "<" + ", ".join(f"i1 {'true' if i < lanes else 'false'}" for i in range(vl)) + ">"
+            for kh in range(3):
+                for kw in range(3):
+                    value = out[kh][kw]
+                    for lane in range(lanes):
+                        w = f.add(w0, lane)
+                        o, c = (w, n) if self.o_wide else (n, w)
+                        tap = f.add(f.add(f.mul(o, s0), f.mul(c, s1)), p.weight_base + kh * s2 + kw * s3)
+                        f.store(t, f.val(f"extractelement {vt} {value}, i32 {lane}", "dwv"), f.gep(t, dw, tap))
+                    kept = f.val(f"select <{vl} x i1> {keep}, {vt} {value}, {vt} zeroinitializer", "kept")
+                    diff = f.val(f"fsub {vt} {kept}, {kept}", "fin")
+                    f.store(vt, f.val(f"fadd {vt} {f.load(vt, bad)}, {diff}", "fa"), bad)
+
+        full = self.wide_real // vl * vl
         with f.loop(lo, hi, hint="n") as n:
-            for w0 in range(0, self.wide_real, vl):
-                lanes = min(vl, self.wide_real - w0)
-                at = f.add(f.mul(n, self.wide), w0)
-                grid: list[list[str]] = []
-                for a in range(alpha):
-                    row = []
-                    for b in range(alpha):
-                        total = ""
-                        for g in range(self.groups):
-                            ptr = f.gep(t, partial, f.add(at, g * self.w_group + (a * alpha + b) * plane))
-                            v = f.load(vt, ptr, align=self.esize)
-                            total = v if not total else f.val(f"fadd {vt} {total}, {v}", "gs")
-                        row.append(total)
-                    grid.append(row)
-                out = self.sandwich(f, gt, grid, gt, vector=True)
-                keep = "<" + ", ".join(f"i1 {'true' if i < lanes else 'false'}" for i in range(vl)) + ">"
-                for kh in range(3):
-                    for kw in range(3):
-                        value = out[kh][kw]
-                        for lane in range(lanes):
-                            o, c = (str(w0 + lane), n) if self.o_wide else (n, str(w0 + lane))
-                            tap = f.add(f.add(f.mul(o, s0), f.mul(c, s1)), p.weight_base + kh * s2 + kw * s3)
-                            f.store(t, f.val(f"extractelement {vt} {value}, i32 {lane}", "dwv"), f.gep(t, dw, tap))
-                        kept = f.val(f"select <{vl} x i1> {keep}, {vt} {value}, {vt} zeroinitializer", "kept")
-                        diff = f.val(f"fsub {vt} {kept}, {kept}", "fin")
-                        f.store(vt, f.val(f"fadd {vt} {f.load(vt, bad)}, {diff}", "fa"), bad)
+            if full:
+                with f.loop(0, full, step=vl, hint="w") as w0:
+                    lanes_of(n, w0, vl)
+            if self.wide_real % vl:
+                lanes_of(n, str(full), self.wide_real % vl)
         total = f.load(vt, bad)
         nan = f.val(f"fcmp uno {vt} {total}, {total}")
         any_nan = f.call("i1", self.mod.intrinsic("vector.reduce.or", "i1", [f"<{vl} x i1>"], f"v{vl}i1"),
