@@ -38,6 +38,7 @@ from .threads import PARALLEL_FOR, PARALLEL_FOR_DECL
 __all__ = [
     "F2X3",
     "F4X3",
+    "WEIGHT_PARTIAL_BYTES",
     "TileSource",
     "WinogradConv",
     "WinogradEmitter",
@@ -49,6 +50,8 @@ __all__ = [
 
 #: Tiles per block (``R`` tile rows): enough columns for two or three register tiles per GEMM.
 BLOCK_TILES = 24
+#: Largest partial sum of the weight gradient (16 x O x C values) kept per group of blocks.
+WEIGHT_PARTIAL_BYTES = 1 << 20
 #: Fewer channels than this on either side leave the GEMMs too thin to win back the transforms.
 MIN_CHANNELS = 8
 
@@ -145,6 +148,10 @@ def winograd_conv(g: Conv2dGeometry, pass_: str, require_gain: bool = True) -> W
         return WinogradConv(g.n, g.c, g.h, g.w, g.o, g.oh, g.ow, g.pads[0], g.pads[2], (g.c * 9, 9, 3, 1), 0,
                             g.dtype)
     if pass_ == "backward_weight":
+        # Each group of blocks keeps its own 16 x O x C partial sums (winograd_weight.py); beyond
+        # this the direct GEMM, which needs no such buffer, is the better trade.
+        if 16 * g.o * g.c * BYTES[g.dtype] > WEIGHT_PARTIAL_BYTES:
+            return None
         # dW[o, c] = sum_n dy[n, o] (*) x[n, c]: stored where the forward reads w'[o, c].
         return WinogradConv(g.n, g.c, g.h, g.w, g.o, g.oh, g.ow, g.pads[0], g.pads[2], (g.c * 9, 9, 3, 1), 0,
                             g.dtype)
