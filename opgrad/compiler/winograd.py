@@ -44,6 +44,8 @@ __all__ = [
     "WinogradEmitter",
     "WinogradTiles",
     "choose_tiles",
+    "declare_helpers",
+    "emit_guarded_entry",
     "emit_winograd",
     "winograd_conv",
 ]
@@ -540,32 +542,46 @@ def emit_winograd(mod: ModuleEmitter, p: WinogradConv, name: str, tiles: Winogra
     unless given). The workspace holds the packed U, shared, then each thread's plane, V and M."""
     tiles = tiles or choose_tiles(p)
     e = WinogradEmitter(mod, p, tiles)
+    u_bytes = round_up(e.alpha**2 * e.cout_pad * p.cin * e.esize, 64)
+    scratch_stride = e.plane_bytes + e.v_bytes + e.m_bytes
+    phases = [(e.weight_task(name + ".weights"), ["w", "shared"]),
+              (e.block_task(name + ".blocks", scratch_stride), ["x", "shared", "y", "scratch", "flag"])]
+    fallback = (e.fallback_task(name + ".direct"), ["x", "w", "y"])
+    return emit_guarded_entry(mod, name, ("x", "w", "y"), u_bytes, scratch_stride, phases, fallback)
+
+
+def declare_helpers(mod: ModuleEmitter) -> None:
+    """The thread pool's entry and the memset/memcpy intrinsics every Winograd kernel calls."""
     mod.declare(PARALLEL_FOR, PARALLEL_FOR_DECL)
     mod.declare("llvm.memset.p0.i64", "declare void @llvm.memset.p0.i64(ptr, i8, i64, i1)")
     mod.declare("llvm.memcpy.p0.p0.i64", "declare void @llvm.memcpy.p0.p0.i64(ptr, ptr, i64, i1)")
-    u_bytes = round_up(e.alpha**2 * e.cout_pad * p.cin * e.esize, 64)
-    scratch_stride = e.plane_bytes + e.v_bytes + e.m_bytes
-    weights = e.weight_task(name + ".weights")
-    blocks = e.block_task(name + ".blocks", scratch_stride)
-    fallback = e.fallback_task(name + ".direct")
 
-    f = FunctionEmitter(mod, name, [("ptr", "x"), ("ptr", "w"), ("ptr", "y"), ("ptr", "ws")])
-    u = "%ws"
-    flag = f.gep("i8", "%ws", str(u_bytes))
-    scratch = f.gep("i8", "%ws", str(u_bytes + 64))
 
-    def parallel(task: str, ptrs: list[str]) -> None:
-        ctx = f.alloca(f"[{len(ptrs)} x ptr]", "ctx", align=8)
-        for i, ptr in enumerate(ptrs):
-            f.store("ptr", ptr, f.gep("ptr", ctx, str(i)))
+def emit_guarded_entry(mod: ModuleEmitter, name: str, params: tuple[str, str, str], shared_bytes: int,
+                       scratch_stride: int, phases: list[tuple[str, list[str]]],
+                       fallback: tuple[str, list[str]]) -> ConvEntry:
+    """``name(p0, p1, p2, ws)``: run each phase's task on all threads, in order, then the fallback
+    task if a phase raised the non-finite flag. A task's context lists pointers by name: the
+    parameters, ``shared`` (the workspace's first ``shared_bytes``), ``flag`` (an i32 after it)
+    and ``scratch`` (then ``scratch_stride`` bytes per thread)."""
+    declare_helpers(mod)
+    f = FunctionEmitter(mod, name, [("ptr", p) for p in (*params, "ws")])
+    pointers = {p: "%" + p for p in params}
+    pointers["shared"] = "%ws"
+    pointers["flag"] = f.gep("i8", "%ws", str(shared_bytes))
+    pointers["scratch"] = f.gep("i8", "%ws", str(shared_bytes + 64))
+
+    def parallel(task: str, names: list[str]) -> None:
+        ctx = f.alloca(f"[{len(names)} x ptr]", "ctx", align=8)
+        for i, ptr_name in enumerate(names):
+            f.store("ptr", pointers[ptr_name], f.gep("ptr", ctx, str(i)))
         f.call("void", "@" + PARALLEL_FOR, [("ptr", "@" + task), ("ptr", ctx)])
 
-    f.store("i32", "0", flag, align=4)
-    parallel(weights, ["%w", u])
-    parallel(blocks, ["%x", u, "%y", scratch, flag])
-    with f.if_then(f.icmp("ne", f.load("i32", flag, align=4), "0", "i32"), "nonfinite"):
-        parallel(fallback, ["%x", "%w", "%y"])
+    f.store("i32", "0", pointers["flag"], align=4)
+    for task, names in phases:
+        parallel(task, names)
+    with f.if_then(f.icmp("ne", f.load("i32", pointers["flag"], align=4), "0", "i32"), "nonfinite"):
+        parallel(*fallback)
     f.ret_void()
     f.finish()
-    return ConvEntry(name, u_bytes + 64 + scratch_stride)
-
+    return ConvEntry(name, shared_bytes + 64 + scratch_stride)

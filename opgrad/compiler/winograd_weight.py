@@ -25,8 +25,7 @@ from __future__ import annotations
 from .conv import ConvEntry
 from .gemm import Blocking, round_up, transpose_square
 from .irtext import FunctionEmitter, ModuleEmitter
-from .threads import PARALLEL_FOR, PARALLEL_FOR_DECL
-from .winograd import F2X3, TileSource, WinogradConv, WinogradEmitter
+from .winograd import F2X3, TileSource, WinogradConv, WinogradEmitter, emit_guarded_entry
 
 __all__ = ["GROUPS", "emit_winograd_weight"]
 
@@ -274,31 +273,9 @@ def emit_winograd_weight(mod: ModuleEmitter, p: WinogradConv, name: str) -> Conv
     """``name(x, dy, dw, ws)``: the weight gradient of the correlation ``p`` (``dw`` is overwritten).
     The workspace holds the groups' partial sums and a flag, shared, then each thread's scratch."""
     e = WeightGradEmitter(mod, p)
-    mod.declare(PARALLEL_FOR, PARALLEL_FOR_DECL)
-    mod.declare("llvm.memset.p0.i64", "declare void @llvm.memset.p0.i64(ptr, i8, i64, i1)")
-    mod.declare("llvm.memcpy.p0.p0.i64", "declare void @llvm.memcpy.p0.p0.i64(ptr, ptr, i64, i1)")
     partial_bytes = round_up(e.groups * e.w_group * e.esize, 64)
     scratch_stride = e.scratch_bytes()
-    groups = e.group_task(name + ".groups", scratch_stride)
-    finish = e.finish_task(name + ".finish")
-    direct = e.direct_task(name + ".direct")
-
-    f = FunctionEmitter(mod, name, [("ptr", "x"), ("ptr", "dy"), ("ptr", "dw"), ("ptr", "ws")])
-    partial = "%ws"
-    flag = f.gep("i8", "%ws", str(partial_bytes))
-    scratch = f.gep("i8", "%ws", str(partial_bytes + 64))
-
-    def parallel(task: str, ptrs: list[str]) -> None:
-        ctx = f.alloca(f"[{len(ptrs)} x ptr]", "ctx", align=8)
-        for i, ptr in enumerate(ptrs):
-            f.store("ptr", ptr, f.gep("ptr", ctx, str(i)))
-        f.call("void", "@" + PARALLEL_FOR, [("ptr", "@" + task), ("ptr", ctx)])
-
-    f.store("i32", "0", flag, align=4)
-    parallel(groups, ["%x", "%dy", partial, scratch])
-    parallel(finish, [partial, "%dw", flag])
-    with f.if_then(f.icmp("ne", f.load("i32", flag, align=4), "0", "i32"), "nonfinite"):
-        parallel(direct, ["%x", "%dy", "%dw"])
-    f.ret_void()
-    f.finish()
-    return ConvEntry(name, partial_bytes + 64 + scratch_stride)
+    phases = [(e.group_task(name + ".groups", scratch_stride), ["x", "dy", "shared", "scratch"]),
+              (e.finish_task(name + ".finish"), ["shared", "dw", "flag"])]
+    fallback = (e.direct_task(name + ".direct"), ["x", "dy", "dw"])
+    return emit_guarded_entry(mod, name, ("x", "dy", "dw"), partial_bytes, scratch_stride, phases, fallback)
