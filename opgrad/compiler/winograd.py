@@ -325,12 +325,7 @@ class WinogradEmitter:
             self.inputs(f, f.gep(self.t, x, f.mul(img, p.cin * p.h * p.w)), ty0, plane, v)
             self.gemms(f, u, v, mm)
             self.outputs(f, mm, f.gep(self.t, y, f.mul(img, p.cout * p.oh * p.ow)), ty0)
-        total = f.load(self.vt, self.sentinel)
-        nan = f.val(f"fcmp uno {self.vt} {total}, {total}")
-        any_nan = f.call("i1", self.mod.intrinsic("vector.reduce.or", "i1", [f"<{self.vl} x i1>"], f"v{self.vl}i1"),
-                         [(f"<{self.vl} x i1>", nan)])
-        with f.if_then(any_nan, "nonfinite"):
-            f.emit(f"store atomic i32 1, ptr {flag} monotonic, align 4")
+        self.raise_flag_if_nan(f, self.sentinel, flag)
         f.ret_void()
         f.finish()
         return name
@@ -457,6 +452,16 @@ class WinogradEmitter:
                             else:
                                 self.masked_store(f, m * vl, value, ptr, columns)
                             self.watch(f, value, columns)
+
+    def raise_flag_if_nan(self, f: FunctionEmitter, sentinel: str, flag: str) -> None:
+        """Set the shared i32 ``flag`` when any lane of the vector in ``sentinel`` is NaN. Every
+        writer stores the same 1, so the threads need no ordering beyond an atomic store."""
+        total = f.load(self.vt, sentinel)
+        nan = f.val(f"fcmp uno {self.vt} {total}, {total}")
+        any_nan = f.call("i1", self.mod.intrinsic("vector.reduce.or", "i1", [f"<{self.vl} x i1>"], f"v{self.vl}i1"),
+                         [(f"<{self.vl} x i1>", nan)])
+        with f.if_then(any_nan, "nonfinite"):
+            f.emit(f"store atomic i32 1, ptr {flag} monotonic, align 4")
 
     def watch(self, f: FunctionEmitter, value: str, columns: int) -> None:
         """Fold the first ``columns`` lanes of a stored row into the block's non-finite sentinel:

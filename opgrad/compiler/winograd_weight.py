@@ -230,12 +230,7 @@ class WeightGradEmitter(WinogradEmitter):
                     lanes_of(n, w0, vl)
             if self.wide_real % vl:
                 lanes_of(n, str(full), self.wide_real % vl)
-        total = f.load(vt, bad)
-        nan = f.val(f"fcmp uno {vt} {total}, {total}")
-        any_nan = f.call("i1", self.mod.intrinsic("vector.reduce.or", "i1", [f"<{vl} x i1>"], f"v{vl}i1"),
-                         [(f"<{vl} x i1>", nan)])
-        with f.if_then(any_nan, "nonfinite"):
-            f.emit(f"store atomic i32 1, ptr {flag} monotonic, align 4")
+        self.raise_flag_if_nan(f, bad, flag)
         f.ret_void()
         f.finish()
         return name
