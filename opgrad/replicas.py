@@ -31,8 +31,8 @@ from contextlib import contextmanager
 import numpy as np
 
 __all__ = [
-    "CALLBACK_SYMBOL",
     "CALLBACK_DECLARATION",
+    "CALLBACK_SYMBOL",
     "DTYPE_CODES",
     "Reducer",
     "callback_address",
@@ -107,9 +107,9 @@ def _callback(address: int | None, count: int, dtype_code: int) -> int:
                                           f"(known: {DTYPE_CODES}) or a null buffer")
             return BAD_DTYPE
         raw = (ctypes.c_char * (count * dtype.itemsize)).from_address(address)
-        reducer(np.frombuffer(raw, dtype=dtype))
+        reducer(np.frombuffer(memoryview(raw), dtype=dtype))
         return 0
-    except BaseException as exc:  # noqa: BLE001 -- re-raised by raise_pending after the native call
+    except BaseException as exc:  # re-raised by raise_pending once the native call returns
         _state.pending = exc
         return REDUCER_FAILED
 
