@@ -8,7 +8,8 @@ does between ranks. The MPI runs are in test_distributed_syncbn.py.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -17,8 +18,10 @@ import opgrad
 from opgrad import ops
 from opgrad.checks import check_op
 from opgrad.deploy import ExportError, export
+from opgrad.ir import Expr
 from opgrad.nn import BatchNorm2D, Conv2D, Dense, Flatten, ReLU, Sequential
 from opgrad.nn.gradstep import GradientResult, GradientStep
+from opgrad.nn.layers import ForwardContext
 from opgrad.replicas import replica_group
 
 
@@ -154,12 +157,12 @@ class ReplicaSummed(Flatten):
 
     kind = "test_replica_summed"
 
-    def apply(self, x, params, ctx):  # type: ignore[no-untyped-def]
+    def apply(self, x: Expr, params: Mapping[str, Expr], ctx: ForwardContext) -> Expr:
         return ops.cross_replica_sum(super().apply(x, params, ctx))
 
 
-def test_export_refuses_a_graph_that_sums_over_replicas(tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_export_refuses_a_graph_that_sums_over_replicas(tmp_path: Path) -> None:
     model = Sequential([ReplicaSummed(), Dense(10)], input_shape=(1, 28, 28), name="summed")
-    with pytest.raises(ExportError, match="cross_replica_sum.*MPI communicator.*an exported library has none"):
+    with pytest.raises(ExportError, match=r"cross_replica_sum.*MPI communicator.*an exported library has none"):
         export(tmp_path / "out", model=model, optimizer="sgd", batch_size=2, object_only=True)
     assert not (tmp_path / "out").exists()
