@@ -18,13 +18,21 @@ brings ``mpi4py`` and MPICH's ``mpirun``; a cluster's own MPI works the same und
 
 Dropout masks and augmentation shifts are drawn for the whole global batch from the step's seed
 and sliced, so N ranks with global batch B compute what one process with batch B computes.
-BatchNorm normalizes with each rank's own batch statistics (PyTorch's default without
+BatchNorm normalizes with each rank's own batch statistics by default (PyTorch's default without
 ``SyncBatchNorm``); the running statistics are averaged over the ranks in the same all-reduce,
-so every rank, and every checkpoint, holds the same values.
+so every rank, and every checkpoint, holds the same values. ``sync_batchnorm=True``
+(``--sync-batchnorm``, PyTorch's ``SyncBatchNorm``) normalizes with the statistics of the global
+batch instead: BatchNorm sums its per-channel statistics over the ranks inside the compiled step
+(``opgrad.ops.cross_replica_sum``, whose gradient is the same sum of the output gradient; four
+small all-reduces per BatchNorm layer, two in the forward and two in the backward, through
+:class:`ReplicaReducer`), and each rank's loss is scaled by its share of the batch before the
+backward, so the step equals one process's with the whole batch, uneven shards included.
 
 Faults: a rank whose step raises (bad data, a bug, a diverging loss) still joins the all-reduce
 with its flag set, so every rank learns at the same step which ranks failed and stops with an
-error naming them (:class:`RankFailedError`) instead of waiting forever. A failure outside a step
+error naming them (:class:`RankFailedError`) instead of waiting forever. With synchronized
+BatchNorm it first joins the step's remaining BatchNorm sums with a failure mark, which stops the
+peers waiting in them (:class:`ReplicaReducer`). A failure outside a step
 on one rank only (:func:`agree` is not reached) aborts the whole job through ``MPI_Abort`` after
 printing the error (:func:`abort_on_error`); a rank that dies is cleaned up by ``mpirun``.
 """
