@@ -61,7 +61,8 @@ EQUIVALENCE = """
     comm = world()
     images, labels = data(kind)
     out = {}
-    for sync in (True, False):
+    # Per-rank statistics once, on the reference backend: one compile fewer per rank in CI.
+    for sync in (True, False) if kind == "resnet" else (True,):
         trainer = DistributedTrainer(build(kind), optimizer(kind), sync_batchnorm=sync, **settings(kind))
         losses = []
         while len(losses) < 20:
@@ -102,13 +103,16 @@ def test_two_ranks_with_sync_batchnorm_match_one_process_with_the_whole_batch(tm
     assert [info["sync"]["rows"] for info in infos] == ([[0, 5], [5, 9]] if kind == "conv" else [[0, 3], [3, 5]])
     for info in infos:
         np.testing.assert_allclose(info["sync"]["losses"], losses, rtol=1e-5)
-        assert info["sync"]["sums"] > 0 and info["local"]["sums"] == 0
+        assert info["sync"]["sums"] > 0
     ranks = [np.load(tmp_path / f"sync{r}.npz") for r in range(2)]
     for name, value in expected.items():
         np.testing.assert_array_equal(ranks[0][name], ranks[1][name], err_msg=name)
         np.testing.assert_allclose(ranks[0][name], value, rtol=1e-5, atol=1e-5 * float(np.abs(value).max()),
                                    err_msg=name)
+    if kind != "resnet":
+        return
     # Per-rank statistics, the default, are another computation with BatchNorm in the model.
+    assert infos[0]["local"]["sums"] == 0
     local = np.array(infos[0]["local"]["losses"])
     assert np.max(np.abs(local - losses) / np.abs(losses)) > 1e-3
     local_params = np.load(tmp_path / "local0.npz")
