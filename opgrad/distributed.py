@@ -473,6 +473,11 @@ class DistributedTrainer(Trainer):
         started = time.perf_counter()
         reducer = self._reducer
         if reducer is not None:
+            if self._gradient_step is None:
+                # A rank that failed to build its step could not tell its peers, already waiting
+                # in the step's first BatchNorm sum, how many sums to expect: build in a check-in.
+                agree(self.comm, "building the synchronized training step",
+                      lambda: (self.gradient_step, self.update_step))
             reducer.start_step()
         sums_before = reducer.seconds if reducer is not None else 0.0
         peer_failed = False

@@ -127,16 +127,21 @@ FAILING = """
     comm = world()
     where = sys.argv[1]
     with abort_on_error(comm, "script"):
+        if where == "build" and comm.rank == 1:
+            import opgrad.distributed
+            def cannot_build(*args, **kwargs):
+                raise MemoryError("rank 1 cannot build its step")
+            opgrad.distributed.GradientStep = cannot_build
         images, labels = data("conv")
         trainer = DistributedTrainer(build("conv"), optimizer("conv"), sync_batchnorm=True, **settings("conv"))
-        step = trainer.gradient_step
         def before_the_step(x, y, params, buffers, masks):
             if comm.rank == 1 and trainer.step == 3:
                 raise ValueError("bad batch on rank 1")
             return step(x, y, params, buffers, masks)
         if where == "before":
+            step = trainer.gradient_step
             trainer._gradient_step = before_the_step
-        else:  # rank 1's second BatchNorm sum of step 4 fails inside the compiled step
+        elif where == "inside":  # rank 1's second BatchNorm sum of step 4 fails inside the compiled step
             reduce = ReplicaReducer.__call__
             def flaky(self, buffer):
                 if comm.rank == 1 and trainer.step == 3 and self.done == 1:
@@ -148,15 +153,18 @@ FAILING = """
 """
 
 
-@pytest.mark.parametrize("where", ["before", "inside"])
+@pytest.mark.parametrize("where", ["build", "before", "inside"])
 def test_a_rank_failing_in_a_synchronized_step_stops_every_rank(tmp_path: Path, where: str) -> None:
     done = run_mpi(["-n", "2", sys.executable, str(write(tmp_path, "failing.py", FAILING)), where], tmp_path,
                    timeout=90)
     assert done.returncode != 0 and "finished" not in done.stdout
-    error = "ValueError: bad batch on rank 1" if where == "before" else "ConnectionError: rank 1 lost its link"
+    error = {"build": "MemoryError: rank 1 cannot build its step", "before": "ValueError: bad batch on rank 1",
+             "inside": "ConnectionError: rank 1 lost its link"}[where]
     assert error in done.stderr
-    assert "RankFailedError: rank 1 failed at step 4 (epoch 1); its error is printed above; rank 0 stops too" \
-        in done.stderr
+    stopped = ("rank 1 failed while building the synchronized training step (its error is printed above); "
+               "rank 0 stops too" if where == "build" else
+               "rank 1 failed at step 4 (epoch 1); its error is printed above; rank 0 stops too")
+    assert f"RankFailedError: {stopped}" in done.stderr
     assert "MPI_Abort" not in done.stderr and "BAD TERMINATION" not in done.stderr  # stopped, not killed
 
 
