@@ -32,6 +32,7 @@ import numpy as np
 from opgrad.errors import ArgumentError
 from opgrad.ir import Call, Const, Function, Var, topological_order
 from opgrad.reference import check_arguments
+from opgrad.replicas import raise_pending
 
 from .builder import KernelBuilder, register_libm
 from .irtext import ModuleEmitter
@@ -248,6 +249,8 @@ class GraphPlan:
     loop_entry: str = ""
     loop_checks: list[LoopCheck] = field(default_factory=list)
     step_costs: list[StepCost] = field(default_factory=list)
+    #: Steps that call back into this process (``cross_replica_sum``'s reducer), described.
+    host_calls: list[str] = field(default_factory=list)
 
 
 def plan_graph(fn: Function, *, name: str = "opgrad_graph", step_entries: bool = False,
@@ -290,7 +293,7 @@ def plan_graph(fn: Function, *, name: str = "opgrad_graph", step_entries: bool =
         ir = kb.m.text()
     return GraphPlan(fn, name, low.buffers, params, results, offsets, arena_bytes, low.consts, low.checks,
                      kb.workspace_per_thread, len(kb.steps), fused, step_labels, kb.kernel_labels, kb.m, ir,
-                     loop, loop_entry, loop_checks, step_costs)
+                     loop, loop_entry, loop_checks, step_costs, list(kb.host_calls))
 
 
 class CompiledFunction:
@@ -337,6 +340,7 @@ class CompiledFunction:
         self._checks = plan.checks
         self._ws_addr = _aligned(self._ws)
         self._lock = threading.Lock()
+        self._calls_host = bool(plan.host_calls)
         self._profile: list[list[float]] | None = None
         self._profile_clock: Callable[[], float] = time.perf_counter
         self._step_fns = [self._module.cfunc(f"{plan.name}.step{i}", None, ctypes.c_void_p, ctypes.c_void_p)
@@ -367,6 +371,8 @@ class CompiledFunction:
             for b, arr in zip(self._results, outs, strict=True):
                 table[b] = arr.ctypes.data
             self._fn(self._table_addr, self._ws_addr)
+            if self._calls_host:  # a reducer that failed stopped the step: raise its error here
+                raise_pending()
             if self._profile is not None:  # rerun each step alone on the same buffers, timed
                 clock = self._profile_clock
                 for i, step in enumerate(self._step_fns):
@@ -434,6 +440,8 @@ class CompiledFunction:
             for p, r in loop.carry:  # the newest values are wherever the parameter slot points now
                 if table[self._params[p]] == spare[r].ctypes.data:
                     outs[r] = spare[r]
+            if self._calls_host:
+                raise_pending()
         result = tuple(outs) if fn.returns_tuple else outs[0]
         if code == LOOP_RANGE:
             step, index, value, k = (int(x) for x in status[1:])
