@@ -26,7 +26,6 @@ split over the thread pool by output rows, so results do not depend on the threa
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import math
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -34,16 +33,14 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from opgrad.replicas import CALLBACK_SYMBOL, callback_address
-
 from .batched import emit_batched_gemm
 from .conv import Conv2dGeometry
 from .convpass import emit_conv2d_pass
 from .gemm import GemmSpec, IndexMap, Operand, emit_gemm
 from .grouped import conv2d_direct
-from .hostcall import emit_cross_replica_sum
+from .hostcall import emit_cross_replica_sum, register_host_symbols
 from .irtext import BYTES, LLVM_TYPE, FunctionEmitter, ModuleEmitter
-from .jit import NativeModule, register_symbol
+from .jit import NativeModule
 from .threads import PARALLEL_FOR, PARALLEL_FOR_DECL, pool
 from .views import (
     CONSTANT,
@@ -569,7 +566,7 @@ class KernelBuilder:
 
     def compile(self) -> CompiledGraph:
         """Finish, compile (disk-cached) and wrap the entry for ctypes."""
-        register_libm()
+        register_host_symbols()
         nthreads = pool().nthreads
         module = NativeModule(self.finish(), kernel_labels=self.kernel_labels)
         return CompiledGraph(module, self.name, self.workspace_per_thread * nthreads)
@@ -613,25 +610,6 @@ class CompiledGraph:
     def __call__(self, *arrays: object) -> None:
         table = (ctypes.c_void_p * len(arrays))(*(a.ctypes.data for a in arrays))  # type: ignore[attr-defined]
         self.call_pointers(table)
-
-
-_libm_done = False
-
-
-def register_libm() -> None:
-    """Scalar math intrinsics lower to libm calls on x86; make those symbols resolvable, and the
-    host callback of ``cross_replica_sum``."""
-    global _libm_done
-    if _libm_done:
-        return
-    register_symbol(CALLBACK_SYMBOL, callback_address())
-    libm = ctypes.CDLL(ctypes.util.find_library("m") or "libm.so.6")
-    for sym in ("expf", "exp", "logf", "log", "tanhf", "tanh", "powf", "pow", "sinf", "sin", "cosf", "cos",
-                "erff", "erf", "log1pf", "log1p", "expm1f", "expm1"):
-        fn = getattr(libm, sym, None)
-        if fn is not None:
-            register_symbol(sym, ctypes.cast(fn, ctypes.c_void_p).value or 0)
-    _libm_done = True
 
 
 __all__ = ["BYTES", "CONSTANT", "IOTA", "Body", "CompiledGraph", "KernelBuilder", "Scalar", "Step", "View"]

@@ -34,7 +34,8 @@ from opgrad.ir import Call, Const, Function, Var, topological_order
 from opgrad.reference import check_arguments
 from opgrad.replicas import raise_pending
 
-from .builder import KernelBuilder, register_libm
+from .builder import KernelBuilder
+from .hostcall import register_host_symbols
 from .irtext import ModuleEmitter
 from .jit import CompileTimes, NativeModule
 from .steploop import LOOP_NAN, LOOP_RANGE, STATUS_WORDS, STOP_ON_NAN, LoopCheck, LoopStopped, StepLoop, emit_step_loop
@@ -316,7 +317,7 @@ class CompiledFunction:
         self.plan_seconds = time.perf_counter() - t0  # lowering, fusion, buffer plan and IR text
         self.fused, self.arena_bytes, self.steps = plan.fused, plan.arena_bytes, plan.steps
         self.step_labels = plan.step_labels
-        register_libm()
+        register_host_symbols()
         nthreads = pool().nthreads
         self.ir = plan.ir
         self._module = NativeModule(self.ir, what=_describe(fn), kernel_labels=plan.kernel_labels)

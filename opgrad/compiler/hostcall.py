@@ -10,15 +10,20 @@ replica. Its ``i32`` result is checked: a failed reducer ends the step there (se
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 from typing import TYPE_CHECKING
 
-from opgrad.replicas import CALLBACK_DECLARATION, CALLBACK_SYMBOL, DTYPE_CODES
+from opgrad.replicas import CALLBACK_DECLARATION, CALLBACK_SYMBOL, DTYPE_CODES, callback_address
 
 from .irtext import FunctionEmitter
+from .jit import register_symbol
 from .views import View, elem_type, identity
 
 if TYPE_CHECKING:
     from .builder import KernelBuilder
+
+__all__ = ["emit_cross_replica_sum", "register_host_symbols"]
 
 
 def emit_cross_replica_sum(kb: KernelBuilder, out: View, data: View) -> None:
@@ -37,3 +42,22 @@ def emit_cross_replica_sum(kb: KernelBuilder, out: View, data: View) -> None:
     kb.add_call(name, [out.buffer], [out.buffer], [out.buffer], detail=f"all-reduce {out.size} x {out.dtype}",
                 checked=True)
     kb.host_calls.append(f"cross_replica_sum of {out.size} {out.dtype} value(s)")
+
+
+_registered = False
+
+
+def register_host_symbols() -> None:
+    """Make the symbols compiled code calls in this process resolvable: libm (scalar math
+    intrinsics lower to libm calls on x86) and the host callback of ``cross_replica_sum``."""
+    global _registered
+    if _registered:
+        return
+    register_symbol(CALLBACK_SYMBOL, callback_address())
+    libm = ctypes.CDLL(ctypes.util.find_library("m") or "libm.so.6")
+    for sym in ("expf", "exp", "logf", "log", "tanhf", "tanh", "powf", "pow", "sinf", "sin", "cosf", "cos",
+                "erff", "erf", "log1pf", "log1p", "expm1f", "expm1"):
+        fn = getattr(libm, sym, None)
+        if fn is not None:
+            register_symbol(sym, ctypes.cast(fn, ctypes.c_void_p).value or 0)
+    _registered = True
