@@ -1,14 +1,14 @@
-"""Winograd F(m, 3) kernels for 3x3 stride-1 conv2d: the forward and the backward-data pass.
+"""Winograd F(m, 3) kernels for 3x3 stride-1 conv2d: the forward and the backward-data pass, and
+the pieces the weight gradient (:mod:`.winograd_weight`) shares with them.
 
 A 3x3 correlation computed on ``alpha x alpha`` input tiles (``alpha = m + 2``) costs ``alpha**2``
 products per ``m x m`` outputs instead of ``9 * m**2``: 2.25x fewer for F(2,3), 4x for F(4,3)
 (Lavin & Gray, "Fast Algorithms for Convolutional Neural Networks", 2016). Summed over input
-channels, the products at one of the ``alpha**2`` tile positions form a GEMM, so the heavy part runs
-on the same engine as the direct convolution:
+channels, the products at one of the ``alpha**2`` tile positions form a GEMM:
 
 * ``U[pos][o][c] = (G g G^T)[pos]``: the weights, transformed once per call;
-* ``V[pos][c][t] = (B^T d B)[pos]``: the input tiles ``t`` of a segment of images;
-* ``M[pos] = U[pos] @ V[pos]``: ``alpha**2`` GEMMs, one batched kernel;
+* ``V[pos][c][t] = (B^T d B)[pos]``: the input tiles ``t`` of a block;
+* ``M[pos] = U[pos] @ V[pos]``: ``alpha**2`` small GEMMs;
 * the ``m x m`` outputs of tile ``t`` are ``A^T M[.][o][t] A``.
 
 Backward-data of a stride-1 convolution is a forward convolution of dY by the weights with O and C
@@ -21,7 +21,8 @@ data in L1/L2: the block's input tiles of every channel are transformed into V (
 bounds check), the ``alpha**2`` small GEMMs run a register-tiled microkernel on V and on U, which
 the weight transform writes already packed in ``MR``-row panels, and the output transform writes
 the block's outputs. Nothing large goes through memory, and the blocks depend only on the shapes,
-so results are bitwise identical for any thread count.
+so results are bitwise identical for any thread count. A non-finite output sends the whole pass
+to a direct sum (:func:`emit_guarded_entry`), which puts NaN and infinities where the reference does.
 """
 
 from __future__ import annotations
