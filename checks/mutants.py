@@ -30,7 +30,7 @@ class Mutant:
 
 
 def _window(call: Call) -> dict[str, Any]:
-    return {k: call.attrs[k] for k in ("strides", "padding", "dilation")}
+    return {k: call.attrs[k] for k in ("strides", "padding", "dilation", "groups")}
 
 
 def _without(call: Call, key: str, value: Any) -> dict[str, Any]:
