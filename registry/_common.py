@@ -11,6 +11,8 @@ from opgrad.dtypes import TensorType, broadcast_shapes
 from opgrad.op import DEFAULT_DOMAIN, Attrs, Input, Interval, Operator, require
 
 if TYPE_CHECKING:
+    from opgrad.compiler.builder import KernelBuilder
+    from opgrad.compiler.views import Body, View
     from opgrad.ir import Call, Expr
 
 POSITIVE = (Interval(0.2, 3.0),)
@@ -124,7 +126,7 @@ def place_on_zero(rng: np.random.Generator, inputs: list[np.ndarray], attrs: Att
 
 
 def smooth_unary(name: str, doc: str, *, forward: Callable[[np.ndarray], np.ndarray],
-                 gradient: tuple[str, Callable[[Call, Expr], Expr]], lowering: tuple[str, Callable[[Any, Any], Any]],
+                 gradient: tuple[str, Callable[[Call, Expr], Expr]], lowering: tuple[str, Body],
                  domain: tuple[Interval, ...] = DEFAULT_DOMAIN, jointly_linear: bool = False) -> Operator:
     """Declare an elementwise op ``out = forward(data)``, smooth on ``domain``, in one call.
 
@@ -144,7 +146,7 @@ def smooth_unary(name: str, doc: str, *, forward: Callable[[np.ndarray], np.ndar
     def gradient_rule(call: Call, grad: Expr) -> list[Expr | None]:
         return [rule(call, grad)]
 
-    def lower(kb: Any, call: Call, out: Any, data: Any) -> None:
+    def lower(kb: KernelBuilder, call: Call, out: View, data: View) -> None:
         kb.elementwise(out, [data], body)
 
     gradient_rule.__doc__, lower.__doc__ = gradient_doc, lowering_doc
@@ -152,3 +154,11 @@ def smooth_unary(name: str, doc: str, *, forward: Callable[[np.ndarray], np.ndar
     op.gradient(gradient_rule)
     op.lowering(lower)
     return op
+
+
+def dense_reshape(view: View, shape: Sequence[int]) -> View:
+    """``view.reshape(shape)`` of a view known to be dense (an output buffer, a temporary)."""
+    reshaped = view.reshape(shape)
+    if reshaped is None:
+        raise AssertionError(f"a dense view was expected, got strides {view.strides} for shape {view.shape}")
+    return reshaped

@@ -14,7 +14,8 @@ from opgrad.op import Attr, Case, int_tuple, require
 
 def _strides(value: Any, types: Sequence[TensorType], attrs: dict[str, Any]) -> tuple[int, int]:
     if value is None:  # Keras' convention: non-overlapping windows
-        return attrs["pool_size"]
+        pool_size: tuple[int, int] = attrs["pool_size"]
+        return pool_size
     return int_tuple(2, minimum=1)(value)  # type: ignore[return-value]
 
 

@@ -9,14 +9,21 @@ grad / divisor over each window.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from opgrad import ops
 from opgrad.dtypes import TensorType
-from opgrad.op import Input, Operator, require
-from opgrad.registry._pooling import avg_divisors, draw_pool_case, pool_attrs, pool_shape, scatter_windows, windows
+from opgrad.ir import Call, Expr
+from opgrad.op import Case, Input, Operator, require
+
+from ._pooling import avg_divisors, draw_pool_case, pool_attrs, pool_shape, scatter_windows, windows
+
+if TYPE_CHECKING:  # types only: the compiler and the checker sit above the registry
+    from opgrad.checks.strategies import CaseDraw
+    from opgrad.compiler.builder import KernelBuilder
+    from opgrad.compiler.views import View
 
 avg_pool2d = Operator(
     "avg_pool2d",
@@ -33,28 +40,28 @@ def _avg_pool2d_forward(data: np.ndarray, pool_size: Any, strides: Any, padding:
                         count_include_pad: bool) -> np.ndarray:
     total = windows(data, pool_size, strides, padding, 0.0, ceil_mode).sum(axis=(4, 5))
     divisors = avg_divisors(data.shape[2:], pool_size, strides, padding, ceil_mode, count_include_pad)
-    return (total / divisors).astype(data.dtype, copy=False)
+    return np.asarray((total / divisors).astype(data.dtype, copy=False))
 
 
 @avg_pool2d.gradient
-def _avg_pool2d_gradient(call, grad):
+def _avg_pool2d_gradient(call: Call, grad: Expr) -> list[Expr | None]:
     """d_data = avg_pool2d_backward(grad, data): grad / divisor spread over each window"""
     return [ops.avg_pool2d_backward(grad, call.args[0], **call.attrs)]
 
 
 @avg_pool2d.mutant("count_include_pad flipped in the gradient")
-def _avg_pool2d_count_flipped(call, grad):
+def _avg_pool2d_count_flipped(call: Call, grad: Expr) -> list[Expr | None]:
     return [ops.avg_pool2d_backward(grad, call.args[0], **{**call.attrs,
                                                            "count_include_pad": not call.attrs["count_include_pad"]})]
 
 
 @avg_pool2d.sampler
-def _avg_pool2d_cases(d):
+def _avg_pool2d_cases(d: CaseDraw) -> Case:
     return draw_pool_case(d, "data", avg=True)
 
 
 @avg_pool2d.lowering
-def _avg_pool2d_lowering(kb, call, out, data):
+def _avg_pool2d_lowering(kb: KernelBuilder, call: Call, out: View, data: View) -> None:
     """out = sum of each window / its divisor"""
     kb.pool2d(out, data, call.attrs["pool_size"], call.attrs["strides"], call.attrs["padding"], "avg",
               ceil_mode=call.attrs["ceil_mode"], count_include_pad=call.attrs["count_include_pad"])
@@ -91,18 +98,18 @@ def _avg_pool2d_backward_forward(grad: np.ndarray, data: np.ndarray, pool_size: 
 
 
 @avg_pool2d_backward.gradient
-def _avg_pool2d_backward_gradient(call, grad):
+def _avg_pool2d_backward_gradient(call: Call, grad: Expr) -> list[Expr | None]:
     """d_grad = avg_pool2d(c): the adjoint of spreading is averaging"""
     return [ops.avg_pool2d(grad, **call.attrs), None]
 
 
 @avg_pool2d_backward.sampler
-def _avg_pool2d_backward_cases(d):
+def _avg_pool2d_backward_cases(d: CaseDraw) -> Case:
     return draw_pool_case(d, "pooled,data", avg=True)
 
 
 @avg_pool2d_backward.lowering
-def _avg_pool2d_backward_lowering(kb, call, out, grad, data):
+def _avg_pool2d_backward_lowering(kb: KernelBuilder, call: Call, out: View, grad: View, data: View) -> None:
     """out = grad / divisor spread over each window"""
     kb.pool2d_scatter(out, grad, None, call.attrs["pool_size"], call.attrs["strides"], call.attrs["padding"],
                       ceil_mode=call.attrs["ceil_mode"], count_include_pad=call.attrs["count_include_pad"])

@@ -21,14 +21,20 @@ conv2d_backward_weight(x, c) for w: x plays the output gradient and c the forwar
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
 from opgrad import ops
 from opgrad.dtypes import TensorType
+from opgrad.ir import Call, Expr
 from opgrad.op import Attr, Case, Input, Operator, int_tuple, require
+
+if TYPE_CHECKING:  # types only: the compiler and the checker sit above the registry
+    from opgrad.checks.strategies import CaseDraw
+    from opgrad.compiler.builder import KernelBuilder
+    from opgrad.compiler.views import View
 
 
 def conv_output_size(size: int, kernel: int, stride: int, pad_total: int, dilation: int) -> int:
@@ -118,7 +124,7 @@ def _per_group(fn: Any, groups: int, first: np.ndarray, first_axis: int, second:
                out_axis: int) -> np.ndarray:
     """``fn`` on each group's slices of both operands, concatenated along ``out_axis``."""
     if groups == 1:
-        return fn(first, second)
+        return np.asarray(fn(first, second))
     parts = [fn(a, b) for a, b in zip(np.split(first, groups, axis=first_axis),
                                       np.split(second, groups, axis=second_axis), strict=True)]
     return np.ascontiguousarray(np.concatenate(parts, axis=out_axis))
@@ -182,7 +188,8 @@ def _conv2d_forward(data: np.ndarray, weight: np.ndarray, strides: Any, padding:
     return _per_group(lambda x, w: _conv2d_one_group(x, w, strides, padding, dilation), groups, data, 1, weight, 0, 1)
 
 
-def _conv2d_grads(call, grad, data_window=None, batch=None):
+def _conv2d_grads(call: Call, grad: Expr, data_window: dict[str, Any] | None = None,
+                  batch: int | None = None) -> list[Expr | None]:
     """[d_data, d_weight] as the gradient builds them; the mutants below change one piece:
     ``data_window`` replaces d_data's window attributes, ``batch`` limits d_weight's samples."""
     data, weight = call.args
@@ -197,30 +204,30 @@ def _conv2d_grads(call, grad, data_window=None, batch=None):
 
 
 @conv2d.gradient
-def _conv2d_gradient(call, grad):
+def _conv2d_gradient(call: Call, grad: Expr) -> list[Expr | None]:
     """d_data = conv2d_backward_input(grad, weight) ; d_weight = conv2d_backward_weight(grad, data)"""
     return _conv2d_grads(call, grad)
 
 
 @conv2d.mutant("d_data with the row stride on both axes (right when the strides are equal)")
-def _conv2d_square_strides(call, grad):
+def _conv2d_square_strides(call: Call, grad: Expr) -> list[Expr | None]:
     rows = call.attrs["strides"][0]
     return _conv2d_grads(call, grad, data_window={"strides": (rows, rows)})
 
 
 @conv2d.mutant("d_weight from the first sample of the batch only (right for batch 1)")
-def _conv2d_weight_first_sample(call, grad):
+def _conv2d_weight_first_sample(call: Call, grad: Expr) -> list[Expr | None]:
     return _conv2d_grads(call, grad, batch=1)
 
 
 @conv2d.mutant("d_data with top and bottom padding swapped")
-def _conv2d_pads_swapped(call, grad):
+def _conv2d_pads_swapped(call: Call, grad: Expr) -> list[Expr | None]:
     top, left, bottom, right = call.attrs["padding"]
     return _conv2d_grads(call, grad, data_window={"padding": (bottom, left, top, right)})
 
 
 @conv2d.mutant("d_weight correlates every group's grad with the first group's data")
-def _conv2d_weight_first_group(call, grad):
+def _conv2d_weight_first_group(call: Call, grad: Expr) -> list[Expr | None]:
     data, weight = call.args
     g = call.attrs["groups"]
     cg = data.shape[1] // g
@@ -249,13 +256,13 @@ def draw_conv_geometry(d: Any) -> dict[str, Any]:
 
 
 @conv2d.sampler
-def _conv2d_cases(d):
+def _conv2d_cases(d: CaseDraw) -> Case:
     g = draw_conv_geometry(d)
     return Case([(g["n"], g["c"], *g["hw"]), (g["o"], g["c"] // g["groups"], *g["kernel"])], g["window"])
 
 
 @conv2d.lowering
-def _conv2d_lowering(kb, call, out, data, weight):
+def _conv2d_lowering(kb: KernelBuilder, call: Call, out: View, data: View, weight: View) -> None:
     """out = W @ im2col(data) as one GEMM per group (im2col gathered while packing, never stored);
     many groups (depthwise) run as a direct loop instead"""
     kb.conv2d_forward(out, data, weight, **call.attrs)
@@ -325,7 +332,7 @@ def _conv2d_backward_input_forward(grad: np.ndarray, weight: np.ndarray, strides
 
 
 @conv2d_backward_input.gradient
-def _conv2d_backward_input_gradient(call, grad):
+def _conv2d_backward_input_gradient(call: Call, grad: Expr) -> list[Expr | None]:
     """d_grad = conv2d(c, weight) ; d_weight = conv2d_backward_weight(grad_in, c), c = incoming cotangent"""
     dy, weight = call.args
     window = _window(call.attrs)
@@ -336,7 +343,7 @@ def _conv2d_backward_input_gradient(call, grad):
 
 
 @conv2d_backward_input.mutant("d_grad with left and right padding swapped")
-def _conv2d_backward_input_pads_swapped(call, grad):
+def _conv2d_backward_input_pads_swapped(call: Call, grad: Expr) -> list[Expr | None]:
     dy, weight = call.args
     top, left, bottom, right = call.attrs["padding"]
     window = _window(call.attrs)
@@ -347,14 +354,14 @@ def _conv2d_backward_input_pads_swapped(call, grad):
 
 
 @conv2d_backward_input.sampler
-def _conv2d_backward_input_cases(d):
+def _conv2d_backward_input_cases(d: CaseDraw) -> Case:
     g = draw_conv_geometry(d)
     return Case([(g["n"], g["o"], *g["out"]), (g["o"], g["c"] // g["groups"], *g["kernel"])],
                 {**g["window"], "input_size": g["hw"]})
 
 
 @conv2d_backward_input.lowering
-def _conv2d_backward_input_lowering(kb, call, out, grad, weight):
+def _conv2d_backward_input_lowering(kb: KernelBuilder, call: Call, out: View, grad: View, weight: View) -> None:
     """out = col2im(W^T @ grad), one GEMM per group; many groups run as a direct loop"""
     kb.conv2d_backward_data(out, grad, weight, **_window(call.attrs))
 
@@ -408,7 +415,7 @@ def _conv2d_backward_weight_forward(grad: np.ndarray, data: np.ndarray, strides:
 
 
 @conv2d_backward_weight.gradient
-def _conv2d_backward_weight_gradient(call, grad):
+def _conv2d_backward_weight_gradient(call: Call, grad: Expr) -> list[Expr | None]:
     """d_grad = conv2d(data, c) ; d_data = conv2d_backward_input(grad_in, c), c = incoming cotangent"""
     dy, data = call.args
     window = _window(call.attrs)
@@ -419,7 +426,7 @@ def _conv2d_backward_weight_gradient(call, grad):
 
 
 @conv2d_backward_weight.mutant("d_data ignores groups: each group's grad read against group 0's cotangent")
-def _conv2d_backward_weight_groups_ignored(call, grad):
+def _conv2d_backward_weight_groups_ignored(call: Call, grad: Expr) -> list[Expr | None]:
     dy, data = call.args
     g = call.attrs["groups"]
     og = dy.shape[1] // g
@@ -432,13 +439,13 @@ def _conv2d_backward_weight_groups_ignored(call, grad):
 
 
 @conv2d_backward_weight.sampler
-def _conv2d_backward_weight_cases(d):
+def _conv2d_backward_weight_cases(d: CaseDraw) -> Case:
     g = draw_conv_geometry(d)
     return Case([(g["n"], g["o"], *g["out"]), (g["n"], g["c"], *g["hw"])], {**g["window"], "kernel_size": g["kernel"]})
 
 
 @conv2d_backward_weight.lowering
-def _conv2d_backward_weight_lowering(kb, call, out, grad, data):
+def _conv2d_backward_weight_lowering(kb: KernelBuilder, call: Call, out: View, grad: View, data: View) -> None:
     """out = grad @ im2col(data)^T as one GEMM per group; many groups run as a direct loop"""
     kb.conv2d_backward_weight(out, grad, data, **_window(call.attrs))
 
@@ -524,7 +531,7 @@ def _transpose_window(attrs: Any) -> dict[str, Any]:
 
 
 @conv2d_transpose.gradient
-def _conv2d_transpose_gradient(call, grad):
+def _conv2d_transpose_gradient(call: Call, grad: Expr) -> list[Expr | None]:
     """d_data = conv2d(c, weight) ; d_weight = conv2d_backward_weight(data, c): conv2d's weight gradient
     with data in the role of the output gradient and c in the role of the forward input"""
     data, weight = call.args
@@ -536,7 +543,7 @@ def _conv2d_transpose_gradient(call, grad):
 
 
 @conv2d_transpose.mutant("d_data reads the cotangent from the top-left, as if output_padding were leading")
-def _conv2d_transpose_output_padding_leading(call, grad):
+def _conv2d_transpose_output_padding_leading(call: Call, grad: Expr) -> list[Expr | None]:
     data, weight = call.args
     oph, opw = call.attrs["output_padding"]
     shifted = ops.strided_slice(grad, begin=(0, 0, oph, opw), end=grad.shape)
@@ -548,7 +555,7 @@ def _conv2d_transpose_output_padding_leading(call, grad):
 
 
 @conv2d_transpose.mutant("d_weight ignores dilation")
-def _conv2d_transpose_dilation_ignored(call, grad):
+def _conv2d_transpose_dilation_ignored(call: Call, grad: Expr) -> list[Expr | None]:
     data, weight = call.args
     window = _transpose_window(call.attrs)
     return [
@@ -558,7 +565,7 @@ def _conv2d_transpose_dilation_ignored(call, grad):
 
 
 @conv2d_transpose.sampler
-def _conv2d_transpose_cases(d):
+def _conv2d_transpose_cases(d: CaseDraw) -> Case:
     g = draw_conv_geometry(d)
     window = g["window"]
     output_padding = []
@@ -572,6 +579,6 @@ def _conv2d_transpose_cases(d):
 
 
 @conv2d_transpose.lowering
-def _conv2d_transpose_lowering(kb, call, out, data, weight):
+def _conv2d_transpose_lowering(kb: KernelBuilder, call: Call, out: View, data: View, weight: View) -> None:
     """out = col2im(W^T @ data): conv2d's backward-data pass"""
     kb.conv2d_backward_data(out, data, weight, **_transpose_window(call.attrs))

@@ -18,17 +18,24 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 from dataclasses import replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from opgrad import ops
 from opgrad.dtypes import TensorType
+from opgrad.ir import Call, Expr
 from opgrad.op import Attr, Case, Input, Operator, require
-from opgrad.registry._common import same_as_first, shape_tuple
+
+from ._common import same_as_first, shape_tuple
+
+if TYPE_CHECKING:  # types only: the compiler and the checker sit above the registry
+    from opgrad.checks.strategies import CaseDraw
+    from opgrad.compiler.builder import KernelBuilder
+    from opgrad.compiler.views import Body, Scalar, View
 
 
-def _copy(s, v):
+def _copy(s: Scalar, v: list[str]) -> str:
     return v[0]
 
 
@@ -55,7 +62,7 @@ def _flip_axes(value: Any, types: Sequence[TensorType], _attrs: Any = None) -> t
     return tuple(axes)
 
 
-def _reversed_view(view, axes: Sequence[int]):
+def _reversed_view(view: View, axes: Sequence[int]) -> View:
     """``view`` read backwards along ``axes``: negative strides from the last element."""
     offset = view.offset + sum((view.shape[a] - 1) * view.strides[a] for a in axes)
     strides = tuple(-s if a in axes else s for a, s in enumerate(view.strides))
@@ -75,22 +82,22 @@ flip.shape_rule(same_as_first)
 
 @flip.reference
 def _flip_forward(data: np.ndarray, axis: tuple[int, ...]) -> np.ndarray:
-    return np.flip(data, axis).copy()
+    return np.asarray(np.flip(data, axis).copy())
 
 
 @flip.gradient
-def _flip_gradient(call, grad):
+def _flip_gradient(call: Call, grad: Expr) -> list[Expr | None]:
     """d_data = flip(grad, axis): a reversal is its own adjoint"""
     return [ops.flip(grad, axis=call.attrs["axis"])]
 
 
 @flip.mutant("gradient not flipped back")
-def _flip_identity(call, grad):
+def _flip_identity(call: Call, grad: Expr) -> list[Expr | None]:
     return [grad]
 
 
 @flip.sampler
-def _flip_cases(d):
+def _flip_cases(d: CaseDraw) -> Case:
     shape = d.shape(min_rank=1, max_rank=4)
     axes = d.subset([a - len(shape) if d.bool() else a for a in range(len(shape))])
     axis = None if d.int(0, 4) == 0 else (axes[0] if len(axes) == 1 and d.bool() else axes)
@@ -98,7 +105,7 @@ def _flip_cases(d):
 
 
 @flip.lowering
-def _flip_lowering(kb, call, out, data):
+def _flip_lowering(kb: KernelBuilder, call: Call, out: View, data: View) -> None:
     """out = data read through negative strides along axis"""
     kb.elementwise(out, [_reversed_view(data, call.attrs["axis"])], _copy)
 
@@ -114,7 +121,7 @@ def _axis_size(value: Any, types: Sequence[TensorType], attrs: dict[str, Any]) -
     size = types[0].shape[attrs["axis"]]
     if value is not None and int(value) != size:
         raise ValueError(f"axis_size is derived from data ({size} along axis {attrs['axis']}); got {value}")
-    return size
+    return int(size)
 
 
 take = Operator(
@@ -153,14 +160,14 @@ def _take_forward(data: np.ndarray, indices: np.ndarray, axis: int, axis_size: i
 
 
 @take.gradient
-def _take_gradient(call, grad):
+def _take_gradient(call: Call, grad: Expr) -> list[Expr | None]:
     """d_data = take_backward(grad, indices): grad added back at each index (repeats accumulate)"""
     indices = call.args[1]
     return [ops.take_backward(grad, indices, axis=call.attrs["axis"], axis_size=call.attrs["axis_size"]), None]
 
 
 @take.mutant("repeated indices overwrite instead of accumulating (mean of the repeats)")
-def _take_no_accumulation(call, grad):
+def _take_no_accumulation(call: Call, grad: Expr) -> list[Expr | None]:
     indices = call.args[1]
     axis, size = call.attrs["axis"], call.attrs["axis_size"]
     counts = ops.take_backward(ops.ones_like(grad), indices, axis=axis, axis_size=size)
@@ -170,14 +177,14 @@ def _take_no_accumulation(call, grad):
 
 
 @take.sampler
-def _take_cases(d):
+def _take_cases(d: CaseDraw) -> Case:
     shape = d.shape(min_rank=1, max_rank=3)
     axis = d.int(-len(shape), len(shape) - 1)
     return Case([shape, d.shape(max_rank=2)], {"axis": axis})
 
 
 @take.lowering
-def _take_lowering(kb, call, out, data, indices):
+def _take_lowering(kb: KernelBuilder, call: Call, out: View, data: View, indices: View) -> None:
     """out[pre, i, post] = sum over k of (data[pre, k, post] if indices[i] == k else 0): a compare, never an address"""
     axis, size = call.attrs["axis"], call.attrs["axis_size"]
     ni = indices.ndim
@@ -243,23 +250,23 @@ def _take_backward_forward(grad: np.ndarray, indices: np.ndarray, axis: int, axi
 
 
 @take_backward.gradient
-def _take_backward_gradient(call, grad):
+def _take_backward_gradient(call: Call, grad: Expr) -> list[Expr | None]:
     """d_grad = take(c, indices): the adjoint of a scatter-add is the gather"""
     return [ops.take(grad, call.args[1], axis=call.attrs["axis"]), None]
 
 
 @take_backward.mutant("gathers along the last axis whatever the axis (right when axis is the last)")
-def _take_backward_last_axis(call, grad):
+def _take_backward_last_axis(call: Call, grad: Expr) -> list[Expr | None]:
     return [ops.take(grad, call.args[1], axis=-1), None]
 
 
 @take_backward.mutant("off by 1e-4 relative")
-def _take_backward_slightly_off(call, grad):
+def _take_backward_slightly_off(call: Call, grad: Expr) -> list[Expr | None]:
     return [ops.multiply(ops.take(grad, call.args[1], axis=call.attrs["axis"]), 1.0001), None]
 
 
 @take_backward.sampler
-def _take_backward_cases(d):
+def _take_backward_cases(d: CaseDraw) -> Case:
     shape = d.shape(min_rank=1, max_rank=3)
     axis = d.int(0, len(shape) - 1)
     ishape = d.shape(max_rank=2)
@@ -267,7 +274,7 @@ def _take_backward_cases(d):
 
 
 @take_backward.lowering
-def _take_backward_lowering(kb, call, out, grad, indices):
+def _take_backward_lowering(kb: KernelBuilder, call: Call, out: View, grad: View, indices: View) -> None:
     """out[pre, k, post] = sum over i of (grad[pre, i, post] if indices[i] == k else 0)"""
     axis, size, ni = call.attrs["axis"], call.attrs["axis_size"], indices.ndim
     pre, post = out.shape[:axis], out.shape[axis + 1:]
@@ -277,7 +284,7 @@ def _take_backward_lowering(kb, call, out, grad, indices):
     picks = replace(indices, shape=full, strides=(0,) * (len(out.shape)) + indices.strides)
     reduced = tuple(range(out.ndim, len(full)))
 
-    def body(s, v):
+    def body(s: Scalar, v: list[str]) -> str:
         return s.select(s.cmp("oeq", v[1], v[2]), v[0], s.const(0.0))
 
     if reduced:
@@ -366,7 +373,7 @@ def _runs(src: list[int]) -> list[tuple[int, int, int, int]]:
     return runs
 
 
-def _slice_view(view, axis: int, start: int, length: int, step: int):
+def _slice_view(view: View, axis: int, start: int, length: int, step: int) -> View:
     """Positions start, start + step, ... (length of them) along one axis of ``view``."""
     strides = list(view.strides)
     shape = list(view.shape)
@@ -402,23 +409,23 @@ def _pad_forward(data: np.ndarray, pad_width: Any, mode: str, value: float) -> n
 
 
 @pad.gradient
-def _pad_gradient(call, grad):
+def _pad_gradient(call: Call, grad: Expr) -> list[Expr | None]:
     """d_data = pad_backward(grad): the padded border added back onto the elements it copies"""
     return [ops.pad_backward(grad, pad_width=call.attrs["pad_width"], mode=call.attrs["mode"])]
 
 
 @pad.mutant("border gradient dropped: a crop instead of a scatter-add (right only for constant)")
-def _pad_crop_only(call, grad):
+def _pad_crop_only(call: Call, grad: Expr) -> list[Expr | None]:
     return [ops.pad_backward(grad, pad_width=call.attrs["pad_width"], mode="constant")]
 
 
 @pad.mutant("pad widths swapped (after, before)")
-def _pad_swapped(call, grad):
+def _pad_swapped(call: Call, grad: Expr) -> list[Expr | None]:
     swapped = tuple((a, b) for b, a in call.attrs["pad_width"])
     return [ops.pad_backward(grad, pad_width=swapped, mode=call.attrs["mode"])]
 
 
-def _draw_pad_case(d, padded_input: bool) -> Case:
+def _draw_pad_case(d: CaseDraw, padded_input: bool) -> Case:
     shape = d.shape(min_rank=1, max_rank=3)
     mode = d.choice(PAD_MODES)
     pairs = tuple((d.int(0, 2 * n if mode == "reflect" else 3), d.int(0, 3)) for n in shape)
@@ -438,12 +445,12 @@ def _draw_pad_case(d, padded_input: bool) -> Case:
 
 
 @pad.sampler
-def _pad_cases(d):
+def _pad_cases(d: CaseDraw) -> Case:
     return _draw_pad_case(d, padded_input=False)
 
 
 @pad.lowering
-def _pad_lowering(kb, call, out, data):
+def _pad_lowering(kb: KernelBuilder, call: Call, out: View, data: View) -> None:
     """out = data copied into the middle; the border filled (constant) or copied through reflected views"""
     widths, mode = call.attrs["pad_width"], call.attrs["mode"]
     interior = out
@@ -504,23 +511,23 @@ def _pad_backward_forward(grad: np.ndarray, pad_width: Any, mode: str) -> np.nda
 
 
 @pad_backward.gradient
-def _pad_backward_gradient(call, grad):
+def _pad_backward_gradient(call: Call, grad: Expr) -> list[Expr | None]:
     """d_grad = pad(c, pad_width, mode): the adjoint of the scatter-add is the copy"""
     return [ops.pad(grad, pad_width=call.attrs["pad_width"], mode=call.attrs["mode"])]
 
 
 @pad_backward.mutant("pads with zeros whatever the mode (right for constant; edge and reflect differ at borders)")
-def _pad_backward_constant_only(call, grad):
+def _pad_backward_constant_only(call: Call, grad: Expr) -> list[Expr | None]:
     return [ops.pad(grad, pad_width=call.attrs["pad_width"], mode="constant")]
 
 
 @pad_backward.sampler
-def _pad_backward_cases(d):
+def _pad_backward_cases(d: CaseDraw) -> Case:
     return _draw_pad_case(d, padded_input=True)
 
 
 @pad_backward.lowering
-def _pad_backward_lowering(kb, call, out, grad):
+def _pad_backward_lowering(kb: KernelBuilder, call: Call, out: View, grad: View) -> None:
     """out = grad folded back one axis at a time: per output segment, the sum of the runs copying it"""
     widths, mode = call.attrs["pad_width"], call.attrs["mode"]
     padded = [axis for axis, (b, a) in enumerate(widths) if b or a]
@@ -556,8 +563,8 @@ def _pad_backward_lowering(kb, call, out, grad):
         kb.elementwise(out, [grad], _copy)
 
 
-def _sum_body(count: int):
-    def body(s, v):
+def _sum_body(count: int) -> Body:
+    def body(s: Scalar, v: list[str]) -> str:
         total = v[0] if count else s.const(0.0)
         for x in v[1:]:
             total = s.add(total, x)
@@ -642,24 +649,24 @@ def _slices(shape: Sequence[int], attrs: Any) -> tuple[slice, ...]:
 
 @strided_slice.reference
 def _strided_slice_forward(data: np.ndarray, begin: Any, end: Any, strides: Any) -> np.ndarray:
-    return data[_slices(data.shape, {"begin": begin, "end": end, "strides": strides})].copy()
+    return np.asarray(data[_slices(data.shape, {"begin": begin, "end": end, "strides": strides})].copy())
 
 
 @strided_slice.gradient
-def _strided_slice_gradient(call, grad):
+def _strided_slice_gradient(call: Call, grad: Expr) -> list[Expr | None]:
     """d_data = strided_slice_backward(grad): grad written at the sliced positions of zeros"""
     return [ops.strided_slice_backward(grad, input_shape=call.args[0].shape, **call.attrs)]
 
 
 @strided_slice.mutant("negative steps ignored: the gradient lands at the forward positions")
-def _strided_slice_forward_positions(call, grad):
+def _strided_slice_forward_positions(call: Call, grad: Expr) -> list[Expr | None]:
     attrs = dict(call.attrs)
     if attrs["strides"] is not None:
         attrs["strides"] = tuple(None if s is None else abs(s) for s in attrs["strides"])
     return [ops.strided_slice_backward(grad, input_shape=call.args[0].shape, **attrs)]
 
 
-def _draw_slice(d, shape: tuple[int, ...]) -> dict[str, Any]:
+def _draw_slice(d: CaseDraw, shape: tuple[int, ...]) -> dict[str, Any]:
     k = d.int(1, len(shape))
     begin, end, steps = [], [], []
     for n in shape[:k]:
@@ -670,13 +677,13 @@ def _draw_slice(d, shape: tuple[int, ...]) -> dict[str, Any]:
 
 
 @strided_slice.sampler
-def _strided_slice_cases(d):
+def _strided_slice_cases(d: CaseDraw) -> Case:
     shape = d.shape(min_rank=1, max_rank=3)
     return Case([shape], _draw_slice(d, shape))
 
 
 @strided_slice.lowering
-def _strided_slice_lowering(kb, call, out, data):
+def _strided_slice_lowering(kb: KernelBuilder, call: Call, out: View, data: View) -> None:
     """out = data through a view: offset at each start, strides scaled by each step (negative ones too)"""
     view = data
     for axis, (start, step, length) in enumerate(resolved_slices(data.shape, call.attrs)):
@@ -711,7 +718,7 @@ def _strided_slice_backward_forward(grad: np.ndarray, input_shape: Any, begin: A
 
 
 @strided_slice_backward.gradient
-def _strided_slice_backward_gradient(call, grad):
+def _strided_slice_backward_gradient(call: Call, grad: Expr) -> list[Expr | None]:
     """d_grad = strided_slice(c): the adjoint of writing into zeros is reading back"""
     attrs = {k: call.attrs[k] for k in ("begin", "end", "strides")}
     return [ops.strided_slice(grad, **attrs)]
@@ -719,19 +726,19 @@ def _strided_slice_backward_gradient(call, grad):
 
 @strided_slice_backward.mutant("reads back at the slice's positions shifted by one step (right only at stride 1 "
                                "from the start)")
-def _strided_slice_backward_shifted(call, grad):
+def _strided_slice_backward_shifted(call: Call, grad: Expr) -> list[Expr | None]:
     begin = tuple(None if b is None else b + (1 if s is None or s > 0 else -1)
                   for b, s in zip(call.attrs["begin"], call.attrs["strides"] or (None,) * len(call.attrs["begin"])))
     return [ops.strided_slice(grad, begin=begin, end=call.attrs["end"], strides=call.attrs["strides"])]
 
 
 @strided_slice_backward.mutant("strides taken as 1 (right only when every step is 1)")
-def _strided_slice_backward_unit_steps(call, grad):
+def _strided_slice_backward_unit_steps(call: Call, grad: Expr) -> list[Expr | None]:
     return [ops.strided_slice(grad, begin=call.attrs["begin"], end=call.attrs["end"])]
 
 
 @strided_slice_backward.sampler
-def _strided_slice_backward_cases(d):
+def _strided_slice_backward_cases(d: CaseDraw) -> Case:
     shape = d.shape(min_rank=1, max_rank=3)
     attrs = _draw_slice(d, shape)
     sliced = tuple(length for _, _, length in resolved_slices(shape, attrs))
@@ -739,7 +746,7 @@ def _strided_slice_backward_cases(d):
 
 
 @strided_slice_backward.lowering
-def _strided_slice_backward_lowering(kb, call, out, grad):
+def _strided_slice_backward_lowering(kb: KernelBuilder, call: Call, out: View, grad: View) -> None:
     """out = 0, then grad copied into out's sliced view"""
     view = out
     for axis, (start, step, length) in enumerate(resolved_slices(out.shape, call.attrs)):
@@ -768,7 +775,7 @@ def _block_views(nchw_shape: Sequence[int], strides: Sequence[int], r: int, kind
     return (n, crr // (r * r), r, r, h, w), (s0, s1 * r * r, s1 * r, s1, s2, s3)
 
 
-def _block_move(kb, out, data, r: int, out_kind: str, data_kind: str) -> None:
+def _block_move(kb: KernelBuilder, out: View, data: View, r: int, out_kind: str, data_kind: str) -> None:
     oshape, ostrides = _block_views(out.shape, out.strides, r, out_kind)
     dshape, dstrides = _block_views(data.shape, data.strides, r, data_kind)
     assert oshape == dshape, (oshape, dshape)
@@ -799,16 +806,17 @@ def _space_to_depth_shape(data: TensorType, attrs: Any) -> TensorType:
 def _space_to_depth_forward(data: np.ndarray, block_size: int) -> np.ndarray:
     n, c, h, w = data.shape
     r = block_size
-    return data.reshape(n, c, h // r, r, w // r, r).transpose(0, 1, 3, 5, 2, 4).reshape(n, c * r * r, h // r, w // r)
+    blocks = data.reshape(n, c, h // r, r, w // r, r).transpose(0, 1, 3, 5, 2, 4)
+    return np.asarray(blocks.reshape(n, c * r * r, h // r, w // r))
 
 
 @space_to_depth.gradient
-def _space_to_depth_gradient(call, grad):
+def _space_to_depth_gradient(call: Call, grad: Expr) -> list[Expr | None]:
     """d_data = depth_to_space(grad, block_size): the inverse permutation"""
     return [ops.depth_to_space(grad, block_size=call.attrs["block_size"])]
 
 
-def _swap_block_axes(x, r: int):
+def _swap_block_axes(x: Expr, r: int) -> Expr:
     """The channel order c*r*r + j*r + i instead of c*r*r + i*r + j (rows and columns of a block swapped)."""
     n, crr, h, w = x.shape
     six = ops.reshape(x, shape=(n, crr // (r * r), r, r, h, w))
@@ -816,12 +824,12 @@ def _swap_block_axes(x, r: int):
 
 
 @space_to_depth.mutant("block rows and columns swapped in the channel order")
-def _space_to_depth_swapped(call, grad):
+def _space_to_depth_swapped(call: Call, grad: Expr) -> list[Expr | None]:
     r = call.attrs["block_size"]
     return [ops.depth_to_space(_swap_block_axes(grad, r), block_size=r)]
 
 
-def _block_case(d, layout: str) -> Case:
+def _block_case(d: CaseDraw, layout: str) -> Case:
     r = d.int(1, 3)
     n, c, h, w = d.int(1, 2), d.int(1, 3), d.int(1, 3), d.int(1, 3)
     shape = (n, c, h * r, w * r) if layout == "spatial" else (n, c * r * r, h, w)
@@ -829,12 +837,12 @@ def _block_case(d, layout: str) -> Case:
 
 
 @space_to_depth.sampler
-def _space_to_depth_cases(d):
+def _space_to_depth_cases(d: CaseDraw) -> Case:
     return _block_case(d, "spatial")
 
 
 @space_to_depth.lowering
-def _space_to_depth_lowering(kb, call, out, data):
+def _space_to_depth_lowering(kb: KernelBuilder, call: Call, out: View, data: View) -> None:
     """out = data through the 6-D (N, C, r, r, H, W) view that regroups each block into channels"""
     _block_move(kb, out, data, call.attrs["block_size"], "depth", "spatial")
 
@@ -862,28 +870,28 @@ def _depth_to_space_shape(data: TensorType, attrs: Any) -> TensorType:
 def _depth_to_space_forward(data: np.ndarray, block_size: int) -> np.ndarray:
     n, c, h, w = data.shape
     r = block_size
-    return data.reshape(n, c // (r * r), r, r, h, w).transpose(0, 1, 4, 2, 5, 3).reshape(n, c // (r * r), h * r,
-                                                                                         w * r)
+    blocks = data.reshape(n, c // (r * r), r, r, h, w).transpose(0, 1, 4, 2, 5, 3)
+    return np.asarray(blocks.reshape(n, c // (r * r), h * r, w * r))
 
 
 @depth_to_space.gradient
-def _depth_to_space_gradient(call, grad):
+def _depth_to_space_gradient(call: Call, grad: Expr) -> list[Expr | None]:
     """d_data = space_to_depth(grad, block_size): the inverse permutation"""
     return [ops.space_to_depth(grad, block_size=call.attrs["block_size"])]
 
 
 @depth_to_space.mutant("block rows and columns swapped in the channel order")
-def _depth_to_space_swapped(call, grad):
+def _depth_to_space_swapped(call: Call, grad: Expr) -> list[Expr | None]:
     r = call.attrs["block_size"]
     return [_swap_block_axes(ops.space_to_depth(grad, block_size=r), r)]
 
 
 @depth_to_space.sampler
-def _depth_to_space_cases(d):
+def _depth_to_space_cases(d: CaseDraw) -> Case:
     return _block_case(d, "depth")
 
 
 @depth_to_space.lowering
-def _depth_to_space_lowering(kb, call, out, data):
+def _depth_to_space_lowering(kb: KernelBuilder, call: Call, out: View, data: View) -> None:
     """out = data through the 6-D (N, C, r, r, H, W) view that spreads channels into blocks"""
     _block_move(kb, out, data, call.attrs["block_size"], "spatial", "depth")

@@ -6,13 +6,18 @@ for a year because every test shape contained a 1; the checker draws non-square 
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from opgrad import ops
 from opgrad.dtypes import TensorType
+from opgrad.ir import Call, Expr
 from opgrad.op import Input, Operator, require
+
+if TYPE_CHECKING:  # types only: the compiler and the checker sit above the registry
+    from opgrad.compiler.builder import KernelBuilder
+    from opgrad.compiler.views import View
 
 dense = Operator(
     "dense",
@@ -40,11 +45,11 @@ def _dense_shape(data: TensorType, weight: TensorType, attrs: Any) -> TensorType
 
 @dense.reference
 def _dense_forward(data: np.ndarray, weight: np.ndarray) -> np.ndarray:
-    return data @ weight.T
+    return np.asarray(data @ weight.T)
 
 
 @dense.gradient
-def _dense_gradient(call, grad):
+def _dense_gradient(call: Call, grad: Expr) -> list[Expr | None]:
     """d_data = grad @ weight ; d_weight = grad.T @ data"""
     data, weight = call.args
     return [
@@ -54,6 +59,6 @@ def _dense_gradient(call, grad):
 
 
 @dense.lowering
-def _dense_lowering(kb, call, out, data, weight):
+def _dense_lowering(kb: KernelBuilder, call: Call, out: View, data: View, weight: View) -> None:
     """out = data @ weight.T as one GEMM; transposed operands (as in the gradient) are strides"""
     kb.matmul(out, data, weight.T)

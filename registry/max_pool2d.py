@@ -12,14 +12,21 @@ by the backward operator, so no index tensor has to flow through the graph.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from opgrad import ops
 from opgrad.dtypes import TensorType
-from opgrad.op import Attrs, Input, Kink, Operator, require
-from opgrad.registry._pooling import draw_pool_case, pool_attrs, pool_shape, pooled_hw, scatter_windows, windows
+from opgrad.ir import Call, Expr
+from opgrad.op import Attrs, Case, Input, Kink, Operator, require
+
+from ._pooling import draw_pool_case, pool_attrs, pool_shape, pooled_hw, scatter_windows, windows
+
+if TYPE_CHECKING:  # types only: the compiler and the checker sit above the registry
+    from opgrad.checks.strategies import CaseDraw
+    from opgrad.compiler.builder import KernelBuilder
+    from opgrad.compiler.views import View
 
 
 def argmax_positions(data: np.ndarray, pool_size: Any, strides: Any, padding: Any,
@@ -96,17 +103,17 @@ max_pool2d.shape_rule(pool_shape)
 
 @max_pool2d.reference
 def _max_pool2d_forward(data: np.ndarray, pool_size: Any, strides: Any, padding: Any, ceil_mode: bool) -> np.ndarray:
-    return windows(data, pool_size, strides, padding, -np.inf, ceil_mode).max(axis=(4, 5))
+    return np.asarray(windows(data, pool_size, strides, padding, -np.inf, ceil_mode).max(axis=(4, 5)))
 
 
 @max_pool2d.gradient
-def _max_pool2d_gradient(call, grad):
+def _max_pool2d_gradient(call: Call, grad: Expr) -> list[Expr | None]:
     """d_data = max_pool2d_backward(grad, data): grad scattered to each window's argmax"""
     return [ops.max_pool2d_backward(grad, call.args[0], **call.attrs)]
 
 
 @max_pool2d.mutant("ceil_mode's extra last windows dropped from the gradient")
-def _max_pool2d_ceil_windows_dropped(call, grad):
+def _max_pool2d_ceil_windows_dropped(call: Call, grad: Expr) -> list[Expr | None]:
     data = call.args[0]
     floor = {**call.attrs, "ceil_mode": False}
     oh, ow = pooled_hw(data.shape[2:], floor)
@@ -115,12 +122,12 @@ def _max_pool2d_ceil_windows_dropped(call, grad):
 
 
 @max_pool2d.sampler
-def _max_pool2d_cases(d):
+def _max_pool2d_cases(d: CaseDraw) -> Case:
     return draw_pool_case(d, "data")
 
 
 @max_pool2d.lowering
-def _max_pool2d_lowering(kb, call, out, data):
+def _max_pool2d_lowering(kb: KernelBuilder, call: Call, out: View, data: View) -> None:
     """out = max of each window (padding skipped)"""
     kb.pool2d(out, data, call.attrs["pool_size"], call.attrs["strides"], call.attrs["padding"], "max",
               ceil_mode=call.attrs["ceil_mode"])
@@ -169,18 +176,18 @@ max_pool2d_backward.reference(_scatter_to_argmax)
 
 
 @max_pool2d_backward.gradient
-def _max_pool2d_backward_gradient(call, grad):
+def _max_pool2d_backward_gradient(call: Call, grad: Expr) -> list[Expr | None]:
     """d_grad = max_pool2d_gather(c, data): c read at each window's argmax"""
     return [ops.max_pool2d_gather(grad, call.args[1], **call.attrs), None]
 
 
 @max_pool2d_backward.sampler
-def _max_pool2d_backward_cases(d):
+def _max_pool2d_backward_cases(d: CaseDraw) -> Case:
     return draw_pool_case(d, "pooled,data")
 
 
 @max_pool2d_backward.lowering
-def _max_pool2d_backward_lowering(kb, call, out, grad, data):
+def _max_pool2d_backward_lowering(kb: KernelBuilder, call: Call, out: View, grad: View, data: View) -> None:
     """out = grad added at the first maximum of each window of data"""
     kb.pool2d_scatter(out, grad, data, call.attrs["pool_size"], call.attrs["strides"], call.attrs["padding"],
                       ceil_mode=call.attrs["ceil_mode"])
@@ -221,18 +228,18 @@ def _max_pool2d_gather_forward(values: np.ndarray, data: np.ndarray, pool_size: 
 
 
 @max_pool2d_gather.gradient
-def _max_pool2d_gather_gradient(call, grad):
+def _max_pool2d_gather_gradient(call: Call, grad: Expr) -> list[Expr | None]:
     """d_values = max_pool2d_backward(grad, data)"""
     return [ops.max_pool2d_backward(grad, call.args[1], **call.attrs), None]
 
 
 @max_pool2d_gather.sampler
-def _max_pool2d_gather_cases(d):
+def _max_pool2d_gather_cases(d: CaseDraw) -> Case:
     return draw_pool_case(d, "data,data")
 
 
 @max_pool2d_gather.lowering
-def _max_pool2d_gather_lowering(kb, call, out, values, data):
+def _max_pool2d_gather_lowering(kb: KernelBuilder, call: Call, out: View, values: View, data: View) -> None:
     """out = values at the first maximum of each window of data"""
     kb.pool2d_argmax_gather(out, values, data, call.attrs["pool_size"], call.attrs["strides"], call.attrs["padding"],
                             ceil_mode=call.attrs["ceil_mode"])

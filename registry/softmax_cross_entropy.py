@@ -6,14 +6,20 @@ softmax - onehot in one step, as a classifier's training loop wants it.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from opgrad import ops
 from opgrad.dtypes import TensorType
+from opgrad.ir import Call, Expr
 from opgrad.op import Input, Operator, require
-from opgrad.registry.softmax import stable_log_softmax
+
+from .softmax import stable_log_softmax
+
+if TYPE_CHECKING:  # types only: the compiler and the checker sit above the registry
+    from opgrad.compiler.builder import KernelBuilder
+    from opgrad.compiler.views import Scalar, View
 
 softmax_cross_entropy = Operator(
     "softmax_cross_entropy",
@@ -51,7 +57,7 @@ def _sce_forward(logits: np.ndarray, labels: np.ndarray) -> np.ndarray:
 
 
 @softmax_cross_entropy.gradient
-def _sce_gradient(call, grad):
+def _sce_gradient(call: Call, grad: Expr) -> list[Expr | None]:
     """d_logits = (softmax(logits) - onehot(labels)) * grad / N"""
     logits, labels = call.args
     batch, classes = logits.shape
@@ -61,17 +67,17 @@ def _sce_gradient(call, grad):
 
 
 @softmax_cross_entropy.lowering
-def _sce_lowering(kb, call, out, logits, labels):
+def _sce_lowering(kb: KernelBuilder, call: Call, out: View, logits: View, labels: View) -> None:
     """out = mean over n of max + log(sum(exp(logits - max))) - logits[n, labels[n]]
 
     The label column is selected by comparing with an iota, so a label is never an address.
     """
-    from opgrad.registry.softmax import softmax_row_stats
+    from .softmax import softmax_row_stats
 
     top, total = softmax_row_stats(kb, logits, 1)
     rows = labels.expand_dims(1).broadcast_to(logits.shape)
 
-    def picked_loss(s, v):
+    def picked_loss(s: Scalar, v: list[str]) -> str:
         x, m, z, label, column = v
         # (m - x) first: both are near the logits' scale, so their difference is exact and the small
         # log(z) adds no rounding at that scale (m + log(z) first would, at logits near 1e4).
