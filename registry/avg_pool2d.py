@@ -55,6 +55,17 @@ def _avg_pool2d_count_flipped(call: Call, grad: Expr) -> list[Expr | None]:
                                                            "count_include_pad": not call.attrs["count_include_pad"]})]
 
 
+@avg_pool2d.mutant("sum-pool gradient (not divided by the window size)")
+def _avg_pool2d_sum_pool(call: Call, grad: Expr) -> list[Expr | None]:
+    kh, kw = call.attrs["pool_size"]
+    return [ops.avg_pool2d_backward(grad, call.args[0], **call.attrs) * float(kh * kw)]
+
+
+@avg_pool2d.mutant("strides ignored")
+def _avg_pool2d_strides_ignored(call: Call, grad: Expr) -> list[Expr | None]:
+    return [ops.avg_pool2d_backward(grad, call.args[0], **{**call.attrs, "strides": (1, 1)})]
+
+
 @avg_pool2d.sampler
 def _avg_pool2d_cases(d: CaseDraw) -> Case:
     return draw_pool_case(d, "data", avg=True)
@@ -101,6 +112,11 @@ def _avg_pool2d_backward_forward(grad: np.ndarray, data: np.ndarray, pool_size: 
 def _avg_pool2d_backward_gradient(call: Call, grad: Expr) -> list[Expr | None]:
     """d_grad = avg_pool2d(c): the adjoint of spreading is averaging"""
     return [ops.avg_pool2d(grad, **call.attrs), None]
+
+
+@avg_pool2d_backward.mutant("d_grad ignores padding")
+def _avg_pool2d_backward_padding_ignored(call: Call, grad: Expr) -> list[Expr | None]:
+    return [ops.avg_pool2d(grad, **{**call.attrs, "padding": (0, 0)}), None]
 
 
 @avg_pool2d_backward.sampler

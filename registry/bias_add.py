@@ -58,6 +58,31 @@ def _bias_add_gradient(call: Call, grad: Expr) -> list[Expr | None]:
     return [grad, ops.sum(grad, axis=others)]
 
 
+def _bias_sum(call: Call, grad: Expr) -> Expr:
+    """d_bias: grad summed over every axis but attrs['axis']."""
+    return ops.sum(grad, axis=tuple(i for i in range(grad.ndim) if i != call.attrs["axis"]))
+
+
+@bias_add.mutant("d_bias summed over every axis")
+def _bias_add_sum_all(call: Call, grad: Expr) -> list[Expr | None]:
+    return [grad, ops.sum(grad)]
+
+
+@bias_add.mutant("d_bias reduces the last axis, ignoring attrs['axis']")
+def _bias_add_last_axis(call: Call, grad: Expr) -> list[Expr | None]:
+    return [grad, ops.sum(grad, axis=tuple(range(grad.ndim - 1)))]
+
+
+@bias_add.mutant("d_bias is the mean instead of the sum")
+def _bias_add_mean(call: Call, grad: Expr) -> list[Expr | None]:
+    return [grad, _bias_sum(call, grad) * (call.args[1].shape[0] / call.type.size)]
+
+
+@bias_add.mutant("d_data forgotten (zeros)")
+def _bias_add_data_forgotten(call: Call, grad: Expr) -> list[Expr | None]:
+    return [ops.zeros_like(grad), _bias_sum(call, grad)]
+
+
 @bias_add.sampler
 def _bias_add_cases(d: CaseDraw) -> Case:
     shape = d.shape(min_rank=1, max_rank=4)

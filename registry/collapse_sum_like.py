@@ -63,6 +63,16 @@ def _collapse_sum_like_gradient(call: Call, grad: Expr) -> list[Expr | None]:
     return [ops.broadcast_to(grad, shape=call.args[0].shape), None]
 
 
+@collapse_sum_like.mutant("forgets to broadcast the gradient back")
+def _collapse_sum_like_not_broadcast(call: Call, grad: Expr) -> list[Expr | None]:
+    return [grad, None]
+
+
+@collapse_sum_like.mutant("broadcast gradient scaled by 2")
+def _collapse_sum_like_doubled(call: Call, grad: Expr) -> list[Expr | None]:
+    return [ops.broadcast_to(grad * 2.0, shape=call.args[0].shape), None]
+
+
 @collapse_sum_like.sampler
 def _collapse_sum_like_cases(d: CaseDraw) -> Case:
     shape = d.shape(max_rank=4)

@@ -189,41 +189,42 @@ def _conv2d_forward(data: np.ndarray, weight: np.ndarray, strides: Any, padding:
 
 
 def _conv2d_grads(call: Call, grad: Expr, data_window: dict[str, Any] | None = None,
-                  batch: int | None = None) -> list[Expr | None]:
-    """[d_data, d_weight] as the gradient builds them; the mutants below change one piece:
-    ``data_window`` replaces d_data's window attributes, ``batch`` limits d_weight's samples."""
+                  weight_window: dict[str, Any] | None = None, batch: int | None = None) -> tuple[Expr, Expr]:
+    """(d_data, d_weight) as the gradient builds them; the mutants below change one piece:
+    ``data_window`` and ``weight_window`` replace window attributes of d_data and d_weight,
+    ``batch`` limits d_weight's samples."""
     data, weight = call.args
     window = _window(call.attrs)
     grad_w, data_w = grad, data
     if batch is not None:
         grad_w, data_w = (ops.strided_slice(x, begin=(0,), end=(batch,)) for x in (grad, data))
-    return [
+    return (
         ops.conv2d_backward_input(grad, weight, input_size=data.shape[2:], **{**window, **(data_window or {})}),
-        ops.conv2d_backward_weight(grad_w, data_w, kernel_size=weight.shape[2:], **window),
-    ]
+        ops.conv2d_backward_weight(grad_w, data_w, kernel_size=weight.shape[2:], **{**window, **(weight_window or {})}),
+    )
 
 
 @conv2d.gradient
 def _conv2d_gradient(call: Call, grad: Expr) -> list[Expr | None]:
     """d_data = conv2d_backward_input(grad, weight) ; d_weight = conv2d_backward_weight(grad, data)"""
-    return _conv2d_grads(call, grad)
+    return list(_conv2d_grads(call, grad))
 
 
 @conv2d.mutant("d_data with the row stride on both axes (right when the strides are equal)")
 def _conv2d_square_strides(call: Call, grad: Expr) -> list[Expr | None]:
     rows = call.attrs["strides"][0]
-    return _conv2d_grads(call, grad, data_window={"strides": (rows, rows)})
+    return list(_conv2d_grads(call, grad, data_window={"strides": (rows, rows)}))
 
 
 @conv2d.mutant("d_weight from the first sample of the batch only (right for batch 1)")
 def _conv2d_weight_first_sample(call: Call, grad: Expr) -> list[Expr | None]:
-    return _conv2d_grads(call, grad, batch=1)
+    return list(_conv2d_grads(call, grad, batch=1))
 
 
 @conv2d.mutant("d_data with top and bottom padding swapped")
 def _conv2d_pads_swapped(call: Call, grad: Expr) -> list[Expr | None]:
     top, left, bottom, right = call.attrs["padding"]
-    return _conv2d_grads(call, grad, data_window={"padding": (bottom, left, top, right)})
+    return list(_conv2d_grads(call, grad, data_window={"padding": (bottom, left, top, right)}))
 
 
 @conv2d.mutant("d_weight correlates every group's grad with the first group's data")
@@ -238,6 +239,32 @@ def _conv2d_weight_first_group(call: Call, grad: Expr) -> list[Expr | None]:
         ops.conv2d_backward_weight(grad, ops.concatenate([first] * g, axis=1), kernel_size=weight.shape[2:],
                                    **window),
     ]
+
+
+@conv2d.mutant("d_data ignores strides")
+def _conv2d_data_strides_ignored(call: Call, grad: Expr) -> list[Expr | None]:
+    return list(_conv2d_grads(call, grad, data_window={"strides": (1, 1)}))
+
+
+@conv2d.mutant("d_data ignores padding")
+def _conv2d_data_padding_ignored(call: Call, grad: Expr) -> list[Expr | None]:
+    return list(_conv2d_grads(call, grad, data_window={"padding": (0, 0, 0, 0)}))
+
+
+@conv2d.mutant("d_weight ignores dilation")
+def _conv2d_weight_dilation_ignored(call: Call, grad: Expr) -> list[Expr | None]:
+    return list(_conv2d_grads(call, grad, weight_window={"dilation": (1, 1)}))
+
+
+@conv2d.mutant("d_weight with the cotangent ignored (ones)")
+def _conv2d_weight_ones_cotangent(call: Call, grad: Expr) -> list[Expr | None]:
+    return [_conv2d_grads(call, grad)[0], _conv2d_grads(call, ops.ones_like(grad))[1]]
+
+
+@conv2d.mutant("d_data with the wrong sign")
+def _conv2d_data_negated(call: Call, grad: Expr) -> list[Expr | None]:
+    d_data, d_weight = _conv2d_grads(call, grad)
+    return [ops.negative(d_data), d_weight]
 
 
 def draw_conv_geometry(d: Any) -> dict[str, Any]:
@@ -353,6 +380,26 @@ def _conv2d_backward_input_pads_swapped(call: Call, grad: Expr) -> list[Expr | N
     ]
 
 
+@conv2d_backward_input.mutant("d_grad ignores strides")
+def _conv2d_backward_input_strides_ignored(call: Call, grad: Expr) -> list[Expr | None]:
+    dy, weight = call.args
+    window = _window(call.attrs)
+    return [
+        ops.conv2d(grad, weight, **{**window, "strides": (1, 1)}),
+        ops.conv2d_backward_weight(dy, grad, kernel_size=weight.shape[2:], **window),
+    ]
+
+
+@conv2d_backward_input.mutant("d_weight with the wrong sign")
+def _conv2d_backward_input_weight_negated(call: Call, grad: Expr) -> list[Expr | None]:
+    dy, weight = call.args
+    window = _window(call.attrs)
+    return [
+        ops.conv2d(grad, weight, **window),
+        ops.negative(ops.conv2d_backward_weight(dy, grad, kernel_size=weight.shape[2:], **window)),
+    ]
+
+
 @conv2d_backward_input.sampler
 def _conv2d_backward_input_cases(d: CaseDraw) -> Case:
     g = draw_conv_geometry(d)
@@ -435,6 +482,26 @@ def _conv2d_backward_weight_groups_ignored(call: Call, grad: Expr) -> list[Expr 
     return [
         ops.conv2d(data, grad, **window),
         ops.conv2d_backward_input(dy, ops.concatenate([first] * g, axis=0), input_size=data.shape[2:], **window),
+    ]
+
+
+@conv2d_backward_weight.mutant("d_grad ignores padding")
+def _conv2d_backward_weight_padding_ignored(call: Call, grad: Expr) -> list[Expr | None]:
+    dy, data = call.args
+    window = _window(call.attrs)
+    return [
+        ops.conv2d(data, grad, **{**window, "padding": (0, 0, 0, 0)}),
+        ops.conv2d_backward_input(dy, grad, input_size=data.shape[2:], **window),
+    ]
+
+
+@conv2d_backward_weight.mutant("d_data scaled by 0.5")
+def _conv2d_backward_weight_data_halved(call: Call, grad: Expr) -> list[Expr | None]:
+    dy, data = call.args
+    window = _window(call.attrs)
+    return [
+        ops.conv2d(data, grad, **window),
+        ops.conv2d_backward_input(dy, grad, input_size=data.shape[2:], **window) * 0.5,
     ]
 
 

@@ -58,6 +58,37 @@ def _dense_gradient(call: Call, grad: Expr) -> list[Expr | None]:
     ]
 
 
+@dense.mutant("d_data missing the transpose of weight")
+def _dense_data_untransposed(call: Call, grad: Expr) -> list[Expr | None]:
+    data, weight = call.args
+    return [ops.dense(grad, weight), ops.dense(ops.transpose(grad), ops.transpose(data))]
+
+
+@dense.mutant("d_weight transposed (grad.T @ data transposed)")
+def _dense_weight_transposed(call: Call, grad: Expr) -> list[Expr | None]:
+    data, weight = call.args
+    return [ops.dense(grad, ops.transpose(weight)), ops.dense(ops.transpose(data), ops.transpose(grad))]
+
+
+@dense.mutant("gradients of the two inputs swapped")
+def _dense_swapped(call: Call, grad: Expr) -> list[Expr | None]:
+    data, weight = call.args
+    return [ops.dense(ops.transpose(grad), ops.transpose(data)), ops.dense(grad, ops.transpose(weight))]
+
+
+@dense.mutant("d_weight scaled by 2")
+def _dense_weight_doubled(call: Call, grad: Expr) -> list[Expr | None]:
+    data, weight = call.args
+    return [ops.dense(grad, ops.transpose(weight)), ops.dense(ops.transpose(grad), ops.transpose(data)) * 2.0]
+
+
+@dense.mutant("cotangent ignored (ones instead)")
+def _dense_ones_cotangent(call: Call, grad: Expr) -> list[Expr | None]:
+    data, weight = call.args
+    ones = ops.ones_like(grad)
+    return [ops.dense(ones, ops.transpose(weight)), ops.dense(ops.transpose(ones), ops.transpose(data))]
+
+
 @dense.lowering
 def _dense_lowering(kb: KernelBuilder, call: Call, out: View, data: View, weight: View) -> None:
     """out = data @ weight.T as one GEMM; transposed operands (as in the gradient) are strides"""

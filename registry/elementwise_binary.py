@@ -82,6 +82,11 @@ def _subtract_gradient(call: Call, grad: Expr) -> list[Expr | None]:
     return [grad, ops.negative(grad)]
 
 
+@subtract.mutant("d_rhs not negated")
+def _subtract_rhs_not_negated(call: Call, grad: Expr) -> list[Expr | None]:
+    return [grad, grad]
+
+
 @subtract.lowering
 def _subtract_lowering(kb: KernelBuilder, call: Call, out: View, lhs: View, rhs: View) -> None:
     """out = lhs - rhs, one loop over the broadcast views"""
@@ -110,6 +115,11 @@ def _multiply_gradient(call: Call, grad: Expr) -> list[Expr | None]:
     """d_lhs = grad * rhs ; d_rhs = grad * lhs"""
     lhs, rhs = call.args
     return [ops.multiply(grad, rhs), ops.multiply(grad, lhs)]
+
+
+@multiply.mutant("each input gets its own value instead of the other's")
+def _multiply_own_value(call: Call, grad: Expr) -> list[Expr | None]:
+    return [ops.multiply(grad, call.args[0]), ops.multiply(grad, call.args[1])]
 
 
 @multiply.lowering
@@ -141,6 +151,11 @@ def _divide_gradient(call: Call, grad: Expr) -> list[Expr | None]:
     _, rhs = call.args
     d_lhs = ops.divide(grad, rhs)
     return [d_lhs, ops.negative(ops.multiply(d_lhs, call))]
+
+
+@divide.mutant("d_rhs with the wrong sign")
+def _divide_rhs_sign(call: Call, grad: Expr) -> list[Expr | None]:
+    return [ops.divide(grad, call.args[1]), ops.multiply(ops.divide(grad, call.args[1]), call)]
 
 
 @divide.lowering

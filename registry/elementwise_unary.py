@@ -68,6 +68,11 @@ def _exp_biased(call: Call, grad: Expr) -> list[Expr | None]:
     return [ops.add(ops.multiply(grad, call), 1e-8)]
 
 
+@exp.mutant("gradient of the wrong input (grad * data)")
+def _exp_times_data(call: Call, grad: Expr) -> list[Expr | None]:
+    return [ops.multiply(grad, call.args[0])]
+
+
 # ----- log -----
 
 log = smooth_unary(
@@ -75,6 +80,11 @@ log = smooth_unary(
     gradient=("d_data = grad / data", lambda call, grad: ops.divide(grad, call.args[0])),
     lowering=("out = log(data)", lambda s, v: s.call("log", v[0])),
 )
+
+
+@log.mutant("1 / data^2")
+def _log_squared(call: Call, grad: Expr) -> list[Expr | None]:
+    return [ops.divide(grad, ops.multiply(call.args[0], call.args[0]))]
 
 
 # ----- sqrt -----
@@ -119,6 +129,11 @@ def _sigmoid_gradient(call: Call, grad: Expr) -> list[Expr | None]:
     return [ops.multiply(grad, ops.multiply(call, ops.subtract(1.0, call)))]
 
 
+@sigmoid.mutant("s instead of s (1 - s)")
+def _sigmoid_s_only(call: Call, grad: Expr) -> list[Expr | None]:
+    return [ops.multiply(grad, call)]
+
+
 @sigmoid.lowering
 def _sigmoid_lowering(kb: KernelBuilder, call: Call, out: View, data: View) -> None:
     """out = 1 / (1 + e) if data >= 0 else e / (1 + e), e = exp(-|data|): no overflow either side"""
@@ -139,3 +154,13 @@ tanh = smooth_unary(
               lambda call, grad: ops.multiply(grad, ops.subtract(1.0, ops.multiply(call, call)))),
     lowering=("out = tanh(data)", lambda s, v: s.call("tanh", v[0])),
 )
+
+
+@tanh.mutant("1 - t instead of 1 - t^2")
+def _tanh_not_squared(call: Call, grad: Expr) -> list[Expr | None]:
+    return [ops.multiply(grad, ops.subtract(1.0, call))]
+
+
+@tanh.mutant("cotangent ignored (TVM's all-ones blind spot)")
+def _tanh_cotangent_ignored(call: Call, grad: Expr) -> list[Expr | None]:
+    return [ops.subtract(1.0, ops.multiply(call, call))]

@@ -121,6 +121,28 @@ def _max_pool2d_ceil_windows_dropped(call: Call, grad: Expr) -> list[Expr | None
     return [ops.max_pool2d_backward(kept, data, **floor)]
 
 
+@max_pool2d.mutant("gradient spread over the window (avg_pool's rule)")
+def _max_pool2d_spread(call: Call, grad: Expr) -> list[Expr | None]:
+    return [ops.avg_pool2d_backward(grad, call.args[0], **call.attrs)]
+
+
+@max_pool2d.mutant("off-by-one pool window")
+def _max_pool2d_window_plus_one(call: Call, grad: Expr) -> list[Expr | None]:
+    kh, kw = call.attrs["pool_size"]
+    return [ops.max_pool2d_backward(grad, call.args[0], **{**call.attrs, "pool_size": (kh + 1, kw),
+                                                           "padding": (0, 0)})]
+
+
+@max_pool2d.mutant("padding ignored")
+def _max_pool2d_padding_ignored(call: Call, grad: Expr) -> list[Expr | None]:
+    return [ops.max_pool2d_backward(grad, call.args[0], **{**call.attrs, "padding": (0, 0)})]
+
+
+@max_pool2d.mutant("strides ignored (taken as the pool size)")
+def _max_pool2d_strides_ignored(call: Call, grad: Expr) -> list[Expr | None]:
+    return [ops.max_pool2d_backward(grad, call.args[0], **{**call.attrs, "strides": call.attrs["pool_size"]})]
+
+
 @max_pool2d.sampler
 def _max_pool2d_cases(d: CaseDraw) -> Case:
     return draw_pool_case(d, "data")
@@ -181,6 +203,11 @@ def _max_pool2d_backward_gradient(call: Call, grad: Expr) -> list[Expr | None]:
     return [ops.max_pool2d_gather(grad, call.args[1], **call.attrs), None]
 
 
+@max_pool2d_backward.mutant("d_grad is a max-pool of the cotangent instead of a gather")
+def _max_pool2d_backward_pooled(call: Call, grad: Expr) -> list[Expr | None]:
+    return [ops.max_pool2d(grad, **call.attrs), None]
+
+
 @max_pool2d_backward.sampler
 def _max_pool2d_backward_cases(d: CaseDraw) -> Case:
     return draw_pool_case(d, "pooled,data")
@@ -231,6 +258,11 @@ def _max_pool2d_gather_forward(values: np.ndarray, data: np.ndarray, pool_size: 
 def _max_pool2d_gather_gradient(call: Call, grad: Expr) -> list[Expr | None]:
     """d_values = max_pool2d_backward(grad, data)"""
     return [ops.max_pool2d_backward(grad, call.args[1], **call.attrs), None]
+
+
+@max_pool2d_gather.mutant("d_values with the wrong sign")
+def _max_pool2d_gather_negated(call: Call, grad: Expr) -> list[Expr | None]:
+    return [ops.negative(ops.max_pool2d_backward(grad, call.args[1], **call.attrs)), None]
 
 
 @max_pool2d_gather.sampler

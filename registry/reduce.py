@@ -54,6 +54,13 @@ def _sum_gradient(call: Call, grad: Expr) -> list[Expr | None]:
     return [ops.broadcast_to(ops.reshape(grad, shape=kept), shape=data.shape)]
 
 
+@sum.mutant("restores the reduced axes at the front instead of in place")
+def _sum_axes_in_front(call: Call, grad: Expr) -> list[Expr | None]:
+    shape, axes = call.args[0].shape, call.attrs["axis"]
+    reduced_first = (1,) * len(axes) + tuple(d for i, d in enumerate(shape) if i not in axes)
+    return [ops.broadcast_to(ops.reshape(grad, shape=reduced_first), shape=shape)]
+
+
 @sum.sampler
 def _sum_cases(d: CaseDraw) -> Case:
     shape = d.shape(min_rank=1, max_rank=4)

@@ -49,6 +49,12 @@ def _relu_gradient(call: Call, grad: Expr) -> list[Expr | None]:
     return [ops.multiply(grad, ops.greater(call, ops.zeros_like(call)))]
 
 
+@relu.mutant("subgradient 1 at the kink (data >= 0)")
+def _relu_one_at_kink(call: Call, grad: Expr) -> list[Expr | None]:
+    data = call.args[0]
+    return [ops.multiply(grad, ops.subtract(1.0, ops.greater(ops.zeros_like(data), data)))]
+
+
 @relu.lowering
 def _relu_lowering(kb: KernelBuilder, call: Call, out: View, data: View) -> None:
     """out = max(data, 0)"""

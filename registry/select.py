@@ -75,6 +75,12 @@ def _where_gradient(call: Call, grad: Expr) -> list[Expr | None]:
     return [None, ops.where(condition, grad, zeros), ops.where(condition, zeros, grad)]
 
 
+@where.mutant("branches swapped")
+def _where_branches_swapped(call: Call, grad: Expr) -> list[Expr | None]:
+    condition = call.args[0]
+    return [None, ops.where(condition, ops.zeros_like(grad), grad), ops.where(condition, grad, ops.zeros_like(grad))]
+
+
 @where.lowering
 def _where_lowering(kb: KernelBuilder, call: Call, out: View, condition: View, on_true: View, on_false: View) -> None:
     """out = on_true where condition != 0 else on_false"""

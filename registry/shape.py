@@ -61,6 +61,11 @@ def _transpose_gradient(call: Call, grad: Expr) -> list[Expr | None]:
     return [ops.transpose(grad, axes=inverse)]
 
 
+@transpose.mutant("applies axes instead of their inverse")
+def _transpose_not_inverted(call: Call, grad: Expr) -> list[Expr | None]:
+    return [ops.transpose(grad, axes=call.attrs["axes"])]
+
+
 @transpose.sampler
 def _transpose_cases(d: CaseDraw) -> Case:
     shape = d.shape(min_rank=1, max_rank=4)  # up to rank 4: most permutations are not their own inverse
@@ -217,6 +222,11 @@ def _broadcast_to_forward(data: np.ndarray, shape: tuple[int, ...]) -> np.ndarra
 def _broadcast_to_gradient(call: Call, grad: Expr) -> list[Expr | None]:
     """d_data = collapse_sum_like(grad, data)"""
     return [ops.collapse_sum_like(grad, call.args[0])]
+
+
+@broadcast_to.mutant("averages the replicas instead of summing them")
+def _broadcast_to_averaged(call: Call, grad: Expr) -> list[Expr | None]:
+    return [ops.collapse_sum_like(grad, call.args[0]) * (call.args[0].type.size / call.type.size)]
 
 
 @broadcast_to.sampler

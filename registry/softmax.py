@@ -59,6 +59,11 @@ def _softmax_naive(call: Call, grad: Expr) -> list[Expr | None]:
                                                                 keepdims=True)))]
 
 
+@softmax.mutant("drops the sum term: y * grad")
+def _softmax_no_sum_term(call: Call, grad: Expr) -> list[Expr | None]:
+    return [ops.multiply(call, grad)]
+
+
 @softmax.sampler
 def _softmax_cases(d: CaseDraw) -> Case:
     shape = d.shape(min_rank=1)

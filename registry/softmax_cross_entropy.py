@@ -66,6 +66,34 @@ def _sce_gradient(call: Call, grad: Expr) -> list[Expr | None]:
     return [ops.multiply(ops.subtract(ops.softmax(logits, axis=1), onehot), scale), None]
 
 
+def _sce_difference(call: Call, softmax_axis: int = 1) -> Expr:
+    """softmax(logits) - onehot(labels), the softmax taken along ``softmax_axis`` (1 is right)."""
+    logits, labels = call.args
+    onehot = ops.one_hot(labels, depth=logits.shape[1], dtype=logits.dtype)
+    return ops.subtract(ops.softmax(logits, axis=softmax_axis), onehot)
+
+
+@softmax_cross_entropy.mutant("forgets the 1/N of the batch mean")
+def _sce_no_batch_mean(call: Call, grad: Expr) -> list[Expr | None]:
+    return [ops.multiply(_sce_difference(call), grad), None]
+
+
+@softmax_cross_entropy.mutant("cotangent ignored")
+def _sce_cotangent_ignored(call: Call, grad: Expr) -> list[Expr | None]:
+    return [ops.divide(_sce_difference(call), float(call.args[0].shape[0])), None]
+
+
+@softmax_cross_entropy.mutant("sign flipped (onehot - softmax)")
+def _sce_sign_flipped(call: Call, grad: Expr) -> list[Expr | None]:
+    return [ops.multiply(ops.negative(_sce_difference(call)), ops.divide(grad, float(call.args[0].shape[0]))), None]
+
+
+@softmax_cross_entropy.mutant("softmax over the batch axis")
+def _sce_softmax_over_batch(call: Call, grad: Expr) -> list[Expr | None]:
+    return [ops.multiply(_sce_difference(call, softmax_axis=0), ops.divide(grad, float(call.args[0].shape[0]))),
+            None]
+
+
 @softmax_cross_entropy.lowering
 def _sce_lowering(kb: KernelBuilder, call: Call, out: View, logits: View, labels: View) -> None:
     """out = mean over n of max + log(sum(exp(logits - max))) - logits[n, labels[n]]
