@@ -50,13 +50,23 @@ def pool_output_size(size: int, kernel: int, stride: int, pad: int, ceil_mode: b
     return out
 
 
+def pool_padding_problem(pool_size: Sequence[int], padding: Sequence[int]) -> str | None:
+    """Why ``padding`` does not suit ``pool_size``, or None: each pad must be smaller than its window."""
+    if all(p < k for p, k in zip(padding, pool_size)):
+        return None
+    return (f"padding {tuple(padding)} must be smaller than pool_size {tuple(pool_size)} "
+            "(a window of padding only has no value)")
+
+
 def pooled_hw(hw: Sequence[int], attrs: Any) -> tuple[int, int]:
+    """The (height, width) a 2-D pool gives an input of ``hw``; ``ShapeError`` when it does not fit.
+
+    ``attrs`` holds pool_size, strides, padding (symmetric, per axis) and optionally ceil_mode.
+    The pooling operators' shape rules and ``opgrad.nn``'s pooling layers both use it.
+    """
     (kh, kw), (sh, sw), (ph, pw) = attrs["pool_size"], attrs["strides"], attrs["padding"]
-    require(
-        ph < kh and pw < kw,
-        f"padding {attrs['padding']} must be smaller than pool_size {attrs['pool_size']} "
-        "(a window of padding only has no value)",
-    )
+    problem = pool_padding_problem((kh, kw), (ph, pw))
+    require(problem is None, problem or "")
     ceil = attrs.get("ceil_mode", False)
     oh = pool_output_size(hw[0], kh, sh, ph, ceil)
     ow = pool_output_size(hw[1], kw, sw, pw, ceil)
@@ -68,9 +78,19 @@ def pooled_hw(hw: Sequence[int], attrs: Any) -> tuple[int, int]:
 
 
 def pool_shape(data: TensorType, attrs: Any) -> TensorType:
+    """The output type of a 2-D pool of NCHW ``data``."""
     require(data.ndim == 4, f"data must be 4-D NCHW, got shape {data.shape}")
     oh, ow = pooled_hw(data.shape[2:], attrs)
     return TensorType((data.shape[0], data.shape[1], oh, ow), data.dtype)
+
+
+def pooled_pair_shape(op: str, pooled: TensorType, data: TensorType, attrs: Any, pooled_name: str) -> TensorType:
+    """The shape rule of a pool's backward op: ``pooled`` must have the shape ``op`` gives ``data``;
+    the result has data's shape and pooled's dtype."""
+    expect = pool_shape(data, attrs).shape
+    require(pooled.shape == expect,
+            f"{pooled_name} has shape {pooled.shape} but {op} of data {data.shape} gives {expect}")
+    return TensorType(data.shape, pooled.dtype)
 
 
 def _grid(hw: Sequence[int], pool_size: Any, strides: Any, padding: Any, ceil_mode: bool) -> tuple[tuple[int, int],

@@ -16,9 +16,9 @@ import numpy as np
 from opgrad import ops
 from opgrad.dtypes import TensorType
 from opgrad.ir import Call, Expr
-from opgrad.op import Case, Input, Operator, require
+from opgrad.op import Case, Input, Operator
 
-from ._pooling import avg_divisors, draw_pool_case, pool_attrs, pool_shape, scatter_windows, windows
+from ._pooling import avg_divisors, draw_pool_case, pool_attrs, pool_shape, pooled_pair_shape, scatter_windows, windows
 
 if TYPE_CHECKING:  # types only: the compiler and the checker sit above the registry
     from opgrad.checks.strategies import CaseDraw
@@ -92,12 +92,7 @@ avg_pool2d_backward = Operator(
 
 @avg_pool2d_backward.shape_rule
 def _avg_pool2d_backward_shape(grad: TensorType, data: TensorType, attrs: Any) -> TensorType:
-    expect = pool_shape(data, attrs)
-    require(
-        grad.shape == expect.shape,
-        f"grad has shape {grad.shape} but avg_pool2d of data {data.shape} gives {expect.shape}",
-    )
-    return TensorType(data.shape, grad.dtype)
+    return pooled_pair_shape("avg_pool2d", grad, data, attrs, "grad")
 
 
 @avg_pool2d_backward.reference

@@ -21,7 +21,15 @@ from opgrad.dtypes import TensorType
 from opgrad.ir import Call, Expr
 from opgrad.op import Attrs, Case, Input, Kink, Operator, require
 
-from ._pooling import draw_pool_case, pool_attrs, pool_shape, pooled_hw, scatter_windows, windows
+from ._pooling import (
+    draw_pool_case,
+    pool_attrs,
+    pool_shape,
+    pooled_hw,
+    pooled_pair_shape,
+    scatter_windows,
+    windows,
+)
 
 if TYPE_CHECKING:  # types only: the compiler and the checker sit above the registry
     from opgrad.checks.strategies import CaseDraw
@@ -158,15 +166,6 @@ def _max_pool2d_lowering(kb: KernelBuilder, call: Call, out: View, data: View) -
 # ----- max_pool2d_backward -----
 
 
-def _pooled_pair_shape(pooled: TensorType, data: TensorType, attrs: Any, pooled_name: str) -> None:
-    require(data.ndim == 4, f"data must be 4-D NCHW, got shape {data.shape}")
-    expect = (data.shape[0], data.shape[1], *pooled_hw(data.shape[2:], attrs))
-    require(
-        pooled.shape == expect,
-        f"{pooled_name} has shape {pooled.shape} but max_pool2d of data {data.shape} gives {expect}",
-    )
-
-
 max_pool2d_backward = Operator(
     "max_pool2d_backward",
     inputs=[
@@ -190,8 +189,7 @@ max_pool2d_backward = Operator(
 
 @max_pool2d_backward.shape_rule
 def _max_pool2d_backward_shape(grad: TensorType, data: TensorType, attrs: Any) -> TensorType:
-    _pooled_pair_shape(grad, data, attrs, "grad")
-    return TensorType(data.shape, grad.dtype)
+    return pooled_pair_shape("max_pool2d", grad, data, attrs, "grad")
 
 
 max_pool2d_backward.reference(_scatter_to_argmax)
