@@ -276,9 +276,9 @@ def _min_lowering(kb: KernelBuilder, call: Call, out: View, data: View) -> None:
 
 prod = Operator(
     "prod",
-    # The checker draws away from exact zeros: there the rule's first order is exact (tested against
-    # torch), but its masks are constants to autodiff, so the second order of a slice with a zero is not.
-    inputs=[Input("data", domain=(Interval(-2.0, -0.25), Interval(0.25, 2.0)))],
+    # Exact zeros are drawn on purpose (one or several in a slice): the gradient's own derivatives
+    # must hold there too, which a p / data form with zero masks does not give.
+    inputs=[Input("data", domain=(Interval(-2.0, 2.0), Interval(0.0, 0.0)))],
     attrs=_reduce_attrs(),
     doc="Product of data over `axis` (np.prod, torch.prod); 1 over an empty axis.",
 )
@@ -290,23 +290,66 @@ def _prod_forward(data: np.ndarray, axis: tuple[int, ...], keepdims: bool) -> np
     return np.asarray(np.prod(data, axis=axis, keepdims=keepdims), dtype=data.dtype)
 
 
+def _shifted(rows: Expr, step: int) -> Expr:
+    """rows[:, j - step] along the last axis, 1 where j < step (the empty product)."""
+    m, n = rows.shape
+    if step >= n:
+        return ops.ones_like(rows)
+    kept = ops.strided_slice(rows, begin=(0, 0), end=(m, n - step))
+    return ops.pad(kept, pad_width=((0, 0), (step, 0)), value=1.0)
+
+
+def _exclusive_prefix_products(rows: Expr) -> Expr:
+    """out[:, j] = product of rows[:, :j]: an inclusive scan by doubling shifts (log2(n) multiplies),
+    then shifted by one."""
+    scan, step = rows, 1
+    while step < rows.shape[1]:
+        scan = ops.multiply(scan, _shifted(scan, step))
+        step *= 2
+    return _shifted(scan, 1)
+
+
+def product_of_others(data: Expr, axes: Sequence[int]) -> Expr:
+    """For each element, the product of the other elements of its slice over ``axes``.
+
+    The exclusive prefix product times the exclusive suffix product: a polynomial in ``data``
+    built from multiplies, pads and slices, so autodiff's derivatives of it are exact at zeros
+    (one zero in a slice or several), where ``p / data`` divides by zero.
+    """
+    kept_axes = [a for a in range(data.ndim) if a not in axes]
+    order = (*kept_axes, *axes)
+    moved = ops.transpose(data, axes=order)
+    m = math.prod(data.shape[a] for a in kept_axes)
+    n = math.prod(data.shape[a] for a in axes)
+    rows = ops.reshape(moved, shape=(m, n))
+    if m == 0 or n == 0:
+        return ops.ones_like(data)
+    before = _exclusive_prefix_products(rows)
+    after = ops.flip(_exclusive_prefix_products(ops.flip(rows, axis=1)), axis=1)
+    others = ops.reshape(ops.multiply(before, after), shape=moved.shape)
+    return ops.transpose(others, axes=tuple(int(i) for i in np.argsort(order)))
+
+
 @prod.gradient
 def _prod_gradient(call: Call, grad: Expr) -> list[Expr | None]:
-    """d_data = grad * (product of the slice's other elements), exact at zeros:
-    p / data without zeros; p' at the only zero and 0 elsewhere; 0 with two or more zeros
-    (p' = product of the nonzero elements)"""
+    """d_data = grad * (product of the slice's other elements) = grad * prefix * suffix, with
+    prefix and suffix the exclusive cumulative products from either side of the slice"""
+    return [ops.multiply(ops.reshape(grad, shape=_kept(call)), product_of_others(call.args[0], call.attrs["axis"]))]
+
+
+@prod.mutant("p / data with zero masks: first order exact at zeros, second order not (the masks are constants)")
+def _prod_masked_quotient(call: Call, grad: Expr) -> list[Expr | None]:
     data = call.args[0]
-    axes, kept = call.attrs["axis"], _kept(call)
+    axes = call.attrs["axis"]
     zeros = ops.zeros_like(data)
     is_zero = ops.subtract(1.0, ops.add(ops.greater(data, zeros), ops.greater(zeros, data)))
-    # Adding the mask turns exact zeros into ones and leaves every other value (NaN included) unchanged.
-    nonzero = ops.add(data, is_zero)
+    nonzero = ops.add(data, is_zero)  # exact zeros become ones
     partial = ops.prod(nonzero, axis=axes, keepdims=True)
     count = ops.sum(is_zero, axis=axes, keepdims=True)
     no_zero = ops.subtract(1.0, ops.greater(count, 0.5))
     one_zero = ops.subtract(ops.greater(count, 0.5), ops.greater(count, 1.5))
     others = ops.multiply(partial, ops.add(ops.divide(no_zero, nonzero), ops.multiply(is_zero, one_zero)))
-    return [ops.multiply(ops.reshape(grad, shape=kept), others)]
+    return [ops.multiply(ops.reshape(grad, shape=_kept(call)), others)]
 
 
 @prod.mutant("the product itself instead of the product of the others")
