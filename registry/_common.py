@@ -162,3 +162,17 @@ def dense_reshape(view: View, shape: Sequence[int]) -> View:
     if reshaped is None:
         raise AssertionError(f"a dense view was expected, got strides {view.strides} for shape {view.shape}")
     return reshaped
+
+
+def ieee_contract(subscripts: str, a: np.ndarray, b: np.ndarray,
+                  blas: Callable[[np.ndarray, np.ndarray], np.ndarray]) -> np.ndarray:
+    """``np.einsum(subscripts, a, b)``: by ``blas(a, b)``, a BLAS-backed form of the same product
+    (``@``, ``tensordot``), when both operands are finite, by einsum's own loops otherwise.
+
+    BLAS may skip zero operands, so NaN * 0 and inf * 0 can come out 0 there, where IEEE
+    arithmetic (einsum's loops, the compiled kernels) gives NaN. The references of the products
+    (dense, matmul, batch_matmul, the conv2d family) go through here.
+    """
+    if np.isfinite(a).all() and np.isfinite(b).all():
+        return np.asarray(blas(a, b))
+    return np.asarray(np.einsum(subscripts, a, b, optimize=False))

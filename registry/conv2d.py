@@ -31,6 +31,8 @@ from opgrad.dtypes import TensorType
 from opgrad.ir import Call, Expr
 from opgrad.op import Attr, Case, Input, Operator, int_tuple, require
 
+from ._common import ieee_contract
+
 if TYPE_CHECKING:  # types only: the compiler and the checker sit above the registry
     from opgrad.checks.strategies import CaseDraw
     from opgrad.compiler.builder import KernelBuilder
@@ -175,10 +177,8 @@ def _conv2d_one_group(data: np.ndarray, weight: np.ndarray, strides: Any, paddin
     khw = weight.shape[2:]
     out_hw = _output_hw(data.shape[2:], khw, {"strides": strides, "padding": padding, "dilation": dilation})
     win = _windows(data, khw, strides, padding, dilation, out_hw)
-    if np.isfinite(win).all() and np.isfinite(weight).all():
-        out = np.tensordot(win, weight, axes=([1, 4, 5], [1, 2, 3]))  # (N, OH, OW, O)
-    else:  # BLAS may skip zero operands and so drop NaN * 0; einsum's own loops follow IEEE
-        out = np.einsum("nchwyx,ocyx->nhwo", win, weight, optimize=False)
+    out = ieee_contract("nchwyx,ocyx->nhwo", win, weight,
+                        lambda x, w: np.tensordot(x, w, axes=([1, 4, 5], [1, 2, 3])))  # (N, OH, OW, O)
     return np.ascontiguousarray(out.transpose(0, 3, 1, 2))
 
 
@@ -344,7 +344,8 @@ def _backward_input_one_group(grad: np.ndarray, weight: np.ndarray, strides: Any
     padded = np.zeros((n, c, input_size[0] + top + bottom, input_size[1] + left + right), dtype=grad.dtype)
     for i in range(kh):
         for j in range(kw):
-            contribution = np.tensordot(grad, weight[:, :, i, j], axes=([1], [0]))  # (N, OH, OW, C)
+            contribution = ieee_contract("nohw,oc->nhwc", grad, weight[:, :, i, j],
+                                         lambda g, w: np.tensordot(g, w, axes=([1], [0])))  # (N, OH, OW, C)
             rows = slice(i * dh, i * dh + sh * (oh - 1) + 1, sh)
             cols = slice(j * dw, j * dw + sw * (ow - 1) + 1, sw)
             padded[:, :, rows, cols] += contribution.transpose(0, 3, 1, 2)
@@ -456,7 +457,8 @@ def _conv2d_backward_weight_forward(grad: np.ndarray, data: np.ndarray, strides:
                                     dilation: Any, groups: int, kernel_size: Any) -> np.ndarray:
     def one_group(dy: np.ndarray, x: np.ndarray) -> np.ndarray:
         win = _windows(x, tuple(kernel_size), strides, padding, dilation, dy.shape[2:])
-        return np.tensordot(dy, win, axes=([0, 2, 3], [0, 2, 3]))  # (O, C, KH, KW)
+        return ieee_contract("nohw,nchwyx->ocyx", dy, win,
+                             lambda g, w: np.tensordot(g, w, axes=([0, 2, 3], [0, 2, 3])))  # (O, C, KH, KW)
 
     return _per_group(one_group, groups, grad, 1, data, 1, 0)
 

@@ -15,6 +15,8 @@ from opgrad.dtypes import TensorType
 from opgrad.ir import Call, Expr
 from opgrad.op import Input, Operator, require
 
+from ._common import ieee_contract
+
 if TYPE_CHECKING:  # types only: the compiler and the checker sit above the registry
     from opgrad.compiler.builder import KernelBuilder
     from opgrad.compiler.views import View
@@ -45,7 +47,7 @@ def _dense_shape(data: TensorType, weight: TensorType, attrs: Any) -> TensorType
 
 @dense.reference
 def _dense_forward(data: np.ndarray, weight: np.ndarray) -> np.ndarray:
-    return np.asarray(data @ weight.T)
+    return ieee_contract("nk,uk->nu", data, weight, lambda x, w: x @ w.T)
 
 
 @dense.gradient

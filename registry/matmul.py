@@ -15,6 +15,8 @@ from opgrad.dtypes import TensorType
 from opgrad.ir import Call, Expr
 from opgrad.op import Case, Input, Operator, require
 
+from ._common import ieee_contract
+
 if TYPE_CHECKING:  # types only: the compiler and the checker sit above the registry
     from opgrad.checks.strategies import CaseDraw
     from opgrad.compiler.builder import KernelBuilder
@@ -42,7 +44,7 @@ def _matmul_shape(a: TensorType, b: TensorType, attrs: Any) -> TensorType:
 
 @matmul.reference
 def _matmul_forward(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    return np.asarray(a @ b)
+    return ieee_contract("mk,kn->mn", a, b, np.matmul)
 
 
 @matmul.gradient
@@ -97,7 +99,7 @@ def _batch_matmul_shape(a: TensorType, b: TensorType, attrs: Any) -> TensorType:
 
 @batch_matmul.reference
 def _batch_matmul_forward(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    return np.asarray(np.matmul(a, b))
+    return ieee_contract("...mk,...kn->...mn", a, b, np.matmul)
 
 
 @batch_matmul.gradient
