@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -12,7 +13,7 @@ from opgrad.op import DEFAULT_DOMAIN, Attrs, Input, Interval, Operator, require
 
 if TYPE_CHECKING:
     from opgrad.compiler.builder import KernelBuilder
-    from opgrad.compiler.views import Body, View
+    from opgrad.compiler.views import Body, Scalar, View
     from opgrad.ir import Call, Expr
 
 POSITIVE = (Interval(0.2, 3.0),)
@@ -176,3 +177,32 @@ def ieee_contract(subscripts: str, a: np.ndarray, b: np.ndarray,
     if np.isfinite(a).all() and np.isfinite(b).all():
         return np.asarray(blas(a, b))
     return np.asarray(np.einsum(subscripts, a, b, optimize=False))
+
+
+def copy_element(s: Scalar, v: list[str]) -> str:
+    """The elementwise body of a copy: the input's value."""
+    return v[0]
+
+
+def normalized_axis(axis: int, ndim: int) -> int:
+    """``axis`` in ``[0, ndim)``; negative axes count from the end; a ``ValueError`` names one out of range."""
+    if not -ndim <= axis < ndim:
+        raise ValueError(f"axis {axis} is out of range for a rank-{ndim} data")
+    return axis % ndim
+
+
+def slice_view(view: View, axis: int, start: int, length: int, step: int) -> View:
+    """Positions start, start + step, ... (length of them) along one axis of ``view``."""
+    strides = list(view.strides)
+    shape = list(view.shape)
+    offset = view.offset + start * strides[axis]
+    strides[axis] *= step
+    shape[axis] = length
+    return replace(view, shape=tuple(shape), strides=tuple(strides), offset=offset)
+
+
+def positive_int(value: Any) -> int:
+    """An attribute that is a whole number >= 1 (a bool is refused, though Python counts it as an int)."""
+    if isinstance(value, bool) or int(value) != value or int(value) < 1:
+        raise ValueError("expected a positive int")
+    return int(value)

@@ -14,6 +14,8 @@ from opgrad.dtypes import FLOAT_DTYPES, TensorType
 from opgrad.ir import Call
 from opgrad.op import Attr, Case, Input, Operator, require
 
+from ._common import positive_int
+
 if TYPE_CHECKING:  # types only: the compiler and the checker sit above the registry
     from opgrad.checks.strategies import CaseDraw
     from opgrad.compiler.builder import KernelBuilder
@@ -68,17 +70,11 @@ def _float_dtype(value: Any) -> str:
     return str(name)
 
 
-def _positive_int(value: Any) -> int:
-    if int(value) != value or int(value) < 1:
-        raise ValueError("expected a positive int")
-    return int(value)
-
-
 one_hot = Operator(
     "one_hot",
     inputs=[Input("labels", kind="int", dims=("N",), int_range=(0, "depth"))],
     attrs=[
-        Attr("depth", convert=_positive_int, doc="number of classes C"),
+        Attr("depth", convert=positive_int, doc="number of classes C"),
         Attr("dtype", default="float32", convert=_float_dtype),
     ],
     doc="(N,) integer labels in [0, depth) -> (N, depth) float rows with a single 1.0.",

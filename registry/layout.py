@@ -19,6 +19,8 @@ from opgrad.dtypes import TensorType
 from opgrad.ir import Call, Expr
 from opgrad.op import Attr, Case, Input, Operator, composite, require
 
+from ._common import positive_int
+
 if TYPE_CHECKING:  # types only: the compiler and the checker sit above the registry
     from opgrad.checks.strategies import CaseDraw
     from opgrad.compiler.builder import KernelBuilder
@@ -168,12 +170,6 @@ def _layout_transform_lowering(kb: KernelBuilder, call: Call, out: View, data: V
 # ----- yolo2_reorg -----
 
 
-def _positive(value: Any) -> int:
-    if isinstance(value, bool) or int(value) != value or int(value) < 1:
-        raise ValueError("expected a positive int")
-    return int(value)
-
-
 def _reorg_axes(shape: tuple[int, ...], s: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """(the 6-D view of the input, the 6-D shape of the output) of Darknet's reorg."""
     b, c, h, w = shape
@@ -186,7 +182,7 @@ _REORG_INVERSE = (0, 3, 4, 1, 5, 2)
 yolo2_reorg = Operator(
     "yolo2_reorg",
     inputs=[Input("data", doc="NCHW; C a multiple of stride**2, H and W multiples of stride")],
-    attrs=[Attr("stride", convert=_positive, doc="s")],
+    attrs=[Attr("stride", convert=positive_int, doc="s")],
     doc="Darknet's reorg layer (NNVM's yolo2_reorg, TVM's reorg_python): (B, C, H, W) -> (B, C*s*s, H/s, W/s). "
         "The input's elements, read as a (B, C/s², H*s, W*s) array X, become a (B, C, H, W) array Y with "
         "Y[b, k, j, i] = X[b, k % (C/s²), j*s + (k // (C/s²)) // s, i*s + (k // (C/s²)) % s], which is then "

@@ -45,6 +45,8 @@ from opgrad.dtypes import TensorType
 from opgrad.ir import Call, Expr
 from opgrad.op import Attr, Case, Input, Operator, composite, require
 
+from ._common import slice_view
+
 if TYPE_CHECKING:  # types only: the compiler and the checker sit above the registry
     from opgrad.checks.strategies import CaseDraw
     from opgrad.compiler.builder import KernelBuilder
@@ -181,13 +183,6 @@ def phase_groups(table: Table, steps: Sequence[int]) -> list[tuple[int, int, int
     return groups
 
 
-def _axis_slice(view: View, axis: int, start: int, count: int, step: int) -> View:
-    offset = view.offset + start * view.strides[axis]
-    strides = tuple(s * step if a == axis else s for a, s in enumerate(view.strides))
-    shape = tuple(count if a == axis else n for a, n in enumerate(view.shape))
-    return replace(view, shape=shape, strides=strides, offset=offset)
-
-
 def _weighted_sum(weights: Sequence[float]) -> Body:
     def body(s: Scalar, v: list[str]) -> str:
         terms = [x if w == 1.0 else s.mul(s.const(w), x) for w, x in zip(weights, v)]
@@ -204,8 +199,8 @@ def lower_table(kb: KernelBuilder, out: View, inp: View, axis: int, table: Table
     groups = phase_groups(table, steps) if max(map(len, table), default=0) <= MAX_LOOP_TAPS else []
     if groups and len(groups) <= MAX_PHASE_LOOPS:
         for first, step, count, taps, weights in groups:
-            target = _axis_slice(out, axis, first, count, step)
-            views = [_axis_slice(inp, axis, src, count, delta) for src, delta in taps]
+            target = slice_view(out, axis, first, count, step)
+            views = [slice_view(inp, axis, src, count, delta) for src, delta in taps]
             kb.elementwise(target, views, _weighted_sum(weights))
         return
     n_out, n_in = len(table), inp.shape[axis]
