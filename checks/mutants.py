@@ -1,8 +1,9 @@
 """Deliberately wrong gradients: the checker's power, measured.
 
-Each mutant is a plausible mistake (the kinds that shipped in real frameworks) written as a
-candidate rule for ``check_op(op, gradient=rule)``. The checker must flag every one; the kill rate
-is ``python -m opgrad.checks.mutants``. A mutant that builds a wrongly shaped gradient is caught by
+Each mutant is a plausible mistake (the kinds that shipped in real frameworks), declared with
+``@op.mutant("what is wrong")`` beside the operator's gradient in its registry file and checked
+as a candidate rule, ``check_op(op, gradient=rule)``. The checker must flag every one; the kill
+rate is ``python -m opgrad.checks.mutants``. A mutant that builds a wrongly shaped gradient is caught by
 autodiff's own shape check, which the checker reports as check a.
 """
 

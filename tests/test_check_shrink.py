@@ -15,6 +15,7 @@ from opgrad.checks.checks import CHECK_FAILURES, CheckFailure, failure_class
 from opgrad.checks.mutants import MUTANTS
 from opgrad.checks.report import Failure
 from opgrad.checks.runner import first_of
+from opgrad.op import GradientRule
 
 if sys.version_info >= (3, 11):
     from builtins import ExceptionGroup
@@ -22,7 +23,7 @@ else:  # hypothesis depends on the backport there
     from exceptiongroup import ExceptionGroup
 
 
-def _mutant(op: str, words: str):  # type: ignore[no-untyped-def]
+def _mutant(op: str, words: str) -> GradientRule:
     return next(m.rule for m in MUTANTS if m.op == op and words in m.mistake)
 
 
