@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
 from opgrad.dtypes import TensorType
-from opgrad.op import Attr, Case, int_tuple, require
+from opgrad.op import Attr, Attrs, Case, int_tuple, require
+
+if TYPE_CHECKING:  # types only: the compiler and the checker sit above the registry
+    from opgrad.checks.strategies import CaseDraw
 
 
 def _strides(value: Any, types: Sequence[TensorType], attrs: dict[str, Any]) -> tuple[int, int]:
@@ -58,7 +61,7 @@ def pool_padding_problem(pool_size: Sequence[int], padding: Sequence[int]) -> st
             "(a window of padding only has no value)")
 
 
-def pooled_hw(hw: Sequence[int], attrs: Any) -> tuple[int, int]:
+def pooled_hw(hw: Sequence[int], attrs: Attrs) -> tuple[int, int]:
     """The (height, width) a 2-D pool gives an input of ``hw``; ``ShapeError`` when it does not fit.
 
     ``attrs`` holds pool_size, strides, padding (symmetric, per axis) and optionally ceil_mode.
@@ -77,14 +80,14 @@ def pooled_hw(hw: Sequence[int], attrs: Any) -> tuple[int, int]:
     return oh, ow
 
 
-def pool_shape(data: TensorType, attrs: Any) -> TensorType:
+def pool_shape(data: TensorType, attrs: Attrs) -> TensorType:
     """The output type of a 2-D pool of NCHW ``data``."""
     require(data.ndim == 4, f"data must be 4-D NCHW, got shape {data.shape}")
     oh, ow = pooled_hw(data.shape[2:], attrs)
     return TensorType((data.shape[0], data.shape[1], oh, ow), data.dtype)
 
 
-def pooled_pair_shape(op: str, pooled: TensorType, data: TensorType, attrs: Any, pooled_name: str) -> TensorType:
+def pooled_pair_shape(op: str, pooled: TensorType, data: TensorType, attrs: Attrs, pooled_name: str) -> TensorType:
     """The shape rule of a pool's backward op: ``pooled`` must have the shape ``op`` gives ``data``;
     the result has data's shape and pooled's dtype."""
     expect = pool_shape(data, attrs).shape
@@ -152,7 +155,7 @@ def scatter_windows(values: np.ndarray, positions: tuple[np.ndarray, np.ndarray]
     return padded[:, :, ph : ph + h, pw : pw + w]
 
 
-def draw_pool_case(d: Any, layout: str, avg: bool = False) -> Case:
+def draw_pool_case(d: CaseDraw, layout: str, avg: bool = False) -> Case:
     """A checker case for the pooling ops: pool size, strides (or None), padding < pool size,
     ceil_mode (and count_include_pad for avg), an input the window fits. ``layout`` names the
     inputs: "data", "pooled,data" or "data,data"."""

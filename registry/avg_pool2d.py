@@ -16,7 +16,7 @@ import numpy as np
 from opgrad import ops
 from opgrad.dtypes import TensorType
 from opgrad.ir import Call, Expr
-from opgrad.op import Case, Input, Operator
+from opgrad.op import Attrs, Case, Input, Operator
 
 from ._pooling import avg_divisors, draw_pool_case, pool_attrs, pool_shape, pooled_pair_shape, scatter_windows, windows
 
@@ -91,7 +91,7 @@ avg_pool2d_backward = Operator(
 
 
 @avg_pool2d_backward.shape_rule
-def _avg_pool2d_backward_shape(grad: TensorType, data: TensorType, attrs: Any) -> TensorType:
+def _avg_pool2d_backward_shape(grad: TensorType, data: TensorType, attrs: Attrs) -> TensorType:
     return pooled_pair_shape("avg_pool2d", grad, data, attrs, "grad")
 
 

@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from opgrad import ops
 from opgrad.dtypes import TensorType
 from opgrad.ir import Call, Expr
-from opgrad.op import Attr, Case, Input, Operator, require
+from opgrad.op import Attr, Attrs, Case, Input, Operator, require
 
 from ._common import axis_attr
 
@@ -28,7 +28,7 @@ bias_add = Operator(
 
 
 @bias_add.shape_rule
-def _bias_add_shape(data: TensorType, bias: TensorType, attrs: Any) -> TensorType:
+def _bias_add_shape(data: TensorType, bias: TensorType, attrs: Attrs) -> TensorType:
     axis = attrs["axis"]
     require(bias.ndim == 1, f"bias must be 1-D, got shape {bias.shape}")
     require(

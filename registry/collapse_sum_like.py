@@ -8,14 +8,14 @@ broadcasting (the seed-003 forum thread shows users unsure what it is for: this 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from opgrad import ops
 from opgrad.dtypes import TensorType, collapses_to
 from opgrad.ir import Call, Expr
-from opgrad.op import Case, Input, Operator, require
+from opgrad.op import Attrs, Case, Input, Operator, require
 
 from ._common import dense_reshape
 
@@ -43,7 +43,7 @@ collapse_sum_like = Operator(
 
 
 @collapse_sum_like.shape_rule
-def _collapse_sum_like_shape(data: TensorType, like: TensorType, attrs: Any) -> TensorType:
+def _collapse_sum_like_shape(data: TensorType, like: TensorType, attrs: Attrs) -> TensorType:
     require(
         collapses_to(data.shape, like.shape),
         f"like's shape {like.shape} does not broadcast to data's shape {data.shape}, "

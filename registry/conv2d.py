@@ -29,7 +29,7 @@ from numpy.lib.stride_tricks import sliding_window_view
 from opgrad import ops
 from opgrad.dtypes import TensorType
 from opgrad.ir import Call, Expr
-from opgrad.op import Attr, Case, Input, Operator, int_tuple, require
+from opgrad.op import Attr, Attrs, Case, Input, Operator, int_tuple, require
 
 from ._common import ieee_contract
 
@@ -84,7 +84,7 @@ def _window_attrs() -> list[Attr]:
     ]
 
 
-def _window(attrs: Any) -> dict[str, Any]:
+def _window(attrs: Attrs) -> dict[str, Any]:
     """The attributes shared by conv2d and its backward operators."""
     return {k: attrs[k] for k in ("strides", "padding", "dilation", "groups")}
 
@@ -93,7 +93,7 @@ def _pad_total(padding: Sequence[int], axis: int) -> int:
     return padding[axis] + padding[axis + 2]
 
 
-def _output_hw(hw: Sequence[int], khw: Sequence[int], attrs: Any) -> tuple[int, int]:
+def _output_hw(hw: Sequence[int], khw: Sequence[int], attrs: Attrs) -> tuple[int, int]:
     out = tuple(
         conv_output_size(hw[i], khw[i], attrs["strides"][i], _pad_total(attrs["padding"], i), attrs["dilation"][i])
         for i in range(2)
@@ -149,7 +149,7 @@ conv2d = Operator(
 
 
 @conv2d.shape_rule
-def _conv2d_shape(data: TensorType, weight: TensorType, attrs: Any) -> TensorType:
+def _conv2d_shape(data: TensorType, weight: TensorType, attrs: Attrs) -> TensorType:
     require(data.ndim == 4, f"data must be 4-D NCHW, got shape {data.shape}")
     require(weight.ndim == 4, f"weight must be 4-D OIHW, got shape {weight.shape}")
     g = attrs["groups"]
@@ -267,7 +267,7 @@ def _conv2d_data_negated(call: Call, grad: Expr) -> list[Expr | None]:
     return [ops.negative(d_data), d_weight]
 
 
-def draw_conv_geometry(d: Any) -> dict[str, Any]:
+def draw_conv_geometry(d: CaseDraw) -> dict[str, Any]:
     """Checker cases: small sizes, groups, strides/padding (four sides)/dilation drawn first, then
     an input the kernel fits."""
     groups = d.choice([1, 1, 2, 3, 9])  # 9 > 8 groups: the compiler's direct (depthwise) loops
@@ -311,7 +311,7 @@ conv2d_backward_input = Operator(
 )
 
 
-def _check_backward_input(grad: TensorType, weight: TensorType, attrs: Any, grad_name: str) -> tuple[int, ...]:
+def _check_backward_input(grad: TensorType, weight: TensorType, attrs: Attrs, grad_name: str) -> tuple[int, ...]:
     require(grad.ndim == 4 and weight.ndim == 4,
             f"{grad_name} and weight must be 4-D, got {grad.shape} and {weight.shape}")
     g = attrs["groups"]
@@ -331,7 +331,7 @@ def _check_backward_input(grad: TensorType, weight: TensorType, attrs: Any, grad
 
 
 @conv2d_backward_input.shape_rule
-def _conv2d_backward_input_shape(grad: TensorType, weight: TensorType, attrs: Any) -> TensorType:
+def _conv2d_backward_input_shape(grad: TensorType, weight: TensorType, attrs: Attrs) -> TensorType:
     return TensorType(_check_backward_input(grad, weight, attrs, "grad"), grad.dtype)
 
 
@@ -429,7 +429,7 @@ conv2d_backward_weight = Operator(
 )
 
 
-def _check_backward_weight(grad: TensorType, data: TensorType, attrs: Any, grad_name: str,
+def _check_backward_weight(grad: TensorType, data: TensorType, attrs: Attrs, grad_name: str,
                            data_name: str) -> tuple[int, ...]:
     require(grad.ndim == 4 and data.ndim == 4,
             f"{grad_name} and {data_name} must be 4-D, got {grad.shape} and {data.shape}")
@@ -448,7 +448,7 @@ def _check_backward_weight(grad: TensorType, data: TensorType, attrs: Any, grad_
 
 
 @conv2d_backward_weight.shape_rule
-def _conv2d_backward_weight_shape(grad: TensorType, data: TensorType, attrs: Any) -> TensorType:
+def _conv2d_backward_weight_shape(grad: TensorType, data: TensorType, attrs: Attrs) -> TensorType:
     return TensorType(_check_backward_weight(grad, data, attrs, "grad", "data"), grad.dtype)
 
 
@@ -552,7 +552,7 @@ conv2d_transpose = Operator(
 )
 
 
-def _transpose_output_hw(data: TensorType, weight: TensorType, attrs: Any) -> tuple[int, int]:
+def _transpose_output_hw(data: TensorType, weight: TensorType, attrs: Attrs) -> tuple[int, int]:
     for i, axis in enumerate(("rows", "columns")):
         require(
             attrs["output_padding"][i] < attrs["strides"][i],
@@ -573,7 +573,7 @@ def _transpose_output_hw(data: TensorType, weight: TensorType, attrs: Any) -> tu
 
 
 @conv2d_transpose.shape_rule
-def _conv2d_transpose_shape(data: TensorType, weight: TensorType, attrs: Any) -> TensorType:
+def _conv2d_transpose_shape(data: TensorType, weight: TensorType, attrs: Attrs) -> TensorType:
     require(data.ndim == 4, f"data must be 4-D NCHW, got shape {data.shape}")
     require(weight.ndim == 4, f"weight must be 4-D (C_in, C_out/groups, KH, KW), got shape {weight.shape}")
     g = attrs["groups"]
@@ -595,7 +595,7 @@ def _conv2d_transpose_forward(data: np.ndarray, weight: np.ndarray, strides: Any
     return _conv2d_backward_input_forward(data, weight, strides, padding, dilation, groups, size)
 
 
-def _transpose_window(attrs: Any) -> dict[str, Any]:
+def _transpose_window(attrs: Attrs) -> dict[str, Any]:
     return {k: attrs[k] for k in ("strides", "padding", "dilation", "groups")}
 
 

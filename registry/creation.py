@@ -12,7 +12,7 @@ import numpy as np
 
 from opgrad.dtypes import FLOAT_DTYPES, TensorType
 from opgrad.ir import Call
-from opgrad.op import Attr, Case, Input, Operator, require
+from opgrad.op import Attr, Attrs, Case, Input, Operator, require
 
 from ._common import positive_int
 
@@ -29,7 +29,7 @@ zeros_like = Operator(
 
 
 @zeros_like.shape_rule
-def _like_shape(like: TensorType, attrs: Any) -> TensorType:
+def _like_shape(like: TensorType, attrs: Attrs) -> TensorType:
     return like
 
 
@@ -82,7 +82,7 @@ one_hot = Operator(
 
 
 @one_hot.shape_rule
-def _one_hot_shape(labels: TensorType, attrs: Any) -> TensorType:
+def _one_hot_shape(labels: TensorType, attrs: Attrs) -> TensorType:
     require(labels.ndim == 1, f"labels must be 1-D (N,), got shape {labels.shape}")
     return TensorType((labels.shape[0], attrs["depth"]), attrs["dtype"])
 
@@ -132,7 +132,7 @@ def _fill_value(value: Any) -> float:
         raise ValueError("expected a number") from None
 
 
-def _created_shape(attrs: Any) -> TensorType:
+def _created_shape(attrs: Attrs) -> TensorType:
     return TensorType(attrs["shape"], attrs["dtype"])
 
 

@@ -6,14 +6,14 @@ for a year because every test shape contained a 1; the checker draws non-square 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from opgrad import ops
 from opgrad.dtypes import TensorType
 from opgrad.ir import Call, Expr
-from opgrad.op import Input, Operator, require
+from opgrad.op import Attrs, Input, Operator, require
 
 from ._common import ieee_contract
 
@@ -33,7 +33,7 @@ dense = Operator(
 
 
 @dense.shape_rule
-def _dense_shape(data: TensorType, weight: TensorType, attrs: Any) -> TensorType:
+def _dense_shape(data: TensorType, weight: TensorType, attrs: Attrs) -> TensorType:
     require(data.ndim == 2, f"data must be 2-D (batch, in_features), got shape {data.shape}")
     require(weight.ndim == 2, f"weight must be 2-D (units, in_features), got shape {weight.shape}")
     require(

@@ -23,7 +23,7 @@ if TYPE_CHECKING:  # types only: the compiler and the checker sit above the regi
     from opgrad.compiler.views import View
 
 
-def _global_shape(data: TensorType, attrs: Any) -> TensorType:
+def _global_shape(data: TensorType, attrs: Attrs) -> TensorType:
     require(data.ndim == 4, f"data must be 4-D NCHW, got shape {data.shape}")
     require(data.shape[2] >= 1 and data.shape[3] >= 1,
             f"data has an empty {data.shape[2]}x{data.shape[3]} plane; a global pool of nothing has no value")

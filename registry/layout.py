@@ -17,7 +17,7 @@ import numpy as np
 from opgrad import ops
 from opgrad.dtypes import TensorType
 from opgrad.ir import Call, Expr
-from opgrad.op import Attr, Case, Input, Operator, composite, require
+from opgrad.op import Attr, Attrs, Case, Input, Operator, composite, require
 
 from ._common import positive_int
 
@@ -113,7 +113,7 @@ layout_transform = Operator(
 
 
 @layout_transform.shape_rule
-def _layout_transform_shape(data: TensorType, attrs: Any) -> TensorType:
+def _layout_transform_shape(data: TensorType, attrs: Attrs) -> TensorType:
     src, dst = attrs["src"], attrs["dst"]
     nchw = _dims(src, data.shape)
     b = block_of(src)
@@ -192,7 +192,7 @@ yolo2_reorg = Operator(
 
 
 @yolo2_reorg.shape_rule
-def _yolo2_reorg_shape(data: TensorType, attrs: Any) -> TensorType:
+def _yolo2_reorg_shape(data: TensorType, attrs: Attrs) -> TensorType:
     s = attrs["stride"]
     require(data.ndim == 4, f"data must be 4-D NCHW, got shape {data.shape}")
     b, c, h, w = data.shape

@@ -6,14 +6,14 @@ gradients are strides of the GEMM, never copies.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from opgrad import ops
 from opgrad.dtypes import TensorType
 from opgrad.ir import Call, Expr
-from opgrad.op import Case, Input, Operator, require
+from opgrad.op import Attrs, Case, Input, Operator, require
 
 from ._common import ieee_contract
 
@@ -33,7 +33,7 @@ matmul = Operator(
 
 
 @matmul.shape_rule
-def _matmul_shape(a: TensorType, b: TensorType, attrs: Any) -> TensorType:
+def _matmul_shape(a: TensorType, b: TensorType, attrs: Attrs) -> TensorType:
     require(a.ndim == 2 and b.ndim == 2,
             f"matmul multiplies 2-D matrices, got a of rank {a.ndim} and b of rank {b.ndim}; "
             "use batch_matmul for (B, M, K) @ (B, K, N)")
@@ -84,7 +84,7 @@ batch_matmul = Operator(
 
 
 @batch_matmul.shape_rule
-def _batch_matmul_shape(a: TensorType, b: TensorType, attrs: Any) -> TensorType:
+def _batch_matmul_shape(a: TensorType, b: TensorType, attrs: Attrs) -> TensorType:
     require(a.ndim == 3 and b.ndim == 3,
             f"batch_matmul needs 3-D (B, M, K) and (B, K, N), got a of rank {a.ndim} and b of rank {b.ndim}")
     require(a.shape[2] == b.shape[1],

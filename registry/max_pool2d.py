@@ -188,7 +188,7 @@ max_pool2d_backward = Operator(
 
 
 @max_pool2d_backward.shape_rule
-def _max_pool2d_backward_shape(grad: TensorType, data: TensorType, attrs: Any) -> TensorType:
+def _max_pool2d_backward_shape(grad: TensorType, data: TensorType, attrs: Attrs) -> TensorType:
     return pooled_pair_shape("max_pool2d", grad, data, attrs, "grad")
 
 
@@ -239,7 +239,7 @@ max_pool2d_gather = Operator(
 
 
 @max_pool2d_gather.shape_rule
-def _max_pool2d_gather_shape(values: TensorType, data: TensorType, attrs: Any) -> TensorType:
+def _max_pool2d_gather_shape(values: TensorType, data: TensorType, attrs: Attrs) -> TensorType:
     require(values.shape == data.shape, f"values {values.shape} and data {data.shape} must have one shape")
     return pool_shape(data, attrs)
 

@@ -141,7 +141,7 @@ batch_norm = Operator(
 
 
 @batch_norm.shape_rule
-def _batch_norm_shape(data: TensorType, gamma: TensorType, beta: TensorType, attrs: Any) -> TensorType:
+def _batch_norm_shape(data: TensorType, gamma: TensorType, beta: TensorType, attrs: Attrs) -> TensorType:
     require(data.ndim >= 2, f"data must have a batch and a channel axis (rank >= 2), got shape {data.shape}")
     _per_channel_shape("gamma", gamma, data, attrs["axis"])
     _per_channel_shape("beta", beta, data, attrs["axis"])
@@ -305,7 +305,7 @@ layer_norm = Operator(
 
 
 @layer_norm.shape_rule
-def _layer_norm_shape(data: TensorType, gamma: TensorType, beta: TensorType, attrs: Any) -> TensorType:
+def _layer_norm_shape(data: TensorType, gamma: TensorType, beta: TensorType, attrs: Attrs) -> TensorType:
     normalized = data.shape[attrs["axis"]:]
     for name, t in (("gamma", gamma), ("beta", beta)):
         require(
@@ -409,7 +409,7 @@ prelu = Operator(
 
 
 @prelu.shape_rule
-def _prelu_shape(data: TensorType, alpha: TensorType, attrs: Any) -> TensorType:
+def _prelu_shape(data: TensorType, alpha: TensorType, attrs: Attrs) -> TensorType:
     channels = data.shape[attrs["axis"]]
     require(
         alpha.ndim <= 1 and alpha.size in (1, channels),

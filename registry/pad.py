@@ -16,7 +16,7 @@ import numpy as np
 from opgrad import ops
 from opgrad.dtypes import TensorType
 from opgrad.ir import Call, Expr
-from opgrad.op import Attr, Case, Input, Operator, require
+from opgrad.op import Attr, Attrs, Case, Input, Operator, require
 
 from ._common import copy_element, slice_view
 
@@ -114,7 +114,7 @@ pad = Operator(
 
 
 @pad.shape_rule
-def _pad_shape(data: TensorType, attrs: Any) -> TensorType:
+def _pad_shape(data: TensorType, attrs: Attrs) -> TensorType:
     if attrs["mode"] != "constant":
         for axis, (n, (b, a)) in enumerate(zip(data.shape, attrs["pad_width"])):
             require(n > 0 or b + a == 0,
@@ -193,7 +193,7 @@ def _pad_lowering(kb: KernelBuilder, call: Call, out: View, data: View) -> None:
         kb.elementwise(target, [source], copy_element)
 
 
-def _unpadded_shape(grad: TensorType, attrs: Any) -> tuple[int, ...]:
+def _unpadded_shape(grad: TensorType, attrs: Attrs) -> tuple[int, ...]:
     return tuple(g - b - a for g, (b, a) in zip(grad.shape, attrs["pad_width"]))
 
 
@@ -208,7 +208,7 @@ pad_backward = Operator(
 
 
 @pad_backward.shape_rule
-def _pad_backward_shape(grad: TensorType, attrs: Any) -> TensorType:
+def _pad_backward_shape(grad: TensorType, attrs: Attrs) -> TensorType:
     shape = _unpadded_shape(grad, attrs)
     low = 0 if attrs["mode"] == "constant" else 1
     require(all(n >= low for n in shape),

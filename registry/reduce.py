@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from opgrad import ops
 from opgrad.dtypes import TensorType
 from opgrad.ir import Call, Expr
-from opgrad.op import Attr, Case, Input, Operator
+from opgrad.op import Attr, Attrs, Case, Input, Operator
 
 from ._common import axes_attr, bool_attr
 
@@ -32,7 +32,7 @@ sum = Operator(  # shadows the builtin on purpose: the op is called sum, as in n
 
 
 @sum.shape_rule
-def _sum_shape(data: TensorType, attrs: Any) -> TensorType:
+def _sum_shape(data: TensorType, attrs: Attrs) -> TensorType:
     axes = attrs["axis"]
     if attrs["keepdims"]:
         shape = tuple(1 if i in axes else d for i, d in enumerate(data.shape))

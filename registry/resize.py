@@ -43,7 +43,7 @@ import numpy as np
 from opgrad import ops
 from opgrad.dtypes import TensorType
 from opgrad.ir import Call, Expr
-from opgrad.op import Attr, Case, Input, Operator, composite, require
+from opgrad.op import Attr, Attrs, Case, Input, Operator, composite, require
 
 from ._common import slice_view
 
@@ -293,7 +293,7 @@ resize = Operator(
 
 
 @resize.shape_rule
-def _resize_shape(data: TensorType, attrs: Any) -> TensorType:
+def _resize_shape(data: TensorType, attrs: Attrs) -> TensorType:
     _check_nchw(data, "data")
     return TensorType((data.shape[0], data.shape[1], *attrs["size"]), data.dtype)
 
@@ -362,7 +362,7 @@ resize_backward = Operator(
 
 
 @resize_backward.shape_rule
-def _resize_backward_shape(grad: TensorType, attrs: Any) -> TensorType:
+def _resize_backward_shape(grad: TensorType, attrs: Attrs) -> TensorType:
     _check_nchw(grad, "grad")
     return TensorType((grad.shape[0], grad.shape[1], *attrs["input_size"]), grad.dtype)
 

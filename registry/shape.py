@@ -12,7 +12,7 @@ import numpy as np
 from opgrad import ops
 from opgrad.dtypes import TensorType, broadcast_shapes
 from opgrad.ir import Call, Expr
-from opgrad.op import Attr, Case, Input, Operator, require
+from opgrad.op import Attr, Attrs, Case, Input, Operator, require
 
 from ._common import dense_reshape, shape_tuple
 
@@ -45,7 +45,7 @@ transpose = Operator(
 
 
 @transpose.shape_rule
-def _transpose_shape(data: TensorType, attrs: Any) -> TensorType:
+def _transpose_shape(data: TensorType, attrs: Attrs) -> TensorType:
     return TensorType(tuple(data.shape[a] for a in attrs["axes"]), data.dtype)
 
 
@@ -107,7 +107,7 @@ reshape = Operator(
 
 
 @reshape.shape_rule
-def _reshape_shape(data: TensorType, attrs: Any) -> TensorType:
+def _reshape_shape(data: TensorType, attrs: Attrs) -> TensorType:
     new = attrs["shape"]
     size = int(np.prod(new, dtype=np.int64))
     require(size == data.size, f"cannot reshape {data.size} elements {data.shape} into {new} ({size} elements)")
@@ -165,7 +165,7 @@ flatten = Operator(
 
 
 @flatten.shape_rule
-def _flatten_shape(data: TensorType, attrs: Any) -> TensorType:
+def _flatten_shape(data: TensorType, attrs: Attrs) -> TensorType:
     require(data.ndim >= 1, "data must have a batch axis (rank >= 1), got a scalar")
     rest = int(np.prod(data.shape[1:], dtype=np.int64))
     return TensorType((data.shape[0], rest), data.dtype)
@@ -204,7 +204,7 @@ broadcast_to = Operator(
 
 
 @broadcast_to.shape_rule
-def _broadcast_to_shape(data: TensorType, attrs: Any) -> TensorType:
+def _broadcast_to_shape(data: TensorType, attrs: Attrs) -> TensorType:
     target = attrs["shape"]
     require(
         broadcast_shapes(data.shape, target) == target,

@@ -6,14 +6,14 @@ softmax - onehot in one step, as a classifier's training loop wants it.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from opgrad import ops
 from opgrad.dtypes import TensorType
 from opgrad.ir import Call, Expr
-from opgrad.op import Input, Operator, require
+from opgrad.op import Attrs, Input, Operator, require
 
 from .softmax import stable_log_softmax
 
@@ -32,7 +32,7 @@ softmax_cross_entropy = Operator(
 
 
 @softmax_cross_entropy.shape_rule
-def _sce_shape(logits: TensorType, labels: TensorType, attrs: Any) -> TensorType:
+def _sce_shape(logits: TensorType, labels: TensorType, attrs: Attrs) -> TensorType:
     require(logits.ndim == 2, f"logits must be 2-D (batch, classes), got shape {logits.shape}")
     require(labels.ndim == 1, f"labels must be 1-D (batch,), got shape {labels.shape}")
     require(

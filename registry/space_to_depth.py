@@ -8,14 +8,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from opgrad import ops
 from opgrad.dtypes import TensorType
 from opgrad.ir import Call, Expr
-from opgrad.op import Attr, Case, Input, Operator, require
+from opgrad.op import Attr, Attrs, Case, Input, Operator, require
 
 from ._common import copy_element, positive_int
 
@@ -59,7 +59,7 @@ space_to_depth = Operator(
 
 
 @space_to_depth.shape_rule
-def _space_to_depth_shape(data: TensorType, attrs: Any) -> TensorType:
+def _space_to_depth_shape(data: TensorType, attrs: Attrs) -> TensorType:
     r = attrs["block_size"]
     require(data.ndim == 4, f"data must be 4-D NCHW, got shape {data.shape}")
     n, c, h, w = data.shape
@@ -123,7 +123,7 @@ depth_to_space = Operator(
 
 
 @depth_to_space.shape_rule
-def _depth_to_space_shape(data: TensorType, attrs: Any) -> TensorType:
+def _depth_to_space_shape(data: TensorType, attrs: Attrs) -> TensorType:
     r = attrs["block_size"]
     require(data.ndim == 4, f"data must be 4-D NCHW, got shape {data.shape}")
     n, c, h, w = data.shape

@@ -15,7 +15,7 @@ import numpy as np
 from opgrad import ops
 from opgrad.dtypes import TensorType
 from opgrad.ir import Call, Expr
-from opgrad.op import Attr, Case, Input, Operator, require
+from opgrad.op import Attr, Attrs, Case, Input, Operator, require
 
 from ._common import copy_element, shape_tuple, slice_view
 
@@ -51,7 +51,7 @@ def _slice_attrs() -> list[Attr]:
     ]
 
 
-def resolved_slices(shape: Sequence[int], attrs: Any) -> list[tuple[int, int, int]]:
+def resolved_slices(shape: Sequence[int], attrs: Attrs) -> list[tuple[int, int, int]]:
     """(start, step, length) per axis: numpy's data[begin[0]:end[0]:strides[0], ...]; axes past the
     given ones are taken whole."""
     begin, end, steps = attrs["begin"], attrs["end"], attrs["strides"]
@@ -66,7 +66,7 @@ def resolved_slices(shape: Sequence[int], attrs: Any) -> list[tuple[int, int, in
     return out
 
 
-def _check_slice_attrs(ndim: int, attrs: Any) -> None:
+def _check_slice_attrs(ndim: int, attrs: Attrs) -> None:
     begin, end, steps = attrs["begin"], attrs["end"], attrs["strides"]
     require(len(begin) == len(end) and (steps is None or len(steps) == len(begin)),
             f"begin, end and strides must have one entry per sliced axis; got {len(begin)}, {len(end)} and "
@@ -85,12 +85,12 @@ strided_slice = Operator(
 
 
 @strided_slice.shape_rule
-def _strided_slice_shape(data: TensorType, attrs: Any) -> TensorType:
+def _strided_slice_shape(data: TensorType, attrs: Attrs) -> TensorType:
     _check_slice_attrs(data.ndim, attrs)
     return TensorType(tuple(length for _, _, length in resolved_slices(data.shape, attrs)), data.dtype)
 
 
-def _slices(shape: Sequence[int], attrs: Any) -> tuple[slice, ...]:
+def _slices(shape: Sequence[int], attrs: Attrs) -> tuple[slice, ...]:
     begin, end, steps = attrs["begin"], attrs["end"], attrs["strides"]
     steps = steps if steps is not None else (None,) * len(begin)
     return tuple(slice(b, e, s) for b, e, s in zip(begin, end, steps))
@@ -150,7 +150,7 @@ strided_slice_backward = Operator(
 
 
 @strided_slice_backward.shape_rule
-def _strided_slice_backward_shape(grad: TensorType, attrs: Any) -> TensorType:
+def _strided_slice_backward_shape(grad: TensorType, attrs: Attrs) -> TensorType:
     shape = attrs["input_shape"]
     _check_slice_attrs(len(shape), attrs)
     sliced = tuple(length for _, _, length in resolved_slices(shape, attrs))

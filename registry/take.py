@@ -16,7 +16,7 @@ import numpy as np
 from opgrad import ops
 from opgrad.dtypes import TensorType
 from opgrad.ir import Call, Expr
-from opgrad.op import Attr, Case, Input, Operator, require
+from opgrad.op import Attr, Attrs, Case, Input, Operator, require
 
 from ._common import normalized_axis, positive_int
 
@@ -56,7 +56,7 @@ take = Operator(
 
 
 @take.shape_rule
-def _take_shape(data: TensorType, indices: TensorType, attrs: Any) -> TensorType:
+def _take_shape(data: TensorType, indices: TensorType, attrs: Attrs) -> TensorType:
     axis = attrs["axis"]
     return TensorType(data.shape[:axis] + indices.shape + data.shape[axis + 1:], data.dtype)
 
@@ -135,7 +135,7 @@ take_backward = Operator(
 
 
 @take_backward.shape_rule
-def _take_backward_shape(grad: TensorType, indices: TensorType, attrs: Any) -> TensorType:
+def _take_backward_shape(grad: TensorType, indices: TensorType, attrs: Attrs) -> TensorType:
     axis, ni = attrs["axis"], indices.ndim
     require(
         grad.shape[axis:axis + ni] == indices.shape,

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from opgrad.dtypes import TensorType
-from opgrad.op import Attr, Case, Input, Interval, Operator, require
+from opgrad.op import Attr, Attrs, Case, Input, Interval, Operator, require
 
 if TYPE_CHECKING:  # types only: the compiler and the checker sit above the registry
     from opgrad.checks.strategies import CaseDraw
@@ -87,7 +87,7 @@ multibox_transform_loc.lowering_not_implemented(_NO_KERNEL)
 
 
 @multibox_transform_loc.shape_rule
-def _multibox_shape(cls_prob: TensorType, loc_pred: TensorType, anchor: TensorType, attrs: Any) -> TensorType:
+def _multibox_shape(cls_prob: TensorType, loc_pred: TensorType, anchor: TensorType, attrs: Attrs) -> TensorType:
     require(cls_prob.ndim == 3, f"cls_prob must be 3-D (B, num_classes, A), got shape {cls_prob.shape}")
     b, _, a = cls_prob.shape
     require(loc_pred.shape == (b, a * 4), f"loc_pred has shape {loc_pred.shape}; cls_prob {cls_prob.shape} needs "
@@ -165,7 +165,7 @@ nms.lowering_not_implemented(_NO_KERNEL)
 
 
 @nms.shape_rule
-def _nms_shape(data: TensorType, valid_count: TensorType, attrs: Any) -> TensorType:
+def _nms_shape(data: TensorType, valid_count: TensorType, attrs: Attrs) -> TensorType:
     require(data.ndim == 3 and data.shape[2] == 6,
             f"data must be (B, A, 6) rows [class_id, score, xmin, ymin, xmax, ymax], got shape {data.shape}")
     require(valid_count.shape == (data.shape[0],),
