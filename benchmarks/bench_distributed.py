@@ -9,6 +9,11 @@ then the time of a bare ``Allreduce`` of a buffer of the gradient's size, alone,
 bandwidth the model in docs/distributed.md uses. The 1-process row of the plain
 ``opgrad.nn.Trainer`` (the fused single function, no MPI) is the peer each row is compared with.
 
+``--sync-batchnorm`` also times, in the same worker processes, the same steps with synchronized
+BatchNorm (``DistributedTrainer(sync_batchnorm=True)``, PyTorch's SyncBatchNorm) for each rank
+count above one, and the time spent in its per-layer sums over the ranks: run it with
+``--model resnet``, whose 15 BatchNorm layers make 60 small all-reduces a step.
+
 Ranks share this machine's cores (``OPGRAD_NUM_THREADS`` = cores / ranks unless set), so on a
 2-core machine 2 ranks can at best halve a step, and more ranks than cores oversubscribe.
 """
@@ -67,20 +72,37 @@ def worker(args: argparse.Namespace) -> None:
             plain.train_batch(x, y)
         result["fused_ms"] = (time.perf_counter() - start) / args.steps * 1e3
         result["fused_cpu_ms"] = (time.process_time() - cpu_start) / args.steps * 1e3
-    trainer = DistributedTrainer(build_model(args.model), Adam(), comm=comm, batch_size=args.batch, backend="llvm",
-                                 fused_when_alone=False)
-    for x, y in batches[:warmup]:
-        trainer.train_batch(x, y)
-    trainer.reset_times()
-    comm.barrier()
-    start, cpu_start = time.perf_counter(), time.process_time()
-    for x, y in batches[warmup:]:
-        trainer.train_batch(x, y)
-    wall = (time.perf_counter() - start) / args.steps
-    cpu = np.array([(time.process_time() - cpu_start) / args.steps])
-    comm.allreduce_sum(cpu)  # the CPU time of every rank: what the step costs the machine
-    result.update({"step_ms": wall * 1e3, "cpu_ms": float(cpu[0]) * 1e3,
-                   **{f"{k}_ms": v / args.steps * 1e3 for k, v in trainer.times.items()}})
+    def timed(sync: bool) -> tuple[DistributedTrainer, dict[str, float]]:
+        trainer = DistributedTrainer(build_model(args.model), Adam(), comm=comm, batch_size=args.batch,
+                                     backend="llvm", fused_when_alone=False, sync_batchnorm=sync)
+        for x, y in batches[:warmup]:
+            trainer.train_batch(x, y)
+        trainer.reset_times()
+        comm.barrier()
+        start, cpu_start = time.perf_counter(), time.process_time()
+        for x, y in batches[warmup:]:
+            trainer.train_batch(x, y)
+        wall = (time.perf_counter() - start) / args.steps
+        cpu = np.array([(time.process_time() - cpu_start) / args.steps])
+        comm.allreduce_sum(cpu)  # the CPU time of every rank: what the step costs the machine
+        return trainer, {"step_ms": wall * 1e3, "cpu_ms": float(cpu[0]) * 1e3,
+                         **{f"{k}_ms": v / args.steps * 1e3 for k, v in trainer.times.items()}}
+
+    trainer, times = timed(False)
+    result.update(times)
+    if args.sync_batchnorm and comm.size > 1:
+        synced, sync_times = timed(True)
+        assert synced._reducer is not None
+        result.update({f"sync_{k}": v for k, v in sync_times.items()})
+        reducer = synced._reducer
+        result["sums_per_step"] = len(reducer.schedule)
+        buffers = [np.ones(size, dtype) for size, dtype in reducer.schedule]
+        comm.barrier()
+        start = time.perf_counter()
+        for _ in range(20):  # one step's sums alone, back to back: their cost without waiting for compute
+            for buffer in buffers:
+                reducer(buffer)
+        result["bare_sums_ms"] = (time.perf_counter() - start) / 20 * 1e3
     buffer = np.ones(trainer.fused_buffer.array.size, np.float32)
     result["buffer_mb"] = buffer.nbytes / 1e6
     result["params"] = int(sum(p.size for p in trainer.params.values()))
@@ -97,7 +119,8 @@ def worker(args: argparse.Namespace) -> None:
 def launch(ranks: int, args: argparse.Namespace) -> dict[str, float]:
     mpirun = Path(sys.executable).parent / "mpirun"
     command = [str(mpirun if mpirun.exists() else "mpirun"), "-n", str(ranks), sys.executable, __file__, "--worker",
-               "--batch", str(args.batch), "--steps", str(args.steps), "--model", args.model]
+               "--batch", str(args.batch), "--steps", str(args.steps), "--model", args.model,
+               *(["--sync-batchnorm"] if args.sync_batchnorm else [])]
     done = subprocess.run(command, capture_output=True, text=True, timeout=1800)
     for line in done.stdout.splitlines():
         if line.startswith("RESULT "):
@@ -111,6 +134,8 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=32, help="global batch (default 32)")
     parser.add_argument("--steps", type=int, default=20, help="timed steps (default 20)")
     parser.add_argument("--model", default="seed-cnn")
+    parser.add_argument("--sync-batchnorm", action="store_true",
+                        help="also time synchronized BatchNorm (SyncBatchNorm) against per-rank statistics")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
@@ -141,6 +166,18 @@ def main() -> None:
         print(f"{n:>5} {r['step_ms']:7.1f} {r['cpu_ms']:7.1f} {r['gradients_ms']:8.1f} {r['allreduce_ms']:9.2f} "
               f"{r['update_ms']:7.2f} "
               f"{r['bare_allreduce_ms']:8.2f} {bandwidth} {ratio}")
+    synced = [r for r in rows if "sync_step_ms" in r]
+    if synced:
+        print("synchronized BatchNorm (SyncBatchNorm) against per-rank statistics, same processes, ms per step: "
+              "wall and CPU of all ranks; sums: rank 0's time in the BatchNorm all-reduces (waits included); "
+              "bare sums: one step's sums alone, back to back")
+        print(f"{'ranks':>5} {'sums/step':>9} {'step':>7} {'sync step':>9} {'CPU':>7} {'sync CPU':>8} "
+              f"{'sums':>7} {'bare sums':>9} {'CPU cost':>8}")
+        for r in synced:
+            print(f"{int(r['ranks']):>5} {int(r['sums_per_step']):>9} {r['step_ms']:7.1f} {r['sync_step_ms']:9.1f} "
+                  f"{r['cpu_ms']:7.1f} {r['sync_cpu_ms']:8.1f} {r['sync_batchnorm_sums_ms']:7.2f} "
+                  f"{r['bare_sums_ms']:9.2f} "
+                  f"{r['sync_cpu_ms'] / r['cpu_ms']:7.2f}x")
 
 
 if __name__ == "__main__":

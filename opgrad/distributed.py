@@ -18,13 +18,21 @@ brings ``mpi4py`` and MPICH's ``mpirun``; a cluster's own MPI works the same und
 
 Dropout masks and augmentation shifts are drawn for the whole global batch from the step's seed
 and sliced, so N ranks with global batch B compute what one process with batch B computes.
-BatchNorm normalizes with each rank's own batch statistics (PyTorch's default without
+BatchNorm normalizes with each rank's own batch statistics by default (PyTorch's default without
 ``SyncBatchNorm``); the running statistics are averaged over the ranks in the same all-reduce,
-so every rank, and every checkpoint, holds the same values.
+so every rank, and every checkpoint, holds the same values. ``sync_batchnorm=True``
+(``--sync-batchnorm``, PyTorch's ``SyncBatchNorm``) normalizes with the statistics of the global
+batch instead: BatchNorm sums its per-channel statistics over the ranks inside the compiled step
+(``opgrad.ops.cross_replica_sum``, whose gradient is the same sum of the output gradient; four
+small all-reduces per BatchNorm layer, two in the forward and two in the backward, through
+:class:`ReplicaReducer`), and each rank's loss is scaled by its share of the batch before the
+backward, so the step equals one process's with the whole batch, uneven shards included.
 
 Faults: a rank whose step raises (bad data, a bug, a diverging loss) still joins the all-reduce
 with its flag set, so every rank learns at the same step which ranks failed and stops with an
-error naming them (:class:`RankFailedError`) instead of waiting forever. A failure outside a step
+error naming them (:class:`RankFailedError`) instead of waiting forever. With synchronized
+BatchNorm it first joins the step's remaining BatchNorm sums with a failure mark, which stops the
+peers waiting in them (:class:`ReplicaReducer`). A failure outside a step
 on one rank only (:func:`agree` is not reached) aborts the whole job through ``MPI_Abort`` after
 printing the error (:func:`abort_on_error`); a rank that dies is cleaned up by ``mpirun``.
 """
@@ -44,18 +52,22 @@ import numpy as np
 
 from opgrad.env import NUM_THREADS_VAR
 from opgrad.errors import ConfigError, NonFiniteLossError, UserError
+from opgrad.ir import Call, topological_order
 from opgrad.nn.gradstep import GradientStep, UpdateStep
 from opgrad.nn.losses import accuracy, cross_entropy_numpy
 from opgrad.nn.model import Model
 from opgrad.nn.optim import Optimizer
 from opgrad.nn.schedules import Schedule
 from opgrad.nn.trainer import Trainer, noise_rng
+from opgrad.replicas import replica_group
 
 __all__ = [
     "Communicator",
     "DistributedTrainer",
     "FusedBuffer",
+    "PeerStepFailed",
     "RankFailedError",
+    "ReplicaReducer",
     "abort_on_error",
     "agree",
     "check_same_everywhere",
@@ -72,6 +84,10 @@ class RankFailedError(UserError, RuntimeError):
     """Another rank failed; this rank stops with it. The failing rank printed its own error."""
 
     exit_code = 1
+
+
+class PeerStepFailed(RuntimeError):
+    """Raised inside a step on the ranks whose peers' step failed (see :class:`ReplicaReducer`)."""
 
 
 class Communicator:
@@ -128,6 +144,57 @@ def world() -> Communicator:
     if _WORLD is None:
         _WORLD = Communicator()
     return _WORLD
+
+
+class ReplicaReducer:
+    """The reducer of a step's ``cross_replica_sum`` calls (SyncBatchNorm's sums) over ``comm``'s ranks.
+
+    Each sum is an ``Allreduce`` on a communicator of its own (a duplicate of ``comm``'s), so it
+    never matches the step's fused all-reduce by mistake, with one more value appended: how many
+    ranks have failed. A rank whose step fails (before the compiled step, or inside it) cannot
+    simply leave: its peers wait in the step's next sum. So it joins every sum the step has left
+    (:meth:`drain`, the sizes come from the graph, :meth:`expect`) with that value set; each peer
+    sees it in the very sum where it waits, raises :class:`PeerStepFailed`, which stops its step,
+    and drains the rest too. Every rank then reaches the step's fused all-reduce, whose failure
+    flags name the rank that failed. ``seconds`` adds up the time spent in the sums.
+    """
+
+    def __init__(self, comm: Communicator) -> None:
+        self.mpi = comm.mpi
+        self.comm = comm.comm.Dup()
+        self.schedule: list[tuple[int, np.dtype[Any]]] = []
+        self.done = 0
+        self.seconds = 0.0
+
+    def expect(self, outputs: Sequence[Any]) -> None:
+        """Record the sums of a step computing ``outputs``: their sizes, in the order both backends run them."""
+        self.schedule = [(call.type.size, np.dtype(call.dtype)) for call in topological_order(outputs)
+                         if isinstance(call, Call) and call.op.name == "cross_replica_sum" and call.type.size]
+
+    def start_step(self) -> None:
+        self.done = 0
+
+    def __call__(self, data: np.ndarray) -> None:
+        packed = np.empty(data.size + 1, data.dtype)
+        packed[:-1] = data.reshape(-1)
+        packed[-1] = 0
+        self._allreduce(packed)
+        if packed[-1] != 0:
+            raise PeerStepFailed("another rank's step failed")
+        data.reshape(-1)[:] = packed[:-1]
+
+    def drain(self) -> None:
+        """Join the sums this step has left, flagged as failed (after this rank's step stopped)."""
+        for size, dtype in self.schedule[self.done :]:
+            packed = np.zeros(size + 1, dtype)
+            packed[-1] = 1
+            self._allreduce(packed)
+
+    def _allreduce(self, packed: np.ndarray) -> None:
+        started = time.perf_counter()
+        self.comm.Allreduce(self.mpi.IN_PLACE, packed, op=self.mpi.SUM)
+        self.done += 1
+        self.seconds += time.perf_counter() - started
 
 
 def shard_bounds(total: int, rank: int, size: int) -> tuple[int, int]:
@@ -293,6 +360,11 @@ class DistributedTrainer(Trainer):
     a distributed run resumes on any number of ranks, or in one plain process. Evaluation is
     sharded too, and returns the same numbers on every rank. With one rank the Trainer's fused
     step runs (``fused_when_alone=False`` keeps the split step, which benchmarks measure).
+
+    ``sync_batchnorm=True`` is PyTorch's ``SyncBatchNorm``: every BatchNorm layer normalizes with
+    the mean and variance of the global batch, through sums over the ranks inside the step
+    (:class:`ReplicaReducer`), so N ranks compute what one process with the whole batch computes,
+    BatchNorm included. Without it each rank uses its own rows' statistics (PyTorch's default).
     """
 
     def __init__(self, model: Model, optimizer: Optimizer, *, comm: Communicator | None = None,
@@ -300,7 +372,7 @@ class DistributedTrainer(Trainer):
                  backend: str = "reference", eval_batch_size: int = 100, augment_shift: int = 0,
                  augment_rotate: float = 0.0, augment_scale: float = 0.0,
                  params: Mapping[str, np.ndarray] | None = None, stop_on_nan: bool = True,
-                 fused_when_alone: bool = True) -> None:
+                 fused_when_alone: bool = True, sync_batchnorm: bool = False) -> None:
         super().__init__(model, optimizer, lr=lr, batch_size=batch_size, seed=seed, dtype=dtype, backend=backend,
                          eval_batch_size=eval_batch_size, augment_shift=augment_shift,
                          augment_rotate=augment_rotate, augment_scale=augment_scale, params=params,
@@ -312,6 +384,10 @@ class DistributedTrainer(Trainer):
         self.rows = shard_bounds(batch_size, self.comm.rank, self.comm.size)
         # Alone, nothing is averaged: the single fused step computes the same numbers, faster.
         self.fused = fused_when_alone and self.comm.size == 1
+        self.sync_batchnorm = bool(sync_batchnorm)
+        # Alone, the global batch is this rank's: the plain step computes the same statistics.
+        self._reducer: ReplicaReducer | None = (ReplicaReducer(self.comm) if self.sync_batchnorm and self.comm.size > 1
+                                                else None)
         self._gradient_step: GradientStep | None = None
         self._update_step: UpdateStep | None = None
         self._buffer: FusedBuffer | None = None
@@ -324,7 +400,7 @@ class DistributedTrainer(Trainer):
 
     def reset_times(self) -> None:
         """Start :attr:`times` and :attr:`timed_steps` from zero (per epoch, say)."""
-        self.times = {"gradients": 0.0, "allreduce": 0.0, "update": 0.0}
+        self.times = {"gradients": 0.0, "allreduce": 0.0, "update": 0.0, "batchnorm_sums": 0.0}
         self.timed_steps = 0
 
     @property
@@ -332,10 +408,22 @@ class DistributedTrainer(Trainer):
         return self.rows[1] - self.rows[0]
 
     @property
+    def share(self) -> float:
+        """This rank's fraction of the global batch: its weight in the step's sums."""
+        return self.local_batch_size / self.batch_size
+
+    @property
     def gradient_step(self) -> GradientStep:
         if self._gradient_step is None:
-            self._gradient_step = GradientStep(self.model, batch_size=self.local_batch_size, dtype=self.dtype,
-                                               backend=self.backend)
+            # Synchronized, every rank's loss is scaled by its share of the batch before the
+            # backward: the sums over ranks in the backward then add gradients of the global
+            # mean loss, and the fused all-reduce adds the shares unweighted (see _local_gradients).
+            sync = self._reducer is not None
+            step = GradientStep(self.model, batch_size=self.local_batch_size, dtype=self.dtype, backend=self.backend,
+                                sync_batchnorm=sync, loss_scale=self.share if sync else 1.0)
+            if self._reducer is not None:
+                self._reducer.expect(step.function.outputs)
+            self._gradient_step = step
         return self._gradient_step
 
     @property
@@ -364,10 +452,18 @@ class DistributedTrainer(Trainer):
         local_masks = {name: np.ascontiguousarray(m[start:stop]) for name, m in masks.items()}
         x = np.ascontiguousarray(images[start:stop], dtype=self.dtype)
         y = np.ascontiguousarray(labels[start:stop])
-        with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
-            result = self.gradient_step(x, y, self.params, self.model.buffers, local_masks)
-        weight = self.local_batch_size / self.batch_size
-        self.fused_buffer.pack(result.loss, {**result.grads, **result.buffers}, weight)
+        if self._reducer is None:
+            with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+                result = self.gradient_step(x, y, self.params, self.model.buffers, local_masks)
+            self.fused_buffer.pack(result.loss, {**result.grads, **result.buffers}, self.share)
+            return
+        step = self.gradient_step
+        with np.errstate(over="ignore", invalid="ignore", divide="ignore"), replica_group(self._reducer):
+            result = step(x, y, self.params, self.model.buffers, local_masks)
+        # The loss and gradients are already this rank's share; the running statistics, the same
+        # on every rank, are weighted so that their sum is that value.
+        self.fused_buffer.pack(result.loss, {**result.grads, **{name: value * self.share for name, value
+                                                                in result.buffers.items()}}, 1.0)
 
     def _train_batch(self, images: np.ndarray, labels: np.ndarray, *, epoch_step: int | None) -> float:
         if self.fused:
@@ -375,21 +471,36 @@ class DistributedTrainer(Trainer):
         buffer = self.fused_buffer
         error: Exception | None = None
         started = time.perf_counter()
+        reducer = self._reducer
+        if reducer is not None:
+            if self._gradient_step is None:
+                # A rank that failed to build its step could not tell its peers, already waiting
+                # in the step's first BatchNorm sum, how many sums to expect: build in a check-in.
+                agree(self.comm, "building the synchronized training step",
+                      lambda: (self.gradient_step, self.update_step))
+            reducer.start_step()
+        sums_before = reducer.seconds if reducer is not None else 0.0
+        peer_failed = False
         try:
             # Both halves are built (compiled) inside the check-in, and outside the timings.
             _ = self.gradient_step, self.update_step
             started = time.perf_counter()
             self._local_gradients(images, labels)
+        except PeerStepFailed:
+            peer_failed = True
+            buffer.array[:] = 0  # not this rank: the flags of the fused all-reduce name the one that failed
         except Exception as exc:
             error = exc
             buffer.mark_failed(self.comm.rank)
+        if reducer is not None and reducer.done < len(reducer.schedule):
+            reducer.drain()
         computed = time.perf_counter()
         self.comm.allreduce_sum(buffer.array)
         reduced = time.perf_counter()
         failed = buffer.failed_ranks()
         if error is not None:
             raise _collective(error)
-        if failed:
+        if failed or peer_failed:
             raise _collective(RankFailedError(
                 f"rank {_ranks(failed)} failed at step {self.step + 1} (epoch {self.epoch + 1}); its error is "
                 f"printed above; rank {self.comm.rank} stops too"))
@@ -405,6 +516,7 @@ class DistributedTrainer(Trainer):
         self.params = params
         self.state = {**optimizer_state, **{name: buffer.view(name).copy() for name in self.model.buffer_shapes()}}
         self.times["gradients"] += computed - started
+        self.times["batchnorm_sums"] += (reducer.seconds - sums_before) if reducer is not None else 0.0
         self.times["allreduce"] += reduced - computed
         self.times["update"] += time.perf_counter() - reduced
         self.timed_steps += 1

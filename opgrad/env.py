@@ -5,6 +5,8 @@ this process may run on). It is read when the first kernel is compiled; the ``op
 checks every variable here up front, so a typo fails before any work, as one line.
 ``OPGRAD_CACHE_DIR`` is the compiled-object cache directory (default ``~/.cache/opgrad``).
 ``OPGRAD_COMPILE_IN_PROCESS=1`` runs LLVM in the calling process instead of a worker process.
+``OPGRAD_CONV_ALGORITHM`` picks how 3x3 stride-1 convolutions run: ``auto`` (the default: Winograd
+where it pays), ``direct`` (always the im2col GEMM) or ``winograd`` (wherever it applies).
 """
 
 from __future__ import annotations
@@ -19,18 +21,23 @@ from opgrad.errors import ConfigError
 __all__ = [
     "CACHE_DIR_VAR",
     "COMPILE_IN_PROCESS_VAR",
+    "CONV_ALGORITHMS",
+    "CONV_ALGORITHM_VAR",
     "NUM_THREADS_VAR",
     "available_cpus",
     "cache_dir_setting",
     "cgroup_cpu_limit",
     "check_environment",
     "compile_in_process_setting",
+    "conv_algorithm_setting",
     "num_threads_setting",
 ]
 
 NUM_THREADS_VAR = "OPGRAD_NUM_THREADS"
 CACHE_DIR_VAR = "OPGRAD_CACHE_DIR"
 COMPILE_IN_PROCESS_VAR = "OPGRAD_COMPILE_IN_PROCESS"
+CONV_ALGORITHM_VAR = "OPGRAD_CONV_ALGORITHM"
+CONV_ALGORITHMS = ("auto", "direct", "winograd")
 
 
 def num_threads_setting(environ: Mapping[str, str] | None = None) -> int | None:
@@ -78,11 +85,21 @@ def compile_in_process_setting(environ: Mapping[str, str] | None = None) -> bool
     return text == "1"
 
 
+def conv_algorithm_setting(environ: Mapping[str, str] | None = None) -> str:
+    """``$OPGRAD_CONV_ALGORITHM``: ``auto`` (default), ``direct`` or ``winograd``."""
+    text = (os.environ if environ is None else environ).get(CONV_ALGORITHM_VAR, "").strip() or "auto"
+    if text not in CONV_ALGORITHMS:
+        raise ConfigError(f"environment variable {CONV_ALGORITHM_VAR}={text!r}: expected one of "
+                          f"{', '.join(CONV_ALGORITHMS)} (how 3x3 stride-1 convolutions are computed)")
+    return text
+
+
 def check_environment(environ: Mapping[str, str] | None = None) -> None:
     """Validate every opgrad environment variable; raises ``ConfigError`` for the first bad one."""
     num_threads_setting(environ)
     cache_dir_setting(environ)
     compile_in_process_setting(environ)
+    conv_algorithm_setting(environ)
 
 
 def cgroup_cpu_limit(path: Path = Path("/sys/fs/cgroup/cpu.max"),

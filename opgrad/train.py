@@ -123,6 +123,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="data-parallel training over the ranks of an MPI job (run under `mpirun -n N`); "
                              "--batch-size is the global batch, split over the ranks; rank 0 prints and saves. "
                              'Needs `pip install "opgrad[distributed]"`')
+    parser.add_argument("--sync-batchnorm", action="store_true",
+                        help="with --distributed: BatchNorm normalizes with the statistics of the global batch "
+                             "(PyTorch's SyncBatchNorm; two small all-reduces per BatchNorm layer in the forward "
+                             "and two in the backward) instead of each rank's own rows")
     parser.add_argument("--test-limit", type=positive_int, default=None, metavar="N", help=argparse.SUPPRESS)
 
 
@@ -209,6 +213,9 @@ def run(args: argparse.Namespace) -> int:
     output path, a diverging loss), which ``opgrad.cli`` prints as one line. With
     ``--distributed`` an error on one rank alone ends every rank (``opgrad.distributed``).
     """
+    if args.sync_batchnorm and not args.distributed:
+        raise ConfigError("--sync-batchnorm synchronizes BatchNorm over the ranks of --distributed training; "
+                          "add --distributed (and run under mpirun), or leave it out")
     if not args.distributed:
         return _train(args, None)
     from opgrad.distributed import abort_on_error, share_cores, world
@@ -264,7 +271,7 @@ def _train(args: argparse.Namespace, comm: Communicator | None) -> int:
     if comm is not None:
         from opgrad.distributed import DistributedTrainer
 
-        parallel = DistributedTrainer(model, optimizer, comm=comm, **options)
+        parallel = DistributedTrainer(model, optimizer, comm=comm, sync_batchnorm=args.sync_batchnorm, **options)
     trainer = parallel if parallel is not None else Trainer(model, optimizer, **options)
 
     def resume() -> None:
@@ -341,7 +348,9 @@ def _train(args: argparse.Namespace, comm: Communicator | None) -> int:
               f"{epoch_train / steps_per_epoch * 1000:.0f} ms/step)", flush=True)
         if parallel is not None and parallel.timed_steps:
             times, count = parallel.times, parallel.timed_steps
-            say(f"  per step: forward+backward {times['gradients'] / count * 1e3:.1f} ms, all-reduce "
+            sums = (f" (BatchNorm sums {times['batchnorm_sums'] / count * 1e3:.1f} ms)"
+                    if parallel.sync_batchnorm and comm is not None and comm.size > 1 else "")
+            say(f"  per step: forward+backward {times['gradients'] / count * 1e3:.1f} ms{sums}, all-reduce "
                 f"{times['allreduce'] / count * 1e3:.1f} ms, update {times['update'] / count * 1e3:.1f} ms (rank 0)")
         if args.save:
             extra = {"lr": lr, "lr_schedule": args.lr_schedule, "epochs": args.epochs,

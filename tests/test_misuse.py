@@ -333,6 +333,15 @@ def test_a_bad_thread_count_names_the_variable(value: str, monkeypatch: pytest.M
                           "positive integer")
 
 
+def test_a_bad_conv_algorithm_is_one_line_naming_the_variable(monkeypatch: pytest.MonkeyPatch,
+                                                              capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setenv("OPGRAD_CONV_ALGORITHM", "fft")
+    code, _, err = _cli(["ops"], capsys)
+    assert code == 2 and err.count("\n") == 1
+    assert err.startswith("opgrad ops: error: environment variable OPGRAD_CONV_ALGORITHM='fft': expected one of "
+                          "auto, direct, winograd")
+
+
 def test_a_good_or_empty_thread_count_is_used(monkeypatch: pytest.MonkeyPatch) -> None:
     from opgrad.compiler.threads import default_num_threads
 

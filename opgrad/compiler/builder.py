@@ -26,7 +26,6 @@ split over the thread pool by output rows, so results do not depend on the threa
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import math
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -35,11 +34,13 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from .batched import emit_batched_gemm
-from .conv import Conv2dGeometry, emit_conv2d_backward_data, emit_conv2d_backward_weight, emit_conv2d_forward
+from .conv import Conv2dGeometry
+from .convpass import emit_conv2d_pass
 from .gemm import GemmSpec, IndexMap, Operand, emit_gemm
 from .grouped import conv2d_direct
+from .hostcall import emit_cross_replica_sum, register_host_symbols
 from .irtext import BYTES, LLVM_TYPE, FunctionEmitter, ModuleEmitter
-from .jit import NativeModule, register_symbol
+from .jit import NativeModule
 from .threads import PARALLEL_FOR, PARALLEL_FOR_DECL, pool
 from .views import (
     CONSTANT,
@@ -108,6 +109,8 @@ class KernelBuilder:
         self._detail = ""  # set while a conv lowers, so its GEMM steps are reported as that conv
         #: Emitted kernel name -> the op(s) it lowers (filled by :meth:`finish`), for compile errors.
         self.kernel_labels: dict[str, str] = {}
+        #: Steps that call back into the host process (a communicator), which an exported library lacks.
+        self.host_calls: list[str] = []
 
     def fresh(self, kind: str) -> str:
         """A function name unique in this module."""
@@ -295,11 +298,10 @@ class KernelBuilder:
 
     def conv2d(self, geom: Conv2dGeometry, pass_: str, buffers: tuple[int, int, int]) -> None:
         """One conv pass: ``forward`` (x, w, y), ``backward_data`` (dy, w, dx), ``backward_weight`` (x, dy, dw)."""
-        emit = {"forward": emit_conv2d_forward, "backward_data": emit_conv2d_backward_data,
-                "backward_weight": emit_conv2d_backward_weight}[pass_]
-        entry = emit(self.m, geom, self.fresh("conv"))
+        entry, algorithm = emit_conv2d_pass(self.m, geom, pass_, self.fresh("conv"))
+        detail = geom.describe() + ("" if algorithm == "direct" else f" ({algorithm})")
         self.add_call(entry.entry, list(buffers), list(buffers[:2]), [buffers[2]], entry.workspace_per_thread,
-                      flops=geom.flops(), detail=geom.describe())
+                      flops=geom.flops(), detail=detail)
 
     def conv2d_forward(self, out: View, data: View, weight: View, strides: Sequence[int],
                        padding: Sequence[int], dilation: Sequence[int], groups: int = 1) -> None:
@@ -342,13 +344,21 @@ class KernelBuilder:
         win = Window2d(tuple(pool), tuple(strides), tuple(padding), ceil_mode, count_include_pad)  # type: ignore[arg-type]
         pool2d_scatter(self, out, grad, data, win)
 
+    def cross_replica_sum(self, out: View, data: View) -> None:
+        """``out = data`` summed over the replicas by the host's reducer (:mod:`opgrad.replicas`)."""
+        emit_cross_replica_sum(self, out, data)
+
     # ----- extension points for primitive modules (e.g. windows.py) -----
 
     def add_call(self, fn: str, buffers: list[int], reads: list[int], writes: list[int], workspace: int = 0,
-                 flops: int = 0, detail: str = "") -> None:
-        """Record a call of emitted ``void fn(ptr buf..., ptr ws)``; ``flops`` and ``detail`` only feed reports."""
-        self.steps.append(Step("call", call=fn, call_buffers=buffers, reads=reads, writes=writes, flops=flops,
-                               detail=detail or self._detail))
+                 flops: int = 0, detail: str = "", checked: bool = False) -> None:
+        """Record a call of emitted ``void fn(ptr buf..., ptr ws)``; ``flops`` and ``detail`` only feed reports.
+
+        ``checked`` calls ``i32 fn(...)`` instead: a non-zero result ends the entry there (the
+        function has recorded why for the caller, as :mod:`opgrad.replicas` does).
+        """
+        self.steps.append(Step("call", call=("chk:" if checked else "") + fn, call_buffers=buffers, reads=reads,
+                               writes=writes, flops=flops, detail=detail or self._detail))
         self.workspace_per_thread = max(self.workspace_per_thread, workspace)
 
     def loop_function(self, name: str, nptrs: int) -> FunctionEmitter:
@@ -459,6 +469,13 @@ class KernelBuilder:
                     f.call("void", "@" + PARALLEL_FOR, [("ptr", f"@{base}.task"), ("ptr", ctx)])
                 else:
                     f.call("void", f"@{base}.task", [("ptr", ctx), ("i32", "0"), ("i32", "1")])
+            elif fn.startswith("chk:"):
+                code = f.call("i32", "@" + fn[4:], [("ptr", p) for p in ptrs] + [("ptr", "%ws")])
+                failed, go_on = f.label("failed"), f.label("ok")
+                f.cbr(f.icmp("ne", code, 0, "i32"), failed, go_on)
+                f.block(failed)
+                f.ret_void()
+                f.block(go_on)
             else:
                 f.call("void", "@" + fn, [("ptr", p) for p in ptrs] + [("ptr", "%ws")])
         f.ret_void()
@@ -549,7 +566,7 @@ class KernelBuilder:
 
     def compile(self) -> CompiledGraph:
         """Finish, compile (disk-cached) and wrap the entry for ctypes."""
-        register_libm()
+        register_host_symbols()
         nthreads = pool().nthreads
         module = NativeModule(self.finish(), kernel_labels=self.kernel_labels)
         return CompiledGraph(module, self.name, self.workspace_per_thread * nthreads)
@@ -593,23 +610,6 @@ class CompiledGraph:
     def __call__(self, *arrays: object) -> None:
         table = (ctypes.c_void_p * len(arrays))(*(a.ctypes.data for a in arrays))  # type: ignore[attr-defined]
         self.call_pointers(table)
-
-
-_libm_done = False
-
-
-def register_libm() -> None:
-    """Scalar math intrinsics lower to libm calls on x86; make those symbols resolvable."""
-    global _libm_done
-    if _libm_done:
-        return
-    libm = ctypes.CDLL(ctypes.util.find_library("m") or "libm.so.6")
-    for sym in ("expf", "exp", "logf", "log", "tanhf", "tanh", "powf", "pow", "sinf", "sin", "cosf", "cos",
-                "erff", "erf", "log1pf", "log1p", "expm1f", "expm1"):
-        fn = getattr(libm, sym, None)
-        if fn is not None:
-            register_symbol(sym, ctypes.cast(fn, ctypes.c_void_p).value or 0)
-    _libm_done = True
 
 
 __all__ = ["BYTES", "CONSTANT", "IOTA", "Body", "CompiledGraph", "KernelBuilder", "Scalar", "Step", "View"]

@@ -247,7 +247,7 @@ def _masked_load(m: ModuleEmitter, n: int, t: str) -> str:
     return m.intrinsic("masked.load", f"<{n} x {t}>", ["ptr", "i32", f"<{n} x i1>", f"<{n} x {t}>"], suffix)
 
 
-def _transpose(f: FunctionEmitter, rows: list[str], vt: str, n: int) -> list[str]:
+def transpose_square(f: FunctionEmitter, rows: list[str], vt: str, n: int) -> list[str]:
     """Transpose ``n`` vectors of ``n`` lanes (``n`` a power of two) with two-source shuffles."""
     rows = list(rows)
     b = n // 2
@@ -433,7 +433,7 @@ def _pack_by_loop_runs(
             group = vecs[g:g + vl]
             group += ["zeroinitializer"] * (vl - len(group))
             width = min(vl, lanes - g)
-            for i, row in enumerate(_transpose(f, group, vt, vl)):
+            for i, row in enumerate(transpose_square(f, group, vt, vl)):
                 out = f.gep(t, panel, f.add(f.mul(f.add(k0, i), lanes), g))
                 if width < vl:
                     sel = ", ".join(f"i32 {x}" for x in range(width))

@@ -32,8 +32,10 @@ import numpy as np
 from opgrad.errors import ArgumentError
 from opgrad.ir import Call, Const, Function, Var, topological_order
 from opgrad.reference import check_arguments
+from opgrad.replicas import raise_pending
 
-from .builder import KernelBuilder, register_libm
+from .builder import KernelBuilder
+from .hostcall import register_host_symbols
 from .irtext import ModuleEmitter
 from .jit import CompileTimes, NativeModule
 from .steploop import LOOP_NAN, LOOP_RANGE, STATUS_WORDS, STOP_ON_NAN, LoopCheck, LoopStopped, StepLoop, emit_step_loop
@@ -248,6 +250,8 @@ class GraphPlan:
     loop_entry: str = ""
     loop_checks: list[LoopCheck] = field(default_factory=list)
     step_costs: list[StepCost] = field(default_factory=list)
+    #: Steps that call back into this process (``cross_replica_sum``'s reducer), described.
+    host_calls: list[str] = field(default_factory=list)
 
 
 def plan_graph(fn: Function, *, name: str = "opgrad_graph", step_entries: bool = False,
@@ -290,7 +294,7 @@ def plan_graph(fn: Function, *, name: str = "opgrad_graph", step_entries: bool =
         ir = kb.m.text()
     return GraphPlan(fn, name, low.buffers, params, results, offsets, arena_bytes, low.consts, low.checks,
                      kb.workspace_per_thread, len(kb.steps), fused, step_labels, kb.kernel_labels, kb.m, ir,
-                     loop, loop_entry, loop_checks, step_costs)
+                     loop, loop_entry, loop_checks, step_costs, list(kb.host_calls))
 
 
 class CompiledFunction:
@@ -313,7 +317,7 @@ class CompiledFunction:
         self.plan_seconds = time.perf_counter() - t0  # lowering, fusion, buffer plan and IR text
         self.fused, self.arena_bytes, self.steps = plan.fused, plan.arena_bytes, plan.steps
         self.step_labels = plan.step_labels
-        register_libm()
+        register_host_symbols()
         nthreads = pool().nthreads
         self.ir = plan.ir
         self._module = NativeModule(self.ir, what=_describe(fn), kernel_labels=plan.kernel_labels)
@@ -337,6 +341,7 @@ class CompiledFunction:
         self._checks = plan.checks
         self._ws_addr = _aligned(self._ws)
         self._lock = threading.Lock()
+        self._calls_host = bool(plan.host_calls)
         self._profile: list[list[float]] | None = None
         self._profile_clock: Callable[[], float] = time.perf_counter
         self._step_fns = [self._module.cfunc(f"{plan.name}.step{i}", None, ctypes.c_void_p, ctypes.c_void_p)
@@ -367,6 +372,8 @@ class CompiledFunction:
             for b, arr in zip(self._results, outs, strict=True):
                 table[b] = arr.ctypes.data
             self._fn(self._table_addr, self._ws_addr)
+            if self._calls_host:  # a reducer that failed stopped the step: raise its error here
+                raise_pending()
             if self._profile is not None:  # rerun each step alone on the same buffers, timed
                 clock = self._profile_clock
                 for i, step in enumerate(self._step_fns):
@@ -434,6 +441,8 @@ class CompiledFunction:
             for p, r in loop.carry:  # the newest values are wherever the parameter slot points now
                 if table[self._params[p]] == spare[r].ctypes.data:
                     outs[r] = spare[r]
+            if self._calls_host:
+                raise_pending()
         result = tuple(outs) if fn.returns_tuple else outs[0]
         if code == LOOP_RANGE:
             step, index, value, k = (int(x) for x in status[1:])

@@ -15,7 +15,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .conv import Conv2dGeometry, emit_conv2d_backward_data, emit_conv2d_backward_weight, emit_conv2d_forward
+from .conv import Conv2dGeometry
+from .convpass import emit_conv2d_pass
 from .gemm import GemmSpec, emit_gemm
 from .irtext import ModuleEmitter
 from .jit import NativeModule
@@ -90,9 +91,9 @@ class Conv2dKernels:
 def conv2d_kernels(geom: Conv2dGeometry) -> Conv2dKernels:
     """Compile forward, backward-data and backward-weight for ``geom`` into one module."""
     m = ModuleEmitter("conv2d")
-    fwd = emit_conv2d_forward(m, geom, "conv2d_forward")
-    bwd_d = emit_conv2d_backward_data(m, geom, "conv2d_backward_data")
-    bwd_w = emit_conv2d_backward_weight(m, geom, "conv2d_backward_weight")
+    fwd, _ = emit_conv2d_pass(m, geom, "forward", "conv2d_forward")
+    bwd_d, _ = emit_conv2d_pass(m, geom, "backward_data", "conv2d_backward_data")
+    bwd_w, _ = emit_conv2d_pass(m, geom, "backward_weight", "conv2d_backward_weight")
     nthreads = pool().nthreads
     module = NativeModule(m.text())
     return Conv2dKernels(

@@ -172,7 +172,7 @@ class Scalar:
     def libm(self, name: str, *args: str) -> str:
         """The C math library's ``name`` on this type (``erf``/``erff``, ``log1p``/``log1pf``, ...).
 
-        For functions without an LLVM intrinsic; their symbols are registered by ``register_libm``.
+        For functions without an LLVM intrinsic; their symbols are registered by ``register_host_symbols``.
         """
         fn = name + ("f" if self.t == "float" else "")
         ref = self.f.module.declare(fn, f"declare {self.t} @{fn}({', '.join([self.t] * len(args))})")

@@ -210,6 +210,13 @@ def export(directory: str | os.PathLike[str], *, model: str | Model = "seed-cnn"
     with use_target(tgt):
         train = plan_graph(step.function, name=f"{name}_train_graph", loop=step.step_loop())
         evaluation = plan_graph(evaluation_step.function, name=f"{name}_eval_graph")
+    for graph, plan in (("training step", train), ("evaluation step", evaluation)):
+        if plan.host_calls:
+            # The kernels would call back into a Python communicator that a C program does not have.
+            raise ExportError(f"model {net.name!r}: its {graph} sums over replicas ({plan.host_calls[0]}, "
+                              "opgrad.ops.cross_replica_sum), which needs the MPI communicator of a running "
+                              "opgrad process; an exported library has none. Export the model without it "
+                              "(BatchNorm synchronizes only inside DistributedTrainer)")
     tables = _tables(name, net, opt, step, train, evaluation, evaluation_step.param_names, threads, tgt)
     ir = _module_ir(name, train, evaluation)
     labels = {**train.kernel_labels, **evaluation.kernel_labels}

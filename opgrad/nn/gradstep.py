@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from opgrad import ops
 from opgrad.autodiff import gradients
 from opgrad.ir import Function, var
 from opgrad.nn.layers import ForwardContext
@@ -45,19 +46,29 @@ class GradientResult:
 
 
 class GradientStep:
-    """Forward + backward for ``model`` on a fixed batch: the loss, every gradient, new buffers."""
+    """Forward + backward for ``model`` on a fixed batch: the loss, every gradient, new buffers.
+
+    ``sync_batchnorm`` builds BatchNorm with the statistics of every replica's batch (run the step
+    inside :func:`opgrad.replicas.replica_group`). ``loss_scale`` multiplies the loss before it is
+    differentiated, so the loss and the gradients come out scaled: a replica's share of the
+    global mean (see :class:`~opgrad.distributed.DistributedTrainer`).
+    """
 
     def __init__(self, model: Model, *, batch_size: int, dtype: str = "float32", backend: str = "reference",
-                 loss_weights: Sequence[float] | None = None) -> None:
+                 loss_weights: Sequence[float] | None = None, sync_batchnorm: bool = False,
+                 loss_scale: float = 1.0) -> None:
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         self.model, self.batch_size, self.dtype, self.backend = model, batch_size, dtype, backend
+        self.sync_batchnorm, self.loss_scale = sync_batchnorm, float(loss_scale)
         inputs, labels, masks = batch_vars(model, batch_size, dtype)
         params = model.param_vars(dtype)
         buffers = model.buffer_vars(dtype)
         outputs, new_buffers = model.call(inputs, {**params, **buffers},
-                                          ForwardContext(training=True, noise=masks))
+                                          ForwardContext(training=True, noise=masks, sync_batchnorm=sync_batchnorm))
         loss = classifier_loss(model, outputs, labels, loss_weights)
+        if self.loss_scale != 1.0:
+            loss = ops.multiply(loss, self.loss_scale)
         grads = gradients(loss, list(params.values()))
         self.param_names: tuple[str, ...] = tuple(params)
         self.buffer_names: tuple[str, ...] = tuple(buffers)

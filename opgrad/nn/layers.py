@@ -113,11 +113,13 @@ class ForwardContext:
 
     ``training`` switches dropout and batch statistics on; ``noise`` maps a dropout layer's name
     to its mask input (an expression fed from a seeded numpy generator, so a compiled step stays
-    deterministic).
+    deterministic). ``sync_batchnorm`` makes BatchNorm's batch statistics those of every replica's
+    batch together (PyTorch's ``SyncBatchNorm``), through ``ops.cross_replica_sum``.
     """
 
     training: bool = False
     noise: Mapping[str, Expr] = field(default_factory=dict)
+    sync_batchnorm: bool = False
 
 
 def _pair(value: int | Sequence[int], what: str, minimum: int = 1) -> tuple[int, int]:
@@ -922,6 +924,8 @@ class BatchNorm2D(Layer):
         if not ctx.training:
             return ops.batch_norm_inference(x, weight, bias, mean, var, axis=1, epsilon=self.epsilon), dict(buffers)
         axes = tuple(a for a in range(x.ndim) if a != 1)
+        if ctx.sync_batchnorm:
+            return self.synchronized(x, params, buffers)
         count = math.prod(x.shape[a] for a in axes)
         if count < 2:
             raise ShapeError(f"layer {self.describe()}: training needs more than one value per channel "
@@ -933,6 +937,34 @@ class BatchNorm2D(Layer):
         m = self.momentum
         new_mean = ops.add(ops.multiply(mean, 1.0 - m), ops.multiply(ops.reshape(batch_mean, shape=mean.shape), m))
         new_var = ops.add(ops.multiply(var, 1.0 - m), ops.multiply(unbiased, m))
+        return y, {"running_mean": new_mean, "running_var": new_var}
+
+    def synchronized(self, x: Expr, params: Mapping[str, Expr],
+                     buffers: Mapping[str, Expr]) -> tuple[Expr, dict[str, Expr]]:
+        """Training with the statistics of every replica's batch together (``SyncBatchNorm``).
+
+        Two small sums over the replicas per forward: the per-channel sums with this replica's
+        count appended (``count`` is the global number of values per channel, so uneven shards
+        weigh right), then the per-channel sums of squares about the global mean. Centering
+        before squaring keeps the variance as accurate as ``batch_norm``'s own two passes. The
+        backward of each sum is another one (autodiff through ``cross_replica_sum``).
+        """
+        channels = x.shape[1]
+        axes = tuple(a for a in range(x.ndim) if a != 1)
+        kept = tuple(channels if a == 1 else 1 for a in range(x.ndim))
+        local_count = ops.full(shape=(1,), value=float(math.prod(x.shape[a] for a in axes)), dtype=x.dtype)
+        totals = ops.cross_replica_sum(ops.concatenate([ops.sum(x, axis=axes), local_count], axis=0))
+        count = ops.strided_slice(totals, begin=(channels,), end=(channels + 1,))
+        batch_mean = ops.divide(ops.strided_slice(totals, begin=(0,), end=(channels,)), count)
+        centered = ops.subtract(x, ops.reshape(batch_mean, shape=kept))
+        squares = ops.cross_replica_sum(ops.sum(ops.multiply(centered, centered), axis=axes))
+        batch_var = ops.divide(squares, count)
+        scale = ops.divide(params["weight"], ops.sqrt(ops.add(batch_var, self.epsilon)))
+        y = ops.add(ops.multiply(centered, ops.reshape(scale, shape=kept)), ops.reshape(params["bias"], shape=kept))
+        unbiased = ops.divide(squares, ops.subtract(count, 1.0))
+        m = self.momentum
+        new_mean = ops.add(ops.multiply(buffers["running_mean"], 1.0 - m), ops.multiply(batch_mean, m))
+        new_var = ops.add(ops.multiply(buffers["running_var"], 1.0 - m), ops.multiply(unbiased, m))
         return y, {"running_mean": new_mean, "running_var": new_var}
 
 

@@ -1,0 +1,592 @@
+"""Winograd F(m, 3) kernels for 3x3 stride-1 conv2d: the forward and the backward-data pass.
+
+A 3x3 correlation computed on ``alpha x alpha`` input tiles (``alpha = m + 2``) costs ``alpha**2``
+products per ``m x m`` outputs instead of ``9 * m**2``: 2.25x fewer for F(2,3), 4x for F(4,3)
+(Lavin & Gray, "Fast Algorithms for Convolutional Neural Networks", 2016). Summed over input
+channels, the products at one of the ``alpha**2`` tile positions form a GEMM, so the heavy part runs
+on the same engine as the direct convolution:
+
+* ``U[pos][o][c] = (G g G^T)[pos]``: the weights, transformed once per call;
+* ``V[pos][c][t] = (B^T d B)[pos]``: the input tiles ``t`` of a segment of images;
+* ``M[pos] = U[pos] @ V[pos]``: ``alpha**2`` GEMMs, one batched kernel;
+* the ``m x m`` outputs of tile ``t`` are ``A^T M[.][o][t] A``.
+
+Backward-data of a stride-1 convolution is a forward convolution of dY by the weights with O and C
+swapped and both taps reversed, padded by ``2 - pad``: the same kernel reading the weights through
+other strides.
+
+Each task is one block of ``R`` tile rows of one image, run start to end by one thread with its
+data in L1/L2: the block's input tiles of every channel are transformed into V (vectorized over
+``VL`` neighbouring tiles of a row, from a zero-padded copy of the rows it reads, so no tap needs a
+bounds check), the ``alpha**2`` small GEMMs run a register-tiled microkernel on V and on U, which
+the weight transform writes already packed in ``MR``-row panels, and the output transform writes
+the block's outputs. Nothing large goes through memory, and the blocks depend only on the shapes,
+so results are bitwise identical for any thread count.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from .conv import Conv2dGeometry, ConvEntry
+from .gemm import Blocking, round_up
+from .irtext import BYTES, LLVM_TYPE, FunctionEmitter, ModuleEmitter, float_const, splat_const
+from .target import current_target
+from .threads import PARALLEL_FOR, PARALLEL_FOR_DECL
+
+__all__ = [
+    "F2X3",
+    "F4X3",
+    "WEIGHT_PARTIAL_BYTES",
+    "TileSource",
+    "WinogradConv",
+    "WinogradEmitter",
+    "WinogradTiles",
+    "choose_tiles",
+    "declare_helpers",
+    "emit_guarded_entry",
+    "emit_winograd",
+    "winograd_conv",
+]
+
+#: Tiles per block (``R`` tile rows): enough columns for two or three register tiles per GEMM.
+BLOCK_TILES = 24
+#: Largest partial sum of the weight gradient (16 x O x C values) kept per group of blocks.
+WEIGHT_PARTIAL_BYTES = 1 << 20
+#: Fewer channels than this on either side leave the GEMMs too thin to win back the transforms.
+MIN_CHANNELS = 8
+
+Matrix = tuple[tuple[float, ...], ...]
+
+
+@dataclass(frozen=True)
+class WinogradTiles:
+    """The transforms of F(m, 3): ``at`` is m x alpha, ``g`` alpha x 3, ``bt`` alpha x alpha."""
+
+    m: int
+    at: Matrix
+    g: Matrix
+    bt: Matrix
+
+    @property
+    def alpha(self) -> int:
+        return self.m + 2
+
+
+#: Interpolation points 0, 1, -1 and infinity: every transform coefficient is 0, +-1 or +-1/2.
+F2X3 = WinogradTiles(
+    2,
+    at=((1, 1, 1, 0), (0, 1, -1, -1)),
+    g=((1, 0, 0), (0.5, 0.5, 0.5), (0.5, -0.5, 0.5), (0, 0, 1)),
+    bt=((1, 0, -1, 0), (0, 1, 1, 0), (0, -1, 1, 0), (0, 1, 0, -1)),
+)
+
+#: Points 0, +-1, +-2 and infinity: 4x fewer products, at the price of coefficients up to 8 that
+#: cost about one decimal digit of float32 accuracy against the direct sum.
+F4X3 = WinogradTiles(
+    4,
+    at=((1, 1, 1, 1, 1, 0), (0, 1, -1, 2, -2, 0), (0, 1, 1, 4, 4, 0), (0, 1, -1, 8, -8, 1)),
+    g=((1 / 4, 0, 0), (-1 / 6, -1 / 6, -1 / 6), (-1 / 6, 1 / 6, -1 / 6), (1 / 24, 1 / 12, 1 / 6),
+       (1 / 24, -1 / 12, 1 / 6), (0, 0, 1)),
+    bt=((4, 0, -5, 0, 1, 0), (0, -4, -4, 1, 1, 0), (0, 4, -4, -1, 1, 0), (0, -2, -1, 2, 1, 0),
+        (0, 2, -1, -2, 1, 0), (0, 4, 0, -5, 0, 1)),
+)
+
+
+@dataclass(frozen=True)
+class WinogradConv:
+    """``y[n, o] = sum_c x[n, c] (*) w'[o, c]``: a 3x3 stride-1 correlation with zero padding ``top``/``left``
+    (the bottom and right padding follow from ``oh``/``ow``). Tap ``(kh, kw)`` of ``w'[o, c]`` is the
+    weight element at ``weight_base + o*s0 + c*s1 + kh*s2 + kw*s3`` for ``weight_strides = (s0..s3)``."""
+
+    n: int
+    cin: int
+    h: int
+    w: int
+    cout: int
+    oh: int
+    ow: int
+    top: int
+    left: int
+    weight_strides: tuple[int, int, int, int]
+    weight_base: int
+    dtype: str
+
+
+@dataclass(frozen=True)
+class TileSource:
+    """Where a block's tiles come from: ``channels`` planes of ``h x w``, placed at ``top``/``left``
+    in a zero plane of ``plane_rows x plane_cols``; each tile reads ``size x size`` values and
+    tiles start ``m`` apart."""
+
+    channels: int
+    h: int
+    w: int
+    top: int
+    left: int
+    size: int
+    plane_rows: int
+    plane_cols: int
+
+
+def winograd_conv(g: Conv2dGeometry, pass_: str, require_gain: bool = True) -> WinogradConv | None:
+    """The Winograd form of a conv2d pass, or None where it does not apply: 3x3 kernels at stride 1
+    without dilation or groups, padding of at most 2.
+    ``require_gain`` also asks for :data:`MIN_CHANNELS` channels on both sides, below which the
+    GEMMs are too thin to pay for the transforms."""
+    if (g.kh, g.kw) != (3, 3) or g.stride != (1, 1) or g.dilation != (1, 1) or g.groups != 1:
+        return None
+    if max(g.pads) > 2:
+        return None
+    if require_gain:
+        # Thin GEMMs, or outputs so small that padding them to whole tiles costs more products
+        # than the direct sum (a 3x3 output takes 4 tiles: 64 products against 81).
+        out_h, out_w = (g.h, g.w) if pass_ == "backward_data" else (g.oh, g.ow)  # the 2x2-tiled plane
+        tiles, pixels = -(-out_h // 2) * -(-out_w // 2), out_h * out_w
+        if min(g.c, g.o) < MIN_CHANNELS or 16 * tiles > 0.75 * 9 * pixels:
+            return None
+    if pass_ == "forward":
+        return WinogradConv(g.n, g.c, g.h, g.w, g.o, g.oh, g.ow, g.pads[0], g.pads[2], (g.c * 9, 9, 3, 1), 0,
+                            g.dtype)
+    if pass_ == "backward_weight":
+        # Each group of blocks keeps its own 16 x O x C partial sums (winograd_weight.py); beyond
+        # this the direct GEMM, which needs no such buffer, is the better trade.
+        if 16 * g.o * g.c * BYTES[g.dtype] > WEIGHT_PARTIAL_BYTES:
+            return None
+        # dW[o, c] = sum_n dy[n, o] (*) x[n, c]: stored where the forward reads w'[o, c].
+        return WinogradConv(g.n, g.c, g.h, g.w, g.o, g.oh, g.ow, g.pads[0], g.pads[2], (g.c * 9, 9, 3, 1), 0,
+                            g.dtype)
+    if pass_ == "backward_data":
+        # dx[n, c] = sum_o dy[n, o] (*) W[o, c] reversed in both taps, padded by 2 - pad.
+        return WinogradConv(g.n, g.o, g.oh, g.ow, g.c, g.h, g.w, 2 - g.pads[0], 2 - g.pads[2], (9, g.c * 9, -3, -1),
+                            8, g.dtype)
+    return None
+
+
+def choose_tiles(p: WinogradConv) -> WinogradTiles:
+    """F(2,3). F(4,3) is exact too (``emit_winograd(..., tiles=F4X3)``) and does 1.8x fewer products,
+    but its 6x6 transforms spill 16-register vector files and it loses about one decimal digit of
+    float32 accuracy; measured on AVX2 it does not pay over both passes."""
+    del p
+    return F2X3
+
+
+class WinogradEmitter:
+    """Shared emission state of one Winograd kernel: types, vector width and constants."""
+
+    def __init__(self, mod: ModuleEmitter, p: WinogradConv, tiles: WinogradTiles) -> None:
+        self.mod, self.p, self.tiles = mod, p, tiles
+        #: The block task's vector of ``x - x`` sums over every output it stores (NaN: non-finite).
+        self.sentinel = ""
+        self.t = LLVM_TYPE[p.dtype]
+        self.esize = BYTES[p.dtype]
+        self.vl = current_target().vector_width(self.esize)
+        self.vt = f"<{self.vl} x {self.t}>"
+        self.alpha = tiles.alpha
+        self.th = -(-p.oh // tiles.m)
+        self.tw = -(-p.ow // tiles.m)
+        blk = Blocking.for_target(p.dtype)
+        # The register tile keeps the GEMM engine's accumulator count (MR x NR/VL) but takes a
+        # height that divides the output channels where one exists, so no GEMM rows are padding.
+        accumulators = blk.mr * blk.nr // self.vl
+        self.mr = next((mr for mr in range(8, 3, -1) if p.cout % mr == 0 and accumulators // mr >= 2), blk.mr)
+        self.rows = self.block_rows()
+        self.blocks = -(-self.th // self.rows)
+        #: GEMM columns of a block (tiles, rounded to whole vectors) and the row stride of V and M,
+        #: one vector longer: a row's last transform chunk spills into the next row's columns
+        #: before that row overwrites them, and past the end into the spare vector.
+        self.cols = round_up(self.rows * self.tw, self.vl)
+        self.nvec = min(accumulators // self.mr, self.cols // self.vl)
+        self.stride = self.cols + self.vl
+        self.cout_pad = round_up(p.cout, self.mr)
+        #: Elements between two positions' V (and M) matrices, one cache line more than they need: a
+        #: multiple of 4 KiB would make the transform's stores to the positions alias each other.
+        line = 64 // self.esize
+        self.v_pos = round_up(p.cin * self.stride, line) + line
+        self.m_pos = round_up(self.cout_pad * self.stride, line) + line
+        self.wp = tiles.m * round_up(self.tw, self.vl) + self.alpha - 1
+        self.hp = tiles.m * self.rows + 2
+
+    def block_rows(self) -> int:
+        """Tile rows per block: the count whose padding (rows past ``th``, columns to whole vectors)
+        wastes least, within :data:`BLOCK_TILES` x 2 tiles."""
+        def waste(rows: int) -> float:
+            blocks = -(-self.th // rows)
+            return blocks * round_up(rows * self.tw, self.vl) / (self.th * self.tw)
+
+        limit = max(1, min(self.th, 2 * BLOCK_TILES // self.tw))
+        return min(range(1, limit + 1), key=lambda rows: (waste(rows), -rows))
+
+    def const(self, value: float, vector: bool) -> str:
+        c = float_const(value, self.t)
+        return splat_const(self.vl, self.t, c) if vector else c
+
+    def lincomb(self, f: FunctionEmitter, terms: list[tuple[float, str]], vector: bool) -> str:
+        """``sum(coef * value)`` skipping zero coefficients; +-1 are adds and subtracts, others FMAs."""
+        ty = self.vt if vector else self.t
+        acc = ""
+        for coef, value in terms:
+            if coef == 0:
+                continue
+            if not acc:
+                if coef == 1:
+                    acc = value
+                elif coef == -1:
+                    acc = f.val(f"fneg {ty} {value}", "wn")
+                else:
+                    acc = f.val(f"fmul {ty} {value}, {self.const(coef, vector)}", "wm")
+            elif coef == 1:
+                acc = f.val(f"fadd {ty} {acc}, {value}", "wa")
+            elif coef == -1:
+                acc = f.val(f"fsub {ty} {acc}, {value}", "ws")
+            else:
+                acc = f.call(ty, self.mod.fma(ty), [(ty, value), (ty, self.const(coef, vector)), (ty, acc)], hint="wf")
+        return acc or self.const(0.0, vector)
+
+    def sandwich(self, f: FunctionEmitter, left: Matrix, x: list[list[str]], right: Matrix,
+                 vector: bool) -> list[list[str]]:
+        """``left @ x @ right^T`` on a grid of values."""
+        rows = [[self.lincomb(f, [(left[a][i], x[i][j]) for i in range(len(x))], vector) for j in range(len(x[0]))]
+                for a in range(len(left))]
+        return [[self.lincomb(f, [(right[b][j], rows[a][j]) for j in range(len(x[0]))], vector)
+                 for b in range(len(right))] for a in range(len(left))]
+
+    def task(self, name: str, nctx: int) -> tuple[FunctionEmitter, list[str], str, str]:
+        """A parallel-for task: its emitter, the context pointers, tid and thread count as i64."""
+        f = FunctionEmitter(self.mod, name, [("ptr", "ctx"), ("i32", "tid"), ("i32", "nt")], linkage="internal")
+        ptrs = [f.load("ptr", f.gep("ptr", "%ctx", str(i))) for i in range(nctx)]
+        return f, ptrs, f.val("sext i32 %tid to i64"), f.val("sext i32 %nt to i64")
+
+    @staticmethod
+    def share(f: FunctionEmitter, tid: str, nt: str, total: str | int) -> tuple[str, str]:
+        lo = f.val(f"udiv i64 {f.mul(tid, total)}, {nt}")
+        hi = f.val(f"udiv i64 {f.mul(f.add(tid, 1), total)}, {nt}")
+        return lo, hi
+
+    def masked_store(self, f: FunctionEmitter, lanes: int, value: str, ptr: str, valid: int) -> None:
+        suffix = f"v{lanes}{'f32' if self.t == 'float' else 'f64'}.p0"
+        fn = self.mod.intrinsic("masked.store", "void", [f"<{lanes} x {self.t}>", "ptr", "i32", f"<{lanes} x i1>"],
+                                suffix)
+        mask = "<" + ", ".join(f"i1 {'true' if i < valid else 'false'}" for i in range(lanes)) + ">"
+        f.call("void", fn, [(f"<{lanes} x {self.t}>", value), ("ptr", ptr), ("i32", str(self.esize)),
+                            (f"<{lanes} x i1>", mask)])
+
+
+    # ----- weights -----
+
+    def weight_task(self, name: str) -> str:
+        """Task over (padded) output channels: ``U = G g G^T`` for every input channel, stored as
+        ``U[pos][panel][c][r]`` (``MR`` rows per panel, the microkernel's A operand); rows past
+        ``cout`` are zero."""
+        p, t, alpha, mr = self.p, self.t, self.alpha, self.mr
+        f, (w, u), tid, nt = self.task(name, 2)
+        lo, hi = self.share(f, tid, nt, self.cout_pad)
+        s0, s1, s2, s3 = p.weight_strides
+        panels = self.cout_pad // mr
+        with f.loop(lo, hi, hint="o") as o:
+            panel, r = f.val(f"udiv i64 {o}, {mr}"), f.val(f"urem i64 {o}, {mr}")
+            real = f.icmp("slt", o, p.cout)
+            with f.loop(0, p.cin, hint="c") as c:
+                slot = f.add(f.mul(f.add(f.mul(panel, p.cin), c), mr), r)
+                base = f.add(f.add(f.mul(o, s0), f.mul(c, s1)), p.weight_base)
+                then, other, done = f.if_else(real, "real")
+                f.block(then)
+                taps = [[f.load(t, f.gep(t, w, f.add(base, kh * s2 + kw * s3))) for kw in range(3)] for kh in range(3)]
+                out = self.sandwich(f, self.tiles.g, taps, self.tiles.g, vector=False)
+                for a in range(alpha):
+                    for b in range(alpha):
+                        f.store(t, out[a][b], f.gep(t, u, f.add(slot, (a * alpha + b) * panels * p.cin * mr)))
+                f.br(done)
+                f.block(other)
+                for pos in range(alpha * alpha):
+                    f.store(t, self.const(0.0, False), f.gep(t, u, f.add(slot, pos * panels * p.cin * mr)))
+                f.br(done)
+                f.block(done)
+        f.ret_void()
+        f.finish()
+        return name
+
+    # ----- one block: input transform, GEMMs, output transform -----
+
+    def block_task(self, name: str, scratch_stride: int) -> str:
+        """Task over (image, block of tile rows); every buffer but x, U and y is this thread's own."""
+        p = self.p
+        f, (x, u, y, scratch, flag), tid, nt = self.task(name, 5)
+        lo, hi = self.share(f, tid, nt, p.n * self.blocks)
+        own = f.gep("i8", scratch, f.mul(tid, scratch_stride))
+        plane = own
+        v = f.gep("i8", own, str(self.plane_bytes))
+        mm = f.gep("i8", v, str(self.v_bytes))
+        self.sentinel = f.var(self.vt, "zeroinitializer", "bad")
+        with f.loop(lo, hi, hint="blk") as item:
+            img = f.val(f"udiv i64 {item}, {self.blocks}")
+            ty0 = f.mul(f.val(f"urem i64 {item}, {self.blocks}"), self.rows)
+            self.inputs(f, f.gep(self.t, x, f.mul(img, p.cin * p.h * p.w)), ty0, plane, v)
+            self.gemms(f, u, v, mm)
+            self.outputs(f, mm, f.gep(self.t, y, f.mul(img, p.cout * p.oh * p.ow)), ty0)
+        self.raise_flag_if_nan(f, self.sentinel, flag)
+        f.ret_void()
+        f.finish()
+        return name
+
+    def inputs(self, f: FunctionEmitter, x: str, ty0: str, plane: str, v: str) -> None:
+        """``V[pos][c][r * tw + tx] = (B^T d B)[pos]`` for the block's tiles of every input channel."""
+        p = self.p
+        source = TileSource(p.cin, p.h, p.w, p.top, p.left, self.alpha, self.hp, self.wp)
+        self.transform_tiles(f, x, source, ty0, plane, self.tiles.bt, v, self.v_pos)
+
+    def transform_tiles(self, f: FunctionEmitter, x: str, source: TileSource, ty0: str, plane: str, matrix: Matrix,
+                        dest: str, pos_stride: int) -> None:
+        """``dest[pos][c][r * tw + tx] = (matrix d matrix^T)[pos]`` for the ``size x size`` tiles ``d`` of
+        the block's ``rows`` tile rows (from tile row ``ty0``) in every channel of ``source``;
+        ``plane`` is 64-byte aligned scratch for one zero-padded channel."""
+        t = self.t
+        self.clear_plane(f, source, plane)
+        with f.loop(0, source.channels, hint="ci") as ci:
+            self.fill_plane(f, f.gep(t, x, f.mul(ci, source.h * source.w)), source, ty0, plane)
+            row_base = f.mul(ci, self.stride)
+            for r, chunk, out in self.chunks(f, source, plane, matrix):
+                col = f.add(row_base, f.add(f.mul(r, self.tw), chunk * self.vl))
+                for a in range(len(matrix)):
+                    for b in range(len(matrix)):
+                        ptr = f.gep(t, dest, f.add(col, (a * len(matrix) + b) * pos_stride))
+                        f.store(self.vt, out[a][b], ptr, align=self.esize)
+
+    def clear_plane(self, f: FunctionEmitter, source: TileSource, plane: str) -> None:
+        """Zero the plane; every channel fills the same interior, so the border stays zero for the block."""
+        f.emit(f"call void @llvm.memset.p0.i64(ptr align 64 {plane}, i8 0, "
+               f"i64 {source.plane_rows * source.plane_cols * self.esize}, i1 false)")
+
+    def fill_plane(self, f: FunctionEmitter, src: str, source: TileSource, ty0: str, plane: str) -> None:
+        """Copy the rows of one channel ``src`` that the block's tiles read into the plane's interior."""
+        t = self.t
+        first_row = f.sub(f.mul(ty0, self.tiles.m), source.top)
+        with f.loop(0, source.plane_rows, hint="pr") as pr:
+            ir = f.add(first_row, pr)
+            with f.if_then(f.icmp("ult", ir, source.h), "inrow"):
+                dst = f.gep(t, plane, f.add(f.mul(pr, source.plane_cols), source.left))
+                f.emit(f"call void @llvm.memcpy.p0.p0.i64(ptr {dst}, ptr {f.gep(t, src, f.mul(ir, source.w))}, "
+                       f"i64 {source.w * self.esize}, i1 false)")
+
+    def chunks(self, f: FunctionEmitter, source: TileSource, plane: str,
+               matrix: Matrix) -> Iterator[tuple[str, int, list[list[str]]]]:
+        """For each run of VL tiles of the block, in order: its tile row ``r`` (an IR value: the rows
+        are a loop), its index ``chunk`` in the row (tiles ``chunk * VL ...``) and the transformed
+        tiles, one vector over the VL tiles per position."""
+        t, m, vl, size = self.t, self.tiles.m, self.vl, source.size
+        wide = f"<{m * vl} x {t}>"
+        picks = ["<" + ", ".join(f"i32 {m * i + phase}" for i in range(vl)) + ">" for phase in range(m)]
+        with f.loop(0, self.rows, hint="r") as r:
+            for chunk, tx0 in enumerate(range(0, self.tw, vl)):
+                d = []
+                for i in range(size):
+                    row = f.add(f.mul(f.add(f.mul(r, m), i), source.plane_cols), m * tx0)
+                    # Column j of the VL tiles is phase j % m of the wide load that starts j // m
+                    # tiles on: every phase comes from one of ceil(size / m) loads.
+                    sources = [f.load(wide, f.gep(t, plane, f.add(row, m * q)), align=self.esize)
+                               for q in range(-(-size // m))]
+                    d.append([f.val(f"shufflevector {wide} {sources[j // m]}, {wide} poison, "
+                                    f"<{vl} x i32> {picks[j % m]}", "dv") for j in range(size)])
+                yield r, chunk, self.sandwich(f, matrix, d, matrix, vector=True)
+
+    def gemms(self, f: FunctionEmitter, u: str, v: str, mm: str) -> None:
+        """``M[pos] = U[pos] @ V[pos]`` for every position: MR x NR register tiles over the block's columns."""
+        p, t, vl, vt, mr = self.p, self.t, self.vl, self.vt, self.mr
+        fma = self.mod.fma(vt)
+        panels = self.cout_pad // mr
+        nr = self.nvec * vl
+        widths = [nr] * (self.cols // nr) + ([self.cols % nr] if self.cols % nr else [])
+        accs = [[f.alloca(vt, f"acc{r}_{c}") for c in range(self.nvec)] for r in range(mr)]
+        with f.loop(0, self.alpha**2, hint="pos") as pos:
+            vpos = f.gep(t, v, f.mul(pos, self.v_pos))
+            mpos = f.gep(t, mm, f.mul(pos, self.m_pos))
+            upos = f.gep(t, u, f.mul(pos, panels * p.cin * mr))
+            with f.loop(0, panels, hint="pan") as panel:
+                apanel = f.gep(t, upos, f.mul(panel, p.cin * mr))
+                col = 0
+                for width in widths:
+                    nvec = width // vl
+                    for r in range(mr):
+                        for c in range(nvec):
+                            f.store(vt, "zeroinitializer", accs[r][c])
+                    with f.loop(0, p.cin, hint="k") as k:
+                        brow = f.gep(t, vpos, f.add(f.mul(k, self.stride), col))
+                        bv = [f.load(vt, f.gep(t, brow, str(c * vl)), align=self.esize) for c in range(nvec)]
+                        arow = f.gep(t, apanel, f.mul(k, mr))
+                        for r in range(mr):
+                            av = f.splat(vl, t, f.load(t, f.gep(t, arow, str(r))))
+                            for c in range(nvec):
+                                cur = f.load(vt, accs[r][c])
+                                f.store(vt, f.call(vt, fma, [(vt, av), (vt, bv[c]), (vt, cur)]), accs[r][c])
+                    out_rows = f.gep(t, mpos, f.add(f.mul(f.mul(panel, mr), self.stride), col))
+                    for r in range(mr):
+                        for c in range(nvec):
+                            ptr = f.gep(t, out_rows, str(r * self.stride + c * vl))
+                            f.store(vt, f.load(vt, accs[r][c]), ptr, align=self.esize)
+                    col += width
+
+    def outputs(self, f: FunctionEmitter, mm: str, y: str, ty0: str) -> None:
+        """``y tile = A^T M A`` for the block's tiles of every output channel; rows past ``oh`` and
+        columns past ``ow`` are not written."""
+        p, t, m, vl, alpha = self.p, self.t, self.tiles.m, self.vl, self.alpha
+        wide = f"<{m * vl} x {t}>"
+        full_cols = p.ow // (m * vl)
+        with f.loop(0, p.cout, hint="co") as co:
+            dst = f.gep(t, y, f.mul(co, p.oh * p.ow))
+            base = f.mul(co, self.stride)
+            with f.loop(0, self.rows, hint="r") as r:
+                for chunk, tx0 in enumerate(range(0, self.tw, vl)):
+                    columns = m * vl if chunk < full_cols else p.ow - m * tx0
+                    col = f.add(base, f.add(f.mul(r, self.tw), tx0))
+                    grid = [[f.load(self.vt, f.gep(t, mm, f.add(col, (a * alpha + b) * self.m_pos)),
+                                    align=self.esize) for b in range(alpha)] for a in range(alpha)]
+                    out = self.sandwich(f, self.tiles.at, grid, self.tiles.at, vector=True)
+                    for i in range(m):
+                        oy = f.add(f.mul(f.add(ty0, r), m), i)
+                        with f.if_then(f.icmp("slt", oy, p.oh), "orow"):
+                            ptr = f.gep(t, dst, f.add(f.mul(oy, p.ow), m * tx0))
+                            value = self.interleave(f, out[i])
+                            if columns == m * vl:
+                                f.store(wide, value, ptr, align=self.esize)
+                            else:
+                                self.masked_store(f, m * vl, value, ptr, columns)
+                            self.watch(f, value, columns)
+
+    def raise_flag_if_nan(self, f: FunctionEmitter, sentinel: str, flag: str) -> None:
+        """Set the shared i32 ``flag`` when any lane of the vector in ``sentinel`` is NaN. Every
+        writer stores the same 1, so the threads need no ordering beyond an atomic store."""
+        total = f.load(self.vt, sentinel)
+        nan = f.val(f"fcmp uno {self.vt} {total}, {total}")
+        any_nan = f.call("i1", self.mod.intrinsic("vector.reduce.or", "i1", [f"<{self.vl} x i1>"], f"v{self.vl}i1"),
+                         [(f"<{self.vl} x i1>", nan)])
+        with f.if_then(any_nan, "nonfinite"):
+            f.emit(f"store atomic i32 1, ptr {flag} monotonic, align 4")
+
+    def watch(self, f: FunctionEmitter, value: str, columns: int) -> None:
+        """Fold the first ``columns`` lanes of a stored row into the block's non-finite sentinel:
+        ``x - x`` is 0 for a finite ``x`` and NaN otherwise, and NaN survives every later sum."""
+        m, vl, t = self.tiles.m, self.vl, self.t
+        wide = f"<{m * vl} x {t}>"
+        if columns < m * vl:
+            keep = "<" + ", ".join(f"i1 {'true' if i < columns else 'false'}" for i in range(m * vl)) + ">"
+            value = f.val(f"select <{m * vl} x i1> {keep}, {wide} {value}, {wide} zeroinitializer", "kept")
+        diff = f.val(f"fsub {wide} {value}, {value}", "fin")
+        acc = f.load(self.vt, self.sentinel)
+        for part in range(m):
+            lanes = "<" + ", ".join(f"i32 {part * vl + i}" for i in range(vl)) + ">"
+            piece = f.val(f"shufflevector {wide} {diff}, {wide} poison, <{vl} x i32> {lanes}", "fp")
+            acc = f.val(f"fadd {self.vt} {acc}, {piece}", "fa")
+        f.store(self.vt, acc, self.sentinel)
+
+    def fallback_task(self, name: str) -> str:
+        """Task over (image, output channel) planes: the correlation summed directly, tap by tap.
+
+        It runs only when a Winograd output is NaN or infinite. The transforms mix the taps of a
+        tile, so one infinite input can meet its own negative there (``inf - inf``) and give NaN
+        where the direct sum gives an infinity; the direct sum puts NaN and infinities exactly
+        where the reference does."""
+        p, t = self.p, self.t
+        f, (x, w, y), tid, nt = self.task(name, 3)
+        lo, hi = self.share(f, tid, nt, p.n * p.cout)
+        s0, s1, s2, s3 = p.weight_strides
+        fma = self.mod.fma(t)
+        acc = f.alloca(t, "acc")
+        with f.loop(lo, hi, hint="pl") as pl:
+            img, co = f.val(f"udiv i64 {pl}, {p.cout}"), f.val(f"urem i64 {pl}, {p.cout}")
+            src = f.gep(t, x, f.mul(img, p.cin * p.h * p.w))
+            with f.loop(0, p.oh, hint="oy") as oy, f.loop(0, p.ow, hint="ox") as ox:
+                f.store(t, self.const(0.0, False), acc)
+                with f.loop(0, p.cin, hint="ci") as ci:
+                    wbase = f.add(f.add(f.mul(co, s0), f.mul(ci, s1)), p.weight_base)
+                    for kh in range(3):
+                        iy = f.add(oy, kh - p.top)
+                        for kw in range(3):
+                            ix = f.add(ox, kw - p.left)
+                            inside = f.val(f"and i1 {f.icmp('ult', iy, p.h)}, {f.icmp('ult', ix, p.w)}")
+                            with f.if_then(inside, "tap"):
+                                xv = f.load(t, f.gep(t, src, f.add(f.mul(f.add(f.mul(ci, p.h), iy), p.w), ix)))
+                                wv = f.load(t, f.gep(t, w, f.add(wbase, kh * s2 + kw * s3)))
+                                f.store(t, f.call(t, fma, [(t, wv), (t, xv), (t, f.load(t, acc))]), acc)
+                out = f.gep(t, y, f.add(f.mul(pl, p.oh * p.ow), f.add(f.mul(oy, p.ow), ox)))
+                f.store(t, f.load(t, acc), out)
+        f.ret_void()
+        f.finish()
+        return name
+
+    def interleave(self, f: FunctionEmitter, parts: list[str]) -> str:
+        """``m`` vectors of ``vl`` tiles' column ``j`` -> one row of ``m * vl`` consecutive outputs."""
+        vl, t = self.vl, self.t
+        width = vl
+        while len(parts) > 1:
+            ty = f"<{width} x {t}>"
+            concat = "<" + ", ".join(f"i32 {i}" for i in range(2 * width)) + ">"
+            parts = [f.val(f"shufflevector {ty} {parts[i]}, {ty} {parts[i + 1]}, <{2 * width} x i32> {concat}", "cat")
+                     for i in range(0, len(parts), 2)]
+            width *= 2
+        m = self.tiles.m
+        order = "<" + ", ".join(f"i32 {(k % m) * vl + k // m}" for k in range(m * vl)) + ">"
+        wide = f"<{m * vl} x {t}>"
+        return f.val(f"shufflevector {wide} {parts[0]}, {wide} poison, <{m * vl} x i32> {order}", "il")
+
+    @property
+    def plane_bytes(self) -> int:
+        return round_up((self.hp * self.wp + self.tiles.m * self.vl) * self.esize, 64)
+
+    @property
+    def v_bytes(self) -> int:
+        return round_up(self.alpha**2 * self.v_pos * self.esize, 64)
+
+    @property
+    def m_bytes(self) -> int:
+        return round_up(self.alpha**2 * self.m_pos * self.esize, 64)
+
+
+def emit_winograd(mod: ModuleEmitter, p: WinogradConv, name: str, tiles: WinogradTiles | None = None) -> ConvEntry:
+    """``name(x, w, y, ws)``: the correlation ``p`` by Winograd ``tiles`` (chosen by :func:`choose_tiles`
+    unless given). The workspace holds the packed U, shared, then each thread's plane, V and M."""
+    tiles = tiles or choose_tiles(p)
+    e = WinogradEmitter(mod, p, tiles)
+    u_bytes = round_up(e.alpha**2 * e.cout_pad * p.cin * e.esize, 64)
+    scratch_stride = e.plane_bytes + e.v_bytes + e.m_bytes
+    phases = [(e.weight_task(name + ".weights"), ["w", "shared"]),
+              (e.block_task(name + ".blocks", scratch_stride), ["x", "shared", "y", "scratch", "flag"])]
+    fallback = (e.fallback_task(name + ".direct"), ["x", "w", "y"])
+    return emit_guarded_entry(mod, name, ("x", "w", "y"), u_bytes, scratch_stride, phases, fallback)
+
+
+def declare_helpers(mod: ModuleEmitter) -> None:
+    """The thread pool's entry and the memset/memcpy intrinsics every Winograd kernel calls."""
+    mod.declare(PARALLEL_FOR, PARALLEL_FOR_DECL)
+    mod.declare("llvm.memset.p0.i64", "declare void @llvm.memset.p0.i64(ptr, i8, i64, i1)")
+    mod.declare("llvm.memcpy.p0.p0.i64", "declare void @llvm.memcpy.p0.p0.i64(ptr, ptr, i64, i1)")
+
+
+def emit_guarded_entry(mod: ModuleEmitter, name: str, params: tuple[str, str, str], shared_bytes: int,
+                       scratch_stride: int, phases: list[tuple[str, list[str]]],
+                       fallback: tuple[str, list[str]]) -> ConvEntry:
+    """``name(p0, p1, p2, ws)``: run each phase's task on all threads, in order, then the fallback
+    task if a phase raised the non-finite flag. A task's context lists pointers by name: the
+    parameters, ``shared`` (the workspace's first ``shared_bytes``), ``flag`` (an i32 after it)
+    and ``scratch`` (then ``scratch_stride`` bytes per thread)."""
+    declare_helpers(mod)
+    f = FunctionEmitter(mod, name, [("ptr", p) for p in (*params, "ws")])
+    pointers = {p: "%" + p for p in params}
+    pointers["shared"] = "%ws"
+    pointers["flag"] = f.gep("i8", "%ws", str(shared_bytes))
+    pointers["scratch"] = f.gep("i8", "%ws", str(shared_bytes + 64))
+
+    def parallel(task: str, names: list[str]) -> None:
+        ctx = f.alloca(f"[{len(names)} x ptr]", "ctx", align=8)
+        for i, ptr_name in enumerate(names):
+            f.store("ptr", pointers[ptr_name], f.gep("ptr", ctx, str(i)))
+        f.call("void", "@" + PARALLEL_FOR, [("ptr", "@" + task), ("ptr", ctx)])
+
+    f.store("i32", "0", pointers["flag"], align=4)
+    for task, names in phases:
+        parallel(task, names)
+    with f.if_then(f.icmp("ne", f.load("i32", pointers["flag"], align=4), "0", "i32"), "nonfinite"):
+        parallel(*fallback)
+    f.ret_void()
+    f.finish()
+    return ConvEntry(name, shared_bytes + 64 + scratch_stride)

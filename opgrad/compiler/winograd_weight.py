@@ -1,0 +1,276 @@
+"""Winograd F(3x3, 2x2) for the weight gradient of a 3x3 stride-1 conv2d.
+
+``dW[o, c]`` is the correlation of the input with the output gradient, summed over images. Cut
+the output gradient into 2x2 tiles ``H``; tile ``t`` contributes the 3x3 correlation of its 2x2
+``H`` with the 4x4 input tile ``D`` under it. That is F(2,3) transposed (the same interpolation
+points, the roles of the output and filter transforms swapped):
+
+    dW_tile = G^T [ (A H A^T) * (B^T D B) ] G,   A = (A^T of F(2,3))^T
+
+so with ``Hh[pos][o][t] = (A H_t A^T)[pos]`` and ``Dh[pos][c][t] = (B^T D_t B)[pos]`` the sum over
+tiles is 16 GEMMs ``What[pos] = Hh[pos] @ Dh[pos]^T`` with the tiles as the reduction, and
+``dW[o, c] = G^T What[.][o][c] G``: 16 products per 2x2 outputs' worth of taps instead of 36.
+
+Both transforms run over VL tiles at a time, as in the forward pass, and are written transposed,
+``[pos][tile][channel]`` (staged for VL channels, then one in-register transpose per position), so
+each GEMM is an outer-product microkernel: a broadcast channel on one side, vectors of channels on
+the other, tiles as the reduction. Blocks (tile rows of one image) are summed in a fixed number
+of groups, each group's blocks in order, and the groups in order at the end, so the result does
+not depend on the thread count. A non-finite result makes the pass recompute by the direct sum,
+as the other Winograd passes do.
+"""
+
+from __future__ import annotations
+
+from .conv import ConvEntry
+from .gemm import Blocking, round_up, transpose_square
+from .irtext import FunctionEmitter, ModuleEmitter
+from .winograd import F2X3, TileSource, WinogradConv, WinogradEmitter, emit_guarded_entry
+
+__all__ = ["GROUPS", "emit_winograd_weight"]
+
+#: Partial sums kept apart (then added in order): enough to share the blocks among many threads.
+GROUPS = 16
+
+
+def _transpose(m: tuple[tuple[float, ...], ...]) -> tuple[tuple[float, ...], ...]:
+    return tuple(zip(*m, strict=True))
+
+
+class WeightGradEmitter(WinogradEmitter):
+    """Emission state of one weight-gradient kernel; ``p.cout`` is the output gradient's channels.
+
+    The GEMMs put the channels with more vectors (``wide``) in registers and broadcast the other
+    side's (``narrow``); What is stored ``[pos][narrow][wide]``."""
+
+    def __init__(self, mod: ModuleEmitter, p: WinogradConv) -> None:
+        super().__init__(mod, p, F2X3)
+        vl = self.vl
+        self.o_pad, self.c_pad = round_up(p.cout, vl), round_up(p.cin, vl)
+        self.o_wide = self.o_pad >= self.c_pad
+        self.wide, self.narrow = (self.o_pad, self.c_pad) if self.o_wide else (self.c_pad, self.o_pad)
+        self.wide_real, self.narrow_real = (p.cout, p.cin) if self.o_wide else (p.cin, p.cout)
+        blk = Blocking.for_target(p.dtype)
+        accumulators = blk.mr * blk.nr // vl
+        self.kr = 4  # divides every narrow count (a multiple of VL)
+        self.nvec = max(1, accumulators // self.kr)
+        #: The wide side is stored [pos][tile][channel]; its tile rows are the block's columns plus
+        #: the spill of its last run. The narrow side keeps the transform's [pos][channel][tile].
+        line = 64 // self.esize
+        self.wide_pos = (self.cols + vl) * self.wide
+        self.narrow_pos = round_up(self.narrow * self.stride, line) + line
+        self.groups = min(GROUPS, p.n * self.blocks)
+        self.w_group = self.alpha**2 * self.o_pad * self.c_pad
+        self.dy_cols = self.tiles.m * round_up(self.tw, vl)
+        self.runs = self.rows * -(-self.tw // vl)
+
+    @property
+    def x_plane_bytes(self) -> int:
+        return round_up((self.hp * self.wp + self.tiles.m * self.vl) * self.esize, 64)
+
+    @property
+    def dy_plane_bytes(self) -> int:
+        return round_up((self.tiles.m * self.rows * self.dy_cols + self.tiles.m * self.vl) * self.esize, 64)
+
+    @property
+    def staging_bytes(self) -> int:
+        return round_up(self.runs * self.alpha**2 * self.vl * self.vl * self.esize, 64)
+
+    def scratch_bytes(self) -> int:
+        """One thread's two planes (each 64-byte aligned, as the plane fill assumes), the staging
+        area of VL channels' transforms, the wide side's and the narrow side's transforms."""
+        return (self.x_plane_bytes + self.dy_plane_bytes + self.staging_bytes
+                + round_up(self.alpha**2 * (self.wide_pos + self.narrow_pos) * self.esize, 64))
+
+    def group_task(self, name: str, scratch_stride: int) -> str:
+        """Task over groups: ``What_g = sum over the group's blocks of Hh^T Dh`` per position."""
+        p, t, m = self.p, self.t, self.tiles.m
+        f, (x, dy, partial, scratch), tid, nt = self.task(name, 4)
+        lo, hi = self.share(f, tid, nt, self.groups)
+        own = f.gep("i8", scratch, f.mul(tid, scratch_stride))
+        x_plane = own
+        dy_plane = f.gep("i8", own, str(self.x_plane_bytes))
+        staging = f.gep("i8", dy_plane, str(self.dy_plane_bytes))
+        wide = f.gep("i8", staging, str(self.staging_bytes))
+        narrow = f.gep(t, wide, str(self.alpha**2 * self.wide_pos))
+        total = p.n * self.blocks
+        x_source = TileSource(p.cin, p.h, p.w, p.top, p.left, self.alpha, self.hp, self.wp)
+        dy_source = TileSource(p.cout, p.oh, p.ow, 0, 0, m, m * self.rows, self.dy_cols)
+        x_side = (x, p.cin * p.h * p.w, x_source, x_plane, self.tiles.bt)
+        dy_side = (dy, p.cout * p.oh * p.ow, dy_source, dy_plane, _transpose(self.tiles.at))
+        wide_side, narrow_side = (dy_side, x_side) if self.o_wide else (x_side, dy_side)
+        with f.loop(lo, hi, hint="grp") as group:
+            mine = f.gep(t, partial, f.mul(group, self.w_group))
+            f.emit(f"call void @llvm.memset.p0.i64(ptr align 64 {mine}, i8 0, i64 {self.w_group * self.esize}, "
+                   "i1 false)")
+            first = f.val(f"udiv i64 {f.mul(group, total)}, {self.groups}")
+            last = f.val(f"udiv i64 {f.mul(f.add(group, 1), total)}, {self.groups}")
+            with f.loop(first, last, hint="blk") as item:
+                img = f.val(f"udiv i64 {item}, {self.blocks}")
+                ty0 = f.mul(f.val(f"urem i64 {item}, {self.blocks}"), self.rows)
+                src, per_image, source, plane, matrix = wide_side
+                self.transposed_tiles(f, f.gep(t, src, f.mul(img, per_image)), source, ty0, plane, matrix, staging,
+                                      wide, self.wide, self.wide_pos)
+                src, per_image, source, plane, matrix = narrow_side
+                self.transform_tiles(f, f.gep(t, src, f.mul(img, per_image)), source, ty0, plane, matrix, narrow,
+                                     self.narrow_pos)
+                self.outer_gemms(f, wide, narrow, mine)
+        f.ret_void()
+        f.finish()
+        return name
+
+    def transposed_tiles(self, f: FunctionEmitter, x: str, source: TileSource, ty0: str, plane: str,
+                         matrix: tuple[tuple[float, ...], ...], staging: str, dest: str, channels_pad: int,
+                         pos_stride: int) -> None:
+        """``dest[pos][tile][c] = (matrix d matrix^T)[pos]`` for the block's tiles: VL channels are
+        transformed into the staging area, then each position's VL x VL square is transposed."""
+        t, vt, vl, a2 = self.t, self.vt, self.vl, len(matrix) ** 2
+        chunks = -(-self.tw // vl)
+        self.clear_plane(f, source, plane)
+        with f.loop(0, channels_pad, step=vl, hint="cg") as cg:
+            with f.loop(0, vl, hint="cl") as lane:
+                ci = f.add(cg, lane)
+                with f.if_then(f.icmp("slt", ci, source.channels), "real"):
+                    self.fill_plane(f, f.gep(t, x, f.mul(ci, source.h * source.w)), source, ty0, plane)
+                    for r, chunk, out in self.chunks(f, source, plane, matrix):
+                        run = f.add(f.mul(r, chunks), chunk)
+                        square0 = f.gep(t, staging, f.add(f.mul(run, a2 * vl * vl), f.mul(lane, vl)))
+                        for pos in range(a2):
+                            f.store(vt, out[pos // len(matrix)][pos % len(matrix)],
+                                    f.gep(t, square0, str(pos * vl * vl)), align=self.esize)
+            with f.loop(0, self.rows, hint="tr") as r:
+                for chunk in range(chunks):
+                    run = f.add(f.mul(r, chunks), chunk)
+                    col = f.add(f.mul(r, self.tw), chunk * vl)
+                    with f.loop(0, a2, hint="tp") as position:
+                        square = f.gep(t, staging, f.mul(f.add(f.mul(run, a2), position), vl * vl))
+                        rows = [f.load(vt, f.gep(t, square, str(i * vl)), align=self.esize) for i in range(vl)]
+                        columns = transpose_square(f, rows, vt, vl)
+                        base = f.add(f.add(f.mul(position, pos_stride), cg), f.mul(col, channels_pad))
+                        for tile in range(vl):
+                            ptr = f.gep(t, dest, f.add(base, tile * channels_pad))
+                            f.store(vt, columns[tile], ptr, align=self.esize)
+
+    def outer_gemms(self, f: FunctionEmitter, wide: str, narrow: str, out: str) -> None:
+        """``out[pos][n][w] += sum_tile narrow[pos][n][tile] * wide[pos][tile][w]`` over the block."""
+        t, vt, vl, kr = self.t, self.vt, self.vl, self.kr
+        fma = self.mod.fma(vt)
+        w_pos, n_pos = self.wide_pos, self.narrow_pos
+        vectors = self.wide // vl
+        groups = [self.nvec] * (vectors // self.nvec) + ([vectors % self.nvec] if vectors % self.nvec else [])
+        accs = [[f.alloca(vt, f"wacc{i}_{j}") for j in range(self.nvec)] for i in range(kr)]
+        with f.loop(0, self.alpha**2, hint="pos") as pos:
+            wrow = f.gep(t, wide, f.mul(pos, w_pos))
+            nrow = f.gep(t, narrow, f.mul(pos, n_pos))
+            opos = f.gep(t, out, f.mul(pos, self.wide * self.narrow))
+            with f.loop(0, self.narrow, step=kr, hint="n") as n0:
+                col = 0
+                for nvec in groups:
+                    for i in range(kr):
+                        for j in range(nvec):
+                            f.store(vt, "zeroinitializer", accs[i][j])
+                    with f.loop(0, self.cols, hint="k") as k:
+                        wv = [f.load(vt, f.gep(t, wrow, f.add(f.mul(k, self.wide), col + j * vl)), align=self.esize)
+                              for j in range(nvec)]
+                        nbase = f.add(f.mul(n0, self.stride), k)
+                        for i in range(kr):
+                            nv = f.splat(vl, t, f.load(t, f.gep(t, nrow, f.add(nbase, i * self.stride))))
+                            for j in range(nvec):
+                                cur = f.load(vt, accs[i][j])
+                                f.store(vt, f.call(vt, fma, [(vt, nv), (vt, wv[j]), (vt, cur)]), accs[i][j])
+                    for i in range(kr):
+                        orow = f.add(f.mul(f.add(n0, i), self.wide), col)
+                        for j in range(nvec):
+                            ptr = f.gep(t, opos, f.add(orow, j * vl))
+                            total = f.val(f"fadd {vt} {f.load(vt, ptr, align=self.esize)}, {f.load(vt, accs[i][j])}",
+                                          "wsum")
+                            f.store(vt, total, ptr, align=self.esize)
+                    col += nvec * vl
+
+    def finish_task(self, name: str) -> str:
+        """Task over narrow-side channels: add the groups in order and ``dW = G^T What G``, VL wide-side
+        channels at a time; watch the results for non-finite values."""
+        p, t, vt, vl, alpha = self.p, self.t, self.vt, self.vl, self.alpha
+        f, (partial, dw, flag), tid, nt = self.task(name, 3)
+        lo, hi = self.share(f, tid, nt, self.narrow_real)
+        bad = f.var(vt, "zeroinitializer", "bad")
+        s0, s1, s2, s3 = p.weight_strides
+        plane = self.o_pad * self.c_pad
+        gt = _transpose(self.tiles.g)
+        sums = [f.alloca(vt, f"gsum{pos}") for pos in range(alpha**2)]
+
+        def lanes_of(n: str, w0: str, lanes: int) -> None:
+            at = f.add(f.mul(n, self.wide), w0)
+            for acc in sums:
+                f.store(vt, "zeroinitializer", acc)
+            with f.loop(0, self.groups, hint="g") as g:
+                group = f.gep(t, partial, f.add(at, f.mul(g, self.w_group)))
+                for pos, acc in enumerate(sums):
+                    v = f.load(vt, f.gep(t, group, str(pos * plane)), align=self.esize)
+                    f.store(vt, f.val(f"fadd {vt} {f.load(vt, acc)}, {v}", "gs"), acc)
+            grid = [[f.load(vt, sums[a * alpha + b]) for b in range(alpha)] for a in range(alpha)]
+            out = self.sandwich(f, gt, grid, gt, vector=True)
+            keep = "<" + ", ".join(f"i1 {'true' if i < lanes else 'false'}" for i in range(vl)) + ">"
+            for kh in range(3):
+                for kw in range(3):
+                    value = out[kh][kw]
+                    for lane in range(lanes):
+                        w = f.add(w0, lane)
+                        o, c = (w, n) if self.o_wide else (n, w)
+                        tap = f.add(f.add(f.mul(o, s0), f.mul(c, s1)), p.weight_base + kh * s2 + kw * s3)
+                        f.store(t, f.val(f"extractelement {vt} {value}, i32 {lane}", "dwv"), f.gep(t, dw, tap))
+                    kept = f.val(f"select <{vl} x i1> {keep}, {vt} {value}, {vt} zeroinitializer", "kept")
+                    diff = f.val(f"fsub {vt} {kept}, {kept}", "fin")
+                    f.store(vt, f.val(f"fadd {vt} {f.load(vt, bad)}, {diff}", "fa"), bad)
+
+        full = self.wide_real // vl * vl
+        with f.loop(lo, hi, hint="n") as n:
+            if full:
+                with f.loop(0, full, step=vl, hint="w") as w0:
+                    lanes_of(n, w0, vl)
+            if self.wide_real % vl:
+                lanes_of(n, str(full), self.wide_real % vl)
+        self.raise_flag_if_nan(f, bad, flag)
+        f.ret_void()
+        f.finish()
+        return name
+
+    def direct_task(self, name: str) -> str:
+        """Task over output channels: every tap's sum over images and output pixels, directly (only
+        after a non-finite result: it puts NaN and infinities where the reference does)."""
+        p, t = self.p, self.t
+        f, (x, dy, dw), tid, nt = self.task(name, 3)
+        lo, hi = self.share(f, tid, nt, p.cout)
+        s0, s1, s2, s3 = p.weight_strides
+        fma = self.mod.fma(t)
+        acc = f.alloca(t, "acc")
+        with f.loop(lo, hi, hint="o") as o, f.loop(0, p.cin, hint="c") as c:
+            for kh in range(3):
+                for kw in range(3):
+                    f.store(t, self.const(0.0, False), acc)
+                    with f.loop(0, p.n, hint="n") as img, f.loop(0, p.oh, hint="oy") as oy:
+                        iy = f.add(oy, kh - p.top)
+                        with f.if_then(f.icmp("ult", iy, p.h), "row"), f.loop(0, p.ow, hint="ox") as ox:
+                            ix = f.add(ox, kw - p.left)
+                            with f.if_then(f.icmp("ult", ix, p.w), "col"):
+                                xi = f.add(f.mul(f.add(f.mul(f.add(f.mul(img, p.cin), c), p.h), iy), p.w), ix)
+                                gi = f.add(f.mul(f.add(f.mul(f.add(f.mul(img, p.cout), o), p.oh), oy), p.ow), ox)
+                                xv, gv = f.load(t, f.gep(t, x, xi)), f.load(t, f.gep(t, dy, gi))
+                                f.store(t, f.call(t, fma, [(t, gv), (t, xv), (t, f.load(t, acc))]), acc)
+                    tap = f.add(f.add(f.mul(o, s0), f.mul(c, s1)), p.weight_base + kh * s2 + kw * s3)
+                    f.store(t, f.load(t, acc), f.gep(t, dw, tap))
+        f.ret_void()
+        f.finish()
+        return name
+
+
+def emit_winograd_weight(mod: ModuleEmitter, p: WinogradConv, name: str) -> ConvEntry:
+    """``name(x, dy, dw, ws)``: the weight gradient of the correlation ``p`` (``dw`` is overwritten).
+    The workspace holds the groups' partial sums and a flag, shared, then each thread's scratch."""
+    e = WeightGradEmitter(mod, p)
+    partial_bytes = round_up(e.groups * e.w_group * e.esize, 64)
+    scratch_stride = e.scratch_bytes()
+    phases = [(e.group_task(name + ".groups", scratch_stride), ["x", "dy", "shared", "scratch"]),
+              (e.finish_task(name + ".finish"), ["shared", "dw", "flag"])]
+    fallback = (e.direct_task(name + ".direct"), ["x", "dy", "dw"])
+    return emit_guarded_entry(mod, name, ("x", "dy", "dw"), partial_bytes, scratch_stride, phases, fallback)

@@ -1,0 +1,181 @@
+"""Winograd conv2d kernels (the three passes of 3x3 stride-1 convolutions) against float64 direct
+sums, including padding, ragged tiles, non-finite inputs and the dispatch rules."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from numpy.lib.stride_tricks import sliding_window_view
+
+from opgrad.compiler import conv2d_geometry
+from opgrad.compiler.convpass import emit_conv2d_pass
+from opgrad.compiler.irtext import ModuleEmitter
+from opgrad.compiler.jit import NativeModule
+from opgrad.compiler.kernels import CompiledKernel
+from opgrad.compiler.threads import pool
+from opgrad.compiler.winograd import F2X3, F4X3, WinogradTiles, emit_winograd, winograd_conv
+from opgrad.compiler.winograd_weight import emit_winograd_weight
+from opgrad.env import CONV_ALGORITHM_VAR, conv_algorithm_setting
+from opgrad.errors import ConfigError
+
+
+@pytest.mark.parametrize("tiles", [F2X3, F4X3], ids=["F(2,3)", "F(4,3)"])
+def test_transforms_compute_the_one_dimensional_correlation(tiles: WinogradTiles) -> None:
+    at, g, bt = np.array(tiles.at), np.array(tiles.g), np.array(tiles.bt)
+    rng = np.random.default_rng(0)
+    d, taps = rng.standard_normal(tiles.alpha), rng.standard_normal(3)
+    want = [d[i : i + 3] @ taps for i in range(tiles.m)]
+    np.testing.assert_allclose(at @ ((g @ taps) * (bt @ d)), want, rtol=1e-12, atol=1e-12)
+
+
+def _forward(x: np.ndarray, w: np.ndarray, pads: tuple[int, int, int, int]) -> np.ndarray:
+    top, left, bottom, right = pads
+    xp = np.pad(x.astype(np.float64), ((0, 0), (0, 0), (top, bottom), (left, right)))
+    windows = sliding_window_view(xp, (3, 3), axis=(2, 3))
+    return np.einsum("ncpqij,ocij->nopq", windows, w.astype(np.float64))
+
+
+def _backward_weight(x: np.ndarray, dy: np.ndarray, pads: tuple[int, int, int, int]) -> np.ndarray:
+    top, left, bottom, right = pads
+    xp = np.pad(x.astype(np.float64), ((0, 0), (0, 0), (top, bottom), (left, right)))
+    windows = sliding_window_view(xp, (3, 3), axis=(2, 3))
+    return np.einsum("ncpqij,nopq->ocij", windows, dy.astype(np.float64))
+
+
+def _backward_data(dy: np.ndarray, w: np.ndarray, x_shape: tuple[int, ...],
+                   pads: tuple[int, int, int, int]) -> np.ndarray:
+    top, left, bottom, right = pads
+    n, c, h, wd = x_shape
+    oh, ow = dy.shape[2:]
+    dxp = np.zeros((n, c, h + top + bottom, wd + left + right))
+    for i in range(3):
+        for j in range(3):
+            dxp[:, :, i : i + oh, j : j + ow] += np.einsum("nopq,oc->ncpq", dy.astype(np.float64), w[:, :, i, j])
+    return dxp[:, :, top : top + h, left : left + wd]
+
+
+def _kernel(x_shape: tuple[int, ...], w_shape: tuple[int, ...], pads: tuple[int, int, int, int], pass_: str,
+            tiles: WinogradTiles, dtype: str) -> CompiledKernel:
+    nthreads = pool().nthreads  # the pool exists before a module links against it
+    problem = winograd_conv(conv2d_geometry(x_shape, w_shape, 1, pads, 1, dtype), pass_, require_gain=False)
+    assert problem is not None
+    m = ModuleEmitter("winograd_test")
+    if pass_ == "backward_weight":
+        entry = emit_winograd_weight(m, problem, "conv")
+    else:
+        entry = emit_winograd(m, problem, "conv", tiles)
+    return CompiledKernel(NativeModule(m.text()), entry.entry, 3, entry.workspace_per_thread * nthreads)
+
+
+# (x shape, output channels, pads as (top, left, bottom, right)): ragged tiles in both directions,
+# asymmetric padding up to the largest that applies (2), few and many channels, batch 1.
+CASES = [
+    ((2, 8, 7, 9), 8, (0, 0, 0, 0)),
+    ((3, 5, 11, 6), 16, (1, 1, 2, 0)),
+    ((1, 16, 5, 5), 7, (2, 2, 2, 2)),
+    ((2, 3, 4, 13), 40, (0, 2, 1, 1)),
+    ((2, 24, 18, 17), 20, (1, 1, 1, 1)),
+]
+
+
+# Every case in float32 with F(2,3), the default; float64 and F(4,3) on the raggedest ones.
+RUNS = ([(case, "float32", F2X3) for case in CASES] + [(case, "float64", F2X3) for case in CASES[1:3]]
+        + [(case, "float32", F4X3) for case in CASES[1:4]])
+
+
+@pytest.mark.parametrize(("case", "dtype", "tiles"), RUNS,
+                         ids=[f"x{c[0]}o{c[1]}p{c[2]}-{d}-F({t.m},3)" for c, d, t in RUNS])
+def test_forward_and_backward_data_match_the_direct_sum(case: tuple, dtype: str, tiles: WinogradTiles) -> None:
+    x_shape, cout, pads = case
+    w_shape = (cout, x_shape[1], 3, 3)
+    rng = np.random.default_rng(len(x_shape) + cout)
+    x = rng.standard_normal(x_shape).astype(dtype)
+    w = rng.standard_normal(w_shape).astype(dtype)
+    want = _forward(x, w, pads)
+    # float32 F(4,3) keeps about one digit less than the direct sum (coefficients up to 8).
+    tol = {"float64": 1e-11, "float32": 2e-5 if tiles is F4X3 else 2e-6}[dtype] * max(1.0, np.abs(want).max())
+    y = np.full(want.shape, np.nan, dtype)  # every output is written, none accumulated
+    _kernel(x_shape, w_shape, pads, "forward", tiles, dtype)(x, w, y)
+    np.testing.assert_allclose(y, want, rtol=0, atol=tol)
+
+    dy = rng.standard_normal(want.shape).astype(dtype)
+    want_dx = _backward_data(dy, w, x_shape, pads)
+    dx = np.full(x_shape, np.nan, dtype)
+    _kernel(x_shape, w_shape, pads, "backward_data", tiles, dtype)(dy, w, dx)
+    np.testing.assert_allclose(dx, want_dx, rtol=0, atol=tol)
+
+    if tiles is F2X3:  # the weight gradient has one form, F(3x3, 2x2)
+        want_dw = _backward_weight(x, dy, pads)
+        dw = np.full(w_shape, np.nan, dtype)
+        _kernel(x_shape, w_shape, pads, "backward_weight", tiles, dtype)(x, dy, dw)
+        scale = max(1.0, np.abs(want_dw).max())
+        np.testing.assert_allclose(dw, want_dw, rtol=0, atol={"float64": 1e-11, "float32": 2e-6}[dtype] * scale)
+
+
+@pytest.mark.parametrize("value", [np.nan, np.inf, -np.inf])
+@pytest.mark.parametrize("where", ["data", "weight"])
+def test_non_finite_inputs_give_the_direct_sums_nan_and_infinities(value: float, where: str) -> None:
+    # The transforms add and subtract neighbouring taps, so one infinity can meet its own
+    # negative (inf - inf = NaN) where the direct sum is an infinity: the kernel must notice
+    # and give exactly the direct sum's non-finite pattern.
+    x_shape, w_shape, pads = (2, 8, 9, 9), (8, 8, 3, 3), (1, 1, 1, 1)
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal(x_shape).astype(np.float32)
+    w = rng.standard_normal(w_shape).astype(np.float32)
+    if where == "data":
+        x[1, 3, 4, 5] = x[0, 0, 0, 0] = value
+    else:
+        w[2, 5, 1, 1] = value
+    with np.errstate(all="ignore"):
+        want = _forward(x, w, pads)
+    y = np.zeros(want.shape, np.float32)
+    _kernel(x_shape, w_shape, pads, "forward", F2X3, "float32")(x, w, y)
+    _same_non_finite(y, want)
+    if where == "data":  # the weight gradient reads the data and dY
+        dy = rng.standard_normal(want.shape).astype(np.float32)
+        with np.errstate(all="ignore"):
+            want_dw = _backward_weight(x, dy, pads)
+        dw = np.zeros(w_shape, np.float32)
+        _kernel(x_shape, w_shape, pads, "backward_weight", F2X3, "float32")(x, dy, dw)
+        _same_non_finite(dw, want_dw)
+
+
+def _same_non_finite(got: np.ndarray, want: np.ndarray) -> None:
+    for test in (np.isnan, np.isposinf, np.isneginf):
+        np.testing.assert_array_equal(test(got), test(want))
+    finite = np.isfinite(want)
+    if finite.any():
+        np.testing.assert_allclose(got[finite], want[finite], rtol=0, atol=1e-5 * np.abs(want[finite]).max())
+
+
+def test_dispatch_applies_only_to_three_by_three_stride_one_convolutions(monkeypatch: pytest.MonkeyPatch) -> None:
+    def algorithm(x_shape: tuple[int, ...], w_shape: tuple[int, ...], stride: int = 1, pads: int = 1,
+                  dilation: int = 1, pass_: str = "forward") -> str:
+        geom = conv2d_geometry(x_shape, w_shape, stride, pads, dilation)
+        return emit_conv2d_pass(ModuleEmitter("dispatch"), geom, pass_, "conv")[1]
+
+    assert algorithm((8, 16, 14, 14), (32, 16, 3, 3)) == "winograd F(2,3)"
+    assert algorithm((8, 16, 14, 14), (32, 16, 3, 3), pass_="backward_data") == "winograd F(2,3)"
+    assert algorithm((8, 16, 14, 14), (32, 16, 3, 3), pass_="backward_weight") == "winograd F(3x3,2x2)"
+    assert algorithm((8, 16, 14, 14), (32, 16, 3, 3), stride=2) == "direct"
+    assert algorithm((8, 16, 14, 14), (32, 16, 3, 3), dilation=2) == "direct"
+    assert algorithm((8, 16, 14, 14), (32, 16, 5, 5)) == "direct"
+    assert algorithm((8, 16, 14, 14), (32, 16, 3, 3), pads=3) == "direct"
+    assert algorithm((8, 1, 28, 28), (32, 1, 3, 3)) == "direct"  # one input channel: a thin GEMM
+    assert algorithm((8, 16, 3, 3), (32, 16, 3, 3), pads=0) == "direct"  # a 1x1 output: 16 products for 9
+    # The weight gradient's per-group partial sums (16 x O x C) stay small, else the direct GEMM.
+    assert algorithm((2, 128, 8, 8), (128, 128, 3, 3), pass_="backward_weight") == "winograd F(3x3,2x2)"
+    assert algorithm((2, 256, 8, 8), (256, 256, 3, 3), pass_="backward_weight") == "direct"
+    assert algorithm((2, 256, 8, 8), (256, 256, 3, 3), pass_="forward") == "winograd F(2,3)"
+    monkeypatch.setenv(CONV_ALGORITHM_VAR, "direct")
+    assert algorithm((8, 16, 14, 14), (32, 16, 3, 3)) == "direct"
+    monkeypatch.setenv(CONV_ALGORITHM_VAR, "winograd")
+    assert algorithm((8, 1, 28, 28), (32, 1, 3, 3)) == "winograd F(2,3)"
+    assert algorithm((8, 16, 14, 14), (32, 16, 3, 3), stride=2) == "direct"  # does not apply at all
+
+
+def test_conv_algorithm_variable_is_validated() -> None:
+    assert conv_algorithm_setting({}) == "auto"
+    assert conv_algorithm_setting({CONV_ALGORITHM_VAR: "winograd"}) == "winograd"
+    with pytest.raises(ConfigError, match=f"{CONV_ALGORITHM_VAR}='fft': expected one of auto, direct, winograd"):
+        conv_algorithm_setting({CONV_ALGORITHM_VAR: "fft"})
