@@ -21,7 +21,7 @@ from opgrad.op import GradientRule, Input, Operator
 from opgrad.reference import evaluate
 
 from .backends import Backend
-from .report import Failure
+from .report import CHECK_NAMES, Failure
 from .strategies import Example
 from .tolerances import Tolerance, tolerance
 
@@ -36,6 +36,23 @@ class CheckFailure(Exception):
     def __init__(self, failure: Failure) -> None:
         super().__init__(str(failure))
         self.failure = failure
+
+
+def failure_class(check: str) -> type[CheckFailure]:
+    """The ``CheckFailure`` subclass of one check letter (``CheckBFailure`` for check b).
+
+    Hypothesis tells failures apart by exception type and raising line; a type per check keeps a
+    shrink that starts from a check-b failure on check b, even where two checks share a raising
+    line, instead of slipping to a smaller example on which another check fails.
+    """
+    return CHECK_FAILURES.get(check, CheckFailure)
+
+
+CHECK_FAILURES: dict[str, type[CheckFailure]] = {
+    letter: type(f"Check{letter.upper()}Failure", (CheckFailure,),
+                 {"__doc__": f"Check {letter} ({name}) failed.", "__module__": __name__})
+    for letter, name in CHECK_NAMES.items()
+}
 
 
 @dataclass
@@ -128,7 +145,7 @@ class Context:
             failure.index = mismatch.index
             failure.analytic, failure.numeric = mismatch.analytic, mismatch.expected
             failure.abs_error, failure.rel_error = mismatch.abs_error, mismatch.plain_rel_error
-        return CheckFailure(failure)
+        return failure_class(check)(failure)
 
     def forward(self, arrays: Sequence[np.ndarray]) -> np.ndarray:
         return np.asarray(self.op.reference_fn(*arrays, **self.example.case.attrs), dtype=np.float64)

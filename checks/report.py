@@ -48,6 +48,8 @@ class Failure:
     # How to rerun exactly this check; the CLI form only reproduces runs of the registered rule
     # with every check, so check_op sets the Python call when a candidate gradient or a subset ran.
     rerun: str | None = None
+    # Other distinct failures of the same run, one line each (each was shrunk on its own).
+    others: list[str] = field(default_factory=list)
 
     @property
     def check_name(self) -> str:
@@ -77,6 +79,8 @@ class Failure:
             for name, array in zip(names, self.arrays):
                 worst = self.index if self.input == name else None
                 lines.extend("    " + line for line in format_array(name, array, worst).splitlines())
+        for other in self.others:
+            lines.append(f"  also:     {other}")
         if self.seed is not None:
             rerun = self.rerun or f"opgrad check {self.op} --seed {self.seed}"
             lines.append(f"  repro:    seed {self.seed}: {rerun}")

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import random
+import sys
 import time
 from collections.abc import Callable, Iterable, Sequence
 
 import numpy as np
 from hypothesis import HealthCheck, Phase, Verbosity, given, settings
 from hypothesis import seed as hypothesis_seed
-from hypothesis.errors import FailedHealthCheck, Unsatisfiable
+from hypothesis.errors import FailedHealthCheck, Flaky, Unsatisfiable
 
 from opgrad.op import GradientRule, Operator
 
@@ -28,6 +29,11 @@ from .checks import (
 from .report import CHECK_NAMES, Failure, OpReport
 from .strategies import Example, op_examples, resolve_op
 from .tolerances import tolerance
+
+if sys.version_info >= (3, 11):
+    from builtins import BaseExceptionGroup
+else:  # hypothesis depends on the backport there
+    from exceptiongroup import BaseExceptionGroup
 
 ALL_CHECKS = "abcdefg"
 
@@ -124,9 +130,11 @@ def run_example(example: Example, rule: GradientRule | None, letters: Sequence[s
     ctx = Context(example=example, rule=rule, tol=tolerance(example.dtype), seed=seed)
     errors: dict[str, float] = {}
     ran: set[str] = set()
-    if "a" in letters:
+    # Checks b-f evaluate the gradient that check a builds, so it is built whenever one of them runs.
+    if "a" in letters or any(c in letters for c in "bcdef"):
         check_a_build(ctx)
-        ran.add("a")
+        if "a" in letters:
+            ran.add("a")
     if "b" in letters:
         errors["b"] = check_b_vjp(ctx)
         ran.add("b")
@@ -181,29 +189,32 @@ def check_op(name: str | Operator, *, gradient: GradientRule | None = None, max_
     run_seed = default_seed() if seed is None else seed
     report = OpReport(op=op.name, passed=True, seed=run_seed, notes=notes)
     seen: set[str] = set()
-    failed = False
+    first_failure: list[CheckFailure] = []  # the failure found first, before any shrinking
     start = time.perf_counter()
 
     def one(example: Example) -> None:
-        nonlocal failed
         try:
             # A wrong rule overflowing (exp of a large logit) is a finding reported as a mismatch,
             # not a warning.
             with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
                 errors, ran = run_example(example, rule, letters, seed=run_seed, backend=backend)
-        except CheckFailure:
-            failed = True
+        except CheckFailure as exc:
+            if not first_failure:
+                first_failure.append(exc)
             raise
-        if not failed:
+        if not first_failure:
             report.examples += 1
             seen.update(ran)
             report.worst_rel_error = max(report.worst_rel_error, *errors.values(), 0.0)
 
     phases = [Phase.explicit, Phase.generate] + ([Phase.shrink] if shrink else [])
+    # Every distinct failure (check and raising line) is shrunk on its own, so the shrunk example
+    # still fails the check that failed first; with one bug reported, hypothesis would shrink
+    # toward whichever failure has the smallest example (all-zero inputs often fail another check).
     runner = settings(
         max_examples=max_examples, deadline=None, database=None, derandomize=False, phases=phases,
         suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.differing_executors],
-        report_multiple_bugs=False, print_blob=False, verbosity=Verbosity.quiet,
+        report_multiple_bugs=shrink, print_blob=False, verbosity=Verbosity.quiet,
     )(hypothesis_seed(run_seed)(given(op_examples(op))(one)))
     try:
         runner()
@@ -213,15 +224,81 @@ def check_op(name: str | Operator, *, gradient: GradientRule | None = None, max_
         report.passed = False
         report.failure = Failure(op=op.name, check="cases", problem=f"could not generate valid examples: {exc}",
                                  seed=run_seed)
+    except BaseExceptionGroup as group:
+        if not isinstance(group, Exception):
+            raise  # KeyboardInterrupt and the like inside
+        report.passed = False
+        if isinstance(group, Flaky):  # a failure that did not fail again: not a verdict on one check
+            report.failure = error_failure(group, op.name, run_seed)
+        else:
+            report.failure = first_of(group, first_failure[0] if first_failure else None, op.name, run_seed)
     except Exception as exc:  # a sampler bug or an op's reference raising on a valid case
         report.passed = False
-        report.failure = Failure(op=op.name, check="error", problem=f"{type(exc).__name__}: {exc}", seed=run_seed)
+        report.failure = error_failure(exc, op.name, run_seed)
     if report.failure is not None:
         report.failure.rerun = rerun_text(op.name, run_seed, custom_rule=gradient is not None, checks=checks,
                                           backend=backend, max_examples=max_examples, shrink=shrink)
     report.checks = [c for c in ALL_CHECKS if c in seen or (report.failure and report.failure.check == c)]
     report.seconds = time.perf_counter() - start
     return report
+
+
+def error_failure(exc: BaseException, op: str, seed: int) -> Failure:
+    """A failure for an exception that is not a check's verdict (a sampler bug, a reference raising)."""
+    return Failure(op=op, check="error", problem=f"{type(exc).__name__}: {exc}", seed=seed)
+
+
+def raising_line(exc: BaseException) -> tuple[str, int] | None:
+    """Where ``exc`` was raised: the innermost frame of its traceback (how hypothesis tells failures apart)."""
+    tb = exc.__traceback__
+    if tb is None:
+        return None
+    while tb.tb_next is not None:
+        tb = tb.tb_next
+    return tb.tb_frame.f_code.co_filename, tb.tb_lineno
+
+
+def leaves(group: BaseExceptionGroup[BaseException]) -> list[BaseException]:
+    """The exceptions of a (possibly nested) exception group, in order."""
+    found: list[BaseException] = []
+    for exc in group.exceptions:
+        found.extend(leaves(exc) if isinstance(exc, BaseExceptionGroup) else [exc])
+    return found
+
+
+def first_of(group: BaseExceptionGroup[BaseException], first: CheckFailure | None, op: str, seed: int) -> Failure:
+    """The failure to report when hypothesis found several distinct ones, each shrunk on its own.
+
+    That is the failure of the first check in a-g order: the checks go from the gradient's shape
+    to first order, second order and backends, so a wrong first-order gradient (b) that also
+    breaks second order (e) is reported as b. Among failures of one check, the one found first
+    wins. The others are listed in its ``others``.
+    """
+    found = leaves(group)
+    checks = [exc for exc in found if isinstance(exc, CheckFailure)]
+    if not checks:
+        main = error_failure(found[0], op, seed)
+        main.others = [summary_line(exc) for exc in found[1:]]
+        return main
+
+    def rank(exc: CheckFailure) -> tuple[int, bool]:
+        letter = ALL_CHECKS.find(exc.failure.check)
+        same_origin = first is not None and type(exc) is type(first) and raising_line(exc) == raising_line(first)
+        return letter if letter >= 0 else len(ALL_CHECKS), not same_origin
+
+    chosen = min(checks, key=rank)
+    main = chosen.failure
+    main.others = [summary_line(exc) for exc in found if exc is not chosen]
+    return main
+
+
+def summary_line(exc: BaseException) -> str:
+    """One line naming another failure found in the same run."""
+    if isinstance(exc, CheckFailure):
+        f = exc.failure
+        shapes = ", ".join(f"{k}={list(v)}" for k, v in f.shapes.items())
+        return f"check {f.check} ({f.check_name}): {f.problem}" + (f" [shapes {shapes}]" if shapes else "")
+    return f"error: {type(exc).__name__}: {exc}"
 
 
 def rerun_text(op: str, seed: int, *, custom_rule: bool, checks: str, backend: Backend | None,

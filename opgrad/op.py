@@ -52,6 +52,12 @@ Lowering = Callable[..., "View | None"]
 Sampler = Callable[["CaseDraw"], "Case"]
 #: ``forward(*arrays, **attrs) -> ndarray``.
 Reference = Callable[..., np.ndarray]
+#: ``distance(inputs, attrs) -> float``: how far the inputs are from the nearest kink (see ``Kink``).
+KinkDistance = Callable[[Sequence[np.ndarray], Attrs], float]
+#: ``place(rng, inputs, attrs) -> inputs``: copies of the inputs moved onto kinks (see ``Kink``).
+KinkPlacer = Callable[[np.random.Generator, list[np.ndarray], Attrs], list[np.ndarray]]
+#: ``subgradient(inputs, cotangent, attrs) -> [array | None per input]`` at a kink (see ``Kink``).
+Subgradient = Callable[[Sequence[np.ndarray], np.ndarray, Attrs], list[np.ndarray | None]]
 
 _NO_DEFAULT = object()
 
@@ -133,9 +139,9 @@ class Kink:
     """
 
     convention: str
-    distance: Callable[[Sequence[np.ndarray], Attrs], float]
-    place: Callable[[np.random.Generator, list[np.ndarray], Attrs], list[np.ndarray]] | None = None
-    subgradient: Callable[[Sequence[np.ndarray], np.ndarray, Attrs], list[np.ndarray | None]] | None = None
+    distance: KinkDistance
+    place: KinkPlacer | None = None
+    subgradient: Subgradient | None = None
 
 
 @dataclass(frozen=True)

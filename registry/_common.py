@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -11,6 +12,8 @@ from opgrad.dtypes import TensorType, broadcast_shapes
 from opgrad.op import DEFAULT_DOMAIN, Attrs, Input, Interval, Operator, require
 
 if TYPE_CHECKING:
+    from opgrad.compiler.builder import KernelBuilder
+    from opgrad.compiler.views import Body, Scalar, View
     from opgrad.ir import Call, Expr
 
 POSITIVE = (Interval(0.2, 3.0),)
@@ -124,7 +127,7 @@ def place_on_zero(rng: np.random.Generator, inputs: list[np.ndarray], attrs: Att
 
 
 def smooth_unary(name: str, doc: str, *, forward: Callable[[np.ndarray], np.ndarray],
-                 gradient: tuple[str, Callable[[Call, Expr], Expr]], lowering: tuple[str, Callable[[Any, Any], Any]],
+                 gradient: tuple[str, Callable[[Call, Expr], Expr]], lowering: tuple[str, Body],
                  domain: tuple[Interval, ...] = DEFAULT_DOMAIN, jointly_linear: bool = False) -> Operator:
     """Declare an elementwise op ``out = forward(data)``, smooth on ``domain``, in one call.
 
@@ -144,7 +147,7 @@ def smooth_unary(name: str, doc: str, *, forward: Callable[[np.ndarray], np.ndar
     def gradient_rule(call: Call, grad: Expr) -> list[Expr | None]:
         return [rule(call, grad)]
 
-    def lower(kb: Any, call: Call, out: Any, data: Any) -> None:
+    def lower(kb: KernelBuilder, call: Call, out: View, data: View) -> None:
         kb.elementwise(out, [data], body)
 
     gradient_rule.__doc__, lower.__doc__ = gradient_doc, lowering_doc
@@ -152,3 +155,54 @@ def smooth_unary(name: str, doc: str, *, forward: Callable[[np.ndarray], np.ndar
     op.gradient(gradient_rule)
     op.lowering(lower)
     return op
+
+
+def dense_reshape(view: View, shape: Sequence[int]) -> View:
+    """``view.reshape(shape)`` of a view known to be dense (an output buffer, a temporary)."""
+    reshaped = view.reshape(shape)
+    if reshaped is None:
+        raise AssertionError(f"a dense view was expected, got strides {view.strides} for shape {view.shape}")
+    return reshaped
+
+
+def ieee_contract(subscripts: str, a: np.ndarray, b: np.ndarray,
+                  blas: Callable[[np.ndarray, np.ndarray], np.ndarray]) -> np.ndarray:
+    """``np.einsum(subscripts, a, b)``: by ``blas(a, b)``, a BLAS-backed form of the same product
+    (``@``, ``tensordot``), when both operands are finite, by einsum's own loops otherwise.
+
+    BLAS may skip zero operands, so NaN * 0 and inf * 0 can come out 0 there, where IEEE
+    arithmetic (einsum's loops, the compiled kernels) gives NaN. The references of the products
+    (dense, matmul, batch_matmul, the conv2d family) go through here.
+    """
+    if np.isfinite(a).all() and np.isfinite(b).all():
+        return np.asarray(blas(a, b))
+    return np.asarray(np.einsum(subscripts, a, b, optimize=False))
+
+
+def copy_element(s: Scalar, v: list[str]) -> str:
+    """The elementwise body of a copy: the input's value."""
+    return v[0]
+
+
+def normalized_axis(axis: int, ndim: int) -> int:
+    """``axis`` in ``[0, ndim)``; negative axes count from the end; a ``ValueError`` names one out of range."""
+    if not -ndim <= axis < ndim:
+        raise ValueError(f"axis {axis} is out of range for a rank-{ndim} data")
+    return axis % ndim
+
+
+def slice_view(view: View, axis: int, start: int, length: int, step: int) -> View:
+    """Positions start, start + step, ... (length of them) along one axis of ``view``."""
+    strides = list(view.strides)
+    shape = list(view.shape)
+    offset = view.offset + start * strides[axis]
+    strides[axis] *= step
+    shape[axis] = length
+    return replace(view, shape=tuple(shape), strides=tuple(strides), offset=offset)
+
+
+def positive_int(value: Any) -> int:
+    """An attribute that is a whole number >= 1 (a bool is refused, though Python counts it as an int)."""
+    if isinstance(value, bool) or int(value) != value or int(value) < 1:
+        raise ValueError("expected a positive int")
+    return int(value)

@@ -3,18 +3,22 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
 from opgrad.dtypes import TensorType
-from opgrad.op import Attr, Case, int_tuple, require
+from opgrad.op import Attr, Attrs, Case, int_tuple, require
+
+if TYPE_CHECKING:  # types only: the compiler and the checker sit above the registry
+    from opgrad.checks.strategies import CaseDraw
 
 
 def _strides(value: Any, types: Sequence[TensorType], attrs: dict[str, Any]) -> tuple[int, int]:
     if value is None:  # Keras' convention: non-overlapping windows
-        return attrs["pool_size"]
+        pool_size: tuple[int, int] = attrs["pool_size"]
+        return pool_size
     return int_tuple(2, minimum=1)(value)  # type: ignore[return-value]
 
 
@@ -49,13 +53,23 @@ def pool_output_size(size: int, kernel: int, stride: int, pad: int, ceil_mode: b
     return out
 
 
-def pooled_hw(hw: Sequence[int], attrs: Any) -> tuple[int, int]:
+def pool_padding_problem(pool_size: Sequence[int], padding: Sequence[int]) -> str | None:
+    """Why ``padding`` does not suit ``pool_size``, or None: each pad must be smaller than its window."""
+    if all(p < k for p, k in zip(padding, pool_size)):
+        return None
+    return (f"padding {tuple(padding)} must be smaller than pool_size {tuple(pool_size)} "
+            "(a window of padding only has no value)")
+
+
+def pooled_hw(hw: Sequence[int], attrs: Attrs) -> tuple[int, int]:
+    """The (height, width) a 2-D pool gives an input of ``hw``; ``ShapeError`` when it does not fit.
+
+    ``attrs`` holds pool_size, strides, padding (symmetric, per axis) and optionally ceil_mode.
+    The pooling operators' shape rules and ``opgrad.nn``'s pooling layers both use it.
+    """
     (kh, kw), (sh, sw), (ph, pw) = attrs["pool_size"], attrs["strides"], attrs["padding"]
-    require(
-        ph < kh and pw < kw,
-        f"padding {attrs['padding']} must be smaller than pool_size {attrs['pool_size']} "
-        "(a window of padding only has no value)",
-    )
+    problem = pool_padding_problem((kh, kw), (ph, pw))
+    require(problem is None, problem or "")
     ceil = attrs.get("ceil_mode", False)
     oh = pool_output_size(hw[0], kh, sh, ph, ceil)
     ow = pool_output_size(hw[1], kw, sw, pw, ceil)
@@ -66,10 +80,20 @@ def pooled_hw(hw: Sequence[int], attrs: Any) -> tuple[int, int]:
     return oh, ow
 
 
-def pool_shape(data: TensorType, attrs: Any) -> TensorType:
+def pool_shape(data: TensorType, attrs: Attrs) -> TensorType:
+    """The output type of a 2-D pool of NCHW ``data``."""
     require(data.ndim == 4, f"data must be 4-D NCHW, got shape {data.shape}")
     oh, ow = pooled_hw(data.shape[2:], attrs)
     return TensorType((data.shape[0], data.shape[1], oh, ow), data.dtype)
+
+
+def pooled_pair_shape(op: str, pooled: TensorType, data: TensorType, attrs: Attrs, pooled_name: str) -> TensorType:
+    """The shape rule of a pool's backward op: ``pooled`` must have the shape ``op`` gives ``data``;
+    the result has data's shape and pooled's dtype."""
+    expect = pool_shape(data, attrs).shape
+    require(pooled.shape == expect,
+            f"{pooled_name} has shape {pooled.shape} but {op} of data {data.shape} gives {expect}")
+    return TensorType(data.shape, pooled.dtype)
 
 
 def _grid(hw: Sequence[int], pool_size: Any, strides: Any, padding: Any, ceil_mode: bool) -> tuple[tuple[int, int],
@@ -131,7 +155,7 @@ def scatter_windows(values: np.ndarray, positions: tuple[np.ndarray, np.ndarray]
     return padded[:, :, ph : ph + h, pw : pw + w]
 
 
-def draw_pool_case(d: Any, layout: str, avg: bool = False) -> Case:
+def draw_pool_case(d: CaseDraw, layout: str, avg: bool = False) -> Case:
     """A checker case for the pooling ops: pool size, strides (or None), padding < pool size,
     ceil_mode (and count_include_pad for avg), an input the window fits. ``layout`` names the
     inputs: "data", "pooled,data" or "data,data"."""

@@ -9,13 +9,20 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from opgrad import ops
+from opgrad.ir import Call, Expr
 from opgrad.op import Attr, Attrs, Case, Input, Interval, Kink, Operator
-from opgrad.registry._common import distance_to_zero, place_on_zero, same_as_first
+
+from ._common import distance_to_zero, place_on_zero, same_as_first
+
+if TYPE_CHECKING:  # types only: the compiler and the checker sit above the registry
+    from opgrad.checks.strategies import CaseDraw
+    from opgrad.compiler.builder import KernelBuilder
+    from opgrad.compiler.views import Scalar, View
 
 _SQRT1_2 = 1.0 / math.sqrt(2.0)
 _TWO_OVER_SQRT_PI = 2.0 / math.sqrt(math.pi)
@@ -50,24 +57,24 @@ erf.shape_rule(same_as_first)
 @erf.reference
 def _erf_forward(data: np.ndarray) -> np.ndarray:
     # math.erf in float64 is correctly rounded to a few ulp; float32 rounds that result once.
-    return _erf_scalar(data).astype(data.dtype, copy=False).reshape(data.shape)
+    return np.asarray(_erf_scalar(data).astype(data.dtype, copy=False).reshape(data.shape))
 
 
 @erf.gradient
-def _erf_gradient(call, grad):
+def _erf_gradient(call: Call, grad: Expr) -> list[Expr | None]:
     """d_data = grad * 2/sqrt(pi) * exp(-data^2)"""
     data = call.args[0]
     return [ops.multiply(grad, ops.multiply(ops.exp(ops.negative(ops.multiply(data, data))), _TWO_OVER_SQRT_PI))]
 
 
 @erf.mutant("missing the 2/sqrt(pi) factor")
-def _erf_unscaled(call, grad):
+def _erf_unscaled(call: Call, grad: Expr) -> list[Expr | None]:
     data = call.args[0]
     return [ops.multiply(grad, ops.exp(ops.negative(ops.multiply(data, data))))]
 
 
 @erf.lowering
-def _erf_lowering(kb, call, out, data):
+def _erf_lowering(kb: KernelBuilder, call: Call, out: View, data: View) -> None:
     """out = erf(data) (libm erf / erff)"""
     kb.elementwise(out, [data], lambda s, v: s.libm("erf", v[0]))
 
@@ -94,19 +101,19 @@ gelu.shape_rule(same_as_first)
 
 
 def _gelu_tanh_inner(data: np.ndarray) -> np.ndarray:
-    return _TANH_SCALE * (data + _TANH_CUBIC * data * data * data)
+    return np.asarray(_TANH_SCALE * (data + _TANH_CUBIC * data * data * data))
 
 
 @gelu.reference
 def _gelu_forward(data: np.ndarray, approximate: str) -> np.ndarray:
     if approximate == "tanh":
-        return (0.5 * data * (1.0 + np.tanh(_gelu_tanh_inner(data)))).astype(data.dtype, copy=False)
+        return np.asarray((0.5 * data * (1.0 + np.tanh(_gelu_tanh_inner(data)))).astype(data.dtype, copy=False))
     cdf = 0.5 * (1.0 + _erf_scalar(data * _SQRT1_2).reshape(data.shape))
-    return (data * cdf).astype(data.dtype, copy=False)
+    return np.asarray((data * cdf).astype(data.dtype, copy=False))
 
 
 @gelu.gradient
-def _gelu_gradient(call, grad):
+def _gelu_gradient(call: Call, grad: Expr) -> list[Expr | None]:
     """d_data = grad * (Phi(x) + x phi(x)) ('none'); grad * (0.5 (1 + t) + 0.5 x (1 - t^2) u'(x)) ('tanh')
 
     Phi(x) = (1 + erf(x / sqrt 2)) / 2, phi(x) = exp(-x^2 / 2) / sqrt(2 pi);
@@ -126,7 +133,7 @@ def _gelu_gradient(call, grad):
 
 
 @gelu.mutant("drops the x * phi(x) term (treats Phi as constant)")
-def _gelu_cdf_only(call, grad):
+def _gelu_cdf_only(call: Call, grad: Expr) -> list[Expr | None]:
     x = call.args[0]
     if call.attrs["approximate"] == "tanh":
         inner = ops.multiply(ops.add(x, ops.multiply(ops.multiply(ops.multiply(x, x), x), _TANH_CUBIC)), _TANH_SCALE)
@@ -135,21 +142,21 @@ def _gelu_cdf_only(call, grad):
 
 
 @gelu.sampler
-def _gelu_cases(d):
+def _gelu_cases(d: CaseDraw) -> Case:
     return Case([d.shape()], {"approximate": d.choice(["none", "tanh"])})
 
 
 @gelu.lowering
-def _gelu_lowering(kb, call, out, data):
+def _gelu_lowering(kb: KernelBuilder, call: Call, out: View, data: View) -> None:
     """out = 0.5 x (1 + erf(x / sqrt 2)) or 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))"""
     if call.attrs["approximate"] == "tanh":
-        def body(s, v):
+        def body(s: Scalar, v: list[str]) -> str:
             x = v[0]
             cube = s.mul(s.mul(x, x), x)
             inner = s.mul(s.const(_TANH_SCALE), s.add(x, s.mul(s.const(_TANH_CUBIC), cube)))
             return s.mul(s.mul(s.const(0.5), x), s.add(s.const(1.0), s.call("tanh", inner)))
     else:
-        def body(s, v):
+        def body(s: Scalar, v: list[str]) -> str:
             x = v[0]
             cdf = s.mul(s.const(0.5), s.add(s.const(1.0), s.libm("erf", s.mul(x, s.const(_SQRT1_2)))))
             return s.mul(x, cdf)
@@ -205,7 +212,7 @@ def _softplus_forward(data: np.ndarray, beta: float, threshold: float) -> np.nda
 
 
 @softplus.gradient
-def _softplus_gradient(call, grad):
+def _softplus_gradient(call: Call, grad: Expr) -> list[Expr | None]:
     """d_data = grad if beta x > threshold else grad * sigmoid(beta x)"""
     z = ops.multiply(call.args[0], call.attrs["beta"])
     linear = ops.greater(z, ops.add(ops.zeros_like(z), call.attrs["threshold"]))
@@ -213,25 +220,25 @@ def _softplus_gradient(call, grad):
 
 
 @softplus.mutant("forgets beta inside the sigmoid")
-def _softplus_no_beta(call, grad):
+def _softplus_no_beta(call: Call, grad: Expr) -> list[Expr | None]:
     x = call.args[0]
     linear = ops.greater(ops.multiply(x, call.attrs["beta"]), ops.add(ops.zeros_like(x), call.attrs["threshold"]))
     return [ops.where(linear, grad, ops.multiply(grad, ops.sigmoid(x)))]
 
 
 @softplus.sampler
-def _softplus_cases(d):
+def _softplus_cases(d: CaseDraw) -> Case:
     # Powers of two keep beta * (threshold / beta) == threshold exact, so check f lands on the switch;
     # small thresholds put the linear side inside the drawn range [-2, 2].
     return Case([d.shape()], {"beta": d.choice([1.0, 0.5, 2.0]), "threshold": d.choice([20.0, 1.0, 0.5, -1.0])})
 
 
 @softplus.lowering
-def _softplus_lowering(kb, call, out, data):
+def _softplus_lowering(kb: KernelBuilder, call: Call, out: View, data: View) -> None:
     """out = data if beta data > threshold else log1p(exp(beta data)) / beta"""
     beta, threshold = call.attrs["beta"], call.attrs["threshold"]
 
-    def body(s, v):
+    def body(s: Scalar, v: list[str]) -> str:
         z = s.mul(v[0], s.const(beta))
         # exp may overflow to inf above the threshold; the select discards those elements.
         smooth = s.div(s.libm("log1p", s.call("exp", z)), s.const(beta))
@@ -276,7 +283,7 @@ def _elu_forward(data: np.ndarray, alpha: float) -> np.ndarray:
 
 
 @elu.gradient
-def _elu_gradient(call, grad):
+def _elu_gradient(call: Call, grad: Expr) -> list[Expr | None]:
     """d_data = grad if data > 0 else grad * alpha * exp(data)"""
     data = call.args[0]
     positive = ops.greater(data, ops.zeros_like(data))
@@ -284,18 +291,18 @@ def _elu_gradient(call, grad):
 
 
 @elu.mutant("negative side's slope without alpha (exp(data))")
-def _elu_no_alpha(call, grad):
+def _elu_no_alpha(call: Call, grad: Expr) -> list[Expr | None]:
     data = call.args[0]
     return [ops.where(ops.greater(data, ops.zeros_like(data)), grad, ops.multiply(grad, ops.exp(data)))]
 
 
 @elu.sampler
-def _elu_cases(d):
+def _elu_cases(d: CaseDraw) -> Case:
     return Case([d.shape()], {"alpha": d.choice([1.0, 0.5, 2.0])})
 
 
 @elu.lowering
-def _elu_lowering(kb, call, out, data):
+def _elu_lowering(kb: KernelBuilder, call: Call, out: View, data: View) -> None:
     """out = data if data > 0 else alpha * expm1(data)"""
     alpha = call.attrs["alpha"]
     kb.elementwise(out, [data], lambda s, v: s.select(s.cmp("ogt", v[0], s.const(0.0)), v[0],
@@ -315,22 +322,22 @@ log_sigmoid.shape_rule(same_as_first)
 
 @log_sigmoid.reference
 def _log_sigmoid_forward(data: np.ndarray) -> np.ndarray:
-    return (np.minimum(data, 0) - np.log1p(np.exp(-np.abs(data)))).astype(data.dtype, copy=False)
+    return np.asarray((np.minimum(data, 0) - np.log1p(np.exp(-np.abs(data)))).astype(data.dtype, copy=False))
 
 
 @log_sigmoid.gradient
-def _log_sigmoid_gradient(call, grad):
+def _log_sigmoid_gradient(call: Call, grad: Expr) -> list[Expr | None]:
     """d_data = grad * sigmoid(-data)"""
     return [ops.multiply(grad, ops.sigmoid(ops.negative(call.args[0])))]
 
 
 @log_sigmoid.mutant("sigmoid(data) instead of sigmoid(-data)")
-def _log_sigmoid_wrong_sign(call, grad):
+def _log_sigmoid_wrong_sign(call: Call, grad: Expr) -> list[Expr | None]:
     return [ops.multiply(grad, ops.sigmoid(call.args[0]))]
 
 
 @log_sigmoid.lowering
-def _log_sigmoid_lowering(kb, call, out, data):
+def _log_sigmoid_lowering(kb: KernelBuilder, call: Call, out: View, data: View) -> None:
     """out = min(data, 0) - log1p(exp(-|data|))"""
     kb.elementwise(out, [data], lambda s, v: s.sub(s.min(v[0], s.const(0.0)),
                                                    s.libm("log1p", s.call("exp", s.neg(s.call("fabs", v[0]))))))

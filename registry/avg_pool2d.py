@@ -9,14 +9,21 @@ grad / divisor over each window.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from opgrad import ops
 from opgrad.dtypes import TensorType
-from opgrad.op import Input, Operator, require
-from opgrad.registry._pooling import avg_divisors, draw_pool_case, pool_attrs, pool_shape, scatter_windows, windows
+from opgrad.ir import Call, Expr
+from opgrad.op import Attrs, Case, Input, Operator
+
+from ._pooling import avg_divisors, draw_pool_case, pool_attrs, pool_shape, pooled_pair_shape, scatter_windows, windows
+
+if TYPE_CHECKING:  # types only: the compiler and the checker sit above the registry
+    from opgrad.checks.strategies import CaseDraw
+    from opgrad.compiler.builder import KernelBuilder
+    from opgrad.compiler.views import View
 
 avg_pool2d = Operator(
     "avg_pool2d",
@@ -33,28 +40,39 @@ def _avg_pool2d_forward(data: np.ndarray, pool_size: Any, strides: Any, padding:
                         count_include_pad: bool) -> np.ndarray:
     total = windows(data, pool_size, strides, padding, 0.0, ceil_mode).sum(axis=(4, 5))
     divisors = avg_divisors(data.shape[2:], pool_size, strides, padding, ceil_mode, count_include_pad)
-    return (total / divisors).astype(data.dtype, copy=False)
+    return np.asarray((total / divisors).astype(data.dtype, copy=False))
 
 
 @avg_pool2d.gradient
-def _avg_pool2d_gradient(call, grad):
+def _avg_pool2d_gradient(call: Call, grad: Expr) -> list[Expr | None]:
     """d_data = avg_pool2d_backward(grad, data): grad / divisor spread over each window"""
     return [ops.avg_pool2d_backward(grad, call.args[0], **call.attrs)]
 
 
 @avg_pool2d.mutant("count_include_pad flipped in the gradient")
-def _avg_pool2d_count_flipped(call, grad):
+def _avg_pool2d_count_flipped(call: Call, grad: Expr) -> list[Expr | None]:
     return [ops.avg_pool2d_backward(grad, call.args[0], **{**call.attrs,
                                                            "count_include_pad": not call.attrs["count_include_pad"]})]
 
 
+@avg_pool2d.mutant("sum-pool gradient (not divided by the window size)")
+def _avg_pool2d_sum_pool(call: Call, grad: Expr) -> list[Expr | None]:
+    kh, kw = call.attrs["pool_size"]
+    return [ops.avg_pool2d_backward(grad, call.args[0], **call.attrs) * float(kh * kw)]
+
+
+@avg_pool2d.mutant("strides ignored")
+def _avg_pool2d_strides_ignored(call: Call, grad: Expr) -> list[Expr | None]:
+    return [ops.avg_pool2d_backward(grad, call.args[0], **{**call.attrs, "strides": (1, 1)})]
+
+
 @avg_pool2d.sampler
-def _avg_pool2d_cases(d):
+def _avg_pool2d_cases(d: CaseDraw) -> Case:
     return draw_pool_case(d, "data", avg=True)
 
 
 @avg_pool2d.lowering
-def _avg_pool2d_lowering(kb, call, out, data):
+def _avg_pool2d_lowering(kb: KernelBuilder, call: Call, out: View, data: View) -> None:
     """out = sum of each window / its divisor"""
     kb.pool2d(out, data, call.attrs["pool_size"], call.attrs["strides"], call.attrs["padding"], "avg",
               ceil_mode=call.attrs["ceil_mode"], count_include_pad=call.attrs["count_include_pad"])
@@ -73,13 +91,8 @@ avg_pool2d_backward = Operator(
 
 
 @avg_pool2d_backward.shape_rule
-def _avg_pool2d_backward_shape(grad: TensorType, data: TensorType, attrs: Any) -> TensorType:
-    expect = pool_shape(data, attrs)
-    require(
-        grad.shape == expect.shape,
-        f"grad has shape {grad.shape} but avg_pool2d of data {data.shape} gives {expect.shape}",
-    )
-    return TensorType(data.shape, grad.dtype)
+def _avg_pool2d_backward_shape(grad: TensorType, data: TensorType, attrs: Attrs) -> TensorType:
+    return pooled_pair_shape("avg_pool2d", grad, data, attrs, "grad")
 
 
 @avg_pool2d_backward.reference
@@ -91,18 +104,23 @@ def _avg_pool2d_backward_forward(grad: np.ndarray, data: np.ndarray, pool_size: 
 
 
 @avg_pool2d_backward.gradient
-def _avg_pool2d_backward_gradient(call, grad):
+def _avg_pool2d_backward_gradient(call: Call, grad: Expr) -> list[Expr | None]:
     """d_grad = avg_pool2d(c): the adjoint of spreading is averaging"""
     return [ops.avg_pool2d(grad, **call.attrs), None]
 
 
+@avg_pool2d_backward.mutant("d_grad ignores padding")
+def _avg_pool2d_backward_padding_ignored(call: Call, grad: Expr) -> list[Expr | None]:
+    return [ops.avg_pool2d(grad, **{**call.attrs, "padding": (0, 0)}), None]
+
+
 @avg_pool2d_backward.sampler
-def _avg_pool2d_backward_cases(d):
+def _avg_pool2d_backward_cases(d: CaseDraw) -> Case:
     return draw_pool_case(d, "pooled,data", avg=True)
 
 
 @avg_pool2d_backward.lowering
-def _avg_pool2d_backward_lowering(kb, call, out, grad, data):
+def _avg_pool2d_backward_lowering(kb: KernelBuilder, call: Call, out: View, grad: View, data: View) -> None:
     """out = grad / divisor spread over each window"""
     kb.pool2d_scatter(out, grad, None, call.attrs["pool_size"], call.attrs["strides"], call.attrs["padding"],
                       ceil_mode=call.attrs["ceil_mode"], count_include_pad=call.attrs["count_include_pad"])

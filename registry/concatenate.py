@@ -9,15 +9,21 @@ ordinary expression with the slice's checked gradient.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from opgrad import ops
 from opgrad.dtypes import TensorType
-from opgrad.ir import Expr
+from opgrad.ir import Call, Expr
 from opgrad.op import Attr, Case, Input, Operator, composite, require
-from opgrad.registry._common import axis_attr
+
+from ._common import axis_attr
+
+if TYPE_CHECKING:  # types only: the compiler and the checker sit above the registry
+    from opgrad.checks.strategies import CaseDraw
+    from opgrad.compiler.builder import KernelBuilder
+    from opgrad.compiler.views import View
 
 concatenate = Operator(
     "concatenate",
@@ -64,27 +70,27 @@ def _part(grad: Expr, axis: int, start: int, stop: int) -> Expr:
 
 
 @concatenate.gradient
-def _concatenate_gradient(call, grad):
+def _concatenate_gradient(call: Call, grad: Expr) -> list[Expr | None]:
     """d_xs[i] = grad[..., start_i : start_i + xs[i].shape[axis], ...] along axis"""
     axis, starts = call.attrs["axis"], _offsets(call)
     return [_part(grad, axis, starts[i], starts[i + 1]) for i in range(len(call.args))]
 
 
 @concatenate.mutant("every input gets the gradient's first slice")
-def _first_slice_for_all(call, grad):
+def _first_slice_for_all(call: Call, grad: Expr) -> list[Expr | None]:
     axis = call.attrs["axis"]
     return [_part(grad, axis, 0, x.shape[axis]) for x in call.args]
 
 
 @concatenate.mutant("slices taken in reverse input order")
-def _reversed_slices(call, grad):
+def _reversed_slices(call: Call, grad: Expr) -> list[Expr | None]:
     axis, starts = call.attrs["axis"], _offsets(call)
     total = starts[-1]
     return [_part(grad, axis, total - starts[i + 1], total - starts[i]) for i in range(len(call.args))]
 
 
 @concatenate.sampler
-def _concatenate_cases(d):
+def _concatenate_cases(d: CaseDraw) -> Case:
     rank = d.int(1, 3)
     base = list(d.shape(rank, rank))
     axis = d.int(0, rank - 1)
@@ -97,7 +103,7 @@ def _concatenate_cases(d):
 
 
 @concatenate.lowering
-def _concatenate_lowering(kb, call, out, *xs):
+def _concatenate_lowering(kb: KernelBuilder, call: Call, out: View, *xs: View) -> None:
     """out[..., start_i : start_i + n_i, ...] = xs[i] along axis"""
     from dataclasses import replace
 

@@ -21,14 +21,22 @@ conv2d_backward_weight(x, c) for w: x plays the output gradient and c the forwar
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
 from opgrad import ops
 from opgrad.dtypes import TensorType
-from opgrad.op import Attr, Case, Input, Operator, int_tuple, require
+from opgrad.ir import Call, Expr
+from opgrad.op import Attr, Attrs, Case, Input, Operator, int_tuple, require
+
+from ._common import ieee_contract
+
+if TYPE_CHECKING:  # types only: the compiler and the checker sit above the registry
+    from opgrad.checks.strategies import CaseDraw
+    from opgrad.compiler.builder import KernelBuilder
+    from opgrad.compiler.views import View
 
 
 def conv_output_size(size: int, kernel: int, stride: int, pad_total: int, dilation: int) -> int:
@@ -76,7 +84,7 @@ def _window_attrs() -> list[Attr]:
     ]
 
 
-def _window(attrs: Any) -> dict[str, Any]:
+def _window(attrs: Attrs) -> dict[str, Any]:
     """The attributes shared by conv2d and its backward operators."""
     return {k: attrs[k] for k in ("strides", "padding", "dilation", "groups")}
 
@@ -85,7 +93,7 @@ def _pad_total(padding: Sequence[int], axis: int) -> int:
     return padding[axis] + padding[axis + 2]
 
 
-def _output_hw(hw: Sequence[int], khw: Sequence[int], attrs: Any) -> tuple[int, int]:
+def _output_hw(hw: Sequence[int], khw: Sequence[int], attrs: Attrs) -> tuple[int, int]:
     out = tuple(
         conv_output_size(hw[i], khw[i], attrs["strides"][i], _pad_total(attrs["padding"], i), attrs["dilation"][i])
         for i in range(2)
@@ -118,7 +126,7 @@ def _per_group(fn: Any, groups: int, first: np.ndarray, first_axis: int, second:
                out_axis: int) -> np.ndarray:
     """``fn`` on each group's slices of both operands, concatenated along ``out_axis``."""
     if groups == 1:
-        return fn(first, second)
+        return np.asarray(fn(first, second))
     parts = [fn(a, b) for a, b in zip(np.split(first, groups, axis=first_axis),
                                       np.split(second, groups, axis=second_axis), strict=True)]
     return np.ascontiguousarray(np.concatenate(parts, axis=out_axis))
@@ -141,7 +149,7 @@ conv2d = Operator(
 
 
 @conv2d.shape_rule
-def _conv2d_shape(data: TensorType, weight: TensorType, attrs: Any) -> TensorType:
+def _conv2d_shape(data: TensorType, weight: TensorType, attrs: Attrs) -> TensorType:
     require(data.ndim == 4, f"data must be 4-D NCHW, got shape {data.shape}")
     require(weight.ndim == 4, f"weight must be 4-D OIHW, got shape {weight.shape}")
     g = attrs["groups"]
@@ -169,10 +177,8 @@ def _conv2d_one_group(data: np.ndarray, weight: np.ndarray, strides: Any, paddin
     khw = weight.shape[2:]
     out_hw = _output_hw(data.shape[2:], khw, {"strides": strides, "padding": padding, "dilation": dilation})
     win = _windows(data, khw, strides, padding, dilation, out_hw)
-    if np.isfinite(win).all() and np.isfinite(weight).all():
-        out = np.tensordot(win, weight, axes=([1, 4, 5], [1, 2, 3]))  # (N, OH, OW, O)
-    else:  # BLAS may skip zero operands and so drop NaN * 0; einsum's own loops follow IEEE
-        out = np.einsum("nchwyx,ocyx->nhwo", win, weight, optimize=False)
+    out = ieee_contract("nchwyx,ocyx->nhwo", win, weight,
+                        lambda x, w: np.tensordot(x, w, axes=([1, 4, 5], [1, 2, 3])))  # (N, OH, OW, O)
     return np.ascontiguousarray(out.transpose(0, 3, 1, 2))
 
 
@@ -182,45 +188,47 @@ def _conv2d_forward(data: np.ndarray, weight: np.ndarray, strides: Any, padding:
     return _per_group(lambda x, w: _conv2d_one_group(x, w, strides, padding, dilation), groups, data, 1, weight, 0, 1)
 
 
-def _conv2d_grads(call, grad, data_window=None, batch=None):
-    """[d_data, d_weight] as the gradient builds them; the mutants below change one piece:
-    ``data_window`` replaces d_data's window attributes, ``batch`` limits d_weight's samples."""
+def _conv2d_grads(call: Call, grad: Expr, data_window: dict[str, Any] | None = None,
+                  weight_window: dict[str, Any] | None = None, batch: int | None = None) -> tuple[Expr, Expr]:
+    """(d_data, d_weight) as the gradient builds them; the mutants below change one piece:
+    ``data_window`` and ``weight_window`` replace window attributes of d_data and d_weight,
+    ``batch`` limits d_weight's samples."""
     data, weight = call.args
     window = _window(call.attrs)
     grad_w, data_w = grad, data
     if batch is not None:
         grad_w, data_w = (ops.strided_slice(x, begin=(0,), end=(batch,)) for x in (grad, data))
-    return [
+    return (
         ops.conv2d_backward_input(grad, weight, input_size=data.shape[2:], **{**window, **(data_window or {})}),
-        ops.conv2d_backward_weight(grad_w, data_w, kernel_size=weight.shape[2:], **window),
-    ]
+        ops.conv2d_backward_weight(grad_w, data_w, kernel_size=weight.shape[2:], **{**window, **(weight_window or {})}),
+    )
 
 
 @conv2d.gradient
-def _conv2d_gradient(call, grad):
+def _conv2d_gradient(call: Call, grad: Expr) -> list[Expr | None]:
     """d_data = conv2d_backward_input(grad, weight) ; d_weight = conv2d_backward_weight(grad, data)"""
-    return _conv2d_grads(call, grad)
+    return list(_conv2d_grads(call, grad))
 
 
 @conv2d.mutant("d_data with the row stride on both axes (right when the strides are equal)")
-def _conv2d_square_strides(call, grad):
+def _conv2d_square_strides(call: Call, grad: Expr) -> list[Expr | None]:
     rows = call.attrs["strides"][0]
-    return _conv2d_grads(call, grad, data_window={"strides": (rows, rows)})
+    return list(_conv2d_grads(call, grad, data_window={"strides": (rows, rows)}))
 
 
 @conv2d.mutant("d_weight from the first sample of the batch only (right for batch 1)")
-def _conv2d_weight_first_sample(call, grad):
-    return _conv2d_grads(call, grad, batch=1)
+def _conv2d_weight_first_sample(call: Call, grad: Expr) -> list[Expr | None]:
+    return list(_conv2d_grads(call, grad, batch=1))
 
 
 @conv2d.mutant("d_data with top and bottom padding swapped")
-def _conv2d_pads_swapped(call, grad):
+def _conv2d_pads_swapped(call: Call, grad: Expr) -> list[Expr | None]:
     top, left, bottom, right = call.attrs["padding"]
-    return _conv2d_grads(call, grad, data_window={"padding": (bottom, left, top, right)})
+    return list(_conv2d_grads(call, grad, data_window={"padding": (bottom, left, top, right)}))
 
 
 @conv2d.mutant("d_weight correlates every group's grad with the first group's data")
-def _conv2d_weight_first_group(call, grad):
+def _conv2d_weight_first_group(call: Call, grad: Expr) -> list[Expr | None]:
     data, weight = call.args
     g = call.attrs["groups"]
     cg = data.shape[1] // g
@@ -233,7 +241,33 @@ def _conv2d_weight_first_group(call, grad):
     ]
 
 
-def draw_conv_geometry(d: Any) -> dict[str, Any]:
+@conv2d.mutant("d_data ignores strides")
+def _conv2d_data_strides_ignored(call: Call, grad: Expr) -> list[Expr | None]:
+    return list(_conv2d_grads(call, grad, data_window={"strides": (1, 1)}))
+
+
+@conv2d.mutant("d_data ignores padding")
+def _conv2d_data_padding_ignored(call: Call, grad: Expr) -> list[Expr | None]:
+    return list(_conv2d_grads(call, grad, data_window={"padding": (0, 0, 0, 0)}))
+
+
+@conv2d.mutant("d_weight ignores dilation")
+def _conv2d_weight_dilation_ignored(call: Call, grad: Expr) -> list[Expr | None]:
+    return list(_conv2d_grads(call, grad, weight_window={"dilation": (1, 1)}))
+
+
+@conv2d.mutant("d_weight with the cotangent ignored (ones)")
+def _conv2d_weight_ones_cotangent(call: Call, grad: Expr) -> list[Expr | None]:
+    return [_conv2d_grads(call, grad)[0], _conv2d_grads(call, ops.ones_like(grad))[1]]
+
+
+@conv2d.mutant("d_data with the wrong sign")
+def _conv2d_data_negated(call: Call, grad: Expr) -> list[Expr | None]:
+    d_data, d_weight = _conv2d_grads(call, grad)
+    return [ops.negative(d_data), d_weight]
+
+
+def draw_conv_geometry(d: CaseDraw) -> dict[str, Any]:
     """Checker cases: small sizes, groups, strides/padding (four sides)/dilation drawn first, then
     an input the kernel fits."""
     groups = d.choice([1, 1, 2, 3, 9])  # 9 > 8 groups: the compiler's direct (depthwise) loops
@@ -249,13 +283,13 @@ def draw_conv_geometry(d: Any) -> dict[str, Any]:
 
 
 @conv2d.sampler
-def _conv2d_cases(d):
+def _conv2d_cases(d: CaseDraw) -> Case:
     g = draw_conv_geometry(d)
     return Case([(g["n"], g["c"], *g["hw"]), (g["o"], g["c"] // g["groups"], *g["kernel"])], g["window"])
 
 
 @conv2d.lowering
-def _conv2d_lowering(kb, call, out, data, weight):
+def _conv2d_lowering(kb: KernelBuilder, call: Call, out: View, data: View, weight: View) -> None:
     """out = W @ im2col(data) as one GEMM per group (im2col gathered while packing, never stored);
     many groups (depthwise) run as a direct loop instead"""
     kb.conv2d_forward(out, data, weight, **call.attrs)
@@ -277,7 +311,7 @@ conv2d_backward_input = Operator(
 )
 
 
-def _check_backward_input(grad: TensorType, weight: TensorType, attrs: Any, grad_name: str) -> tuple[int, ...]:
+def _check_backward_input(grad: TensorType, weight: TensorType, attrs: Attrs, grad_name: str) -> tuple[int, ...]:
     require(grad.ndim == 4 and weight.ndim == 4,
             f"{grad_name} and weight must be 4-D, got {grad.shape} and {weight.shape}")
     g = attrs["groups"]
@@ -297,7 +331,7 @@ def _check_backward_input(grad: TensorType, weight: TensorType, attrs: Any, grad
 
 
 @conv2d_backward_input.shape_rule
-def _conv2d_backward_input_shape(grad: TensorType, weight: TensorType, attrs: Any) -> TensorType:
+def _conv2d_backward_input_shape(grad: TensorType, weight: TensorType, attrs: Attrs) -> TensorType:
     return TensorType(_check_backward_input(grad, weight, attrs, "grad"), grad.dtype)
 
 
@@ -310,7 +344,8 @@ def _backward_input_one_group(grad: np.ndarray, weight: np.ndarray, strides: Any
     padded = np.zeros((n, c, input_size[0] + top + bottom, input_size[1] + left + right), dtype=grad.dtype)
     for i in range(kh):
         for j in range(kw):
-            contribution = np.tensordot(grad, weight[:, :, i, j], axes=([1], [0]))  # (N, OH, OW, C)
+            contribution = ieee_contract("nohw,oc->nhwc", grad, weight[:, :, i, j],
+                                         lambda g, w: np.tensordot(g, w, axes=([1], [0])))  # (N, OH, OW, C)
             rows = slice(i * dh, i * dh + sh * (oh - 1) + 1, sh)
             cols = slice(j * dw, j * dw + sw * (ow - 1) + 1, sw)
             padded[:, :, rows, cols] += contribution.transpose(0, 3, 1, 2)
@@ -325,7 +360,7 @@ def _conv2d_backward_input_forward(grad: np.ndarray, weight: np.ndarray, strides
 
 
 @conv2d_backward_input.gradient
-def _conv2d_backward_input_gradient(call, grad):
+def _conv2d_backward_input_gradient(call: Call, grad: Expr) -> list[Expr | None]:
     """d_grad = conv2d(c, weight) ; d_weight = conv2d_backward_weight(grad_in, c), c = incoming cotangent"""
     dy, weight = call.args
     window = _window(call.attrs)
@@ -336,7 +371,7 @@ def _conv2d_backward_input_gradient(call, grad):
 
 
 @conv2d_backward_input.mutant("d_grad with left and right padding swapped")
-def _conv2d_backward_input_pads_swapped(call, grad):
+def _conv2d_backward_input_pads_swapped(call: Call, grad: Expr) -> list[Expr | None]:
     dy, weight = call.args
     top, left, bottom, right = call.attrs["padding"]
     window = _window(call.attrs)
@@ -346,15 +381,35 @@ def _conv2d_backward_input_pads_swapped(call, grad):
     ]
 
 
+@conv2d_backward_input.mutant("d_grad ignores strides")
+def _conv2d_backward_input_strides_ignored(call: Call, grad: Expr) -> list[Expr | None]:
+    dy, weight = call.args
+    window = _window(call.attrs)
+    return [
+        ops.conv2d(grad, weight, **{**window, "strides": (1, 1)}),
+        ops.conv2d_backward_weight(dy, grad, kernel_size=weight.shape[2:], **window),
+    ]
+
+
+@conv2d_backward_input.mutant("d_weight with the wrong sign")
+def _conv2d_backward_input_weight_negated(call: Call, grad: Expr) -> list[Expr | None]:
+    dy, weight = call.args
+    window = _window(call.attrs)
+    return [
+        ops.conv2d(grad, weight, **window),
+        ops.negative(ops.conv2d_backward_weight(dy, grad, kernel_size=weight.shape[2:], **window)),
+    ]
+
+
 @conv2d_backward_input.sampler
-def _conv2d_backward_input_cases(d):
+def _conv2d_backward_input_cases(d: CaseDraw) -> Case:
     g = draw_conv_geometry(d)
     return Case([(g["n"], g["o"], *g["out"]), (g["o"], g["c"] // g["groups"], *g["kernel"])],
                 {**g["window"], "input_size": g["hw"]})
 
 
 @conv2d_backward_input.lowering
-def _conv2d_backward_input_lowering(kb, call, out, grad, weight):
+def _conv2d_backward_input_lowering(kb: KernelBuilder, call: Call, out: View, grad: View, weight: View) -> None:
     """out = col2im(W^T @ grad), one GEMM per group; many groups run as a direct loop"""
     kb.conv2d_backward_data(out, grad, weight, **_window(call.attrs))
 
@@ -374,7 +429,7 @@ conv2d_backward_weight = Operator(
 )
 
 
-def _check_backward_weight(grad: TensorType, data: TensorType, attrs: Any, grad_name: str,
+def _check_backward_weight(grad: TensorType, data: TensorType, attrs: Attrs, grad_name: str,
                            data_name: str) -> tuple[int, ...]:
     require(grad.ndim == 4 and data.ndim == 4,
             f"{grad_name} and {data_name} must be 4-D, got {grad.shape} and {data.shape}")
@@ -393,7 +448,7 @@ def _check_backward_weight(grad: TensorType, data: TensorType, attrs: Any, grad_
 
 
 @conv2d_backward_weight.shape_rule
-def _conv2d_backward_weight_shape(grad: TensorType, data: TensorType, attrs: Any) -> TensorType:
+def _conv2d_backward_weight_shape(grad: TensorType, data: TensorType, attrs: Attrs) -> TensorType:
     return TensorType(_check_backward_weight(grad, data, attrs, "grad", "data"), grad.dtype)
 
 
@@ -402,13 +457,14 @@ def _conv2d_backward_weight_forward(grad: np.ndarray, data: np.ndarray, strides:
                                     dilation: Any, groups: int, kernel_size: Any) -> np.ndarray:
     def one_group(dy: np.ndarray, x: np.ndarray) -> np.ndarray:
         win = _windows(x, tuple(kernel_size), strides, padding, dilation, dy.shape[2:])
-        return np.tensordot(dy, win, axes=([0, 2, 3], [0, 2, 3]))  # (O, C, KH, KW)
+        return ieee_contract("nohw,nchwyx->ocyx", dy, win,
+                             lambda g, w: np.tensordot(g, w, axes=([0, 2, 3], [0, 2, 3])))  # (O, C, KH, KW)
 
     return _per_group(one_group, groups, grad, 1, data, 1, 0)
 
 
 @conv2d_backward_weight.gradient
-def _conv2d_backward_weight_gradient(call, grad):
+def _conv2d_backward_weight_gradient(call: Call, grad: Expr) -> list[Expr | None]:
     """d_grad = conv2d(data, c) ; d_data = conv2d_backward_input(grad_in, c), c = incoming cotangent"""
     dy, data = call.args
     window = _window(call.attrs)
@@ -419,7 +475,7 @@ def _conv2d_backward_weight_gradient(call, grad):
 
 
 @conv2d_backward_weight.mutant("d_data ignores groups: each group's grad read against group 0's cotangent")
-def _conv2d_backward_weight_groups_ignored(call, grad):
+def _conv2d_backward_weight_groups_ignored(call: Call, grad: Expr) -> list[Expr | None]:
     dy, data = call.args
     g = call.attrs["groups"]
     og = dy.shape[1] // g
@@ -431,14 +487,34 @@ def _conv2d_backward_weight_groups_ignored(call, grad):
     ]
 
 
+@conv2d_backward_weight.mutant("d_grad ignores padding")
+def _conv2d_backward_weight_padding_ignored(call: Call, grad: Expr) -> list[Expr | None]:
+    dy, data = call.args
+    window = _window(call.attrs)
+    return [
+        ops.conv2d(data, grad, **{**window, "padding": (0, 0, 0, 0)}),
+        ops.conv2d_backward_input(dy, grad, input_size=data.shape[2:], **window),
+    ]
+
+
+@conv2d_backward_weight.mutant("d_data scaled by 0.5")
+def _conv2d_backward_weight_data_halved(call: Call, grad: Expr) -> list[Expr | None]:
+    dy, data = call.args
+    window = _window(call.attrs)
+    return [
+        ops.conv2d(data, grad, **window),
+        ops.conv2d_backward_input(dy, grad, input_size=data.shape[2:], **window) * 0.5,
+    ]
+
+
 @conv2d_backward_weight.sampler
-def _conv2d_backward_weight_cases(d):
+def _conv2d_backward_weight_cases(d: CaseDraw) -> Case:
     g = draw_conv_geometry(d)
     return Case([(g["n"], g["o"], *g["out"]), (g["n"], g["c"], *g["hw"])], {**g["window"], "kernel_size": g["kernel"]})
 
 
 @conv2d_backward_weight.lowering
-def _conv2d_backward_weight_lowering(kb, call, out, grad, data):
+def _conv2d_backward_weight_lowering(kb: KernelBuilder, call: Call, out: View, grad: View, data: View) -> None:
     """out = grad @ im2col(data)^T as one GEMM per group; many groups run as a direct loop"""
     kb.conv2d_backward_weight(out, grad, data, **_window(call.attrs))
 
@@ -476,7 +552,7 @@ conv2d_transpose = Operator(
 )
 
 
-def _transpose_output_hw(data: TensorType, weight: TensorType, attrs: Any) -> tuple[int, int]:
+def _transpose_output_hw(data: TensorType, weight: TensorType, attrs: Attrs) -> tuple[int, int]:
     for i, axis in enumerate(("rows", "columns")):
         require(
             attrs["output_padding"][i] < attrs["strides"][i],
@@ -497,7 +573,7 @@ def _transpose_output_hw(data: TensorType, weight: TensorType, attrs: Any) -> tu
 
 
 @conv2d_transpose.shape_rule
-def _conv2d_transpose_shape(data: TensorType, weight: TensorType, attrs: Any) -> TensorType:
+def _conv2d_transpose_shape(data: TensorType, weight: TensorType, attrs: Attrs) -> TensorType:
     require(data.ndim == 4, f"data must be 4-D NCHW, got shape {data.shape}")
     require(weight.ndim == 4, f"weight must be 4-D (C_in, C_out/groups, KH, KW), got shape {weight.shape}")
     g = attrs["groups"]
@@ -519,12 +595,12 @@ def _conv2d_transpose_forward(data: np.ndarray, weight: np.ndarray, strides: Any
     return _conv2d_backward_input_forward(data, weight, strides, padding, dilation, groups, size)
 
 
-def _transpose_window(attrs: Any) -> dict[str, Any]:
+def _transpose_window(attrs: Attrs) -> dict[str, Any]:
     return {k: attrs[k] for k in ("strides", "padding", "dilation", "groups")}
 
 
 @conv2d_transpose.gradient
-def _conv2d_transpose_gradient(call, grad):
+def _conv2d_transpose_gradient(call: Call, grad: Expr) -> list[Expr | None]:
     """d_data = conv2d(c, weight) ; d_weight = conv2d_backward_weight(data, c): conv2d's weight gradient
     with data in the role of the output gradient and c in the role of the forward input"""
     data, weight = call.args
@@ -536,7 +612,7 @@ def _conv2d_transpose_gradient(call, grad):
 
 
 @conv2d_transpose.mutant("d_data reads the cotangent from the top-left, as if output_padding were leading")
-def _conv2d_transpose_output_padding_leading(call, grad):
+def _conv2d_transpose_output_padding_leading(call: Call, grad: Expr) -> list[Expr | None]:
     data, weight = call.args
     oph, opw = call.attrs["output_padding"]
     shifted = ops.strided_slice(grad, begin=(0, 0, oph, opw), end=grad.shape)
@@ -548,7 +624,7 @@ def _conv2d_transpose_output_padding_leading(call, grad):
 
 
 @conv2d_transpose.mutant("d_weight ignores dilation")
-def _conv2d_transpose_dilation_ignored(call, grad):
+def _conv2d_transpose_dilation_ignored(call: Call, grad: Expr) -> list[Expr | None]:
     data, weight = call.args
     window = _transpose_window(call.attrs)
     return [
@@ -558,7 +634,7 @@ def _conv2d_transpose_dilation_ignored(call, grad):
 
 
 @conv2d_transpose.sampler
-def _conv2d_transpose_cases(d):
+def _conv2d_transpose_cases(d: CaseDraw) -> Case:
     g = draw_conv_geometry(d)
     window = g["window"]
     output_padding = []
@@ -572,6 +648,6 @@ def _conv2d_transpose_cases(d):
 
 
 @conv2d_transpose.lowering
-def _conv2d_transpose_lowering(kb, call, out, data, weight):
+def _conv2d_transpose_lowering(kb: KernelBuilder, call: Call, out: View, data: View, weight: View) -> None:
     """out = col2im(W^T @ data): conv2d's backward-data pass"""
     kb.conv2d_backward_data(out, data, weight, **_transpose_window(call.attrs))

@@ -6,12 +6,20 @@ Their inputs are read only for shape (or as indices), so none is differentiable.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from opgrad.dtypes import FLOAT_DTYPES, TensorType
-from opgrad.op import Attr, Case, Input, Operator, require
+from opgrad.ir import Call
+from opgrad.op import Attr, Attrs, Case, Input, Operator, require
+
+from ._common import positive_int
+
+if TYPE_CHECKING:  # types only: the compiler and the checker sit above the registry
+    from opgrad.checks.strategies import CaseDraw
+    from opgrad.compiler.builder import KernelBuilder
+    from opgrad.compiler.views import View
 
 zeros_like = Operator(
     "zeros_like",
@@ -21,7 +29,7 @@ zeros_like = Operator(
 
 
 @zeros_like.shape_rule
-def _like_shape(like: TensorType, attrs: Any) -> TensorType:
+def _like_shape(like: TensorType, attrs: Attrs) -> TensorType:
     return like
 
 
@@ -31,7 +39,7 @@ def _zeros_like_forward(like: np.ndarray) -> np.ndarray:
 
 
 @zeros_like.lowering
-def _zeros_like_lowering(kb, call, out, like):
+def _zeros_like_lowering(kb: KernelBuilder, call: Call, out: View, like: View) -> View | None:
     """out = 0 (a constant view: consumers fold it, no memory is written)"""
     return kb.scalar(0.0, out.dtype, out.shape)
 
@@ -50,7 +58,7 @@ def _ones_like_forward(like: np.ndarray) -> np.ndarray:
 
 
 @ones_like.lowering
-def _ones_like_lowering(kb, call, out, like):
+def _ones_like_lowering(kb: KernelBuilder, call: Call, out: View, like: View) -> View | None:
     """out = 1 (a constant view: consumers fold it, no memory is written)"""
     return kb.scalar(1.0, out.dtype, out.shape)
 
@@ -59,20 +67,14 @@ def _float_dtype(value: Any) -> str:
     name = np.dtype(value).name
     if name not in FLOAT_DTYPES:
         raise ValueError(f"expected one of {', '.join(FLOAT_DTYPES)}")
-    return name
-
-
-def _positive_int(value: Any) -> int:
-    if int(value) != value or int(value) < 1:
-        raise ValueError("expected a positive int")
-    return int(value)
+    return str(name)
 
 
 one_hot = Operator(
     "one_hot",
     inputs=[Input("labels", kind="int", dims=("N",), int_range=(0, "depth"))],
     attrs=[
-        Attr("depth", convert=_positive_int, doc="number of classes C"),
+        Attr("depth", convert=positive_int, doc="number of classes C"),
         Attr("dtype", default="float32", convert=_float_dtype),
     ],
     doc="(N,) integer labels in [0, depth) -> (N, depth) float rows with a single 1.0.",
@@ -80,7 +82,7 @@ one_hot = Operator(
 
 
 @one_hot.shape_rule
-def _one_hot_shape(labels: TensorType, attrs: Any) -> TensorType:
+def _one_hot_shape(labels: TensorType, attrs: Attrs) -> TensorType:
     require(labels.ndim == 1, f"labels must be 1-D (N,), got shape {labels.shape}")
     return TensorType((labels.shape[0], attrs["depth"]), attrs["dtype"])
 
@@ -97,12 +99,12 @@ def _one_hot_forward(labels: np.ndarray, depth: int, dtype: str) -> np.ndarray:
 
 
 @one_hot.sampler
-def _one_hot_cases(d):
+def _one_hot_cases(d: CaseDraw) -> Case:
     return Case([(d.size(),)], {"depth": d.size(), "dtype": d.choice(["float32", "float64"])})
 
 
 @one_hot.lowering
-def _one_hot_lowering(kb, call, out, labels):
+def _one_hot_lowering(kb: KernelBuilder, call: Call, out: View, labels: View) -> None:
     """out[n, c] = 1.0 if labels[n] == c else 0.0 (compared, never used as an address)"""
     rows = labels.expand_dims(1).broadcast_to(out.shape)
     kb.elementwise(out, [rows, kb.iota(out.shape, 1)], lambda s, v: s.mask(s.cmp("oeq", v[0], v[1])))
@@ -130,11 +132,11 @@ def _fill_value(value: Any) -> float:
         raise ValueError("expected a number") from None
 
 
-def _created_shape(attrs: Any) -> TensorType:
+def _created_shape(attrs: Attrs) -> TensorType:
     return TensorType(attrs["shape"], attrs["dtype"])
 
 
-def _creation_cases(d, value: bool):
+def _creation_cases(d: CaseDraw, value: bool) -> Case:
     attrs = {"shape": d.shape(), "dtype": d.choice(["float32", "float64"])}
     if value:
         attrs["value"] = d.choice([0.0, -1.5, 3.25, 1e30])  # the checker counts inf and nan as mismatches
@@ -160,12 +162,12 @@ def _full_forward(shape: tuple[int, ...], value: float, dtype: str) -> np.ndarra
 
 
 @full.sampler
-def _full_cases(d):
+def _full_cases(d: CaseDraw) -> Case:
     return _creation_cases(d, value=True)
 
 
 @full.lowering
-def _full_lowering(kb, call, out):
+def _full_lowering(kb: KernelBuilder, call: Call, out: View) -> View | None:
     """out = value (a constant view: consumers fold it, no memory is written)"""
     return kb.scalar(call.attrs["value"], out.dtype, out.shape)
 
@@ -186,12 +188,12 @@ def _zeros_forward(shape: tuple[int, ...], dtype: str) -> np.ndarray:
 
 
 @zeros.sampler
-def _zeros_cases(d):
+def _zeros_cases(d: CaseDraw) -> Case:
     return _creation_cases(d, value=False)
 
 
 @zeros.lowering
-def _zeros_lowering(kb, call, out):
+def _zeros_lowering(kb: KernelBuilder, call: Call, out: View) -> View | None:
     """out = 0 (a constant view)"""
     return kb.scalar(0.0, out.dtype, out.shape)
 
@@ -212,11 +214,11 @@ def _ones_forward(shape: tuple[int, ...], dtype: str) -> np.ndarray:
 
 
 @ones.sampler
-def _ones_cases(d):
+def _ones_cases(d: CaseDraw) -> Case:
     return _creation_cases(d, value=False)
 
 
 @ones.lowering
-def _ones_lowering(kb, call, out):
+def _ones_lowering(kb: KernelBuilder, call: Call, out: View) -> View | None:
     """out = 1 (a constant view)"""
     return kb.scalar(1.0, out.dtype, out.shape)

@@ -20,12 +20,21 @@ exported C library has no communicator, so ``opgrad export`` refuses graphs that
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 
 from opgrad import ops
+from opgrad.ir import Call, Expr
 from opgrad.op import Input, Operator
-from opgrad.registry._common import same_as_first
 from opgrad.replicas import sum_over_replicas
+
+from ._common import same_as_first
+
+if TYPE_CHECKING:  # types only: the compiler and the checker sit above the registry
+    from opgrad.compiler.builder import KernelBuilder
+    from opgrad.compiler.views import View
+
 
 cross_replica_sum = Operator(
     "cross_replica_sum",
@@ -43,17 +52,17 @@ def _cross_replica_sum_forward(data: np.ndarray) -> np.ndarray:
 
 
 @cross_replica_sum.gradient
-def _cross_replica_sum_gradient(call, grad):
+def _cross_replica_sum_gradient(call: Call, grad: Expr) -> list[Expr | None]:
     """d_data = cross_replica_sum(grad): every replica's loss reads data_r through the sum"""
     return [cross_replica_sum(grad)]
 
 
 @cross_replica_sum.mutant("treats the sum over replicas as a constant (no gradient flows back)")
-def _cross_replica_sum_stopped(call, grad):
+def _cross_replica_sum_stopped(call: Call, grad: Expr) -> list[Expr | None]:
     return [ops.zeros_like(grad)]
 
 
 @cross_replica_sum.lowering
-def _cross_replica_sum_lowering(kb, call, out, data):
+def _cross_replica_sum_lowering(kb: KernelBuilder, call: Call, out: View, data: View) -> None:
     """out = data summed over the replicas (the host's reducer, called on out in place)"""
     kb.cross_replica_sum(out, data)

@@ -15,13 +15,20 @@ new graph (and a new compile).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from opgrad import ops
+from opgrad.ir import Call, Expr
 from opgrad.op import Attr, Case, Input, Operator
-from opgrad.registry._common import same_as_first
+
+from ._common import same_as_first
+
+if TYPE_CHECKING:  # types only: the compiler and the checker sit above the registry
+    from opgrad.checks.strategies import CaseDraw
+    from opgrad.compiler.builder import KernelBuilder
+    from opgrad.compiler.views import Scalar, View
 
 _GOLDEN = 0x9E3779B97F4A7C15
 _MASK64 = (1 << 64) - 1
@@ -33,7 +40,7 @@ def splitmix64(counter: np.ndarray, key: int) -> np.ndarray:
     z = np.uint64(key & _MASK64) + flat * np.uint64(_GOLDEN)
     z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
     z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-    return (z ^ (z >> np.uint64(31))).reshape(np.shape(counter))
+    return np.asarray((z ^ (z >> np.uint64(31))).reshape(np.shape(counter)))
 
 
 def mask_key(seed: int) -> int:
@@ -49,7 +56,7 @@ def keep_threshold(rate: float) -> int:
 def keep_mask(shape: tuple[int, ...], rate: float, seed: int) -> np.ndarray:
     """The boolean mask of kept elements that dropout(rate, seed) applies to a tensor of ``shape``."""
     counters = np.arange(int(np.prod(shape, dtype=np.int64)), dtype=np.uint64).reshape(shape)
-    return splitmix64(counters, mask_key(seed)) >= np.uint64(keep_threshold(rate))
+    return np.asarray(splitmix64(counters, mask_key(seed)) >= np.uint64(keep_threshold(rate)))
 
 
 def _rate(value: Any) -> float:
@@ -82,37 +89,37 @@ dropout.shape_rule(same_as_first)
 @dropout.reference
 def _dropout_forward(data: np.ndarray, rate: float, seed: int) -> np.ndarray:
     scale = data.dtype.type(1.0 / (1.0 - rate))
-    return np.where(keep_mask(data.shape, rate, seed), data * scale, data.dtype.type(0.0))
+    return np.asarray(np.where(keep_mask(data.shape, rate, seed), data * scale, data.dtype.type(0.0)))
 
 
 @dropout.gradient
-def _dropout_gradient(call, grad):
+def _dropout_gradient(call: Call, grad: Expr) -> list[Expr | None]:
     """d_data = dropout(grad, rate, seed) = grad * mask / (1 - rate), the forward's mask"""
     return [ops.dropout(grad, **call.attrs)]
 
 
 @dropout.mutant("forgets the 1 / (1 - rate) scale of the kept elements")
-def _dropout_unscaled(call, grad):
+def _dropout_unscaled(call: Call, grad: Expr) -> list[Expr | None]:
     return [ops.multiply(ops.dropout(grad, **call.attrs), 1.0 - call.attrs["rate"])]
 
 
 @dropout.mutant("the gradient's mask comes from another seed")
-def _dropout_other_seed(call, grad):
+def _dropout_other_seed(call: Call, grad: Expr) -> list[Expr | None]:
     return [ops.dropout(grad, rate=call.attrs["rate"], seed=call.attrs["seed"] + 1)]
 
 
 @dropout.sampler
-def _dropout_cases(d):
+def _dropout_cases(d: CaseDraw) -> Case:
     return Case([d.shape(max_rank=3)], {"rate": d.choice([0.0, 0.2, 0.5, 0.8]), "seed": d.int(0, 2**40)})
 
 
 @dropout.lowering
-def _dropout_lowering(kb, call, out, data):
+def _dropout_lowering(kb: KernelBuilder, call: Call, out: View, data: View) -> None:
     """out = data * 1/(1 - rate) where hash64(flat index, key) >= rate * 2**64, else 0"""
     rate = call.attrs["rate"]
     key, threshold, scale = mask_key(call.attrs["seed"]), keep_threshold(rate), 1.0 / (1.0 - rate)
 
-    def body(s, v):
+    def body(s: Scalar, v: list[str]) -> str:
         kept = s.icmp("uge", s.hash64(v[1], key), threshold)
         return s.select(kept, s.mul(v[0], s.const(scale)), s.const(0.0))
 

@@ -8,15 +8,17 @@ the subgradient it uses as a ``Kink``.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from opgrad import ops
 from opgrad.dtypes import FLOAT_DTYPES, TensorType
-from opgrad.op import Attr, Attrs, Case, Input, Kink, Operator, require
-from opgrad.registry._common import (
+from opgrad.ir import Call, Expr
+from opgrad.op import Attr, Attrs, Case, Input, Kink, Operator, Subgradient, require
+
+from ._common import (
     POSITIVE,
     broadcast_rule,
     distance_to_zero,
@@ -24,10 +26,15 @@ from opgrad.registry._common import (
     same_as_first,
     smooth_unary,
 )
-from opgrad.registry.collapse_sum_like import sum_to_shape
+from .collapse_sum_like import sum_to_shape
+
+if TYPE_CHECKING:  # types only: the compiler and the checker sit above the registry
+    from opgrad.checks.strategies import CaseDraw
+    from opgrad.compiler.builder import KernelBuilder
+    from opgrad.compiler.views import Scalar, View
 
 
-def _sign(data):
+def _sign(data: Expr) -> Expr:
     """sign(data) as registered ops: 1, -1, or 0 at exactly 0 (NaN gives 0)"""
     zeros = ops.zeros_like(data)
     return ops.subtract(ops.greater(data, zeros), ops.greater(zeros, data))
@@ -56,24 +63,24 @@ abs.shape_rule(same_as_first)
 
 @abs.reference
 def _abs_forward(data: np.ndarray) -> np.ndarray:
-    return np.abs(data)
+    return np.asarray(np.abs(data))
 
 
 @abs.gradient
-def _abs_gradient(call, grad):
+def _abs_gradient(call: Call, grad: Expr) -> list[Expr | None]:
     """d_data = grad * sign(data), sign(0) = 0"""
     return [ops.multiply(grad, _sign(call.args[0]))]
 
 
 @abs.mutant("subgradient 1 at 0 (data >= 0 taken as positive)")
-def _abs_one_at_zero(call, grad):
+def _abs_one_at_zero(call: Call, grad: Expr) -> list[Expr | None]:
     data = call.args[0]
     negative = ops.greater(ops.zeros_like(data), data)
     return [ops.multiply(grad, ops.subtract(1.0, ops.multiply(negative, 2.0)))]
 
 
 @abs.lowering
-def _abs_lowering(kb, call, out, data):
+def _abs_lowering(kb: KernelBuilder, call: Call, out: View, data: View) -> None:
     """out = fabs(data)"""
     kb.elementwise(out, [data], lambda s, v: s.call("fabs", v[0]))
 
@@ -88,7 +95,7 @@ square = smooth_unary(
 
 
 @square.mutant("forgets the factor 2")
-def _square_no_two(call, grad):
+def _square_no_two(call: Call, grad: Expr) -> list[Expr | None]:
     return [ops.multiply(grad, call.args[0])]
 
 
@@ -104,14 +111,14 @@ rsqrt = smooth_unary(
 
 
 @rsqrt.mutant("d/dx of sqrt instead of 1/sqrt: grad * out / 2")
-def _rsqrt_sqrt_rule(call, grad):
+def _rsqrt_sqrt_rule(call: Call, grad: Expr) -> list[Expr | None]:
     return [ops.multiply(grad, ops.multiply(call, 0.5))]
 
 
 # ----- clip -----
 
 
-def _bound(default: float):
+def _bound(default: float) -> Callable[[Any], float]:
     def convert(value: Any) -> float:
         if value is None:
             return default
@@ -174,11 +181,11 @@ clip.shape_rule(same_as_first)
 
 @clip.reference
 def _clip_forward(data: np.ndarray, lo: float, hi: float) -> np.ndarray:
-    return np.clip(data, lo, hi).astype(data.dtype, copy=False)
+    return np.asarray(np.clip(data, lo, hi).astype(data.dtype, copy=False))
 
 
 @clip.gradient
-def _clip_gradient(call, grad):
+def _clip_gradient(call: Call, grad: Expr) -> list[Expr | None]:
     """d_data = grad * (lo < data < hi)"""
     data = call.args[0]
     zeros = ops.zeros_like(data)
@@ -188,24 +195,24 @@ def _clip_gradient(call, grad):
 
 
 @clip.mutant("passes the gradient at and beyond the upper bound")
-def _clip_ignores_hi(call, grad):
+def _clip_ignores_hi(call: Call, grad: Expr) -> list[Expr | None]:
     data = call.args[0]
     return [ops.multiply(grad, ops.greater(data, ops.add(ops.zeros_like(data), call.attrs["lo"])))]
 
 
 @clip.sampler
-def _clip_cases(d):
+def _clip_cases(d: CaseDraw) -> Case:
     lo = d.choice([-1.0, -0.5, 0.0, None])
     hi = d.choice([h for h in (0.5, 1.0, -0.5, None) if h is None or lo is None or h >= lo])
     return Case([d.shape()], {"lo": lo, "hi": hi})
 
 
 @clip.lowering
-def _clip_lowering(kb, call, out, data):
+def _clip_lowering(kb: KernelBuilder, call: Call, out: View, data: View) -> None:
     """out = lo if data < lo else hi if data > hi else data (NaN fails both compares and stays)"""
     lo, hi = call.attrs["lo"], call.attrs["hi"]
 
-    def body(s, v):
+    def body(s: Scalar, v: list[str]) -> str:
         upper = s.select(s.cmp("ogt", v[0], s.const(hi)), s.const(hi), v[0])
         return s.select(s.cmp("olt", v[0], s.const(lo)), s.const(lo), upper)
 
@@ -237,7 +244,7 @@ def _tie_weights(lhs: np.ndarray, rhs: np.ndarray, larger: bool) -> np.ndarray:
     return np.where(wins, 1.0, np.where(loses, 0.0, 0.5))
 
 
-def _extremum_subgradient(larger: bool):
+def _extremum_subgradient(larger: bool) -> Subgradient:
     def subgradient(inputs: Sequence[np.ndarray], cotangent: np.ndarray, attrs: Attrs) -> list[np.ndarray | None]:
         lhs, rhs = inputs
         lhs_b, rhs_b = np.broadcast_arrays(lhs, rhs)
@@ -247,7 +254,7 @@ def _extremum_subgradient(larger: bool):
     return subgradient
 
 
-def _split(call, grad, larger: bool):
+def _split(call: Call, grad: Expr, larger: bool) -> list[Expr | None]:
     """[grad * w, grad * (1 - w)] with w = (1 + (lhs wins) - (rhs wins)) / 2: the tie splits evenly"""
     lhs, rhs = call.args
     first, second = (lhs, rhs) if larger else (rhs, lhs)
@@ -273,29 +280,29 @@ maximum.shape_rule(broadcast_rule)
 
 @maximum.reference
 def _maximum_forward(lhs: np.ndarray, rhs: np.ndarray) -> np.ndarray:
-    return np.maximum(lhs, rhs)
+    return np.asarray(np.maximum(lhs, rhs))
 
 
 @maximum.gradient
-def _maximum_gradient(call, grad):
+def _maximum_gradient(call: Call, grad: Expr) -> list[Expr | None]:
     """d_lhs = grad * w ; d_rhs = grad * (1 - w), w = 1 where lhs > rhs, 0 where lhs < rhs, 1/2 at ties"""
     return _split(call, grad, larger=True)
 
 
 @maximum.mutant("the whole gradient to lhs at ties (lhs >= rhs)")
-def _maximum_tie_to_lhs(call, grad):
+def _maximum_tie_to_lhs(call: Call, grad: Expr) -> list[Expr | None]:
     lhs, rhs = call.args
     rhs_wins = ops.greater(rhs, lhs)
     return [ops.multiply(grad, ops.subtract(1.0, rhs_wins)), ops.multiply(grad, rhs_wins)]
 
 
 @maximum.mutant("gradients of lhs and rhs swapped")
-def _maximum_swapped(call, grad):
+def _maximum_swapped(call: Call, grad: Expr) -> list[Expr | None]:
     return list(reversed(_split(call, grad, larger=True)))
 
 
 @maximum.lowering
-def _maximum_lowering(kb, call, out, lhs, rhs):
+def _maximum_lowering(kb: KernelBuilder, call: Call, out: View, lhs: View, rhs: View) -> None:
     """out = max(lhs, rhs), NaN-propagating"""
     kb.elementwise(out, [lhs, rhs], lambda s, v: s.max(v[0], v[1]), broadcast=True)
 
@@ -317,22 +324,22 @@ minimum.shape_rule(broadcast_rule)
 
 @minimum.reference
 def _minimum_forward(lhs: np.ndarray, rhs: np.ndarray) -> np.ndarray:
-    return np.minimum(lhs, rhs)
+    return np.asarray(np.minimum(lhs, rhs))
 
 
 @minimum.gradient
-def _minimum_gradient(call, grad):
+def _minimum_gradient(call: Call, grad: Expr) -> list[Expr | None]:
     """d_lhs = grad * w ; d_rhs = grad * (1 - w), w = 1 where lhs < rhs, 0 where lhs > rhs, 1/2 at ties"""
     return _split(call, grad, larger=False)
 
 
 @minimum.mutant("maximum's rule: the gradient goes to the larger input")
-def _minimum_as_maximum(call, grad):
+def _minimum_as_maximum(call: Call, grad: Expr) -> list[Expr | None]:
     return _split(call, grad, larger=True)
 
 
 @minimum.lowering
-def _minimum_lowering(kb, call, out, lhs, rhs):
+def _minimum_lowering(kb: KernelBuilder, call: Call, out: View, lhs: View, rhs: View) -> None:
     """out = min(lhs, rhs), NaN-propagating"""
     kb.elementwise(out, [lhs, rhs], lambda s, v: s.min(v[0], v[1]), broadcast=True)
 
@@ -357,11 +364,11 @@ power.shape_rule(broadcast_rule)
 
 @power.reference
 def _power_forward(base: np.ndarray, exponent: np.ndarray) -> np.ndarray:
-    return np.power(base, exponent)
+    return np.asarray(np.power(base, exponent))
 
 
 @power.gradient
-def _power_gradient(call, grad):
+def _power_gradient(call: Call, grad: Expr) -> list[Expr | None]:
     """d_base = grad * exponent * base^(exponent - 1) ; d_exponent = grad * out * log(base)"""
     base, exponent = call.args
     d_base = ops.multiply(grad, ops.multiply(exponent, ops.power(base, ops.subtract(exponent, 1.0))))
@@ -369,21 +376,21 @@ def _power_gradient(call, grad):
 
 
 @power.mutant("d_base without the exponent factor: base^(exponent - 1)")
-def _power_no_factor(call, grad):
+def _power_no_factor(call: Call, grad: Expr) -> list[Expr | None]:
     base, exponent = call.args
     return [ops.multiply(grad, ops.power(base, ops.subtract(exponent, 1.0))),
             ops.multiply(grad, ops.multiply(call, ops.log(base)))]
 
 
 @power.mutant("d_exponent as exponent * base^(exponent - 1) (the base's rule)")
-def _power_exponent_as_base(call, grad):
+def _power_exponent_as_base(call: Call, grad: Expr) -> list[Expr | None]:
     base, exponent = call.args
     d_base = ops.multiply(grad, ops.multiply(exponent, ops.power(base, ops.subtract(exponent, 1.0))))
     return [d_base, d_base]
 
 
 @power.lowering
-def _power_lowering(kb, call, out, base, exponent):
+def _power_lowering(kb: KernelBuilder, call: Call, out: View, base: View, exponent: View) -> None:
     """out = pow(base, exponent)"""
     kb.elementwise(out, [base, exponent], lambda s, v: s.call("pow", v[0], v[1]), broadcast=True)
 
@@ -401,11 +408,11 @@ stop_gradient.shape_rule(same_as_first)
 
 @stop_gradient.reference
 def _stop_gradient_forward(data: np.ndarray) -> np.ndarray:
-    return data.copy()
+    return np.asarray(data.copy())
 
 
 @stop_gradient.lowering
-def _stop_gradient_lowering(kb, call, out, data):
+def _stop_gradient_lowering(kb: KernelBuilder, call: Call, out: View, data: View) -> View | None:
     """the input's own view: nothing is copied"""
     return data
 
@@ -420,7 +427,7 @@ def _float_dtype(value: Any) -> str:
         raise ValueError(f"expected one of {', '.join(FLOAT_DTYPES)}") from None
     if name not in FLOAT_DTYPES:
         raise ValueError(f"expected one of {', '.join(FLOAT_DTYPES)}")
-    return name
+    return str(name)
 
 
 cast = Operator(
@@ -444,24 +451,24 @@ def _cast_forward(data: np.ndarray, dtype: str) -> np.ndarray:
 
 
 @cast.gradient
-def _cast_gradient(call, grad):
+def _cast_gradient(call: Call, grad: Expr) -> list[Expr | None]:
     """d_data = cast(grad, data.dtype)"""
     return [ops.cast(grad, dtype=call.args[0].dtype)]
 
 
 @cast.mutant("gradient not cast back to the input's dtype")
-def _cast_not_back(call, grad):
+def _cast_not_back(call: Call, grad: Expr) -> list[Expr | None]:
     return [grad]
 
 
 @cast.sampler
-def _cast_cases(d):
+def _cast_cases(d: CaseDraw) -> Case:
     # Always to float64: the checker's finite differences run in float64, and a float32 output would
     # round them away. Check g still casts float32 inputs up; tests/test_ops_torch_a.py casts down.
     return Case([d.shape()], {"dtype": "float64"})
 
 
 @cast.lowering
-def _cast_lowering(kb, call, out, data):
+def _cast_lowering(kb: KernelBuilder, call: Call, out: View, data: View) -> None:
     """out = fpext / fptrunc(data) (loads convert to the output's type)"""
     kb.elementwise(out, [data], lambda s, v: v[0])

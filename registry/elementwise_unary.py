@@ -7,11 +7,19 @@ reference and lowering are one numpy/libm call is one ``smooth_unary`` declarati
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 
 from opgrad import ops
+from opgrad.ir import Call, Expr
 from opgrad.op import Input, Operator
-from opgrad.registry._common import POSITIVE, same_as_first, smooth_unary
+
+from ._common import POSITIVE, same_as_first, smooth_unary
+
+if TYPE_CHECKING:  # types only: the compiler and the checker sit above the registry
+    from opgrad.compiler.builder import KernelBuilder
+    from opgrad.compiler.views import Scalar, View
 
 # ----- negative -----
 
@@ -25,23 +33,23 @@ def _negative_forward(data: np.ndarray) -> np.ndarray:
 
 
 @negative.gradient
-def _negative_gradient(call, grad):
+def _negative_gradient(call: Call, grad: Expr) -> list[Expr | None]:
     """d_data = -grad"""
     return [ops.negative(grad)]
 
 
 @negative.mutant("gradient not negated")
-def _negative_identity(call, grad):
+def _negative_identity(call: Call, grad: Expr) -> list[Expr | None]:
     return [grad]
 
 
 @negative.mutant("off by 1e-4 relative")
-def _negative_slightly_off(call, grad):
+def _negative_slightly_off(call: Call, grad: Expr) -> list[Expr | None]:
     return [ops.multiply(grad, -1.0001)]
 
 
 @negative.lowering
-def _negative_lowering(kb, call, out, data):
+def _negative_lowering(kb: KernelBuilder, call: Call, out: View, data: View) -> None:
     """out = -data"""
     kb.elementwise(out, [data], lambda s, v: s.neg(v[0]))
 
@@ -56,8 +64,13 @@ exp = smooth_unary(
 
 
 @exp.mutant("a 1e-8 bias: grad * exp(data) + 1e-8, below finite differences' noise, nonzero for a zero cotangent")
-def _exp_biased(call, grad):
+def _exp_biased(call: Call, grad: Expr) -> list[Expr | None]:
     return [ops.add(ops.multiply(grad, call), 1e-8)]
+
+
+@exp.mutant("gradient of the wrong input (grad * data)")
+def _exp_times_data(call: Call, grad: Expr) -> list[Expr | None]:
+    return [ops.multiply(grad, call.args[0])]
 
 
 # ----- log -----
@@ -67,6 +80,11 @@ log = smooth_unary(
     gradient=("d_data = grad / data", lambda call, grad: ops.divide(grad, call.args[0])),
     lowering=("out = log(data)", lambda s, v: s.call("log", v[0])),
 )
+
+
+@log.mutant("1 / data^2")
+def _log_squared(call: Call, grad: Expr) -> list[Expr | None]:
+    return [ops.divide(grad, ops.multiply(call.args[0], call.args[0]))]
 
 
 # ----- sqrt -----
@@ -79,12 +97,12 @@ sqrt = smooth_unary(
 
 
 @sqrt.mutant("the 1/2 forgotten: grad / sqrt(data)")
-def _sqrt_no_half(call, grad):
+def _sqrt_no_half(call: Call, grad: Expr) -> list[Expr | None]:
     return [ops.divide(grad, call)]
 
 
 @sqrt.mutant("sqrt(data) held constant: right first order, wrong second (grad(grad(sqrt)) = 0)")
-def _sqrt_frozen_output(call, grad):
+def _sqrt_frozen_output(call: Call, grad: Expr) -> list[Expr | None]:
     return [ops.divide(ops.multiply(grad, 0.5), ops.stop_gradient(call))]
 
 
@@ -106,16 +124,21 @@ def _sigmoid_forward(data: np.ndarray) -> np.ndarray:
 
 
 @sigmoid.gradient
-def _sigmoid_gradient(call, grad):
+def _sigmoid_gradient(call: Call, grad: Expr) -> list[Expr | None]:
     """d_data = grad * s * (1 - s), s = sigmoid(data)"""
     return [ops.multiply(grad, ops.multiply(call, ops.subtract(1.0, call)))]
 
 
+@sigmoid.mutant("s instead of s (1 - s)")
+def _sigmoid_s_only(call: Call, grad: Expr) -> list[Expr | None]:
+    return [ops.multiply(grad, call)]
+
+
 @sigmoid.lowering
-def _sigmoid_lowering(kb, call, out, data):
+def _sigmoid_lowering(kb: KernelBuilder, call: Call, out: View, data: View) -> None:
     """out = 1 / (1 + e) if data >= 0 else e / (1 + e), e = exp(-|data|): no overflow either side"""
 
-    def body(s, v):
+    def body(s: Scalar, v: list[str]) -> str:
         e = s.call("exp", s.neg(s.call("fabs", v[0])))
         d = s.add(s.const(1.0), e)
         return s.select(s.cmp("oge", v[0], s.const(0.0)), s.div(s.const(1.0), d), s.div(e, d))
@@ -131,3 +154,13 @@ tanh = smooth_unary(
               lambda call, grad: ops.multiply(grad, ops.subtract(1.0, ops.multiply(call, call)))),
     lowering=("out = tanh(data)", lambda s, v: s.call("tanh", v[0])),
 )
+
+
+@tanh.mutant("1 - t instead of 1 - t^2")
+def _tanh_not_squared(call: Call, grad: Expr) -> list[Expr | None]:
+    return [ops.multiply(grad, ops.subtract(1.0, call))]
+
+
+@tanh.mutant("cotangent ignored (TVM's all-ones blind spot)")
+def _tanh_cotangent_ignored(call: Call, grad: Expr) -> list[Expr | None]:
+    return [ops.subtract(1.0, ops.multiply(call, call))]

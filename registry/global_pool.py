@@ -9,16 +9,21 @@ rule of max_pool2d, whose backward operator it reuses with one window covering t
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from opgrad import ops
 from opgrad.dtypes import TensorType
+from opgrad.ir import Call, Expr
 from opgrad.op import Attrs, Input, Kink, Operator, require
 
+if TYPE_CHECKING:  # types only: the compiler and the checker sit above the registry
+    from opgrad.compiler.builder import KernelBuilder
+    from opgrad.compiler.views import View
 
-def _global_shape(data: TensorType, attrs: Any) -> TensorType:
+
+def _global_shape(data: TensorType, attrs: Attrs) -> TensorType:
     require(data.ndim == 4, f"data must be 4-D NCHW, got shape {data.shape}")
     require(data.shape[2] >= 1 and data.shape[3] >= 1,
             f"data has an empty {data.shape[2]}x{data.shape[3]} plane; a global pool of nothing has no value")
@@ -44,23 +49,23 @@ global_avg_pool2d.shape_rule(_global_shape)
 
 @global_avg_pool2d.reference
 def _global_avg_pool2d_forward(data: np.ndarray) -> np.ndarray:
-    return data.mean(axis=(2, 3), keepdims=True)
+    return np.asarray(data.mean(axis=(2, 3), keepdims=True))
 
 
 @global_avg_pool2d.gradient
-def _global_avg_pool2d_gradient(call, grad):
+def _global_avg_pool2d_gradient(call: Call, grad: Expr) -> list[Expr | None]:
     """d_data = broadcast_to(grad / (H * W), data.shape)"""
     data = call.args[0]
     return [ops.broadcast_to(ops.multiply(grad, 1.0 / (data.shape[2] * data.shape[3])), shape=data.shape)]
 
 
 @global_avg_pool2d.mutant("forgets to divide by the plane size H * W")
-def _global_avg_pool2d_sum_rule(call, grad):
+def _global_avg_pool2d_sum_rule(call: Call, grad: Expr) -> list[Expr | None]:
     return [ops.broadcast_to(grad, shape=call.args[0].shape)]
 
 
 @global_avg_pool2d.lowering
-def _global_avg_pool2d_lowering(kb, call, out, data):
+def _global_avg_pool2d_lowering(kb: KernelBuilder, call: Call, out: View, data: View) -> None:
     """out = sum of each plane / (H * W)"""
     kb.reduce(out, data, (2, 3), "sum", scale=1.0 / (data.shape[2] * data.shape[3]))
 
@@ -119,22 +124,22 @@ global_max_pool2d.shape_rule(_global_shape)
 
 @global_max_pool2d.reference
 def _global_max_pool2d_forward(data: np.ndarray) -> np.ndarray:
-    return data.max(axis=(2, 3), keepdims=True)
+    return np.asarray(data.max(axis=(2, 3), keepdims=True))
 
 
 @global_max_pool2d.gradient
-def _global_max_pool2d_gradient(call, grad):
+def _global_max_pool2d_gradient(call: Call, grad: Expr) -> list[Expr | None]:
     """d_data = max_pool2d_backward(grad, data) with one window per plane: grad at each plane's first maximum"""
     data = call.args[0]
     return [ops.max_pool2d_backward(grad, data, **_plane_window(data))]
 
 
 @global_max_pool2d.mutant("gradient spread over the plane (global_avg_pool2d's rule)")
-def _global_max_pool2d_spread(call, grad):
-    return _global_avg_pool2d_gradient(call, grad)
+def _global_max_pool2d_spread(call: Call, grad: Expr) -> list[Expr | None]:
+    return list(_global_avg_pool2d_gradient(call, grad))
 
 
 @global_max_pool2d.lowering
-def _global_max_pool2d_lowering(kb, call, out, data):
+def _global_max_pool2d_lowering(kb: KernelBuilder, call: Call, out: View, data: View) -> None:
     """out = max of each plane (Scalar.max: NaN propagates)"""
     kb.reduce(out, data, (2, 3), "max")

@@ -10,14 +10,21 @@ through a strided view.
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from opgrad import ops
 from opgrad.dtypes import TensorType
-from opgrad.ir import Expr
-from opgrad.op import Attr, Case, Input, Operator, composite, require
+from opgrad.ir import Call, Expr
+from opgrad.op import Attr, Attrs, Case, Input, Operator, composite, require
+
+from ._common import positive_int
+
+if TYPE_CHECKING:  # types only: the compiler and the checker sit above the registry
+    from opgrad.checks.strategies import CaseDraw
+    from opgrad.compiler.builder import KernelBuilder
+    from opgrad.compiler.views import View
 
 _BLOCKED = re.compile(r"NCHW([1-9][0-9]*)c")
 
@@ -62,7 +69,7 @@ def to_nchw(x: np.ndarray, layout: str) -> np.ndarray:
     b = block_of(layout)
     if b:
         n, co, h, w, _ = x.shape
-        return x.transpose(0, 1, 4, 2, 3).reshape(n, co * b, h, w)
+        return np.asarray(x.transpose(0, 1, 4, 2, 3).reshape(n, co * b, h, w))
     return x.transpose(0, 3, 1, 2) if layout == "NHWC" else x
 
 
@@ -70,11 +77,11 @@ def from_nchw(x: np.ndarray, layout: str) -> np.ndarray:
     b = block_of(layout)
     if b:
         n, c, h, w = x.shape
-        return x.reshape(n, c // b, b, h, w).transpose(0, 1, 3, 4, 2)
+        return np.asarray(x.reshape(n, c // b, b, h, w).transpose(0, 1, 3, 4, 2))
     return x.transpose(0, 2, 3, 1) if layout == "NHWC" else x
 
 
-def _canonical(view, layout: str, g: int, nchw: tuple[int, int, int, int]):
+def _canonical(view: View, layout: str, g: int, nchw: tuple[int, int, int, int]) -> View:
     """``view`` (data in ``layout``) seen as the 5-D (N, C/g, g, H, W) array of channel q*g + r;
     a blocked layout's block must be g."""
     from dataclasses import replace
@@ -106,7 +113,7 @@ layout_transform = Operator(
 
 
 @layout_transform.shape_rule
-def _layout_transform_shape(data: TensorType, attrs: Any) -> TensorType:
+def _layout_transform_shape(data: TensorType, attrs: Attrs) -> TensorType:
     src, dst = attrs["src"], attrs["dst"]
     nchw = _dims(src, data.shape)
     b = block_of(src)
@@ -125,18 +132,18 @@ def _layout_transform_forward(data: np.ndarray, src: str, dst: str) -> np.ndarra
 
 
 @layout_transform.gradient
-def _layout_transform_gradient(call, grad):
+def _layout_transform_gradient(call: Call, grad: Expr) -> list[Expr | None]:
     """d_data = layout_transform(grad, src=dst, dst=src): the inverse permutation"""
     return [ops.layout_transform(grad, src=call.attrs["dst"], dst=call.attrs["src"])]
 
 
 @layout_transform.mutant("gradient reshaped to the input's shape instead of transformed back")
-def _layout_transform_reshaped(call, grad):
+def _layout_transform_reshaped(call: Call, grad: Expr) -> list[Expr | None]:
     return [ops.reshape(grad, shape=call.args[0].shape)]
 
 
 @layout_transform.sampler
-def _layout_transform_cases(d):
+def _layout_transform_cases(d: CaseDraw) -> Case:
     n, h, w = d.int(1, 2), d.int(1, 3), d.int(1, 3)
     blocks = (d.int(1, 3), d.int(1, 3))
     c = blocks[0] * blocks[1] * d.int(1, 2)
@@ -146,7 +153,7 @@ def _layout_transform_cases(d):
 
 
 @layout_transform.lowering
-def _layout_transform_lowering(kb, call, out, data):
+def _layout_transform_lowering(kb: KernelBuilder, call: Call, out: View, data: View) -> None:
     """out = data read through the strided (N, C/c, c, H, W) view both layouts share"""
     src, dst = call.attrs["src"], call.attrs["dst"]
     nchw = _dims(src, data.shape)
@@ -163,12 +170,6 @@ def _layout_transform_lowering(kb, call, out, data):
 # ----- yolo2_reorg -----
 
 
-def _positive(value: Any) -> int:
-    if isinstance(value, bool) or int(value) != value or int(value) < 1:
-        raise ValueError("expected a positive int")
-    return int(value)
-
-
 def _reorg_axes(shape: tuple[int, ...], s: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """(the 6-D view of the input, the 6-D shape of the output) of Darknet's reorg."""
     b, c, h, w = shape
@@ -181,7 +182,7 @@ _REORG_INVERSE = (0, 3, 4, 1, 5, 2)
 yolo2_reorg = Operator(
     "yolo2_reorg",
     inputs=[Input("data", doc="NCHW; C a multiple of stride**2, H and W multiples of stride")],
-    attrs=[Attr("stride", convert=_positive, doc="s")],
+    attrs=[Attr("stride", convert=positive_int, doc="s")],
     doc="Darknet's reorg layer (NNVM's yolo2_reorg, TVM's reorg_python): (B, C, H, W) -> (B, C*s*s, H/s, W/s). "
         "The input's elements, read as a (B, C/s², H*s, W*s) array X, become a (B, C, H, W) array Y with "
         "Y[b, k, j, i] = X[b, k % (C/s²), j*s + (k // (C/s²)) // s, i*s + (k // (C/s²)) % s], which is then "
@@ -191,7 +192,7 @@ yolo2_reorg = Operator(
 
 
 @yolo2_reorg.shape_rule
-def _yolo2_reorg_shape(data: TensorType, attrs: Any) -> TensorType:
+def _yolo2_reorg_shape(data: TensorType, attrs: Attrs) -> TensorType:
     s = attrs["stride"]
     require(data.ndim == 4, f"data must be 4-D NCHW, got shape {data.shape}")
     b, c, h, w = data.shape
@@ -205,11 +206,11 @@ def _yolo2_reorg_forward(data: np.ndarray, stride: int) -> np.ndarray:
     b, c, h, w = data.shape
     six, _ = _reorg_axes(data.shape, stride)
     out = data.reshape(six).transpose(_REORG_PERM)
-    return out.reshape(b, c * stride * stride, h // stride, w // stride)
+    return np.asarray(out.reshape(b, c * stride * stride, h // stride, w // stride))
 
 
 @yolo2_reorg.gradient
-def _yolo2_reorg_gradient(call, grad):
+def _yolo2_reorg_gradient(call: Call, grad: Expr) -> list[Expr | None]:
     """d_data = reshape(transpose(reshape(grad, 6-D), inverse permutation), data.shape)"""
     data, s = call.args[0], call.attrs["stride"]
     _, moved = _reorg_axes(data.shape, s)
@@ -217,7 +218,7 @@ def _yolo2_reorg_gradient(call, grad):
 
 
 @yolo2_reorg.mutant("the two stride offsets swapped (column offset taken as the row offset)")
-def _yolo2_reorg_swapped(call, grad):
+def _yolo2_reorg_swapped(call: Call, grad: Expr) -> list[Expr | None]:
     data, s = call.args[0], call.attrs["stride"]
     _, moved = _reorg_axes(data.shape, s)
     swapped = ops.transpose(ops.reshape(grad, shape=moved), axes=(0, 2, 1, 3, 4, 5))
@@ -225,13 +226,13 @@ def _yolo2_reorg_swapped(call, grad):
 
 
 @yolo2_reorg.sampler
-def _yolo2_reorg_cases(d):
+def _yolo2_reorg_cases(d: CaseDraw) -> Case:
     s = d.int(1, 3)
     return Case([(d.int(1, 2), s * s * d.int(1, 2), s * d.int(1, 2), s * d.int(1, 2))], {"stride": s})
 
 
 @yolo2_reorg.lowering
-def _yolo2_reorg_lowering(kb, call, out, data):
+def _yolo2_reorg_lowering(kb: KernelBuilder, call: Call, out: View, data: View) -> None:
     """out (as 6-D (B, s, s, C/s², H, W)) = data (as 6-D (B, C/s², H, s, W, s)) transposed"""
     six, moved = _reorg_axes(data.shape, call.attrs["stride"])
     source = kb.contiguous(data).reshape(six)

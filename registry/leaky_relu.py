@@ -7,13 +7,20 @@ derives everything else (shapes, values away from the kink at 0, alpha values) f
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from opgrad import ops
+from opgrad.ir import Call, Expr
 from opgrad.op import Attr, Attrs, Case, Input, Kink, Operator
-from opgrad.registry._common import distance_to_zero, place_on_zero, same_as_first
+
+from ._common import distance_to_zero, place_on_zero, same_as_first
+
+if TYPE_CHECKING:  # types only: the compiler and the checker sit above the registry
+    from opgrad.checks.strategies import CaseDraw
+    from opgrad.compiler.builder import KernelBuilder
+    from opgrad.compiler.views import View
 
 
 def _alpha(value: Any) -> float:
@@ -48,7 +55,7 @@ def _leaky_relu_forward(data: np.ndarray, alpha: float) -> np.ndarray:
 
 
 @leaky_relu.gradient
-def _leaky_relu_gradient(call, grad):
+def _leaky_relu_gradient(call: Call, grad: Expr) -> list[Expr | None]:
     """d_data = grad * (1 if data > 0 else alpha)"""
     data = call.args[0]
     positive = ops.greater(data, ops.zeros_like(data))
@@ -56,32 +63,32 @@ def _leaky_relu_gradient(call, grad):
 
 
 @leaky_relu.mutant("alpha on the positive side instead of the negative one")
-def _leaky_relu_sides_swapped(call, grad):
+def _leaky_relu_sides_swapped(call: Call, grad: Expr) -> list[Expr | None]:
     data = call.args[0]
     positive = ops.greater(data, ops.zeros_like(data))
     return [ops.where(positive, ops.multiply(grad, call.attrs["alpha"]), grad)]
 
 
 @leaky_relu.mutant("relu's rule: zero gradient on the negative side")
-def _leaky_relu_as_relu(call, grad):
+def _leaky_relu_as_relu(call: Call, grad: Expr) -> list[Expr | None]:
     data = call.args[0]
     return [ops.where(ops.greater(data, ops.zeros_like(data)), grad, ops.zeros_like(grad))]
 
 
 @leaky_relu.mutant("slope 1 at exactly zero (data >= 0) against the declared alpha")
-def _leaky_relu_kink_side(call, grad):
+def _leaky_relu_kink_side(call: Call, grad: Expr) -> list[Expr | None]:
     data = call.args[0]
     negative = ops.greater(ops.zeros_like(data), data)
     return [ops.where(negative, ops.multiply(grad, call.attrs["alpha"]), grad)]
 
 
 @leaky_relu.sampler
-def _leaky_relu_cases(d):
+def _leaky_relu_cases(d: CaseDraw) -> Case:
     return Case([d.shape()], {"alpha": d.choice([0.01, 0.2, 0.5])})
 
 
 @leaky_relu.lowering
-def _leaky_relu_lowering(kb, call, out, data):
+def _leaky_relu_lowering(kb: KernelBuilder, call: Call, out: View, data: View) -> None:
     """out = data if data > 0 else alpha * data"""
     alpha = kb.scalar(call.attrs["alpha"], out.dtype)
     kb.elementwise(out, [data, alpha], lambda s, v: s.select(s.cmp("ogt", v[0], s.const(0.0)), v[0],

@@ -6,13 +6,21 @@ gradients are strides of the GEMM, never copies.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from opgrad import ops
 from opgrad.dtypes import TensorType
-from opgrad.op import Case, Input, Operator, require
+from opgrad.ir import Call, Expr
+from opgrad.op import Attrs, Case, Input, Operator, require
+
+from ._common import ieee_contract
+
+if TYPE_CHECKING:  # types only: the compiler and the checker sit above the registry
+    from opgrad.checks.strategies import CaseDraw
+    from opgrad.compiler.builder import KernelBuilder
+    from opgrad.compiler.views import View
 
 # ----- matmul -----
 
@@ -25,7 +33,7 @@ matmul = Operator(
 
 
 @matmul.shape_rule
-def _matmul_shape(a: TensorType, b: TensorType, attrs: Any) -> TensorType:
+def _matmul_shape(a: TensorType, b: TensorType, attrs: Attrs) -> TensorType:
     require(a.ndim == 2 and b.ndim == 2,
             f"matmul multiplies 2-D matrices, got a of rank {a.ndim} and b of rank {b.ndim}; "
             "use batch_matmul for (B, M, K) @ (B, K, N)")
@@ -36,30 +44,30 @@ def _matmul_shape(a: TensorType, b: TensorType, attrs: Any) -> TensorType:
 
 @matmul.reference
 def _matmul_forward(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    return a @ b
+    return ieee_contract("mk,kn->mn", a, b, np.matmul)
 
 
 @matmul.gradient
-def _matmul_gradient(call, grad):
+def _matmul_gradient(call: Call, grad: Expr) -> list[Expr | None]:
     """d_a = grad @ b.T ; d_b = a.T @ grad"""
     a, b = call.args
     return [ops.matmul(grad, ops.transpose(b)), ops.matmul(ops.transpose(a), grad)]
 
 
 @matmul.mutant("d_b = grad.T @ a (the transpose of the right answer)")
-def _matmul_transposed_db(call, grad):
+def _matmul_transposed_db(call: Call, grad: Expr) -> list[Expr | None]:
     a, b = call.args
     return [ops.matmul(grad, ops.transpose(b)), ops.transpose(ops.matmul(ops.transpose(a), grad))]
 
 
 @matmul.mutant("d_a ignores the cotangent (ones)")
-def _matmul_ones(call, grad):
+def _matmul_ones(call: Call, grad: Expr) -> list[Expr | None]:
     a, b = call.args
     return [ops.matmul(ops.ones_like(grad), ops.transpose(b)), ops.matmul(ops.transpose(a), grad)]
 
 
 @matmul.lowering
-def _matmul_lowering(kb, call, out, a, b):
+def _matmul_lowering(kb: KernelBuilder, call: Call, out: View, a: View, b: View) -> None:
     """out = a @ b as one GEMM"""
     kb.matmul(out, a, b)
 
@@ -76,7 +84,7 @@ batch_matmul = Operator(
 
 
 @batch_matmul.shape_rule
-def _batch_matmul_shape(a: TensorType, b: TensorType, attrs: Any) -> TensorType:
+def _batch_matmul_shape(a: TensorType, b: TensorType, attrs: Attrs) -> TensorType:
     require(a.ndim == 3 and b.ndim == 3,
             f"batch_matmul needs 3-D (B, M, K) and (B, K, N), got a of rank {a.ndim} and b of rank {b.ndim}")
     require(a.shape[2] == b.shape[1],
@@ -91,11 +99,11 @@ def _batch_matmul_shape(a: TensorType, b: TensorType, attrs: Any) -> TensorType:
 
 @batch_matmul.reference
 def _batch_matmul_forward(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    return np.matmul(a, b)
+    return ieee_contract("...mk,...kn->...mn", a, b, np.matmul)
 
 
 @batch_matmul.gradient
-def _batch_matmul_gradient(call, grad):
+def _batch_matmul_gradient(call: Call, grad: Expr) -> list[Expr | None]:
     """d_a = grad @ b^T per batch ; d_b = a^T @ grad per batch (autodiff sums a broadcast batch of 1)"""
     a, b = call.args
     swap = (0, 2, 1)
@@ -103,14 +111,14 @@ def _batch_matmul_gradient(call, grad):
 
 
 @batch_matmul.mutant("d_b = grad^T @ a per batch (the transpose of a^T @ grad)")
-def _batch_matmul_transposed_db(call, grad):
+def _batch_matmul_transposed_db(call: Call, grad: Expr) -> list[Expr | None]:
     a, b = call.args
     swap = (0, 2, 1)
     return [ops.batch_matmul(grad, ops.transpose(b, axes=swap)), ops.batch_matmul(ops.transpose(grad, axes=swap), a)]
 
 
 @batch_matmul.mutant("d_a from the cotangent summed over the batch, for every entry")
-def _batch_matmul_summed_batch(call, grad):
+def _batch_matmul_summed_batch(call: Call, grad: Expr) -> list[Expr | None]:
     a, b = call.args
     swap = (0, 2, 1)
     summed = ops.broadcast_to(ops.sum(grad, axis=0, keepdims=True), shape=grad.shape)
@@ -118,13 +126,13 @@ def _batch_matmul_summed_batch(call, grad):
 
 
 @batch_matmul.sampler
-def _batch_matmul_cases(d):
+def _batch_matmul_cases(d: CaseDraw) -> Case:
     batch, m, k, n = d.size(), d.size(), d.size(), d.size()
     batch_a, batch_b = d.choice([(batch, batch), (1, batch), (batch, 1), (1, 1)])
     return Case([(batch_a, m, k), (batch_b, k, n)])
 
 
 @batch_matmul.lowering
-def _batch_matmul_lowering(kb, call, out, a, b):
+def _batch_matmul_lowering(kb: KernelBuilder, call: Call, out: View, a: View, b: View) -> None:
     """out[i] = a[i or 0] @ b[i or 0]: one GEMM kernel looping over the batch"""
     kb.batch_matmul(out, a, b)

@@ -12,14 +12,29 @@ by the backward operator, so no index tensor has to flow through the graph.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from opgrad import ops
 from opgrad.dtypes import TensorType
-from opgrad.op import Attrs, Input, Kink, Operator, require
-from opgrad.registry._pooling import draw_pool_case, pool_attrs, pool_shape, pooled_hw, scatter_windows, windows
+from opgrad.ir import Call, Expr
+from opgrad.op import Attrs, Case, Input, Kink, Operator, require
+
+from ._pooling import (
+    draw_pool_case,
+    pool_attrs,
+    pool_shape,
+    pooled_hw,
+    pooled_pair_shape,
+    scatter_windows,
+    windows,
+)
+
+if TYPE_CHECKING:  # types only: the compiler and the checker sit above the registry
+    from opgrad.checks.strategies import CaseDraw
+    from opgrad.compiler.builder import KernelBuilder
+    from opgrad.compiler.views import View
 
 
 def argmax_positions(data: np.ndarray, pool_size: Any, strides: Any, padding: Any,
@@ -96,17 +111,17 @@ max_pool2d.shape_rule(pool_shape)
 
 @max_pool2d.reference
 def _max_pool2d_forward(data: np.ndarray, pool_size: Any, strides: Any, padding: Any, ceil_mode: bool) -> np.ndarray:
-    return windows(data, pool_size, strides, padding, -np.inf, ceil_mode).max(axis=(4, 5))
+    return np.asarray(windows(data, pool_size, strides, padding, -np.inf, ceil_mode).max(axis=(4, 5)))
 
 
 @max_pool2d.gradient
-def _max_pool2d_gradient(call, grad):
+def _max_pool2d_gradient(call: Call, grad: Expr) -> list[Expr | None]:
     """d_data = max_pool2d_backward(grad, data): grad scattered to each window's argmax"""
     return [ops.max_pool2d_backward(grad, call.args[0], **call.attrs)]
 
 
 @max_pool2d.mutant("ceil_mode's extra last windows dropped from the gradient")
-def _max_pool2d_ceil_windows_dropped(call, grad):
+def _max_pool2d_ceil_windows_dropped(call: Call, grad: Expr) -> list[Expr | None]:
     data = call.args[0]
     floor = {**call.attrs, "ceil_mode": False}
     oh, ow = pooled_hw(data.shape[2:], floor)
@@ -114,28 +129,41 @@ def _max_pool2d_ceil_windows_dropped(call, grad):
     return [ops.max_pool2d_backward(kept, data, **floor)]
 
 
+@max_pool2d.mutant("gradient spread over the window (avg_pool's rule)")
+def _max_pool2d_spread(call: Call, grad: Expr) -> list[Expr | None]:
+    return [ops.avg_pool2d_backward(grad, call.args[0], **call.attrs)]
+
+
+@max_pool2d.mutant("off-by-one pool window")
+def _max_pool2d_window_plus_one(call: Call, grad: Expr) -> list[Expr | None]:
+    kh, kw = call.attrs["pool_size"]
+    return [ops.max_pool2d_backward(grad, call.args[0], **{**call.attrs, "pool_size": (kh + 1, kw),
+                                                           "padding": (0, 0)})]
+
+
+@max_pool2d.mutant("padding ignored")
+def _max_pool2d_padding_ignored(call: Call, grad: Expr) -> list[Expr | None]:
+    return [ops.max_pool2d_backward(grad, call.args[0], **{**call.attrs, "padding": (0, 0)})]
+
+
+@max_pool2d.mutant("strides ignored (taken as the pool size)")
+def _max_pool2d_strides_ignored(call: Call, grad: Expr) -> list[Expr | None]:
+    return [ops.max_pool2d_backward(grad, call.args[0], **{**call.attrs, "strides": call.attrs["pool_size"]})]
+
+
 @max_pool2d.sampler
-def _max_pool2d_cases(d):
+def _max_pool2d_cases(d: CaseDraw) -> Case:
     return draw_pool_case(d, "data")
 
 
 @max_pool2d.lowering
-def _max_pool2d_lowering(kb, call, out, data):
+def _max_pool2d_lowering(kb: KernelBuilder, call: Call, out: View, data: View) -> None:
     """out = max of each window (padding skipped)"""
     kb.pool2d(out, data, call.attrs["pool_size"], call.attrs["strides"], call.attrs["padding"], "max",
               ceil_mode=call.attrs["ceil_mode"])
 
 
 # ----- max_pool2d_backward -----
-
-
-def _pooled_pair_shape(pooled: TensorType, data: TensorType, attrs: Any, pooled_name: str) -> None:
-    require(data.ndim == 4, f"data must be 4-D NCHW, got shape {data.shape}")
-    expect = (data.shape[0], data.shape[1], *pooled_hw(data.shape[2:], attrs))
-    require(
-        pooled.shape == expect,
-        f"{pooled_name} has shape {pooled.shape} but max_pool2d of data {data.shape} gives {expect}",
-    )
 
 
 max_pool2d_backward = Operator(
@@ -160,27 +188,31 @@ max_pool2d_backward = Operator(
 
 
 @max_pool2d_backward.shape_rule
-def _max_pool2d_backward_shape(grad: TensorType, data: TensorType, attrs: Any) -> TensorType:
-    _pooled_pair_shape(grad, data, attrs, "grad")
-    return TensorType(data.shape, grad.dtype)
+def _max_pool2d_backward_shape(grad: TensorType, data: TensorType, attrs: Attrs) -> TensorType:
+    return pooled_pair_shape("max_pool2d", grad, data, attrs, "grad")
 
 
 max_pool2d_backward.reference(_scatter_to_argmax)
 
 
 @max_pool2d_backward.gradient
-def _max_pool2d_backward_gradient(call, grad):
+def _max_pool2d_backward_gradient(call: Call, grad: Expr) -> list[Expr | None]:
     """d_grad = max_pool2d_gather(c, data): c read at each window's argmax"""
     return [ops.max_pool2d_gather(grad, call.args[1], **call.attrs), None]
 
 
+@max_pool2d_backward.mutant("d_grad is a max-pool of the cotangent instead of a gather")
+def _max_pool2d_backward_pooled(call: Call, grad: Expr) -> list[Expr | None]:
+    return [ops.max_pool2d(grad, **call.attrs), None]
+
+
 @max_pool2d_backward.sampler
-def _max_pool2d_backward_cases(d):
+def _max_pool2d_backward_cases(d: CaseDraw) -> Case:
     return draw_pool_case(d, "pooled,data")
 
 
 @max_pool2d_backward.lowering
-def _max_pool2d_backward_lowering(kb, call, out, grad, data):
+def _max_pool2d_backward_lowering(kb: KernelBuilder, call: Call, out: View, grad: View, data: View) -> None:
     """out = grad added at the first maximum of each window of data"""
     kb.pool2d_scatter(out, grad, data, call.attrs["pool_size"], call.attrs["strides"], call.attrs["padding"],
                       ceil_mode=call.attrs["ceil_mode"])
@@ -207,7 +239,7 @@ max_pool2d_gather = Operator(
 
 
 @max_pool2d_gather.shape_rule
-def _max_pool2d_gather_shape(values: TensorType, data: TensorType, attrs: Any) -> TensorType:
+def _max_pool2d_gather_shape(values: TensorType, data: TensorType, attrs: Attrs) -> TensorType:
     require(values.shape == data.shape, f"values {values.shape} and data {data.shape} must have one shape")
     return pool_shape(data, attrs)
 
@@ -221,18 +253,23 @@ def _max_pool2d_gather_forward(values: np.ndarray, data: np.ndarray, pool_size: 
 
 
 @max_pool2d_gather.gradient
-def _max_pool2d_gather_gradient(call, grad):
+def _max_pool2d_gather_gradient(call: Call, grad: Expr) -> list[Expr | None]:
     """d_values = max_pool2d_backward(grad, data)"""
     return [ops.max_pool2d_backward(grad, call.args[1], **call.attrs), None]
 
 
+@max_pool2d_gather.mutant("d_values with the wrong sign")
+def _max_pool2d_gather_negated(call: Call, grad: Expr) -> list[Expr | None]:
+    return [ops.negative(ops.max_pool2d_backward(grad, call.args[1], **call.attrs)), None]
+
+
 @max_pool2d_gather.sampler
-def _max_pool2d_gather_cases(d):
+def _max_pool2d_gather_cases(d: CaseDraw) -> Case:
     return draw_pool_case(d, "data,data")
 
 
 @max_pool2d_gather.lowering
-def _max_pool2d_gather_lowering(kb, call, out, values, data):
+def _max_pool2d_gather_lowering(kb: KernelBuilder, call: Call, out: View, values: View, data: View) -> None:
     """out = values at the first maximum of each window of data"""
     kb.pool2d_argmax_gather(out, values, data, call.attrs["pool_size"], call.attrs["strides"], call.attrs["padding"],
                             ceil_mode=call.attrs["ceil_mode"])

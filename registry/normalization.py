@@ -19,15 +19,21 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from opgrad import ops
 from opgrad.dtypes import TensorType
-from opgrad.ir import Expr
+from opgrad.ir import Call, Expr
 from opgrad.op import Attr, Attrs, Case, Input, Kink, Operator, require
-from opgrad.registry._common import POSITIVE, axis_attr, distance_to_zero, place_on_zero
+
+from ._common import POSITIVE, axis_attr, distance_to_zero, place_on_zero
+
+if TYPE_CHECKING:  # types only: the compiler and the checker sit above the registry
+    from opgrad.checks.strategies import CaseDraw
+    from opgrad.compiler.builder import KernelBuilder
+    from opgrad.compiler.views import Scalar, View
 
 
 def _epsilon(value: Any) -> float:
@@ -77,7 +83,7 @@ def _normalize_np(data: np.ndarray, axes: tuple[int, ...], epsilon: float) -> np
         mean = data.mean(axis=axes, keepdims=True)
         centered = data - mean
         var = (centered * centered).mean(axis=axes, keepdims=True)
-        return centered / np.sqrt(var + data.dtype.type(epsilon))
+        return np.asarray(centered / np.sqrt(var + data.dtype.type(epsilon)))
 
 
 def _normalized(data: Expr, axes: tuple[int, ...], epsilon: float) -> tuple[Expr, Expr]:
@@ -98,7 +104,8 @@ def _normalize_backward(g: Expr, xhat: Expr, s: Expr, axes: tuple[int, ...]) -> 
     return ops.multiply(s, ops.subtract(ops.subtract(g, mean_g), ops.multiply(xhat, mean_gx)))
 
 
-def _lower_normalize(kb, out, data, axes: tuple[int, ...], epsilon: float, scale, shift) -> None:
+def _lower_normalize(kb: KernelBuilder, out: View, data: View, axes: tuple[int, ...], epsilon: float,
+                    scale: View, shift: View) -> None:
     """out = (data - mean) / sqrt(var + epsilon) * scale + shift; mean and var in two reductions."""
     kept = _kept(data.shape, axes)
     inv_m = 1.0 / max(1, math.prod(data.shape[a] for a in axes))
@@ -107,13 +114,13 @@ def _lower_normalize(kb, out, data, axes: tuple[int, ...], epsilon: float, scale
     mean_b = mean.broadcast_to(data.shape)
     var = kb.temporary(kept, out.dtype)
 
-    def squared(s, v):
+    def squared(s: Scalar, v: list[str]) -> str:
         d = s.sub(v[0], v[1])
         return s.mul(d, d)
 
     kb.map_reduce(var, [data, mean_b], axes, "sum", body=squared, scale=inv_m)
 
-    def body(s, v):
+    def body(s: Scalar, v: list[str]) -> str:
         std = s.call("sqrt", s.add(v[2], s.const(epsilon)))
         return s.add(s.mul(s.div(s.sub(v[0], v[1]), std), v[3]), v[4])
 
@@ -134,7 +141,7 @@ batch_norm = Operator(
 
 
 @batch_norm.shape_rule
-def _batch_norm_shape(data: TensorType, gamma: TensorType, beta: TensorType, attrs: Any) -> TensorType:
+def _batch_norm_shape(data: TensorType, gamma: TensorType, beta: TensorType, attrs: Attrs) -> TensorType:
     require(data.ndim >= 2, f"data must have a batch and a channel axis (rank >= 2), got shape {data.shape}")
     _per_channel_shape("gamma", gamma, data, attrs["axis"])
     _per_channel_shape("beta", beta, data, attrs["axis"])
@@ -145,11 +152,11 @@ def _batch_norm_shape(data: TensorType, gamma: TensorType, beta: TensorType, att
 def _batch_norm_forward(data: np.ndarray, gamma: np.ndarray, beta: np.ndarray, axis: int,
                         epsilon: float) -> np.ndarray:
     xhat = _normalize_np(data, _others(data.ndim, axis), epsilon)
-    return xhat * _channel(gamma, data.ndim, axis) + _channel(beta, data.ndim, axis)
+    return np.asarray(xhat * _channel(gamma, data.ndim, axis) + _channel(beta, data.ndim, axis))
 
 
 @batch_norm.gradient
-def _batch_norm_gradient(call, grad):
+def _batch_norm_gradient(call: Call, grad: Expr) -> list[Expr | None]:
     """d_data = s * (g - mean(g) - xhat * mean(g * xhat)), g = grad*gamma; d_gamma = sum(grad*xhat) ; d_beta = sum(grad)
 
     Means and sums run over every axis but ``axis``; xhat and s are recomputed from data.
@@ -163,7 +170,7 @@ def _batch_norm_gradient(call, grad):
 
 
 @batch_norm.mutant("d_data treats the batch mean and variance as constants")
-def _batch_norm_constant_stats(call, grad):
+def _batch_norm_constant_stats(call: Call, grad: Expr) -> list[Expr | None]:
     data, gamma, _ = call.args
     axis = call.attrs["axis"]
     axes = _others(data.ndim, axis)
@@ -173,7 +180,7 @@ def _batch_norm_constant_stats(call, grad):
 
 
 @batch_norm.mutant("d_gamma sums grad * (data - mean), forgetting the 1/sqrt(var + epsilon)")
-def _batch_norm_unscaled_gamma(call, grad):
+def _batch_norm_unscaled_gamma(call: Call, grad: Expr) -> list[Expr | None]:
     data = call.args[0]
     axis = call.attrs["axis"]
     axes = _others(data.ndim, axis)
@@ -183,21 +190,21 @@ def _batch_norm_unscaled_gamma(call, grad):
     return [right[0], ops.sum(ops.multiply(grad, centered), axis=axes), right[2]]
 
 
-def _draw_channel_case(d, rank: tuple[int, int]) -> tuple[tuple[int, ...], int]:
+def _draw_channel_case(d: CaseDraw, rank: tuple[int, int]) -> tuple[tuple[int, ...], int]:
     shape = d.shape(min_rank=rank[0], max_rank=rank[1])
     axis = 1 if d.bool() else d.int(-len(shape), len(shape) - 1)
     return shape, axis
 
 
 @batch_norm.sampler
-def _batch_norm_cases(d):
+def _batch_norm_cases(d: CaseDraw) -> Case:
     shape, axis = _draw_channel_case(d, (2, 4))
     c = (shape[axis],)
     return Case([shape, c, c], {"axis": axis, "epsilon": d.choice([1e-5, 1e-3, 0.1])})
 
 
 @batch_norm.lowering
-def _batch_norm_lowering(kb, call, out, data, gamma, beta):
+def _batch_norm_lowering(kb: KernelBuilder, call: Call, out: View, data: View, gamma: View, beta: View) -> None:
     """out = (data - mean) / sqrt(var + epsilon) * gamma + beta, statistics over every axis but axis"""
     axis = call.attrs["axis"]
     _lower_normalize(kb, out, data, _others(data.ndim, axis), call.attrs["epsilon"],
@@ -234,11 +241,11 @@ def _batch_norm_inference_forward(data: np.ndarray, gamma: np.ndarray, beta: np.
     def ch(v: np.ndarray) -> np.ndarray:
         return _channel(v, data.ndim, axis)
 
-    return (data - ch(mean)) / np.sqrt(ch(var) + data.dtype.type(epsilon)) * ch(gamma) + ch(beta)
+    return np.asarray((data - ch(mean)) / np.sqrt(ch(var) + data.dtype.type(epsilon)) * ch(gamma) + ch(beta))
 
 
 @batch_norm_inference.gradient
-def _batch_norm_inference_gradient(call, grad):
+def _batch_norm_inference_gradient(call: Call, grad: Expr) -> list[Expr | None]:
     """d_data = grad * gamma * s ; d_gamma = sum(grad * (data - mean) * s) ; d_beta = sum(grad) ; d_mean, d_var below
 
     d_mean = -gamma * s * sum(grad) ; d_var = -gamma * s^3 / 2 * sum(grad * (data - mean)), with
@@ -258,25 +265,26 @@ def _batch_norm_inference_gradient(call, grad):
 
 
 @batch_norm_inference.mutant("d_var without the -1/2 of the derivative of var^(-1/2)")
-def _batch_norm_inference_var_factor(call, grad):
+def _batch_norm_inference_var_factor(call: Call, grad: Expr) -> list[Expr | None]:
     right = list(_batch_norm_inference_gradient(call, grad))
     return [*right[:4], ops.multiply(right[4], -2.0)]
 
 
 @batch_norm_inference.sampler
-def _batch_norm_inference_cases(d):
+def _batch_norm_inference_cases(d: CaseDraw) -> Case:
     shape, axis = _draw_channel_case(d, (2, 4))
     c = (shape[axis],)
     return Case([shape, c, c, c, c], {"axis": axis, "epsilon": d.choice([1e-5, 1e-3, 0.1])})
 
 
 @batch_norm_inference.lowering
-def _batch_norm_inference_lowering(kb, call, out, data, gamma, beta, mean, var):
+def _batch_norm_inference_lowering(kb: KernelBuilder, call: Call, out: View, data: View, gamma: View, beta: View,
+                                   mean: View, var: View) -> None:
     """out = (data - mean) / sqrt(var + epsilon) * gamma + beta, per channel along axis"""
     axis, epsilon = call.attrs["axis"], call.attrs["epsilon"]
     channels = [v.along(axis, out.shape) for v in (mean, var, gamma, beta)]
 
-    def body(s, v):
+    def body(s: Scalar, v: list[str]) -> str:
         std = s.call("sqrt", s.add(v[2], s.const(epsilon)))
         return s.add(s.mul(s.div(s.sub(v[0], v[1]), std), v[3]), v[4])
 
@@ -297,7 +305,7 @@ layer_norm = Operator(
 
 
 @layer_norm.shape_rule
-def _layer_norm_shape(data: TensorType, gamma: TensorType, beta: TensorType, attrs: Any) -> TensorType:
+def _layer_norm_shape(data: TensorType, gamma: TensorType, beta: TensorType, attrs: Attrs) -> TensorType:
     normalized = data.shape[attrs["axis"]:]
     for name, t in (("gamma", gamma), ("beta", beta)):
         require(
@@ -315,11 +323,11 @@ def _trailing(ndim: int, axis: int) -> tuple[int, ...]:
 @layer_norm.reference
 def _layer_norm_forward(data: np.ndarray, gamma: np.ndarray, beta: np.ndarray, axis: int,
                         epsilon: float) -> np.ndarray:
-    return _normalize_np(data, _trailing(data.ndim, axis), epsilon) * gamma + beta
+    return np.asarray(_normalize_np(data, _trailing(data.ndim, axis), epsilon) * gamma + beta)
 
 
 @layer_norm.gradient
-def _layer_norm_gradient(call, grad):
+def _layer_norm_gradient(call: Call, grad: Expr) -> list[Expr | None]:
     """d_data = s * (g - mean(g) - xhat * mean(g * xhat)), g = grad * gamma ; d_gamma = grad * xhat ; d_beta = grad
 
     Means run over the trailing axes from ``axis`` on; autodiff sums d_gamma and d_beta over the
@@ -332,7 +340,7 @@ def _layer_norm_gradient(call, grad):
 
 
 @layer_norm.mutant("d_data drops the mean(g * xhat) term (treats the variance as a constant)")
-def _layer_norm_no_variance_term(call, grad):
+def _layer_norm_no_variance_term(call: Call, grad: Expr) -> list[Expr | None]:
     data, gamma, _ = call.args
     axes = _trailing(data.ndim, call.attrs["axis"])
     xhat, s = _normalized(data, axes, call.attrs["epsilon"])
@@ -343,7 +351,7 @@ def _layer_norm_no_variance_term(call, grad):
 
 
 @layer_norm.sampler
-def _layer_norm_cases(d):
+def _layer_norm_cases(d: CaseDraw) -> Case:
     shape = d.shape(min_rank=1, max_rank=4)
     axis = d.int(-len(shape), len(shape) - 1)
     trailing = shape[axis:]
@@ -351,7 +359,7 @@ def _layer_norm_cases(d):
 
 
 @layer_norm.lowering
-def _layer_norm_lowering(kb, call, out, data, gamma, beta):
+def _layer_norm_lowering(kb: KernelBuilder, call: Call, out: View, data: View, gamma: View, beta: View) -> None:
     """out = (data - mean) / sqrt(var + epsilon) * gamma + beta, statistics over data.shape[axis:]"""
     _lower_normalize(kb, out, data, _trailing(data.ndim, call.attrs["axis"]), call.attrs["epsilon"],
                      gamma.broadcast_to(out.shape), beta.broadcast_to(out.shape))
@@ -401,7 +409,7 @@ prelu = Operator(
 
 
 @prelu.shape_rule
-def _prelu_shape(data: TensorType, alpha: TensorType, attrs: Any) -> TensorType:
+def _prelu_shape(data: TensorType, alpha: TensorType, attrs: Attrs) -> TensorType:
     channels = data.shape[attrs["axis"]]
     require(
         alpha.ndim <= 1 and alpha.size in (1, channels),
@@ -417,7 +425,7 @@ def _prelu_forward(data: np.ndarray, alpha: np.ndarray, axis: int) -> np.ndarray
 
 
 @prelu.gradient
-def _prelu_gradient(call, grad):
+def _prelu_gradient(call: Call, grad: Expr) -> list[Expr | None]:
     """d_data = grad if data > 0 else alpha * grad ; d_alpha = sum(grad * data where data <= 0)
 
     d_alpha sums over every axis but ``axis`` for per-channel slopes, over all axes for a single one.
@@ -433,7 +441,7 @@ def _prelu_gradient(call, grad):
 
 
 @prelu.mutant("d_alpha from the positive side (grad * data where data > 0)")
-def _prelu_positive_side(call, grad):
+def _prelu_positive_side(call: Call, grad: Expr) -> list[Expr | None]:
     data, alpha = call.args
     d_data = _prelu_gradient(call, grad)[0]
     positive_side = ops.where(ops.greater(data, ops.zeros_like(data)), ops.multiply(grad, data), ops.zeros_like(grad))
@@ -443,7 +451,7 @@ def _prelu_positive_side(call, grad):
 
 
 @prelu.sampler
-def _prelu_cases(d):
+def _prelu_cases(d: CaseDraw) -> Case:
     shape, axis = _draw_channel_case(d, (1, 4))
     axis = axis if -len(shape) <= axis < len(shape) else 0
     alpha = d.choice([(shape[axis],), (1,), ()])
@@ -451,7 +459,7 @@ def _prelu_cases(d):
 
 
 @prelu.lowering
-def _prelu_lowering(kb, call, out, data, alpha):
+def _prelu_lowering(kb: KernelBuilder, call: Call, out: View, data: View, alpha: View) -> None:
     """out = data if data > 0 else alpha * data"""
     axis = call.attrs["axis"]
     if alpha.ndim == 1 and alpha.shape[0] == out.shape[axis]:

@@ -18,14 +18,21 @@ from __future__ import annotations
 import builtins
 import math
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from opgrad import ops
 from opgrad.dtypes import TensorType
-from opgrad.op import Attr, Attrs, Case, Input, Interval, Kink, Operator, require
-from opgrad.registry._common import LOGITS, axes_attr, bool_attr
+from opgrad.ir import Call, Expr
+from opgrad.op import Attr, Attrs, Case, Input, Interval, Kink, KinkDistance, KinkPlacer, Operator, Subgradient, require
+
+from ._common import LOGITS, axes_attr, bool_attr, dense_reshape
+
+if TYPE_CHECKING:  # types only: the compiler and the checker sit above the registry
+    from opgrad.checks.strategies import CaseDraw
+    from opgrad.compiler.builder import KernelBuilder
+    from opgrad.compiler.views import Scalar, View
 
 
 def _reduce_attrs() -> list[Attr]:
@@ -52,12 +59,12 @@ def _nonempty_reduce_shape(data: TensorType, attrs: Attrs) -> TensorType:
     return _reduce_shape(data, attrs)
 
 
-def _kept(call) -> tuple[int, ...]:
+def _kept(call: Call) -> tuple[int, ...]:
     """The output's shape with the reduced axes kept as 1: gradients broadcast from it."""
     return _reduced_shape(call.args[0].shape, call.attrs["axis"], True)
 
 
-def _reduce_cases(d):
+def _reduce_cases(d: CaseDraw) -> Case:
     shape = d.shape(min_rank=1, max_rank=4)
     axes = d.subset([a - len(shape) if d.bool() else a for a in range(len(shape))])  # some negative
     axis = (axes[0] if len(axes) == 1 and d.bool() else axes) if d.int(0, 3) else None
@@ -95,7 +102,7 @@ def _mean_forward(data: np.ndarray, axis: tuple[int, ...], keepdims: bool) -> np
 
 
 @mean.gradient
-def _mean_gradient(call, grad):
+def _mean_gradient(call: Call, grad: Expr) -> list[Expr | None]:
     """d_data = broadcast_to(reshape(grad, kept dims), data.shape) / (elements per reduced slice)"""
     data = call.args[0]
     count = data.type.size // builtins.max(call.type.size, 1)
@@ -104,7 +111,7 @@ def _mean_gradient(call, grad):
 
 
 @mean.mutant("sum's gradient: forgets to divide by the count")
-def _mean_as_sum(call, grad):
+def _mean_as_sum(call: Call, grad: Expr) -> list[Expr | None]:
     return [ops.broadcast_to(ops.reshape(grad, shape=_kept(call)), shape=call.args[0].shape)]
 
 
@@ -112,7 +119,7 @@ mean.sampler(_reduce_cases)
 
 
 @mean.lowering
-def _mean_lowering(kb, call, out, data):
+def _mean_lowering(kb: KernelBuilder, call: Call, out: View, data: View) -> None:
     """out = sum(data, axis) / count"""
     count = math.prod(data.shape[a] for a in call.attrs["axis"])
     kb.reduce(out, data, call.attrs["axis"], "sum", scale=1.0 / count)
@@ -123,10 +130,10 @@ def _mean_lowering(kb, call, out, data):
 
 def _extreme_rows(data: np.ndarray, axes: Sequence[int], larger: bool) -> np.ndarray:
     rows = _rows(data, axes)
-    return rows.max(axis=1, keepdims=True) if larger else rows.min(axis=1, keepdims=True)
+    return np.asarray(rows.max(axis=1, keepdims=True) if larger else rows.min(axis=1, keepdims=True))
 
 
-def _gap_distance(larger: bool):
+def _gap_distance(larger: bool) -> KinkDistance:
     def distance(inputs: Sequence[np.ndarray], attrs: Attrs) -> float:
         rows = np.sort(_rows(inputs[0], attrs["axis"]), axis=1)
         if rows.shape[1] < 2 or rows.size == 0:
@@ -137,7 +144,7 @@ def _gap_distance(larger: bool):
     return distance
 
 
-def _place_ties(larger: bool):
+def _place_ties(larger: bool) -> KinkPlacer:
     def place(rng: np.random.Generator, inputs: list[np.ndarray], attrs: Attrs) -> list[np.ndarray]:
         data, axes = inputs[0], attrs["axis"]
         rows = _rows(data, axes).copy()
@@ -152,7 +159,7 @@ def _place_ties(larger: bool):
     return place
 
 
-def _split_subgradient(larger: bool):
+def _split_subgradient(larger: bool) -> Subgradient:
     def subgradient(inputs: Sequence[np.ndarray], cotangent: np.ndarray, attrs: Attrs) -> list[np.ndarray | None]:
         data, axes = inputs[0], attrs["axis"]
         rows = _rows(data, axes)
@@ -164,7 +171,7 @@ def _split_subgradient(larger: bool):
     return subgradient
 
 
-def _extreme_gradient(call, grad, larger: bool):
+def _extreme_gradient(call: Call, grad: Expr, larger: bool) -> list[Expr | None]:
     """d_data = grad * tie / (number of ties), tie = (data == the slice's max), grad broadcast from kept dims"""
     data = call.args[0]
     kept = _kept(call)
@@ -200,20 +207,20 @@ def _max_forward(data: np.ndarray, axis: tuple[int, ...], keepdims: bool) -> np.
 
 
 @max.gradient
-def _max_gradient(call, grad):
+def _max_gradient(call: Call, grad: Expr) -> list[Expr | None]:
     """d_data = grad * (data == max) / count(data == max), grad broadcast from the kept dims"""
     return _extreme_gradient(call, grad, larger=True)
 
 
 @max.mutant("every tied maximum gets the whole gradient (no split)")
-def _max_no_split(call, grad):
+def _max_no_split(call: Call, grad: Expr) -> list[Expr | None]:
     kept = _kept(call)
     tie = ops.subtract(1.0, ops.greater(ops.reshape(call, shape=kept), call.args[0]))
     return [ops.multiply(tie, ops.reshape(grad, shape=kept))]
 
 
 @max.mutant("min's mask: the gradient goes to the smallest element")
-def _max_as_min(call, grad):
+def _max_as_min(call: Call, grad: Expr) -> list[Expr | None]:
     data = call.args[0]
     lowest = ops.reshape(ops.min(data, axis=call.attrs["axis"]), shape=_kept(call))
     tie = ops.subtract(1.0, ops.greater(data, lowest))
@@ -225,7 +232,7 @@ max.sampler(_reduce_cases)
 
 
 @max.lowering
-def _max_lowering(kb, call, out, data):
+def _max_lowering(kb: KernelBuilder, call: Call, out: View, data: View) -> None:
     """out = max(data, axis), NaN-propagating"""
     kb.reduce(out, data, call.attrs["axis"], "max")
 
@@ -246,13 +253,13 @@ def _min_forward(data: np.ndarray, axis: tuple[int, ...], keepdims: bool) -> np.
 
 
 @min.gradient
-def _min_gradient(call, grad):
+def _min_gradient(call: Call, grad: Expr) -> list[Expr | None]:
     """d_data = grad * (data == min) / count(data == min), grad broadcast from the kept dims"""
     return _extreme_gradient(call, grad, larger=False)
 
 
 @min.mutant("all the gradient to every element (sum's rule)")
-def _min_as_sum(call, grad):
+def _min_as_sum(call: Call, grad: Expr) -> list[Expr | None]:
     return [ops.broadcast_to(ops.reshape(grad, shape=_kept(call)), shape=call.args[0].shape)]
 
 
@@ -260,7 +267,7 @@ min.sampler(_reduce_cases)
 
 
 @min.lowering
-def _min_lowering(kb, call, out, data):
+def _min_lowering(kb: KernelBuilder, call: Call, out: View, data: View) -> None:
     """out = min(data, axis), NaN-propagating"""
     kb.reduce(out, data, call.attrs["axis"], "min")
 
@@ -269,9 +276,9 @@ def _min_lowering(kb, call, out, data):
 
 prod = Operator(
     "prod",
-    # The checker draws away from exact zeros: there the rule's first order is exact (tested against
-    # torch), but its masks are constants to autodiff, so the second order of a slice with a zero is not.
-    inputs=[Input("data", domain=(Interval(-2.0, -0.25), Interval(0.25, 2.0)))],
+    # Exact zeros are drawn on purpose (one or several in a slice): the gradient's own derivatives
+    # must hold there too, which a p / data form with zero masks does not give.
+    inputs=[Input("data", domain=(Interval(-2.0, 2.0), Interval(0.0, 0.0)))],
     attrs=_reduce_attrs(),
     doc="Product of data over `axis` (np.prod, torch.prod); 1 over an empty axis.",
 )
@@ -283,40 +290,83 @@ def _prod_forward(data: np.ndarray, axis: tuple[int, ...], keepdims: bool) -> np
     return np.asarray(np.prod(data, axis=axis, keepdims=keepdims), dtype=data.dtype)
 
 
+def _shifted(rows: Expr, step: int) -> Expr:
+    """rows[:, j - step] along the last axis, 1 where j < step (the empty product)."""
+    m, n = rows.shape
+    if step >= n:
+        return ops.ones_like(rows)
+    kept = ops.strided_slice(rows, begin=(0, 0), end=(m, n - step))
+    return ops.pad(kept, pad_width=((0, 0), (step, 0)), value=1.0)
+
+
+def _exclusive_prefix_products(rows: Expr) -> Expr:
+    """out[:, j] = product of rows[:, :j]: an inclusive scan by doubling shifts (log2(n) multiplies),
+    then shifted by one."""
+    scan, step = rows, 1
+    while step < rows.shape[1]:
+        scan = ops.multiply(scan, _shifted(scan, step))
+        step *= 2
+    return _shifted(scan, 1)
+
+
+def product_of_others(data: Expr, axes: Sequence[int]) -> Expr:
+    """For each element, the product of the other elements of its slice over ``axes``.
+
+    The exclusive prefix product times the exclusive suffix product: a polynomial in ``data``
+    built from multiplies, pads and slices, so autodiff's derivatives of it are exact at zeros
+    (one zero in a slice or several), where ``p / data`` divides by zero.
+    """
+    kept_axes = [a for a in range(data.ndim) if a not in axes]
+    order = (*kept_axes, *axes)
+    moved = ops.transpose(data, axes=order)
+    m = math.prod(data.shape[a] for a in kept_axes)
+    n = math.prod(data.shape[a] for a in axes)
+    rows = ops.reshape(moved, shape=(m, n))
+    if m == 0 or n == 0:
+        return ops.ones_like(data)
+    before = _exclusive_prefix_products(rows)
+    after = ops.flip(_exclusive_prefix_products(ops.flip(rows, axis=1)), axis=1)
+    others = ops.reshape(ops.multiply(before, after), shape=moved.shape)
+    return ops.transpose(others, axes=tuple(int(i) for i in np.argsort(order)))
+
+
 @prod.gradient
-def _prod_gradient(call, grad):
-    """d_data = grad * (product of the slice's other elements), exact at zeros:
-    p / data without zeros; p' at the only zero and 0 elsewhere; 0 with two or more zeros
-    (p' = product of the nonzero elements)"""
+def _prod_gradient(call: Call, grad: Expr) -> list[Expr | None]:
+    """d_data = grad * (product of the slice's other elements) = grad * prefix * suffix, with
+    prefix and suffix the exclusive cumulative products from either side of the slice"""
+    return [ops.multiply(ops.reshape(grad, shape=_kept(call)), product_of_others(call.args[0], call.attrs["axis"]))]
+
+
+@prod.mutant("p / data with zero masks: first order exact at zeros, second order not (the masks are constants)")
+def _prod_masked_quotient(call: Call, grad: Expr) -> list[Expr | None]:
     data = call.args[0]
-    axes, kept = call.attrs["axis"], _kept(call)
+    axes = call.attrs["axis"]
     zeros = ops.zeros_like(data)
     is_zero = ops.subtract(1.0, ops.add(ops.greater(data, zeros), ops.greater(zeros, data)))
-    # Adding the mask turns exact zeros into ones and leaves every other value (NaN included) unchanged.
-    nonzero = ops.add(data, is_zero)
+    nonzero = ops.add(data, is_zero)  # exact zeros become ones
     partial = ops.prod(nonzero, axis=axes, keepdims=True)
     count = ops.sum(is_zero, axis=axes, keepdims=True)
     no_zero = ops.subtract(1.0, ops.greater(count, 0.5))
     one_zero = ops.subtract(ops.greater(count, 0.5), ops.greater(count, 1.5))
     others = ops.multiply(partial, ops.add(ops.divide(no_zero, nonzero), ops.multiply(is_zero, one_zero)))
-    return [ops.multiply(ops.reshape(grad, shape=kept), others)]
+    return [ops.multiply(ops.reshape(grad, shape=_kept(call)), others)]
 
 
 @prod.mutant("the product itself instead of the product of the others")
-def _prod_whole(call, grad):
+def _prod_whole(call: Call, grad: Expr) -> list[Expr | None]:
     kept = _kept(call)
     return [ops.multiply(ops.reshape(grad, shape=kept), ops.reshape(call, shape=kept))]
 
 
 @prod.mutant("sum's gradient: cotangent spread unscaled")
-def _prod_as_sum(call, grad):
+def _prod_as_sum(call: Call, grad: Expr) -> list[Expr | None]:
     return [ops.broadcast_to(ops.reshape(grad, shape=_kept(call)), shape=call.args[0].shape)]
 
 
 prod.sampler(_reduce_cases)
 
 
-def _fold(kb, out, data, axes: Sequence[int], kind: str) -> None:
+def _fold(kb: KernelBuilder, out: View, data: View, axes: Sequence[int], kind: str) -> None:
     """One loop per output element over the reduced axes in row-major order.
 
     ``kind`` ``prod``: out = product; ``argmax``/``argmin``: out = the row-major index, within the
@@ -388,7 +438,7 @@ def _fold(kb, out, data, axes: Sequence[int], kind: str) -> None:
 
 
 @prod.lowering
-def _prod_lowering(kb, call, out, data):
+def _prod_lowering(kb: KernelBuilder, call: Call, out: View, data: View) -> None:
     """out = product of data over axis (a loop per output element)"""
     _fold(kb, out, data, call.attrs["axis"], "prod")
 
@@ -422,7 +472,7 @@ def _logsumexp_forward(data: np.ndarray, axis: tuple[int, ...], keepdims: bool) 
 
 
 @logsumexp.gradient
-def _logsumexp_gradient(call, grad):
+def _logsumexp_gradient(call: Call, grad: Expr) -> list[Expr | None]:
     """d_data = grad * exp(data - logsumexp(data)) (the softmax over axis), grad broadcast from kept dims"""
     kept = _kept(call)
     weights = ops.exp(ops.subtract(call.args[0], ops.reshape(call, shape=kept)))
@@ -430,12 +480,12 @@ def _logsumexp_gradient(call, grad):
 
 
 @logsumexp.mutant("exp(data) unnormalized (forgets to subtract the output)")
-def _logsumexp_unnormalized(call, grad):
+def _logsumexp_unnormalized(call: Call, grad: Expr) -> list[Expr | None]:
     return [ops.multiply(ops.reshape(grad, shape=_kept(call)), ops.exp(call.args[0]))]
 
 
 @logsumexp.mutant("weights exp(data) / sum(exp(data)) unshifted: overflows at large logits")
-def _logsumexp_naive(call, grad):
+def _logsumexp_naive(call: Call, grad: Expr) -> list[Expr | None]:
     axes, kept = call.attrs["axis"], _kept(call)
     e = ops.exp(call.args[0])
     return [ops.multiply(ops.reshape(grad, shape=kept), ops.divide(e, ops.sum(e, axis=axes, keepdims=True)))]
@@ -445,19 +495,19 @@ logsumexp.sampler(_reduce_cases)
 
 
 @logsumexp.lowering
-def _logsumexp_lowering(kb, call, out, data):
+def _logsumexp_lowering(kb: KernelBuilder, call: Call, out: View, data: View) -> None:
     """m = max(data, axis); out = shift + log(sum(exp(data - shift))), shift = m if finite else 0"""
     axes, kept = call.attrs["axis"], _kept(call)
     top = kb.temporary(kept, data.dtype)
     kb.reduce(top, data, axes, "max")
 
-    def shift(s, m):
+    def shift(s: Scalar, m: str) -> str:
         return s.select(s.cmp("olt", s.call("fabs", m), s.const(math.inf)), m, s.const(0.0))
 
     total = kb.temporary(kept, data.dtype)
     kb.map_reduce(total, [data, top.broadcast_to(data.shape)], axes, "sum",
                   lambda s, v: s.call("exp", s.sub(v[0], shift(s, v[1]))))
-    kb.elementwise(out.reshape(kept), [top, total], lambda s, v: s.add(s.call("log", v[1]), shift(s, v[0])))
+    kb.elementwise(dense_reshape(out, kept), [top, total], lambda s, v: s.add(s.call("log", v[1]), shift(s, v[0])))
 
 
 # ----- argmax / argmin -----
@@ -492,13 +542,13 @@ def _index_attrs() -> list[Attr]:
     ]
 
 
-def _index_cases(d):
+def _index_cases(d: CaseDraw) -> Case:
     shape = d.shape(min_rank=1, max_rank=4)
     axis = d.int(-len(shape), len(shape) - 1) if d.int(0, 3) else None
     return Case([shape], {"axis": axis, "keepdims": d.bool()})
 
 
-def _index_axes(call) -> tuple[int, ...]:
+def _index_axes(call: Call) -> tuple[int, ...]:
     axis = call.attrs["axis"]
     return tuple(range(call.args[0].ndim)) if axis is None else (axis,)
 
@@ -522,7 +572,7 @@ argmax.sampler(_index_cases)
 
 
 @argmax.lowering
-def _argmax_lowering(kb, call, out, data):
+def _argmax_lowering(kb: KernelBuilder, call: Call, out: View, data: View) -> None:
     """out = index of the first maximum (or first NaN) along axis"""
     _fold(kb, out, data, _index_axes(call), "argmax")
 
@@ -546,6 +596,6 @@ argmin.sampler(_index_cases)
 
 
 @argmin.lowering
-def _argmin_lowering(kb, call, out, data):
+def _argmin_lowering(kb: KernelBuilder, call: Call, out: View, data: View) -> None:
     """out = index of the first minimum (or first NaN) along axis"""
     _fold(kb, out, data, _index_axes(call), "argmin")

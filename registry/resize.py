@@ -36,14 +36,21 @@ from collections.abc import Sequence
 from dataclasses import replace
 from fractions import Fraction
 from functools import lru_cache
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from opgrad import ops
 from opgrad.dtypes import TensorType
-from opgrad.ir import Expr
-from opgrad.op import Attr, Case, Input, Operator, composite, require
+from opgrad.ir import Call, Expr
+from opgrad.op import Attr, Attrs, Case, Input, Operator, composite, require
+
+from ._common import slice_view
+
+if TYPE_CHECKING:  # types only: the compiler and the checker sit above the registry
+    from opgrad.checks.strategies import CaseDraw
+    from opgrad.compiler.builder import KernelBuilder
+    from opgrad.compiler.views import Body, Scalar, View
 
 METHODS = ("nearest", "bilinear")
 #: Loops per axis, and taps per output, above which a kernel reduces against a constant table instead.
@@ -176,15 +183,8 @@ def phase_groups(table: Table, steps: Sequence[int]) -> list[tuple[int, int, int
     return groups
 
 
-def _axis_slice(view, axis: int, start: int, count: int, step: int):
-    offset = view.offset + start * view.strides[axis]
-    strides = tuple(s * step if a == axis else s for a, s in enumerate(view.strides))
-    shape = tuple(count if a == axis else n for a, n in enumerate(view.shape))
-    return replace(view, shape=shape, strides=strides, offset=offset)
-
-
-def _weighted_sum(weights: Sequence[float]):
-    def body(s, v):
+def _weighted_sum(weights: Sequence[float]) -> Body:
+    def body(s: Scalar, v: list[str]) -> str:
         terms = [x if w == 1.0 else s.mul(s.const(w), x) for w, x in zip(weights, v)]
         total = terms[0] if terms else s.const(0.0)
         for t in terms[1:]:
@@ -194,13 +194,13 @@ def _weighted_sum(weights: Sequence[float]):
     return body
 
 
-def lower_table(kb, out, inp, axis: int, table: Table, steps: Sequence[int]) -> None:
+def lower_table(kb: KernelBuilder, out: View, inp: View, axis: int, table: Table, steps: Sequence[int]) -> None:
     """out = inp with ``table`` applied along ``axis`` (the numpy form is :func:`apply_table`)."""
     groups = phase_groups(table, steps) if max(map(len, table), default=0) <= MAX_LOOP_TAPS else []
     if groups and len(groups) <= MAX_PHASE_LOOPS:
         for first, step, count, taps, weights in groups:
-            target = _axis_slice(out, axis, first, count, step)
-            views = [_axis_slice(inp, axis, src, count, delta) for src, delta in taps]
+            target = slice_view(out, axis, first, count, step)
+            views = [slice_view(inp, axis, src, count, delta) for src, delta in taps]
             kb.elementwise(target, views, _weighted_sum(weights))
         return
     n_out, n_in = len(table), inp.shape[axis]
@@ -213,12 +213,12 @@ def lower_table(kb, out, inp, axis: int, table: Table, steps: Sequence[int]) -> 
     rank = out.ndim
     data = replace(inp, shape=full, strides=tuple(0 if a == axis else s for a, s in enumerate(inp.strides))
                    + (inp.strides[axis],))
-    weights = replace(matrix, shape=full, strides=tuple(n_in if a == axis else 0 for a in range(rank)) + (1,))
-    kb.map_reduce(out, [data, weights], (rank,), "sum",
+    rows = replace(matrix, shape=full, strides=tuple(n_in if a == axis else 0 for a in range(rank)) + (1,))
+    kb.map_reduce(out, [data, rows], (rank,), "sum",
                   body=lambda s, v: s.select(s.cmp("one", v[1], s.const(0.0)), s.mul(v[1], v[0]), s.const(0.0)))
 
 
-def _lower_separable(kb, out, data, tables: Sequence[tuple[Table, int, list[int]]]) -> None:
+def _lower_separable(kb: KernelBuilder, out: View, data: View, tables: Sequence[tuple[Table, int, list[int]]]) -> None:
     """Apply the (height, width) tables in turn; identity tables are skipped."""
     todo = [(axis, table, steps) for axis, (table, n_in, steps) in zip((2, 3), tables)
             if not _is_identity(table, n_in)]
@@ -270,7 +270,7 @@ def _resize_attrs(size_name: str, size_doc: str) -> list[Attr]:
     ]
 
 
-def _tables(n_in: tuple[int, int], n_out: tuple[int, int], method: str, align: bool) -> list[Table]:
+def _tables(n_in: Sequence[int], n_out: Sequence[int], method: str, align: bool) -> list[Table]:
     return [axis_table(n_in[k], n_out[k], method, align) for k in range(2)]
 
 
@@ -293,7 +293,7 @@ resize = Operator(
 
 
 @resize.shape_rule
-def _resize_shape(data: TensorType, attrs: Any) -> TensorType:
+def _resize_shape(data: TensorType, attrs: Attrs) -> TensorType:
     _check_nchw(data, "data")
     return TensorType((data.shape[0], data.shape[1], *attrs["size"]), data.dtype)
 
@@ -305,7 +305,7 @@ def _resize_forward(data: np.ndarray, size: tuple[int, int], method: str, align_
 
 
 @resize.gradient
-def _resize_gradient(call, grad):
+def _resize_gradient(call: Call, grad: Expr) -> list[Expr | None]:
     """d_data = resize_backward(grad): each output's cotangent added back to its taps, times their weights"""
     data = call.args[0]
     return [ops.resize_backward(grad, input_size=data.shape[2:], method=call.attrs["method"],
@@ -313,18 +313,18 @@ def _resize_gradient(call, grad):
 
 
 @resize.mutant("bilinear gradient scattered with nearest's taps")
-def _resize_nearest_taps(call, grad):
+def _resize_nearest_taps(call: Call, grad: Expr) -> list[Expr | None]:
     return [ops.resize_backward(grad, input_size=call.args[0].shape[2:], method="nearest")]
 
 
 @resize.mutant("gradient taps placed with the other align_corners convention")
-def _resize_flipped_corners(call, grad):
+def _resize_flipped_corners(call: Call, grad: Expr) -> list[Expr | None]:
     method, align = call.attrs["method"], call.attrs["align_corners"]
     return [ops.resize_backward(grad, input_size=call.args[0].shape[2:], method=method,
                                 align_corners=(not align) if method == "bilinear" else False)]
 
 
-def _resize_case(d, backward: bool) -> Case:
+def _resize_case(d: CaseDraw, backward: bool) -> Case:
     n, c = d.int(1, 2), d.int(1, 2)
     h, w = d.size(1, 5), d.size(1, 5)
     oh, ow = d.size(1, 7), d.size(1, 7)
@@ -337,12 +337,12 @@ def _resize_case(d, backward: bool) -> Case:
 
 
 @resize.sampler
-def _resize_cases(d):
+def _resize_cases(d: CaseDraw) -> Case:
     return _resize_case(d, backward=False)
 
 
 @resize.lowering
-def _resize_lowering(kb, call, out, data):
+def _resize_lowering(kb: KernelBuilder, call: Call, out: View, data: View) -> None:
     """out = the height table, then the width table, applied tap by tap (weights folded in per phase)"""
     n_in, n_out = data.shape[2:], out.shape[2:]
     tables = _tables(n_in, n_out, call.attrs["method"], call.attrs["align_corners"])
@@ -362,7 +362,7 @@ resize_backward = Operator(
 
 
 @resize_backward.shape_rule
-def _resize_backward_shape(grad: TensorType, attrs: Any) -> TensorType:
+def _resize_backward_shape(grad: TensorType, attrs: Attrs) -> TensorType:
     _check_nchw(grad, "grad")
     return TensorType((grad.shape[0], grad.shape[1], *attrs["input_size"]), grad.dtype)
 
@@ -375,24 +375,24 @@ def _resize_backward_forward(grad: np.ndarray, input_size: tuple[int, int], meth
 
 
 @resize_backward.gradient
-def _resize_backward_gradient(call, grad):
+def _resize_backward_gradient(call: Call, grad: Expr) -> list[Expr | None]:
     """d_grad = resize(c, size=grad's H, W): the adjoint of the scatter is the interpolation"""
     return [ops.resize(grad, size=call.args[0].shape[2:], method=call.attrs["method"],
                        align_corners=call.attrs["align_corners"])]
 
 
 @resize_backward.mutant("interpolates with nearest's taps")
-def _resize_backward_nearest(call, grad):
+def _resize_backward_nearest(call: Call, grad: Expr) -> list[Expr | None]:
     return [ops.resize(grad, size=call.args[0].shape[2:], method="nearest")]
 
 
 @resize_backward.sampler
-def _resize_backward_cases(d):
+def _resize_backward_cases(d: CaseDraw) -> Case:
     return _resize_case(d, backward=True)
 
 
 @resize_backward.lowering
-def _resize_backward_lowering(kb, call, out, grad):
+def _resize_backward_lowering(kb: KernelBuilder, call: Call, out: View, grad: View) -> None:
     """out = the transposed height table, then the transposed width table (each input row sums its readers)"""
     n_in, n_out = out.shape[2:], grad.shape[2:]
     tables = _tables(n_in, n_out, call.attrs["method"], call.attrs["align_corners"])

@@ -15,12 +15,15 @@ suppressed row.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from opgrad.dtypes import TensorType
-from opgrad.op import Attr, Case, Input, Interval, Operator, require
+from opgrad.op import Attr, Attrs, Case, Input, Interval, Operator, require
+
+if TYPE_CHECKING:  # types only: the compiler and the checker sit above the registry
+    from opgrad.checks.strategies import CaseDraw
 
 _NO_GRADIENT = ("detection post-processing: rows are selected by thresholds, sorting and suppression (piecewise "
                 "constant); NNVM and TVM define no gradient")
@@ -84,7 +87,7 @@ multibox_transform_loc.lowering_not_implemented(_NO_KERNEL)
 
 
 @multibox_transform_loc.shape_rule
-def _multibox_shape(cls_prob: TensorType, loc_pred: TensorType, anchor: TensorType, attrs: Any) -> TensorType:
+def _multibox_shape(cls_prob: TensorType, loc_pred: TensorType, anchor: TensorType, attrs: Attrs) -> TensorType:
     require(cls_prob.ndim == 3, f"cls_prob must be 3-D (B, num_classes, A), got shape {cls_prob.shape}")
     b, _, a = cls_prob.shape
     require(loc_pred.shape == (b, a * 4), f"loc_pred has shape {loc_pred.shape}; cls_prob {cls_prob.shape} needs "
@@ -128,7 +131,7 @@ def _multibox_forward(cls_prob: np.ndarray, loc_pred: np.ndarray, anchor: np.nda
 
 
 @multibox_transform_loc.sampler
-def _multibox_cases(d):
+def _multibox_cases(d: CaseDraw) -> Case:
     b, k, a = d.int(1, 2), d.int(1, 4), d.int(1, 5)
     return Case([(b, k, a), (b, a * 4), (1, a, 4)],
                 {"clip": d.bool(), "threshold": d.choice([0.01, 0.3, 0.6])})
@@ -162,7 +165,7 @@ nms.lowering_not_implemented(_NO_KERNEL)
 
 
 @nms.shape_rule
-def _nms_shape(data: TensorType, valid_count: TensorType, attrs: Any) -> TensorType:
+def _nms_shape(data: TensorType, valid_count: TensorType, attrs: Attrs) -> TensorType:
     require(data.ndim == 3 and data.shape[2] == 6,
             f"data must be (B, A, 6) rows [class_id, score, xmin, ymin, xmax, ymax], got shape {data.shape}")
     require(valid_count.shape == (data.shape[0],),
@@ -216,7 +219,7 @@ def _nms_forward(data: np.ndarray, valid_count: np.ndarray, nms_threshold: float
 
 
 @nms.sampler
-def _nms_cases(d):
+def _nms_cases(d: CaseDraw) -> Case:
     b, a = d.int(1, 2), d.int(1, 6)
     return Case([(b, a, 6), (b,)], {"nms_threshold": d.choice([0.0, 0.3, 0.5, 0.9]), "force_suppress": d.bool(),
                                     "nms_topk": d.choice([-1, 0, 1, 3]), "do_rearrange": d.bool()})

@@ -71,7 +71,7 @@ def test_sampler_cases_are_valid_and_usable_in_user_tests(example) -> None:
 
 
 def test_failure_report_has_everything_to_act_on() -> None:
-    report = check_op("dense", gradient=_mutant("dense", "swapped"), checks="abc", max_examples=50, seed=11)
+    report = check_op("dense", gradient=_mutant("dense", "scaled by 2"), checks="abc", max_examples=50, seed=11)
     assert not report.passed and not report
     f = report.failure
     assert f is not None and f.check == "b" and f.op == "dense" and f.seed == 11
@@ -82,7 +82,7 @@ def test_failure_report_has_everything_to_act_on() -> None:
     rerun = "opgrad.checks.check_op('dense', gradient=<your rule>, checks='abc', max_examples=50, seed=11)"
     for piece in ("check b", "shapes:", "worst:", "analytic:", "numeric", "step:", "inputs:", "data = [", rerun):
         assert piece in text
-    again = check_op("dense", gradient=_mutant("dense", "swapped"), checks="abc", max_examples=50, seed=11).failure
+    again = check_op("dense", gradient=_mutant("dense", "scaled by 2"), checks="abc", max_examples=50, seed=11).failure
     assert again is not None and (again.shapes, again.index, again.analytic) == (f.shapes, f.index, f.analytic)
 
 

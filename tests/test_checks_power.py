@@ -48,6 +48,7 @@ def _mistake(op: str, words: str) -> Mutant:
     ("exp", "1e-8 bias", "c"),  # VJP(0) != 0, by 1e-8: far below central differences' noise
     ("add", "1e-7 relative", "d"),  # the exact adjoint test sees round-off only
     ("sqrt", "held constant", "e"),  # right first order, wrong second
+    ("prod", "zero masks", "e"),  # right first order at exact zeros, wrong second there
 ])
 def test_checks_c_d_e_kill_what_finite_differences_miss(op: str, words: str, killer: str) -> None:
     mutant = _mistake(op, words)

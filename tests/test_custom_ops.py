@@ -73,9 +73,9 @@ def test_user_op_joins_ops_compiles_and_checks(user_module: object) -> None:
     np.testing.assert_allclose(grad, 3 * data**2, rtol=1e-12)
     assert check_op("user_cube", max_examples=20, seed=0).passed
     assert check_op("user_cube", max_examples=10, seed=0, backend=resolve_backend("llvm")).passed
-    from opgrad.checks.mutants import _declared
+    from opgrad.checks.mutants import declared_mutants
 
-    mutants = [m for m in _declared() if m.op == "user_cube"]
+    mutants = [m for m in declared_mutants() if m.op == "user_cube"]
     assert mutants and not check_op("user_cube", gradient=mutants[0].rule, max_examples=20, seed=0).passed
 
 

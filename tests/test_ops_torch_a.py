@@ -342,6 +342,40 @@ def test_prod_gradient_at_zeros() -> None:
     against_torch(lambda a: ops.prod(a, axis=0, keepdims=True), _torch_reduce("prod", 0, True), [x])
 
 
+@pytest.mark.parametrize("axis", [1, None, (0, 1), 0])
+def test_prod_second_order_at_zeros_matches_torch(axis: Any) -> None:
+    # Rows with one zero, two zeros, none, all zeros, and a zero beside a 1: Hessian-vector
+    # products of sum(w * prod(x)) against torch's double backward.
+    x = np.array([[2.0, 0.0, 3.0, -1.5],
+                  [0.0, 4.0, 0.0, 1.0],
+                  [1.5, -2.0, 0.5, 3.0],
+                  [0.0, 0.0, 0.0, 0.0],
+                  [1.0, 0.0, -0.5, 2.0]])
+    gen = np.random.default_rng(3)
+    v = gen.standard_normal(x.shape)
+    dims = (0, 1) if axis is None else (axis,) if isinstance(axis, int) else axis
+    out_shape = tuple(n for i, n in enumerate(x.shape) if i not in dims)
+    w = gen.standard_normal(out_shape)
+
+    xv, vv, wv = (opgrad.var(n, a.shape, "float64") for n, a in (("x", x), ("v", v), ("w", w)))
+    loss = ops.sum(ops.multiply(ops.prod(xv, axis=axis), wv))
+    g = opgrad.gradients(loss, [xv])[0]
+    hv = opgrad.gradients(ops.sum(ops.multiply(g, vv)), [xv])[0]
+    fn = opgrad.function([xv, vv, wv], [g, hv])
+    got_g, got_hv = opgrad.evaluate(fn, x, v, w)
+
+    xt = torch.tensor(x, requires_grad=True)
+    t = xt
+    for d in sorted(dims, reverse=True):
+        t = torch.prod(t, dim=d)
+    tg = torch.autograd.grad((t * torch.tensor(w)).sum(), xt, create_graph=True)[0]
+    thv = torch.autograd.grad((tg * torch.tensor(v)).sum(), xt)[0]
+    np.testing.assert_allclose(got_g, tg.detach().numpy(), rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(got_hv, thv.numpy(), rtol=1e-12, atol=1e-12)
+    if axis == 1:  # one compile is enough to hold the kernels to the same numbers
+        np.testing.assert_allclose(opgrad.compile(fn)(x, v, w)[1], thv.numpy(), rtol=1e-12, atol=1e-12)
+
+
 def test_logsumexp_float32_at_1e4_keeps_its_digits() -> None:
     x = np.array([[1.0e4, 1.0e4 + 1.0, 1.0e4 - 2.5], [-1.0e4, -1.0e4 + 0.5, -1.0e4 - 3.0]], np.float32)
     truth = torch.logsumexp(torch.tensor(x, dtype=torch.float64), dim=1).numpy()

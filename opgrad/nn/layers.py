@@ -44,6 +44,8 @@ from opgrad import ops
 from opgrad.errors import ShapeError
 from opgrad.ir import Expr
 from opgrad.nn.init import Initializer, get_initializer, initializer_name, ones, zeros
+from opgrad.registry._pooling import pool_padding_problem, pooled_hw
+from opgrad.registry.conv2d import conv_output_size, transpose_output_size
 
 __all__ = [
     "ACTIVATIONS",
@@ -149,10 +151,6 @@ def _same_pads(extent: int, k: int, s: int, d: int = 1) -> tuple[int, int]:
     out = -(-extent // s)
     total = max((out - 1) * s + (k - 1) * d + 1 - extent, 0)
     return total // 2, total - total // 2
-
-
-def _window_out(extent: int, k: int, s: int, before: int, after: int, d: int = 1) -> int:
-    return (extent + before + after - d * (k - 1) - 1) // s + 1
 
 
 def _check_activation(activation: str | None) -> str | None:
@@ -455,7 +453,7 @@ class Conv2D(Layer):
         size = []
         for extent, k, s, d, (before, after) in zip((h, w), self.kernel_size, self.strides, self.dilation_rate,
                                                      self.pads(h, w)):
-            out = _window_out(extent, k, s, before, after, d)
+            out = conv_output_size(extent, k, s, before + after, d)
             if out < 1:
                 raise self._shape_error(input_shape, f"the {k}-wide kernel does not fit {extent} "
                                                      f"(+{before}+{after} padding)")
@@ -534,7 +532,7 @@ class Conv2DTranspose(Conv2D):
         size = []
         for extent, k, s, d, crop, more in zip((h, w), self.kernel_size, self.strides, self.dilation_rate,
                                                (top + bottom, left + right), extra):
-            out = (extent - 1) * s + d * (k - 1) + 1 - crop + more
+            out = transpose_output_size(extent, k, s, crop, d, more)
             if out < 1:
                 raise self._shape_error(input_shape, f"padding {self.padding} crops the whole output")
             size.append(out)
@@ -594,9 +592,9 @@ class _Pool2D(Layer):
         self.pool_size = _pair(pool_size, "pool_size")
         self.strides = self.pool_size if strides is None else _pair(strides, "strides")
         self.padding = _padding_arg(padding)
-        if isinstance(self.padding, tuple) and any(p >= k for p, k in zip(self.padding, self.pool_size)):
-            raise ValueError(f"pool padding {self.padding} must be smaller than the pool size {self.pool_size} "
-                             "(a window of padding only has no value)")
+        problem = pool_padding_problem(self.pool_size, self.padding) if isinstance(self.padding, tuple) else None
+        if problem:
+            raise ValueError(f"pool {problem}")
 
     def get_config(self) -> dict[str, Any]:
         return {"pool_size": list(self.pool_size), "strides": list(self.strides),
@@ -620,10 +618,12 @@ class _Pool2D(Layer):
             raise self._shape_error(input_shape, f"{type(self).__name__} needs (channels, height, width)")
         c, h, w = input_shape
         (top, bottom), (left, right) = self.pads(h, w)
-        oh = _window_out(h, self.pool_size[0], self.strides[0], top, bottom)
-        ow = _window_out(w, self.pool_size[1], self.strides[1], left, right)
-        if oh < 1 or ow < 1:
-            raise self._shape_error(input_shape, f"the {self.config()} pool does not fit")
+        # apply() hands the op the odd bottom/right pixel of "same" padding as input rows and columns.
+        attrs = {"pool_size": self.pool_size, "strides": self.strides, "padding": (top, left)}
+        try:
+            oh, ow = pooled_hw((h + bottom - top, w + right - left), attrs)
+        except ShapeError:
+            raise self._shape_error(input_shape, f"the {self.config()} pool does not fit") from None
         return (c, oh, ow)
 
 
