@@ -96,7 +96,9 @@ def nnvm_rows() -> list[tuple[str, str, str]]:
                 answers.append(f"planned: {name}")
                 grads.append("-")
             elif what == "composite":
-                uses = registry.get_composite(name).uses
+                composite = registry.get_composite(name)
+                assert composite is not None  # _resolve found it
+                uses = composite.uses
                 answers.append(f"composite {name} ({', '.join(uses)})")
                 grads.append("through its ops")
             else:
