@@ -262,6 +262,10 @@ def abort_on_error(comm: Communicator, command: str) -> Iterator[None]:
                 sys.stderr.flush()
             code = exc.exit_code if isinstance(exc, UserError) else 130 if isinstance(exc, KeyboardInterrupt) else 1
             comm.abort(code)
+        if comm.size > 1:
+            # Every rank raised this together. They meet once more before leaving, so that no rank
+            # exits (and mpirun ends the job) while another is still on its way to printing its error.
+            comm.barrier()
         raise
 
 
