@@ -55,6 +55,29 @@ def test_gemm_accumulate_and_alpha(dtype: str) -> None:
     _close(c, 2.0 * (a @ b), dtype)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("panels", [0, 1, 2])
+def test_gemm_reading_a_in_place_matches_numpy(dtype: str, panels: int) -> None:
+    # Few columns (a weight matrix against a small batch): A is read where it is, not packed. Its
+    # rows are strided past K and start at an offset; M is not a multiple of the register tile and
+    # K spans several cache blocks, so edge rows and every K block are exercised.
+    from opgrad.compiler.gemm import Blocking, GemmPlan, IndexMap, Operand
+
+    nr = Blocking.for_target(dtype).nr
+    n = [1, nr + 1, 2 * nr][panels]  # one column, a partial second panel, two full panels
+    m, k, lda, offset = 131, 1100, 1107, 5
+    rng = np.random.default_rng(n)
+    storage = rng.standard_normal(offset + m * lda).astype(dtype)
+    a = storage[offset:].reshape(m, lda)[:, :k]
+    b = rng.standard_normal((k, n)).astype(dtype)
+    spec = GemmSpec(m, n, k, a=Operand(IndexMap.strided(m, lda, offset), IndexMap.strided(k, 1)),
+                    b=Operand.matrix(k, n, n, 1), c=Operand.matrix(m, n, n, 1), dtype=dtype)
+    assert GemmPlan(spec, Blocking.for_target(dtype)).a_in_place
+    c = np.full((m, n), np.nan, dtype)
+    gemm_kernel(spec)(storage, b, c)
+    _close(c, a @ b, dtype)
+
+
 # ----- conv2d -----
 
 def _im2col(x: np.ndarray, geom) -> np.ndarray:

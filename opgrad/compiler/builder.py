@@ -287,8 +287,8 @@ class KernelBuilder:
             assert view is not None
             return view
 
-        if pass_ == "forward":  # y[n, o] = x[n, :] . w[o, :]
-            self.matmul(as2d(flat, n, o), as2d(a, n, ckk), as2d(b, o, ckk).T)
+        if pass_ == "forward":  # y[n, o] = x[n, :] . w[o, :], as y^T = w @ x^T: the weights are A, read in place
+            self.matmul(as2d(flat, n, o).T, as2d(b, o, ckk), as2d(a, n, ckk).T)
         elif pass_ == "backward_data":  # dx[n, :] = dy[n, :] @ w
             self.matmul(as2d(flat, n, ckk), as2d(a, n, o), as2d(b, o, ckk))
         else:  # backward_weight: dw[o, :] = dy[:, o]^T @ x

@@ -197,6 +197,8 @@ class GemmPlan:
     kc: int = 0
     nc: int = 0
     split_n: bool = True
+    #: Read A's rows in place instead of packing them (:func:`reads_a_in_place`).
+    a_in_place: bool = False
     workspace_per_thread: int = 0
     names: dict[str, str] = field(default_factory=dict)
 
@@ -206,6 +208,7 @@ class GemmPlan:
         self.kc = -(-s.k // nk)  # even K blocks: no tiny tail block
         self.nc = min(b.nc, round_up(s.n, b.nr))
         self.split_n = s.n >= s.m
+        self.a_in_place = reads_a_in_place(s, b)
         esize = BYTES[s.dtype]
         a_bytes = round_up(b.mc, b.mr) * self.kc * esize
         b_bytes = round_up(self.nc, b.nr) * self.kc * esize
@@ -213,6 +216,19 @@ class GemmPlan:
 
     def workspace_bytes(self, nthreads: int) -> int:
         return self.workspace_per_thread * nthreads
+
+
+def reads_a_in_place(spec: GemmSpec, blk: Blocking) -> bool:
+    """Whether the microkernel broadcasts A straight from its rows rather than from packed panels.
+
+    Packing pays when a packed A block serves many column tiles. With at most two (a weight matrix
+    against a batch of 32, say), it costs about as much as the FMAs it feeds, while rows contiguous
+    in K can be read where they are: each of the MR rows is a sequential stream that the hardware
+    prefetches, and the values, so the sums, are the same.
+    """
+    a = spec.a
+    return (a.window is None and len(a.rows.radices) == 1 and len(a.cols.radices) == 1
+            and a.cols.strides[0] == 1 and spec.n <= 2 * blk.nr)
 
 
 def round_up(x: int, q: int) -> int:
@@ -535,15 +551,24 @@ def _emit_block(m: ModuleEmitter, base: str, plan: GemmPlan, t: str) -> None:
             overwrite = "false" if s.accumulate else f.icmp("eq", pc, "0")
             with f.loop("%m0", "%m1", b.mc, hint="ic") as ic:
                 mc = f.smin(f.sub("%m1", ic), b.mc)
-                f.call("void", f"@{base}.pack_a", [("ptr", "%a"), ("ptr", ap), ("i64", ic), ("i64", mc),
-                                                    ("i64", pc), ("i64", kc)])
+                if not plan.a_in_place:
+                    f.call("void", f"@{base}.pack_a", [("ptr", "%a"), ("ptr", ap), ("i64", ic), ("i64", mc),
+                                                        ("i64", pc), ("i64", kc)])
                 with f.loop(0, nc, nr, hint="jr") as jr:
                     nvalid = f.smin(f.sub(nc, jr), nr)
                     col_info = _col_terms(f, m, s.c.cols, f.add(jc, jr), nvalid, nr, vl)
                     bpanel = f.gep(t, bp, f.mul(jr, kc))
                     with f.loop(0, mc, mr, hint="ir") as ir:
-                        apanel = f.gep(t, ap, f.mul(ir, kc))
-                        _microkernel(f, fma, accs, apanel, bpanel, kc, t, vt, mr, nr, vl)
+                        if plan.a_in_place:
+                            # Rows past M repeat the last row: their sums are computed and not stored.
+                            lda, first = s.a.rows.strides[0], f.add(ic, ir)
+                            rows = [f.gep(t, "%a", f.add(f.mul(f.smin(f.add(first, r), s.m - 1), lda),
+                                                         f.add(pc, s.a.rows.base + s.a.cols.base)))
+                                    for r in range(mr)]
+                            a_at = _rows_in_place(f, rows, t)
+                        else:
+                            a_at = _packed_rows(f, f.gep(t, ap, f.mul(ir, kc)), mr, t)
+                        _microkernel(f, fma, accs, a_at, bpanel, kc, t, vt, nr, vl)
                         mvalid = f.smin(f.sub(mc, ir), mr)
                         _store_tile(f, plan, accs, f.add(ic, ir), mvalid, nvalid, col_info, overwrite, t, vt, it)
     f.ret_void()
@@ -572,21 +597,30 @@ def _col_terms(
     return chunks, contig
 
 
+def _packed_rows(f: FunctionEmitter, apanel: str, mr: int, t: str) -> Callable[[str, int], str]:
+    """A's value for (k, row r) of a packed MR-row panel: ``apanel[k * MR + r]``."""
+    return lambda k, r: f.load(t, f.gep(t, apanel, f.add(f.mul(k, mr), r)))
+
+
+def _rows_in_place(f: FunctionEmitter, rows: list[str], t: str) -> Callable[[str, int], str]:
+    """A's value for (k, row r) read in place: ``rows[r][k]``, each row contiguous in K."""
+    return lambda k, r: f.load(t, f.gep(t, rows[r], k))
+
+
 def _microkernel(
-    f: FunctionEmitter, fma: str, accs: list[list[str]], apanel: str, bpanel: str, kc: str, t: str, vt: str,
-    mr: int, nr: int, vl: int,
+    f: FunctionEmitter, fma: str, accs: list[list[str]], a_at: Callable[[str, int], str], bpanel: str, kc: str,
+    t: str, vt: str, nr: int, vl: int,
 ) -> None:
-    """MR x NR outer-product accumulation over kc; accumulators stay in registers after SROA."""
+    """MR x NR outer-product accumulation over kc; accumulators stay in registers after SROA.
+    ``a_at(k, r)`` loads A's value for row ``r`` of the tile at ``k``."""
     for row in accs:
         for acc in row:
             f.store(vt, "zeroinitializer", acc)
     with f.loop(0, kc, hint="k") as k:
         brow = f.gep(t, bpanel, f.mul(k, nr))
         bv = [f.load(vt, f.gep(t, brow, str(c * vl)), align=64) for c in range(nr // vl)]
-        arow = f.gep(t, apanel, f.mul(k, mr))
-        for r in range(mr):
-            a = f.load(t, f.gep(t, arow, str(r)))
-            av = f.splat(vl, t, a)
+        for r in range(len(accs)):
+            av = f.splat(vl, t, a_at(k, r))
             for c in range(nr // vl):
                 cur = f.load(vt, accs[r][c])
                 f.store(vt, f.call(vt, fma, [(vt, av), (vt, bv[c]), (vt, cur)]), accs[r][c])
