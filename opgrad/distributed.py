@@ -241,32 +241,42 @@ def _ranks(ranks: Sequence[int]) -> str:
 
 @contextmanager
 def abort_on_error(comm: Communicator, command: str) -> Iterator[None]:
-    """Around a distributed run: an exception that is this rank's alone ends the whole job.
+    """Around a distributed run: every rank that fails says why, and the whole job ends.
 
-    An exception every rank raised together (after :func:`agree` or a failed step) propagates
-    normally and each rank exits on its own. Any other exception means the other ranks may be
-    waiting in a collective this rank will never join: the error is printed (one line for a
-    user's mistake, the traceback for anything else) and ``MPI_Abort`` ends every rank with the
-    error's exit code. (An MPI rank that merely exits leaves the others waiting forever.)
+    An exception every rank raised together (after :func:`agree` or a failed step): each rank
+    prints its error (one line for a user's mistake, the traceback for anything else), the ranks
+    meet once more, and each exits with the error's exit status. Meeting after printing matters:
+    mpirun ends the job as soon as one rank exits with an error, which would cut off a message
+    another rank is still writing. Any other exception means the other ranks may be waiting in a
+    collective this rank will never join: the error is printed and ``MPI_Abort`` ends every rank.
+    (An MPI rank that merely exits leaves the others waiting forever.) With one rank the
+    exception propagates unchanged.
     """
     try:
         yield
     except BaseException as exc:
-        if comm.size > 1 and not getattr(exc, "collective", False):
-            if isinstance(exc, UserError):
-                message = "; ".join(line.strip() for line in str(exc).splitlines() if line.strip())
-                print(f"{command}: error: [rank {comm.rank}] {message}", file=sys.stderr, flush=True)
-            else:
+        if comm.size == 1:
+            raise
+        code = exc.exit_code if isinstance(exc, UserError) else 130 if isinstance(exc, KeyboardInterrupt) else 1
+        if not getattr(exc, "collective", False):
+            if not isinstance(exc, UserError):
                 print(f"{command}: rank {comm.rank} failed; ending every rank:", file=sys.stderr)
-                traceback.print_exc()
-                sys.stderr.flush()
-            code = exc.exit_code if isinstance(exc, UserError) else 130 if isinstance(exc, KeyboardInterrupt) else 1
+            _report(exc, comm.rank, command)
             comm.abort(code)
-        if comm.size > 1:
-            # Every rank raised this together. They meet once more before leaving, so that no rank
-            # exits (and mpirun ends the job) while another is still on its way to printing its error.
-            comm.barrier()
-        raise
+            raise
+        _report(exc, comm.rank, command)
+        comm.barrier()
+        raise SystemExit(code) from None
+
+
+def _report(exc: BaseException, rank: int, command: str) -> None:
+    """Print a rank's error to stderr now: one line for a user's mistake, else the traceback."""
+    if isinstance(exc, UserError):
+        message = "; ".join(line.strip() for line in str(exc).splitlines() if line.strip())
+        print(f"{command}: error: [rank {rank}] {message}", file=sys.stderr, flush=True)
+    else:
+        traceback.print_exception(exc)
+        sys.stderr.flush()
 
 
 def share_cores(comm: Communicator) -> None:

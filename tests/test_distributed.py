@@ -256,7 +256,7 @@ def test_an_exception_in_one_ranks_step_stops_every_rank_with_an_error(tmp_path:
     done = run_mpi(["-n", "2", sys.executable, str(script), "step"], tmp_path, timeout=60)
     assert done.returncode != 0
     assert "ValueError: bad batch on rank 1" in done.stderr
-    assert "RankFailedError: rank 1 failed at step 4 (epoch 1)" in done.stderr
+    assert "script: error: [rank 0] rank 1 failed at step 4 (epoch 1)" in done.stderr
     assert "finished" not in done.stdout
 
 
@@ -265,7 +265,8 @@ def test_a_checkpoint_rank_0_cannot_write_stops_every_rank(tmp_path: Path) -> No
     done = run_mpi(["-n", "2", sys.executable, str(script), "save"], tmp_path, timeout=60)
     assert done.returncode != 0 and "finished" not in done.stdout
     assert "no-such-directory" in done.stderr
-    assert "RankFailedError: rank 0 failed while writing the checkpoint no-such-directory/checkpoint.npz" in done.stderr
+    assert "script: error: [rank 1] rank 0 failed while writing the checkpoint no-such-directory/checkpoint.npz" \
+        in done.stderr
 
 
 @pytest.mark.parametrize("where", ["setup", "exit", "kill"])

@@ -164,7 +164,7 @@ def test_a_rank_failing_in_a_synchronized_step_stops_every_rank(tmp_path: Path, 
     stopped = ("rank 1 failed while building the synchronized training step (its error is printed above); "
                "rank 0 stops too" if where == "build" else
                "rank 1 failed at step 4 (epoch 1); its error is printed above; rank 0 stops too")
-    assert f"RankFailedError: {stopped}" in done.stderr
+    assert f"script: error: [rank 0] {stopped}" in done.stderr
     assert "MPI_Abort" not in done.stderr and "BAD TERMINATION" not in done.stderr  # stopped, not killed
 
 
