@@ -94,3 +94,81 @@ def test_a_module_cut_in_parts_runs_and_loads_from_the_cache(monkeypatch: pytest
     warm = opgrad.compile(fn)
     assert warm.cache_hit and warm.times.parts == cold.times.parts
     np.testing.assert_allclose(warm(x, y), want, rtol=1e-5, atol=1e-5)
+
+
+PIECES = """; ModuleID = 'm'
+define internal void @m.k1.pack(ptr %p) nounwind "opgrad-pipeline"="explicit" {
+  ret void
+}
+define internal void @m.k1(ptr %p) nounwind "opgrad-pipeline"="cold" {
+  call void @m.k1.pack(ptr %p)
+  ret void
+}
+define internal void @m.k2(ptr %p) nounwind "opgrad-pipeline"="streaming" {
+  ret void
+}
+define internal void @m.k3.a(ptr %p) nounwind "opgrad-pipeline"="streaming" {
+  ret void
+}
+define internal void @m.k3(ptr %p) nounwind "opgrad-pipeline"="explicit" {
+  call void @m.k3.a(ptr %p)
+  ret void
+}
+define void @m(ptr %p) nounwind {
+  call void @m.k1(ptr %p)
+  call void @m.k2(ptr %p)
+  call void @m.k3(ptr %p)
+  ret void
+}
+"""
+
+
+def test_a_module_is_cut_by_the_pipelines_its_kernel_groups_ask_for() -> None:
+    from opgrad.compiler.split import DEFINE, pipeline_pieces
+
+    pieces = dict(pipeline_pieces(PIECES))
+    defined = {p: [m.group("name") for line in text.splitlines() if (m := DEFINE.match(line))]
+               for p, text in pieces.items()}
+    # a cold helper follows its kernel; a group asking for two pipelines gets the full one; the
+    # entry asks for none
+    assert defined == {"explicit": ["m.k1.pack", "m.k1"], "streaming": ["m.k2"], "auto": ["m.k3.a", "m.k3", "m"]}
+    assert "define hidden void @m.k2(" in pieces["streaming"]  # called from another piece
+    assert "declare void @m.k2(" in pieces["auto"]
+    unmarked = "\n".join(line.split(' "opgrad-pipeline"')[0] + (" {" if "opgrad-pipeline" in line else "")
+                          for line in PIECES.splitlines()) + "\n"
+    assert pipeline_pieces(unmarked) == [("auto", unmarked)]
+
+
+def test_pieces_compile_with_their_pipelines_into_one_module() -> None:
+    import ctypes
+
+    from opgrad.compiler.jit import NativeModule
+
+    ir = PIECES.replace("define internal void @m.k2(ptr %p) nounwind \"opgrad-pipeline\"=\"streaming\" {\n  ret void",
+                        "define internal void @m.k2(ptr %p) nounwind \"opgrad-pipeline\"=\"streaming\" {\n"
+                        "  store i32 7, ptr %p\n  ret void")
+    f = NativeModule(ir, use_cache=False).cfunc("m", None, ctypes.c_void_p)
+    out = ctypes.c_int32(0)
+    f(ctypes.addressof(out))
+    assert out.value == 7
+
+
+def test_an_unknown_pipeline_is_refused() -> None:
+    from opgrad.compiler.irtext import FunctionEmitter, ModuleEmitter
+
+    with pytest.raises(ValueError, match="unknown optimization pipeline 'fast'; known: auto, explicit"):
+        FunctionEmitter(ModuleEmitter("m"), "m.f", [], pipeline="fast")
+
+
+def test_a_training_step_marks_its_kernels_and_merges_its_repeated_loops() -> None:
+    from opgrad import nn
+    from opgrad.compiler.graph import plan_graph
+    from opgrad.compiler.merge import merge_identical_functions
+
+    model = nn.build_model("mlp")
+    step = nn.TrainStep(model, nn.SGD(), batch_size=4, backend="reference")
+    ir = plan_graph(step.function).ir
+    for pipeline in ("explicit", "streaming"):
+        assert f'"opgrad-pipeline"="{pipeline}"' in ir
+    # the parameter updates differ only in their lengths, which the tasks read at run time
+    assert merge_identical_functions(ir).count("\ndefine ") < ir.count("\ndefine ")

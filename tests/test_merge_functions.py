@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import ctypes
+
 import numpy as np
 
 import opgrad
 from opgrad import ops
+from opgrad.compiler.jit import NativeModule
 from opgrad.compiler.merge import merge_identical_functions
 
 MODULE = """; ModuleID = 'm'
@@ -63,9 +66,15 @@ def test_a_repeated_kernel_group_becomes_entry_points_calling_the_first() -> Non
     assert merge_identical_functions(merged) == merged
 
 
-def test_a_group_whose_helper_is_used_elsewhere_stays() -> None:
+def test_callers_of_a_dropped_helper_call_the_first_groups() -> None:
+    # The graph's entry calls each parallel loop's internal task; a repeated loop must still merge.
     shared = MODULE.replace("%c = call float @m.c(float %x)", "%c = call float @m.b.leaf(float %x)")
-    assert _defined(merge_identical_functions(shared)) == _defined(shared)
+    merged = merge_identical_functions(shared)
+    assert _defined(merged) == ["m.a.leaf", "m.a", "m.b", "m.c.leaf", "m.c", "m"]
+    assert "%c = call float @m.a.leaf(float %x)" in merged and "m.b.leaf" not in merged
+    for text in (shared, merged):
+        f = NativeModule(text, use_cache=False).cfunc("m", ctypes.c_float, ctypes.c_float)
+        np.testing.assert_allclose(f(0.5), 3 * np.exp(0.5), rtol=1e-6)
 
 
 def test_text_without_functions_or_with_stray_text_is_left_alone() -> None:

@@ -361,10 +361,11 @@ class KernelBuilder:
                                writes=writes, flops=flops, detail=detail or self._detail))
         self.workspace_per_thread = max(self.workspace_per_thread, workspace)
 
-    def loop_function(self, name: str, nptrs: int) -> FunctionEmitter:
-        """``internal void name(ptr noalias p0..., i64 lo, i64 hi)``: the body of a parallel loop."""
+    def loop_function(self, name: str, nptrs: int, pipeline: str | None = None) -> FunctionEmitter:
+        """``internal void name(ptr noalias p0..., i64 lo, i64 hi)``: the body of a parallel loop,
+        optimized by ``pipeline`` (default: LLVM's full pipeline)."""
         params = [("ptr noalias", f"p{i}") for i in range(nptrs)] + [("i64", "lo"), ("i64", "hi")]
-        return FunctionEmitter(self.m, name, params, linkage="internal")
+        return FunctionEmitter(self.m, name, params, linkage="internal", pipeline=pipeline)
 
     def add_parallel(self, name: str, buffers: list[int], outer: int, work: int, reads: list[int],
                      writes: list[int]) -> None:
@@ -373,18 +374,24 @@ class KernelBuilder:
         self.steps.append(Step("call", call=call, call_buffers=buffers, reads=reads, writes=writes))
 
     def _parallel_task(self, name: str, n: int, outer: int, work: int) -> str:
-        """Emit ``name.task(ctx, tid, nt)`` running share ``tid`` of ``[0, outer)``; returns the call tag."""
+        """Emit ``name.task(ctx, tid, nt)`` running share ``tid`` of ``[0, outer)``; returns the call tag
+        ``mode:name:outer``.
+
+        The context holds the ``n`` buffer pointers and then ``outer``, so the task's code does not
+        depend on the extent: loops that differ only there (a model's parameter updates) compile
+        once (:mod:`.merge`)."""
         f = FunctionEmitter(self.m, name + ".task", [("ptr", "ctx"), ("i32", "tid"), ("i32", "nt")],
                             linkage="internal")
         ptrs = [f.load("ptr", f.gep("ptr", "%ctx", str(i))) for i in range(n)]
+        outer_value = f.val(f"ptrtoint ptr {f.load('ptr', f.gep('ptr', '%ctx', str(n)))} to i64")
         tid, nt = f.val("sext i32 %tid to i64"), f.val("sext i32 %nt to i64")
-        lo = f.val(f"udiv i64 {f.mul(tid, outer)}, {nt}")
-        hi = f.val(f"udiv i64 {f.mul(f.add(tid, 1), outer)}, {nt}")
+        lo = f.val(f"udiv i64 {f.mul(tid, outer_value)}, {nt}")
+        hi = f.val(f"udiv i64 {f.mul(f.add(tid, 1), outer_value)}, {nt}")
         f.call("void", "@" + name, [("ptr", p) for p in ptrs] + [("i64", lo), ("i64", hi)])
         f.ret_void()
         f.finish()
         parallel = work >= PARALLEL_MIN_ELEMENTS and outer > 1
-        return ("par:" if parallel else "seq:") + name
+        return f"{'par' if parallel else 'seq'}:{name}:{outer}"
 
     # ----- fusion -----
 
@@ -444,7 +451,7 @@ class KernelBuilder:
                 calls.append(self._emit_reduce(st))
             else:
                 calls.append((st.call, st.call_buffers))
-            self.kernel_labels[calls[-1][0].split(":", 1)[-1]] = st.label
+            self.kernel_labels[kernel_name(calls[-1][0])] = st.label
         groups = [[c] for c in calls] if step_entries else [calls]
         for g, group in enumerate(groups):
             self._emit_entry(f"{self.name}.step{g}" if step_entries else self.name, group)
@@ -461,10 +468,11 @@ class KernelBuilder:
         for fn, bufs in calls:
             ptrs = [f.load("ptr", f.gep("ptr", "%bufs", str(b))) for b in bufs]
             if fn.startswith(("par:", "seq:")):
-                mode, base = fn.split(":", 1)
-                ctx = f.alloca(f"[{max(1, len(ptrs))} x ptr]", "ctx", align=8)
+                mode, base, outer = fn.split(":")
+                ctx = f.alloca(f"[{len(ptrs) + 1} x ptr]", "ctx", align=8)
                 for i, p in enumerate(ptrs):
                     f.store("ptr", p, f.gep("ptr", ctx, str(i)))
+                f.store("ptr", f"inttoptr (i64 {outer} to ptr)", f.gep("ptr", ctx, str(len(ptrs))))
                 if mode == "par":
                     f.call("void", "@" + PARALLEL_FOR, [("ptr", f"@{base}.task"), ("ptr", ctx)])
                 else:
@@ -488,7 +496,7 @@ class KernelBuilder:
         shape, strides = collapse(out.shape, [v.strides for v in views])
         name = self.fresh("ew")
         mem = [i for i, v in enumerate(views) if v.is_memory]
-        f = self.loop_function(name, len(mem))
+        f = self.loop_function(name, len(mem), pipeline="streaming")
         ptrs = {i: f.gep(elem_type(views[i].dtype), f"%p{n}", str(views[i].offset)) for n, i in enumerate(mem)}
         int_copy = out.dtype in INT_TYPE  # an int result (a label array returned as is) is only copied
         if int_copy:
@@ -528,7 +536,7 @@ class KernelBuilder:
         kstrides = [[out.strides[n] for n in range(len(keep))] or [0]]
         kstrides += [[v.strides[d] for d in keep] or [0] for v in st.inputs]
         name = self.fresh("red")
-        f = self.loop_function(name, len(mem))
+        f = self.loop_function(name, len(mem), pipeline="streaming")
         t = LLVM_TYPE[s_dtype]
         ptrs = {i: f.gep(elem_type(views[i].dtype), f"%p{n}", str(views[i].offset)) for n, i in enumerate(mem)}
         s = Scalar(f, s_dtype)
@@ -570,6 +578,12 @@ class KernelBuilder:
         nthreads = pool().nthreads
         module = NativeModule(self.finish(), kernel_labels=self.kernel_labels)
         return CompiledGraph(module, self.name, self.workspace_per_thread * nthreads)
+
+
+def kernel_name(call: str) -> str:
+    """The kernel a step's call tag names (``par:name:extent``, ``chk:name`` or ``name``)."""
+    parts = call.split(":")
+    return parts[1] if len(parts) > 1 else parts[0]
 
 
 def _window_is_whole_input(g: Conv2dGeometry) -> bool:

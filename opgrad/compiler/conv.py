@@ -261,7 +261,8 @@ def _emit_col2im(m: ModuleEmitter, g: Conv2dGeometry, name: str, t: str) -> str:
     dh, dw = g.dilation
     top, left = g.pads[0], g.pads[2]
     add_row = _emit_add_strided(m, name + ".row", t)
-    f = FunctionEmitter(m, name, [("ptr", "ctx"), ("i32", "tid"), ("i32", "nt")], linkage="internal")
+    f = FunctionEmitter(m, name, [("ptr", "ctx"), ("i32", "tid"), ("i32", "nt")], linkage="internal",
+                        pipeline="streaming")
     col = f.load("ptr", f.gep("ptr", "%ctx", "0"))
     dx = f.load("ptr", f.gep("ptr", "%ctx", "1"))
     imgs = f.load("i64", f.load("ptr", f.gep("ptr", "%ctx", "2")))
@@ -304,7 +305,7 @@ def _emit_add_strided(m: ModuleEmitter, name: str, t: str) -> str:
     """``dst[i*stride] += src[i]``; noalias (kept as scope metadata when inlined) lets it vectorize."""
     f = FunctionEmitter(
         m, name, [("ptr noalias", "dst"), ("ptr noalias", "src"), ("i64", "n"), ("i64", "stride")],
-        linkage="internal", attrs="nounwind alwaysinline",
+        linkage="internal", attrs="nounwind alwaysinline", pipeline="streaming",
     )
     with f.loop(0, "%n", hint="i") as i:
         d = f.gep(t, "%dst", f.mul(i, "%stride"))

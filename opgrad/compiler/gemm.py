@@ -301,7 +301,7 @@ def _emit_pack(
     window = op.window
     f = FunctionEmitter(
         m, name, [("ptr", "src"), ("ptr", "dst"), ("i64", "lane0"), ("i64", "nlanes"), ("i64", "loop0"),
-                  ("i64", "nloop")], linkage="internal",
+                  ("i64", "nloop")], linkage="internal", pipeline="explicit",
     )
     gather = _gather(m, chunk, t)
     mload = _masked_load(m, chunk, t)
@@ -499,7 +499,7 @@ def _emit_small_gemm(m: ModuleEmitter, base: str, spec: GemmSpec, t: str) -> Non
     in order (in ``ws``), then ``C[i,:] (=|+=) alpha * row``. Each C element is one FMA chain over
     k, as in the packed engine; the j loop is left to LLVM's vectorizer."""
     fma = m.fma(t)
-    f = FunctionEmitter(m, base, [("ptr", "a"), ("ptr", "b"), ("ptr", "c"), ("ptr", "ws")])
+    f = FunctionEmitter(m, base, [("ptr", "a"), ("ptr", "b"), ("ptr", "c"), ("ptr", "ws")], pipeline="streaming")
     row = "%ws"
     with f.loop(0, spec.m, hint="i") as i:
         a_row, _, _ = spec.a.rows.terms(f, i)
@@ -537,7 +537,7 @@ def _emit_block(m: ModuleEmitter, base: str, plan: GemmPlan, t: str) -> None:
     fma = m.fma(vt)
     f = FunctionEmitter(
         m, base + ".block", [("ptr", "a"), ("ptr", "b"), ("ptr", "c"), ("ptr", "ws"), ("i64", "m0"),
-                             ("i64", "m1"), ("i64", "n0"), ("i64", "n1")], linkage="internal",
+                             ("i64", "m1"), ("i64", "n0"), ("i64", "n1")], linkage="internal", pipeline="explicit",
     )
     ap = "%ws"
     bp = f.gep("i8", "%ws", str(round_up(round_up(b.mc, mr) * plan.kc * esize, 64)))

@@ -12,6 +12,8 @@ import struct
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+from .split import pipeline_attribute
+
 #: LLVM scalar type for each supported numpy dtype name.
 LLVM_TYPE = {"float32": "float", "float64": "double"}
 BYTES = {"float32": 4, "float64": 8}
@@ -129,8 +131,14 @@ class FunctionEmitter:
         ret: str = "void",
         linkage: str = "",
         attrs: str = "nounwind",
+        pipeline: str | None = None,
     ) -> None:
+        """``pipeline`` names the optimization the function needs (see
+        :func:`opgrad.compiler.split.pipeline_pieces`); None leaves the choice to its kernel's other
+        functions."""
         self.module = module
+        if pipeline is not None:
+            attrs = f"{attrs} {pipeline_attribute(pipeline)}"
         self.name = name
         self.ret = ret
         self._header = (

@@ -1,4 +1,4 @@
-"""Host JIT: optimize LLVM IR text at O3 for this CPU in a crash-proof worker, cache objects on disk.
+"""Host JIT: optimize LLVM IR text for this CPU in a crash-proof worker, cache objects on disk.
 
 Everything above this module produces LLVM IR *text*; this module and :mod:`.llvm_worker` are the
 only places that talk to llvmlite's binding layer. Optimization and code generation run in a
@@ -47,14 +47,14 @@ from opgrad.errors import CompileError, CompileWarning
 
 from . import llvm_worker
 from .merge import merge_identical_functions
-from .split import DEFINE, isolate_kernels, split_module
+from .split import DEFINE, isolate_kernels, pipeline_pieces, split_module
 from .target import HostTarget, Target, ensure_native_initialized, host_target
 
 __all__ = ["ENGINE_VERSION", "Codegen", "HostTarget", "NativeModule", "ObjectCache", "build_object", "cache_key",
            "host_target", "object_code"]
 
 #: Bump when the optimization pipeline, target-machine options or cache format change.
-ENGINE_VERSION = "opgrad-engine-2"
+ENGINE_VERSION = "opgrad-engine-3"
 
 _MAGIC = b"OPGRDOB2"
 _HEADER = struct.Struct("<8s32sQ32s")  # magic, sha256 key, payload length, sha256(payload)
@@ -224,13 +224,16 @@ class CompileWorker:
 
     def compile(self, ir_text: str, vectorize: bool, codegen: Codegen | None = None) -> bytes:
         """The object for ``ir_text``; raises WorkerDied if the worker crashes, CompileError on bad IR."""
-        options = json.dumps((codegen or host_jit()).request(vectorize)).encode()
-        ir = ir_text.encode()
+        pieces = pipeline_pieces(ir_text)
+        request = (codegen or host_jit()).request(vectorize)
+        request["pipelines"] = [pipeline for pipeline, _ in pieces]
+        options = json.dumps(request).encode()
+        texts = [text.encode() for _, text in pieces]
         proc = self._proc
         assert proc.stdin is not None and proc.stdout is not None
         try:
             proc.stdin.write(llvm_worker.REQUEST_HEADER.pack(len(options)) + options
-                             + llvm_worker.PAYLOAD_LENGTH.pack(len(ir)) + ir)
+                             + b"".join(llvm_worker.PAYLOAD_LENGTH.pack(len(t)) + t for t in texts))
             proc.stdin.flush()
         except (BrokenPipeError, OSError):
             raise self._died() from None
@@ -285,34 +288,49 @@ def _shorten_llvm_message(line: str) -> str:
 
 def close_worker() -> None:
     """End this process's compile workers, if any; the next compile starts new ones."""
-    global _worker
     with _worker_lock:
-        for worker in [_worker, *_part_workers]:
-            if worker is not None and worker.pid_of_owner == os.getpid():
+        for worker in _workers:
+            if worker.pid_of_owner == os.getpid():
                 worker.close()
-        _worker = None
-        _part_workers.clear()
+        _workers.clear()
 
 
-_worker: CompileWorker | None = None
-_part_workers: list[CompileWorker] = []  # more workers, for the parts of a module cut by split_module
+_workers: list[CompileWorker] = []  # this process's workers; the first also builds modules that are not cut
 _worker_lock = threading.Lock()
 atexit.register(close_worker)
 
 
-def _isolated_object(ir_text: str, vectorize: bool, codegen: Codegen | None = None) -> bytes:
-    """Compile in the process-wide worker (started on first use; a forked child starts its own)."""
-    global _worker
+def _live_workers(count: int) -> list[CompileWorker]:
+    """The first ``count`` workers, started where missing (call with ``_worker_lock`` held). A dead
+    worker is dropped; a forked child leaves its parent's workers alone and starts its own."""
+    for worker in _workers:
+        if worker.pid_of_owner == os.getpid() and not worker.alive:
+            worker.close()
+    _workers[:] = [w for w in _workers if w.alive and w.pid_of_owner == os.getpid()]
+    while len(_workers) < count:
+        _workers.append(CompileWorker())
+    return _workers[:count]
+
+
+def start_workers_for(ir_text: str) -> None:
+    """Start, without waiting, the workers that compiling ``ir_text`` will use, unless its object
+    is cached: a worker takes about 0.1 s to start, which then overlaps the caller's own work
+    before the compile (the thread pool's module, buffers). Compiling without this is the same,
+    only later."""
+    if compile_in_process_setting() or ObjectCache().path(cache_key(ir_text)).exists():
+        return
     with _worker_lock:
-        if _worker is None or not _worker.alive or _worker.pid_of_owner != os.getpid():
-            if _worker is not None and _worker.pid_of_owner == os.getpid():
-                _worker.close()
-            _worker = CompileWorker()
-        worker = _worker
+        _live_workers(max(1, _part_count(len(ir_text))))
+
+
+def _isolated_object(ir_text: str, vectorize: bool, codegen: Codegen | None = None) -> bytes:
+    """Compile in the process's first worker (started on first use; a forked child starts its own)."""
+    with _worker_lock:
+        worker = _live_workers(1)[0]
         try:
             return worker.compile(ir_text, vectorize, codegen)
         except WorkerDied:
-            _worker = None
+            _workers.remove(worker)
             raise
 
 
@@ -325,22 +343,26 @@ SPLIT_MIN_CHARS = 150_000
 SPLIT_PART_CHARS = 60_000
 
 
+def _part_count(chars: int) -> int:
+    """How many parts a module of ``chars`` IR characters is compiled in (1: whole)."""
+    if chars < SPLIT_MIN_CHARS:
+        return 1
+    return max(1, min(available_cpus(), 8, chars // SPLIT_PART_CHARS))
+
+
 def _split_objects(ir_text: str) -> list[bytes] | None:
     """Objects for the parts of ``ir_text``, compiled at once in one worker each (as many as the CPUs
     this process may use); None when the module is not worth cutting or a worker crashed (the
     caller then builds it whole, which finds and reports the crashing kernel)."""
     ir_text = merge_identical_functions(ir_text)  # before sizing the parts: repeated kernels compile once
-    parts = min(available_cpus(), 8, len(ir_text) // SPLIT_PART_CHARS)
-    if len(ir_text) < SPLIT_MIN_CHARS or parts < 2 or compile_in_process_setting():
+    parts = _part_count(len(ir_text))
+    if parts < 2 or compile_in_process_setting():
         return None
     texts = split_module(isolate_kernels(ir_text), parts)
     if len(texts) < 2:
         return None
     with _worker_lock:
-        _part_workers[:] = [w for w in _part_workers if w.alive and w.pid_of_owner == os.getpid()]
-        while len(_part_workers) < len(texts):
-            _part_workers.append(CompileWorker())
-        workers = _part_workers[: len(texts)]
+        workers = _live_workers(len(texts))
         results: list[bytes | BaseException | None] = [None] * len(texts)
 
         def run(i: int) -> None:
@@ -355,8 +377,7 @@ def _split_objects(ir_text: str) -> list[bytes] | None:
         for t in threads:
             t.join()
         if any(isinstance(r, WorkerDied) for r in results):
-            _part_workers[:] = [w for w in _part_workers if w.alive]
-            return None
+            return None  # _live_workers replaces the dead ones
     for r in results:
         if isinstance(r, BaseException):
             raise r
@@ -460,7 +481,7 @@ def build_object(ir_text: str, what: str = "", kernel_labels: Mapping[str, str] 
     ir_text = merge_identical_functions(ir_text)
     ir_text = isolate_kernels(ir_text)  # the same code as the parts of a split build (see split.py)
     if compile_in_process_setting():
-        return llvm_worker.compile_object(ir_text, host.triple, host.cpu, host.features,
+        return llvm_worker.compile_object(pipeline_pieces(ir_text), host.triple, host.cpu, host.features,
                                           **_object_options(codegen))
     try:
         return _isolated_object(ir_text, True, codegen)

@@ -12,9 +12,10 @@ the same :func:`target_machine` and :func:`optimize` so both sides build identic
 
 Protocol, one exchange per compile (all integers little-endian):
 
-* request: ``u32`` length + JSON ``{"triple", "cpu", "features", "vectorize"}`` (plus ``"reloc"``,
-  ``"codemodel"`` and ``"jit": false`` for an object linked outside this process, e.g. for another
-  architecture), then ``u64`` length + the IR text (UTF-8);
+* request: ``u32`` length + JSON ``{"triple", "cpu", "features", "vectorize", "pipelines"}`` (plus
+  ``"reloc"``, ``"codemodel"`` and ``"jit": false`` for an object linked outside this process, e.g.
+  for another architecture), then for each name in ``pipelines`` a ``u64`` length + the IR text
+  (UTF-8) of the piece to optimize with that pipeline; the pieces are linked into one object;
 * reply: one status byte (``0`` object follows, ``1`` an error message follows), ``u64`` length,
   then the object bytes or the UTF-8 message.
 """
@@ -24,6 +25,8 @@ from __future__ import annotations
 import json
 import struct
 import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import IO
 
 import llvmlite.binding as llvm
@@ -49,29 +52,67 @@ def target_machine(triple: str, cpu: str, features: str, reloc: str = "default",
     )
 
 
-def optimize(module: llvm.ModuleRef, tm: llvm.TargetMachine, vectorize: bool = True) -> None:
-    """The new pass manager's O3 pipeline; ``vectorize=False`` leaves out the loop vectorizer."""
-    pto = llvm.create_pipeline_tuning_options(speed_level=3)
-    pto.loop_vectorization = vectorize
-    pto.slp_vectorization = True
-    pto.loop_unrolling = True
-    pto.loop_interleaving = vectorize
+@dataclass(frozen=True)
+class Pipeline:
+    """The new pass manager's tuning of one optimization pipeline."""
+
+    speed_level: int
+    loop_vectorization: bool
+    slp_vectorization: bool
+    loop_unrolling: bool
+    loop_interleaving: bool
+
+
+#: The pipelines an emitter may ask for by name (``opgrad.compiler.split.pipeline_attribute``).
+#: ``auto`` is LLVM's full O3, for loops the compiler must vectorize and unroll. ``explicit`` is
+#: for code its emitter has already vectorized and register-tiled: O2 with the SLP vectorizer,
+#: which still packs the odd scalar tail, and without the loop passes, which find nothing left to
+#: do there but take most of the time. ``streaming`` is for memory-bound loops: vectorized, but
+#: neither unrolled nor interleaved, which their speed does not notice. ``cold`` is for fallbacks
+#: that run only on rare inputs.
+PIPELINES = {
+    "auto": Pipeline(3, True, True, True, True),
+    "explicit": Pipeline(2, False, True, False, False),
+    "streaming": Pipeline(2, True, False, False, False),
+    "cold": Pipeline(1, False, False, False, False),
+}
+
+
+def optimize(module: llvm.ModuleRef, tm: llvm.TargetMachine, pipeline: str = "auto", vectorize: bool = True) -> None:
+    """Run the named pipeline (:data:`PIPELINES`); ``vectorize=False`` leaves out the loop vectorizer."""
+    p = PIPELINES[pipeline]
+    pto = llvm.create_pipeline_tuning_options(speed_level=p.speed_level)
+    pto.loop_vectorization = p.loop_vectorization and vectorize
+    pto.slp_vectorization = p.slp_vectorization
+    pto.loop_unrolling = p.loop_unrolling
+    pto.loop_interleaving = p.loop_interleaving and vectorize
     pb = llvm.create_pass_builder(tm, pto)
     pm = pb.getModulePassManager()
     pm.run(module, pb)
 
 
-def compile_object(ir_text: str, triple: str, cpu: str, features: str, vectorize: bool = True,
+def compile_object(pieces: Sequence[tuple[str, str]], triple: str, cpu: str, features: str, vectorize: bool = True,
                    reloc: str = "default", codemodel: str = "jitdefault", jit: bool = True) -> bytes:
-    """Parse, verify, optimize and emit ``ir_text``; raises RuntimeError on invalid IR."""
-    module = llvm.parse_assembly(ir_text)
-    module.verify()
+    """Parse, verify and optimize each ``(pipeline, IR text)`` piece, link them and emit one object;
+    raises RuntimeError on invalid IR or an unknown pipeline."""
     tm = target_machine(triple, cpu, features, reloc, codemodel, jit)
-    if not jit:  # an object for a linker: it records its triple and layout, as clang's would
-        module.triple = triple
-        module.data_layout = str(tm.target_data)
-    optimize(module, tm, vectorize)
-    return bytes(tm.emit_object(module))
+    linked: llvm.ModuleRef | None = None
+    for pipeline, ir_text in pieces:
+        if pipeline not in PIPELINES:
+            raise RuntimeError(f"unknown optimization pipeline {pipeline!r}; known: {', '.join(PIPELINES)}")
+        module = llvm.parse_assembly(ir_text)
+        module.verify()
+        if not jit:  # an object for a linker: it records its triple and layout, as clang's would
+            module.triple = triple
+            module.data_layout = str(tm.target_data)
+        optimize(module, tm, pipeline, vectorize)
+        if linked is None:
+            linked = module
+        else:
+            linked.link_in(module)
+    if linked is None:
+        raise RuntimeError("nothing to compile: no IR was given")
+    return bytes(tm.emit_object(linked))
 
 
 def read_exact(stream: IO[bytes], n: int) -> bytes | None:
@@ -86,6 +127,15 @@ def read_exact(stream: IO[bytes], n: int) -> bytes | None:
     return b"".join(chunks)
 
 
+def read_payload(stream: IO[bytes]) -> str | None:
+    """One ``u64`` length + UTF-8 text, or None at end of stream."""
+    size = read_exact(stream, PAYLOAD_LENGTH.size)
+    if size is None:
+        return None
+    blob = read_exact(stream, PAYLOAD_LENGTH.unpack(size)[0])
+    return None if blob is None else blob.decode()
+
+
 def serve(inp: IO[bytes], out: IO[bytes]) -> None:
     """Answer requests until the parent closes the pipe."""
     llvm.initialize_native_target()
@@ -96,15 +146,17 @@ def serve(inp: IO[bytes], out: IO[bytes]) -> None:
             return
         (n,) = REQUEST_HEADER.unpack(head)
         options_blob = read_exact(inp, n)
-        size_blob = read_exact(inp, PAYLOAD_LENGTH.size)
-        if options_blob is None or size_blob is None:
-            return
-        ir_blob = read_exact(inp, PAYLOAD_LENGTH.unpack(size_blob)[0])
-        if ir_blob is None:
+        if options_blob is None:
             return
         options = json.loads(options_blob)
+        pieces = []
+        for pipeline in options["pipelines"]:
+            text = read_payload(inp)
+            if text is None:
+                return
+            pieces.append((str(pipeline), text))
         try:
-            payload = compile_object(ir_blob.decode(), options["triple"], options["cpu"], options["features"],
+            payload = compile_object(pieces, options["triple"], options["cpu"], options["features"],
                                      bool(options.get("vectorize", True)), str(options.get("reloc", "default")),
                                      str(options.get("codemodel", "jitdefault")), bool(options.get("jit", True)))
             status = STATUS_OBJECT

@@ -11,8 +11,10 @@ A kernel group is the builder's unit: the functions named ``<module>.<kernel>[.<
 (see :mod:`opgrad.compiler.split`). Two groups are equal when their text is, once each group's own
 prefix is made neutral. The later group keeps its entry points (its functions that are not
 internal, which the graph and Python call by name), each now a tail call to the first group's
-counterpart, and loses its internal helpers. Whole groups merge or none, so no kernel ever calls
-into another kernel's helpers: splitting a module into parts and inlining stay as they were.
+counterpart, and loses its internal helpers; whoever called an internal function of the later
+group from outside (the graph's entry calls a parallel loop's task) calls the first group's
+instead. Whole groups merge or none, so splitting a module into parts and inlining stay as they
+were.
 """
 
 from __future__ import annotations
@@ -93,6 +95,7 @@ def merge_identical_functions(ir_text: str) -> str:
 
     first_with: dict[str, str] = {}
     replacement: dict[str, str] = {}  # function name -> its new text ("" to drop it)
+    renamed: dict[str, str] = {}  # dropped internal function -> the first copy, which its callers now call
     for group, members in groups.items():
         if len(group.split(".")) < 2:
             continue  # the module's own functions (the graph entry) are not kernels
@@ -106,11 +109,12 @@ def merge_identical_functions(ir_text: str) -> str:
         if kept == group:
             continue
         new: dict[str, str] = {}
+        new_names: dict[str, str] = {}
         for name, text in members:
             if text.startswith("define internal"):
-                if name in outside_refs:
-                    break
                 new[name] = ""
+                if name in outside_refs:  # an internal task the graph calls: call the first copy instead
+                    new_names[name] = kept + name[len(group):]
             else:
                 wrapper = _wrapper(text, kept + name[len(group):])
                 if wrapper is None:
@@ -118,7 +122,11 @@ def merge_identical_functions(ir_text: str) -> str:
                 new[name] = wrapper
         else:
             replacement.update(new)
+            renamed.update(new_names)
     if not replacement:
         return ir_text
     body = "".join(replacement.get(name, text) for name, text in functions)
-    return header + body + trailer
+    text = header + body + trailer
+    if renamed:
+        text = _GLOBAL_NAME.sub(lambda m: "@" + renamed.get(m.group(1), m.group(1)), text)
+    return text

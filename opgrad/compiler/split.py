@@ -18,12 +18,25 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-__all__ = ["DEFINE", "isolate_kernels", "split_module"]
+from .llvm_worker import PIPELINES
+
+__all__ = ["AUTO_PIPELINE", "DEFINE", "PIPELINE_KEY", "isolate_kernels", "pipeline_attribute", "pipeline_pieces",
+           "split_module"]
 
 #: One function definition's first line, as the emitters write it.
 DEFINE = re.compile(r"^define (?:internal )?(?P<ret>[^@]*) @(?P<name>[^(]+)\((?P<params>[^)]*)\)(?P<attrs>[^{]*)\{$")
 _REFERENCE = re.compile(r"@([A-Za-z0-9_.$-]+)")
 _MUTABLE_GLOBAL = re.compile(r"^@\S+ = (?:[a-z_]+ )*global ")
+#: The string function attribute that names a function's optimization pipeline, and the default.
+PIPELINE_KEY = "opgrad-pipeline"
+AUTO_PIPELINE = "auto"
+_PIPELINE = re.compile(rf'"{PIPELINE_KEY}"="(\w+)"')
+#: Relative compile time per character of IR under each pipeline, and per function whatever its
+#: size (LLVM's fixed work per function), as measured over a training step's kernels. The parts
+#: are balanced by these, not by length alone: a line of a loop that the loop vectorizer widens
+#: costs about twice a line of explicit vector code.
+COST_PER_CHARACTER = {"auto": 1.6, "streaming": 1.8, "explicit": 1.0, "cold": 1.0}
+COST_PER_FUNCTION = 1000.0
 
 
 @dataclass
@@ -70,9 +83,9 @@ def isolate_kernels(ir_text: str) -> str:
     return "\n".join(out) + "\n"
 
 
-def split_module(ir_text: str, parts: int) -> list[str]:
-    """``ir_text`` as at most ``parts`` modules that together define every function once; the
-    module itself (a one-element list) when it cannot or need not be cut."""
+def _parse(ir_text: str) -> tuple[list[str], list[_Function]] | None:
+    """The module's header lines (everything outside functions) and its functions; None when it
+    must stay whole: it has a global that is not a constant, or an unterminated function."""
     header: list[str] = []
     functions: list[_Function] = []
     current: _Function | None = None
@@ -85,26 +98,20 @@ def split_module(ir_text: str, parts: int) -> list[str]:
         m = DEFINE.match(line)
         if m is None:
             if _MUTABLE_GLOBAL.match(line):
-                return [ir_text]
+                return None
             header.append(line)
             continue
         declaration = f"declare {m.group('ret')} @{m.group('name')}({m.group('params')}){m.group('attrs')}"
         current = _Function(m.group("name"), [line], declaration, _group_of(m.group("name")))
         functions.append(current)
     if current is not None:
-        return [ir_text]  # an unterminated function: leave the text to LLVM's parser to report
-    sizes: dict[str, int] = {}
-    for fn in functions:
-        sizes[fn.group] = sizes.get(fn.group, 0) + sum(len(line) for line in fn.lines)
-    parts = min(parts, len(sizes))
-    if parts < 2:
-        return [ir_text]
-    load = [0] * parts
-    owner: dict[str, int] = {}
-    for group in sorted(sizes, key=lambda g: -sizes[g]):
-        lightest = load.index(min(load))
-        owner[group] = lightest
-        load[lightest] += sizes[group]
+        return None  # leave the text to LLVM's parser to report
+    return header, functions
+
+
+def _cut(header: list[str], functions: list[_Function], owner: dict[str, int], parts: int) -> list[str]:
+    """One module per part: the functions of the groups ``owner`` gives it, declarations of the
+    rest; a function another part calls becomes external (hidden) so the linker can join them."""
     part_of = {fn.name: owner[fn.group] for fn in functions}
     called_across = set()
     for fn in functions:
@@ -126,3 +133,73 @@ def split_module(ir_text: str, parts: int) -> list[str]:
             out.extend(fn.lines[1:])
         texts.append("\n".join(out) + "\n")
     return texts
+
+
+def split_module(ir_text: str, parts: int) -> list[str]:
+    """``ir_text`` as at most ``parts`` modules that together define every function once; the
+    module itself (a one-element list) when it cannot or need not be cut."""
+    parsed = _parse(ir_text)
+    if parsed is None:
+        return [ir_text]
+    header, functions = parsed
+    pipelines = _group_pipelines(functions)
+    sizes: dict[str, float] = {}
+    for fn in functions:
+        cost = COST_PER_FUNCTION + sum(len(line) for line in fn.lines) * COST_PER_CHARACTER[pipelines[fn.group]]
+        sizes[fn.group] = sizes.get(fn.group, 0) + cost
+    parts = min(parts, len(sizes))
+    if parts < 2:
+        return [ir_text]
+    load = [0.0] * parts
+    owner: dict[str, int] = {}
+    for group in sorted(sizes, key=lambda g: -sizes[g]):
+        lightest = load.index(min(load))
+        owner[group] = lightest
+        load[lightest] += sizes[group]
+    return _cut(header, functions, owner, parts)
+
+
+def pipeline_attribute(pipeline: str) -> str:
+    """The function attribute by which an emitter asks for ``pipeline`` (see :func:`pipeline_pieces`)."""
+    if pipeline not in PIPELINES:
+        raise ValueError(f"unknown optimization pipeline {pipeline!r}; known: {', '.join(PIPELINES)}")
+    return f'"{PIPELINE_KEY}"="{pipeline}"'
+
+
+def _group_pipelines(functions: list[_Function]) -> dict[str, str]:
+    """Each group's pipeline: the one its functions ask for; ``auto`` when they ask for none, or
+    for different ones (``auto`` does what every other pipeline does, and more)."""
+    asked: dict[str, set[str]] = {}
+    for fn in functions:
+        votes = asked.setdefault(fn.group, set())
+        if (m := _PIPELINE.search(fn.lines[0])) is not None:
+            votes.add(m.group(1))
+    chosen = {}
+    for group, votes in asked.items():
+        if len(votes) > 1:
+            votes -= {"cold"}  # cold helpers (fallbacks) follow their kernel's pipeline
+        chosen[group] = votes.pop() if len(votes) == 1 else AUTO_PIPELINE
+    return chosen
+
+
+def pipeline_pieces(ir_text: str) -> list[tuple[str, str]]:
+    """``ir_text`` cut by optimization pipeline: ``(pipeline, module text)`` for each pipeline its
+    kernel groups ask for, in a fixed order; the whole module as one piece when it cannot be cut.
+
+    Why: optimizing a training step at O3 spends most of its time re-vectorizing and unrolling
+    code that is already explicit vector code, register-tiled by its emitter, or a memory-bound
+    loop that unrolling does not speed up. An emitter names what its function needs with
+    :func:`pipeline_attribute`; the pieces are optimized apart and linked before code generation.
+    The cut follows the groups, as :func:`split_module`'s does, so a kernel is optimized the same
+    way whether its module is compiled whole or in parts.
+    """
+    parsed = _parse(ir_text)
+    if parsed is None:
+        return [(AUTO_PIPELINE, ir_text)]
+    header, functions = parsed
+    chosen = _group_pipelines(functions)
+    order = sorted(set(chosen.values()))
+    if len(order) < 2:
+        return [(order[0] if order else AUTO_PIPELINE, ir_text)]
+    owner = {group: order.index(pipeline) for group, pipeline in chosen.items()}
+    return list(zip(order, _cut(header, functions, owner, len(order)), strict=True))

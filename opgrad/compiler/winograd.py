@@ -253,9 +253,11 @@ class WinogradEmitter:
         return [[self.lincomb(f, [(right[b][j], rows[a][j]) for j in range(len(x[0]))], vector)
                  for b in range(len(right))] for a in range(len(left))]
 
-    def task(self, name: str, nctx: int) -> tuple[FunctionEmitter, list[str], str, str]:
-        """A parallel-for task: its emitter, the context pointers, tid and thread count as i64."""
-        f = FunctionEmitter(self.mod, name, [("ptr", "ctx"), ("i32", "tid"), ("i32", "nt")], linkage="internal")
+    def task(self, name: str, nctx: int, pipeline: str = "explicit") -> tuple[FunctionEmitter, list[str], str, str]:
+        """A parallel-for task: its emitter, the context pointers, tid and thread count as i64.
+        Tasks are explicit vector code unless they say otherwise (``pipeline="cold"``)."""
+        f = FunctionEmitter(self.mod, name, [("ptr", "ctx"), ("i32", "tid"), ("i32", "nt")], linkage="internal",
+                            pipeline=pipeline)
         ptrs = [f.load("ptr", f.gep("ptr", "%ctx", str(i))) for i in range(nctx)]
         return f, ptrs, f.val("sext i32 %tid to i64"), f.val("sext i32 %nt to i64")
 
@@ -488,7 +490,7 @@ class WinogradEmitter:
         where the direct sum gives an infinity; the direct sum puts NaN and infinities exactly
         where the reference does."""
         p, t = self.p, self.t
-        f, (x, w, y), tid, nt = self.task(name, 3)
+        f, (x, w, y), tid, nt = self.task(name, 3, pipeline="cold")
         lo, hi = self.share(f, tid, nt, p.n * p.cout)
         s0, s1, s2, s3 = p.weight_strides
         fma = self.mod.fma(t)

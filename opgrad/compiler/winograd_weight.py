@@ -239,7 +239,7 @@ class WeightGradEmitter(WinogradEmitter):
         """Task over output channels: every tap's sum over images and output pixels, directly (only
         after a non-finite result: it puts NaN and infinities where the reference does)."""
         p, t = self.p, self.t
-        f, (x, dy, dw), tid, nt = self.task(name, 3)
+        f, (x, dy, dw), tid, nt = self.task(name, 3, pipeline="cold")
         lo, hi = self.share(f, tid, nt, p.cout)
         s0, s1, s2, s3 = p.weight_strides
         fma = self.mod.fma(t)
