@@ -37,7 +37,7 @@ from opgrad.replicas import raise_pending
 from .builder import KernelBuilder
 from .hostcall import register_host_symbols
 from .irtext import ModuleEmitter
-from .jit import CompileTimes, NativeModule, start_workers_for
+from .jit import CompileTimes, NativeModule
 from .steploop import LOOP_NAN, LOOP_RANGE, STATUS_WORDS, STOP_ON_NAN, LoopCheck, LoopStopped, StepLoop, emit_step_loop
 from .threads import pool
 from .views import ELEMENT_BYTES, View, identity
@@ -317,11 +317,12 @@ class CompiledFunction:
         self.plan_seconds = time.perf_counter() - t0  # lowering, fusion, buffer plan and IR text
         self.fused, self.arena_bytes, self.steps = plan.fused, plan.arena_bytes, plan.steps
         self.step_labels = plan.step_labels
-        start_workers_for(plan.ir)  # they start while the thread pool's module is loaded or built
         register_host_symbols()
-        nthreads = pool().nthreads
         self.ir = plan.ir
-        self._module = NativeModule(self.ir, what=_describe(fn), kernel_labels=plan.kernel_labels)
+        # The thread pool's module (which the step calls) is built after the step's objects, in a
+        # worker already started for them, rather than first and waiting for a worker of its own.
+        self._module = NativeModule(self.ir, what=_describe(fn), kernel_labels=plan.kernel_labels, before_load=pool)
+        nthreads = pool().nthreads
         self.times: CompileTimes = self._module.times
         self.cache_hit = self.times.cache_hit
         self._fn = self._module.cfunc(plan.name, None, ctypes.c_void_p, ctypes.c_void_p)

@@ -33,7 +33,7 @@ import tempfile
 import threading
 import time
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -312,17 +312,6 @@ def _live_workers(count: int) -> list[CompileWorker]:
     return _workers[:count]
 
 
-def start_workers_for(ir_text: str) -> None:
-    """Start, without waiting, the workers that compiling ``ir_text`` will use, unless its object
-    is cached: a worker takes about 0.1 s to start, which then overlaps the caller's own work
-    before the compile (the thread pool's module, buffers). Compiling without this is the same,
-    only later."""
-    if compile_in_process_setting() or ObjectCache().path(cache_key(ir_text)).exists():
-        return
-    with _worker_lock:
-        _live_workers(max(1, _part_count(len(ir_text))))
-
-
 def _isolated_object(ir_text: str, vectorize: bool, codegen: Codegen | None = None) -> bytes:
     """Compile in the process's first worker (started on first use; a forked child starts its own)."""
     with _worker_lock:
@@ -558,6 +547,8 @@ class NativeModule:
 
     ``use_cache=False`` bypasses the disk cache (used by tests and when the IR is throwaway).
     ``what`` and ``kernel_labels`` only make compile errors name the function and its ops.
+    ``before_load`` runs after the object is built and before it is linked: it can build the
+    module that defines the symbols this one calls, in workers this build has already started.
     """
 
     ir_text: str
@@ -567,6 +558,7 @@ class NativeModule:
     key: str = ""
     what: str = ""
     kernel_labels: Mapping[str, str] | None = None
+    before_load: Callable[[], object] | None = None
 
     def __post_init__(self) -> None:
         _ensure_initialized()
@@ -582,6 +574,8 @@ class NativeModule:
         else:
             objects = unpack_objects(payload)
             self.times.cache_hit = True
+        if self.before_load is not None:
+            self.before_load()
         t1 = time.perf_counter()
         self._engine = llvm.create_mcjit_compiler(llvm.parse_assembly(""), _target_machine())
         self.times.parts = len(objects)

@@ -500,17 +500,15 @@ class WinogradEmitter:
             src = f.gep(t, x, f.mul(img, p.cin * p.h * p.w))
             with f.loop(0, p.oh, hint="oy") as oy, f.loop(0, p.ow, hint="ox") as ox:
                 f.store(t, self.const(0.0, False), acc)
-                with f.loop(0, p.cin, hint="ci") as ci:
+                # The taps are loops, not unrolled: this code is cold, and small code compiles fast.
+                with f.loop(0, p.cin, hint="ci") as ci, f.loop(0, 3, hint="kh") as kh, f.loop(0, 3, hint="kw") as kw:
                     wbase = f.add(f.add(f.mul(co, s0), f.mul(ci, s1)), p.weight_base)
-                    for kh in range(3):
-                        iy = f.add(oy, kh - p.top)
-                        for kw in range(3):
-                            ix = f.add(ox, kw - p.left)
-                            inside = f.val(f"and i1 {f.icmp('ult', iy, p.h)}, {f.icmp('ult', ix, p.w)}")
-                            with f.if_then(inside, "tap"):
-                                xv = f.load(t, f.gep(t, src, f.add(f.mul(f.add(f.mul(ci, p.h), iy), p.w), ix)))
-                                wv = f.load(t, f.gep(t, w, f.add(wbase, kh * s2 + kw * s3)))
-                                f.store(t, f.call(t, fma, [(t, wv), (t, xv), (t, f.load(t, acc))]), acc)
+                    iy, ix = f.sub(f.add(oy, kh), p.top), f.sub(f.add(ox, kw), p.left)
+                    inside = f.val(f"and i1 {f.icmp('ult', iy, p.h)}, {f.icmp('ult', ix, p.w)}")
+                    with f.if_then(inside, "tap"):
+                        xv = f.load(t, f.gep(t, src, f.add(f.mul(f.add(f.mul(ci, p.h), iy), p.w), ix)))
+                        wv = f.load(t, f.gep(t, w, f.add(wbase, f.add(f.mul(kh, s2), f.mul(kw, s3)))))
+                        f.store(t, f.call(t, fma, [(t, wv), (t, xv), (t, f.load(t, acc))]), acc)
                 out = f.gep(t, y, f.add(f.mul(pl, p.oh * p.ow), f.add(f.mul(oy, p.ow), ox)))
                 f.store(t, f.load(t, acc), out)
         f.ret_void()

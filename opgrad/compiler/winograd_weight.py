@@ -244,21 +244,21 @@ class WeightGradEmitter(WinogradEmitter):
         s0, s1, s2, s3 = p.weight_strides
         fma = self.mod.fma(t)
         acc = f.alloca(t, "acc")
-        with f.loop(lo, hi, hint="o") as o, f.loop(0, p.cin, hint="c") as c:
-            for kh in range(3):
-                for kw in range(3):
-                    f.store(t, self.const(0.0, False), acc)
-                    with f.loop(0, p.n, hint="n") as img, f.loop(0, p.oh, hint="oy") as oy:
-                        iy = f.add(oy, kh - p.top)
-                        with f.if_then(f.icmp("ult", iy, p.h), "row"), f.loop(0, p.ow, hint="ox") as ox:
-                            ix = f.add(ox, kw - p.left)
-                            with f.if_then(f.icmp("ult", ix, p.w), "col"):
-                                xi = f.add(f.mul(f.add(f.mul(f.add(f.mul(img, p.cin), c), p.h), iy), p.w), ix)
-                                gi = f.add(f.mul(f.add(f.mul(f.add(f.mul(img, p.cout), o), p.oh), oy), p.ow), ox)
-                                xv, gv = f.load(t, f.gep(t, x, xi)), f.load(t, f.gep(t, dy, gi))
-                                f.store(t, f.call(t, fma, [(t, gv), (t, xv), (t, f.load(t, acc))]), acc)
-                    tap = f.add(f.add(f.mul(o, s0), f.mul(c, s1)), p.weight_base + kh * s2 + kw * s3)
-                    f.store(t, f.load(t, acc), f.gep(t, dw, tap))
+        # The taps are loops, not unrolled: this code is cold, and small code compiles fast.
+        with (f.loop(lo, hi, hint="o") as o, f.loop(0, p.cin, hint="c") as c, f.loop(0, 3, hint="kh") as kh,
+              f.loop(0, 3, hint="kw") as kw):
+            f.store(t, self.const(0.0, False), acc)
+            with f.loop(0, p.n, hint="n") as img, f.loop(0, p.oh, hint="oy") as oy:
+                iy = f.sub(f.add(oy, kh), p.top)
+                with f.if_then(f.icmp("ult", iy, p.h), "row"), f.loop(0, p.ow, hint="ox") as ox:
+                    ix = f.sub(f.add(ox, kw), p.left)
+                    with f.if_then(f.icmp("ult", ix, p.w), "col"):
+                        xi = f.add(f.mul(f.add(f.mul(f.add(f.mul(img, p.cin), c), p.h), iy), p.w), ix)
+                        gi = f.add(f.mul(f.add(f.mul(f.add(f.mul(img, p.cout), o), p.oh), oy), p.ow), ox)
+                        xv, gv = f.load(t, f.gep(t, x, xi)), f.load(t, f.gep(t, dy, gi))
+                        f.store(t, f.call(t, fma, [(t, gv), (t, xv), (t, f.load(t, acc))]), acc)
+            tap = f.add(f.add(f.add(f.mul(o, s0), f.mul(c, s1)), p.weight_base), f.add(f.mul(kh, s2), f.mul(kw, s3)))
+            f.store(t, f.load(t, acc), f.gep(t, dw, tap))
         f.ret_void()
         f.finish()
         return name
