@@ -78,6 +78,34 @@ def test_gemm_reading_a_in_place_matches_numpy(dtype: str, panels: int) -> None:
     _close(c, a @ b, dtype)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("operand", ["b", "a"])
+def test_gemm_packing_whole_rows_matches_numpy(dtype: str, operand: str) -> None:
+    # Panels whose lanes are one run of memory (a row-major B's columns, a column-major A's rows)
+    # are packed row by row. The run starts past an offset and its rows are strided past the
+    # operand; N spans two column blocks with a partial last panel, K two cache blocks.
+    from opgrad.compiler.gemm import Blocking, IndexMap, Operand
+
+    m, n, k, ld, offset = 37, 2100, 300, 2111, 3
+    rng = np.random.default_rng(7)
+    storage = rng.standard_normal(offset + k * ld).astype(dtype)
+    run = storage[offset:].reshape(k, ld)
+    strided = Operand(IndexMap.strided(k, ld), IndexMap.strided(n if operand == "b" else m, 1, offset))
+    if operand == "b":
+        a, b = rng.standard_normal((m, k)).astype(dtype), run[:, :n]
+        spec = GemmSpec(m, n, k, a=Operand.matrix(m, k, k, 1), b=strided, c=Operand.matrix(m, n, n, 1), dtype=dtype)
+        args = (a, storage)
+    else:
+        a, b = run[:, :m].T, rng.standard_normal((k, n)).astype(dtype)
+        spec = GemmSpec(m, n, k, a=Operand(strided.cols, strided.rows), b=Operand.matrix(k, n, n, 1),
+                        c=Operand.matrix(m, n, n, 1), dtype=dtype)
+        args = (storage, b)
+    assert Blocking.for_target(dtype).nc < n
+    c = np.full((m, n), np.nan, dtype)
+    gemm_kernel(spec)(*args, c)
+    _close(c, a @ b, dtype)
+
+
 # ----- conv2d -----
 
 def _im2col(x: np.ndarray, geom) -> np.ndarray:
@@ -120,7 +148,26 @@ def _random_geometries(count: int) -> list[tuple]:
     # rows not a multiple of the vector width), unpadded (plain loads), partial panels (13 channels).
     out.append(((4, 8, 19, 19), (13, 0, 3, 3), (1, 1), (1, 1, 1, 1), (1, 1), "float32"))
     out.append(((4, 8, 19, 19), (13, 0, 3, 3), (1, 1), (0, 0, 0, 0), (1, 1), "float64"))
+    # 20 output channels: the forward GEMM takes the 4-row tile (less padding than 6 rows).
+    out.append(((4, 8, 19, 19), (20, 0, 3, 3), (1, 1), (1, 1, 1, 1), (1, 1), "float32"))
+    out.append(((4, 8, 19, 19), (20, 0, 3, 3), (1, 1), (0, 2, 1, 0), (1, 1), "float64"))
     return out
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_the_register_tile_follows_the_shape(dtype: str) -> None:
+    import dataclasses
+
+    from opgrad.compiler.gemm import Blocking
+
+    host = Blocking.for_target(dtype)
+    vl = host.vl
+    base = dataclasses.replace(host, mr=6, nr=2 * vl)  # the 16-register tile, whatever this host has
+    assert (base.for_shape(32, 9216, dtype).mr, base.for_shape(32, 9216, dtype).nr) == (4, 3 * vl)
+    assert base.for_shape(96, 2048, dtype) == base  # no padding with 6 rows
+    assert base.for_shape(128, 32, dtype) == base  # 3 vectors would pad 32 columns to 48
+    eight = dataclasses.replace(host, mr=8, nr=2 * vl)  # 32 registers: no 3-vector tile of 16 accumulators
+    assert eight.for_shape(32, 9216, dtype) == eight
 
 
 @pytest.mark.parametrize("case", _random_geometries(10))
