@@ -10,8 +10,9 @@ Pipeline (see ``docs/compiler.md``):
 3. :meth:`KernelBuilder.fuse` inlines elementwise producers into their consumers;
 4. :func:`plan_arena` gives the remaining internal buffers offsets in one arena, reusing memory
    of buffers whose lifetimes (first to last step touching them) do not overlap;
-5. the module is optimized for the host (each kernel by the pipeline it asks for) (or loaded from the object cache) and called through
-   a pointer table that is built once; a call only patches argument and result addresses.
+5. the module is optimized for the host, each kernel by the pipeline it asks for (or loaded from the
+   object cache), and called through a pointer table that is built once; a call only patches
+   argument and result addresses.
 
 Arguments are validated in Python before the native call (count, dtype, shape; integer inputs
 against their declared ``int_range``), so no input can make the native code read out of bounds.
