@@ -172,3 +172,15 @@ def test_a_training_step_marks_its_kernels_and_merges_its_repeated_loops() -> No
         assert f'"opgrad-pipeline"="{pipeline}"' in ir
     # the parameter updates differ only in their lengths, which the tasks read at run time
     assert merge_identical_functions(ir).count("\ndefine ") < ir.count("\ndefine ")
+
+
+def test_index_arithmetic_on_constants_is_folded_while_emitting() -> None:
+    from opgrad.compiler.irtext import FunctionEmitter, ModuleEmitter
+
+    f = FunctionEmitter(ModuleEmitter("m"), "m.f", [("i64", "x"), ("ptr", "p")])
+    assert f.add("%x", 0) == "%x" and f.add(0, "%x") == "%x" and f.sub("%x", "0") == "%x"
+    assert f.mul("%x", 1) == "%x" and f.mul("1", "%x") == "%x" and f.mul("%x", 0) == "0"
+    assert f.add(f.mul(3, 7), "-4") == "17" and f.sub(5, 9) == "-4"
+    assert f.add(2**31 - 1, 1, "i32") == str(-(2**31))  # wraps as LLVM's i32 add does
+    assert f.gep("float", "%p", 0) == "%p"
+    assert f.add("%x", 5).startswith("%add.")  # anything else is still an instruction
