@@ -407,6 +407,7 @@ class KernelBuilder:
         while True:
             writers = Counter(b for st in self.steps for b in st.writes)
             readers = Counter(b for st in self.steps for b in st.reads)
+            writer_at = {b: i for i, st in enumerate(self.steps) for b in st.writes}  # used where unique
             done = True
             for j, consumer in enumerate(self.steps):
                 if consumer.kind not in ("ew", "red"):
@@ -414,7 +415,7 @@ class KernelBuilder:
                 for k, v in enumerate(consumer.inputs):
                     if not (v.buffer in internal and writers[v.buffer] == 1 and readers[v.buffer] == 1):
                         continue
-                    i = next(i for i, st in enumerate(self.steps) if v.buffer in st.writes)
+                    i = writer_at[v.buffer]
                     producer = self.steps[i]
                     if not (i < j and producer.kind == "ew" and producer.out == v
                             and v.dtype == (consumer.out.dtype if consumer.out else v.dtype)):
