@@ -86,13 +86,6 @@ def merge_identical_functions(ir_text: str) -> str:
     groups: dict[str, list[tuple[str, str]]] = {}
     for name, text in functions:
         groups.setdefault(_group_of(name), []).append((name, text))
-    # Helpers referenced from outside their group (or from globals) pin their group in place.
-    outside_refs: set[str] = {m.group(1) for m in _GLOBAL_NAME.finditer(header + trailer)}
-    for name, text in functions:
-        group = _group_of(name)
-        outside_refs.update(ref for ref in (m.group(1) for m in _GLOBAL_NAME.finditer(text))
-                            if _group_of(ref) != group)
-
     first_with: dict[str, str] = {}
     replacement: dict[str, str] = {}  # function name -> its new text ("" to drop it)
     renamed: dict[str, str] = {}  # dropped internal function -> the first copy, which its callers now call
@@ -111,10 +104,9 @@ def merge_identical_functions(ir_text: str) -> str:
         new: dict[str, str] = {}
         new_names: dict[str, str] = {}
         for name, text in members:
-            if text.startswith("define internal"):
+            if text.startswith("define internal"):  # dropped; anyone outside that called it calls the first copy
                 new[name] = ""
-                if name in outside_refs:  # an internal task the graph calls: call the first copy instead
-                    new_names[name] = kept + name[len(group):]
+                new_names[name] = kept + name[len(group):]
             else:
                 wrapper = _wrapper(text, kept + name[len(group):])
                 if wrapper is None:
