@@ -153,13 +153,6 @@ def test_pieces_compile_with_their_pipelines_into_one_module() -> None:
     assert out.value == 7
 
 
-def test_every_pipeline_has_a_compile_cost_for_balancing_parts() -> None:
-    from opgrad.compiler.llvm_worker import PIPELINES
-    from opgrad.compiler.split import AUTO_PIPELINE, COST_PER_CHARACTER
-
-    assert set(COST_PER_CHARACTER) == set(PIPELINES) and AUTO_PIPELINE in PIPELINES
-
-
 def test_an_unknown_pipeline_is_refused() -> None:
     from opgrad.compiler.irtext import FunctionEmitter, ModuleEmitter
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from .llvm_worker import PIPELINES
+from .llvm_worker import AUTO_PIPELINE, PIPELINES
 
 __all__ = ["AUTO_PIPELINE", "DEFINE", "PIPELINE_KEY", "isolate_kernels", "pipeline_attribute", "pipeline_pieces",
            "split_module"]
@@ -27,15 +27,11 @@ __all__ = ["AUTO_PIPELINE", "DEFINE", "PIPELINE_KEY", "isolate_kernels", "pipeli
 DEFINE = re.compile(r"^define (?:internal )?(?P<ret>[^@]*) @(?P<name>[^(]+)\((?P<params>[^)]*)\)(?P<attrs>[^{]*)\{$")
 _REFERENCE = re.compile(r"@([A-Za-z0-9_.$-]+)")
 _MUTABLE_GLOBAL = re.compile(r"^@\S+ = (?:[a-z_]+ )*global ")
-#: The string function attribute that names a function's optimization pipeline, and the default.
+#: The string function attribute that names a function's optimization pipeline.
 PIPELINE_KEY = "opgrad-pipeline"
-AUTO_PIPELINE = "auto"
 _PIPELINE = re.compile(rf'"{PIPELINE_KEY}"="(\w+)"')
-#: Relative compile time per character of IR under each pipeline, and per function whatever its
-#: size (LLVM's fixed work per function), as measured over a training step's kernels. The parts
-#: are balanced by these, not by length alone: a line of a loop that the loop vectorizer widens
-#: costs about twice a line of explicit vector code.
-COST_PER_CHARACTER = {"auto": 1.6, "streaming": 1.8, "explicit": 1.0, "cold": 1.0}
+#: LLVM's fixed work per function, in characters of explicit code: parts are balanced by this plus
+#: each function's length weighted by its pipeline's ``compile_cost``, not by length alone.
 COST_PER_FUNCTION = 1000.0
 
 
@@ -145,7 +141,7 @@ def split_module(ir_text: str, parts: int) -> list[str]:
     pipelines = _group_pipelines(functions)
     sizes: dict[str, float] = {}
     for fn in functions:
-        cost = COST_PER_FUNCTION + sum(len(line) for line in fn.lines) * COST_PER_CHARACTER[pipelines[fn.group]]
+        cost = COST_PER_FUNCTION + sum(len(line) for line in fn.lines) * PIPELINES[pipelines[fn.group]].compile_cost
         sizes[fn.group] = sizes.get(fn.group, 0) + cost
     parts = min(parts, len(sizes))
     if parts < 2:
