@@ -133,6 +133,11 @@ def _integer(value: str | int) -> int | None:
     return None
 
 
+def _both_constant(x: int | None, y: int | None, ty: str) -> tuple[int, int] | None:
+    """Both operands when both are integer literals of a scalar integer type (foldable), else None."""
+    return (x, y) if x is not None and y is not None and ty in _INT_BITS else None
+
+
 def _wrap(value: int, ty: str) -> int:
     """Two's-complement wrap to ``ty``, as LLVM's arithmetic does."""
     bits = _INT_BITS[ty]
@@ -230,8 +235,8 @@ class FunctionEmitter:
 
     def add(self, a: str | int, b: str | int, ty: str = "i64") -> str:
         x, y = _integer(a), _integer(b)
-        if x is not None and y is not None and ty in _INT_BITS:
-            return str(_wrap(x + y, ty))
+        if (both := _both_constant(x, y, ty)) is not None:
+            return str(_wrap(both[0] + both[1], ty))
         if y == 0:
             return str(a)
         if x == 0:
@@ -240,8 +245,8 @@ class FunctionEmitter:
 
     def mul(self, a: str | int, b: str | int, ty: str = "i64") -> str:
         x, y = _integer(a), _integer(b)
-        if x is not None and y is not None and ty in _INT_BITS:
-            return str(_wrap(x * y, ty))
+        if (both := _both_constant(x, y, ty)) is not None:
+            return str(_wrap(both[0] * both[1], ty))
         if y == 1:
             return str(a)
         if x == 1:
@@ -252,8 +257,8 @@ class FunctionEmitter:
 
     def sub(self, a: str | int, b: str | int, ty: str = "i64") -> str:
         x, y = _integer(a), _integer(b)
-        if x is not None and y is not None and ty in _INT_BITS:
-            return str(_wrap(x - y, ty))
+        if (both := _both_constant(x, y, ty)) is not None:
+            return str(_wrap(both[0] - both[1], ty))
         if y == 0:
             return str(a)
         return self.val(f"sub {ty} {a}, {b}", "sub")
