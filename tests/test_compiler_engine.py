@@ -106,6 +106,28 @@ def test_gemm_packing_whole_rows_matches_numpy(dtype: str, operand: str) -> None
     _close(c, a @ b, dtype)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("layout", ["rows", "columns"])
+def test_gemm_summing_k_in_groups_matches_numpy(dtype: str, layout: str) -> None:
+    # A small output over a long K sums K in groups, then adds them into C with alpha, onto C's
+    # old values; C stored by rows or by columns. K is not a multiple of the blocks, so the last
+    # group is shorter.
+    from opgrad.compiler.gemm import Blocking, GemmPlan, Operand
+
+    m, n, k = 45, 29, 5003
+    rng = np.random.default_rng(11)
+    a, b = rng.standard_normal((m, k)).astype(dtype), rng.standard_normal((k, n)).astype(dtype)
+    c_op = Operand.matrix(m, n, n, 1) if layout == "rows" else Operand.matrix(m, n, 1, m)
+    spec = GemmSpec(m, n, k, Operand.matrix(m, k, k, 1), Operand.matrix(k, n, n, 1), c_op, dtype, alpha=-0.5,
+                    accumulate=True)
+    plan = GemmPlan(spec, Blocking.for_target(dtype).for_shape(m, n, dtype))
+    assert plan.kgroups > 1 and plan.kgroups * plan.group_blocks * plan.kc > k
+    c0 = rng.standard_normal((m, n)).astype(dtype)
+    c = c0.copy() if layout == "rows" else c0.T.copy()
+    gemm_kernel(spec)(a, b, c)
+    _close(c if layout == "rows" else c.T, c0 - 0.5 * (a @ b), dtype)
+
+
 # ----- conv2d -----
 
 def _im2col(x: np.ndarray, geom) -> np.ndarray:
@@ -151,6 +173,10 @@ def _random_geometries(count: int) -> list[tuple]:
     # 20 output channels: the forward GEMM takes the 4-row tile (less padding than 6 rows).
     out.append(((4, 8, 19, 19), (20, 0, 3, 3), (1, 1), (1, 1, 1, 1), (1, 1), "float32"))
     out.append(((4, 8, 19, 19), (20, 0, 3, 3), (1, 1), (0, 2, 1, 0), (1, 1), "float64"))
+    # Small outputs over long reductions sum K in groups: the forward (C indexed by image and
+    # pixel) and a one-channel weight gradient, both under a padding window.
+    out.append(((4, 128, 8, 8), (16, 0, 6, 6), (1, 1), (1, 1, 1, 1), (1, 1), "float32"))
+    out.append(((16, 1, 60, 60), (16, 0, 3, 3), (1, 1), (1, 1, 1, 1), (1, 1), "float64"))
     return out
 
 
@@ -259,6 +285,8 @@ _DETERMINISM_SCRIPT = textwrap.dedent("""
     rng = np.random.default_rng(0)
     a, b = rng.standard_normal((300, 257)).astype(np.float32), rng.standard_normal((257, 333)).astype(np.float32)
     h = hashlib.sha256(gemm(a, b).tobytes())
+    long_k = rng.standard_normal((24, 3000)).astype(np.float32), rng.standard_normal((3000, 40)).astype(np.float32)
+    h.update(gemm(*long_k).tobytes())  # K summed in groups, spread over the threads
     g = conv2d_geometry((8, 16, 14, 14), (32, 16, 3, 3), 1, 1, 1)
     k = conv2d_kernels(g)
     x = rng.standard_normal((8, 16, 14, 14)).astype(np.float32)
@@ -281,7 +309,7 @@ def _run(script: str, env: dict[str, str]) -> str:
 
 def test_results_identical_for_any_thread_count(tmp_path: Path) -> None:
     cache = {"OPGRAD_CACHE_DIR": str(tmp_path)}
-    digests = {_run(_DETERMINISM_SCRIPT, {**cache, "OPGRAD_NUM_THREADS": str(n)}).strip() for n in (1, 2, 3)}
+    digests = {_run(_DETERMINISM_SCRIPT, {**cache, "OPGRAD_NUM_THREADS": str(n)}).strip() for n in (1, 2, 3, 9)}
     assert len(digests) == 1
 
 

@@ -35,8 +35,8 @@ def emit_batched_gemm(m: ModuleEmitter, spec: GemmSpec, batch: int, steps: tuple
             if whole or "block" not in plan.names:
                 f.call("void", "@" + one, args)
             else:
-                f.call("void", f"@{plan.names['block']}", args + [("i64", "0"), ("i64", str(spec.m)), ("i64", "0"),
-                                                                  ("i64", str(spec.n))])
+                f.call("void", f"@{plan.names['block']}", args + [("i64", x) for x in (
+                    "0", str(spec.m), "0", str(spec.n), "0", str(spec.k))])
 
     if split_entries:
         task = FunctionEmitter(m, name + ".task", [("ptr", "ctx"), ("i32", "tid"), ("i32", "nt")], linkage="internal")

@@ -215,9 +215,16 @@ class GemmSpec:
         return GemmSpec(m, n, k, a, b, c, dtype, alpha, accumulate)
 
 
+#: A GEMM with a long reduction and a small output sums K in this many groups at most (see
+#: :func:`k_groups`), and keeps their partial sums in at most this many bytes.
+K_GROUPS_MAX = 8
+K_GROUPS_PARTIAL_BYTES = 256 << 10
+
+
 @dataclass
 class GemmPlan:
-    """Blocking derived from a spec; ``workspace_per_thread`` bytes of scratch for packed panels."""
+    """Blocking derived from a spec; ``workspace_per_thread`` bytes of scratch for packed panels
+    (with K groups, the shared partial sums come first and are counted in every thread's share)."""
 
     spec: GemmSpec
     blk: Blocking
@@ -226,23 +233,59 @@ class GemmPlan:
     split_n: bool = True
     #: Read A's rows in place instead of packing them (:func:`reads_a_in_place`).
     a_in_place: bool = False
+    #: K is summed in this many groups of whole KC blocks (:func:`k_groups`).
+    kgroups: int = 1
+    #: KC blocks per group.
+    group_blocks: int = 0
+    partial_bytes: int = 0
     workspace_per_thread: int = 0
     names: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         s, b = self.spec, self.blk
         nk = -(-s.k // b.kc)
+        self.kgroups = k_groups(s, nk)
+        nk = round_up(nk, self.kgroups)
         self.kc = -(-s.k // nk)  # even K blocks: no tiny tail block
+        self.group_blocks = nk // self.kgroups
+        assert (self.kgroups - 1) * self.group_blocks * self.kc < s.k, "every K group must be non-empty"
         self.nc = min(b.nc, round_up(s.n, b.nr))
         self.split_n = s.n >= s.m
         self.a_in_place = reads_a_in_place(s, b)
         esize = BYTES[s.dtype]
         a_bytes = round_up(b.mc, b.mr) * self.kc * esize
         b_bytes = round_up(self.nc, b.nr) * self.kc * esize
-        self.workspace_per_thread = round_up(a_bytes, 64) + round_up(b_bytes, 64)
+        if self.kgroups > 1:
+            self.partial_bytes = round_up(self.kgroups * s.m * s.n * esize, 64)
+        self.workspace_per_thread = self.partial_bytes + round_up(a_bytes, 64) + round_up(b_bytes, 64)
+
+    @property
+    def block_spec(self) -> GemmSpec:
+        """What one block call computes: the spec itself, or with K groups a group's plain sum
+        into its row-major ``m x n`` partial (the reduction applies ``alpha`` and ``accumulate``)."""
+        s = self.spec
+        if self.kgroups == 1:
+            return s
+        return GemmSpec(s.m, s.n, s.k, s.a, s.b, Operand.matrix(s.m, s.n, s.n, 1), s.dtype)
 
     def workspace_bytes(self, nthreads: int) -> int:
         return self.workspace_per_thread * nthreads
+
+
+def k_groups(spec: GemmSpec, k_blocks: int) -> int:
+    """How many groups of KC blocks sum K apart, their partial sums added in order at the end.
+
+    Splitting rows or columns over threads makes every thread pack the whole of the other operand;
+    where the output is small and K long (a 12x12 kernel over a 12x12 input: 128 x 32 outputs,
+    K = 9216), that packing is repeated on each thread, and a 32 x 9 output has too few tiles to
+    share at all. Groups split K instead: each thread packs only its groups' part. The groups
+    depend on the shapes alone, never on the thread count, so the sums do not either.
+    """
+    esize = BYTES[spec.dtype]
+    if 2.0 * spec.m * spec.n * spec.k < spec.parallel_min_flops or spec.k < 4 * max(spec.m, spec.n):
+        return 1
+    groups = min(K_GROUPS_MAX, k_blocks, K_GROUPS_PARTIAL_BYTES // (spec.m * spec.n * esize))
+    return groups if groups >= 2 else 1
 
 
 def reads_a_in_place(spec: GemmSpec, blk: Blocking) -> bool:
@@ -574,26 +617,28 @@ def _emit_small_gemm(m: ModuleEmitter, base: str, spec: GemmSpec, t: str) -> Non
 
 
 def _emit_block(m: ModuleEmitter, base: str, plan: GemmPlan, t: str) -> None:
-    """``block(a, b, c, ws, m0, m1, n0, n1)``: the C sub-block [m0,m1) x [n0,n1), full K, one thread."""
-    s, b = plan.spec, plan.blk
+    """``block(a, b, c, ws, m0, m1, n0, n1, k0, k1)``: the C sub-block [m0,m1) x [n0,n1) summed over
+    K in [k0,k1) (whole KC blocks), on one thread."""
+    s, b = plan.block_spec, plan.blk
     esize = BYTES[s.dtype]
     vl, mr, nr = b.vl, b.mr, b.nr
     vt, it = f"<{vl} x {t}>", f"<{vl} x i32>"
     fma = m.fma(vt)
     f = FunctionEmitter(
         m, base + ".block", [("ptr", "a"), ("ptr", "b"), ("ptr", "c"), ("ptr", "ws"), ("i64", "m0"),
-                             ("i64", "m1"), ("i64", "n0"), ("i64", "n1")], linkage="internal", pipeline="explicit",
+                             ("i64", "m1"), ("i64", "n0"), ("i64", "n1"), ("i64", "k0"), ("i64", "k1")],
+        linkage="internal", pipeline="explicit",
     )
     ap = "%ws"
     bp = f.gep("i8", "%ws", str(round_up(round_up(b.mc, mr) * plan.kc * esize, 64)))
     accs = [[f.alloca(vt, f"acc{r}_{c}") for c in range(nr // vl)] for r in range(mr)]
     with f.loop("%n0", "%n1", plan.nc, hint="jc") as jc:
         nc = f.smin(f.sub("%n1", jc), plan.nc)
-        with f.loop(0, s.k, plan.kc, hint="pc") as pc:
-            kc = f.smin(f.sub(str(s.k), pc), plan.kc)
+        with f.loop("%k0", "%k1", plan.kc, hint="pc") as pc:
+            kc = f.smin(f.sub("%k1", pc), plan.kc)
             f.call("void", f"@{base}.pack_b", [("ptr", "%b"), ("ptr", bp), ("i64", jc), ("i64", nc), ("i64", pc),
                                                 ("i64", kc)])
-            overwrite = "false" if s.accumulate else f.icmp("eq", pc, "0")
+            overwrite = "false" if s.accumulate else f.icmp("eq", pc, "%k0")
             with f.loop("%m0", "%m1", b.mc, hint="ic") as ic:
                 mc = f.smin(f.sub("%m1", ic), b.mc)
                 if not plan.a_in_place:
@@ -679,7 +724,7 @@ def _store_tile(
     panels, otherwise (edge tiles, panels that cross a C row) the tile goes through a stack buffer
     and one scalar loop nest. The loop keeps the code small: unrolled masked scatters become
     dozens of branches each on AVX2, and they made up most of a GEMM's compile time."""
-    s, b = plan.spec, plan.blk
+    s, b = plan.block_spec, plan.blk
     esize = BYTES[s.dtype]
     chunks, contig = col_info
     alpha = None if s.alpha == 1.0 else splat_const(b.vl, t, float_const(s.alpha, t))
@@ -721,31 +766,118 @@ def _store_tile(
 
 
 def _emit_task_and_entry(m: ModuleEmitter, base: str, plan: GemmPlan) -> None:
-    """The parallel task (split over output rows or columns, never over K) and the entry point."""
+    """The parallel task, the reduction of K groups where there are several, and the entry point.
+
+    Threads split the output rows or columns. With K groups, a thread takes whole units (one group
+    over one part of the rows or columns); there are as many parts as it takes to give every
+    thread a unit, and the parts do not change any sum, only who computes it.
+    """
     s, b = plan.spec, plan.blk
+    esize = BYTES[s.dtype]
+    scratch_bytes = plan.workspace_per_thread - plan.partial_bytes
     f = FunctionEmitter(m, base + ".task", [("ptr", "ctx"), ("i32", "tid"), ("i32", "nt")], linkage="internal")
     args = [f.load("ptr", f.gep("ptr", "%ctx", str(i))) for i in range(4)]
     tid, nt = f.val("sext i32 %tid to i64"), f.val("sext i32 %nt to i64")
     extent, quantum = (s.n, b.nr) if plan.split_n else (s.m, b.mr)
-    units = -(-extent // quantum)
-    lo = f.smin(f.mul(f.val(f"udiv i64 {f.mul(tid, units)}, {nt}"), quantum), extent)
-    hi = f.smin(f.mul(f.val(f"udiv i64 {f.mul(f.add(tid, 1), units)}, {nt}"), quantum), extent)
-    ws = f.gep("i8", args[3], f.mul(tid, plan.workspace_per_thread))
-    with f.if_then(f.icmp("slt", lo, hi), "work"):
-        rng = ["0", str(s.m), lo, hi] if plan.split_n else [lo, hi, "0", str(s.n)]
-        f.call("void", f"@{base}.block", [("ptr", args[0]), ("ptr", args[1]), ("ptr", args[2]), ("ptr", ws)]
-               + [("i64", x) for x in rng])
+    tiles = -(-extent // quantum)
+    ws = f.gep("i8", args[3], f.add(plan.partial_bytes, f.mul(tid, scratch_bytes)))
+
+    def share(part: str, parts: str) -> tuple[str, str]:
+        lo = f.smin(f.mul(f.val(f"udiv i64 {f.mul(part, tiles)}, {parts}"), quantum), extent)
+        hi = f.smin(f.mul(f.val(f"udiv i64 {f.mul(f.add(part, 1), tiles)}, {parts}"), quantum), extent)
+        return lo, hi
+
+    def call_block(c: str, lo: str, hi: str, k0: str, k1: str) -> None:
+        with f.if_then(f.icmp("slt", lo, hi), "work"):
+            rng = ["0", str(s.m), lo, hi] if plan.split_n else [lo, hi, "0", str(s.n)]
+            f.call("void", f"@{base}.block", [("ptr", args[0]), ("ptr", args[1]), ("ptr", c), ("ptr", ws)]
+                   + [("i64", x) for x in (*rng, k0, k1)])
+
+    if plan.kgroups == 1:
+        call_block(args[2], *share(tid, nt), "0", str(s.k))
+    else:
+        groups, group_k = plan.kgroups, plan.group_blocks * plan.kc
+        parts = f.val(f"udiv i64 {f.add(nt, groups - 1)}, {groups}")
+        units = f.mul(parts, groups)
+        first = f.val(f"udiv i64 {f.mul(tid, units)}, {nt}")
+        last = f.val(f"udiv i64 {f.mul(f.add(tid, 1), units)}, {nt}")
+        with f.loop(first, last, hint="unit") as unit:
+            group = f.val(f"udiv i64 {unit}, {parts}")
+            k0 = f.mul(group, group_k)
+            partial = f.gep("i8", args[3], f.mul(group, s.m * s.n * esize))
+            call_block(partial, *share(f.val(f"urem i64 {unit}, {parts}"), parts), k0,
+                       f.smin(f.add(k0, group_k), s.k))
+        _emit_group_sum(m, base + ".sum", plan)
     f.ret_void()
     f.finish()
 
     f = FunctionEmitter(m, base, [("ptr", "a"), ("ptr", "b"), ("ptr", "c"), ("ptr", "ws")])
     if 2.0 * s.m * s.n * s.k < s.parallel_min_flops:
-        f.call("void", f"@{base}.block", [("ptr", "%a"), ("ptr", "%b"), ("ptr", "%c"), ("ptr", "%ws"),
-                                          ("i64", "0"), ("i64", str(s.m)), ("i64", "0"), ("i64", str(s.n))])
+        f.call("void", f"@{base}.block", [("ptr", "%a"), ("ptr", "%b"), ("ptr", "%c"), ("ptr", "%ws")]
+               + [("i64", x) for x in ("0", str(s.m), "0", str(s.n), "0", str(s.k))])
     else:
         ctx = f.alloca("[4 x ptr]", "ctx", align=8)
         for i, p in enumerate(("%a", "%b", "%c", "%ws")):
             f.store("ptr", p, f.gep("ptr", ctx, str(i)))
         f.call("void", "@" + PARALLEL_FOR, [("ptr", f"@{base}.task"), ("ptr", ctx)])
+        if plan.kgroups > 1:
+            f.call("void", "@" + PARALLEL_FOR, [("ptr", f"@{base}.sum"), ("ptr", ctx)])
+    f.ret_void()
+    f.finish()
+
+
+def _emit_group_sum(m: ModuleEmitter, name: str, plan: GemmPlan) -> None:
+    """Task: ``C (=|+=) alpha * (((P0 + P1) + P2) + ...)`` over the K groups' row-major partial sums
+    at the start of the workspace, split over C's rows. The partials are read by vectors; C takes
+    vector stores where its rows are contiguous and one store per element otherwise (a transposed
+    C). Written vectorized by hand so that it compiles with the GEMM's own cheap pipeline."""
+    s = plan.spec
+    t = LLVM_TYPE[s.dtype]
+    esize = BYTES[s.dtype]
+    vl = plan.blk.vl
+    vt = f"<{vl} x {t}>"
+    f = FunctionEmitter(m, name, [("ptr", "ctx"), ("i32", "tid"), ("i32", "nt")], linkage="internal",
+                        pipeline="explicit")
+    c, partials = (f.load("ptr", f.gep("ptr", "%ctx", str(i))) for i in (2, 3))
+    contiguous = s.c.cols.strides == (1,) and s.c.cols.base == 0
+    tid, nt = f.val("sext i32 %tid to i64"), f.val("sext i32 %nt to i64")
+    lo = f.val(f"udiv i64 {f.mul(tid, s.m)}, {nt}")
+    hi = f.val(f"udiv i64 {f.mul(f.add(tid, 1), s.m)}, {nt}")
+
+    def columns(i: str, row: str, j: str, width: int) -> None:
+        """C[i, j .. j+width) from the partials; ``width`` is ``vl`` or 1."""
+        ty = vt if width > 1 else t
+        at = f.add(f.mul(i, s.n), j)
+        total = f.load(ty, f.gep(t, partials, at), align=esize)
+        for group in range(1, plan.kgroups):
+            part = f.load(ty, f.gep(t, partials, f.add(at, group * s.m * s.n)), align=esize)
+            total = f.val(f"fadd {ty} {total}, {part}")
+        if s.alpha != 1.0:
+            scale = float_const(s.alpha, t)
+            total = f.val(f"fmul {ty} {total}, {splat_const(vl, t, scale) if width > 1 else scale}")
+        if width == 1 or contiguous:
+            col, _, _ = s.c.cols.terms(f, j)
+            ptr = f.gep(t, c, f.add(row, col))
+            if s.accumulate:
+                total = f.val(f"fadd {ty} {f.load(ty, ptr, align=esize)}, {total}")
+            f.store(ty, total, ptr, align=esize)
+            return
+        for lane in range(vl):
+            col, _, _ = s.c.cols.terms(f, f.add(j, lane))
+            ptr = f.gep(t, c, f.add(row, col))
+            value = f.val(f"extractelement {vt} {total}, i32 {lane}")
+            if s.accumulate:
+                value = f.val(f"fadd {t} {f.load(t, ptr)}, {value}")
+            f.store(t, value, ptr)
+
+    whole = s.n // vl * vl
+    with f.loop(lo, hi, hint="i") as i:
+        row, _, _ = s.c.rows.terms(f, i)
+        if whole:
+            with f.loop(0, whole, vl, hint="j") as j:
+                columns(i, row, j, vl)
+        if whole < s.n:
+            with f.loop(whole, s.n, hint="jt") as j:
+                columns(i, row, j, 1)
     f.ret_void()
     f.finish()

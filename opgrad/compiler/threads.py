@@ -14,9 +14,10 @@ Elsewhere the pool starts no workers and every kernel runs its shares on the cal
 correct, single-threaded (:func:`futex_supported` says which applies).
 
 Contract for tasks: ``void task(ptr ctx, i32 tid, i32 nthreads)`` must do the share ``tid`` of
-``nthreads`` and must produce results that do not depend on ``nthreads`` (split over outputs,
-never split a reduction). If the pool is busy (another Python thread, or a nested call) the
-dispatcher runs all shares inline, one after the other; results are the same by that contract.
+``nthreads`` and must produce results that do not depend on ``nthreads`` (split over outputs; a
+reduction only into parts fixed by the shapes, added in a fixed order). If the pool is busy (another
+Python thread, or a nested call) the dispatcher runs all shares inline, one after the other; results
+are the same by that contract.
 """
 
 from __future__ import annotations
