@@ -13,6 +13,7 @@ import pytest
 
 from opgrad.compiler import GemmSpec, KernelBuilder, View, conv2d_geometry, conv2d_kernels, gemm, gemm_kernel
 from opgrad.compiler.jit import NativeModule, ObjectCache
+from opgrad.compiler.views import row_major
 
 TOL = {"float32": 2e-4, "float64": 1e-11}
 ROOT = Path(__file__).resolve().parents[1]
@@ -275,6 +276,44 @@ def test_hash64_of_the_flat_index_is_splitmix64_bitwise() -> None:
     np.testing.assert_array_equal(outs[0].astype(np.uint64), want >> np.uint64(32))
     np.testing.assert_array_equal(outs[1].astype(np.uint64), want & np.uint64(0xFFFFFFFF))
     np.testing.assert_array_equal(outs[2], (want >= np.uint64(threshold)).astype(np.float32))
+
+
+_REDUCTIONS = [
+    ((512, 1024), (0,), False),  # a column sum: rows added into the output, vectorized
+    ((6, 7, 33, 5), (1,), False),  # kept runs on both sides of the reduced axis
+    ((6, 7, 33, 5), (0, 2), False),  # reduced axes apart, the last one kept
+    ((32, 64, 24, 24), (0, 2, 3), False),  # a bias gradient: h and w merge into one contiguous loop
+    ((40, 70), (0,), True),  # inputs with their axes reversed in memory: the reduced axis is the
+    ((40, 70), (1,), True),  # contiguous one, or adjacent axes cannot merge into one loop
+    ((5, 6, 70), (1, 2), True),
+    ((5, 6, 70), (0, 1), True),
+    ((3, 1, 65, 1, 9), (0, 1, 3), False),  # extent-1 axes between runs
+]
+
+
+@pytest.mark.parametrize("op", ["sum", "max", "min"])
+@pytest.mark.parametrize("case", _REDUCTIONS, ids=[f"{s}-{a}{'-T' if t else ''}" for s, a, t in _REDUCTIONS])
+def test_kernel_builder_reductions_match_numpy(case: tuple, op: str) -> None:
+    # Every loop order the reduction takes, against numpy, with a fused product of two inputs
+    # and a scale; a NaN in the data must reach its output element (max and min included).
+    shape, axes, transposed = case
+    kb = KernelBuilder("t_reduce")
+    ins = [View.contiguous(i, shape) for i in range(2)]
+    if transposed:
+        ins = [View(i, shape, tuple(reversed(row_major(shape[::-1])))) for i in range(2)]
+    kept = tuple(1 if d in axes else n for d, n in enumerate(shape))
+    scale = 0.5 if op == "sum" else 1.0
+    kb.map_reduce(View.contiguous(2, kept), ins, axes, op, lambda s, v: s.mul(v[0], v[1]), scale=scale)
+    rng = np.random.default_rng(len(shape))
+    x, y = (rng.standard_normal(shape[::-1] if transposed else shape).astype(np.float32) for _ in range(2))
+    x.flat[x.size // 3] = np.nan
+    out = np.full(kept, 7.0, np.float32)  # overwritten, not accumulated into
+    kb.compile()(x, y, out)
+    xv, yv = (x.transpose(), y.transpose()) if transposed else (x, y)
+    want = scale * getattr(np, op)((xv * yv).astype(np.float64), axis=axes, keepdims=True)
+    np.testing.assert_array_equal(np.isnan(out), np.isnan(want))
+    finite = ~np.isnan(want)
+    np.testing.assert_allclose(out[finite], want[finite], rtol=1e-5, atol=1e-4)
 
 
 # ----- thread pool determinism -----

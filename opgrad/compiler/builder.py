@@ -525,6 +525,14 @@ class KernelBuilder:
         return self._parallel_task(name, len(mem), shape[0], out.size), [views[i].buffer for i in mem]
 
     def _emit_reduce(self, st: Step) -> tuple[str, list[int]]:
+        """A reduction as loops over merged runs of kept and of reduced axes.
+
+        Where every view is contiguous along the innermost kept run (a column sum, the batch sum
+        of a bias gradient), the kept run is the innermost loop: each reduced row is added into
+        the output, one vectorized pass over contiguous memory, every output element summed in
+        row order. Otherwise the reduced runs are innermost (reassociation allowed, so they
+        vectorize) and each output element is one loop's result.
+        """
         out = st.out
         assert out is not None
         shape = st.inputs[0].shape
@@ -533,45 +541,73 @@ class KernelBuilder:
         mem = [i for i, v in enumerate(views) if v.is_memory]
         s_dtype = out.dtype
         init = {"sum": 0.0, "max": -math.inf, "min": math.inf}[st.op]
-        kshape = [shape[d] for d in keep] or [1]
-        kstrides = [[out.strides[n] for n in range(len(keep))] or [0]]
-        kstrides += [[v.strides[d] for d in keep] or [0] for v in st.inputs]
+        # strides[d] lists, for dim d of the input shape, its stride in the output then each input
+        strides = {d: [out.strides[keep.index(d)] if d in keep else 0, *(v.strides[d] for v in st.inputs)]
+                   for d in range(len(shape))}
+        kept = _merge_runs(keep, shape, strides) or [(1, [0] * len(views))]
+        reduced = _merge_runs(list(st.axes), shape, strides)
         name = self.fresh("red")
         f = self.loop_function(name, len(mem), pipeline="streaming")
         t = LLVM_TYPE[s_dtype]
         ptrs = {i: f.gep(elem_type(views[i].dtype), f"%p{n}", str(views[i].offset)) for n, i in enumerate(mem)}
         s = Scalar(f, s_dtype)
-        acc = f.alloca(t, "acc")
 
-        def inner(level: int, offs: list[str]) -> None:
-            if level == len(st.axes):
-                vals = [load(s, v, ptrs.get(i + 1), offs[i]) for i, v in enumerate(st.inputs)]
-                v = st.body(s, vals)
-                cur = f.load(t, acc)
-                f.store(t, s.accumulate(cur, v) if st.op == "sum" else getattr(s, st.op)(cur, v), acc)
+        def combine(cur: str, v: str, reassociate: bool) -> str:
+            if st.op != "sum":
+                return str(getattr(s, st.op)(cur, v))
+            return s.accumulate(cur, v) if reassociate else s.add(cur, v)
+
+        def values(offs: list[str]) -> str:
+            return st.body(s, [load(s, v, ptrs.get(i + 1), offs[i + 1]) for i, v in enumerate(st.inputs)])
+
+        def nest(runs: list[tuple[int, list[int]]], offs: list[str], body: Callable[[list[str]], None],
+                 hint: str, split: bool = False) -> None:
+            """Loops over ``runs`` (the first over ``[lo, hi)`` when ``split``), then ``body(offsets)``."""
+            if not runs:
+                body(offs)
                 return
-            ax = st.axes[level]
-            with f.loop(0, shape[ax], hint=f"r{level}") as i:
-                inner(level + 1, [f.add(o, f.mul(i, u.strides[ax])) for o, u in zip(offs, st.inputs, strict=True)])
+            (extent, run_strides), rest = runs[0], runs[1:]
+            lo, hi = ("%lo", "%hi") if split else ("0", str(extent))
+            with f.loop(lo, hi, hint=hint) as i:
+                nest(rest, [f.add(o, f.mul(i, d)) for o, d in zip(offs, run_strides, strict=True)], body, hint)
 
-        def outer(level: int, offs: list[str]) -> None:
-            if level == len(kshape):
-                f.store(t, s.const(init), acc)
-                inner(0, offs[1:])
-                res = f.load(t, acc)
-                if st.scale != 1.0:
-                    res = s.mul(res, s.const(st.scale))
-                f.store(t, res, f.gep(t, ptrs[0], offs[0]))
-                return
-            lo, hi = ("%lo", "%hi") if level == 0 else ("0", str(kshape[level]))
-            with f.loop(lo, hi, hint=f"o{level}") as i:
-                outer(level + 1, [f.add(o, f.mul(i, ks[level])) for o, ks in zip(offs, kstrides, strict=True)])
+        vertical = bool(reduced) and all(kept[-1][1][i] == 1 for i in mem) and kept[-1][0] > 1
 
-        outer(0, ["0"] * len(views))
+        def vertical_rows(offs: list[str]) -> None:
+            """The innermost kept run: out = init; out = op(out, row) for each reduced row; scale."""
+            extent, run_strides = kept[-1]
+            lo, hi = ("%lo", "%hi") if len(kept) == 1 else ("0", str(extent))
+
+            def along(row: list[str], body: Callable[[list[str], str], None]) -> None:
+                with f.loop(lo, hi, hint="v") as j:
+                    at = [f.add(o, f.mul(j, d)) for o, d in zip(row, run_strides, strict=True)]
+                    body(at, f.gep(t, ptrs[0], at[0]))
+
+            along(offs, lambda _, at: f.store(t, s.const(init), at))
+            nest(reduced, offs, lambda row: along(
+                row, lambda o, at: f.store(t, combine(f.load(t, at), values(o), False), at)), "r")
+            if st.scale != 1.0:
+                along(offs, lambda _, at: f.store(t, s.mul(f.load(t, at), s.const(st.scale)), at))
+
+        def horizontal(offs: list[str]) -> None:
+            """One output element: op over the reduced runs, innermost."""
+            acc = f.alloca(t, "acc")
+            f.store(t, s.const(init), acc)
+            nest(reduced, offs, lambda o: f.store(t, combine(f.load(t, acc), values(o), True), acc), "r")
+            res = f.load(t, acc)
+            if st.scale != 1.0:
+                res = s.mul(res, s.const(st.scale))
+            f.store(t, res, f.gep(t, ptrs[0], offs[0]))
+
+        zero = ["0"] * len(views)
+        if vertical:
+            nest(kept[:-1], zero, vertical_rows, "o", split=len(kept) > 1)
+        else:
+            nest(kept, zero, horizontal, "o", split=True)
         f.ret_void()
         f.finish()
         work = math.prod(shape) if shape else 1
-        return self._parallel_task(name, len(mem), kshape[0], work), [views[i].buffer for i in mem]
+        return self._parallel_task(name, len(mem), kept[0][0], work), [views[i].buffer for i in mem]
 
     def compile(self) -> CompiledGraph:
         """Finish, compile (disk-cached) and wrap the entry for ctypes."""
@@ -579,6 +615,24 @@ class KernelBuilder:
         nthreads = pool().nthreads
         module = NativeModule(self.finish(), kernel_labels=self.kernel_labels)
         return CompiledGraph(module, self.name, self.workspace_per_thread * nthreads)
+
+
+def _merge_runs(dims: list[int], shape: tuple[int, ...], strides: dict[int, list[int]]) -> list[tuple[int, list[int]]]:
+    """``dims`` (in order) as loops ``(extent, stride per view)``: a dim next to the previous one in
+    the shape (past dims of extent 1, which drop out), and contiguous with it in every view,
+    extends that loop."""
+    runs: list[tuple[int, list[int]]] = []
+    last = -2
+    for d in dims:
+        if shape[d] == 1:
+            continue
+        contiguous = runs and all(prev == cur * shape[d] for prev, cur in zip(runs[-1][1], strides[d], strict=True))
+        if contiguous and all(shape[x] == 1 for x in range(last + 1, d)):
+            runs[-1] = (runs[-1][0] * shape[d], list(strides[d]))
+        else:
+            runs.append((shape[d], list(strides[d])))
+        last = d
+    return runs
 
 
 def kernel_name(call: str) -> str:
