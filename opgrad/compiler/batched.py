@@ -32,7 +32,7 @@ def emit_batched_gemm(m: ModuleEmitter, spec: GemmSpec, batch: int, steps: tuple
         with f.loop(lo, hi, hint="bi") as i:
             moved = [f.gep(t, p, f.mul(i, step)) if step else p for p, step in zip(ptrs, steps, strict=True)]
             args = [("ptr", p) for p in moved] + [("ptr", ws)]
-            if whole or "block" not in plan.names:
+            if whole or "block" not in plan.names or plan.operands_swapped:
                 f.call("void", "@" + one, args)
             else:
                 f.call("void", f"@{plan.names['block']}", args + [("i64", x) for x in (

@@ -233,6 +233,9 @@ class GemmPlan:
     split_n: bool = True
     #: Read A's rows in place instead of packing them (:func:`reads_a_in_place`).
     a_in_place: bool = False
+    #: ``spec`` is the caller's GEMM transposed (:func:`oriented`): the entry's A and B pointers
+    #: are the spec's B and A.
+    operands_swapped: bool = False
     #: K is summed in this many groups of whole KC blocks (:func:`k_groups`).
     kgroups: int = 1
     #: KC blocks per group.
@@ -286,6 +289,33 @@ def k_groups(spec: GemmSpec, k_blocks: int) -> int:
         return 1
     groups = min(K_GROUPS_MAX, k_blocks, K_GROUPS_PARTIAL_BYTES // (spec.m * spec.n * esize))
     return groups if groups >= 2 else 1
+
+
+def transposed(spec: GemmSpec) -> GemmSpec:
+    """``C^T = B^T A^T``: the same products and sums, with the roles of rows and columns swapped."""
+    return GemmSpec(spec.n, spec.m, spec.k, Operand(spec.b.cols, spec.b.rows, spec.b.window),
+                    Operand(spec.a.cols, spec.a.rows, spec.a.window), Operand(spec.c.cols, spec.c.rows),
+                    spec.dtype, spec.alpha, spec.accumulate, spec.parallel_min_flops)
+
+
+def oriented(spec: GemmSpec) -> tuple[GemmSpec, Blocking]:
+    """``spec`` or its transpose, with the register tile for it: the transpose where K is summed in
+    groups (C is then written by the groups' sum, in any layout) and its tiles pad at least
+    ``1 - WIDE_TILE_MAX_WORK`` less. A weight gradient with 9 columns (a one-channel 3x3 conv)
+    fills 9 of a tile's 16 columns; transposed, its 32 rows fill whole tiles."""
+    host = Blocking.for_target(spec.dtype)
+    blk = host.for_shape(spec.m, spec.n, spec.dtype)
+    if k_groups(spec, -(-spec.k // blk.kc)) == 1:
+        return spec, blk
+    swapped = transposed(spec)
+    swapped_blk = host.for_shape(swapped.m, swapped.n, spec.dtype)
+
+    def padded(b: Blocking, m: int, n: int) -> int:
+        return round_up(m, b.mr) * round_up(n, b.nr)
+
+    if padded(swapped_blk, swapped.m, swapped.n) <= WIDE_TILE_MAX_WORK * padded(blk, spec.m, spec.n):
+        return swapped, swapped_blk
+    return spec, blk
 
 
 def reads_a_in_place(spec: GemmSpec, blk: Blocking) -> bool:
@@ -562,8 +592,13 @@ def emit_gemm(
         op.check()
     assert spec.c.window is None, "C cannot have a padding window"
     assert min(spec.m, spec.n, spec.k) >= 1
-    blk = blocking or Blocking.for_target(spec.dtype).for_shape(spec.m, spec.n, spec.dtype)
-    plan = GemmPlan(spec, blk)
+    swapped = False
+    if blocking is None:
+        oriented_spec, blk = oriented(spec)
+        swapped, spec = oriented_spec is not spec, oriented_spec
+    else:
+        blk = blocking
+    plan = GemmPlan(spec, blk, operands_swapped=swapped)
     base = m.unique(name or f"gemm_{spec.m}x{spec.n}x{spec.k}")
     m.declare(PARALLEL_FOR, PARALLEL_FOR_DECL)
     t = LLVM_TYPE[spec.dtype]
@@ -812,12 +847,13 @@ def _emit_task_and_entry(m: ModuleEmitter, base: str, plan: GemmPlan) -> None:
     f.finish()
 
     f = FunctionEmitter(m, base, [("ptr", "a"), ("ptr", "b"), ("ptr", "c"), ("ptr", "ws")])
+    operands = ("%b", "%a") if plan.operands_swapped else ("%a", "%b")
     if 2.0 * s.m * s.n * s.k < s.parallel_min_flops:
-        f.call("void", f"@{base}.block", [("ptr", "%a"), ("ptr", "%b"), ("ptr", "%c"), ("ptr", "%ws")]
+        f.call("void", f"@{base}.block", [("ptr", p) for p in (*operands, "%c", "%ws")]
                + [("i64", x) for x in ("0", str(s.m), "0", str(s.n), "0", str(s.k))])
     else:
         ctx = f.alloca("[4 x ptr]", "ctx", align=8)
-        for i, p in enumerate(("%a", "%b", "%c", "%ws")):
+        for i, p in enumerate((*operands, "%c", "%ws")):
             f.store("ptr", p, f.gep("ptr", ctx, str(i)))
         f.call("void", "@" + PARALLEL_FOR, [("ptr", f"@{base}.task"), ("ptr", ctx)])
         if plan.kgroups > 1:
