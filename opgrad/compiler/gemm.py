@@ -256,8 +256,8 @@ class GemmPlan:
         self.split_n = s.n >= s.m
         self.a_in_place = reads_a_in_place(s, b)
         esize = BYTES[s.dtype]
-        a_bytes = round_up(b.mc, b.mr) * self.kc * esize
-        b_bytes = round_up(self.nc, b.nr) * self.kc * esize
+        a_bytes = -(-b.mc // b.mr) * panel_stride(self.kc, b.mr, s.dtype) * esize
+        b_bytes = -(-self.nc // b.nr) * panel_stride(self.kc, b.nr, s.dtype) * esize
         if self.kgroups > 1:
             self.partial_bytes = round_up(self.kgroups * s.m * s.n * esize, 64)
         self.workspace_per_thread = self.partial_bytes + round_up(a_bytes, 64) + round_up(b_bytes, 64)
@@ -316,6 +316,17 @@ def oriented(spec: GemmSpec) -> tuple[GemmSpec, Blocking]:
     if padded(swapped_blk, swapped.m, swapped.n) <= WIDE_TILE_MAX_WORK * padded(blk, spec.m, spec.n):
         return swapped, swapped_blk
     return spec, blk
+
+
+#: Packed panels are this far apart beyond their own size. Panels of a whole number of 4 KiB pages
+#: (24 columns x 128 rows of float32 is 12 KiB) would all start in the same L1 set, and packing
+#: row by row writes one row of every panel in turn: eight ways cannot hold 85 panels' rows.
+PANEL_PAD_BYTES = 64
+
+
+def panel_stride(kc: int, lanes: int, dtype: str) -> int:
+    """Elements from one packed panel of ``kc x lanes`` to the next."""
+    return kc * lanes + PANEL_PAD_BYTES // BYTES[dtype]
 
 
 def reads_a_in_place(spec: GemmSpec, blk: Blocking) -> bool:
@@ -407,6 +418,7 @@ def _emit_pack(
     gather = _gather(m, chunk, t)
     mload = _masked_load(m, chunk, t)
     npanels = f.val(f"udiv i64 {f.add('%nlanes', lanes - 1)}, {lanes}")
+    stride = f.add(f.mul("%nloop", lanes), PANEL_PAD_BYTES // esize)
     first_panel = "0"
     if window is None and len(lane_map.radices) == 1 and lane_map.strides[0] == 1 and not lane_map.spatial:
         # Lanes are a plain run of memory (a row-major B, a column-major A): full panels are copied
@@ -420,14 +432,14 @@ def _emit_pack(
             dst_row = f.gep(t, "%dst", f.mul(k, lanes))
             with f.loop(0, first_panel, hint="pr") as p:
                 src_panel = f.gep(t, row, f.mul(p, lanes))
-                dst_panel = f.gep(t, dst_row, f.mul(p, f.mul("%nloop", lanes)))
+                dst_panel = f.gep(t, dst_row, f.mul(p, stride))
                 for c in range(nchunks):
                     v = f.load(vt, f.gep(t, src_panel, str(c * chunk)), align=esize)
                     f.store(vt, v, f.gep(t, dst_panel, str(c * chunk)), align=esize)
     with f.loop(first_panel, npanels, hint="p") as p:
         first = f.add("%lane0", f.mul(p, lanes))
         valid = f.sub("%nlanes", f.mul(p, lanes))
-        panel = f.gep(t, "%dst", f.mul(p, f.mul("%nloop", lanes)))
+        panel = f.gep(t, "%dst", f.mul(p, stride))
         chunks = []
         all_contig, all_full = "true", "true"
         for c in range(nchunks):
@@ -665,7 +677,8 @@ def _emit_block(m: ModuleEmitter, base: str, plan: GemmPlan, t: str) -> None:
         linkage="internal", pipeline="explicit",
     )
     ap = "%ws"
-    bp = f.gep("i8", "%ws", str(round_up(round_up(b.mc, mr) * plan.kc * esize, 64)))
+    bp = f.gep("i8", "%ws", str(round_up(-(-b.mc // mr) * panel_stride(plan.kc, mr, s.dtype) * esize, 64)))
+    pad = PANEL_PAD_BYTES // esize
     accs = [[f.alloca(vt, f"acc{r}_{c}") for c in range(nr // vl)] for r in range(mr)]
     with f.loop("%n0", "%n1", plan.nc, hint="jc") as jc:
         nc = f.smin(f.sub("%n1", jc), plan.nc)
@@ -682,7 +695,7 @@ def _emit_block(m: ModuleEmitter, base: str, plan: GemmPlan, t: str) -> None:
                 with f.loop(0, nc, nr, hint="jr") as jr:
                     nvalid = f.smin(f.sub(nc, jr), nr)
                     col_info = _col_terms(f, m, s.c.cols, f.add(jc, jr), nvalid, nr, vl)
-                    bpanel = f.gep(t, bp, f.mul(jr, kc))
+                    bpanel = f.gep(t, bp, f.mul(f.val(f"udiv i64 {jr}, {nr}"), f.add(f.mul(kc, nr), pad)))
                     with f.loop(0, mc, mr, hint="ir") as ir:
                         if plan.a_in_place:
                             # Rows past M repeat the last row: their sums are computed and not stored.
@@ -692,7 +705,8 @@ def _emit_block(m: ModuleEmitter, base: str, plan: GemmPlan, t: str) -> None:
                                     for r in range(mr)]
                             a_at = _rows_in_place(f, rows, t)
                         else:
-                            a_at = _packed_rows(f, f.gep(t, ap, f.mul(ir, kc)), mr, t)
+                            apanel = f.gep(t, ap, f.mul(f.val(f"udiv i64 {ir}, {mr}"), f.add(f.mul(kc, mr), pad)))
+                            a_at = _packed_rows(f, apanel, mr, t)
                         _microkernel(f, fma, accs, a_at, bpanel, kc, t, vt, nr, vl)
                         mvalid = f.smin(f.sub(mc, ir), mr)
                         _store_tile(f, plan, accs, f.add(ic, ir), mvalid, nvalid, col_info, overwrite, t, vt, it)
