@@ -13,7 +13,9 @@ Structure (all sizes are compile-time constants; shapes are fixed per compiled g
 Packed panels are zero padded, so edge tiles run the same microkernel; only the C store is masked.
 
 Determinism: every C element is the same chain of FMAs over k (KC blocks in order), whatever the
-tile it lands in, so splitting rows or columns over threads gives bitwise identical results.
+tile it lands in, so splitting rows or columns over threads gives bitwise identical results. A
+small output over a long K sums K in groups fixed by the shapes (:func:`k_groups`), each group one
+such chain, and adds the groups in order: the thread count still changes nothing.
 """
 
 from __future__ import annotations
