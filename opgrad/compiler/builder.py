@@ -541,11 +541,9 @@ class KernelBuilder:
         mem = [i for i, v in enumerate(views) if v.is_memory]
         s_dtype = out.dtype
         init = {"sum": 0.0, "max": -math.inf, "min": math.inf}[st.op]
-        # strides[d] lists, for dim d of the input shape, its stride in the output then each input
-        strides = {d: [out.strides[keep.index(d)] if d in keep else 0, *(v.strides[d] for v in st.inputs)]
-                   for d in range(len(shape))}
-        kept = _merge_runs(keep, shape, strides) or [(1, [0] * len(views))]
-        reduced = _merge_runs(list(st.axes), shape, strides)
+        out_strides = tuple(out.strides[keep.index(d)] if d in keep else 0 for d in range(len(shape)))
+        strides = [out_strides, *(v.strides for v in st.inputs)]
+        kept, reduced = _loop_runs(keep, shape, strides), _loop_runs(list(st.axes), shape, strides)
         name = self.fresh("red")
         f = self.loop_function(name, len(mem), pipeline="streaming")
         t = LLVM_TYPE[s_dtype]
@@ -571,7 +569,7 @@ class KernelBuilder:
             with f.loop(lo, hi, hint=hint) as i:
                 nest(rest, [f.add(o, f.mul(i, d)) for o, d in zip(offs, run_strides, strict=True)], body, hint)
 
-        vertical = bool(reduced) and all(kept[-1][1][i] == 1 for i in mem) and kept[-1][0] > 1
+        vertical = all(kept[-1][1][i] == 1 for i in mem) and kept[-1][0] > 1
 
         def vertical_rows(offs: list[str]) -> None:
             """The innermost kept run: out = init; out = op(out, row) for each reduced row; scale."""
@@ -617,22 +615,12 @@ class KernelBuilder:
         return CompiledGraph(module, self.name, self.workspace_per_thread * nthreads)
 
 
-def _merge_runs(dims: list[int], shape: tuple[int, ...], strides: dict[int, list[int]]) -> list[tuple[int, list[int]]]:
-    """``dims`` (in order) as loops ``(extent, stride per view)``: a dim next to the previous one in
-    the shape (past dims of extent 1, which drop out), and contiguous with it in every view,
-    extends that loop."""
-    runs: list[tuple[int, list[int]]] = []
-    last = -2
-    for d in dims:
-        if shape[d] == 1:
-            continue
-        contiguous = runs and all(prev == cur * shape[d] for prev, cur in zip(runs[-1][1], strides[d], strict=True))
-        if contiguous and all(shape[x] == 1 for x in range(last + 1, d)):
-            runs[-1] = (runs[-1][0] * shape[d], list(strides[d]))
-        else:
-            runs.append((shape[d], list(strides[d])))
-        last = d
-    return runs
+def _loop_runs(dims: list[int], shape: tuple[int, ...],
+               strides: list[tuple[int, ...]]) -> list[tuple[int, list[int]]]:
+    """Loops ``(extent, stride per view)`` over ``dims`` in order, dims contiguous in every view
+    merged into one (:func:`collapse`; a single loop of extent 1 when there are none)."""
+    extents, per_view = collapse(tuple(shape[d] for d in dims), [tuple(v[d] for d in dims) for v in strides])
+    return [(extent, list(run)) for extent, run in zip(extents, zip(*per_view, strict=True), strict=True)]
 
 
 def kernel_name(call: str) -> str:

@@ -183,10 +183,11 @@ class Blocking:
             return self
         wide = Blocking._sized(self.mr * 2 // 3, 3 * self.vl, self.vl, dtype, target or current_target())
 
-        def padded(b: Blocking) -> int:
-            return round_up(m, b.mr) * round_up(n, b.nr)
+        return wide if wide.padded_work(m, n) <= WIDE_TILE_MAX_WORK * self.padded_work(m, n) else self
 
-        return wide if padded(wide) <= WIDE_TILE_MAX_WORK * padded(self) else self
+    def padded_work(self, m: int, n: int) -> int:
+        """Output elements computed for an ``m x n`` C, its edge tiles padded to whole tiles."""
+        return round_up(m, self.mr) * round_up(n, self.nr)
 
 
 @dataclass(frozen=True)
@@ -311,11 +312,7 @@ def oriented(spec: GemmSpec) -> tuple[GemmSpec, Blocking]:
         return spec, blk
     swapped = transposed(spec)
     swapped_blk = host.for_shape(swapped.m, swapped.n, spec.dtype)
-
-    def padded(b: Blocking, m: int, n: int) -> int:
-        return round_up(m, b.mr) * round_up(n, b.nr)
-
-    if padded(swapped_blk, swapped.m, swapped.n) <= WIDE_TILE_MAX_WORK * padded(blk, spec.m, spec.n):
+    if swapped_blk.padded_work(swapped.m, swapped.n) <= WIDE_TILE_MAX_WORK * blk.padded_work(spec.m, spec.n):
         return swapped, swapped_blk
     return spec, blk
 
