@@ -1,4 +1,5 @@
-"""Where futex is unavailable (not Linux, or an unknown CPU), the pool runs kernels single-threaded."""
+"""The thread pool off its fast path: where futex is unavailable (not Linux, or an unknown CPU) it runs
+kernels single-threaded, and between jobs its workers sleep."""
 
 from __future__ import annotations
 
@@ -25,3 +26,28 @@ def test_without_futex_kernels_run_on_the_calling_thread() -> None:
     """)
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr
+
+
+def test_an_idle_pool_sleeps_instead_of_spinning() -> None:
+    # Workers spin briefly after a job and then sleep; a sleep that times out with no new job
+    # must go back to sleep, not spin again (that cost an idle pool a fifth of a core).
+    script = textwrap.dedent("""
+        import os, time
+        os.environ["OPGRAD_NUM_THREADS"] = "2"
+        import numpy as np
+        import opgrad
+        from opgrad.compiler.threads import futex_supported, pool
+
+        x = opgrad.var("x", (400, 400))
+        compiled = opgrad.compile(opgrad.function([x], x @ x))
+        compiled(np.ones((400, 400), np.float32))  # a job wakes the workers
+        assert pool().nthreads == 2 or not futex_supported()
+        time.sleep(0.2)  # past the spinning after the job
+        cpu = time.process_time()
+        time.sleep(1.0)
+        print(f"{time.process_time() - cpu:.4f}")
+    """)
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    idle_cpu_seconds = float(result.stdout.strip())
+    assert idle_cpu_seconds < 0.08, f"an idle pool used {idle_cpu_seconds:.3f} s of CPU in 1 s"
