@@ -123,17 +123,27 @@ define void @m(ptr %p) nounwind {
 """
 
 
-def test_a_module_is_cut_by_the_pipelines_its_kernel_groups_ask_for() -> None:
+def test_a_module_is_cut_by_the_pipelines_its_functions_ask_for() -> None:
     from opgrad.compiler.split import DEFINE, pipeline_pieces
 
     pieces = dict(pipeline_pieces(PIECES))
     defined = {p: [m.group("name") for line in text.splitlines() if (m := DEFINE.match(line))]
                for p, text in pieces.items()}
-    # a cold helper follows its kernel; a group asking for two pipelines gets the full one; the
-    # entry asks for none
-    assert defined == {"explicit": ["m.k1.pack", "m.k1"], "streaming": ["m.k2"], "auto": ["m.k3.a", "m.k3", "m"]}
+    # each function gets the pipeline it asks for; the entry asks for none, and its group's
+    # functions ask for several
+    assert defined == {"explicit": ["m.k1.pack", "m.k3"], "cold": ["m.k1"], "streaming": ["m.k2", "m.k3.a"],
+                       "auto": ["m"]}
     assert "define hidden void @m.k2(" in pieces["streaming"]  # called from another piece
     assert "declare void @m.k2(" in pieces["auto"]
+    # a helper of another pipeline is only declared beside its caller, so it is never inlined
+    assert "define hidden void @m.k3.a(" in pieces["streaming"] and "declare void @m.k3.a(" in pieces["explicit"]
+    # a function that asks for none follows its group's others, a cold fallback aside
+    glue = ('define internal void @m.k4.x(ptr %p) nounwind "opgrad-pipeline"="lean" {\n  ret void\n}\n'
+            'define internal void @m.k4.y(ptr %p) nounwind "opgrad-pipeline"="cold" {\n  ret void\n}\n'
+            'define void @m.k4(ptr %p) nounwind {\n  call void @m.k4.x(ptr %p)\n  call void @m.k4.y(ptr %p)\n'
+            '  ret void\n}\n')
+    pieces = dict(pipeline_pieces(PIECES + glue))
+    assert "define void @m.k4(" in pieces["lean"] and "define hidden void @m.k4.y(" in pieces["cold"]
     unmarked = "\n".join(line.split(' "opgrad-pipeline"')[0] + (" {" if "opgrad-pipeline" in line else "")
                           for line in PIECES.splitlines()) + "\n"
     assert pipeline_pieces(unmarked) == [("auto", unmarked)]

@@ -412,7 +412,7 @@ def _emit_pack(
     window = op.window
     f = FunctionEmitter(
         m, name, [("ptr", "src"), ("ptr", "dst"), ("i64", "lane0"), ("i64", "nlanes"), ("i64", "loop0"),
-                  ("i64", "nloop")], linkage="internal", pipeline="explicit",
+                  ("i64", "nloop")], linkage="internal", pipeline="lean",
     )
     gather = _gather(m, chunk, t)
     mload = _masked_load(m, chunk, t)
@@ -823,7 +823,8 @@ def _emit_task_and_entry(m: ModuleEmitter, base: str, plan: GemmPlan) -> None:
     s, b = plan.spec, plan.blk
     esize = BYTES[s.dtype]
     scratch_bytes = plan.workspace_per_thread - plan.partial_bytes
-    f = FunctionEmitter(m, base + ".task", [("ptr", "ctx"), ("i32", "tid"), ("i32", "nt")], linkage="internal")
+    f = FunctionEmitter(m, base + ".task", [("ptr", "ctx"), ("i32", "tid"), ("i32", "nt")], linkage="internal",
+                        pipeline="lean")
     args = [f.load("ptr", f.gep("ptr", "%ctx", str(i))) for i in range(4)]
     tid, nt = f.val("sext i32 %tid to i64"), f.val("sext i32 %nt to i64")
     extent, quantum = (s.n, b.nr) if plan.split_n else (s.m, b.mr)
@@ -859,7 +860,7 @@ def _emit_task_and_entry(m: ModuleEmitter, base: str, plan: GemmPlan) -> None:
     f.ret_void()
     f.finish()
 
-    f = FunctionEmitter(m, base, [("ptr", "a"), ("ptr", "b"), ("ptr", "c"), ("ptr", "ws")])
+    f = FunctionEmitter(m, base, [("ptr", "a"), ("ptr", "b"), ("ptr", "c"), ("ptr", "ws")], pipeline="lean")
     operands = ("%b", "%a") if plan.operands_swapped else ("%a", "%b")
     if 2.0 * s.m * s.n * s.k < s.parallel_min_flops:
         f.call("void", f"@{base}.block", [("ptr", p) for p in (*operands, "%c", "%ws")]
@@ -886,7 +887,7 @@ def _emit_group_sum(m: ModuleEmitter, name: str, plan: GemmPlan) -> None:
     vl = plan.blk.vl
     vt = f"<{vl} x {t}>"
     f = FunctionEmitter(m, name, [("ptr", "ctx"), ("i32", "tid"), ("i32", "nt")], linkage="internal",
-                        pipeline="explicit")
+                        pipeline="lean")
     c, partials = (f.load("ptr", f.gep("ptr", "%ctx", str(i))) for i in (2, 3))
     contiguous = s.c.cols.strides == (1,) and s.c.cols.base == 0
     tid, nt = f.val("sext i32 %tid to i64"), f.val("sext i32 %nt to i64")

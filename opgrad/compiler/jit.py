@@ -54,7 +54,7 @@ __all__ = ["ENGINE_VERSION", "Codegen", "HostTarget", "NativeModule", "ObjectCac
            "host_target", "object_code"]
 
 #: Bump when the optimization pipeline, target-machine options or cache format change.
-ENGINE_VERSION = "opgrad-engine-3"
+ENGINE_VERSION = "opgrad-engine-4"
 
 _MAGIC = b"OPGRDOB2"
 _HEADER = struct.Struct("<8s32sQ32s")  # magic, sha256 key, payload length, sha256(payload)

@@ -105,10 +105,9 @@ def _parse(ir_text: str) -> tuple[list[str], list[_Function]] | None:
     return header, functions
 
 
-def _cut(header: list[str], functions: list[_Function], owner: dict[str, int], parts: int) -> list[str]:
-    """One module per part: the functions of the groups ``owner`` gives it, declarations of the
-    rest; a function another part calls becomes external (hidden) so the linker can join them."""
-    part_of = {fn.name: owner[fn.group] for fn in functions}
+def _cut(header: list[str], functions: list[_Function], part_of: dict[str, int], parts: int) -> list[str]:
+    """One module per part: the functions ``part_of`` gives it, declarations of the rest; a
+    function another part calls becomes external (hidden) so the linker can join them."""
     called_across = set()
     for fn in functions:
         for line in fn.lines[1:]:
@@ -138,10 +137,10 @@ def split_module(ir_text: str, parts: int) -> list[str]:
     if parsed is None:
         return [ir_text]
     header, functions = parsed
-    pipelines = _group_pipelines(functions)
+    pipelines = _function_pipelines(functions)
     sizes: dict[str, float] = {}
     for fn in functions:
-        cost = COST_PER_FUNCTION + sum(len(line) for line in fn.lines) * PIPELINES[pipelines[fn.group]].compile_cost
+        cost = COST_PER_FUNCTION + sum(len(line) for line in fn.lines) * PIPELINES[pipelines[fn.name]].compile_cost
         sizes[fn.group] = sizes.get(fn.group, 0) + cost
     parts = min(parts, len(sizes))
     if parts < 2:
@@ -152,7 +151,7 @@ def split_module(ir_text: str, parts: int) -> list[str]:
         lightest = load.index(min(load))
         owner[group] = lightest
         load[lightest] += sizes[group]
-    return _cut(header, functions, owner, parts)
+    return _cut(header, functions, {fn.name: owner[fn.group] for fn in functions}, parts)
 
 
 def pipeline_attribute(pipeline: str) -> str:
@@ -162,40 +161,47 @@ def pipeline_attribute(pipeline: str) -> str:
     return f'"{PIPELINE_KEY}"="{pipeline}"'
 
 
-def _group_pipelines(functions: list[_Function]) -> dict[str, str]:
-    """Each group's pipeline: the one its functions ask for; ``auto`` when they ask for none, or
-    for different ones (``auto`` does what every other pipeline does, and more)."""
-    asked: dict[str, set[str]] = {}
+def _function_pipelines(functions: list[_Function]) -> dict[str, str]:
+    """Each function's pipeline: the one it asks for; for a function that asks for none (a
+    kernel's entry or glue), the one its group's other functions ask for, ``cold`` aside, and
+    ``auto`` where they ask for none or for several (``auto`` does what every other pipeline does,
+    and more)."""
+    asked: dict[str, str] = {}
+    votes: dict[str, set[str]] = {}
     for fn in functions:
-        votes = asked.setdefault(fn.group, set())
+        group_votes = votes.setdefault(fn.group, set())
         if (m := _PIPELINE.search(fn.lines[0])) is not None:
-            votes.add(m.group(1))
+            asked[fn.name] = m.group(1)
+            group_votes.add(m.group(1))
     chosen = {}
-    for group, votes in asked.items():
-        if len(votes) > 1:
-            votes -= {"cold"}  # cold helpers (fallbacks) follow their kernel's pipeline
-        chosen[group] = votes.pop() if len(votes) == 1 else AUTO_PIPELINE
+    for fn in functions:
+        if fn.name in asked:
+            chosen[fn.name] = asked[fn.name]
+            continue
+        group_votes = votes[fn.group] - {"cold"} if len(votes[fn.group]) > 1 else votes[fn.group]
+        chosen[fn.name] = next(iter(group_votes)) if len(group_votes) == 1 else AUTO_PIPELINE
     return chosen
 
 
 def pipeline_pieces(ir_text: str) -> list[tuple[str, str]]:
     """``ir_text`` cut by optimization pipeline: ``(pipeline, module text)`` for each pipeline its
-    kernel groups ask for, in a fixed order; the whole module as one piece when it cannot be cut.
+    functions ask for, in a fixed order; the whole module as one piece when it cannot be cut.
 
     Why: optimizing a training step at O3 spends most of its time re-vectorizing and unrolling
     code that is already explicit vector code, register-tiled by its emitter, or a memory-bound
-    loop that unrolling does not speed up. An emitter names what its function needs with
+    loop that unrolling does not speed up. An emitter names what each function needs with
     :func:`pipeline_attribute`; the pieces are optimized apart and linked before code generation.
-    The cut follows the groups, as :func:`split_module`'s does, so a kernel is optimized the same
-    way whether its module is compiled whole or in parts.
+    A function is never inlined into one of another pipeline (it is only declared there), and
+    every build goes through this cut, so a kernel is optimized the same way whether its module
+    is compiled whole or in parts.
     """
     parsed = _parse(ir_text)
     if parsed is None:
         return [(AUTO_PIPELINE, ir_text)]
     header, functions = parsed
-    chosen = _group_pipelines(functions)
+    chosen = _function_pipelines(functions)
     order = sorted(set(chosen.values()))
     if len(order) < 2:
         return [(order[0] if order else AUTO_PIPELINE, ir_text)]
-    owner = {group: order.index(pipeline) for group, pipeline in chosen.items()}
-    return list(zip(order, _cut(header, functions, owner, len(order)), strict=True))
+    part_of = {name: order.index(pipeline) for name, pipeline in chosen.items()}
+    return list(zip(order, _cut(header, functions, part_of, len(order)), strict=True))

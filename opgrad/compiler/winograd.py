@@ -255,7 +255,8 @@ class WinogradEmitter:
 
     def task(self, name: str, nctx: int, pipeline: str = "explicit") -> tuple[FunctionEmitter, list[str], str, str]:
         """A parallel-for task: its emitter, the context pointers, tid and thread count as i64.
-        Tasks are explicit vector code unless they say otherwise (``pipeline="cold"``)."""
+        Tasks are register-tiled explicit vector code unless they say otherwise: ``lean`` for
+        transforms, ``cold`` for fallbacks (:data:`opgrad.compiler.llvm_worker.PIPELINES`)."""
         f = FunctionEmitter(self.mod, name, [("ptr", "ctx"), ("i32", "tid"), ("i32", "nt")], linkage="internal",
                             pipeline=pipeline)
         ptrs = [f.load("ptr", f.gep("ptr", "%ctx", str(i))) for i in range(nctx)]
@@ -283,7 +284,7 @@ class WinogradEmitter:
         ``U[pos][panel][c][r]`` (``MR`` rows per panel, the microkernel's A operand); rows past
         ``cout`` are zero."""
         p, t, alpha, mr = self.p, self.t, self.alpha, self.mr
-        f, (w, u), tid, nt = self.task(name, 2)
+        f, (w, u), tid, nt = self.task(name, 2, pipeline="lean")
         lo, hi = self.share(f, tid, nt, self.cout_pad)
         s0, s1, s2, s3 = p.weight_strides
         panels = self.cout_pad // mr
@@ -571,7 +572,7 @@ def emit_guarded_entry(mod: ModuleEmitter, name: str, params: tuple[str, str, st
     parameters, ``shared`` (the workspace's first ``shared_bytes``), ``flag`` (an i32 after it)
     and ``scratch`` (then ``scratch_stride`` bytes per thread)."""
     declare_helpers(mod)
-    f = FunctionEmitter(mod, name, [("ptr", p) for p in (*params, "ws")])
+    f = FunctionEmitter(mod, name, [("ptr", p) for p in (*params, "ws")], pipeline="lean")
     pointers = {p: "%" + p for p in params}
     pointers["shared"] = "%ws"
     pointers["flag"] = f.gep("i8", "%ws", str(shared_bytes))

@@ -191,7 +191,7 @@ class WeightGradEmitter(WinogradEmitter):
         """Task over narrow-side channels: add the groups in order and ``dW = G^T What G``, VL wide-side
         channels at a time; watch the results for non-finite values."""
         p, t, vt, vl, alpha = self.p, self.t, self.vt, self.vl, self.alpha
-        f, (partial, dw, flag), tid, nt = self.task(name, 3)
+        f, (partial, dw, flag), tid, nt = self.task(name, 3, pipeline="lean")
         lo, hi = self.share(f, tid, nt, self.narrow_real)
         bad = f.var(vt, "zeroinitializer", "bad")
         s0, s1, s2, s3 = p.weight_strides
