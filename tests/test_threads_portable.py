@@ -30,7 +30,7 @@ def test_without_futex_kernels_run_on_the_calling_thread() -> None:
 
 def test_an_idle_pool_sleeps_instead_of_spinning() -> None:
     # Workers spin briefly after a job and then sleep; a sleep that times out with no new job
-    # must go back to sleep, not spin again (that cost an idle pool a fifth of a core).
+    # must go back to sleep: spinning again after every timeout costs an idle pool a fifth of a core.
     script = textwrap.dedent("""
         import os, time
         os.environ["OPGRAD_NUM_THREADS"] = "2"

@@ -173,14 +173,12 @@ def _function_pipelines(functions: list[_Function]) -> dict[str, str]:
         if (m := _PIPELINE.search(fn.lines[0])) is not None:
             asked[fn.name] = m.group(1)
             group_votes.add(m.group(1))
-    chosen = {}
-    for fn in functions:
-        if fn.name in asked:
-            chosen[fn.name] = asked[fn.name]
-            continue
-        group_votes = votes[fn.group] - {"cold"} if len(votes[fn.group]) > 1 else votes[fn.group]
-        chosen[fn.name] = next(iter(group_votes)) if len(group_votes) == 1 else AUTO_PIPELINE
-    return chosen
+    unmarked: dict[str, str] = {}
+    for group, group_votes in votes.items():
+        if len(group_votes) > 1:
+            group_votes -= {"cold"}
+        unmarked[group] = next(iter(group_votes)) if len(group_votes) == 1 else AUTO_PIPELINE
+    return {fn.name: asked.get(fn.name, unmarked[fn.group]) for fn in functions}
 
 
 def pipeline_pieces(ir_text: str) -> list[tuple[str, str]]:
