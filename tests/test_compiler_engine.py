@@ -80,14 +80,17 @@ def test_gemm_reading_a_in_place_matches_numpy(dtype: str, panels: int) -> None:
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
-@pytest.mark.parametrize("operand", ["b", "a"])
-def test_gemm_packing_whole_rows_matches_numpy(dtype: str, operand: str) -> None:
+@pytest.mark.parametrize(("operand", "row_blocks"), [("b", 1), ("b", 2), ("a", 1)])
+def test_gemm_packing_whole_rows_matches_numpy(dtype: str, operand: str, row_blocks: int) -> None:
     # Panels whose lanes are one run of memory (a row-major B's columns, a column-major A's rows)
-    # are packed row by row. The run starts past an offset and its rows are strided past the
-    # operand; N spans two column blocks with a partial last panel, K two cache blocks.
+    # are packed row by row, or for B by the first row tile that uses them. The run starts past an
+    # offset and its rows are strided past the operand; N spans two column blocks with a partial
+    # last panel, K two cache blocks; M one block of rows (every B panel packed into one slot) or
+    # two (the panels kept for the second block).
     from opgrad.compiler.gemm import Blocking, IndexMap, Operand
 
-    m, n, k, ld, offset = 37, 2100, 300, 2111, 3
+    m = 37 if row_blocks == 1 else Blocking.for_target(dtype).mc + 5
+    n, k, ld, offset = 2100, 300, 2111, 3
     rng = np.random.default_rng(7)
     storage = rng.standard_normal(offset + k * ld).astype(dtype)
     run = storage[offset:].reshape(k, ld)

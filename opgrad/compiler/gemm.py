@@ -419,7 +419,7 @@ def _emit_pack(
     npanels = f.val(f"udiv i64 {f.add('%nlanes', lanes - 1)}, {lanes}")
     stride = f.add(f.mul("%nloop", lanes), PANEL_PAD_BYTES // esize)
     first_panel = "0"
-    if window is None and len(lane_map.radices) == 1 and lane_map.strides[0] == 1 and not lane_map.spatial:
+    if lanes_are_plain_run(op, lanes_are_rows):
         # Lanes are a plain run of memory (a row-major B, a column-major A): full panels are copied
         # row by row, each source row read once from end to end. Panel by panel, every row of a
         # panel would be a 64-byte read from another page, which no hardware prefetcher follows:
@@ -510,6 +510,14 @@ def _emit_pack(
             f.block(end)
     f.ret_void()
     f.finish()
+
+
+def lanes_are_plain_run(op: Operand, lanes_are_rows: bool) -> bool:
+    """Whether the lanes of a packed panel (A's rows, B's columns) lie at consecutive addresses,
+    with no padding window: a row-major B or a column-major A."""
+    lane_map = op.rows if lanes_are_rows else op.cols
+    return (op.window is None and len(lane_map.radices) == 1 and lane_map.strides[0] == 1
+            and not lane_map.spatial)
 
 
 def _unit_step(imap: IndexMap) -> bool:
@@ -679,12 +687,19 @@ def _emit_block(m: ModuleEmitter, base: str, plan: GemmPlan, t: str) -> None:
     bp = f.gep("i8", "%ws", str(round_up(-(-b.mc // mr) * panel_stride(plan.kc, mr, s.dtype) * esize, 64)))
     pad = PANEL_PAD_BYTES // esize
     accs = [[f.alloca(vt, f"acc{r}_{c}") for c in range(nr // vl)] for r in range(mr)]
+    # Where B's columns are one run of memory, the first row tile of each whole panel packs the
+    # panel while it computes: the strided reads of B then overlap the FMAs instead of running as
+    # a separate copy first, and the panel is in L1 for the other row tiles.
+    fuse_pack = lanes_are_plain_run(s.b, False)
     with f.loop("%n0", "%n1", plan.nc, hint="jc") as jc:
         nc = f.smin(f.sub("%n1", jc), plan.nc)
         with f.loop("%k0", "%k1", plan.kc, hint="pc") as pc:
             kc = f.smin(f.sub("%k1", pc), plan.kc)
-            f.call("void", f"@{base}.pack_b", [("ptr", "%b"), ("ptr", bp), ("i64", jc), ("i64", nc), ("i64", pc),
-                                                ("i64", kc)])
+            whole = f.mul(f.val(f"udiv i64 {nc}, {nr}"), nr) if fuse_pack else "0"
+            with f.if_then(f.icmp("slt", whole, nc), "packb"):
+                tail = f.gep(t, bp, f.mul(f.val(f"udiv i64 {whole}, {nr}"), f.add(f.mul(kc, nr), pad)))
+                f.call("void", f"@{base}.pack_b", [("ptr", "%b"), ("ptr", tail), ("i64", f.add(jc, whole)),
+                                                    ("i64", f.sub(nc, whole)), ("i64", pc), ("i64", kc)])
             overwrite = "false" if s.accumulate else f.icmp("eq", pc, "%k0")
             with f.loop("%m0", "%m1", b.mc, hint="ic") as ic:
                 mc = f.smin(f.sub("%m1", ic), b.mc)
@@ -694,7 +709,14 @@ def _emit_block(m: ModuleEmitter, base: str, plan: GemmPlan, t: str) -> None:
                 with f.loop(0, nc, nr, hint="jr") as jr:
                     nvalid = f.smin(f.sub(nc, jr), nr)
                     col_info = _col_terms(f, m, s.c.cols, f.add(jc, jr), nvalid, nr, vl)
-                    bpanel = f.gep(t, bp, f.mul(f.val(f"udiv i64 {jr}, {nr}"), f.add(f.mul(kc, nr), pad)))
+                    slot = f.val(f"udiv i64 {jr}, {nr}")
+                    if fuse_pack:
+                        # With one block of rows, no panel is read again after its last row tile:
+                        # every whole panel is packed into the first slot, which stays in L1 from
+                        # one panel to the next instead of missing on every store.
+                        one_row_block = f.icmp("sle", f.sub("%m1", "%m0"), b.mc)
+                        slot = f.select(f.val(f"and i1 {one_row_block}, {f.icmp('slt', jr, whole)}"), "i64", "0", slot)
+                    bpanel = f.gep(t, bp, f.mul(slot, f.add(f.mul(kc, nr), pad)))
                     with f.loop(0, mc, mr, hint="ir") as ir:
                         if plan.a_in_place:
                             # Rows past M repeat the last row: their sums are computed and not stored.
@@ -706,7 +728,19 @@ def _emit_block(m: ModuleEmitter, base: str, plan: GemmPlan, t: str) -> None:
                         else:
                             apanel = f.gep(t, ap, f.mul(f.val(f"udiv i64 {ir}, {mr}"), f.add(f.mul(kc, mr), pad)))
                             a_at = _packed_rows(f, apanel, mr, t)
-                        _microkernel(f, fma, accs, a_at, bpanel, kc, t, vt, nr, vl)
+                        if fuse_pack:
+                            first = f.val(f"and i1 {f.icmp('eq', ic, '%m0')}, {f.icmp('eq', ir, '0')}")
+                            packing, packed, done = f.if_else(f.val(f"and i1 {first}, {f.icmp('slt', jr, whole)}"))
+                            f.block(packing)
+                            source = _PanelSource(s.b, f.add(jc, jr), pc, esize)
+                            _microkernel(f, fma, accs, a_at, bpanel, kc, t, vt, nr, vl, source)
+                            f.br(done)
+                            f.block(packed)
+                            _microkernel(f, fma, accs, a_at, bpanel, kc, t, vt, nr, vl)
+                            f.br(done)
+                            f.block(done)
+                        else:
+                            _microkernel(f, fma, accs, a_at, bpanel, kc, t, vt, nr, vl)
                         mvalid = f.smin(f.sub(mc, ir), mr)
                         _store_tile(f, plan, accs, f.add(ic, ir), mvalid, nvalid, col_info, overwrite, t, vt, it)
     f.ret_void()
@@ -745,18 +779,54 @@ def _rows_in_place(f: FunctionEmitter, rows: list[str], t: str) -> Callable[[str
     return lambda k, r: f.load(t, f.gep(t, rows[r], k))
 
 
+@dataclass(frozen=True)
+class _PanelSource:
+    """Where a whole B panel is read from when the microkernel packs it: B's columns ``col0 ..``
+    (one run of memory) of the rows ``k0 + k``."""
+
+    b: Operand
+    col0: str
+    k0: str
+    esize: int
+
+    def row(self, f: FunctionEmitter, t: str, k: str) -> str:
+        roff, _, _ = self.b.rows.terms(f, f.add(self.k0, k))
+        return f.gep(t, "%b", f.add(roff, f.add(self.col0, self.b.cols.base)))
+
+
 def _microkernel(
     f: FunctionEmitter, fma: str, accs: list[list[str]], a_at: Callable[[str, int], str], bpanel: str, kc: str,
-    t: str, vt: str, nr: int, vl: int,
+    t: str, vt: str, nr: int, vl: int, source: _PanelSource | None = None,
 ) -> None:
     """MR x NR outer-product accumulation over kc; accumulators stay in registers after SROA.
-    ``a_at(k, r)`` loads A's value for row ``r`` of the tile at ``k``."""
+    ``a_at(k, r)`` loads A's value for row ``r`` of the tile at ``k``.
+
+    With a ``source``, B's rows are read from there and stored into ``bpanel`` as they are used,
+    and the same row of the next panel is prefetched: each row of a panel is a line or two on
+    another page, which the hardware prefetchers do not follow. The prefetch goes to L2 only
+    (locality 2): rows a power-of-two multiple apart share one L1 set and would evict each other.
+    """
+    align = vl * (4 if t == "float" else 8)  # packed rows start on whole vectors
     for row in accs:
         for acc in row:
             f.store(vt, "zeroinitializer", acc)
+    if source is not None:
+        prefetch = f.module.declare("llvm.prefetch.p0", "declare void @llvm.prefetch.p0(ptr, i32, i32, i32)")
+        span = nr * source.esize
+        line_offsets = sorted({*range(0, span, 64), span - 1})
     with f.loop(0, kc, hint="k") as k:
         brow = f.gep(t, bpanel, f.mul(k, nr))
-        bv = [f.load(vt, f.gep(t, brow, str(c * vl)), align=64) for c in range(nr // vl)]
+        if source is None:
+            bv = [f.load(vt, f.gep(t, brow, str(c * vl)), align=align) for c in range(nr // vl)]
+        else:
+            src = source.row(f, t, k)
+            bv = [f.load(vt, f.gep(t, src, str(c * vl)), align=source.esize) for c in range(nr // vl)]
+            for c, v in enumerate(bv):
+                f.store(vt, v, f.gep(t, brow, str(c * vl)), align=align)
+            ahead = f.gep(t, src, str(nr))
+            for off in line_offsets:
+                f.call("void", prefetch, [("ptr", f.gep("i8", ahead, str(off))), ("i32", "0"), ("i32", "2"),
+                                          ("i32", "1")])
         for r in range(len(accs)):
             av = f.splat(vl, t, a_at(k, r))
             for c in range(nr // vl):
