@@ -729,8 +729,8 @@ def _emit_block(m: ModuleEmitter, base: str, plan: GemmPlan, t: str) -> None:
                             apanel = f.gep(t, ap, f.mul(f.val(f"udiv i64 {ir}, {mr}"), f.add(f.mul(kc, mr), pad)))
                             a_at = _packed_rows(f, apanel, mr, t)
                         if fuse_pack:
-                            first = f.val(f"and i1 {f.icmp('eq', ic, '%m0')}, {f.icmp('eq', ir, '0')}")
-                            packing, packed, done = f.if_else(f.val(f"and i1 {first}, {f.icmp('slt', jr, whole)}"))
+                            first_tile = f.val(f"and i1 {f.icmp('eq', ic, '%m0')}, {f.icmp('eq', ir, '0')}")
+                            packing, packed, done = f.if_else(f.val(f"and i1 {first_tile}, {f.icmp('slt', jr, whole)}"))
                             f.block(packing)
                             source = _PanelSource(s.b, f.add(jc, jr), pc, esize)
                             _microkernel(f, fma, accs, a_at, bpanel, kc, t, vt, nr, vl, source)
@@ -794,6 +794,16 @@ class _PanelSource:
         return f.gep(t, "%b", f.add(roff, f.add(self.col0, self.b.cols.base)))
 
 
+def _prefetch_l2(f: FunctionEmitter, ptr: str, byte_offset: str | int = 0) -> None:
+    """Prefetch the line at ``ptr + byte_offset`` into L2 (locality 2), not L1: the rows that
+    the GEMM prefetches are often a power-of-two multiple apart, share one L1 set and would evict
+    each other. The address may lie past the operand (so no ``inbounds``): a prefetch never
+    faults."""
+    prefetch = f.module.declare("llvm.prefetch.p0", "declare void @llvm.prefetch.p0(ptr, i32, i32, i32)")
+    at = f.val(f"getelementptr i8, ptr {ptr}, i64 {byte_offset}", "pf") if byte_offset != 0 else ptr
+    f.call("void", prefetch, [("ptr", at), ("i32", "0"), ("i32", "2"), ("i32", "1")])
+
+
 def _microkernel(
     f: FunctionEmitter, fma: str, accs: list[list[str]], a_at: Callable[[str, int], str], bpanel: str, kc: str,
     t: str, vt: str, nr: int, vl: int, source: _PanelSource | None = None,
@@ -803,17 +813,15 @@ def _microkernel(
 
     With a ``source``, B's rows are read from there and stored into ``bpanel`` as they are used,
     and the same row of the next panel is prefetched: each row of a panel is a line or two on
-    another page, which the hardware prefetchers do not follow. The prefetch goes to L2 only
-    (locality 2): rows a power-of-two multiple apart share one L1 set and would evict each other.
+    another page, which the hardware prefetchers do not follow.
     """
     align = vl * (4 if t == "float" else 8)  # packed rows start on whole vectors
     for row in accs:
         for acc in row:
             f.store(vt, "zeroinitializer", acc)
     if source is not None:
-        prefetch = f.module.declare("llvm.prefetch.p0", "declare void @llvm.prefetch.p0(ptr, i32, i32, i32)")
-        span = nr * source.esize
-        line_offsets = sorted({*range(0, span, 64), span - 1})
+        span = nr * source.esize  # the next panel's part of a row: bytes [span, 2 * span)
+        line_offsets = sorted({*range(span, 2 * span, 64), 2 * span - 1})
     with f.loop(0, kc, hint="k") as k:
         brow = f.gep(t, bpanel, f.mul(k, nr))
         if source is None:
@@ -823,10 +831,8 @@ def _microkernel(
             bv = [f.load(vt, f.gep(t, src, str(c * vl)), align=source.esize) for c in range(nr // vl)]
             for c, v in enumerate(bv):
                 f.store(vt, v, f.gep(t, brow, str(c * vl)), align=align)
-            ahead = f.gep(t, src, str(nr))
             for off in line_offsets:
-                f.call("void", prefetch, [("ptr", f.gep("i8", ahead, str(off))), ("i32", "0"), ("i32", "2"),
-                                          ("i32", "1")])
+                _prefetch_l2(f, src, off)
         for r in range(len(accs)):
             av = f.splat(vl, t, a_at(k, r))
             for c in range(nr // vl):
