@@ -691,6 +691,10 @@ def _emit_block(m: ModuleEmitter, base: str, plan: GemmPlan, t: str) -> None:
     # panel while it computes: the strided reads of B then overlap the FMAs instead of running as
     # a separate copy first, and the panel is in L1 for the other row tiles.
     fuse_pack = lanes_are_plain_run(s.b, False)
+    # With one block of rows, no panel is read again after its last row tile: every whole panel
+    # is packed into the first slot, which stays in L1 from one panel to the next instead of
+    # missing on every store.
+    one_row_block = f.icmp("sle", f.sub("%m1", "%m0"), b.mc)
     with f.loop("%n0", "%n1", plan.nc, hint="jc") as jc:
         nc = f.smin(f.sub("%n1", jc), plan.nc)
         with f.loop("%k0", "%k1", plan.kc, hint="pc") as pc:
@@ -710,12 +714,9 @@ def _emit_block(m: ModuleEmitter, base: str, plan: GemmPlan, t: str) -> None:
                     nvalid = f.smin(f.sub(nc, jr), nr)
                     col_info = _col_terms(f, m, s.c.cols, f.add(jc, jr), nvalid, nr, vl)
                     slot = f.val(f"udiv i64 {jr}, {nr}")
+                    whole_panel = f.icmp("slt", jr, whole)
                     if fuse_pack:
-                        # With one block of rows, no panel is read again after its last row tile:
-                        # every whole panel is packed into the first slot, which stays in L1 from
-                        # one panel to the next instead of missing on every store.
-                        one_row_block = f.icmp("sle", f.sub("%m1", "%m0"), b.mc)
-                        slot = f.select(f.val(f"and i1 {one_row_block}, {f.icmp('slt', jr, whole)}"), "i64", "0", slot)
+                        slot = f.select(f.val(f"and i1 {one_row_block}, {whole_panel}"), "i64", "0", slot)
                     bpanel = f.gep(t, bp, f.mul(slot, f.add(f.mul(kc, nr), pad)))
                     with f.loop(0, mc, mr, hint="ir") as ir:
                         if plan.a_in_place:
@@ -730,9 +731,9 @@ def _emit_block(m: ModuleEmitter, base: str, plan: GemmPlan, t: str) -> None:
                             a_at = _packed_rows(f, apanel, mr, t)
                         if fuse_pack:
                             first_tile = f.val(f"and i1 {f.icmp('eq', ic, '%m0')}, {f.icmp('eq', ir, '0')}")
-                            packing, packed, done = f.if_else(f.val(f"and i1 {first_tile}, {f.icmp('slt', jr, whole)}"))
+                            packing, packed, done = f.if_else(f.val(f"and i1 {first_tile}, {whole_panel}"))
                             f.block(packing)
-                            source = _PanelSource(s.b, f.add(jc, jr), pc, esize)
+                            source = _PanelSource(s.b, f.add(jc, jr), pc)
                             _microkernel(f, fma, accs, a_at, bpanel, kc, t, vt, nr, vl, source)
                             f.br(done)
                             f.block(packed)
@@ -787,7 +788,6 @@ class _PanelSource:
     b: Operand
     col0: str
     k0: str
-    esize: int
 
     def row(self, f: FunctionEmitter, t: str, k: str) -> str:
         roff, _, _ = self.b.rows.terms(f, f.add(self.k0, k))
@@ -815,12 +815,13 @@ def _microkernel(
     and the same row of the next panel is prefetched: each row of a panel is a line or two on
     another page, which the hardware prefetchers do not follow.
     """
-    align = vl * (4 if t == "float" else 8)  # packed rows start on whole vectors
+    esize = 4 if t == "float" else 8
+    align = vl * esize  # packed rows start on whole vectors
     for row in accs:
         for acc in row:
             f.store(vt, "zeroinitializer", acc)
     if source is not None:
-        span = nr * source.esize  # the next panel's part of a row: bytes [span, 2 * span)
+        span = nr * esize  # the next panel's part of a row: bytes [span, 2 * span)
         line_offsets = sorted({*range(span, 2 * span, 64), 2 * span - 1})
     with f.loop(0, kc, hint="k") as k:
         brow = f.gep(t, bpanel, f.mul(k, nr))
@@ -828,7 +829,7 @@ def _microkernel(
             bv = [f.load(vt, f.gep(t, brow, str(c * vl)), align=align) for c in range(nr // vl)]
         else:
             src = source.row(f, t, k)
-            bv = [f.load(vt, f.gep(t, src, str(c * vl)), align=source.esize) for c in range(nr // vl)]
+            bv = [f.load(vt, f.gep(t, src, str(c * vl)), align=esize) for c in range(nr // vl)]
             for c, v in enumerate(bv):
                 f.store(vt, v, f.gep(t, brow, str(c * vl)), align=align)
             for off in line_offsets:
