@@ -227,10 +227,11 @@ def kernel_rows(model_name: str, batch: int, runs: int, cpu_clock: bool = False)
     rows = []
     for cost, (_, ms) in zip(compiled.plan.step_costs, timings, strict=True):
         name = cost.label
-        if cost.label in _PASS and cost.detail:
-            if cost.label == "conv2d" and cost.detail not in by_geometry and len(by_geometry) < len(conv_names):
+        op, _, fused = cost.label.partition("+")  # a GEMM with its epilogue: "conv2d_backward_weight+multiply+..."
+        if op in _PASS and cost.detail:
+            if op == "conv2d" and cost.detail not in by_geometry and len(by_geometry) < len(conv_names):
                 by_geometry[cost.detail] = conv_names[len(by_geometry)]
-            name = f"{by_geometry.get(cost.detail) or 'conv'} {_PASS[cost.label]}"
+            name = f"{by_geometry.get(cost.detail) or 'conv'} {_PASS[op]}" + (f" +{fused}" if fused else "")
         rows.append(KernelRow(name, cost.detail, ms, cost.flops, cost.bytes))
     return rows
 

@@ -357,9 +357,47 @@ def test_step_profile_names_the_ops() -> None:
     w = opgrad.var("w", (3, 6), "float32")
     c = compile_fn(opgrad.function([x, w], ops.sum(ops.relu(ops.dense(x, w)))), step_entries=True)
     rows = c.profile(np.ones((4, 6), np.float32), np.ones((3, 6), np.float32), runs=2)
-    assert [label for label, _ in rows] == ["dense", "relu+sum"] and all(ms >= 0 for _, ms in rows)
+    assert [label for label, _ in rows] == ["dense+relu", "sum"] and all(ms >= 0 for _, ms in rows)
     with pytest.raises(ValueError, match="step_entries=True"):
         compile_fn(opgrad.function([x], ops.exp(x))).profile(np.ones((4, 6), np.float32))
+
+
+def test_elementwise_consumers_of_a_matmul_run_as_its_epilogue() -> None:
+    # dense -> bias_add -> relu is one GEMM whose stores apply the bias and the relu: bitwise the
+    # GEMM alone followed by the same operations in numpy.
+    rng = np.random.default_rng(3)
+    x, w, b = (opgrad.var(name, shape, "float32") for name, shape in (("x", (64, 96)), ("w", (80, 96)), ("b", (80,))))
+    xs, ws, bs = (rng.standard_normal(v.shape).astype(np.float32) for v in (x, w, b))
+    fused = compile_fn(opgrad.function([x, w, b], ops.relu(ops.bias_add(ops.dense(x, w), b, axis=1))),
+                       step_entries=True)
+    assert fused.step_labels == ["dense+bias_add+relu"]
+    plain = compile_fn(opgrad.function([x, w], ops.dense(x, w)))
+    np.testing.assert_array_equal(fused(xs, ws, bs), np.maximum(plain(xs, ws) + bs, np.float32(0)))
+
+
+def test_a_gemm_takes_no_epilogue_whose_inputs_are_written_after_it() -> None:
+    # y + z: the second GEMM writes z after the first wrote y, so the add can only join the second.
+    rng = np.random.default_rng(4)
+    x, w, v = (opgrad.var(name, shape, "float32")
+               for name, shape in (("x", (40, 30)), ("w", (20, 30)), ("v", (20, 30))))
+    fn = opgrad.function([x, w, v], ops.add(ops.dense(x, w), ops.dense(x, v)))
+    compiled = compare(fn, [rng.standard_normal(p.shape).astype(np.float32) for p in (x, w, v)], 1e-5)
+    assert compiled.step_labels == ["dense", "dense+add"]
+
+
+def test_sgd_update_runs_in_the_weight_gradient_gemm() -> None:
+    from opgrad import nn
+
+    model = nn.Sequential([nn.Flatten(), nn.Dense(64, activation="relu"), nn.Dense(10)], input_shape=(1, 8, 8))
+    step = nn.TrainStep(model, nn.SGD(), batch_size=16, backend="llvm")
+    assert "dense+multiply+subtract" in step.compiled.step_labels
+    reference = nn.TrainStep(model, nn.SGD(), batch_size=16)
+    rng = np.random.default_rng(5)
+    images, labels = rng.random((16, 1, 8, 8), dtype=np.float32), rng.integers(0, 10, 16)
+    params, state = model.init_params(seed=1), model.init_buffers()
+    got, want = (s(images, labels, params, state, 0.1) for s in (step, reference))
+    for name in want.params:
+        assert_close(got.params[name], want.params[name], 1e-5, name)
 
 
 _THREADS_SCRIPT = textwrap.dedent("""

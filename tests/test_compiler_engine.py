@@ -111,6 +111,31 @@ def test_gemm_packing_whole_rows_matches_numpy(dtype: str, operand: str, row_blo
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("mnk", [(128, 1000, 32), (37, 53, 700), (30, 20, 10), (16, 24, 5000), (32, 9, 8000)])
+def test_gemm_epilogue_equals_the_separate_elementwise_pass(dtype: str, mnk: tuple[int, int, int]) -> None:
+    # One K block, several, K summed in groups (16x24x5000; 32x9x8000, in float32 transposed) and
+    # the small-GEMM loop: the epilogue sees each finished C element once, whatever the path, so
+    # its result is bitwise that of the GEMM followed by the same operations in numpy.
+    from opgrad.compiler.gemm import Epilogue, IndexMap, Operand, oriented
+
+    m, n, k = mnk
+    rng = np.random.default_rng(m + n + k)
+    a, b = rng.standard_normal((m, k)).astype(dtype), rng.standard_normal((k, n)).astype(dtype)
+    w, bias = rng.standard_normal((m, n)).astype(dtype), rng.standard_normal(n).astype(dtype)
+    # relu(w - 0.25 * (C + bias)): a full matrix, a row broadcast along the rows, a constant.
+    epilogue = Epilogue(lambda s, v: s.max(s.sub(v[1], s.mul(v[3], s.add(v[0], v[2]))), s.const(0.0)),
+                        (Operand.matrix(m, n, n, 1), Operand(IndexMap.strided(m, 0), IndexMap.strided(n, 1)), 0.25))
+    plain = GemmSpec.dense(m, n, k, dtype)
+    fused = GemmSpec(m, n, k, plain.a, plain.b, plain.c, dtype, epilogue=epilogue)
+    if mnk == (32, 9, 8000) and dtype == "float32":
+        assert oriented(plain)[0] is not plain, "this shape should exercise the transposed GEMM"
+    c, out = np.full((m, n), np.nan, dtype), np.full((m, n), np.nan, dtype)
+    gemm_kernel(plain)(a, b, c)
+    gemm_kernel(fused)(a, b, out, w, bias)
+    np.testing.assert_array_equal(out, np.maximum(w - np.asarray(0.25, dtype) * (c + bias), 0))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
 @pytest.mark.parametrize("layout", ["rows", "columns"])
 def test_gemm_summing_k_in_groups_matches_numpy(dtype: str, layout: str) -> None:
     # A small output over a long K sums K in groups, then adds them into C with alpha, onto C's

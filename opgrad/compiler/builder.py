@@ -17,7 +17,9 @@ primitives on strided :class:`View` objects:
 Elementwise and reduce steps are recorded, not emitted, until :meth:`KernelBuilder.finish`; in
 between, :meth:`KernelBuilder.fuse` inlines an elementwise producer into its only consumer, so
 chains such as ``greater -> multiply`` (relu's gradient) or an optimizer's update run as one loop
-and their intermediate buffers vanish. The builder never sees operator names. Bodies are written
+and their intermediate buffers vanish; an elementwise consumer of a matmul becomes the GEMM's
+epilogue (a dense layer's bias and activation, a weight gradient's update), applied to C while it
+is in L1. The builder never sees operator names. Bodies are written
 against :class:`Scalar`, a tiny expression emitter over one element type. Outputs must not
 overlap inputs (pointers are ``noalias``), which the buffer planner guarantees. Large loops are
 split over the thread pool by output rows, so results do not depend on the thread count.
@@ -36,7 +38,7 @@ import numpy as np
 from .batched import emit_batched_gemm
 from .conv import Conv2dGeometry
 from .convpass import emit_conv2d_pass
-from .gemm import GemmSpec, IndexMap, Operand, emit_gemm
+from .gemm import Epilogue, GemmSpec, IndexMap, Operand, emit_gemm
 from .grouped import conv2d_direct
 from .hostcall import emit_cross_replica_sum, register_host_symbols
 from .irtext import BYTES, LLVM_TYPE, FunctionEmitter, ModuleEmitter
@@ -83,6 +85,9 @@ class Step:
     label: str = ""  # what produced it (the graph compiler puts op names here, for profiles)
     flops: int = 0  # multiply-adds count 2: what a per-kernel report divides by the time
     detail: str = ""  # the shapes behind a heavy step ("conv x32x32x26x26 w64x32x3x3"), for reports
+    #: A GEMM emitted by :meth:`KernelBuilder.finish` (so that :meth:`KernelBuilder.fuse` can give it
+    #: an epilogue first); ``call`` is then its entry's name and ``out`` the view it writes.
+    gemm: GemmSpec | None = None
 
     @staticmethod
     def of_views(kind: str, out: View, inputs: list[View], **kw: object) -> Step:
@@ -214,6 +219,7 @@ class KernelBuilder:
         a, b = (v if v.is_memory else self.contiguous(v) for v in (a, b))
         spec = GemmSpec(m, n, k, _operand(a), _operand(b), _operand(out), out.dtype, alpha, accumulate)
         self.gemm(spec, a.buffer, b.buffer, out.buffer)
+        self.steps[-1].out = out
 
     def batch_matmul(self, out: View, a: View, b: View) -> None:
         """``out[i] = a[i] @ b[i]`` for 3-D views; an operand with a batch of 1 is used for every entry.
@@ -242,11 +248,13 @@ class KernelBuilder:
                       detail=f"batch {batch} x gemm {m}x{n}x{k}")
 
     def gemm(self, spec: GemmSpec, a: int, b: int, c: int) -> None:
-        """``C (=|+=) alpha * A @ B`` with the layouts in ``spec``; a, b, c are buffer indices."""
-        plan = emit_gemm(self.m, spec, self.fresh("gemm"))
+        """``C (=|+=) alpha * A @ B`` with the layouts in ``spec``; a, b, c are buffer indices.
+
+        The kernel is emitted by :meth:`finish`, with the epilogue :meth:`fuse` may have given it."""
         reads = [a, b, c] if spec.accumulate else [a, b]
-        self.add_call(plan.names["entry"], [a, b, c], reads, [c], plan.workspace_per_thread,
-                      flops=2 * spec.m * spec.n * spec.k, detail=self._detail or f"gemm {spec.m}x{spec.n}x{spec.k}")
+        self.steps.append(Step("call", call=self.fresh("gemm"), call_buffers=[a, b, c], reads=reads, writes=[c],
+                               flops=2 * spec.m * spec.n * spec.k,
+                               detail=self._detail or f"gemm {spec.m}x{spec.n}x{spec.k}", gemm=spec))
 
     def conv(self, pass_: str, geom: Conv2dGeometry, out: View, first: View, second: View) -> None:
         """A conv2d pass on views: ``forward`` (x, w) -> y, ``backward_data`` (dy, w) -> dx,
@@ -417,6 +425,11 @@ class KernelBuilder:
                         continue
                     i = writer_at[v.buffer]
                     producer = self.steps[i]
+                    if consumer.kind == "ew" and producer.gemm is not None and i < j \
+                            and self._fuse_into_gemm(i, j, k):
+                        fused += 1
+                        done = False
+                        break
                     if not (i < j and producer.kind == "ew" and producer.out == v
                             and v.dtype == (consumer.out.dtype if consumer.out else v.dtype)):
                         continue
@@ -436,6 +449,52 @@ class KernelBuilder:
             if done:
                 return fused
 
+    def _fuse_into_gemm(self, i: int, j: int, k: int) -> bool:
+        """Make elementwise step ``j`` the epilogue of GEMM step ``i``, whose result is its input ``k``
+        and read by nothing else; False (nothing changed) where that is not possible.
+
+        The consumer then runs at the GEMM's place, so none of its other inputs may be written,
+        and its output neither read nor written, by the steps in between. Every view must be a
+        matrix in the GEMM's coordinates: its other inputs then load at C's positions."""
+        producer, consumer = self.steps[i], self.steps[j]
+        spec, c_view, out = producer.gemm, producer.out, consumer.out
+        if spec is None or c_view is None or out is None or spec.accumulate or out.dtype != spec.dtype:
+            return False
+        m, n = spec.m, spec.n
+        result = consumer.inputs[k]
+        if sum(u.buffer == result.buffer for u in consumer.inputs) != 1 or result.as_matrix(m, n) != c_view:
+            return False
+        target = out.as_matrix(m, n)
+        others = [u for x, u in enumerate(consumer.inputs) if x != k]
+        inputs: list[Operand | float] = []
+        buffers: list[int] = []
+        for u in others:
+            if u.buffer == CONSTANT:
+                inputs.append(u.value or 0.0)
+                continue
+            matrix = u.as_matrix(m, n) if u.is_memory and u.dtype == spec.dtype else None
+            if matrix is None:
+                return False
+            inputs.append(_operand(matrix))
+            buffers.append(u.buffer)
+        if target is None or out.buffer in producer.reads:
+            return False
+        between = self.steps[i + 1 : j]
+        if any(set(st.writes) & {*buffers, out.buffer} or out.buffer in st.reads for st in between):
+            return False
+        epilogue = spec.epilogue
+        body = _epilogue_body(consumer.body, k, epilogue.body if epilogue else None,
+                              len(epilogue.inputs) if epilogue else 0)
+        merged = Epilogue(body, (*(epilogue.inputs if epilogue else ()), *inputs))
+        producer.gemm = replace(spec, c=_operand(target), epilogue=merged)
+        producer.out = target
+        producer.call_buffers = [*producer.call_buffers[:2], out.buffer, *producer.call_buffers[3:], *buffers]
+        producer.reads = [*producer.call_buffers[:2], *producer.call_buffers[3:]]
+        producer.writes = [out.buffer]
+        producer.label = "+".join(x for x in (producer.label, consumer.label) if x)
+        del self.steps[j]
+        return True
+
     # ----- assembly -----
 
     def finish(self, step_entries: bool = False) -> str:
@@ -450,6 +509,10 @@ class KernelBuilder:
                 calls.append(self._emit_elementwise(st))
             elif st.kind == "red":
                 calls.append(self._emit_reduce(st))
+            elif st.gemm is not None:
+                plan = emit_gemm(self.m, st.gemm, st.call)
+                self.workspace_per_thread = max(self.workspace_per_thread, plan.workspace_per_thread)
+                calls.append((plan.names["entry"], st.call_buffers))
             else:
                 calls.append((st.call, st.call_buffers))
             self.kernel_labels[kernel_name(calls[-1][0])] = st.label
@@ -639,6 +702,18 @@ def _compose(outer: Body, k: int, inner: Body, n_inner: int) -> Body:
     def body(s: Scalar, vals: list[str]) -> str:
         produced = inner(s, vals[k : k + n_inner])
         return outer(s, [*vals[:k], produced, *vals[k + n_inner :]])
+
+    return body
+
+
+def _epilogue_body(consumer: Body, k: int, before: Body | None, n_before: int) -> Body:
+    """The body of a GEMM epilogue over ``[c, *earlier inputs, *consumer inputs]``: the consumer's
+    body with its ``k``-th input the value of C after the ``before`` epilogue (``n_before`` inputs)."""
+
+    def body(s: Scalar, vals: list[str]) -> str:
+        c = before(s, vals[: 1 + n_before]) if before is not None else vals[0]
+        rest = vals[1 + n_before :]
+        return consumer(s, [*rest[:k], c, *rest[k:]])
 
     return body
 

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from .irtext import BYTES, LLVM_TYPE, FunctionEmitter, ModuleEmitter, float_const, iota_const, splat_const
 from .target import Target, cache_size, current_target, host_target
 from .threads import PARALLEL_FOR, PARALLEL_FOR_DECL
+from .views import Body, Scalar
 
 _I32_LIMIT = 2**31 - 1
 #: GEMMs below this many flops pack without the transposing path (about 0.06 s of compile time
@@ -126,6 +127,33 @@ class Operand:
         assert lo >= -_I32_LIMIT and hi <= _I32_LIMIT, "operand offsets must fit in i32"
 
 
+@dataclass(frozen=True)
+class Epilogue:
+    """``C[i, j] = body(s, [C[i, j], inputs[0][i, j], ...])``, applied where the GEMM finishes C.
+
+    Each input is an operand in C's coordinates (a bias broadcast along the rows has row stride 0)
+    or a constant. The elementwise consumer of a GEMM's result runs here while the result is in
+    L1, instead of in a later pass that reads it back from memory (a weight update reads the
+    gradient it was just given, a bias and activation read the layer's output)."""
+
+    body: Body
+    inputs: tuple[Operand | float, ...] = ()
+
+    @property
+    def operands(self) -> list[Operand]:
+        """The inputs that are memory, in order: each is one more pointer argument of the GEMM."""
+        return [x for x in self.inputs if isinstance(x, Operand)]
+
+    def transposed(self) -> Epilogue:
+        return Epilogue(self.body, tuple(Operand(x.cols, x.rows) if isinstance(x, Operand) else x
+                                         for x in self.inputs))
+
+
+#: A GEMM with an epilogue applies it to this many bytes of finished C panels at a time: few
+#: enough to be in L2 still, enough that each row of the epilogue's inputs is read as a run of
+#: lines (one panel's 96-byte piece of a row on its own page is a miss no prefetcher foresees).
+EPILOGUE_BYTES = 96 << 10
+
 #: The wide tile is taken only where it saves this much padded work: it loads A as often per FMA
 #: but serves fewer rows per packed panel, and on a 128 x 9216 x 32 GEMM (3 % padding with 6
 #: rows) it was 15 % slower.
@@ -205,6 +233,8 @@ class GemmSpec:
     accumulate: bool = False
     #: Problems with fewer flops than this run on the calling thread (dispatch would cost more).
     parallel_min_flops: float = 4e6
+    #: What is applied to each finished element of C; its memory inputs are more pointer arguments.
+    epilogue: Epilogue | None = None
 
     @staticmethod
     def dense(
@@ -298,7 +328,8 @@ def transposed(spec: GemmSpec) -> GemmSpec:
     """``C^T = B^T A^T``: the same products and sums, with the roles of rows and columns swapped."""
     return GemmSpec(spec.n, spec.m, spec.k, Operand(spec.b.cols, spec.b.rows, spec.b.window),
                     Operand(spec.a.cols, spec.a.rows, spec.a.window), Operand(spec.c.cols, spec.c.rows),
-                    spec.dtype, spec.alpha, spec.accumulate, spec.parallel_min_flops)
+                    spec.dtype, spec.alpha, spec.accumulate, spec.parallel_min_flops,
+                    spec.epilogue.transposed() if spec.epilogue else None)
 
 
 def oriented(spec: GemmSpec) -> tuple[GemmSpec, Blocking]:
@@ -624,9 +655,15 @@ def emit_gemm(
     if blocking is None and spec.a.window is None and spec.b.window is None \
             and 2.0 * spec.m * spec.n * spec.k < SMALL_GEMM_MAX_FLOPS:
         plan.workspace_per_thread = round_up(spec.n * BYTES[spec.dtype], 64)
+        if spec.epilogue is not None:
+            _emit_epilogue(m, base + ".epilogue", spec, t)
         _emit_small_gemm(m, base, spec, t)
         plan.names = {"entry": base}
         return plan
+    if spec.epilogue is not None:
+        for op in spec.epilogue.operands:
+            op.check()
+        _emit_epilogue(m, base + ".epilogue", spec, t)
     runs = 2.0 * spec.m * spec.n * spec.k >= _RUNS_MIN_FLOPS
     _emit_pack(m, base + ".pack_a", spec.a, True, blk.mr, blk.vl, t, runs)
     _emit_pack(m, base + ".pack_b", spec.b, False, blk.nr, blk.vl, t, runs)
@@ -641,7 +678,9 @@ def _emit_small_gemm(m: ModuleEmitter, base: str, spec: GemmSpec, t: str) -> Non
     in order (in ``ws``), then ``C[i,:] (=|+=) alpha * row``. Each C element is one FMA chain over
     k, as in the packed engine; the j loop is left to LLVM's vectorizer."""
     fma = m.fma(t)
-    f = FunctionEmitter(m, base, [("ptr", "a"), ("ptr", "b"), ("ptr", "c"), ("ptr", "ws")], pipeline="streaming")
+    extras = epilogue_pointers(spec)
+    f = FunctionEmitter(m, base, [("ptr", "a"), ("ptr", "b"), ("ptr", "c"), *extras, ("ptr", "ws")],
+                        pipeline="streaming")
     row = "%ws"
     with f.loop(0, spec.m, hint="i") as i:
         a_row, _, _ = spec.a.rows.terms(f, i)
@@ -666,6 +705,59 @@ def _emit_small_gemm(m: ModuleEmitter, base: str, spec: GemmSpec, t: str) -> Non
             if spec.accumulate:
                 v = f.val(f"fadd {t} {f.load(t, ptr)}, {v}")
             f.store(t, v, ptr)
+        if spec.epilogue is not None:
+            _call_epilogue(f, base, extras, i, "1", "0", str(spec.n))
+    f.ret_void()
+    f.finish()
+
+
+def epilogue_pointers(spec: GemmSpec) -> list[tuple[str, str]]:
+    """The ``(type, name)`` parameters of the epilogue's memory inputs, after ``c``."""
+    return [("ptr", f"e{i}") for i in range(len(spec.epilogue.operands))] if spec.epilogue else []
+
+
+def _call_epilogue(f: FunctionEmitter, base: str, extras: list[tuple[str, str]], i0: str, rows: str, j0: str,
+                   cols: str) -> None:
+    """Apply the epilogue to C's rows ``i0 .. i0+rows``, columns ``j0 .. j0+cols``."""
+    f.call("void", f"@{base}.epilogue", [("ptr", "%c"), *[(ty, "%" + name) for ty, name in extras],
+                                         ("i64", i0), ("i64", rows), ("i64", j0), ("i64", cols)])
+
+
+def _emit_epilogue(m: ModuleEmitter, name: str, s: GemmSpec, t: str) -> None:
+    """``name(c, e..., i0, rows, j0, cols)``: C[i, j] = body(C[i, j], inputs[i, j]...) over the block.
+
+    The loop along C's unit stride runs innermost, compiled by the vectorizing pipeline; the
+    GEMM calls it on a few finished panels at a time (:data:`EPILOGUE_BYTES`), still in L2."""
+    epi = s.epilogue
+    assert epi is not None
+    ptrs = epilogue_pointers(s)
+    f = FunctionEmitter(m, name, [("ptr noalias", "c"), *[("ptr noalias", p) for _, p in ptrs],
+                                  ("i64", "i0"), ("i64", "rows"), ("i64", "j0"), ("i64", "cols")],
+                        linkage="internal", pipeline="streaming")
+    scalar = Scalar(f, s.dtype)
+    maps = [s.c, *epi.operands]
+    rows_inner = s.c.rows.strides == (1,) and s.c.cols.strides != (1,)
+
+    def element(i: str, j: str) -> None:
+        offsets = [f.add(op.rows.terms(f, i)[0], op.cols.terms(f, j)[0]) for op in maps]
+        at = f.gep(t, "%c", offsets[0])
+        values, memory = [f.load(t, at)], iter(zip(ptrs, offsets[1:], strict=True))
+        for x in epi.inputs:
+            if isinstance(x, Operand):
+                (_, p), off = next(memory)
+                values.append(f.load(t, f.gep(t, "%" + p, off)))
+            else:
+                values.append(scalar.const(x))
+        f.store(t, epi.body(scalar, values), at)
+
+    with f.loop("%i0" if not rows_inner else "%j0", f.add("%i0", "%rows") if not rows_inner else f.add("%j0", "%cols"),
+                hint="eo") as outer:
+        inner_lo, inner_hi = ("%j0", f.add("%j0", "%cols")) if not rows_inner else ("%i0", f.add("%i0", "%rows"))
+        with f.loop(inner_lo, inner_hi, hint="ei") as inner:
+            if rows_inner:
+                element(inner, outer)
+            else:
+                element(outer, inner)
     f.ret_void()
     f.finish()
 
@@ -678,8 +770,9 @@ def _emit_block(m: ModuleEmitter, base: str, plan: GemmPlan, t: str) -> None:
     vl, mr, nr = b.vl, b.mr, b.nr
     vt, it = f"<{vl} x {t}>", f"<{vl} x i32>"
     fma = m.fma(vt)
+    extras = epilogue_pointers(s)
     f = FunctionEmitter(
-        m, base + ".block", [("ptr", "a"), ("ptr", "b"), ("ptr", "c"), ("ptr", "ws"), ("i64", "m0"),
+        m, base + ".block", [("ptr", "a"), ("ptr", "b"), ("ptr", "c"), *extras, ("ptr", "ws"), ("i64", "m0"),
                              ("i64", "m1"), ("i64", "n0"), ("i64", "n1"), ("i64", "k0"), ("i64", "k1")],
         linkage="internal", pipeline="explicit",
     )
@@ -744,6 +837,16 @@ def _emit_block(m: ModuleEmitter, base: str, plan: GemmPlan, t: str) -> None:
                             _microkernel(f, fma, accs, a_at, bpanel, kc, t, vt, nr, vl)
                         mvalid = f.smin(f.sub(mc, ir), mr)
                         _store_tile(f, plan, accs, f.add(ic, ir), mvalid, nvalid, col_info, overwrite, t, vt, it)
+                    if s.epilogue is not None:
+                        # Every EPILOGUE_BYTES of finished panels (or at the block's last panel): the
+                        # rows of its inputs are then read in runs the hardware prefetchers follow.
+                        panel = f.val(f"udiv i64 {jr}, {nr}")
+                        group = max(1, EPILOGUE_BYTES // (b.mc * nr * esize))
+                        ends_group = f.val(f"or i1 {f.icmp('eq', f.val(f'urem i64 {f.add(panel, 1)}, {group}'), '0')}, "
+                                           f"{f.icmp('sge', f.add(jr, nr), nc)}")
+                        with f.if_then(f.val(f"and i1 {ends_group}, {f.icmp('sge', f.add(pc, kc), '%k1')}"), "epi"):
+                            start = f.mul(f.mul(f.val(f"udiv i64 {panel}, {group}"), group), nr)
+                            _call_epilogue(f, base, extras, ic, mc, f.add(jc, start), f.sub(f.add(jr, nvalid), start))
     f.ret_void()
     f.finish()
 
@@ -900,9 +1003,13 @@ def _emit_task_and_entry(m: ModuleEmitter, base: str, plan: GemmPlan) -> None:
     s, b = plan.spec, plan.blk
     esize = BYTES[s.dtype]
     scratch_bytes = plan.workspace_per_thread - plan.partial_bytes
+    extras = epilogue_pointers(s)
     f = FunctionEmitter(m, base + ".task", [("ptr", "ctx"), ("i32", "tid"), ("i32", "nt")], linkage="internal",
                         pipeline="lean")
     args = [f.load("ptr", f.gep("ptr", "%ctx", str(i))) for i in range(4)]
+    # The block applies the epilogue itself only where it finishes C (one group of K).
+    block_extras = [("ptr", f.load("ptr", f.gep("ptr", "%ctx", str(4 + i))))
+                    for i in range(len(extras))] if plan.kgroups == 1 else []
     tid, nt = f.val("sext i32 %tid to i64"), f.val("sext i32 %nt to i64")
     extent, quantum = (s.n, b.nr) if plan.split_n else (s.m, b.mr)
     tiles = -(-extent // quantum)
@@ -916,8 +1023,8 @@ def _emit_task_and_entry(m: ModuleEmitter, base: str, plan: GemmPlan) -> None:
     def call_block(c: str, lo: str, hi: str, k0: str, k1: str) -> None:
         with f.if_then(f.icmp("slt", lo, hi), "work"):
             rng = ["0", str(s.m), lo, hi] if plan.split_n else [lo, hi, "0", str(s.n)]
-            f.call("void", f"@{base}.block", [("ptr", args[0]), ("ptr", args[1]), ("ptr", c), ("ptr", ws)]
-                   + [("i64", x) for x in (*rng, k0, k1)])
+            f.call("void", f"@{base}.block", [("ptr", args[0]), ("ptr", args[1]), ("ptr", c), *block_extras,
+                                               ("ptr", ws)] + [("i64", x) for x in (*rng, k0, k1)])
 
     if plan.kgroups == 1:
         call_block(args[2], *share(tid, nt), "0", str(s.k))
@@ -937,14 +1044,15 @@ def _emit_task_and_entry(m: ModuleEmitter, base: str, plan: GemmPlan) -> None:
     f.ret_void()
     f.finish()
 
-    f = FunctionEmitter(m, base, [("ptr", "a"), ("ptr", "b"), ("ptr", "c"), ("ptr", "ws")], pipeline="lean")
+    f = FunctionEmitter(m, base, [("ptr", "a"), ("ptr", "b"), ("ptr", "c"), *extras, ("ptr", "ws")], pipeline="lean")
     operands = ("%b", "%a") if plan.operands_swapped else ("%a", "%b")
+    extra_names = ["%" + name for _, name in extras]
     if 2.0 * s.m * s.n * s.k < s.parallel_min_flops:
-        f.call("void", f"@{base}.block", [("ptr", p) for p in (*operands, "%c", "%ws")]
+        f.call("void", f"@{base}.block", [("ptr", p) for p in (*operands, "%c", *extra_names, "%ws")]
                + [("i64", x) for x in ("0", str(s.m), "0", str(s.n), "0", str(s.k))])
     else:
-        ctx = f.alloca("[4 x ptr]", "ctx", align=8)
-        for i, p in enumerate((*operands, "%c", "%ws")):
+        ctx = f.alloca(f"[{4 + len(extras)} x ptr]", "ctx", align=8)
+        for i, p in enumerate((*operands, "%c", "%ws", *extra_names)):
             f.store("ptr", p, f.gep("ptr", ctx, str(i)))
         f.call("void", "@" + PARALLEL_FOR, [("ptr", f"@{base}.task"), ("ptr", ctx)])
         if plan.kgroups > 1:
@@ -966,6 +1074,7 @@ def _emit_group_sum(m: ModuleEmitter, name: str, plan: GemmPlan) -> None:
     f = FunctionEmitter(m, name, [("ptr", "ctx"), ("i32", "tid"), ("i32", "nt")], linkage="internal",
                         pipeline="lean")
     c, partials = (f.load("ptr", f.gep("ptr", "%ctx", str(i))) for i in (2, 3))
+    extras = [("ptr", f.load("ptr", f.gep("ptr", "%ctx", str(4 + i)))) for i in range(len(epilogue_pointers(s)))]
     contiguous = s.c.cols.strides == (1,) and s.c.cols.base == 0
     tid, nt = f.val("sext i32 %tid to i64"), f.val("sext i32 %nt to i64")
     lo = f.val(f"udiv i64 {f.mul(tid, s.m)}, {nt}")
@@ -1006,5 +1115,8 @@ def _emit_group_sum(m: ModuleEmitter, name: str, plan: GemmPlan) -> None:
         if whole < s.n:
             with f.loop(whole, s.n, hint="jt") as j:
                 columns(i, row, j, 1)
+        if s.epilogue is not None:
+            f.call("void", f"@{name.rsplit('.', 1)[0]}.epilogue",
+                   [("ptr", c), *extras, ("i64", i), ("i64", "1"), ("i64", "0"), ("i64", str(s.n))])
     f.ret_void()
     f.finish()

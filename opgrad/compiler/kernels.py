@@ -17,7 +17,7 @@ import numpy as np
 
 from .conv import Conv2dGeometry
 from .convpass import emit_conv2d_pass
-from .gemm import GemmSpec, emit_gemm
+from .gemm import GemmSpec, emit_gemm, epilogue_pointers
 from .irtext import ModuleEmitter
 from .jit import NativeModule
 from .threads import pool
@@ -57,10 +57,10 @@ def _build(m: ModuleEmitter, entry: str, nargs: int, workspace_bytes_per_thread:
 
 @functools.lru_cache(maxsize=256)
 def gemm_kernel(spec: GemmSpec) -> CompiledKernel:
-    """Compile ``spec``; the kernel is called as ``k(a, b, c)``."""
+    """Compile ``spec``; the kernel is called as ``k(a, b, c)``, followed by the epilogue's memory inputs."""
     m = ModuleEmitter("gemm")
     plan = emit_gemm(m, spec, name="gemm")
-    return _build(m, plan.names["entry"], 3, plan.workspace_per_thread)
+    return _build(m, plan.names["entry"], 3 + len(epilogue_pointers(spec)), plan.workspace_per_thread)
 
 
 def gemm(

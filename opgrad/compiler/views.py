@@ -9,6 +9,7 @@ fold a scalar into the generated code.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
@@ -105,6 +106,18 @@ class View:
             return None
         return replace(self, shape=shape, strides=row_major(shape))
 
+    def as_matrix(self, rows: int, cols: int) -> View | None:
+        """This view as ``rows x cols`` (its leading axes as the rows, the rest as the columns) where
+        each side merges into one stride, a broadcast side into stride 0; None where one cannot."""
+        for split in range(self.ndim + 1):
+            if math.prod(self.shape[:split]) != rows or math.prod(self.shape[split:]) != cols:
+                continue
+            sides = [_merged_stride(self.shape[lo:hi], self.strides[lo:hi])
+                     for lo, hi in ((0, split), (split, self.ndim))]
+            if sides[0] is not None and sides[1] is not None:
+                return replace(self, shape=(rows, cols), strides=(sides[0], sides[1]))
+        return None
+
     def expand_dims(self, axis: int) -> View:
         """Insert a unit axis at ``axis`` (then :meth:`broadcast_to` can stretch it)."""
         axis = axis % (self.ndim + 1)
@@ -121,6 +134,15 @@ class View:
         """A 0-d view of one element (e.g. one scalar of a batch)."""
         off = self.offset + sum(i * s for i, s in zip(index, self.strides, strict=True))
         return replace(self, shape=(), strides=(), offset=off)
+
+
+def _merged_stride(shape: Sequence[int], strides: Sequence[int]) -> int | None:
+    """The one stride that walks ``shape`` in row-major order, or None (0 for an empty side)."""
+    dims = [(n, st) for n, st in zip(shape, strides, strict=True) if n != 1]
+    for (_, outer), (n, inner) in itertools.pairwise(dims):
+        if outer != inner * n:
+            return None
+    return dims[-1][1] if dims else 0
 
 
 def row_major(shape: Sequence[int]) -> tuple[int, ...]:
