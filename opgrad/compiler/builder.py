@@ -19,7 +19,7 @@ between, :meth:`KernelBuilder.fuse` inlines an elementwise producer into its onl
 chains such as ``greater -> multiply`` (relu's gradient) or an optimizer's update run as one loop
 and their intermediate buffers vanish; an elementwise consumer of a matmul becomes the GEMM's
 epilogue (a dense layer's bias and activation, a weight gradient's update), applied to C while it
-is in L1. The builder never sees operator names. Bodies are written
+is in cache. The builder never sees operator names. Bodies are written
 against :class:`Scalar`, a tiny expression emitter over one element type. Outputs must not
 overlap inputs (pointers are ``noalias``), which the buffer planner guarantees. Large loops are
 split over the thread pool by output rows, so results do not depend on the thread count.
