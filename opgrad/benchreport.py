@@ -255,6 +255,8 @@ def kernels_report(model_name: str, batch: int, threads: int, peak: float, bandw
             verdict = "-"
             if r.flops >= TARGET_MIN_FLOPS:
                 verdict = "ok" if 100 * rate / peak >= target else f"below {target:.0f}%"
+                if " +" in r.name:  # the time includes the fused elementwise ops, the flops do not
+                    verdict += ", with epilogue"
             print(f"  {r.name[:30]:<30} {r.detail[5:33] if r.detail.startswith('conv ') else r.detail[:28]:<28} "
                   f"{r.ms:>7.3f} {share:>6} {rate:>8.1f} {100 * rate / peak:>6.1f}% {'':>6}  {verdict}")
         else:
