@@ -133,7 +133,7 @@ class Epilogue:
 
     Each input is an operand in C's coordinates (a bias broadcast along the rows has row stride 0)
     or a constant. The elementwise consumer of a GEMM's result runs here while the result is in
-    L1, instead of in a later pass that reads it back from memory (a weight update reads the
+    cache, instead of in a later pass that reads it back from memory (a weight update reads the
     gradient it was just given, a bias and activation read the layer's output)."""
 
     body: Body
@@ -652,18 +652,16 @@ def emit_gemm(
     base = m.unique(name or f"gemm_{spec.m}x{spec.n}x{spec.k}")
     m.declare(PARALLEL_FOR, PARALLEL_FOR_DECL)
     t = LLVM_TYPE[spec.dtype]
-    if blocking is None and spec.a.window is None and spec.b.window is None \
-            and 2.0 * spec.m * spec.n * spec.k < SMALL_GEMM_MAX_FLOPS:
-        plan.workspace_per_thread = round_up(spec.n * BYTES[spec.dtype], 64)
-        if spec.epilogue is not None:
-            _emit_epilogue(m, base + ".epilogue", spec, t)
-        _emit_small_gemm(m, base, spec, t)
-        plan.names = {"entry": base}
-        return plan
     if spec.epilogue is not None:
         for op in spec.epilogue.operands:
             op.check()
         _emit_epilogue(m, base + ".epilogue", spec, t)
+    if blocking is None and spec.a.window is None and spec.b.window is None \
+            and 2.0 * spec.m * spec.n * spec.k < SMALL_GEMM_MAX_FLOPS:
+        plan.workspace_per_thread = round_up(spec.n * BYTES[spec.dtype], 64)
+        _emit_small_gemm(m, base, spec, t)
+        plan.names = {"entry": base}
+        return plan
     runs = 2.0 * spec.m * spec.n * spec.k >= _RUNS_MIN_FLOPS
     _emit_pack(m, base + ".pack_a", spec.a, True, blk.mr, blk.vl, t, runs)
     _emit_pack(m, base + ".pack_b", spec.b, False, blk.nr, blk.vl, t, runs)
@@ -706,7 +704,7 @@ def _emit_small_gemm(m: ModuleEmitter, base: str, spec: GemmSpec, t: str) -> Non
                 v = f.val(f"fadd {t} {f.load(t, ptr)}, {v}")
             f.store(t, v, ptr)
         if spec.epilogue is not None:
-            _call_epilogue(f, base, extras, i, "1", "0", str(spec.n))
+            _call_epilogue(f, base, "%c", _named(extras), i, "1", "0", str(spec.n))
     f.ret_void()
     f.finish()
 
@@ -716,10 +714,16 @@ def epilogue_pointers(spec: GemmSpec) -> list[tuple[str, str]]:
     return [("ptr", f"e{i}") for i in range(len(spec.epilogue.operands))] if spec.epilogue else []
 
 
-def _call_epilogue(f: FunctionEmitter, base: str, extras: list[tuple[str, str]], i0: str, rows: str, j0: str,
+def _named(params: list[tuple[str, str]]) -> list[str]:
+    """The values of the parameters ``params`` inside the function that has them."""
+    return ["%" + name for _, name in params]
+
+
+def _call_epilogue(f: FunctionEmitter, base: str, c: str, inputs: list[str], i0: str, rows: str, j0: str,
                    cols: str) -> None:
-    """Apply the epilogue to C's rows ``i0 .. i0+rows``, columns ``j0 .. j0+cols``."""
-    f.call("void", f"@{base}.epilogue", [("ptr", "%c"), *[(ty, "%" + name) for ty, name in extras],
+    """Apply GEMM ``base``'s epilogue to C's rows ``i0 .. i0+rows``, columns ``j0 .. j0+cols``;
+    ``inputs`` are the pointers to its memory inputs."""
+    f.call("void", f"@{base}.epilogue", [("ptr", c), *[("ptr", p) for p in inputs],
                                          ("i64", i0), ("i64", rows), ("i64", j0), ("i64", cols)])
 
 
@@ -750,14 +754,10 @@ def _emit_epilogue(m: ModuleEmitter, name: str, s: GemmSpec, t: str) -> None:
                 values.append(scalar.const(x))
         f.store(t, epi.body(scalar, values), at)
 
-    with f.loop("%i0" if not rows_inner else "%j0", f.add("%i0", "%rows") if not rows_inner else f.add("%j0", "%cols"),
-                hint="eo") as outer:
-        inner_lo, inner_hi = ("%j0", f.add("%j0", "%cols")) if not rows_inner else ("%i0", f.add("%i0", "%rows"))
-        with f.loop(inner_lo, inner_hi, hint="ei") as inner:
-            if rows_inner:
-                element(inner, outer)
-            else:
-                element(outer, inner)
+    rows, cols = ("%i0", f.add("%i0", "%rows")), ("%j0", f.add("%j0", "%cols"))
+    with f.loop(*(cols if rows_inner else rows), hint="eo") as outer, \
+            f.loop(*(rows if rows_inner else cols), hint="ei") as inner:
+        element(*((inner, outer) if rows_inner else (outer, inner)))
     f.ret_void()
     f.finish()
 
@@ -846,7 +846,8 @@ def _emit_block(m: ModuleEmitter, base: str, plan: GemmPlan, t: str) -> None:
                                            f"{f.icmp('sge', f.add(jr, nr), nc)}")
                         with f.if_then(f.val(f"and i1 {ends_group}, {f.icmp('sge', f.add(pc, kc), '%k1')}"), "epi"):
                             start = f.mul(f.mul(f.val(f"udiv i64 {panel}, {group}"), group), nr)
-                            _call_epilogue(f, base, extras, ic, mc, f.add(jc, start), f.sub(f.add(jr, nvalid), start))
+                            _call_epilogue(f, base, "%c", _named(extras), ic, mc, f.add(jc, start),
+                                           f.sub(f.add(jr, nvalid), start))
     f.ret_void()
     f.finish()
 
@@ -1040,13 +1041,13 @@ def _emit_task_and_entry(m: ModuleEmitter, base: str, plan: GemmPlan) -> None:
             partial = f.gep("i8", args[3], f.mul(group, s.m * s.n * esize))
             call_block(partial, *share(f.val(f"urem i64 {unit}, {parts}"), parts), k0,
                        f.smin(f.add(k0, group_k), s.k))
-        _emit_group_sum(m, base + ".sum", plan)
+        _emit_group_sum(m, base, plan)
     f.ret_void()
     f.finish()
 
     f = FunctionEmitter(m, base, [("ptr", "a"), ("ptr", "b"), ("ptr", "c"), *extras, ("ptr", "ws")], pipeline="lean")
     operands = ("%b", "%a") if plan.operands_swapped else ("%a", "%b")
-    extra_names = ["%" + name for _, name in extras]
+    extra_names = _named(extras)
     if 2.0 * s.m * s.n * s.k < s.parallel_min_flops:
         f.call("void", f"@{base}.block", [("ptr", p) for p in (*operands, "%c", *extra_names, "%ws")]
                + [("i64", x) for x in ("0", str(s.m), "0", str(s.n), "0", str(s.k))])
@@ -1061,8 +1062,8 @@ def _emit_task_and_entry(m: ModuleEmitter, base: str, plan: GemmPlan) -> None:
     f.finish()
 
 
-def _emit_group_sum(m: ModuleEmitter, name: str, plan: GemmPlan) -> None:
-    """Task: ``C (=|+=) alpha * (((P0 + P1) + P2) + ...)`` over the K groups' row-major partial sums
+def _emit_group_sum(m: ModuleEmitter, base: str, plan: GemmPlan) -> None:
+    """Task ``base.sum``: ``C (=|+=) alpha * (((P0 + P1) + P2) + ...)`` over the K groups' row-major partial sums
     at the start of the workspace, split over C's rows. The partials are read by vectors; C takes
     vector stores where its rows are contiguous and one store per element otherwise (a transposed
     C). Written vectorized by hand so that it compiles with the GEMM's own cheap pipeline."""
@@ -1071,10 +1072,10 @@ def _emit_group_sum(m: ModuleEmitter, name: str, plan: GemmPlan) -> None:
     esize = BYTES[s.dtype]
     vl = plan.blk.vl
     vt = f"<{vl} x {t}>"
-    f = FunctionEmitter(m, name, [("ptr", "ctx"), ("i32", "tid"), ("i32", "nt")], linkage="internal",
+    f = FunctionEmitter(m, base + ".sum", [("ptr", "ctx"), ("i32", "tid"), ("i32", "nt")], linkage="internal",
                         pipeline="lean")
     c, partials = (f.load("ptr", f.gep("ptr", "%ctx", str(i))) for i in (2, 3))
-    extras = [("ptr", f.load("ptr", f.gep("ptr", "%ctx", str(4 + i)))) for i in range(len(epilogue_pointers(s)))]
+    inputs = [f.load("ptr", f.gep("ptr", "%ctx", str(4 + i))) for i in range(len(epilogue_pointers(s)))]
     contiguous = s.c.cols.strides == (1,) and s.c.cols.base == 0
     tid, nt = f.val("sext i32 %tid to i64"), f.val("sext i32 %nt to i64")
     lo = f.val(f"udiv i64 {f.mul(tid, s.m)}, {nt}")
@@ -1116,7 +1117,6 @@ def _emit_group_sum(m: ModuleEmitter, name: str, plan: GemmPlan) -> None:
             with f.loop(whole, s.n, hint="jt") as j:
                 columns(i, row, j, 1)
         if s.epilogue is not None:
-            f.call("void", f"@{name.rsplit('.', 1)[0]}.epilogue",
-                   [("ptr", c), *extras, ("i64", i), ("i64", "1"), ("i64", "0"), ("i64", str(s.n))])
+            _call_epilogue(f, base, c, inputs, i, "1", "0", str(s.n))
     f.ret_void()
     f.finish()
