@@ -385,6 +385,36 @@ def test_a_gemm_takes_no_epilogue_whose_inputs_are_written_after_it() -> None:
     assert compiled.step_labels == ["dense", "dense+add"]
 
 
+@pytest.mark.parametrize("channels", [1, 16])
+def test_bias_and_relu_of_a_convolution_run_as_its_epilogue(channels: int) -> None:
+    # One input channel runs the implicit-im2col GEMM (its epilogue walks images and pixels),
+    # 16 the Winograd blocks (channel by channel after each block's output transform): either
+    # way bitwise the convolution alone followed by the same operations in numpy.
+    rng = np.random.default_rng(6)
+    x, w, b = (opgrad.var(name, shape, "float32")
+               for name, shape in (("x", (3, channels, 13, 11)), ("w", (16, channels, 3, 3)), ("b", (16,))))
+    xs, ws, bs = (rng.standard_normal(v.shape).astype(np.float32) for v in (x, w, b))
+    fused = compile_fn(opgrad.function([x, w, b], ops.relu(ops.bias_add(ops.conv2d(x, w, padding=1), b))),
+                       step_entries=True)
+    assert fused.step_labels == ["conv2d+bias_add+relu"]
+    plain = compile_fn(opgrad.function([x, w], ops.conv2d(x, w, padding=1)))
+    np.testing.assert_array_equal(fused(xs, ws, bs), np.maximum(plain(xs, ws) + bs[:, None, None], np.float32(0)))
+
+
+@pytest.mark.parametrize(("channels", "labels"), [(1, ["conv2d+add+relu"]), (16, ["conv2d", "add+relu"])])
+def test_a_residual_add_joins_a_convolution_where_it_streams(channels: int, labels: list[str]) -> None:
+    # relu(conv(x) + skip): the GEMM's epilogue reads the skip tensor in 96 KiB groups; a Winograd
+    # block would read it as one short run per channel, so there the add keeps its own pass.
+    rng = np.random.default_rng(7)
+    shapes = {"x": (2, channels, 9, 12), "w": (16, channels, 3, 3), "skip": (2, 16, 7, 10)}
+    x, w, skip = (opgrad.var(name, shape, "float32") for name, shape in shapes.items())
+    fn = opgrad.function([x, w, skip], ops.relu(ops.add(ops.conv2d(x, w), skip)))
+    arrays = [rng.standard_normal(v.shape).astype(np.float32) for v in (x, w, skip)]
+    compiled = compile_fn(fn, step_entries=True)
+    assert compiled.step_labels == labels
+    assert_close(compiled(*arrays), opgrad.evaluate(fn, *arrays), 2e-5)
+
+
 def test_sgd_update_runs_in_the_weight_gradient_gemm() -> None:
     from opgrad import nn
 

@@ -8,7 +8,7 @@ import pytest
 from numpy.lib.stride_tricks import sliding_window_view
 
 from opgrad.compiler import conv2d_geometry
-from opgrad.compiler.convpass import emit_conv2d_pass
+from opgrad.compiler.convpass import ConvPass, emit_conv2d_pass
 from opgrad.compiler.irtext import ModuleEmitter
 from opgrad.compiler.jit import NativeModule
 from opgrad.compiler.kernels import CompiledKernel
@@ -140,6 +140,28 @@ def test_non_finite_inputs_give_the_direct_sums_nan_and_infinities(value: float,
         _same_non_finite(dw, want_dw)
 
 
+def test_a_fallback_to_the_direct_sum_applies_the_epilogue_again() -> None:
+    # An infinite input sends the pass to the direct sum, which rewrites every output: the fused
+    # bias and relu must then run again, over all of them, and give the reference's values.
+    import opgrad
+    from opgrad import ops
+
+    rng = np.random.default_rng(8)
+    x, w, b = (opgrad.var(name, shape, "float32")
+               for name, shape in (("x", (2, 8, 9, 9)), ("w", (8, 8, 3, 3)), ("b", (8,))))
+    fn = opgrad.function([x, w, b], ops.relu(ops.bias_add(ops.conv2d(x, w, padding=1), b)))
+    compiled = opgrad.compile(fn, step_entries=True)
+    assert compiled.step_labels == ["conv2d+bias_add+relu"]
+    xs, ws, bs = (rng.standard_normal(v.shape).astype(np.float32) for v in (x, w, b))
+    xs[1, 3, 4, 5] = np.inf
+    with np.errstate(all="ignore"):
+        want = opgrad.evaluate(fn, xs, ws, bs)
+    got = compiled(xs, ws, bs)
+    # The transforms alone would put NaN (inf - inf) where the direct sum has infinities.
+    assert np.isposinf(got).any() and not np.isnan(got).any()
+    _same_non_finite(got, want)
+
+
 def _same_non_finite(got: np.ndarray, want: np.ndarray) -> None:
     for test in (np.isnan, np.isposinf, np.isneginf):
         np.testing.assert_array_equal(test(got), test(want))
@@ -152,7 +174,7 @@ def test_dispatch_applies_only_to_three_by_three_stride_one_convolutions(monkeyp
     def algorithm(x_shape: tuple[int, ...], w_shape: tuple[int, ...], stride: int = 1, pads: int = 1,
                   dilation: int = 1, pass_: str = "forward") -> str:
         geom = conv2d_geometry(x_shape, w_shape, stride, pads, dilation)
-        return emit_conv2d_pass(ModuleEmitter("dispatch"), geom, pass_, "conv")[1]
+        return emit_conv2d_pass(ModuleEmitter("dispatch"), ConvPass(geom, pass_), "conv")[1]
 
     assert algorithm((8, 16, 14, 14), (32, 16, 3, 3)) == "winograd F(2,3)"
     assert algorithm((8, 16, 14, 14), (32, 16, 3, 3), pass_="backward_data") == "winograd F(2,3)"

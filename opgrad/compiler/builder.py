@@ -37,7 +37,7 @@ import numpy as np
 
 from .batched import emit_batched_gemm
 from .conv import Conv2dGeometry
-from .convpass import emit_conv2d_pass
+from .convpass import ConvPass, emit_conv2d_pass
 from .gemm import Epilogue, GemmSpec, IndexMap, Operand, emit_gemm
 from .grouped import conv2d_direct
 from .hostcall import emit_cross_replica_sum, register_host_symbols
@@ -85,9 +85,10 @@ class Step:
     label: str = ""  # what produced it (the graph compiler puts op names here, for profiles)
     flops: int = 0  # multiply-adds count 2: what a per-kernel report divides by the time
     detail: str = ""  # the shapes behind a heavy step ("conv x32x32x26x26 w64x32x3x3"), for reports
-    #: A GEMM emitted by :meth:`KernelBuilder.finish` (so that :meth:`KernelBuilder.fuse` can give it
-    #: an epilogue first); ``call`` is then its entry's name and ``out`` the view it writes.
+    #: A GEMM or conv2d pass emitted by :meth:`KernelBuilder.finish` (so that :meth:`KernelBuilder.fuse`
+    #: can give it an epilogue first); ``call`` is then its entry's name and ``out`` the view it writes.
     gemm: GemmSpec | None = None
+    conv: ConvPass | None = None
 
     @staticmethod
     def of_views(kind: str, out: View, inputs: list[View], **kw: object) -> Step:
@@ -280,6 +281,7 @@ class KernelBuilder:
             conv2d_direct(self, pass_, geom, dst, a, b)
         else:
             self.conv2d(geom, pass_, (a.buffer, b.buffer, dst.buffer))
+            self.steps[-1].out = dst
         if dst is not out:
             self.elementwise(out, [dst], identity)
 
@@ -305,11 +307,14 @@ class KernelBuilder:
             self.elementwise(out, [flat], identity)
 
     def conv2d(self, geom: Conv2dGeometry, pass_: str, buffers: tuple[int, int, int]) -> None:
-        """One conv pass: ``forward`` (x, w, y), ``backward_data`` (dy, w, dx), ``backward_weight`` (x, dy, dw)."""
-        entry, algorithm = emit_conv2d_pass(self.m, geom, pass_, self.fresh("conv"))
+        """One conv pass: ``forward`` (x, w, y), ``backward_data`` (dy, w, dx), ``backward_weight`` (x, dy, dw).
+
+        The kernel is emitted by :meth:`finish`, with the epilogue :meth:`fuse` may have given it."""
+        conv = ConvPass(geom, pass_)
+        algorithm = conv.algorithm
         detail = geom.describe() + ("" if algorithm == "direct" else f" ({algorithm})")
-        self.add_call(entry.entry, list(buffers), list(buffers[:2]), [buffers[2]], entry.workspace_per_thread,
-                      flops=geom.flops(), detail=detail)
+        self.steps.append(Step("call", call=self.fresh("conv"), call_buffers=list(buffers), reads=list(buffers[:2]),
+                               writes=[buffers[2]], flops=geom.flops(), detail=detail, conv=conv))
 
     def conv2d_forward(self, out: View, data: View, weight: View, strides: Sequence[int],
                        padding: Sequence[int], dilation: Sequence[int], groups: int = 1) -> None:
@@ -425,8 +430,8 @@ class KernelBuilder:
                         continue
                     i = writer_at[v.buffer]
                     producer = self.steps[i]
-                    if consumer.kind == "ew" and producer.gemm is not None and i < j \
-                            and self._fuse_into_gemm(i, j, k):
+                    if consumer.kind == "ew" and i < j and (self._fuse_into_gemm(i, j, k)
+                                                            or self._fuse_into_conv(i, j, k)):
                         fused += 1
                         done = False
                         break
@@ -451,49 +456,91 @@ class KernelBuilder:
 
     def _fuse_into_gemm(self, i: int, j: int, k: int) -> bool:
         """Make elementwise step ``j`` the epilogue of GEMM step ``i``, whose result is its input ``k``
-        and read by nothing else; False (nothing changed) where that is not possible.
+        and read by nothing else; False (nothing changed) where that is not possible. Every view
+        must be a matrix in the GEMM's coordinates: its inputs then load at C's positions."""
+        spec = self.steps[i].gemm
+        if spec is None or spec.accumulate:
+            return False
 
-        The consumer then runs at the GEMM's place, so none of its other inputs may be written,
-        and its output neither read nor written, by the steps in between. Every view must be a
-        matrix in the GEMM's coordinates: its other inputs then load at C's positions."""
+        def operand(v: View) -> Operand | None:
+            matrix = v.as_matrix(spec.m, spec.n)
+            return _operand(matrix) if matrix is not None else None
+
+        found = self._epilogue_for(i, j, k, operand, spec.epilogue, spec.dtype, rereads_inputs=False,
+                                   accepts=lambda _: True)
+        if found is None:
+            return False
+        epilogue, target = found
+        self.steps[i].gemm = replace(spec, c=target, epilogue=epilogue)
+        return True
+
+    def _fuse_into_conv(self, i: int, j: int, k: int) -> bool:
+        """Make elementwise step ``j`` the epilogue of conv2d step ``i`` (see :meth:`_fuse_into_gemm`),
+        where its pass takes one: every view has the output's shape, its output the same layout."""
+        conv, produced = self.steps[i].conv, self.steps[i].out
+        if conv is None or produced is None:
+            return False
+        found = self._epilogue_for(i, j, k, lambda v: _plane_operand(v, produced.shape), conv.epilogue,
+                                   produced.dtype, rereads_inputs=True, accepts=conv.accepts)
+        if found is None:
+            return False
+        self.steps[i].conv = replace(conv, epilogue=found[0])
+        return True
+
+    def _epilogue_for(self, i: int, j: int, k: int, operand: Callable[[View], Operand | None],
+                      earlier: Epilogue | None, dtype: str, rereads_inputs: bool,
+                      accepts: Callable[[Epilogue], bool]) -> tuple[Epilogue, Operand] | None:
+        """Fold elementwise step ``j`` into step ``i``, whose result (view ``out``, written by nothing
+        else) is j's input ``k`` and read by nothing else, as the epilogue after ``earlier``;
+        ``operand`` maps a view to step i's output coordinates (None: it cannot be read there).
+        Returns the epilogue and the operand of j's output, which step i then writes; None, with
+        nothing changed, where that is not possible or step i does not ``accepts`` the epilogue.
+
+        The consumer then runs at the producer's place, so none of its other inputs may be written,
+        and its output neither read nor written, by the steps in between. ``rereads_inputs``: the
+        producer may run the epilogue twice (a fallback recomputes its output), so the output
+        must not be one of the epilogue's inputs."""
         producer, consumer = self.steps[i], self.steps[j]
-        spec, c_view, out = producer.gemm, producer.out, consumer.out
-        if spec is None or c_view is None or out is None or spec.accumulate or out.dtype != spec.dtype:
-            return False
-        m, n = spec.m, spec.n
-        result = consumer.inputs[k]
-        if sum(u.buffer == result.buffer for u in consumer.inputs) != 1 or result.as_matrix(m, n) != c_view:
-            return False
-        target = out.as_matrix(m, n)
-        others = [u for x, u in enumerate(consumer.inputs) if x != k]
+        out, result = consumer.out, consumer.inputs[k]
+        if out is None or producer.out is None or out.dtype != dtype:
+            return None
+        produced = operand(producer.out)
+        if sum(u.buffer == result.buffer for u in consumer.inputs) != 1 or produced is None \
+                or operand(result) != produced:
+            return None
+        target = operand(out)
+        if target is None or out.buffer in producer.reads or (rereads_inputs and target != produced):
+            return None
         inputs: list[Operand | float] = []
         buffers: list[int] = []
-        for u in others:
+        for x, u in enumerate(consumer.inputs):
+            if x == k:
+                continue
             if u.buffer == CONSTANT:
                 inputs.append(u.value or 0.0)
                 continue
-            matrix = u.as_matrix(m, n) if u.is_memory and u.dtype == spec.dtype else None
+            matrix = operand(u) if u.is_memory and u.dtype == dtype else None
             if matrix is None:
-                return False
-            inputs.append(_operand(matrix))
+                return None
+            inputs.append(matrix)
             buffers.append(u.buffer)
-        if target is None or out.buffer in producer.reads:
-            return False
+        if rereads_inputs and out.buffer in buffers:
+            return None
         between = self.steps[i + 1 : j]
         if any(set(st.writes) & {*buffers, out.buffer} or out.buffer in st.reads for st in between):
-            return False
-        epilogue = spec.epilogue
-        body = _epilogue_body(consumer.body, k, epilogue.body if epilogue else None,
-                              len(epilogue.inputs) if epilogue else 0)
-        merged = Epilogue(body, (*(epilogue.inputs if epilogue else ()), *inputs))
-        producer.gemm = replace(spec, c=_operand(target), epilogue=merged)
-        producer.out = target
+            return None
+        body = _epilogue_body(consumer.body, k, earlier.body if earlier else None,
+                              len(earlier.inputs) if earlier else 0)
+        epilogue = Epilogue(body, (*(earlier.inputs if earlier else ()), *inputs))
+        if not accepts(epilogue):
+            return None
+        producer.out = out
         producer.call_buffers = [*producer.call_buffers[:2], out.buffer, *producer.call_buffers[3:], *buffers]
         producer.reads = [*producer.call_buffers[:2], *producer.call_buffers[3:]]
         producer.writes = [out.buffer]
         producer.label = "+".join(x for x in (producer.label, consumer.label) if x)
         del self.steps[j]
-        return True
+        return epilogue, target
 
     # ----- assembly -----
 
@@ -513,6 +560,10 @@ class KernelBuilder:
                 plan = emit_gemm(self.m, st.gemm, st.call)
                 self.workspace_per_thread = max(self.workspace_per_thread, plan.workspace_per_thread)
                 calls.append((plan.names["entry"], st.call_buffers))
+            elif st.conv is not None:
+                entry, _ = emit_conv2d_pass(self.m, st.conv, st.call)
+                self.workspace_per_thread = max(self.workspace_per_thread, entry.workspace_per_thread)
+                calls.append((entry.entry, st.call_buffers))
             else:
                 calls.append((st.call, st.call_buffers))
             self.kernel_labels[kernel_name(calls[-1][0])] = st.label
@@ -716,6 +767,18 @@ def _epilogue_body(consumer: Body, k: int, before: Body | None, n_before: int) -
         return consumer(s, [*rest[:k], c, *rest[k:]])
 
     return body
+
+
+def _plane_operand(v: View, shape: tuple[int, ...]) -> Operand | None:
+    """A view of an NCHW convolution output's ``shape`` as the matrix (image, channel) x pixel;
+    None for other shapes."""
+    if v.shape != shape or len(shape) != 4:
+        return None
+    (n, c, h, w), (s0, s1, s2, s3) = v.shape, v.strides
+    rows = IndexMap((n, c), (s0, s1), v.offset)
+    if w == 1 or h == 1 or s2 == w * s3:
+        return Operand(rows, IndexMap.strided(h * w, s2 if w == 1 else s3))
+    return Operand(rows, IndexMap((h, w), (s2, s3)))
 
 
 def _operand(v: View) -> Operand:

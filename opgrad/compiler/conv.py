@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from .gemm import GemmSpec, IndexMap, Operand, emit_gemm, round_up
+from .gemm import Epilogue, GemmSpec, IndexMap, Operand, emit_gemm, round_up
 from .irtext import BYTES, LLVM_TYPE, FunctionEmitter, ModuleEmitter
 from .threads import PARALLEL_FOR
 
@@ -161,8 +161,11 @@ class ConvEntry:
     workspace_per_thread: int
 
 
-def emit_conv2d_forward(m: ModuleEmitter, g: Conv2dGeometry, name: str) -> ConvEntry:
-    """``conv2d_forward(x, w, y, ws)``: Y[o, (n,p)] = W[o, (c,kh,kw)] @ im2col(X)."""
+def emit_conv2d_forward(m: ModuleEmitter, g: Conv2dGeometry, name: str, epilogue: Epilogue | None = None) -> ConvEntry:
+    """``conv2d_forward(x, w, y, e..., ws)``: Y[o, (n,p)] = W[o, (c,kh,kw)] @ im2col(X), then the
+    ``epilogue`` (its operands index Y as (image, channel) x pixel; without groups only) as the
+    GEMM's, with its memory inputs ``e...``."""
+    assert epilogue is None or g.groups == 1, "a grouped convolution takes no epilogue"
     p = g.oh * g.ow
     spec = GemmSpec(
         g.og, g.n * p, g.ckk,
@@ -170,11 +173,33 @@ def emit_conv2d_forward(m: ModuleEmitter, g: Conv2dGeometry, name: str) -> ConvE
         b=Operand(g.patch_map(), g.pixel_map(), g.window()),
         c=Operand(IndexMap.strided(g.og, p), g.output_pixels()),
         dtype=g.dtype,
+        epilogue=_in_gemm_coordinates(epilogue) if epilogue else None,
     )
     plan = emit_gemm(m, spec, name + ".gemm")
     offsets = [{"x": x, "w": w, "y": y} for x, w, y in g.group_offsets()]
-    _emit_forwarder(m, name, plan.names["entry"], ("x", "w", "y"), ("w", "x", "y"), g.dtype, offsets)
+    extras = tuple(name for _, name in epilogue.pointers) if epilogue else ()
+    for group in offsets:
+        group.update(dict.fromkeys(extras, 0))
+    _emit_forwarder(m, name, plan.names["entry"], ("x", "w", "y", *extras), ("w", "x", "y", *extras), g.dtype,
+                    offsets)
     return ConvEntry(name, plan.workspace_per_thread)
+
+
+def output_matrix(n: int, channels: int, pixels: int) -> Operand:
+    """A contiguous NCHW output of ``pixels`` = H x W as the matrix (image, channel) x pixel, the
+    coordinates of a convolution's epilogue."""
+    return Operand(IndexMap.strided(n * channels, pixels), IndexMap.strided(pixels, 1))
+
+
+def _in_gemm_coordinates(epilogue: Epilogue) -> Epilogue:
+    """An epilogue over (image, channel) x pixel moved to the forward GEMM's channel x (image, pixel):
+    each operand's rows map has the digits (image, channel)."""
+    def moved(x: Operand) -> Operand:
+        (_, channels), (image_stride, channel_stride) = x.rows.radices, x.rows.strides
+        cols = IndexMap((x.rows.radices[0], *x.cols.radices), (image_stride, *x.cols.strides))
+        return Operand(IndexMap.strided(channels, channel_stride, x.rows.base), cols)
+
+    return Epilogue(epilogue.body, tuple(moved(x) if isinstance(x, Operand) else x for x in epilogue.inputs))
 
 
 def emit_conv2d_backward_weight(m: ModuleEmitter, g: Conv2dGeometry, name: str) -> ConvEntry:

@@ -2,26 +2,67 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from opgrad.env import conv_algorithm_setting
 
 from .conv import Conv2dGeometry, ConvEntry, emit_conv2d_backward_data, emit_conv2d_backward_weight, emit_conv2d_forward
+from .gemm import Epilogue
 from .irtext import ModuleEmitter
-from .winograd import choose_tiles, emit_winograd, winograd_conv
+from .winograd import WinogradConv, accepts_epilogue, choose_tiles, emit_winograd, winograd_conv
 from .winograd_weight import emit_winograd_weight
 
-__all__ = ["emit_conv2d_pass"]
+__all__ = ["ConvPass", "emit_conv2d_pass"]
 
 
-def emit_conv2d_pass(mod: ModuleEmitter, g: Conv2dGeometry, pass_: str, name: str) -> tuple[ConvEntry, str]:
+@dataclass(frozen=True)
+class ConvPass:
     """One conv2d pass (``forward``, ``backward_data`` or ``backward_weight``) by the algorithm that
-    ``$OPGRAD_CONV_ALGORITHM`` and the shapes choose; returns the entry and the algorithm's name."""
-    setting = conv_algorithm_setting()
-    problem = None if setting == "direct" else winograd_conv(g, pass_, require_gain=setting == "auto")
-    if problem is not None and pass_ == "backward_weight":
-        return emit_winograd_weight(mod, problem, name), "winograd F(3x3,2x2)"
+    ``$OPGRAD_CONV_ALGORITHM`` and the shapes choose, and the elementwise ``epilogue`` (one it
+    :meth:`accepts`) it applies to its output, seen as the matrix (image, channel) x pixel,
+    where each piece of it is finished; the epilogue's memory inputs follow the output among the
+    entry's pointers."""
+
+    geom: Conv2dGeometry
+    pass_: str
+    epilogue: Epilogue | None = None
+
+    @property
+    def winograd(self) -> WinogradConv | None:
+        setting = conv_algorithm_setting()
+        if setting == "direct":
+            return None
+        return winograd_conv(self.geom, self.pass_, require_gain=setting == "auto")
+
+    @property
+    def algorithm(self) -> str:
+        problem = self.winograd
+        if problem is None:
+            return "direct"
+        if self.pass_ == "backward_weight":
+            return "winograd F(3x3,2x2)"
+        return f"winograd F({choose_tiles(problem).m},3)"
+
+    def accepts(self, epilogue: Epilogue) -> bool:
+        """Whether the pass can apply ``epilogue`` to its output: the direct forward without groups
+        (as its GEMM's epilogue), and the Winograd forward and backward-data passes where
+        :func:`~.winograd.accepts_epilogue`."""
+        if self.pass_ == "backward_weight":
+            return False
+        if self.winograd is not None:
+            return accepts_epilogue(epilogue)
+        return self.pass_ == "forward" and self.geom.groups == 1
+
+
+def emit_conv2d_pass(mod: ModuleEmitter, conv: ConvPass, name: str) -> tuple[ConvEntry, str]:
+    """Emit ``conv`` as ``name(first, second, out, e..., ws)``; returns the entry and the algorithm's name."""
+    epilogue, problem, g = conv.epilogue, conv.winograd, conv.geom
+    assert epilogue is None or conv.accepts(epilogue), f"{conv.pass_} by {conv.algorithm} cannot take this epilogue"
+    if problem is not None and conv.pass_ == "backward_weight":
+        return emit_winograd_weight(mod, problem, name), conv.algorithm
     if problem is not None:
-        tiles = choose_tiles(problem)
-        return emit_winograd(mod, problem, name, tiles), f"winograd F({tiles.m},3)"
-    emit = {"forward": emit_conv2d_forward, "backward_data": emit_conv2d_backward_data,
-            "backward_weight": emit_conv2d_backward_weight}[pass_]
+        return emit_winograd(mod, problem, name, choose_tiles(problem), epilogue), conv.algorithm
+    if conv.pass_ == "forward":
+        return emit_conv2d_forward(mod, g, name, epilogue), "direct"
+    emit = {"backward_data": emit_conv2d_backward_data, "backward_weight": emit_conv2d_backward_weight}[conv.pass_]
     return emit(mod, g, name), "direct"

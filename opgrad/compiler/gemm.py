@@ -144,6 +144,11 @@ class Epilogue:
         """The inputs that are memory, in order: each is one more pointer argument of the GEMM."""
         return [x for x in self.inputs if isinstance(x, Operand)]
 
+    @property
+    def pointers(self) -> list[tuple[str, str]]:
+        """The ``(type, name)`` parameters of the memory inputs in a kernel that takes them."""
+        return [("ptr", f"e{i}") for i in range(len(self.operands))]
+
     def transposed(self) -> Epilogue:
         return Epilogue(self.body, tuple(Operand(x.cols, x.rows) if isinstance(x, Operand) else x
                                          for x in self.inputs))
@@ -655,7 +660,7 @@ def emit_gemm(
     if spec.epilogue is not None:
         for op in spec.epilogue.operands:
             op.check()
-        _emit_epilogue(m, base + ".epilogue", spec, t)
+        emit_epilogue(m, base + ".epilogue", spec.c, spec.epilogue, spec.dtype)
     if blocking is None and spec.a.window is None and spec.b.window is None \
             and 2.0 * spec.m * spec.n * spec.k < SMALL_GEMM_MAX_FLOPS:
         plan.workspace_per_thread = round_up(spec.n * BYTES[spec.dtype], 64)
@@ -704,14 +709,14 @@ def _emit_small_gemm(m: ModuleEmitter, base: str, spec: GemmSpec, t: str) -> Non
                 v = f.val(f"fadd {t} {f.load(t, ptr)}, {v}")
             f.store(t, v, ptr)
         if spec.epilogue is not None:
-            _call_epilogue(f, base, "%c", _named(extras), i, "1", "0", str(spec.n))
+            call_epilogue(f, base + ".epilogue", "%c", _named(extras), i, "1", "0", str(spec.n))
     f.ret_void()
     f.finish()
 
 
 def epilogue_pointers(spec: GemmSpec) -> list[tuple[str, str]]:
     """The ``(type, name)`` parameters of the epilogue's memory inputs, after ``c``."""
-    return [("ptr", f"e{i}") for i in range(len(spec.epilogue.operands))] if spec.epilogue else []
+    return spec.epilogue.pointers if spec.epilogue else []
 
 
 def _named(params: list[tuple[str, str]]) -> list[str]:
@@ -719,31 +724,36 @@ def _named(params: list[tuple[str, str]]) -> list[str]:
     return ["%" + name for _, name in params]
 
 
-def _call_epilogue(f: FunctionEmitter, base: str, c: str, inputs: list[str], i0: str, rows: str, j0: str,
-                   cols: str) -> None:
-    """Apply GEMM ``base``'s epilogue to C's rows ``i0 .. i0+rows``, columns ``j0 .. j0+cols``;
-    ``inputs`` are the pointers to its memory inputs."""
-    f.call("void", f"@{base}.epilogue", [("ptr", c), *[("ptr", p) for p in inputs],
-                                         ("i64", i0), ("i64", rows), ("i64", j0), ("i64", cols)])
+def call_epilogue(f: FunctionEmitter, name: str, c: str, inputs: list[str], i0: str, rows: str, j0: str,
+                  cols: str) -> None:
+    """Apply the epilogue function ``name`` (:func:`emit_epilogue`) to C's rows ``i0 .. i0+rows``,
+    columns ``j0 .. j0+cols``; ``inputs`` are the pointers to its memory inputs."""
+    f.call("void", f"@{name}", [("ptr", c), *[("ptr", p) for p in inputs],
+                                ("i64", i0), ("i64", rows), ("i64", j0), ("i64", cols)])
 
 
-def _emit_epilogue(m: ModuleEmitter, name: str, s: GemmSpec, t: str) -> None:
-    """``name(c, e..., i0, rows, j0, cols)``: C[i, j] = body(C[i, j], inputs[i, j]...) over the block.
+def emit_epilogue(m: ModuleEmitter, name: str, c: Operand, epi: Epilogue, dtype: str) -> None:
+    """``name(c, e..., i0, rows, j0, cols)``: C[i, j] = body(C[i, j], inputs[i, j]...) over a block
+    of the matrix ``c`` (a GEMM's result, or a convolution's output as (image, channel) x pixel).
 
-    The loop along C's unit stride runs innermost, compiled by the vectorizing pipeline; the
-    GEMM calls it on a few finished panels at a time (:data:`EPILOGUE_BYTES`), still in L2."""
-    epi = s.epilogue
-    assert epi is not None
-    ptrs = epilogue_pointers(s)
+    The loop along C's unit stride runs innermost, compiled by the vectorizing pipeline; a GEMM
+    calls it on a few finished panels at a time (:data:`EPILOGUE_BYTES`), still in L2."""
+    t = LLVM_TYPE[dtype]
+    ptrs = epi.pointers
     f = FunctionEmitter(m, name, [("ptr noalias", "c"), *[("ptr noalias", p) for _, p in ptrs],
                                   ("i64", "i0"), ("i64", "rows"), ("i64", "j0"), ("i64", "cols")],
                         linkage="internal", pipeline="streaming")
-    scalar = Scalar(f, s.dtype)
-    maps = [s.c, *epi.operands]
-    rows_inner = s.c.rows.strides == (1,) and s.c.cols.strides != (1,)
+    scalar = Scalar(f, dtype)
+    maps = [c, *epi.operands]
+    rows_inner = c.rows.strides == (1,) and c.cols.strides != (1,)
+    outer_maps = [op.cols if rows_inner else op.rows for op in maps]
+    inner_maps = [op.rows if rows_inner else op.cols for op in maps]
+    # Where every inner map has two digits with the same low radix (a convolution's (image, pixel)
+    # columns), the inner loop runs over one high digit at a time, so no element divides.
+    radix = inner_maps[0].radices[-1]
+    segmented = all(len(x.radices) == 2 and x.radices[1] == radix for x in inner_maps)
 
-    def element(i: str, j: str) -> None:
-        offsets = [f.add(op.rows.terms(f, i)[0], op.cols.terms(f, j)[0]) for op in maps]
+    def element(offsets: list[str]) -> None:
         at = f.gep(t, "%c", offsets[0])
         values, memory = [f.load(t, at)], iter(zip(ptrs, offsets[1:], strict=True))
         for x in epi.inputs:
@@ -755,9 +765,22 @@ def _emit_epilogue(m: ModuleEmitter, name: str, s: GemmSpec, t: str) -> None:
         f.store(t, epi.body(scalar, values), at)
 
     rows, cols = ("%i0", f.add("%i0", "%rows")), ("%j0", f.add("%j0", "%cols"))
-    with f.loop(*(cols if rows_inner else rows), hint="eo") as outer, \
-            f.loop(*(rows if rows_inner else cols), hint="ei") as inner:
-        element(*((inner, outer) if rows_inner else (outer, inner)))
+    (start, end), outer_range = (rows, cols) if rows_inner else (cols, rows)
+    with f.loop(*outer_range, hint="eo") as outer:
+        bases = [x.terms(f, outer)[0] for x in outer_maps]
+        if not segmented:
+            with f.loop(start, end, hint="ei") as inner:
+                element([f.add(b, x.terms(f, inner)[0]) for b, x in zip(bases, inner_maps, strict=True)])
+        else:
+            last = f.val(f"udiv i64 {f.add(end, radix - 1)}, {radix}")
+            with f.loop(f.val(f"udiv i64 {start}, {radix}"), last, hint="eg") as digit:
+                first = f.mul(digit, radix)
+                lo = f.sub(f.select(f.icmp("sgt", start, first), "i64", start, first), first)
+                hi = f.sub(f.smin(end, f.add(first, radix)), first)
+                digit_bases = [f.add(b, f.add(f.mul(digit, x.strides[0]), x.base))
+                               for b, x in zip(bases, inner_maps, strict=True)]
+                with f.loop(lo, hi, hint="ei") as low:
+                    element([f.add(b, f.mul(low, x.strides[1])) for b, x in zip(digit_bases, inner_maps, strict=True)])
     f.ret_void()
     f.finish()
 
@@ -846,7 +869,7 @@ def _emit_block(m: ModuleEmitter, base: str, plan: GemmPlan, t: str) -> None:
                                            f"{f.icmp('sge', f.add(jr, nr), nc)}")
                         with f.if_then(f.val(f"and i1 {ends_group}, {f.icmp('sge', f.add(pc, kc), '%k1')}"), "epi"):
                             start = f.mul(f.mul(f.val(f"udiv i64 {panel}, {group}"), group), nr)
-                            _call_epilogue(f, base, "%c", _named(extras), ic, mc, f.add(jc, start),
+                            call_epilogue(f, base + ".epilogue", "%c", _named(extras), ic, mc, f.add(jc, start),
                                            f.sub(f.add(jr, nvalid), start))
     f.ret_void()
     f.finish()
@@ -1117,6 +1140,6 @@ def _emit_group_sum(m: ModuleEmitter, base: str, plan: GemmPlan) -> None:
             with f.loop(whole, s.n, hint="jt") as j:
                 columns(i, row, j, 1)
         if s.epilogue is not None:
-            _call_epilogue(f, base, c, inputs, i, "1", "0", str(s.n))
+            call_epilogue(f, base + ".epilogue", c, inputs, i, "1", "0", str(s.n))
     f.ret_void()
     f.finish()

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .conv import Conv2dGeometry
-from .convpass import emit_conv2d_pass
+from .convpass import ConvPass, emit_conv2d_pass
 from .gemm import GemmSpec, emit_gemm, epilogue_pointers
 from .irtext import ModuleEmitter
 from .jit import NativeModule
@@ -91,9 +91,9 @@ class Conv2dKernels:
 def conv2d_kernels(geom: Conv2dGeometry) -> Conv2dKernels:
     """Compile forward, backward-data and backward-weight for ``geom`` into one module."""
     m = ModuleEmitter("conv2d")
-    fwd, _ = emit_conv2d_pass(m, geom, "forward", "conv2d_forward")
-    bwd_d, _ = emit_conv2d_pass(m, geom, "backward_data", "conv2d_backward_data")
-    bwd_w, _ = emit_conv2d_pass(m, geom, "backward_weight", "conv2d_backward_weight")
+    fwd, _ = emit_conv2d_pass(m, ConvPass(geom, "forward"), "conv2d_forward")
+    bwd_d, _ = emit_conv2d_pass(m, ConvPass(geom, "backward_data"), "conv2d_backward_data")
+    bwd_w, _ = emit_conv2d_pass(m, ConvPass(geom, "backward_weight"), "conv2d_backward_weight")
     nthreads = pool().nthreads
     module = NativeModule(m.text())
     return Conv2dKernels(

@@ -27,11 +27,11 @@ to a direct sum (:func:`emit_guarded_entry`), which puts NaN and infinities wher
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-from .conv import Conv2dGeometry, ConvEntry
-from .gemm import Blocking, round_up
+from .conv import Conv2dGeometry, ConvEntry, output_matrix
+from .gemm import Blocking, Epilogue, call_epilogue, emit_epilogue, round_up
 from .irtext import BYTES, LLVM_TYPE, FunctionEmitter, ModuleEmitter, float_const, splat_const
 from .target import current_target
 from .threads import PARALLEL_FOR, PARALLEL_FOR_DECL
@@ -44,6 +44,7 @@ __all__ = [
     "WinogradConv",
     "WinogradEmitter",
     "WinogradTiles",
+    "accepts_epilogue",
     "choose_tiles",
     "declare_helpers",
     "emit_guarded_entry",
@@ -165,6 +166,15 @@ def winograd_conv(g: Conv2dGeometry, pass_: str, require_gain: bool = True) -> W
     return None
 
 
+def accepts_epilogue(epilogue: Epilogue) -> bool:
+    """Whether a Winograd block applies ``epilogue`` to its outputs: only where its memory inputs
+    hold one value per (image, channel) (a bias, a scale). A block's outputs are a few rows of
+    every channel, so an input that varies along the pixels is read as one short run per channel,
+    and measured (AMD EPYC Zen 3) a relu gradient read that way cost as much in the block as its
+    own pass over the whole tensor does: it keeps its pass, which streams."""
+    return all(not any(x.cols.strides) for x in epilogue.operands)
+
+
 def choose_tiles(p: WinogradConv) -> WinogradTiles:
     """F(2,3). F(4,3) is exact too (``emit_winograd(..., tiles=F4X3)``) and does 1.8x fewer products,
     but its 6x6 transforms spill 16-register vector files and it loses about one decimal digit of
@@ -176,8 +186,12 @@ def choose_tiles(p: WinogradConv) -> WinogradTiles:
 class WinogradEmitter:
     """Shared emission state of one Winograd kernel: types, vector width and constants."""
 
-    def __init__(self, mod: ModuleEmitter, p: WinogradConv, tiles: WinogradTiles) -> None:
+    def __init__(self, mod: ModuleEmitter, p: WinogradConv, tiles: WinogradTiles,
+                 epilogue: Epilogue | None = None) -> None:
         self.mod, self.p, self.tiles = mod, p, tiles
+        #: Applied to each block's outputs once they are stored (and, after a fallback, to all).
+        self.epilogue = epilogue
+        self.epilogue_fn = ""
         #: The block task's vector of ``x - x`` sums over every output it stores (NaN: non-finite).
         self.sentinel = ""
         self.t = LLVM_TYPE[p.dtype]
@@ -314,9 +328,10 @@ class WinogradEmitter:
     # ----- one block: input transform, GEMMs, output transform -----
 
     def block_task(self, name: str, scratch_stride: int) -> str:
-        """Task over (image, block of tile rows); every buffer but x, U and y is this thread's own."""
+        """Task over (image, block of tile rows); every buffer but x, U, y and the epilogue's inputs
+        is this thread's own."""
         p = self.p
-        f, (x, u, y, scratch, flag), tid, nt = self.task(name, 5)
+        f, (x, u, y, scratch, flag, *inputs), tid, nt = self.task(name, 5 + self.epilogue_inputs)
         lo, hi = self.share(f, tid, nt, p.n * self.blocks)
         own = f.gep("i8", scratch, f.mul(tid, scratch_stride))
         plane = own
@@ -328,7 +343,16 @@ class WinogradEmitter:
             ty0 = f.mul(f.val(f"urem i64 {item}, {self.blocks}"), self.rows)
             self.inputs(f, f.gep(self.t, x, f.mul(img, p.cin * p.h * p.w)), ty0, plane, v)
             self.gemms(f, u, v, mm)
-            self.outputs(f, mm, f.gep(self.t, y, f.mul(img, p.cout * p.oh * p.ow)), ty0)
+            finish = None
+            if self.epilogue is not None:
+                # The block's rows of one channel are one run of pixels of its (image, channel) row.
+                first = f.mul(ty0, self.tiles.m)
+                pixels = f.mul(f.sub(f.smin(f.add(first, self.rows * self.tiles.m), p.oh), first), p.ow)
+                plane0, start = f.mul(img, p.cout), f.mul(first, p.ow)
+
+                def finish(co: str) -> None:
+                    call_epilogue(f, self.epilogue_fn, y, inputs, f.add(plane0, co), "1", start, pixels)
+            self.outputs(f, mm, f.gep(self.t, y, f.mul(img, p.cout * p.oh * p.ow)), ty0, finish)
         self.raise_flag_if_nan(f, self.sentinel, flag)
         f.ret_void()
         f.finish()
@@ -430,9 +454,11 @@ class WinogradEmitter:
                             f.store(vt, f.load(vt, accs[r][c]), ptr, align=self.esize)
                     col += width
 
-    def outputs(self, f: FunctionEmitter, mm: str, y: str, ty0: str) -> None:
+    def outputs(self, f: FunctionEmitter, mm: str, y: str, ty0: str,
+                finish: Callable[[str], None] | None = None) -> None:
         """``y tile = A^T M A`` for the block's tiles of every output channel; rows past ``oh`` and
-        columns past ``ow`` are not written."""
+        columns past ``ow`` are not written. ``finish(co)`` runs after channel ``co``'s rows are
+        stored, while they are in L1."""
         p, t, m, vl, alpha = self.p, self.t, self.tiles.m, self.vl, self.alpha
         wide = f"<{m * vl} x {t}>"
         full_cols = p.ow // (m * vl)
@@ -456,6 +482,8 @@ class WinogradEmitter:
                             else:
                                 self.masked_store(f, m * vl, value, ptr, columns)
                             self.watch(f, value, columns)
+            if finish is not None:
+                finish(co)
 
     def raise_flag_if_nan(self, f: FunctionEmitter, sentinel: str, flag: str) -> None:
         """Set the shared i32 ``flag`` when any lane of the vector in ``sentinel`` is NaN. Every
@@ -516,6 +544,20 @@ class WinogradEmitter:
         f.finish()
         return name
 
+    @property
+    def epilogue_inputs(self) -> int:
+        return len(self.epilogue.operands) if self.epilogue else 0
+
+    def epilogue_task(self, name: str) -> str:
+        """Task over (image, channel) planes: the epilogue on all of them (after the fallback)."""
+        p = self.p
+        f, (y, *inputs), tid, nt = self.task(name, 1 + self.epilogue_inputs, pipeline="lean")
+        lo, hi = self.share(f, tid, nt, p.n * p.cout)
+        call_epilogue(f, self.epilogue_fn, y, inputs, lo, f.sub(hi, lo), "0", str(p.oh * p.ow))
+        f.ret_void()
+        f.finish()
+        return name
+
     def interleave(self, f: FunctionEmitter, parts: list[str]) -> str:
         """``m`` vectors of ``vl`` tiles' column ``j`` -> one row of ``m * vl`` consecutive outputs."""
         vl, t = self.vl, self.t
@@ -544,17 +586,25 @@ class WinogradEmitter:
         return round_up(self.alpha**2 * self.m_pos * self.esize, 64)
 
 
-def emit_winograd(mod: ModuleEmitter, p: WinogradConv, name: str, tiles: WinogradTiles | None = None) -> ConvEntry:
-    """``name(x, w, y, ws)``: the correlation ``p`` by Winograd ``tiles`` (chosen by :func:`choose_tiles`
-    unless given). The workspace holds the packed U, shared, then each thread's plane, V and M."""
+def emit_winograd(mod: ModuleEmitter, p: WinogradConv, name: str, tiles: WinogradTiles | None = None,
+                  epilogue: Epilogue | None = None) -> ConvEntry:
+    """``name(x, w, y, e..., ws)``: the correlation ``p`` by Winograd ``tiles`` (chosen by
+    :func:`choose_tiles` unless given), then ``epilogue`` (inputs ``e...``) on y, seen as the matrix
+    (image, channel) x pixel. The workspace holds the packed U, shared, then each thread's plane,
+    V and M."""
     tiles = tiles or choose_tiles(p)
-    e = WinogradEmitter(mod, p, tiles)
+    e = WinogradEmitter(mod, p, tiles, epilogue)
     u_bytes = round_up(e.alpha**2 * e.cout_pad * p.cin * e.esize, 64)
     scratch_stride = e.plane_bytes + e.v_bytes + e.m_bytes
+    inputs = [ptr for _, ptr in epilogue.pointers] if epilogue else []
+    fallback = [(e.fallback_task(name + ".direct"), ["x", "w", "y"])]
+    if epilogue is not None:
+        e.epilogue_fn = name + ".epilogue"
+        emit_epilogue(mod, e.epilogue_fn, output_matrix(p.n, p.cout, p.oh * p.ow), epilogue, p.dtype)
+        fallback.append((e.epilogue_task(name + ".direct_epilogue"), ["y", *inputs]))
     phases = [(e.weight_task(name + ".weights"), ["w", "shared"]),
-              (e.block_task(name + ".blocks", scratch_stride), ["x", "shared", "y", "scratch", "flag"])]
-    fallback = (e.fallback_task(name + ".direct"), ["x", "w", "y"])
-    return emit_guarded_entry(mod, name, ("x", "w", "y"), u_bytes, scratch_stride, phases, fallback)
+              (e.block_task(name + ".blocks", scratch_stride), ["x", "shared", "y", "scratch", "flag", *inputs])]
+    return emit_guarded_entry(mod, name, ("x", "w", "y", *inputs), u_bytes, scratch_stride, phases, fallback)
 
 
 def declare_helpers(mod: ModuleEmitter) -> None:
@@ -564,11 +614,11 @@ def declare_helpers(mod: ModuleEmitter) -> None:
     mod.declare("llvm.memcpy.p0.p0.i64", "declare void @llvm.memcpy.p0.p0.i64(ptr, ptr, i64, i1)")
 
 
-def emit_guarded_entry(mod: ModuleEmitter, name: str, params: tuple[str, str, str], shared_bytes: int,
+def emit_guarded_entry(mod: ModuleEmitter, name: str, params: tuple[str, ...], shared_bytes: int,
                        scratch_stride: int, phases: list[tuple[str, list[str]]],
-                       fallback: tuple[str, list[str]]) -> ConvEntry:
-    """``name(p0, p1, p2, ws)``: run each phase's task on all threads, in order, then the fallback
-    task if a phase raised the non-finite flag. A task's context lists pointers by name: the
+                       fallback: list[tuple[str, list[str]]]) -> ConvEntry:
+    """``name(params..., ws)``: run each phase's task on all threads, in order, then the fallback
+    tasks if a phase raised the non-finite flag. A task's context lists pointers by name: the
     parameters, ``shared`` (the workspace's first ``shared_bytes``), ``flag`` (an i32 after it)
     and ``scratch`` (then ``scratch_stride`` bytes per thread)."""
     declare_helpers(mod)
@@ -588,7 +638,8 @@ def emit_guarded_entry(mod: ModuleEmitter, name: str, params: tuple[str, str, st
     for task, names in phases:
         parallel(task, names)
     with f.if_then(f.icmp("ne", f.load("i32", pointers["flag"], align=4), "0", "i32"), "nonfinite"):
-        parallel(*fallback)
+        for task, names in fallback:
+            parallel(task, names)
     f.ret_void()
     f.finish()
     return ConvEntry(name, shared_bytes + 64 + scratch_stride)

@@ -273,4 +273,4 @@ def emit_winograd_weight(mod: ModuleEmitter, p: WinogradConv, name: str) -> Conv
     phases = [(e.group_task(name + ".groups", scratch_stride), ["x", "dy", "shared", "scratch"]),
               (e.finish_task(name + ".finish"), ["shared", "dw", "flag"])]
     fallback = (e.direct_task(name + ".direct"), ["x", "dy", "dw"])
-    return emit_guarded_entry(mod, name, ("x", "dy", "dw"), partial_bytes, scratch_stride, phases, fallback)
+    return emit_guarded_entry(mod, name, ("x", "dy", "dw"), partial_bytes, scratch_stride, phases, [fallback])
