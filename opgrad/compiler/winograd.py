@@ -208,6 +208,8 @@ class WinogradEmitter:
         self.mr = next((mr for mr in range(8, 3, -1) if p.cout % mr == 0 and accumulators // mr >= 2), blk.mr)
         self.rows = self.block_rows()
         self.blocks = -(-self.th // self.rows)
+        #: Tile rows of an image's last block: its transforms and GEMMs cover only those.
+        self.tail_rows = self.th - (self.blocks - 1) * self.rows
         #: GEMM columns of a block (tiles, rounded to whole vectors) and the row stride of V and M,
         #: one vector longer: a row's last transform chunk spills into the next row's columns
         #: before that row overwrites them, and past the end into the spare vector.
@@ -224,11 +226,11 @@ class WinogradEmitter:
         self.hp = tiles.m * self.rows + 2
 
     def block_rows(self) -> int:
-        """Tile rows per block: the count whose padding (rows past ``th``, columns to whole vectors)
-        wastes least, within :data:`BLOCK_TILES` x 2 tiles."""
+        """Tile rows per block: the count whose GEMM columns (each block's tiles, the last block's
+        fewer, rounded to whole vectors) waste least, within :data:`BLOCK_TILES` x 2 tiles."""
         def waste(rows: int) -> float:
-            blocks = -(-self.th // rows)
-            return blocks * round_up(rows * self.tw, self.vl) / (self.th * self.tw)
+            full, tail = divmod(self.th, rows)
+            return (full * round_up(rows * self.tw, self.vl) + round_up(tail * self.tw, self.vl)) / (self.th * self.tw)
 
         limit = max(1, min(self.th, 2 * BLOCK_TILES // self.tw))
         return min(range(1, limit + 1), key=lambda rows: (waste(rows), -rows))
@@ -340,9 +342,21 @@ class WinogradEmitter:
         self.sentinel = f.var(self.vt, "zeroinitializer", "bad")
         with f.loop(lo, hi, hint="blk") as item:
             img = f.val(f"udiv i64 {item}, {self.blocks}")
-            ty0 = f.mul(f.val(f"urem i64 {item}, {self.blocks}"), self.rows)
-            self.inputs(f, f.gep(self.t, x, f.mul(img, p.cin * p.h * p.w)), ty0, plane, v)
-            self.gemms(f, u, v, mm)
+            block = f.val(f"urem i64 {item}, {self.blocks}")
+            ty0 = f.mul(block, self.rows)
+            last = f.icmp("eq", block, self.blocks - 1)
+            rows = f.select(last, "i64", str(self.tail_rows), str(self.rows))
+            self.inputs(f, f.gep(self.t, x, f.mul(img, p.cin * p.h * p.w)), ty0, rows, plane, v)
+            tail_cols = round_up(self.tail_rows * self.tw, self.vl)
+            if tail_cols == self.cols:
+                self.gemms(f, u, v, mm, self.cols)
+            else:
+                tail, whole, done = f.if_else(last, "tail")
+                for label, cols in ((tail, tail_cols), (whole, self.cols)):
+                    f.block(label)
+                    self.gemms(f, u, v, mm, cols)
+                    f.br(done)
+                f.block(done)
             finish = None
             if self.epilogue is not None:
                 # The block's rows of one channel are one run of pixels of its (image, channel) row.
@@ -352,29 +366,30 @@ class WinogradEmitter:
 
                 def finish(co: str) -> None:
                     call_epilogue(f, self.epilogue_fn, y, inputs, f.add(plane0, co), "1", start, pixels)
-            self.outputs(f, mm, f.gep(self.t, y, f.mul(img, p.cout * p.oh * p.ow)), ty0, finish)
+            self.outputs(f, mm, f.gep(self.t, y, f.mul(img, p.cout * p.oh * p.ow)), ty0, rows, finish)
         self.raise_flag_if_nan(f, self.sentinel, flag)
         f.ret_void()
         f.finish()
         return name
 
-    def inputs(self, f: FunctionEmitter, x: str, ty0: str, plane: str, v: str) -> None:
-        """``V[pos][c][r * tw + tx] = (B^T d B)[pos]`` for the block's tiles of every input channel."""
+    def inputs(self, f: FunctionEmitter, x: str, ty0: str, rows: str, plane: str, v: str) -> None:
+        """``V[pos][c][r * tw + tx] = (B^T d B)[pos]`` for the block's tiles (``rows`` tile rows from
+        ``ty0``) of every input channel."""
         p = self.p
         source = TileSource(p.cin, p.h, p.w, p.top, p.left, self.alpha, self.hp, self.wp)
-        self.transform_tiles(f, x, source, ty0, plane, self.tiles.bt, v, self.v_pos)
+        self.transform_tiles(f, x, source, ty0, plane, self.tiles.bt, v, self.v_pos, rows)
 
     def transform_tiles(self, f: FunctionEmitter, x: str, source: TileSource, ty0: str, plane: str, matrix: Matrix,
-                        dest: str, pos_stride: int) -> None:
+                        dest: str, pos_stride: int, rows: str | None = None) -> None:
         """``dest[pos][c][r * tw + tx] = (matrix d matrix^T)[pos]`` for the ``size x size`` tiles ``d`` of
-        the block's ``rows`` tile rows (from tile row ``ty0``) in every channel of ``source``;
-        ``plane`` is 64-byte aligned scratch for one zero-padded channel."""
+        ``rows`` tile rows (the block's ``R`` unless given) from tile row ``ty0`` in every channel of
+        ``source``; ``plane`` is 64-byte aligned scratch for one zero-padded channel."""
         t = self.t
         self.clear_plane(f, source, plane)
         with f.loop(0, source.channels, hint="ci") as ci:
             self.fill_plane(f, f.gep(t, x, f.mul(ci, source.h * source.w)), source, ty0, plane)
             row_base = f.mul(ci, self.stride)
-            for r, chunk, out in self.chunks(f, source, plane, matrix):
+            for r, chunk, out in self.chunks(f, source, plane, matrix, rows):
                 col = f.add(row_base, f.add(f.mul(r, self.tw), chunk * self.vl))
                 for a in range(len(matrix)):
                     for b in range(len(matrix)):
@@ -397,15 +412,15 @@ class WinogradEmitter:
                 f.emit(f"call void @llvm.memcpy.p0.p0.i64(ptr {dst}, ptr {f.gep(t, src, f.mul(ir, source.w))}, "
                        f"i64 {source.w * self.esize}, i1 false)")
 
-    def chunks(self, f: FunctionEmitter, source: TileSource, plane: str,
-               matrix: Matrix) -> Iterator[tuple[str, int, list[list[str]]]]:
+    def chunks(self, f: FunctionEmitter, source: TileSource, plane: str, matrix: Matrix,
+               rows: str | None = None) -> Iterator[tuple[str, int, list[list[str]]]]:
         """For each run of VL tiles of the block, in order: its tile row ``r`` (an IR value: the rows
         are a loop), its index ``chunk`` in the row (tiles ``chunk * VL ...``) and the transformed
         tiles, one vector over the VL tiles per position."""
         t, m, vl, size = self.t, self.tiles.m, self.vl, source.size
         wide = f"<{m * vl} x {t}>"
         picks = ["<" + ", ".join(f"i32 {m * i + phase}" for i in range(vl)) + ">" for phase in range(m)]
-        with f.loop(0, self.rows, hint="r") as r:
+        with f.loop(0, rows or self.rows, hint="r") as r:
             for chunk, tx0 in enumerate(range(0, self.tw, vl)):
                 d = []
                 for i in range(size):
@@ -418,13 +433,14 @@ class WinogradEmitter:
                                     f"<{vl} x i32> {picks[j % m]}", "dv") for j in range(size)])
                 yield r, chunk, self.sandwich(f, matrix, d, matrix, vector=True)
 
-    def gemms(self, f: FunctionEmitter, u: str, v: str, mm: str) -> None:
-        """``M[pos] = U[pos] @ V[pos]`` for every position: MR x NR register tiles over the block's columns."""
+    def gemms(self, f: FunctionEmitter, u: str, v: str, mm: str, cols: int) -> None:
+        """``M[pos] = U[pos] @ V[pos]`` for every position: MR x NR register tiles over the block's
+        first ``cols`` columns."""
         p, t, vl, vt, mr = self.p, self.t, self.vl, self.vt, self.mr
         fma = self.mod.fma(vt)
         panels = self.cout_pad // mr
         nr = self.nvec * vl
-        widths = [nr] * (self.cols // nr) + ([self.cols % nr] if self.cols % nr else [])
+        widths = [nr] * (cols // nr) + ([cols % nr] if cols % nr else [])
         accs = [[f.alloca(vt, f"acc{r}_{c}") for c in range(self.nvec)] for r in range(mr)]
         with f.loop(0, self.alpha**2, hint="pos") as pos:
             vpos = f.gep(t, v, f.mul(pos, self.v_pos))
@@ -454,18 +470,18 @@ class WinogradEmitter:
                             f.store(vt, f.load(vt, accs[r][c]), ptr, align=self.esize)
                     col += width
 
-    def outputs(self, f: FunctionEmitter, mm: str, y: str, ty0: str,
+    def outputs(self, f: FunctionEmitter, mm: str, y: str, ty0: str, rows: str,
                 finish: Callable[[str], None] | None = None) -> None:
-        """``y tile = A^T M A`` for the block's tiles of every output channel; rows past ``oh`` and
-        columns past ``ow`` are not written. ``finish(co)`` runs after channel ``co``'s rows are
-        stored, while they are in L1."""
+        """``y tile = A^T M A`` for the block's tiles (``rows`` tile rows from ``ty0``) of every
+        output channel; rows past ``oh`` and columns past ``ow`` are not written. ``finish(co)``
+        runs after channel ``co``'s rows are stored, while they are in L1."""
         p, t, m, vl, alpha = self.p, self.t, self.tiles.m, self.vl, self.alpha
         wide = f"<{m * vl} x {t}>"
         full_cols = p.ow // (m * vl)
         with f.loop(0, p.cout, hint="co") as co:
             dst = f.gep(t, y, f.mul(co, p.oh * p.ow))
             base = f.mul(co, self.stride)
-            with f.loop(0, self.rows, hint="r") as r:
+            with f.loop(0, rows, hint="r") as r:
                 for chunk, tx0 in enumerate(range(0, self.tw, vl)):
                     columns = m * vl if chunk < full_cols else p.ow - m * tx0
                     col = f.add(base, f.add(f.mul(r, self.tw), tx0))

@@ -107,23 +107,26 @@ class WeightGradEmitter(WinogradEmitter):
             last = f.val(f"udiv i64 {f.mul(f.add(group, 1), total)}, {self.groups}")
             with f.loop(first, last, hint="blk") as item:
                 img = f.val(f"udiv i64 {item}, {self.blocks}")
-                ty0 = f.mul(f.val(f"urem i64 {item}, {self.blocks}"), self.rows)
+                block = f.val(f"urem i64 {item}, {self.blocks}")
+                ty0 = f.mul(block, self.rows)
+                rows = f.select(f.icmp("eq", block, self.blocks - 1), "i64", str(self.tail_rows), str(self.rows))
                 src, per_image, source, plane, matrix = wide_side
-                self.transposed_tiles(f, f.gep(t, src, f.mul(img, per_image)), source, ty0, plane, matrix, staging,
-                                      wide, self.wide, self.wide_pos)
+                self.transposed_tiles(f, f.gep(t, src, f.mul(img, per_image)), source, ty0, rows, plane, matrix,
+                                      staging, wide, self.wide, self.wide_pos)
                 src, per_image, source, plane, matrix = narrow_side
                 self.transform_tiles(f, f.gep(t, src, f.mul(img, per_image)), source, ty0, plane, matrix, narrow,
-                                     self.narrow_pos)
-                self.outer_gemms(f, wide, narrow, mine)
+                                     self.narrow_pos, rows)
+                self.outer_gemms(f, wide, narrow, mine, f.mul(rows, self.tw))
         f.ret_void()
         f.finish()
         return name
 
-    def transposed_tiles(self, f: FunctionEmitter, x: str, source: TileSource, ty0: str, plane: str,
+    def transposed_tiles(self, f: FunctionEmitter, x: str, source: TileSource, ty0: str, rows: str, plane: str,
                          matrix: tuple[tuple[float, ...], ...], staging: str, dest: str, channels_pad: int,
                          pos_stride: int) -> None:
-        """``dest[pos][tile][c] = (matrix d matrix^T)[pos]`` for the block's tiles: VL channels are
-        transformed into the staging area, then each position's VL x VL square is transposed."""
+        """``dest[pos][tile][c] = (matrix d matrix^T)[pos]`` for the block's tiles (``rows`` tile rows
+        from ``ty0``): VL channels are transformed into the staging area, then each position's
+        VL x VL square is transposed."""
         t, vt, vl, a2 = self.t, self.vt, self.vl, len(matrix) ** 2
         chunks = -(-self.tw // vl)
         self.clear_plane(f, source, plane)
@@ -132,27 +135,28 @@ class WeightGradEmitter(WinogradEmitter):
                 ci = f.add(cg, lane)
                 with f.if_then(f.icmp("slt", ci, source.channels), "real"):
                     self.fill_plane(f, f.gep(t, x, f.mul(ci, source.h * source.w)), source, ty0, plane)
-                    for r, chunk, out in self.chunks(f, source, plane, matrix):
+                    for r, chunk, out in self.chunks(f, source, plane, matrix, rows):
                         run = f.add(f.mul(r, chunks), chunk)
                         square0 = f.gep(t, staging, f.add(f.mul(run, a2 * vl * vl), f.mul(lane, vl)))
                         for pos in range(a2):
                             f.store(vt, out[pos // len(matrix)][pos % len(matrix)],
                                     f.gep(t, square0, str(pos * vl * vl)), align=self.esize)
-            with f.loop(0, self.rows, hint="tr") as r:
+            with f.loop(0, rows, hint="tr") as r:
                 for chunk in range(chunks):
                     run = f.add(f.mul(r, chunks), chunk)
                     col = f.add(f.mul(r, self.tw), chunk * vl)
                     with f.loop(0, a2, hint="tp") as position:
                         square = f.gep(t, staging, f.mul(f.add(f.mul(run, a2), position), vl * vl))
-                        rows = [f.load(vt, f.gep(t, square, str(i * vl)), align=self.esize) for i in range(vl)]
-                        columns = transpose_square(f, rows, vt, vl)
+                        lines = [f.load(vt, f.gep(t, square, str(i * vl)), align=self.esize) for i in range(vl)]
+                        columns = transpose_square(f, lines, vt, vl)
                         base = f.add(f.add(f.mul(position, pos_stride), cg), f.mul(col, channels_pad))
                         for tile in range(vl):
                             ptr = f.gep(t, dest, f.add(base, tile * channels_pad))
                             f.store(vt, columns[tile], ptr, align=self.esize)
 
-    def outer_gemms(self, f: FunctionEmitter, wide: str, narrow: str, out: str) -> None:
-        """``out[pos][n][w] += sum_tile narrow[pos][n][tile] * wide[pos][tile][w]`` over the block."""
+    def outer_gemms(self, f: FunctionEmitter, wide: str, narrow: str, out: str, tiles: str) -> None:
+        """``out[pos][n][w] += sum_tile narrow[pos][n][tile] * wide[pos][tile][w]`` over the block's
+        first ``tiles`` tiles."""
         t, vt, vl, kr = self.t, self.vt, self.vl, self.kr
         fma = self.mod.fma(vt)
         w_pos, n_pos = self.wide_pos, self.narrow_pos
@@ -169,7 +173,7 @@ class WeightGradEmitter(WinogradEmitter):
                     for i in range(kr):
                         for j in range(nvec):
                             f.store(vt, "zeroinitializer", accs[i][j])
-                    with f.loop(0, self.cols, hint="k") as k:
+                    with f.loop(0, tiles, hint="k") as k:
                         wv = [f.load(vt, f.gep(t, wrow, f.add(f.mul(k, self.wide), col + j * vl)), align=self.esize)
                               for j in range(nvec)]
                         nbase = f.add(f.mul(n0, self.stride), k)
