@@ -415,6 +415,35 @@ def test_a_residual_add_joins_a_convolution_where_it_streams(channels: int, labe
     assert_close(compiled(*arrays), opgrad.evaluate(fn, *arrays), 2e-5)
 
 
+@pytest.mark.parametrize(("size", "fused"), [(12, True), (13, False)])
+def test_an_average_pools_gradient_joins_the_relu_gradient_where_windows_tile_the_input(size: int,
+                                                                                       fused: bool) -> None:
+    # 2x2 windows at stride 2 over 12x12: each input takes its window's gradient / 4, an
+    # elementwise step over (n, c, 6, 2, 6, 2) that the relu gradient reading it as (n, c, 12, 12)
+    # takes in. Over 13x13 the last row and column get nothing: the scatter kernel stays.
+    rng = np.random.default_rng(9)
+    x = opgrad.var("x", (2, 3, size, size), "float32")
+    loss = ops.sum(ops.square(ops.avg_pool2d(ops.relu(x), pool_size=2, strides=2)))
+    fn = opgrad.grad(opgrad.function([x], loss))
+    compiled = compile_fn(fn, step_entries=True)
+    assert ("greater+avg_pool2d_backward+multiply" in compiled.step_labels) == fused, compiled.step_labels
+    xs = rng.standard_normal(x.shape).astype(np.float32)
+    got, want = compiled(xs), opgrad.evaluate(fn, xs)
+    for g, w in zip(got, want, strict=True):
+        assert_close(g, w, 2e-5)
+
+
+def test_a_view_refines_into_finer_axes_at_any_strides() -> None:
+    from opgrad.compiler.views import View
+
+    image = View.contiguous(0, (2, 3, 4, 6))
+    assert image.refine((2, 3, 2, 2, 3, 2)) == View(0, (2, 3, 2, 2, 3, 2), (72, 24, 12, 6, 2, 1))
+    bias = View(1, (2, 3, 4, 6), (0, 1, 0, 0))
+    assert bias.refine((2, 3, 2, 2, 3, 2)) == View(1, (2, 3, 2, 2, 3, 2), (0, 1, 0, 0, 0, 0))
+    assert image.refine((2, 3, 3, 2, 3, 2)) is None  # 3 x 2 rows are not 4
+    assert image.refine((6, 24)) is None  # merging axes is reshape's job, not a refinement
+
+
 def test_sgd_update_runs_in_the_weight_gradient_gemm() -> None:
     from opgrad import nn
 

@@ -435,13 +435,15 @@ class KernelBuilder:
                         fused += 1
                         done = False
                         break
-                    if not (i < j and producer.kind == "ew" and producer.out == v
+                    if not (i < j and producer.kind == "ew" and producer.out is not None
                             and v.dtype == (consumer.out.dtype if consumer.out else v.dtype)):
                         continue
+                    views = _aligned(consumer, k, producer)
                     between = {b for st in self.steps[i + 1 : j] for b in st.writes}
-                    if between & set(producer.reads):
+                    if views is None or between & set(producer.reads):
                         continue
-                    consumer.inputs = [*consumer.inputs[:k], *producer.inputs, *consumer.inputs[k + 1 :]]
+                    consumer.out, inputs, inlined = views
+                    consumer.inputs = [*inputs[:k], *inlined, *inputs[k + 1 :]]
                     consumer.body = _compose(consumer.body, k, producer.body, len(producer.inputs))
                     consumer.reads = [u.buffer for u in consumer.inputs if u.is_memory]
                     consumer.label = "+".join(x for x in (producer.label, consumer.label) if x)
@@ -745,6 +747,24 @@ def kernel_name(call: str) -> str:
 
 def _window_is_whole_input(g: Conv2dGeometry) -> bool:
     return (g.kh, g.kw) == (g.h, g.w) and g.pads == (0, 0, 0, 0) and g.dilation == (1, 1) and g.groups == 1
+
+
+def _aligned(consumer: Step, k: int, producer: Step) -> tuple[View, list[View], list[View]] | None:
+    """The elementwise ``consumer``'s output and inputs and the ``producer``'s inputs, where the
+    consumer's input ``k`` is the producer's output: as they are, or all split into the finer of
+    the two shapes (a pooling gradient's ``(oh, kh, ow, kw)`` read as ``(h, w)``); None where
+    input ``k`` is another view of the buffer."""
+    out, produced, read = consumer.out, producer.out, consumer.inputs[k]
+    assert out is not None and produced is not None
+    if read == produced:
+        return out, list(consumer.inputs), list(producer.inputs)
+    shape = max(produced.shape, read.shape, key=len)
+    refined = [v.refine(shape) for v in (out, *consumer.inputs, produced, *producer.inputs)]
+    views = [v for v in refined if v is not None]
+    count = 1 + len(consumer.inputs)
+    if len(views) != len(refined) or views[1 + k] != views[count]:
+        return None
+    return views[0], views[1:count], views[count + 1 :]
 
 
 def _compose(outer: Body, k: int, inner: Body, n_inner: int) -> Body:

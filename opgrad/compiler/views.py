@@ -106,6 +106,23 @@ class View:
             return None
         return replace(self, shape=shape, strides=row_major(shape))
 
+    def refine(self, shape: Sequence[int]) -> View | None:
+        """This view under ``shape``, whose axes split this view's axes in order (``(H, W)`` as
+        ``(H // kh, kh, W // kw, kw)``), at any strides; None where ``shape`` does not."""
+        target, strides, at = tuple(shape), list[int](), 0
+        for n, stride in zip(self.shape, self.strides, strict=True):
+            start, at = at, at + 1
+            while math.prod(target[start:at]) < n and at < len(target):
+                at += 1
+            if math.prod(target[start:at]) != n:
+                return None
+            inner = []
+            for extent in reversed(target[start:at]):
+                inner.append(stride)
+                stride *= extent
+            strides.extend(reversed(inner))
+        return replace(self, shape=target, strides=tuple(strides)) if at == len(target) else None
+
     def as_matrix(self, rows: int, cols: int) -> View | None:
         """This view as ``rows x cols`` (its leading axes as the rows, the rest as the columns) where
         each side merges into one stride, a broadcast side into stride 0; None where one cannot."""
