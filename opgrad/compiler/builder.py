@@ -468,7 +468,7 @@ class KernelBuilder:
             matrix = v.as_matrix(spec.m, spec.n)
             return _operand(matrix) if matrix is not None else None
 
-        found = self._epilogue_for(i, j, k, operand, spec.epilogue, spec.dtype, rereads_inputs=False,
+        found = self._epilogue_for(i, j, k, operand, spec.epilogue, spec.dtype, fixed_output=False,
                                    accepts=lambda _: True)
         if found is None:
             return False
@@ -483,14 +483,14 @@ class KernelBuilder:
         if conv is None or produced is None:
             return False
         found = self._epilogue_for(i, j, k, lambda v: _plane_operand(v, produced.shape), conv.epilogue,
-                                   produced.dtype, rereads_inputs=True, accepts=conv.accepts)
+                                   produced.dtype, fixed_output=True, accepts=conv.accepts)
         if found is None:
             return False
         self.steps[i].conv = replace(conv, epilogue=found[0])
         return True
 
     def _epilogue_for(self, i: int, j: int, k: int, operand: Callable[[View], Operand | None],
-                      earlier: Epilogue | None, dtype: str, rereads_inputs: bool,
+                      earlier: Epilogue | None, dtype: str, fixed_output: bool,
                       accepts: Callable[[Epilogue], bool]) -> tuple[Epilogue, Operand] | None:
         """Fold elementwise step ``j`` into step ``i``, whose result (view ``out``, written by nothing
         else) is j's input ``k`` and read by nothing else, as the epilogue after ``earlier``;
@@ -499,9 +499,10 @@ class KernelBuilder:
         nothing changed, where that is not possible or step i does not ``accepts`` the epilogue.
 
         The consumer then runs at the producer's place, so none of its other inputs may be written,
-        and its output neither read nor written, by the steps in between. ``rereads_inputs``: the
-        producer may run the epilogue twice (a fallback recomputes its output), so the output
-        must not be one of the epilogue's inputs."""
+        and its output neither read nor written, by the steps in between. ``fixed_output``: the
+        producer writes its output in its own layout and may run the epilogue twice (a Winograd
+        fallback recomputes the output), so the consumer's output must have that layout and must
+        not be one of the epilogue's inputs."""
         producer, consumer = self.steps[i], self.steps[j]
         out, result = consumer.out, consumer.inputs[k]
         if out is None or producer.out is None or out.dtype != dtype:
@@ -511,7 +512,7 @@ class KernelBuilder:
                 or operand(result) != produced:
             return None
         target = operand(out)
-        if target is None or out.buffer in producer.reads or (rereads_inputs and target != produced):
+        if target is None or out.buffer in producer.reads or (fixed_output and target != produced):
             return None
         inputs: list[Operand | float] = []
         buffers: list[int] = []
@@ -526,7 +527,7 @@ class KernelBuilder:
                 return None
             inputs.append(matrix)
             buffers.append(u.buffer)
-        if rereads_inputs and out.buffer in buffers:
+        if fixed_output and out.buffer in buffers:
             return None
         between = self.steps[i + 1 : j]
         if any(set(st.writes) & {*buffers, out.buffer} or out.buffer in st.reads for st in between):
