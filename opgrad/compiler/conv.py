@@ -177,7 +177,7 @@ def emit_conv2d_forward(m: ModuleEmitter, g: Conv2dGeometry, name: str, epilogue
     )
     plan = emit_gemm(m, spec, name + ".gemm")
     offsets = [{"x": x, "w": w, "y": y} for x, w, y in g.group_offsets()]
-    extras = tuple(name for _, name in epilogue.pointers) if epilogue else ()
+    extras = tuple(ptr for _, ptr in epilogue.pointers) if epilogue else ()
     for group in offsets:
         group.update(dict.fromkeys(extras, 0))
     _emit_forwarder(m, name, plan.names["entry"], ("x", "w", "y", *extras), ("w", "x", "y", *extras), g.dtype,

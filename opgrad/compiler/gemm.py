@@ -870,7 +870,7 @@ def _emit_block(m: ModuleEmitter, base: str, plan: GemmPlan, t: str) -> None:
                         with f.if_then(f.val(f"and i1 {ends_group}, {f.icmp('sge', f.add(pc, kc), '%k1')}"), "epi"):
                             start = f.mul(f.mul(f.val(f"udiv i64 {panel}, {group}"), group), nr)
                             call_epilogue(f, base + ".epilogue", "%c", _named(extras), ic, mc, f.add(jc, start),
-                                           f.sub(f.add(jr, nvalid), start))
+                                          f.sub(f.add(jr, nvalid), start))
     f.ret_void()
     f.finish()
 

@@ -16,7 +16,7 @@ row-major window order. A ceil-mode window that overhangs the input is bounds-ch
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from .irtext import LLVM_TYPE, FunctionEmitter
@@ -203,8 +203,7 @@ def pool2d_scatter(kb: KernelBuilder, out: View, grad: View, data: View | None, 
     if data is None and win.strides == win.pool and win.padding == (0, 0) and spread is not None:
         # Windows that tile the input: each input element takes its window's share, an elementwise
         # step over (n, c, oh, kh, ow, kw) that fusion can fold into its reader (a relu gradient).
-        g0, g1, g2, g3 = grad.strides
-        window_grad = replace(grad, shape=spread.shape, strides=(g0, g1, g2, 0, g3, 0))
+        window_grad = grad.expand_dims(3).expand_dims(5).broadcast_to(spread.shape)
         kb.elementwise(spread, [window_grad], lambda s, v: s.mul(v[0], s.const(1.0 / (kh * kw))))
         return
     views = [out, grad] + ([data] if data is not None else [])
