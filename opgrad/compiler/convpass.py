@@ -39,9 +39,10 @@ class ConvPass:
         problem = self.winograd
         if problem is None:
             return "direct"
+        m = choose_tiles(problem, self.pass_).m
         if self.pass_ == "backward_weight":
-            return "winograd F(3x3,2x2)"
-        return f"winograd F({choose_tiles(problem).m},3)"
+            return f"winograd F(3x3,{m}x{m})"
+        return f"winograd F({m},3)"
 
     def accepts(self, epilogue: Epilogue) -> bool:
         """Whether the pass can apply ``epilogue`` to its output: the direct forward without groups
@@ -59,9 +60,9 @@ def emit_conv2d_pass(mod: ModuleEmitter, conv: ConvPass, name: str) -> tuple[Con
     epilogue, problem, g = conv.epilogue, conv.winograd, conv.geom
     assert epilogue is None or conv.accepts(epilogue), f"{conv.pass_} by {conv.algorithm} cannot take this epilogue"
     if problem is not None and conv.pass_ == "backward_weight":
-        return emit_winograd_weight(mod, problem, name), conv.algorithm
+        return emit_winograd_weight(mod, problem, name, choose_tiles(problem, conv.pass_)), conv.algorithm
     if problem is not None:
-        return emit_winograd(mod, problem, name, choose_tiles(problem), epilogue), conv.algorithm
+        return emit_winograd(mod, problem, name, choose_tiles(problem, conv.pass_), epilogue), conv.algorithm
     if conv.pass_ == "forward":
         return emit_conv2d_forward(mod, g, name, epilogue), "direct"
     emit = {"backward_data": emit_conv2d_backward_data, "backward_weight": emit_conv2d_backward_weight}[conv.pass_]

@@ -2,8 +2,9 @@
 the pieces the weight gradient (:mod:`.winograd_weight`) shares with them.
 
 A 3x3 correlation computed on ``alpha x alpha`` input tiles (``alpha = m + 2``) costs ``alpha**2``
-products per ``m x m`` outputs instead of ``9 * m**2``: 2.25x fewer for F(2,3), 4x for F(4,3)
-(Lavin & Gray, "Fast Algorithms for Convolutional Neural Networks", 2016). Summed over input
+products per ``m x m`` outputs instead of ``9 * m**2``: 2.25x fewer for F(2,3), 3.24x for F(3,3),
+4x for F(4,3) (Lavin & Gray, "Fast Algorithms for Convolutional Neural Networks", 2016);
+:func:`choose_tiles` weighs the products against the transforms per pass. Summed over input
 channels, the products at one of the ``alpha**2`` tile positions form a GEMM:
 
 * ``U[pos][o][c] = (G g G^T)[pos]``: the weights, transformed once per call;
@@ -37,8 +38,11 @@ from .target import current_target
 from .threads import PARALLEL_FOR, PARALLEL_FOR_DECL
 
 __all__ = [
+    "ACCURACY_MARGIN",
     "F2X3",
+    "F3X3",
     "F4X3",
+    "TILE_CHOICES",
     "WEIGHT_PARTIAL_BYTES",
     "TileSource",
     "WinogradConv",
@@ -49,6 +53,7 @@ __all__ = [
     "declare_helpers",
     "emit_guarded_entry",
     "emit_winograd",
+    "estimated_cycles",
     "winograd_conv",
 ]
 
@@ -82,6 +87,15 @@ F2X3 = WinogradTiles(
     at=((1, 1, 1, 0), (0, 1, -1, -1)),
     g=((1, 0, 0), (0.5, 0.5, 0.5), (0.5, -0.5, 0.5), (0, 0, 1)),
     bt=((1, 0, -1, 0), (0, 1, 1, 0), (0, -1, 1, 0), (0, 1, 0, -1)),
+)
+
+#: Points 0, +-1, 2 and infinity: 1.44x fewer products than F(2,3) with coefficients up to 4, and
+#: an odd tile that fits outputs of 3k pixels (24 = 8 tiles) without a ragged edge.
+F3X3 = WinogradTiles(
+    3,
+    at=((1, 1, 1, 1, 0), (0, 1, -1, 2, 0), (0, 1, 1, 4, 1)),
+    g=((1 / 2, 0, 0), (-1 / 2, -1 / 2, -1 / 2), (-1 / 6, 1 / 6, -1 / 6), (1 / 6, 1 / 3, 2 / 3), (0, 0, 1)),
+    bt=((2, -1, -2, 1, 0), (0, -2, -1, 1, 0), (0, 2, -3, 1, 0), (0, -1, 0, 1, 0), (0, 2, -1, -2, 1)),
 )
 
 #: Points 0, +-1, +-2 and infinity: 4x fewer products, at the price of coefficients up to 8 that
@@ -175,12 +189,72 @@ def accepts_epilogue(epilogue: Epilogue) -> bool:
     return all(not any(x.cols.strides) for x in epilogue.operands)
 
 
-def choose_tiles(p: WinogradConv) -> WinogradTiles:
-    """F(2,3). F(4,3) is exact too (``emit_winograd(..., tiles=F4X3)``) and does 1.8x fewer products,
-    but its 6x6 transforms spill 16-register vector files and it loses about one decimal digit of
-    float32 accuracy; measured on AVX2 it does not pay over both passes."""
-    del p
-    return F2X3
+#: The candidates :func:`choose_tiles` weighs, the most accurate first.
+TILE_CHOICES = (F2X3, F3X3, F4X3)
+#: Cycles per vector FMA of the GEMMs (two FMA pipes, about 93 % busy) and per vector operation of
+#: the transforms (loads, shuffles, adds, stores and the spills of a 5x5 or 6x6 tile); fitted on
+#: AMD Zen 3 (AVX2) over F(2,3), F(3,3) and F(4,3) of five layers from 6x6 to 56x56 outputs.
+GEMM_FMA_CYCLES = 0.54
+TRANSFORM_OP_CYCLES = 1.3
+#: A larger tile must be estimated this much cheaper to be worth its lost float32 accuracy.
+ACCURACY_MARGIN = 0.05
+
+
+def choose_tiles(p: WinogradConv, pass_: str) -> WinogradTiles:
+    """The tiles for one pass of ``p``.
+
+    The forward pass keeps F(2,3): each of its outputs reads transforms of its own 3x3 inputs only,
+    so an output whose inputs are all zero is exactly zero, as in the direct sum. Larger tiles mix
+    neighbouring inputs into every output and leave rounding noise (1e-9) there instead; a relu then
+    passes it and a max pool routes the gradient to it, where the reference (and PyTorch) see a dead
+    unit: the Keras MNIST model's conv2 bias gradient moved by 35 % that way on zero background.
+    The gradient passes feed no such decisions, so they take the candidate with the fewest
+    estimated cycles (:func:`estimated_cycles`), unless a more accurate one is within
+    :data:`ACCURACY_MARGIN` (F(2,3) keeps about 3e-7 of the largest output, F(3,3) 1e-6, F(4,3)
+    3e-6); the weight gradient considers only tiles whose per-group partial sums fit
+    :data:`WEIGHT_PARTIAL_BYTES`."""
+    if pass_ == "forward":
+        return F2X3
+    candidates = [t for t in TILE_CHOICES
+                  if pass_ != "backward_weight" or t.alpha**2 * p.cout * p.cin * BYTES[p.dtype] <= WEIGHT_PARTIAL_BYTES]
+    best = candidates[0]
+    best_cost = estimated_cycles(p, best)
+    for tiles in candidates[1:]:
+        cost = estimated_cycles(p, tiles)
+        if cost < (1 - ACCURACY_MARGIN) * best_cost:
+            best, best_cost = tiles, cost
+    return best
+
+
+def estimated_cycles(p: WinogradConv, tiles: WinogradTiles) -> float:
+    """Cycles the blocks of one image take by ``tiles``: the GEMMs' vector FMAs over the columns the
+    blocks really multiply, plus the vector operations of the input and output transforms over the
+    runs of ``VL`` tiles they really transform (a row of 9 tiles is two runs of 8 lanes). The weight
+    gradient does the same products and transforms the same tiles of its two inputs, so one
+    estimate serves the three passes."""
+    e = WinogradEmitter(ModuleEmitter("estimate"), p, tiles)
+    alpha, m, vl = tiles.alpha, tiles.m, e.vl
+    columns = (e.blocks - 1) * e.cols + round_up(e.tail_rows * e.tw, vl)
+    fmas = alpha**2 * e.cout_pad * p.cin * columns // vl
+    runs = -(-e.tw // vl) * e.th
+    loads = -(-alpha // m) * alpha + alpha**2  # wide loads and their phase shuffles
+    per_input = loads + _sandwich_ops(tiles.bt, alpha) + alpha**2
+    # Each of the m output rows: interleave, store and the non-finite watch.
+    per_output = alpha**2 + _sandwich_ops(tiles.at, alpha) + m * (2 * m + 3)
+    ops = runs * (p.cin * per_input + p.cout * per_output)
+    return GEMM_FMA_CYCLES * fmas + TRANSFORM_OP_CYCLES * ops
+
+
+def _sandwich_ops(matrix: Matrix, columns: int) -> int:
+    """Vector operations of ``matrix @ d @ matrix^T`` for a ``len(matrix[0]) x columns`` grid ``d``, as
+    :meth:`WinogradEmitter.lincomb` emits them: one per nonzero term after the first, one more for a
+    first coefficient other than +-1."""
+    def terms(row: tuple[float, ...]) -> int:
+        nonzero = [c for c in row if c != 0]
+        return len(nonzero) - 1 + (1 if nonzero and abs(nonzero[0]) != 1 else 0)
+
+    per_row = sum(terms(row) for row in matrix)
+    return per_row * columns + per_row * len(matrix)
 
 
 class WinogradEmitter:
@@ -578,6 +652,8 @@ class WinogradEmitter:
         """``m`` vectors of ``vl`` tiles' column ``j`` -> one row of ``m * vl`` consecutive outputs."""
         vl, t = self.vl, self.t
         width = vl
+        # Concatenation pairs vectors: an odd m pads the list with poison to a power of two.
+        parts = parts + ["poison"] * ((1 << (len(parts) - 1).bit_length()) - len(parts))
         while len(parts) > 1:
             ty = f"<{width} x {t}>"
             concat = "<" + ", ".join(f"i32 {i}" for i in range(2 * width)) + ">"
@@ -586,8 +662,8 @@ class WinogradEmitter:
             width *= 2
         m = self.tiles.m
         order = "<" + ", ".join(f"i32 {(k % m) * vl + k // m}" for k in range(m * vl)) + ">"
-        wide = f"<{m * vl} x {t}>"
-        return f.val(f"shufflevector {wide} {parts[0]}, {wide} poison, <{m * vl} x i32> {order}", "il")
+        joined = f"<{width} x {t}>"
+        return f.val(f"shufflevector {joined} {parts[0]}, {joined} poison, <{m * vl} x i32> {order}", "il")
 
     @property
     def plane_bytes(self) -> int:
@@ -604,11 +680,11 @@ class WinogradEmitter:
 
 def emit_winograd(mod: ModuleEmitter, p: WinogradConv, name: str, tiles: WinogradTiles | None = None,
                   epilogue: Epilogue | None = None) -> ConvEntry:
-    """``name(x, w, y, e..., ws)``: the correlation ``p`` by Winograd ``tiles`` (chosen by
-    :func:`choose_tiles` unless given), then ``epilogue`` (inputs ``e...``) on y, seen as the matrix
+    """``name(x, w, y, e..., ws)``: the correlation ``p`` by Winograd ``tiles`` (F(2,3) unless
+    given), then ``epilogue`` (inputs ``e...``) on y, seen as the matrix
     (image, channel) x pixel. The workspace holds the packed U, shared, then each thread's plane,
     V and M."""
-    tiles = tiles or choose_tiles(p)
+    tiles = tiles or F2X3
     e = WinogradEmitter(mod, p, tiles, epilogue)
     u_bytes = round_up(e.alpha**2 * e.cout_pad * p.cin * e.esize, 64)
     scratch_stride = e.plane_bytes + e.v_bytes + e.m_bytes

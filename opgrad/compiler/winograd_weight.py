@@ -1,15 +1,16 @@
-"""Winograd F(3x3, 2x2) for the weight gradient of a 3x3 stride-1 conv2d.
+"""Winograd F(3x3, mxm) for the weight gradient of a 3x3 stride-1 conv2d.
 
 ``dW[o, c]`` is the correlation of the input with the output gradient, summed over images. Cut
-the output gradient into 2x2 tiles ``H``; tile ``t`` contributes the 3x3 correlation of its 2x2
-``H`` with the 4x4 input tile ``D`` under it. That is F(2,3) transposed (the same interpolation
-points, the roles of the output and filter transforms swapped):
+the output gradient into m x m tiles ``H``; tile ``t`` contributes the 3x3 correlation of its
+``H`` with the (m+2) x (m+2) input tile ``D`` under it. That is F(m,3) transposed (the same
+interpolation points, the roles of the output and filter transforms swapped):
 
-    dW_tile = G^T [ (A H A^T) * (B^T D B) ] G,   A = (A^T of F(2,3))^T
+    dW_tile = G^T [ (A H A^T) * (B^T D B) ] G,   A = (A^T of F(m,3))^T
 
 so with ``Hh[pos][o][t] = (A H_t A^T)[pos]`` and ``Dh[pos][c][t] = (B^T D_t B)[pos]`` the sum over
-tiles is 16 GEMMs ``What[pos] = Hh[pos] @ Dh[pos]^T`` with the tiles as the reduction, and
-``dW[o, c] = G^T What[.][o][c] G``: 16 products per 2x2 outputs' worth of taps instead of 36.
+tiles is (m+2)**2 GEMMs ``What[pos] = Hh[pos] @ Dh[pos]^T`` with the tiles as the reduction, and
+``dW[o, c] = G^T What[.][o][c] G``: for m = 2, 16 products per 2x2 outputs' worth of taps instead
+of 36. :func:`.winograd.choose_tiles` picks m.
 
 Both transforms run over VL tiles at a time, as in the forward pass, and are written transposed,
 ``[pos][tile][channel]`` (staged for VL channels, then one in-register transpose per position), so
@@ -25,7 +26,7 @@ from __future__ import annotations
 from .conv import ConvEntry
 from .gemm import Blocking, round_up, transpose_square
 from .irtext import FunctionEmitter, ModuleEmitter
-from .winograd import F2X3, TileSource, WinogradConv, WinogradEmitter, emit_guarded_entry
+from .winograd import F2X3, TileSource, WinogradConv, WinogradEmitter, WinogradTiles, emit_guarded_entry
 
 __all__ = ["GROUPS", "emit_winograd_weight"]
 
@@ -43,8 +44,8 @@ class WeightGradEmitter(WinogradEmitter):
     The GEMMs put the channels with more vectors (``wide``) in registers and broadcast the other
     side's (``narrow``); What is stored ``[pos][narrow][wide]``."""
 
-    def __init__(self, mod: ModuleEmitter, p: WinogradConv) -> None:
-        super().__init__(mod, p, F2X3)
+    def __init__(self, mod: ModuleEmitter, p: WinogradConv, tiles: WinogradTiles = F2X3) -> None:
+        super().__init__(mod, p, tiles)
         vl = self.vl
         self.o_pad, self.c_pad = round_up(p.cout, vl), round_up(p.cin, vl)
         self.o_wide = self.o_pad >= self.c_pad
@@ -268,10 +269,10 @@ class WeightGradEmitter(WinogradEmitter):
         return name
 
 
-def emit_winograd_weight(mod: ModuleEmitter, p: WinogradConv, name: str) -> ConvEntry:
+def emit_winograd_weight(mod: ModuleEmitter, p: WinogradConv, name: str, tiles: WinogradTiles = F2X3) -> ConvEntry:
     """``name(x, dy, dw, ws)``: the weight gradient of the correlation ``p`` (``dw`` is overwritten).
     The workspace holds the groups' partial sums and a flag, shared, then each thread's scratch."""
-    e = WeightGradEmitter(mod, p)
+    e = WeightGradEmitter(mod, p, tiles)
     partial_bytes = round_up(e.groups * e.w_group * e.esize, 64)
     scratch_stride = e.scratch_bytes()
     phases = [(e.group_task(name + ".groups", scratch_stride), ["x", "dy", "shared", "scratch"]),
