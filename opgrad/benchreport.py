@@ -229,9 +229,11 @@ def kernel_rows(model_name: str, batch: int, runs: int, cpu_clock: bool = False)
         name = cost.label
         op, _, fused = cost.label.partition("+")  # a GEMM with its epilogue: "conv2d_backward_weight+multiply+..."
         if op in _PASS and cost.detail:
-            if op == "conv2d" and cost.detail not in by_geometry and len(by_geometry) < len(conv_names):
-                by_geometry[cost.detail] = conv_names[len(by_geometry)]
-            name = f"{by_geometry.get(cost.detail) or 'conv'} {_PASS[op]}" + (f" +{fused}" if fused else "")
+            # The shapes name the layer; the algorithm in brackets may differ between its passes.
+            shapes = cost.detail.partition(" (")[0]
+            if op == "conv2d" and shapes not in by_geometry and len(by_geometry) < len(conv_names):
+                by_geometry[shapes] = conv_names[len(by_geometry)]
+            name = f"{by_geometry.get(shapes) or 'conv'} {_PASS[op]}" + (f" +{fused}" if fused else "")
         rows.append(KernelRow(name, cost.detail, ms, cost.flops, cost.bytes))
     return rows
 

@@ -87,3 +87,12 @@ def test_child_reports_time_compile_and_memory(tmp_path: Path) -> None:
     assert result["ms"] > 0 and result["rss_mib"] >= result["rss_after_imports_mib"] > 10
     warm = benchreport.run_child("opgrad", "mlp", 8, 1, 2, cache_dir=str(tmp_path))
     assert warm["cache_hit"] and np.isfinite(warm["compile_s"])
+
+
+def test_kernel_rows_name_each_convolution_pass_by_its_layer() -> None:
+    # A layer's passes may run different algorithms (conv2's Winograd tiles differ per pass, and the
+    # algorithm is part of the detail): every pass is still named after its layer, not a bare "conv".
+    rows = benchreport.kernel_rows("seed-cnn", 2, 1)
+    conv_rows = [row for row in rows if row.detail.startswith("conv x")]
+    assert len(conv_rows) >= 8
+    assert all(row.name.split()[0] in {"conv1", "conv2", "conv3"} for row in conv_rows), [r.name for r in conv_rows]
