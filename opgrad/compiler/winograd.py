@@ -54,6 +54,7 @@ __all__ = [
     "emit_guarded_entry",
     "emit_winograd",
     "estimated_cycles",
+    "tile_candidates",
     "winograd_conv",
 ]
 
@@ -211,12 +212,8 @@ def choose_tiles(p: WinogradConv, pass_: str) -> WinogradTiles:
     The gradient passes feed no such decisions, so they take the candidate with the fewest
     estimated cycles (:func:`estimated_cycles`), unless a more accurate one is within
     :data:`ACCURACY_MARGIN` (F(2,3) keeps about 3e-7 of the largest output, F(3,3) 1e-6, F(4,3)
-    3e-6); the weight gradient considers only tiles whose per-group partial sums fit
-    :data:`WEIGHT_PARTIAL_BYTES`."""
-    if pass_ == "forward":
-        return F2X3
-    candidates = [t for t in TILE_CHOICES
-                  if pass_ != "backward_weight" or t.alpha**2 * p.cout * p.cin * BYTES[p.dtype] <= WEIGHT_PARTIAL_BYTES]
+    3e-6), among :func:`tile_candidates`."""
+    candidates = tile_candidates(p, pass_)
     best = candidates[0]
     best_cost = estimated_cycles(p, best)
     for tiles in candidates[1:]:
@@ -224,6 +221,17 @@ def choose_tiles(p: WinogradConv, pass_: str) -> WinogradTiles:
         if cost < (1 - ACCURACY_MARGIN) * best_cost:
             best, best_cost = tiles, cost
     return best
+
+
+def tile_candidates(p: WinogradConv, pass_: str) -> list[WinogradTiles]:
+    """The tiles :func:`choose_tiles` weighs for one pass of ``p``, the most accurate first: F(2,3)
+    alone for the forward pass; for the weight gradient, those whose (m+2)**2 x O x C partial sums
+    per group fit :data:`WEIGHT_PARTIAL_BYTES`."""
+    if pass_ == "forward":
+        return [F2X3]
+    if pass_ == "backward_weight":
+        return [t for t in TILE_CHOICES if t.alpha**2 * p.cout * p.cin * BYTES[p.dtype] <= WEIGHT_PARTIAL_BYTES]
+    return list(TILE_CHOICES)
 
 
 def estimated_cycles(p: WinogradConv, tiles: WinogradTiles) -> float:
