@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 from numpy.lib.stride_tricks import sliding_window_view
 
 from opgrad.compiler import conv2d_geometry
@@ -22,8 +24,10 @@ from opgrad.compiler.winograd import (
     WinogradConv,
     WinogradTiles,
     choose_tiles,
+    combination_ops,
     emit_winograd,
     estimated_cycles,
+    linear_plan,
     tile_candidates,
     winograd_conv,
 )
@@ -193,6 +197,54 @@ def _problem(x_shape: tuple[int, ...], cout: int, pad: int, pass_: str = "forwar
     problem = winograd_conv(conv2d_geometry(x_shape, (cout, x_shape[1], 3, 3), 1, pad, 1), pass_)
     assert problem is not None
     return problem
+
+
+def _run_plan(matrix: tuple[tuple[float, ...], ...], x: np.ndarray) -> np.ndarray:
+    """Evaluate ``linear_plan(matrix)`` on ``x`` term by term, as the emitter does."""
+    plan = linear_plan(matrix)
+    values = list(x)
+    for terms in plan.shared:
+        assert all(src < len(values) for _, src in terms), "a shared sum reads only what exists before it"
+        values.append(sum(coef * values[src] for coef, src in terms))
+    return np.array([sum(coef * values[src] for coef, src in terms) for terms in plan.rows])
+
+
+def _plain_ops(matrix: tuple[tuple[float, ...], ...]) -> int:
+    return sum(combination_ops([(c, j) for j, c in enumerate(row) if c != 0]) for row in matrix)
+
+
+@pytest.mark.parametrize("tiles", [F2X3, F3X3, F4X3], ids=["F(2,3)", "F(3,3)", "F(4,3)"])
+def test_linear_plans_of_the_transforms_compute_the_matrix_products(tiles: WinogradTiles) -> None:
+    rng = np.random.default_rng(1)
+    for matrix in (tiles.bt, tiles.at, tiles.g, tuple(zip(*tiles.at, strict=True)), tuple(zip(*tiles.g, strict=True))):
+        x = rng.standard_normal(len(matrix[0]))
+        np.testing.assert_allclose(_run_plan(matrix, x), np.array(matrix) @ x, rtol=1e-12, atol=1e-12)
+        assert linear_plan(matrix).ops <= _plain_ops(matrix)
+
+
+def test_linear_plans_share_the_sums_of_the_plus_minus_point_pairs() -> None:
+    # F(4,3): rows of B^T for +-1 and +-2 are E + O and E - O (22 operations per column as plain
+    # sums started from the first term, 16 started from a +1 term, 12 shared); A^T's columns for
+    # +-1 and +-2 are summed and differenced once (14 -> 10).
+    assert linear_plan(F4X3.bt).ops == 12
+    assert linear_plan(F4X3.at).ops == 10
+    # F(2,3) has nothing to share: its forward transforms stay exactly the plain sums.
+    for matrix in (F2X3.bt, F2X3.at):
+        assert linear_plan(matrix).ops == _plain_ops(matrix)
+        assert not linear_plan(matrix).shared
+
+
+_COEFFICIENTS = st.sampled_from([0.0, 0.0, 1.0, -1.0, 2.0, -2.0, 0.5, -4.0, 4.0, 8.0, -3.0])
+
+
+@given(st.integers(2, 6).flatmap(lambda n: st.lists(st.lists(_COEFFICIENTS, min_size=n, max_size=n),
+                                                    min_size=1, max_size=6)))
+def test_linear_plans_of_any_matrix_compute_its_product_for_no_more_operations(rows: list[list[float]]) -> None:
+    # Mirror pairs of rows and columns (the structure the planner looks for) are common here.
+    matrix = tuple(tuple(row) for row in rows)
+    x = np.random.default_rng(len(rows)).standard_normal(len(matrix[0]))
+    np.testing.assert_allclose(_run_plan(matrix, x), np.array(matrix) @ x, rtol=1e-12, atol=1e-12)
+    assert linear_plan(matrix).ops <= _plain_ops(matrix)
 
 
 @pytest.mark.parametrize(("x_shape", "cout", "pad"), [((8, 16, 4, 4), 16, 1), ((32, 32, 26, 26), 64, 0),

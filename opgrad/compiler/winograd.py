@@ -28,6 +28,7 @@ to a direct sum (:func:`emit_guarded_entry`), which puts NaN and infinities wher
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -44,16 +45,19 @@ __all__ = [
     "F4X3",
     "TILE_CHOICES",
     "WEIGHT_PARTIAL_BYTES",
+    "LinearPlan",
     "TileSource",
     "WinogradConv",
     "WinogradEmitter",
     "WinogradTiles",
     "accepts_epilogue",
     "choose_tiles",
+    "combination_ops",
     "declare_helpers",
     "emit_guarded_entry",
     "emit_winograd",
     "estimated_cycles",
+    "linear_plan",
     "tile_candidates",
     "winograd_conv",
 ]
@@ -193,10 +197,11 @@ def accepts_epilogue(epilogue: Epilogue) -> bool:
 #: The candidates :func:`choose_tiles` weighs, the most accurate first.
 TILE_CHOICES = (F2X3, F3X3, F4X3)
 #: Cycles per vector FMA of the GEMMs (two FMA pipes, about 93 % busy) and per vector operation of
-#: the transforms (loads, shuffles, adds, stores and the spills of a 5x5 or 6x6 tile); fitted on
-#: AMD Zen 3 (AVX2) over F(2,3), F(3,3) and F(4,3) of five layers from 6x6 to 56x56 outputs.
+#: the transforms' arithmetic as :func:`linear_plan` emits it (each counted operation stands for its
+#: share of the loads, shuffles, stores and 5x5 or 6x6 spills, which take most of the time); fitted
+#: on AMD Zen 3 (AVX2) over F(2,3), F(3,3) and F(4,3) of five layers from 6x6 to 56x56 outputs.
 GEMM_FMA_CYCLES = 0.54
-TRANSFORM_OP_CYCLES = 1.3
+TRANSFORM_OP_CYCLES = 1.9
 #: A larger tile must be estimated this much cheaper to be worth its lost float32 accuracy.
 ACCURACY_MARGIN = 0.05
 
@@ -255,14 +260,150 @@ def estimated_cycles(p: WinogradConv, tiles: WinogradTiles) -> float:
 
 def _sandwich_ops(matrix: Matrix, columns: int) -> int:
     """Vector operations of ``matrix @ d @ matrix^T`` for a ``len(matrix[0]) x columns`` grid ``d``, as
-    :meth:`WinogradEmitter.lincomb` emits them: one per nonzero term after the first, one more for a
-    first coefficient other than +-1."""
-    def terms(row: tuple[float, ...]) -> int:
-        nonzero = [c for c in row if c != 0]
-        return len(nonzero) - 1 + (1 if nonzero and abs(nonzero[0]) != 1 else 0)
+    :meth:`WinogradEmitter.sandwich` emits them: :func:`linear_plan`'s operations once per column of
+    ``d``, then once per row of the product."""
+    ops = linear_plan(matrix).ops
+    return ops * columns + ops * len(matrix)
 
-    per_row = sum(terms(row) for row in matrix)
-    return per_row * columns + per_row * len(matrix)
+
+#: One term of a linear combination: a coefficient and a source, either input ``i`` of the
+#: product or (numbered from ``len(inputs)`` on) one of the plan's shared sums.
+Term = tuple[float, int]
+
+
+@dataclass(frozen=True)
+class LinearPlan:
+    """``matrix @ x`` for a vector ``x`` as shared sums, then one combination per row.
+
+    The interpolation points of a Winograd tile come in pairs ``+-p``, so its matrices share sums
+    two ways. Two columns that every row weighs equally or oppositely (A^T's columns for ``+-p``)
+    are summed and differenced once: ``x_j + x_k`` and ``x_j - x_k`` then serve every row. Two rows
+    that agree on some columns and differ in sign on the rest (B^T's rows for ``+-p``) are ``E + O``
+    and ``E - O``, with ``E`` and ``O`` the sums over those columns. F(4,3)'s input transform drops
+    from 22 operations per column to 12 that way, its output transform from 14 to 10.
+    ``shared[k]`` is source ``len(x) + k`` and may read earlier shared sums; each row lists its
+    terms, the first emitted plainly, the rest as adds, subtracts or FMAs."""
+
+    shared: tuple[tuple[Term, ...], ...]
+    rows: tuple[tuple[Term, ...], ...]
+
+    @property
+    def ops(self) -> int:
+        return sum(combination_ops(terms) for terms in (*self.shared, *self.rows))
+
+
+def combination_ops(terms: tuple[Term, ...] | list[Term]) -> int:
+    """Operations :meth:`WinogradEmitter.lincomb` spends on ``terms``: one per term after the first,
+    and one for the first unless some coefficient is +1 (that term goes first, as it is)."""
+    if not terms:
+        return 0
+    return len(terms) - 1 + (0 if any(c == 1 for c, _ in terms) else 1)
+
+
+def _factored(group: list[Term]) -> tuple[float, list[Term]]:
+    """``group`` as ``factor * sum(terms)`` with the factor that makes the sum cheapest: pulling a
+    common magnitude out turns the group's first product into a plain value, and the factor
+    rides on the FMA that adds the group to a row. Only exact factorings count."""
+    best: tuple[float, list[Term]] = (1.0, group)
+    for factor in sorted({abs(c) for c, _ in group}):
+        terms = [(c / factor, src) for c, src in group]
+        if all((c / factor) * factor == c for c, _ in group) and \
+                combination_ops(terms) < combination_ops(best[1]):
+            best = (factor, terms)
+    return best
+
+
+#: A row of a matrix being planned: coefficient by source, zeros left out.
+Row = dict[int, float]
+
+
+def _terms(row: Row) -> list[Term]:
+    return [(c, src) for src, c in sorted(row.items()) if c != 0]
+
+
+def _column_pair_saving(rows: list[Row], j: int, k: int) -> int:
+    """Operations saved by summing and differencing sources ``j`` and ``k`` once for all rows."""
+    plus = sum(1 for r in rows if r.get(j, 0) != 0 and r.get(j) == r.get(k))
+    minus = sum(1 for r in rows if r.get(j, 0) != 0 and r.get(j) == -r.get(k, 0))
+    return max(plus - 1, 0) + max(minus - 1, 0)
+
+
+def _pair_columns(rows: list[Row], j: int, k: int, shared: list[list[Term]], first_shared: int) -> None:
+    """Rewrite ``rows`` to read ``x_j + x_k`` and ``x_j - x_k`` (new shared sums) where they can."""
+    for sign in (1.0, -1.0):
+        users = [r for r in rows if r.get(j, 0) != 0 and r.get(j) == sign * r.get(k, 0)]
+        if len(users) < 2:
+            continue
+        source = first_shared + len(shared)
+        shared.append([(1.0, j), (sign, k)])
+        for r in users:
+            r[source] = r.pop(j)
+            del r[k]
+
+
+def _paired(row_a: Row, row_b: Row, first_shared: int) -> tuple[list[list[Term]], Row, Row] | None:
+    """Rows ``a`` and ``b`` through the sums of their agreeing and opposing sources: the new shared
+    sums (sources from ``first_shared``) and the two rows rewritten, or None without both kinds."""
+    both = sorted(set(row_a) & set(row_b))
+    agree = [(row_a[j], j) for j in both if row_a[j] != 0 and row_a[j] == row_b[j]]
+    oppose = [(row_a[j], j) for j in both if row_a[j] != 0 and row_a[j] == -row_b[j]]
+    if not agree or not oppose:
+        return None
+    grouped = {j for _, j in agree + oppose}
+    new_a = {j: c for j, c in row_a.items() if j not in grouped}
+    new_b = {j: c for j, c in row_b.items() if j not in grouped}
+    shared: list[list[Term]] = []
+    for group, sign in ((agree, 1.0), (oppose, -1.0)):
+        if len(group) == 1:  # a single term needs no shared sum
+            (c, j), = group
+            new_a[j], new_b[j] = c, sign * c
+            continue
+        factor, terms = _factored(group)
+        src = first_shared + len(shared)
+        new_a[src], new_b[src] = factor, sign * factor
+        shared.append(terms)
+    return shared, new_a, new_b
+
+
+@functools.cache
+def linear_plan(matrix: Matrix) -> LinearPlan:
+    """A cheap evaluation of ``matrix @ x`` (:class:`LinearPlan`): row pairs alone, or column pairs
+    first and then row pairs, whichever needs fewer operations (pairing two columns can break a
+    better pairing of rows). Each pass takes greedily the pair that saves most operations; rows
+    that no pairing makes cheaper stay plain sums."""
+    return min((_planned(matrix, pair_columns) for pair_columns in (False, True)), key=lambda plan: plan.ops)
+
+
+def _planned(matrix: Matrix, pair_columns: bool) -> LinearPlan:
+    inputs = len(matrix[0])
+    rows: list[Row] = [{j: c for j, c in enumerate(row) if c != 0} for row in matrix]
+    shared: list[list[Term]] = []
+    while pair_columns:
+        savings = [(_column_pair_saving(rows, j, k), j, k) for j in range(inputs) for k in range(j + 1, inputs)]
+        saved, j, k = max(savings, default=(0, 0, 0), key=lambda item: item[0])
+        if saved <= 0:
+            break
+        _pair_columns(rows, j, k, shared, inputs)
+    unpaired = set(range(len(rows)))
+    while True:
+        best = None
+        for a in sorted(unpaired):
+            for b in sorted(unpaired - set(range(a + 1))):
+                pairing = _paired(rows[a], rows[b], inputs + len(shared))
+                if pairing is None:
+                    continue
+                new_shared, new_a, new_b = pairing
+                saved = combination_ops(_terms(rows[a])) + combination_ops(_terms(rows[b])) \
+                    - combination_ops(_terms(new_a)) - combination_ops(_terms(new_b)) \
+                    - sum(combination_ops(g) for g in new_shared)
+                if saved > 0 and (best is None or saved > best[0]):
+                    best = (saved, a, b, pairing)
+        if best is None:
+            break
+        _, a, b, (new_shared, rows[a], rows[b]) = best
+        shared.extend(new_shared)
+        unpaired -= {a, b}
+    return LinearPlan(tuple(tuple(g) for g in shared), tuple(tuple(_terms(r)) for r in rows))
 
 
 class WinogradEmitter:
@@ -322,12 +463,14 @@ class WinogradEmitter:
         return splat_const(self.vl, self.t, c) if vector else c
 
     def lincomb(self, f: FunctionEmitter, terms: list[tuple[float, str]], vector: bool) -> str:
-        """``sum(coef * value)`` skipping zero coefficients; +-1 are adds and subtracts, others FMAs."""
+        """``sum(coef * value)`` skipping zero coefficients; +-1 are adds and subtracts, others FMAs.
+        A term with coefficient +1 goes first, so the sum starts from a plain value."""
         ty = self.vt if vector else self.t
+        terms = [(coef, value) for coef, value in terms if coef != 0]
+        plain = next((i for i, (coef, _) in enumerate(terms) if coef == 1), 0)
+        terms = terms[plain:plain + 1] + terms[:plain] + terms[plain + 1:]
         acc = ""
         for coef, value in terms:
-            if coef == 0:
-                continue
             if not acc:
                 if coef == 1:
                     acc = value
@@ -343,13 +486,20 @@ class WinogradEmitter:
                 acc = f.call(ty, self.mod.fma(ty), [(ty, value), (ty, self.const(coef, vector)), (ty, acc)], hint="wf")
         return acc or self.const(0.0, vector)
 
+    def product(self, f: FunctionEmitter, matrix: Matrix, x: list[str], vector: bool) -> list[str]:
+        """``matrix @ x`` for a vector of values ``x``, by :func:`linear_plan`."""
+        plan = linear_plan(matrix)
+        values = list(x)
+        for terms in plan.shared:
+            values.append(self.lincomb(f, [(coef, values[src]) for coef, src in terms], vector))
+        return [self.lincomb(f, [(coef, values[src]) for coef, src in terms], vector) for terms in plan.rows]
+
     def sandwich(self, f: FunctionEmitter, left: Matrix, x: list[list[str]], right: Matrix,
                  vector: bool) -> list[list[str]]:
         """``left @ x @ right^T`` on a grid of values."""
-        rows = [[self.lincomb(f, [(left[a][i], x[i][j]) for i in range(len(x))], vector) for j in range(len(x[0]))]
-                for a in range(len(left))]
-        return [[self.lincomb(f, [(right[b][j], rows[a][j]) for j in range(len(x[0]))], vector)
-                 for b in range(len(right))] for a in range(len(left))]
+        columns = [self.product(f, left, [row[j] for row in x], vector) for j in range(len(x[0]))]
+        rows = [[column[a] for column in columns] for a in range(len(left))]
+        return [self.product(f, right, row, vector) for row in rows]
 
     def task(self, name: str, nctx: int, pipeline: str = "explicit") -> tuple[FunctionEmitter, list[str], str, str]:
         """A parallel-for task: its emitter, the context pointers, tid and thread count as i64.
