@@ -9,10 +9,10 @@ from opgrad.env import conv_algorithm_setting
 from .conv import Conv2dGeometry, ConvEntry, emit_conv2d_backward_data, emit_conv2d_backward_weight, emit_conv2d_forward
 from .gemm import Epilogue
 from .irtext import ModuleEmitter
-from .winograd import WinogradConv, accepts_epilogue, choose_tiles, emit_winograd, winograd_conv
+from .winograd import WinogradConv, WinogradTiles, accepts_epilogue, choose_tiles, emit_winograd, winograd_conv
 from .winograd_weight import emit_winograd_weight
 
-__all__ = ["ConvPass", "emit_conv2d_pass"]
+__all__ = ["ConvPass", "emit_conv2d_pass", "winograd_name"]
 
 
 @dataclass(frozen=True)
@@ -39,10 +39,7 @@ class ConvPass:
         problem = self.winograd
         if problem is None:
             return "direct"
-        m = choose_tiles(problem, self.pass_).m
-        if self.pass_ == "backward_weight":
-            return f"winograd F(3x3,{m}x{m})"
-        return f"winograd F({m},3)"
+        return winograd_name(self.pass_, choose_tiles(problem, self.pass_))
 
     def accepts(self, epilogue: Epilogue) -> bool:
         """Whether the pass can apply ``epilogue`` to its output: the direct forward without groups
@@ -55,14 +52,21 @@ class ConvPass:
         return self.pass_ == "forward" and self.geom.groups == 1
 
 
+def winograd_name(pass_: str, tiles: WinogradTiles) -> str:
+    """The algorithm's name in reports: F(m,3), or F(3x3,mxm) for the weight gradient."""
+    m = tiles.m
+    return f"winograd F(3x3,{m}x{m})" if pass_ == "backward_weight" else f"winograd F({m},3)"
+
+
 def emit_conv2d_pass(mod: ModuleEmitter, conv: ConvPass, name: str) -> tuple[ConvEntry, str]:
     """Emit ``conv`` as ``name(first, second, out, e..., ws)``; returns the entry and the algorithm's name."""
     epilogue, problem, g = conv.epilogue, conv.winograd, conv.geom
     assert epilogue is None or conv.accepts(epilogue), f"{conv.pass_} by {conv.algorithm} cannot take this epilogue"
-    if problem is not None and conv.pass_ == "backward_weight":
-        return emit_winograd_weight(mod, problem, name, choose_tiles(problem, conv.pass_)), conv.algorithm
     if problem is not None:
-        return emit_winograd(mod, problem, name, choose_tiles(problem, conv.pass_), epilogue), conv.algorithm
+        tiles = choose_tiles(problem, conv.pass_)
+        if conv.pass_ == "backward_weight":
+            return emit_winograd_weight(mod, problem, name, tiles), winograd_name(conv.pass_, tiles)
+        return emit_winograd(mod, problem, name, tiles, epilogue), winograd_name(conv.pass_, tiles)
     if conv.pass_ == "forward":
         return emit_conv2d_forward(mod, g, name, epilogue), "direct"
     emit = {"backward_data": emit_conv2d_backward_data, "backward_weight": emit_conv2d_backward_weight}[conv.pass_]
