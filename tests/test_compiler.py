@@ -433,6 +433,85 @@ def test_an_average_pools_gradient_joins_the_relu_gradient_where_windows_tile_th
         assert_close(g, w, 2e-5)
 
 
+@pytest.mark.parametrize("op", ["sum", "max", "min"])
+def test_reductions_of_an_elementwise_output_run_in_its_pass(op: str) -> None:
+    # relu(x) * y is returned and reduced three ways. Each reduction runs in the pass that writes
+    # it, over each batch slice just written: over the batch axis into per-slice partials that a
+    # small step adds in order, over the other axes straight into the result. A NaN reaches the
+    # reductions of its slice, as in numpy.
+    rng = np.random.default_rng(11)
+    x, y = (opgrad.var(name, (16, 6, 5, 7), "float32") for name in "xy")
+    g = ops.multiply(ops.relu(x), y)
+    reduce = getattr(ops, op)
+    fn = opgrad.function([x, y], (g, reduce(g, axis=(0, 2, 3)), reduce(g, axis=(1,)),
+                                  ops.sum(ops.multiply(g, x), axis=(2, 3))))
+    compiled = compile_fn(fn, step_entries=True)
+    assert compiled.step_labels == [f"relu+multiply+{op}+{op}+multiply+sum", op], compiled.step_labels
+    xs, ys = (rng.standard_normal(x.shape).astype(np.float32) for _ in range(2))
+    xs[3, 2, 1, 4] = np.nan
+    got = compiled(xs, ys)
+    g64 = np.maximum(xs.astype(np.float64), 0) * ys
+    want = [g64, getattr(np, op)(g64, axis=(0, 2, 3)), getattr(np, op)(g64, axis=1), (g64 * xs).sum(axis=(2, 3))]
+    for a, b in zip(got, want, strict=True):
+        np.testing.assert_array_equal(np.isnan(a), np.isnan(b))
+        np.testing.assert_allclose(a[~np.isnan(a)], b[~np.isnan(b)], rtol=1e-5, atol=1e-5)
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(shape=st.lists(st.integers(1, 9), min_size=1, max_size=3), batch=st.integers(8, 12),
+       axes=st.sets(st.integers(0, 3), min_size=1), op=st.sampled_from(["sum", "max", "min"]))
+def test_any_reduction_of_an_elementwise_output_matches_numpy(shape: list[int], batch: int, axes: set[int],
+                                                             op: str) -> None:
+    # Whichever axes are reduced and whatever the extents (1s included), joined to the pass
+    # that writes its input or not, a reduction gives numpy's result.
+    full = (batch, *shape)
+    axes = tuple(sorted(a for a in axes if a < len(full)))
+    if not axes:
+        return
+    x = opgrad.var("x", full, "float32")
+    e = ops.exp(x)
+    fn = opgrad.function([x], (e, getattr(ops, op)(e, axis=axes)))
+    xs = np.random.default_rng(len(full)).standard_normal(full).astype(np.float32)
+    _, got = compile_fn(fn)(xs)
+    want = getattr(np, op)(np.exp(xs.astype(np.float64)), axis=axes)
+    np.testing.assert_allclose(got, want, rtol=2e-5)
+
+
+def test_a_reduction_stays_apart_from_a_short_batch_or_a_pass_it_would_overtake() -> None:
+    from opgrad.compiler.builder import FUSED_REDUCTION_MIN_SLICES, KernelBuilder
+    from opgrad.compiler.views import View
+
+    # Fewer slices than FUSED_REDUCTION_MIN_SLICES: too few to share among threads.
+    x = opgrad.var("x", (FUSED_REDUCTION_MIN_SLICES - 1, 4, 9), "float32")
+    r = ops.relu(x)
+    assert compile_fn(opgrad.function([x], (r, ops.sum(r, axis=(0, 2)))), step_entries=True).step_labels \
+        == ["relu", "sum"]
+    # Buffer 3 is read by the second step before the reduction overwrites it: running the
+    # reduction in the first step would hand the second step the new values.
+    kb = KernelBuilder("t_overtake")
+    shape = (16, 32)
+    kb.elementwise(View.contiguous(1, shape), [View.contiguous(0, shape)], lambda s, v: s.mul(v[0], v[0]))
+    kb.elementwise(View.contiguous(2, (16,)), [View.contiguous(3, (16,))], lambda s, v: s.add(v[0], v[0]))
+    kb.reduce(View.contiguous(3, (16,)), View.contiguous(1, shape), (1,))
+    assert kb.fuse_reductions() == 0
+    a = np.arange(16 * 32, dtype=np.float32).reshape(shape) / 100
+    squares, doubled, sums = np.zeros(shape, np.float32), np.zeros(16, np.float32), np.ones(16, np.float32)
+    kb.compile()(a, squares, doubled, sums)
+    np.testing.assert_array_equal(doubled, np.full(16, 2, np.float32))
+    np.testing.assert_allclose(sums, (a * a).sum(axis=1), rtol=1e-6)
+    # The reduction's other input is computed after the first step: it must wait for it.
+    kb = KernelBuilder("t_wait")
+    kb.elementwise(View.contiguous(1, shape), [View.contiguous(0, shape)], lambda s, v: s.mul(v[0], v[0]))
+    kb.reduce(View.contiguous(2, shape), View.contiguous(3, (*shape, 2)), (2,))
+    kb.map_reduce(View.contiguous(4, (16,)), [View.contiguous(1, shape), View.contiguous(2, shape)], (1,), "sum",
+                  lambda s, v: s.mul(v[0], v[1]))
+    assert kb.fuse_reductions() == 0
+    b = np.ones((*shape, 2), np.float32)
+    out = np.zeros(16, np.float32)
+    kb.compile()(a, squares, np.zeros(shape, np.float32), b, out)
+    np.testing.assert_allclose(out, 2 * (a * a).sum(axis=1), rtol=1e-6)
+
+
 def test_a_view_refines_into_finer_axes_at_any_strides() -> None:
     from opgrad.compiler.views import View
 

@@ -363,6 +363,13 @@ _DETERMINISM_SCRIPT = textwrap.dedent("""
     k.forward(x, w, y); k.backward_data(dy, w, dx); k.backward_weight(x, dy, dw)
     for t in (y, dx, dw):
         h.update(t.tobytes())
+    import opgrad
+    from opgrad import ops
+    v = opgrad.var("v", (40, 16, 30, 30), "float32")
+    r = ops.relu(v)  # a bias gradient's sum computed slice by slice in the relu's pass
+    fn = opgrad.function([v], (r, ops.sum(r, axis=(0, 2, 3)), ops.sum(r, axis=(1, 2, 3))))
+    for t in opgrad.compile(fn)(rng.standard_normal((40, 16, 30, 30)).astype(np.float32)):
+        h.update(t.tobytes())
     print(h.hexdigest())
 """)
 

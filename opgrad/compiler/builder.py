@@ -19,7 +19,9 @@ between, :meth:`KernelBuilder.fuse` inlines an elementwise producer into its onl
 chains such as ``greater -> multiply`` (relu's gradient) or an optimizer's update run as one loop
 and their intermediate buffers vanish; an elementwise consumer of a matmul becomes the GEMM's
 epilogue (a dense layer's bias and activation, a weight gradient's update), applied to C while it
-is in cache. The builder never sees operator names. Bodies are written
+is in cache; :meth:`KernelBuilder.fuse_reductions` runs a reduction of an elementwise output
+that others read too (a bias gradient's sum) in the pass that writes it, slice by slice while
+each slice is in cache. The builder never sees operator names. Bodies are written
 against :class:`Scalar`, a tiny expression emitter over one element type. Outputs must not
 overlap inputs (pointers are ``noalias``), which the buffer planner guarantees. Large loops are
 split over the thread pool by output rows, so results do not depend on the thread count.
@@ -61,6 +63,9 @@ from .windows import Window2d, pool2d, pool2d_argmax_gather, pool2d_scatter
 
 #: Loops with fewer output elements than this run on the calling thread.
 PARALLEL_MIN_ELEMENTS = 1 << 16
+#: An elementwise step computes a reduction of its output (:meth:`KernelBuilder.fuse_reductions`)
+#: only where its outermost axis has this many slices to share among threads.
+FUSED_REDUCTION_MIN_SLICES = 8
 #: Convolutions with more groups than this run as direct loops (:mod:`.grouped`): their per-group
 #: GEMMs are too small to pay for packing, and a depthwise conv would call one per channel.
 GROUPED_GEMM_MAX_GROUPS = 8
@@ -89,6 +94,9 @@ class Step:
     #: can give it an epilogue first); ``call`` is then its entry's name and ``out`` the view it writes.
     gemm: GemmSpec | None = None
     conv: ConvPass | None = None
+    #: Reductions an ``ew`` step also computes, each over the slice of its outermost axis just
+    #: written (:meth:`KernelBuilder.fuse_reductions`); their axis 0 is kept.
+    reductions: list[Step] = field(default_factory=list)
 
     @staticmethod
     def of_views(kind: str, out: View, inputs: list[View], **kw: object) -> Step:
@@ -456,6 +464,85 @@ class KernelBuilder:
             if done:
                 return fused
 
+    def fuse_reductions(self) -> int:
+        """Compute reductions of an elementwise step's output in that step; returns how many joined.
+
+        A bias gradient sums a tensor over (batch, height, width) that an elementwise step has just
+        written (a relu's or a pooling's gradient) and that other steps read too, so the producer
+        cannot be inlined into the sum; as its own pass the sum reads the whole tensor back from
+        memory. Here the elementwise step runs slice by slice of its outermost axis, and after each
+        slice reduces it while it is in cache: where the batch axis is summed, into a partial per
+        slice that a small reduction then adds in order, so the result never depends on how
+        threads share the slices. Taken where that axis has at least
+        :data:`FUSED_REDUCTION_MIN_SLICES` slices, the reduction reads the producer's output as
+        the same dense run of memory and its other inputs are not written in between.
+        """
+        fused = 0
+        while True:
+            writers = Counter(b for st in self.steps for b in st.writes)
+            for j, red in enumerate(self.steps):
+                if red.kind != "red" or red.out is None or not red.axes:
+                    continue
+                found = self._reduction_producer(j, writers)
+                if found is not None:
+                    self._join_reduction(j, *found)
+                    fused += 1
+                    break
+            else:
+                return fused
+
+    def _join_reduction(self, j: int, producer: Step, slices: int) -> None:
+        """Make reduction step ``j`` one of ``producer``'s (see :meth:`fuse_reductions`)."""
+        red = self.steps[j]
+        assert red.out is not None
+        shape = red.inputs[0].shape
+        reads = [b for b in red.reads if b not in producer.writes]
+        if 0 in red.axes:
+            kept = tuple(shape[d] for d in range(1, len(shape)) if d not in red.axes)
+            partial = self.temporary((slices, *kept), red.out.dtype)
+            producer.reductions.append(Step.of_views("red", partial, list(red.inputs), body=red.body, op=red.op,
+                                                     axes=tuple(a for a in red.axes if a != 0)))
+            producer.writes = [*producer.writes, partial.buffer]
+            red.inputs, red.body, red.axes, red.reads = [partial], identity, (0,), [partial.buffer]
+        else:
+            producer.reductions.append(red)
+            producer.writes = [*producer.writes, red.out.buffer]
+            del self.steps[j]
+        producer.reads = [*producer.reads, *reads]
+        producer.label = "+".join(x for x in (producer.label, red.label) if x)
+
+    def _reduction_producer(self, j: int, writers: Counter[int]) -> tuple[Step, int] | None:
+        """The elementwise step that reduction ``j`` can join (:meth:`fuse_reductions`) and its
+        number of slices; None where there is none."""
+        red = self.steps[j]
+        assert red.out is not None
+        shape = red.inputs[0].shape
+        if not shape or shape[0] < FUSED_REDUCTION_MIN_SLICES:
+            return None
+        if 0 in red.axes and (set(red.axes) == {0} or self._allocate is None):
+            return None  # the partials would be the slices themselves, or there is no scratch
+        for i in range(j - 1, -1, -1):
+            producer = self.steps[i]
+            out = producer.out
+            if producer.kind != "ew" or out is None or out.dtype in INT_TYPE or out.buffer not in red.reads:
+                continue
+            if writers[out.buffer] != 1 or not out.is_contiguous or out.shape[0] != shape[0]:
+                return None
+            between = self.steps[i + 1 : j]
+            written_between = {b for st in between for b in st.writes}
+            for u in red.inputs:
+                if u.buffer == out.buffer:
+                    if not (u.is_contiguous and u.offset == out.offset and u.size == out.size):
+                        return None
+                elif u.buffer in written_between or u.buffer in producer.writes:
+                    return None
+            target = red.out.buffer
+            if 0 not in red.axes and (target in producer.reads or target in producer.writes
+                                      or any(target in st.reads or target in st.writes for st in between)):
+                return None
+            return producer, shape[0]
+        return None
+
     def _fuse_into_gemm(self, i: int, j: int, k: int) -> bool:
         """Make elementwise step ``j`` the epilogue of GEMM step ``i``, whose result is its input ``k``
         and read by nothing else; False (nothing changed) where that is not possible. Every view
@@ -611,10 +698,18 @@ class KernelBuilder:
         out = st.out
         assert out is not None
         views = [out, *st.inputs]
-        shape, strides = collapse(out.shape, [v.strides for v in views])
         name = self.fresh("ew")
+        # One pointer parameter per memory view, and per buffer that only the fused reductions
+        # touch; a reduction reads the step's output through the pointer that writes it.
+        buffers = [v.buffer for v in views if v.is_memory]
+        for red in st.reductions:
+            buffers += [v.buffer for v in (red.out, *red.inputs)
+                        if v is not None and v.is_memory and v.buffer not in buffers]
+        # A reduction's loop needs several vector accumulators (interleaving, in ``auto``): with
+        # one, its add latency bounds the pass that streaming loops otherwise are.
+        f = self.loop_function(name, len(buffers), pipeline="auto" if st.reductions else "streaming")
+        param = {b: f"%p{n}" for n, b in reversed(list(enumerate(buffers)))}
         mem = [i for i, v in enumerate(views) if v.is_memory]
-        f = self.loop_function(name, len(mem), pipeline="streaming")
         ptrs = {i: f.gep(elem_type(views[i].dtype), f"%p{n}", str(views[i].offset)) for n, i in enumerate(mem)}
         int_copy = out.dtype in INT_TYPE  # an int result (a label array returned as is) is only copied
         if int_copy:
@@ -622,7 +717,7 @@ class KernelBuilder:
                 "int results can only be copies of int inputs"
         s = None if int_copy else Scalar(f, out.dtype)
 
-        def nest(level: int, offs: list[str]) -> None:
+        def nest(level: int, offs: list[str], shape: list[int], strides: list[list[int]], split: bool) -> None:
             if level == len(shape):
                 if s is None:
                     it = INT_TYPE[out.dtype]
@@ -632,97 +727,47 @@ class KernelBuilder:
                 vals = [load(s, v, ptrs.get(i + 1), offs[i + 1]) for i, v in enumerate(st.inputs)]
                 f.store(s.t, st.body(s, vals), f.gep(s.t, ptrs[0], offs[0]))
                 return
-            lo, hi = ("%lo", "%hi") if level == 0 else ("0", str(shape[level]))
+            lo, hi = ("%lo", "%hi") if level == 0 and split else ("0", str(shape[level]))
             with f.loop(lo, hi, hint=f"e{level}") as i:
-                nest(level + 1, [f.add(o, f.mul(i, st_[level])) for o, st_ in zip(offs, strides, strict=True)])
+                nest(level + 1, [f.add(o, f.mul(i, st_[level])) for o, st_ in zip(offs, strides, strict=True)],
+                     shape, strides, split)
 
-        nest(0, ["0"] * len(views))
+        if not st.reductions:
+            shape, strides = collapse(out.shape, [v.strides for v in views])
+            nest(0, ["0"] * len(views), shape, strides, True)
+            outer = shape[0]
+        else:
+            # Slice by slice of axis 0: the step's loops over the slice, then each reduction of it.
+            assert s is not None
+            shape, strides = collapse(out.shape[1:], [v.strides[1:] for v in views])
+            with f.loop("%lo", "%hi", hint="slice") as i:
+                nest(0, [f.mul(i, v.strides[0]) for v in views], shape, strides, False)
+                for red in st.reductions:
+                    red_views = [red.out, *red.inputs]
+                    red_ptrs = {x: f.gep(elem_type(v.dtype), param[v.buffer], str(v.offset))
+                                for x, v in enumerate(red_views) if v is not None and v.is_memory}
+                    _emit_reduction(f, red, red_ptrs, [f.mul(i, v.strides[0] if v.ndim else 0)
+                                                       for v in red_views if v is not None], first_dim=1)
+            outer = out.shape[0]
         f.ret_void()
         f.finish()
-        return self._parallel_task(name, len(mem), shape[0], out.size), [views[i].buffer for i in mem]
+        return self._parallel_task(name, len(buffers), outer, out.size), buffers
 
     def _emit_reduce(self, st: Step) -> tuple[str, list[int]]:
-        """A reduction as loops over merged runs of kept and of reduced axes.
-
-        Where every view is contiguous along the innermost kept run (a column sum, the batch sum
-        of a bias gradient), the kept run is the innermost loop: each reduced row is added into
-        the output, one vectorized pass over contiguous memory, every output element summed in
-        row order. Otherwise the reduced runs are innermost (reassociation allowed, so they
-        vectorize) and each output element is one loop's result.
-        """
-        out = st.out
-        assert out is not None
-        shape = st.inputs[0].shape
-        keep = [d for d in range(len(shape)) if d not in st.axes]
-        views = [out, *st.inputs]
+        """A reduction as loops over merged runs of kept and of reduced axes (:func:`_emit_reduction`),
+        the outermost kept run split over threads."""
+        assert st.out is not None
+        views = [st.out, *st.inputs]
         mem = [i for i, v in enumerate(views) if v.is_memory]
-        s_dtype = out.dtype
-        init = {"sum": 0.0, "max": -math.inf, "min": math.inf}[st.op]
-        out_strides = tuple(out.strides[keep.index(d)] if d in keep else 0 for d in range(len(shape)))
-        strides = [out_strides, *(v.strides for v in st.inputs)]
-        kept, reduced = _loop_runs(keep, shape, strides), _loop_runs(list(st.axes), shape, strides)
         name = self.fresh("red")
         f = self.loop_function(name, len(mem), pipeline="streaming")
-        t = LLVM_TYPE[s_dtype]
         ptrs = {i: f.gep(elem_type(views[i].dtype), f"%p{n}", str(views[i].offset)) for n, i in enumerate(mem)}
-        s = Scalar(f, s_dtype)
-
-        def combine(cur: str, v: str, reassociate: bool) -> str:
-            if st.op != "sum":
-                return str(getattr(s, st.op)(cur, v))
-            return s.accumulate(cur, v) if reassociate else s.add(cur, v)
-
-        def values(offs: list[str]) -> str:
-            return st.body(s, [load(s, v, ptrs.get(i + 1), offs[i + 1]) for i, v in enumerate(st.inputs)])
-
-        def nest(runs: list[tuple[int, list[int]]], offs: list[str], body: Callable[[list[str]], None],
-                 hint: str, split: bool = False) -> None:
-            """Loops over ``runs`` (the first over ``[lo, hi)`` when ``split``), then ``body(offsets)``."""
-            if not runs:
-                body(offs)
-                return
-            (extent, run_strides), rest = runs[0], runs[1:]
-            lo, hi = ("%lo", "%hi") if split else ("0", str(extent))
-            with f.loop(lo, hi, hint=hint) as i:
-                nest(rest, [f.add(o, f.mul(i, d)) for o, d in zip(offs, run_strides, strict=True)], body, hint)
-
-        vertical = all(kept[-1][1][i] == 1 for i in mem) and kept[-1][0] > 1
-
-        def vertical_rows(offs: list[str]) -> None:
-            """The innermost kept run: out = init; out = op(out, row) for each reduced row; scale."""
-            extent, run_strides = kept[-1]
-            lo, hi = ("%lo", "%hi") if len(kept) == 1 else ("0", str(extent))
-
-            def along(row: list[str], body: Callable[[list[str], str], None]) -> None:
-                with f.loop(lo, hi, hint="v") as j:
-                    at = [f.add(o, f.mul(j, d)) for o, d in zip(row, run_strides, strict=True)]
-                    body(at, f.gep(t, ptrs[0], at[0]))
-
-            along(offs, lambda _, at: f.store(t, s.const(init), at))
-            nest(reduced, offs, lambda row: along(
-                row, lambda o, at: f.store(t, combine(f.load(t, at), values(o), False), at)), "r")
-            if st.scale != 1.0:
-                along(offs, lambda _, at: f.store(t, s.mul(f.load(t, at), s.const(st.scale)), at))
-
-        def horizontal(offs: list[str]) -> None:
-            """One output element: op over the reduced runs, innermost."""
-            acc = f.alloca(t, "acc")
-            f.store(t, s.const(init), acc)
-            nest(reduced, offs, lambda o: f.store(t, combine(f.load(t, acc), values(o), True), acc), "r")
-            res = f.load(t, acc)
-            if st.scale != 1.0:
-                res = s.mul(res, s.const(st.scale))
-            f.store(t, res, f.gep(t, ptrs[0], offs[0]))
-
-        zero = ["0"] * len(views)
-        if vertical:
-            nest(kept[:-1], zero, vertical_rows, "o", split=len(kept) > 1)
-        else:
-            nest(kept, zero, horizontal, "o", split=True)
+        outer = _emit_reduction(f, st, ptrs, ["0"] * len(views), first_dim=0)
         f.ret_void()
         f.finish()
+        shape = st.inputs[0].shape
         work = math.prod(shape) if shape else 1
-        return self._parallel_task(name, len(mem), kept[0][0], work), [views[i].buffer for i in mem]
+        return self._parallel_task(name, len(mem), outer, work), [views[i].buffer for i in mem]
 
     def compile(self) -> CompiledGraph:
         """Finish, compile (disk-cached) and wrap the entry for ctypes."""
@@ -738,6 +783,87 @@ def _loop_runs(dims: list[int], shape: tuple[int, ...],
     merged into one (:func:`collapse`; a single loop of extent 1 when there are none)."""
     extents, per_view = collapse(tuple(shape[d] for d in dims), [tuple(v[d] for d in dims) for v in strides])
     return [(extent, list(run)) for extent, run in zip(extents, zip(*per_view, strict=True), strict=True)]
+
+
+def _emit_reduction(f: FunctionEmitter, st: Step, ptrs: dict[int, str], base: list[str], first_dim: int) -> int:
+    """Emit reduction step ``st`` into ``f`` over its axes from ``first_dim`` on (``base``: each
+    view's offset, ``ptrs``: each memory view's pointer, by position in ``[out, *inputs]``);
+    returns the extent of its outermost kept run, which runs over ``[%lo, %hi)`` when
+    ``first_dim`` is 0 (axes before ``first_dim`` are kept and fixed by ``base``).
+
+    Where every view is contiguous along the innermost kept run (a column sum, the batch sum
+    of a bias gradient), the kept run is the innermost loop: each reduced row is added into
+    the output, one vectorized pass over contiguous memory, every output element summed in
+    row order. Otherwise the reduced runs are innermost (reassociation allowed, so they
+    vectorize) and each output element is one loop's result.
+    """
+    out = st.out
+    assert out is not None
+    shape = st.inputs[0].shape
+    keep = [d for d in range(len(shape)) if d not in st.axes]
+    views = [out, *st.inputs]
+    mem = [i for i, v in enumerate(views) if v.is_memory]
+    init = {"sum": 0.0, "max": -math.inf, "min": math.inf}[st.op]
+    out_strides = tuple(out.strides[keep.index(d)] if d in keep else 0 for d in range(len(shape)))
+    strides = [out_strides, *(v.strides for v in st.inputs)]
+    kept = _loop_runs([d for d in keep if d >= first_dim], shape, strides)
+    reduced = _loop_runs(list(st.axes), shape, strides)
+    split = first_dim == 0
+    t = LLVM_TYPE[out.dtype]
+    s = Scalar(f, out.dtype)
+
+    def combine(cur: str, v: str, reassociate: bool) -> str:
+        if st.op != "sum":
+            return str(getattr(s, st.op)(cur, v))
+        return s.accumulate(cur, v) if reassociate else s.add(cur, v)
+
+    def values(offs: list[str]) -> str:
+        return st.body(s, [load(s, v, ptrs.get(i + 1), offs[i + 1]) for i, v in enumerate(st.inputs)])
+
+    def nest(runs: list[tuple[int, list[int]]], offs: list[str], body: Callable[[list[str]], None],
+             hint: str, split: bool = False) -> None:
+        """Loops over ``runs`` (the first over ``[lo, hi)`` when ``split``), then ``body(offsets)``."""
+        if not runs:
+            body(offs)
+            return
+        (extent, run_strides), rest = runs[0], runs[1:]
+        lo, hi = ("%lo", "%hi") if split else ("0", str(extent))
+        with f.loop(lo, hi, hint=hint) as i:
+            nest(rest, [f.add(o, f.mul(i, d)) for o, d in zip(offs, run_strides, strict=True)], body, hint)
+
+    vertical = all(kept[-1][1][i] == 1 for i in mem) and kept[-1][0] > 1
+
+    def vertical_rows(offs: list[str]) -> None:
+        """The innermost kept run: out = init; out = op(out, row) for each reduced row; scale."""
+        extent, run_strides = kept[-1]
+        lo, hi = ("%lo", "%hi") if split and len(kept) == 1 else ("0", str(extent))
+
+        def along(row: list[str], body: Callable[[list[str], str], None]) -> None:
+            with f.loop(lo, hi, hint="v") as j:
+                at = [f.add(o, f.mul(j, d)) for o, d in zip(row, run_strides, strict=True)]
+                body(at, f.gep(t, ptrs[0], at[0]))
+
+        along(offs, lambda _, at: f.store(t, s.const(init), at))
+        nest(reduced, offs, lambda row: along(
+            row, lambda o, at: f.store(t, combine(f.load(t, at), values(o), False), at)), "r")
+        if st.scale != 1.0:
+            along(offs, lambda _, at: f.store(t, s.mul(f.load(t, at), s.const(st.scale)), at))
+
+    def horizontal(offs: list[str]) -> None:
+        """One output element: op over the reduced runs, innermost."""
+        acc = f.alloca(t, "acc")
+        f.store(t, s.const(init), acc)
+        nest(reduced, offs, lambda o: f.store(t, combine(f.load(t, acc), values(o), True), acc), "r")
+        res = f.load(t, acc)
+        if st.scale != 1.0:
+            res = s.mul(res, s.const(st.scale))
+        f.store(t, res, f.gep(t, ptrs[0], offs[0]))
+
+    if vertical:
+        nest(kept[:-1], base, vertical_rows, "o", split=split and len(kept) > 1)
+    else:
+        nest(kept, base, horizontal, "o", split=split)
+    return kept[0][0]
 
 
 def kernel_name(call: str) -> str:
