@@ -14,6 +14,7 @@ from opgrad.compiler.convpass import ConvPass, emit_conv2d_pass
 from opgrad.compiler.irtext import ModuleEmitter
 from opgrad.compiler.jit import NativeModule
 from opgrad.compiler.kernels import CompiledKernel
+from opgrad.compiler.target import resolve_target, use_target
 from opgrad.compiler.threads import pool
 from opgrad.compiler.winograd import (
     ACCURACY_MARGIN,
@@ -22,6 +23,7 @@ from opgrad.compiler.winograd import (
     F4X3,
     TILE_CHOICES,
     WinogradConv,
+    WinogradEmitter,
     WinogradTiles,
     choose_tiles,
     combination_ops,
@@ -277,6 +279,20 @@ def test_tile_choice_follows_the_pass_and_the_output_size() -> None:
     # 128 x 128 channels: only F(2,3)'s 16 partial sums per weight fit the weight gradient's budget.
     assert tile_candidates(_problem((8, 128, 28, 28), 128, 1, "backward_weight"), "backward_weight") == [F2X3]
     assert choose_tiles(_problem((8, 128, 28, 28), 128, 1, "backward_weight"), "backward_weight") is F2X3
+
+
+def test_a_narrow_last_piece_of_columns_takes_several_panels_per_register_tile() -> None:
+    # The seed CNN's conv2 backward-data by F(4,3): 7x7 tiles per image in blocks of 6 rows (42
+    # columns, 48 with padding) and 1 row (7, 8 with padding). The full width takes 4 rows by 3
+    # vectors; the 8-column block takes 2 panels, 8 rows by 1 vector, where 4 rows would leave
+    # 8 of the 12 accumulators idle. The tile covers whole panels only.
+    with use_target(resolve_target("x86-64-v3")):  # AVX2: 8 lanes, 16 registers
+        emitter = WinogradEmitter(ModuleEmitter("t_panels"), _problem((32, 32, 26, 26), 64, 0, "backward_data"), F4X3)
+        odd = WinogradEmitter(ModuleEmitter("t_panels"), _problem((2, 8, 10, 10), 20, 0), F2X3)
+    assert (emitter.vl, emitter.mr, emitter.nvec, emitter.cout_pad, emitter.cols) == (8, 4, 3, 32, 48)
+    assert [emitter.panels_per_tile(n) for n in (3, 2, 1)] == [1, 1, 2]
+    # 20 channels: 5-row panels, 4 of them; one vector takes 2 panels, two vectors one.
+    assert (odd.mr, odd.nvec) == (5, 2) and [odd.panels_per_tile(n) for n in (2, 1)] == [1, 2]
 
 
 @pytest.mark.parametrize("zero_columns", [9, 11])

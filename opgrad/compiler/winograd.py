@@ -666,41 +666,56 @@ class WinogradEmitter:
                 yield r, chunk, self.sandwich(f, matrix, d, matrix, vector=True)
 
     def gemms(self, f: FunctionEmitter, u: str, v: str, mm: str, cols: int) -> None:
-        """``M[pos] = U[pos] @ V[pos]`` for every position: MR x NR register tiles over the block's
-        first ``cols`` columns."""
+        """``M[pos] = U[pos] @ V[pos]`` for every position: register tiles over the block's first
+        ``cols`` columns, MR x NR, and over a narrower last piece of columns as many panels' rows
+        at once as fill the same accumulators (:meth:`panels_per_tile`)."""
         p, t, vl, vt, mr = self.p, self.t, self.vl, self.vt, self.mr
         fma = self.mod.fma(vt)
         panels = self.cout_pad // mr
         nr = self.nvec * vl
         widths = [nr] * (cols // nr) + ([cols % nr] if cols % nr else [])
-        accs = [[f.alloca(vt, f"acc{r}_{c}") for c in range(self.nvec)] for r in range(mr)]
+        most = max(self.panels_per_tile(width // vl) for width in widths) * mr
+        accs = [[f.alloca(vt, f"acc{r}_{c}") for c in range(self.nvec)] for r in range(most)]
         with f.loop(0, self.alpha**2, hint="pos") as pos:
             vpos = f.gep(t, v, f.mul(pos, self.v_pos))
             mpos = f.gep(t, mm, f.mul(pos, self.m_pos))
             upos = f.gep(t, u, f.mul(pos, panels * p.cin * mr))
-            with f.loop(0, panels, hint="pan") as panel:
-                apanel = f.gep(t, upos, f.mul(panel, p.cin * mr))
-                col = 0
-                for width in widths:
-                    nvec = width // vl
-                    for r in range(mr):
+            col = 0
+            for width in widths:
+                nvec = width // vl
+                group = self.panels_per_tile(nvec)
+                rows = group * mr
+                with f.loop(0, panels // group, hint="pan") as tile:
+                    first_panel = f.mul(tile, group)
+                    for r in range(rows):
                         for c in range(nvec):
                             f.store(vt, "zeroinitializer", accs[r][c])
                     with f.loop(0, p.cin, hint="k") as k:
                         brow = f.gep(t, vpos, f.add(f.mul(k, self.stride), col))
                         bv = [f.load(vt, f.gep(t, brow, str(c * vl)), align=self.esize) for c in range(nvec)]
-                        arow = f.gep(t, apanel, f.mul(k, mr))
-                        for r in range(mr):
-                            av = f.splat(vl, t, f.load(t, f.gep(t, arow, str(r))))
+                        arow = f.gep(t, upos, f.add(f.mul(first_panel, p.cin * mr), f.mul(k, mr)))
+                        for r in range(rows):
+                            # Row r is row r % MR of the group's panel r // MR.
+                            at = (r // mr) * p.cin * mr + r % mr
+                            av = f.splat(vl, t, f.load(t, f.gep(t, arow, str(at))))
                             for c in range(nvec):
                                 cur = f.load(vt, accs[r][c])
                                 f.store(vt, f.call(vt, fma, [(vt, av), (vt, bv[c]), (vt, cur)]), accs[r][c])
-                    out_rows = f.gep(t, mpos, f.add(f.mul(f.mul(panel, mr), self.stride), col))
-                    for r in range(mr):
+                    out_rows = f.gep(t, mpos, f.add(f.mul(f.mul(first_panel, mr), self.stride), col))
+                    for r in range(rows):
                         for c in range(nvec):
                             ptr = f.gep(t, out_rows, str(r * self.stride + c * vl))
                             f.store(vt, f.load(vt, accs[r][c]), ptr, align=self.esize)
-                    col += width
+                col += width
+
+    def panels_per_tile(self, nvec: int) -> int:
+        """Panels whose rows one register tile covers over ``nvec`` vectors of columns: one for
+        the full width; for a narrower piece (a block's last tile row, 8 columns of 56, say) the
+        most, dividing the panel count, whose accumulators fit the full tile's. An MR x 1 tile
+        has MR chains of FMAs, too few to hide their latency, and loads B once per MR FMAs."""
+        panels = self.cout_pad // self.mr
+        fits = max(1, (self.mr * self.nvec) // (self.mr * nvec))
+        return max(g for g in range(1, min(fits, panels) + 1) if panels % g == 0)
 
     def outputs(self, f: FunctionEmitter, mm: str, y: str, ty0: str, rows: str,
                 finish: Callable[[str], None] | None = None) -> None:
