@@ -266,10 +266,10 @@ def test_gradient_tiles_are_the_cheapest_estimate_unless_a_more_accurate_one_is_
 
 
 def test_tile_choice_follows_the_pass_and_the_output_size() -> None:
-    # The forward pass keeps F(2,3) whatever the size: larger tiles give rounding noise where the
-    # direct sum gives exact zeros, which relu and max pooling turn into different decisions.
+    # A 56x56 output with 64 channels is GEMM-bound in every pass: the forward pass too takes the
+    # larger tiles, paying for their exact zeros.
     big = _problem((32, 64, 56, 56), 64, 1)
-    assert choose_tiles(big, "forward") is F2X3
+    assert choose_tiles(big, "forward") is F4X3
     # A 4x4 output fills few tiles and vector runs: the small tile's cheap transforms win. A 56x56
     # output with 64 channels is GEMM-bound: the larger tiles' fewer products win.
     assert choose_tiles(_problem((8, 16, 4, 4), 16, 1, "backward_data"), "backward_data") is F2X3
@@ -295,26 +295,45 @@ def test_a_narrow_last_piece_of_columns_takes_several_panels_per_register_tile()
     assert (odd.mr, odd.nvec) == (5, 2) and [odd.panels_per_tile(n) for n in (2, 1)] == [1, 2]
 
 
+@pytest.mark.parametrize("tiles", TILE_CHOICES, ids=lambda t: f"F({t.m},3)")
 @pytest.mark.parametrize("zero_columns", [9, 11])
-def test_forward_outputs_over_all_zero_inputs_are_exactly_zero(zero_columns: int) -> None:
+def test_forward_outputs_over_all_zero_inputs_are_exactly_zero(zero_columns: int, tiles: WinogradTiles) -> None:
     # A relu passes 1e-9 and a max pool routes its gradient there, so rounding noise where the
-    # direct sum is exactly zero would change which units train: the chosen forward tiles must not
-    # make any (the zero left part of each plane meets nonzero data inside the tiles along its
-    # edge, for tiles of 3 at 9 zero columns and of 4 at 11).
+    # direct sum is exactly zero would change which units train: the forward pass must not make
+    # any, whichever tiles it takes (the zero left part of each plane meets nonzero data inside
+    # the tiles along its edge, for tiles of 3 at 9 zero columns and of 4 at 11). Without the
+    # field mask, F(3,3) and F(4,3) do leave noise there. A -0 input counts as zero.
     x_shape, w_shape = (2, 16, 20, 20), (16, 16, 3, 3)
     rng = np.random.default_rng(5)
     x = rng.standard_normal(x_shape).astype(np.float32)
     x[..., :zero_columns] = 0
+    x[1, 3, 5, zero_columns + 4] = -0.0
     w = rng.standard_normal(w_shape).astype(np.float32)
-    geom = conv2d_geometry(x_shape, w_shape, 1, 0, 1)
+    problem = winograd_conv(conv2d_geometry(x_shape, w_shape, 1, 0, 1), "forward")
+    assert problem is not None
+    nthreads = pool().nthreads  # starts the pool, whose dispatch symbol the kernels link to
     m = ModuleEmitter("zeros")
-    nthreads = pool().nthreads
-    entry, algorithm = emit_conv2d_pass(m, ConvPass(geom, "forward"), "conv")
-    assert algorithm == "winograd F(2,3)"
-    y = np.full((2, 16, 18, 18), np.nan, np.float32)
-    CompiledKernel(NativeModule(m.text()), entry.entry, 3, entry.workspace_per_thread * nthreads)(x, w, y)
+    entries = {exact: emit_winograd(m, problem, f"conv{int(exact)}", tiles, exact_zeros=exact) for exact in (True, False)}
+    module = NativeModule(m.text())
     zero_outputs = zero_columns - 2
-    assert np.all(y[..., :zero_outputs] == 0) and np.all(y[..., zero_outputs:] != 0)
+    for exact, entry in entries.items():
+        y = np.full((2, 16, 18, 18), np.nan, np.float32)
+        CompiledKernel(module, entry.entry, 3, entry.workspace_per_thread * nthreads)(x, w, y)
+        if exact or tiles is F2X3:
+            assert np.all(y[..., :zero_outputs] == 0) and np.all(y[..., zero_outputs:] != 0)
+            want = np.einsum("nchwij,ocij->nohw", sliding_window_view(x.astype(np.float64), (3, 3), (2, 3)), w)
+            np.testing.assert_allclose(y, want, rtol=0, atol=1e-5 * np.abs(want).max())
+        elif (tiles.m, zero_columns) in ((3, 9), (4, 11)):
+            assert np.any(y[..., :zero_outputs] != 0)
+
+
+def test_the_forward_pass_takes_larger_tiles_where_they_pay_for_exact_zeros() -> None:
+    # The seed CNN's conv2 (26x26 -> 24x24, 32 -> 64 channels): 24 outputs are 8 tiles of 3, and
+    # F(3,3)'s 25 products per tile against F(2,3)'s 4 x 16 pay for the transforms and the mask.
+    seed = _problem((32, 32, 26, 26), 64, 0)
+    assert choose_tiles(seed, "forward") is F3X3
+    assert estimated_cycles(seed, F3X3, exact_zeros=True) > estimated_cycles(seed, F3X3)
+    assert estimated_cycles(seed, F2X3, exact_zeros=True) == estimated_cycles(seed, F2X3)
 
 
 def test_dispatch_applies_only_to_three_by_three_stride_one_convolutions(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -323,7 +342,7 @@ def test_dispatch_applies_only_to_three_by_three_stride_one_convolutions(monkeyp
         geom = conv2d_geometry(x_shape, w_shape, stride, pads, dilation)
         return emit_conv2d_pass(ModuleEmitter("dispatch"), ConvPass(geom, pass_), "conv")[1]
 
-    assert algorithm((8, 16, 14, 14), (32, 16, 3, 3)) == "winograd F(2,3)"
+    assert algorithm((8, 16, 14, 14), (32, 16, 3, 3)) in WINOGRAD_NAMES
     assert algorithm((8, 16, 14, 14), (32, 16, 3, 3), pass_="backward_data") in WINOGRAD_NAMES
     assert algorithm((8, 16, 14, 14), (32, 16, 3, 3), pass_="backward_weight") in WEIGHT_NAMES
     assert algorithm((8, 16, 14, 14), (32, 16, 3, 3), stride=2) == "direct"
@@ -335,11 +354,11 @@ def test_dispatch_applies_only_to_three_by_three_stride_one_convolutions(monkeyp
     # The weight gradient's per-group partial sums (16 x O x C) stay small, else the direct GEMM.
     assert algorithm((2, 128, 8, 8), (128, 128, 3, 3), pass_="backward_weight") == "winograd F(3x3,2x2)"
     assert algorithm((2, 256, 8, 8), (256, 256, 3, 3), pass_="backward_weight") == "direct"
-    assert algorithm((2, 256, 8, 8), (256, 256, 3, 3), pass_="forward") == "winograd F(2,3)"
+    assert algorithm((2, 256, 8, 8), (256, 256, 3, 3), pass_="forward") in WINOGRAD_NAMES
     monkeypatch.setenv(CONV_ALGORITHM_VAR, "direct")
     assert algorithm((8, 16, 14, 14), (32, 16, 3, 3)) == "direct"
     monkeypatch.setenv(CONV_ALGORITHM_VAR, "winograd")
-    assert algorithm((8, 1, 28, 28), (32, 1, 3, 3)) == "winograd F(2,3)"
+    assert algorithm((8, 1, 28, 28), (32, 1, 3, 3)) in WINOGRAD_NAMES
     assert algorithm((8, 16, 14, 14), (32, 16, 3, 3), stride=2) == "direct"  # does not apply at all
 
 

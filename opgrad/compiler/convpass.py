@@ -66,7 +66,8 @@ def emit_conv2d_pass(mod: ModuleEmitter, conv: ConvPass, name: str) -> tuple[Con
         tiles = choose_tiles(problem, conv.pass_)
         if conv.pass_ == "backward_weight":
             return emit_winograd_weight(mod, problem, name, tiles), winograd_name(conv.pass_, tiles)
-        return emit_winograd(mod, problem, name, tiles, epilogue), winograd_name(conv.pass_, tiles)
+        return (emit_winograd(mod, problem, name, tiles, epilogue, exact_zeros=conv.pass_ == "forward"),
+                winograd_name(conv.pass_, tiles))
     if conv.pass_ == "forward":
         return emit_conv2d_forward(mod, g, name, epilogue), "direct"
     emit = {"backward_data": emit_conv2d_backward_data, "backward_weight": emit_conv2d_backward_weight}[conv.pass_]

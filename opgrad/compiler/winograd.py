@@ -207,45 +207,45 @@ ACCURACY_MARGIN = 0.05
 
 
 def choose_tiles(p: WinogradConv, pass_: str) -> WinogradTiles:
-    """The tiles for one pass of ``p``.
+    """The tiles for one pass of ``p``: the candidate with the fewest estimated cycles
+    (:func:`estimated_cycles`), unless a more accurate one is within :data:`ACCURACY_MARGIN`
+    (F(2,3) keeps about 3e-7 of the largest output, F(3,3) 1e-6, F(4,3) 3e-6), among
+    :func:`tile_candidates`.
 
-    The forward pass keeps F(2,3): each of its outputs reads transforms of its own 3x3 inputs only,
-    so an output whose inputs are all zero is exactly zero, as in the direct sum. Larger tiles mix
-    neighbouring inputs into every output and leave rounding noise (1e-9) there instead; a relu then
-    passes it and a max pool routes the gradient to it, where the reference (and PyTorch) see a dead
-    unit: the Keras MNIST model's conv2 bias gradient moved by 35 % that way on zero background.
-    The gradient passes feed no such decisions, so they take the candidate with the fewest
-    estimated cycles (:func:`estimated_cycles`), unless a more accurate one is within
-    :data:`ACCURACY_MARGIN` (F(2,3) keeps about 3e-7 of the largest output, F(3,3) 1e-6, F(4,3)
-    3e-6), among :func:`tile_candidates`."""
+    The forward pass counts the cost of keeping exact zeros: an F(2,3) output reads transforms of
+    its own 3x3 inputs only, so over all-zero inputs it is exactly zero, as in the direct sum.
+    Larger tiles mix neighbouring inputs into every output and leave rounding noise (1e-9) there,
+    which a relu passes and a max pool routes the gradient to, where the reference (and PyTorch)
+    see a dead unit: the Keras MNIST model's conv2 bias gradient moved by 35 % that way on zero
+    background. Their forward pass zeroes such outputs (:meth:`WinogradEmitter.field_mask`)."""
+    exact_zeros = pass_ == "forward"
     candidates = tile_candidates(p, pass_)
     best = candidates[0]
-    best_cost = estimated_cycles(p, best)
+    best_cost = estimated_cycles(p, best, exact_zeros)
     for tiles in candidates[1:]:
-        cost = estimated_cycles(p, tiles)
+        cost = estimated_cycles(p, tiles, exact_zeros)
         if cost < (1 - ACCURACY_MARGIN) * best_cost:
             best, best_cost = tiles, cost
     return best
 
 
 def tile_candidates(p: WinogradConv, pass_: str) -> list[WinogradTiles]:
-    """The tiles :func:`choose_tiles` weighs for one pass of ``p``, the most accurate first: F(2,3)
-    alone for the forward pass; for the weight gradient, those whose (m+2)**2 x O x C partial sums
-    per group fit :data:`WEIGHT_PARTIAL_BYTES`."""
-    if pass_ == "forward":
-        return [F2X3]
+    """The tiles :func:`choose_tiles` weighs for one pass of ``p``, the most accurate first; for
+    the weight gradient, those whose (m+2)**2 x O x C partial sums per group fit
+    :data:`WEIGHT_PARTIAL_BYTES`."""
     if pass_ == "backward_weight":
         return [t for t in TILE_CHOICES if t.alpha**2 * p.cout * p.cin * BYTES[p.dtype] <= WEIGHT_PARTIAL_BYTES]
     return list(TILE_CHOICES)
 
 
-def estimated_cycles(p: WinogradConv, tiles: WinogradTiles) -> float:
+def estimated_cycles(p: WinogradConv, tiles: WinogradTiles, exact_zeros: bool = False) -> float:
     """Cycles the blocks of one image take by ``tiles``: the GEMMs' vector FMAs over the columns the
     blocks really multiply, plus the vector operations of the input and output transforms over the
-    runs of ``VL`` tiles they really transform (a row of 9 tiles is two runs of 8 lanes). The weight
-    gradient does the same products and transforms the same tiles of its two inputs, so one
-    estimate serves the three passes."""
-    e = WinogradEmitter(ModuleEmitter("estimate"), p, tiles)
+    runs of ``VL`` tiles they really transform (a row of 9 tiles is two runs of 8 lanes), plus,
+    with ``exact_zeros``, those that keep exact zeros (:meth:`WinogradEmitter.field_mask`). The
+    weight gradient does the same products and transforms the same tiles of its two inputs, so
+    one estimate serves the three passes."""
+    e = WinogradEmitter(ModuleEmitter("estimate"), p, tiles, exact_zeros=exact_zeros)
     alpha, m, vl = tiles.alpha, tiles.m, e.vl
     columns = (e.blocks - 1) * e.cols + round_up(e.tail_rows * e.tw, vl)
     fmas = alpha**2 * e.cout_pad * p.cin * columns // vl
@@ -255,6 +255,12 @@ def estimated_cycles(p: WinogradConv, tiles: WinogradTiles) -> float:
     # Each of the m output rows: interleave, store and the non-finite watch.
     per_output = alpha**2 + _sandwich_ops(tiles.at, alpha) + m * (2 * m + 3)
     ops = runs * (p.cin * per_input + p.cout * per_output)
+    if e.exact_zeros:
+        # Per block and channel, a load, an and, an or and a store per vector of the plane; per
+        # output row stored, a load, a compare and a select; per block, the 3x3 window's union.
+        plane_vectors = -(-e.hp * e.wp // vl)
+        ops += e.blocks * (4 * p.cin * plane_vectors + 18 * m * e.rows * e.mask_cols // vl)
+        ops += runs * p.cout * 3 * m
     return GEMM_FMA_CYCLES * fmas + TRANSFORM_OP_CYCLES * ops
 
 
@@ -410,8 +416,12 @@ class WinogradEmitter:
     """Shared emission state of one Winograd kernel: types, vector width and constants."""
 
     def __init__(self, mod: ModuleEmitter, p: WinogradConv, tiles: WinogradTiles,
-                 epilogue: Epilogue | None = None) -> None:
+                 epilogue: Epilogue | None = None, exact_zeros: bool = False) -> None:
         self.mod, self.p, self.tiles = mod, p, tiles
+        #: Outputs whose 3x3 inputs are all zero are stored as exactly 0 (:meth:`field_mask`):
+        #: needed by tiles larger than F(2,3), whose other inputs leave rounding noise there.
+        self.exact_zeros = exact_zeros and tiles.m > 2
+        self.field_mask_ptr = ""
         #: Applied to each block's outputs once they are stored (and, after a fallback, to all).
         self.epilogue = epilogue
         self.epilogue_fn = ""
@@ -447,6 +457,9 @@ class WinogradEmitter:
         self.m_pos = round_up(self.cout_pad * self.stride, line) + line
         self.wp = tiles.m * round_up(self.tw, self.vl) + self.alpha - 1
         self.hp = tiles.m * self.rows + 2
+        self.it = "i32" if self.esize == 4 else "i64"
+        #: Row stride of the field mask: every column a block's output transform stores.
+        self.mask_cols = tiles.m * round_up(self.tw, self.vl)
 
     def block_rows(self) -> int:
         """Tile rows per block: the count whose GEMM columns (each block's tiles, the last block's
@@ -571,6 +584,9 @@ class WinogradEmitter:
         plane = own
         v = f.gep("i8", own, str(self.plane_bytes))
         mm = f.gep("i8", v, str(self.v_bytes))
+        occupancy = f.gep("i8", mm, str(self.m_bytes)) if self.exact_zeros else None
+        if occupancy is not None:
+            self.field_mask_ptr = f.gep("i8", occupancy, str(self.plane_bytes))
         self.sentinel = f.var(self.vt, "zeroinitializer", "bad")
         with f.loop(lo, hi, hint="blk") as item:
             img = f.val(f"udiv i64 {item}, {self.blocks}")
@@ -578,7 +594,9 @@ class WinogradEmitter:
             ty0 = f.mul(block, self.rows)
             last = f.icmp("eq", block, self.blocks - 1)
             rows = f.select(last, "i64", str(self.tail_rows), str(self.rows))
-            self.inputs(f, f.gep(self.t, x, f.mul(img, p.cin * p.h * p.w)), ty0, rows, plane, v)
+            self.inputs(f, f.gep(self.t, x, f.mul(img, p.cin * p.h * p.w)), ty0, rows, plane, v, occupancy)
+            if occupancy is not None:
+                self.field_mask(f, occupancy, rows)
             tail_cols = round_up(self.tail_rows * self.tw, self.vl)
             if tail_cols == self.cols:
                 self.gemms(f, u, v, mm, self.cols)
@@ -604,22 +622,29 @@ class WinogradEmitter:
         f.finish()
         return name
 
-    def inputs(self, f: FunctionEmitter, x: str, ty0: str, rows: str, plane: str, v: str) -> None:
+    def inputs(self, f: FunctionEmitter, x: str, ty0: str, rows: str, plane: str, v: str,
+               occupancy: str | None = None) -> None:
         """``V[pos][c][r * tw + tx] = (B^T d B)[pos]`` for the block's tiles (``rows`` tile rows from
-        ``ty0``) of every input channel."""
+        ``ty0``) of every input channel; with ``occupancy``, also which plane positions hold a
+        nonzero value in any channel (:meth:`field_mask`)."""
         p = self.p
         source = TileSource(p.cin, p.h, p.w, p.top, p.left, self.alpha, self.hp, self.wp)
-        self.transform_tiles(f, x, source, ty0, plane, self.tiles.bt, v, self.v_pos, rows)
+        self.transform_tiles(f, x, source, ty0, plane, self.tiles.bt, v, self.v_pos, rows, occupancy)
 
     def transform_tiles(self, f: FunctionEmitter, x: str, source: TileSource, ty0: str, plane: str, matrix: Matrix,
-                        dest: str, pos_stride: int, rows: str | None = None) -> None:
+                        dest: str, pos_stride: int, rows: str | None = None, occupancy: str | None = None) -> None:
         """``dest[pos][c][r * tw + tx] = (matrix d matrix^T)[pos]`` for the ``size x size`` tiles ``d`` of
         ``rows`` tile rows (the block's ``R`` unless given) from tile row ``ty0`` in every channel of
-        ``source``; ``plane`` is 64-byte aligned scratch for one zero-padded channel."""
+        ``source``; ``plane`` is 64-byte aligned scratch for one zero-padded channel. With
+        ``occupancy`` (a plane of ints), each channel's plane is ORed into it, sign bits cleared."""
         t = self.t
         self.clear_plane(f, source, plane)
+        if occupancy is not None:
+            self.clear_plane(f, source, occupancy)
         with f.loop(0, source.channels, hint="ci") as ci:
             self.fill_plane(f, f.gep(t, x, f.mul(ci, source.h * source.w)), source, ty0, plane)
+            if occupancy is not None:
+                self.occupy(f, source, plane, occupancy)
             row_base = f.mul(ci, self.stride)
             for r, chunk, out in self.chunks(f, source, plane, matrix, rows):
                 col = f.add(row_base, f.add(f.mul(r, self.tw), chunk * self.vl))
@@ -643,6 +668,36 @@ class WinogradEmitter:
                 dst = f.gep(t, plane, f.add(f.mul(pr, source.plane_cols), source.left))
                 f.emit(f"call void @llvm.memcpy.p0.p0.i64(ptr {dst}, ptr {f.gep(t, src, f.mul(ir, source.w))}, "
                        f"i64 {source.w * self.esize}, i1 false)")
+
+    def occupy(self, f: FunctionEmitter, source: TileSource, plane: str, occupancy: str) -> None:
+        """``occupancy |= bits(plane) & ~sign`` over the whole plane (its spare vector included):
+        nonzero exactly where some channel so far holds a value other than +-0."""
+        vl, it = self.vl, self.it
+        ivt = f"<{vl} x {it}>"
+        magnitude = f"<{', '.join([f'{it} {(1 << (8 * self.esize - 1)) - 1}'] * vl)}>"
+        with f.loop(0, -(-source.plane_rows * source.plane_cols // vl), hint="occ") as q:
+            at = f.mul(q, vl)
+            bits = f.load(ivt, f.gep(self.t, plane, at), align=self.esize)
+            ptr = f.gep(it, occupancy, at)
+            seen = f.load(ivt, ptr, align=self.esize)
+            f.store(ivt, f.val(f"or {ivt} {seen}, {f.val(f'and {ivt} {bits}, {magnitude}')}"), ptr,
+                    align=self.esize)
+
+    def field_mask(self, f: FunctionEmitter, occupancy: str, rows: str) -> None:
+        """For each output of the block's ``rows`` tile rows, whether any of its 3x3 inputs in any
+        channel is nonzero (the OR of its window of ``occupancy``), for :meth:`outputs` to zero the
+        others: where the direct sum adds only zeros, it is exactly 0."""
+        vl, it, m = self.vl, self.it, self.tiles.m
+        ivt = f"<{vl} x {it}>"
+        with f.loop(0, f.mul(rows, m), hint="fy") as py:
+            for cx in range(0, self.mask_cols, vl):
+                window = [f.load(ivt, f.gep(it, occupancy, f.add(f.mul(f.add(py, dy), self.wp), cx + dx)),
+                                 align=self.esize) for dy in range(3) for dx in range(3)]
+                union = window[0]
+                for value in window[1:]:
+                    union = f.val(f"or {ivt} {union}, {value}")
+                f.store(ivt, union, f.gep(it, self.field_mask_ptr, f.add(f.mul(py, self.mask_cols), cx)),
+                        align=self.esize)
 
     def chunks(self, f: FunctionEmitter, source: TileSource, plane: str, matrix: Matrix,
                rows: str | None = None) -> Iterator[tuple[str, int, list[list[str]]]]:
@@ -740,6 +795,8 @@ class WinogradEmitter:
                         with f.if_then(f.icmp("slt", oy, p.oh), "orow"):
                             ptr = f.gep(t, dst, f.add(f.mul(oy, p.ow), m * tx0))
                             value = self.interleave(f, out[i])
+                            if self.exact_zeros:
+                                value = self.zero_where_inputs_are(f, value, f.add(f.mul(r, m), i), m * tx0)
                             if columns == m * vl:
                                 f.store(wide, value, ptr, align=self.esize)
                             else:
@@ -747,6 +804,16 @@ class WinogradEmitter:
                             self.watch(f, value, columns)
             if finish is not None:
                 finish(co)
+
+    def zero_where_inputs_are(self, f: FunctionEmitter, value: str, row: str, col: int) -> str:
+        """``value`` (a wide vector of the block's output row ``row`` from column ``col``) with 0
+        where :meth:`field_mask` says every input is zero."""
+        lanes = self.tiles.m * self.vl
+        ivt, wide = f"<{lanes} x {self.it}>", f"<{lanes} x {self.t}>"
+        mask = f.load(ivt, f.gep(self.it, self.field_mask_ptr, f.add(f.mul(row, self.mask_cols), col)),
+                      align=self.esize)
+        nonzero = f.val(f"icmp ne {ivt} {mask}, zeroinitializer")
+        return f.val(f"select <{lanes} x i1> {nonzero}, {wide} {value}, {wide} zeroinitializer", "ez")
 
     def raise_flag_if_nan(self, f: FunctionEmitter, sentinel: str, flag: str) -> None:
         """Set the shared i32 ``flag`` when any lane of the vector in ``sentinel`` is NaN. Every
@@ -850,17 +917,25 @@ class WinogradEmitter:
     def m_bytes(self) -> int:
         return round_up(self.alpha**2 * self.m_pos * self.esize, 64)
 
+    @property
+    def mask_bytes(self) -> int:
+        """The occupancy plane and the field mask (:meth:`field_mask`), where outputs keep exact zeros."""
+        if not self.exact_zeros:
+            return 0
+        return self.plane_bytes + round_up((self.tiles.m * self.rows * self.mask_cols + self.vl) * self.esize, 64)
+
 
 def emit_winograd(mod: ModuleEmitter, p: WinogradConv, name: str, tiles: WinogradTiles | None = None,
-                  epilogue: Epilogue | None = None) -> ConvEntry:
+                  epilogue: Epilogue | None = None, exact_zeros: bool = False) -> ConvEntry:
     """``name(x, w, y, e..., ws)``: the correlation ``p`` by Winograd ``tiles`` (F(2,3) unless
     given), then ``epilogue`` (inputs ``e...``) on y, seen as the matrix
-    (image, channel) x pixel. The workspace holds the packed U, shared, then each thread's plane,
-    V and M."""
+    (image, channel) x pixel. ``exact_zeros``: outputs whose inputs are all zero are exactly 0,
+    as in the direct sum (F(2,3) has that property by itself). The workspace holds the packed U,
+    shared, then each thread's plane, V, M and the planes that keep exact zeros."""
     tiles = tiles or F2X3
-    e = WinogradEmitter(mod, p, tiles, epilogue)
+    e = WinogradEmitter(mod, p, tiles, epilogue, exact_zeros)
     u_bytes = round_up(e.alpha**2 * e.cout_pad * p.cin * e.esize, 64)
-    scratch_stride = e.plane_bytes + e.v_bytes + e.m_bytes
+    scratch_stride = e.plane_bytes + e.v_bytes + e.m_bytes + e.mask_bytes
     inputs = [ptr for _, ptr in epilogue.pointers] if epilogue else []
     fallback = [(e.fallback_task(name + ".direct"), ["x", "w", "y"])]
     if epilogue is not None:
