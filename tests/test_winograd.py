@@ -313,7 +313,8 @@ def test_forward_outputs_over_all_zero_inputs_are_exactly_zero(zero_columns: int
     assert problem is not None
     nthreads = pool().nthreads  # starts the pool, whose dispatch symbol the kernels link to
     m = ModuleEmitter("zeros")
-    entries = {exact: emit_winograd(m, problem, f"conv{int(exact)}", tiles, exact_zeros=exact) for exact in (True, False)}
+    entries = {exact: emit_winograd(m, problem, f"conv{int(exact)}", tiles, exact_zeros=exact)
+               for exact in (True, False)}
     module = NativeModule(m.text())
     zero_outputs = zero_columns - 2
     for exact, entry in entries.items():
