@@ -703,14 +703,14 @@ class KernelBuilder:
         # touch; a reduction reads the step's output through the pointer that writes it.
         buffers = [v.buffer for v in views if v.is_memory]
         for red in st.reductions:
-            buffers += [v.buffer for v in (red.out, *red.inputs)
-                        if v is not None and v.is_memory and v.buffer not in buffers]
+            assert red.out is not None
+            buffers += [v.buffer for v in (red.out, *red.inputs) if v.is_memory and v.buffer not in buffers]
         # A reduction's loop needs several vector accumulators (interleaving, in ``auto``): with
         # one, its add latency bounds the pass that streaming loops otherwise are.
         f = self.loop_function(name, len(buffers), pipeline="auto" if st.reductions else "streaming")
         param = {b: f"%p{n}" for n, b in reversed(list(enumerate(buffers)))}
-        mem = [i for i, v in enumerate(views) if v.is_memory]
-        ptrs = {i: f.gep(elem_type(views[i].dtype), f"%p{n}", str(views[i].offset)) for n, i in enumerate(mem)}
+        ptrs = {i: f.gep(elem_type(v.dtype), param[v.buffer], str(v.offset))
+                for i, v in enumerate(views) if v.is_memory}
         int_copy = out.dtype in INT_TYPE  # an int result (a label array returned as is) is only copied
         if int_copy:
             assert len(st.inputs) == 1 and st.inputs[0].dtype == out.dtype and st.body is identity, \
@@ -743,11 +743,11 @@ class KernelBuilder:
             with f.loop("%lo", "%hi", hint="slice") as i:
                 nest(0, [f.mul(i, v.strides[0]) for v in views], shape, strides, False)
                 for red in st.reductions:
+                    assert red.out is not None
                     red_views = [red.out, *red.inputs]
                     red_ptrs = {x: f.gep(elem_type(v.dtype), param[v.buffer], str(v.offset))
-                                for x, v in enumerate(red_views) if v is not None and v.is_memory}
-                    _emit_reduction(f, red, red_ptrs, [f.mul(i, v.strides[0] if v.ndim else 0)
-                                                       for v in red_views if v is not None], first_dim=1)
+                                for x, v in enumerate(red_views) if v.is_memory}
+                    _emit_reduction(f, red, red_ptrs, [f.mul(i, v.strides[0]) for v in red_views], first_dim=1)
             outer = out.shape[0]
         f.ret_void()
         f.finish()

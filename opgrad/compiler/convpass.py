@@ -9,7 +9,15 @@ from opgrad.env import conv_algorithm_setting
 from .conv import Conv2dGeometry, ConvEntry, emit_conv2d_backward_data, emit_conv2d_backward_weight, emit_conv2d_forward
 from .gemm import Epilogue
 from .irtext import ModuleEmitter
-from .winograd import WinogradConv, WinogradTiles, accepts_epilogue, choose_tiles, emit_winograd, winograd_conv
+from .winograd import (
+    WinogradConv,
+    WinogradTiles,
+    accepts_epilogue,
+    choose_tiles,
+    emit_winograd,
+    keeps_exact_zeros,
+    winograd_conv,
+)
 from .winograd_weight import emit_winograd_weight
 
 __all__ = ["ConvPass", "emit_conv2d_pass", "winograd_name"]
@@ -66,7 +74,7 @@ def emit_conv2d_pass(mod: ModuleEmitter, conv: ConvPass, name: str) -> tuple[Con
         tiles = choose_tiles(problem, conv.pass_)
         if conv.pass_ == "backward_weight":
             return emit_winograd_weight(mod, problem, name, tiles), winograd_name(conv.pass_, tiles)
-        return (emit_winograd(mod, problem, name, tiles, epilogue, exact_zeros=conv.pass_ == "forward"),
+        return (emit_winograd(mod, problem, name, tiles, epilogue, exact_zeros=keeps_exact_zeros(conv.pass_)),
                 winograd_name(conv.pass_, tiles))
     if conv.pass_ == "forward":
         return emit_conv2d_forward(mod, g, name, epilogue), "direct"

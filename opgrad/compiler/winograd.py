@@ -57,6 +57,7 @@ __all__ = [
     "emit_guarded_entry",
     "emit_winograd",
     "estimated_cycles",
+    "keeps_exact_zeros",
     "linear_plan",
     "tile_candidates",
     "winograd_conv",
@@ -218,7 +219,7 @@ def choose_tiles(p: WinogradConv, pass_: str) -> WinogradTiles:
     which a relu passes and a max pool routes the gradient to, where the reference (and PyTorch)
     see a dead unit: the Keras MNIST model's conv2 bias gradient moved by 35 % that way on zero
     background. Their forward pass zeroes such outputs (:meth:`WinogradEmitter.field_mask`)."""
-    exact_zeros = pass_ == "forward"
+    exact_zeros = keeps_exact_zeros(pass_)
     candidates = tile_candidates(p, pass_)
     best = candidates[0]
     best_cost = estimated_cycles(p, best, exact_zeros)
@@ -227,6 +228,12 @@ def choose_tiles(p: WinogradConv, pass_: str) -> WinogradTiles:
         if cost < (1 - ACCURACY_MARGIN) * best_cost:
             best, best_cost = tiles, cost
     return best
+
+
+def keeps_exact_zeros(pass_: str) -> bool:
+    """Whether ``pass_`` stores exactly 0 where every input is zero (:func:`choose_tiles` says why):
+    the forward pass, whose outputs relu and max pooling decide on."""
+    return pass_ == "forward"
 
 
 def tile_candidates(p: WinogradConv, pass_: str) -> list[WinogradTiles]:
