@@ -364,7 +364,10 @@ power.shape_rule(broadcast_rule)
 
 @power.reference
 def _power_forward(base: np.ndarray, exponent: np.ndarray) -> np.ndarray:
-    return np.asarray(np.power(base, exponent))
+    out = np.power(base, exponent)
+    # numpy takes sqrt for an exponent of 0.5 that it broadcasts (stride 0), which differs from C's pow
+    # at base -inf (NaN, not +inf) and -0.0 (-0.0, not +0.0); pow's results hold for every layout here
+    return np.asarray(np.where((exponent == 0.5) & ((base == -np.inf) | (base == 0)), np.sqrt(np.abs(base)), out))
 
 
 @power.gradient
