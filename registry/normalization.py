@@ -78,19 +78,27 @@ def _per_channel_shape(name: str, t: TensorType, data: TensorType, axis: int) ->
 
 
 def _normalize_np(data: np.ndarray, axes: tuple[int, ...], epsilon: float) -> np.ndarray:
-    """(data - mean) / sqrt(var + epsilon) over ``axes``, with the biased (1/m) variance."""
+    """(data - mean) / sqrt(var + epsilon) over ``axes``, with the biased (1/m) variance.
+
+    The mean is taken of the data shifted by each group's first element, so a constant group
+    centers to exactly 0 whatever the mean's rounding (as the lowering and the gradient do)."""
     with np.errstate(invalid="ignore", divide="ignore"):  # an empty reduction gives an empty output
-        mean = data.mean(axis=axes, keepdims=True)
-        centered = data - mean
+        shifted = data - data[tuple(slice(0, 1) if i in axes else slice(None) for i in range(data.ndim))]
+        centered = shifted - shifted.mean(axis=axes, keepdims=True)
         var = (centered * centered).mean(axis=axes, keepdims=True)
         return np.asarray(centered / np.sqrt(var + data.dtype.type(epsilon)))
 
 
 def _normalized(data: Expr, axes: tuple[int, ...], epsilon: float) -> tuple[Expr, Expr]:
-    """(xhat, s) as graph expressions: xhat = (data - mean) * s, s = 1 / sqrt(var + epsilon) (keepdims)."""
+    """(xhat, s) as graph expressions: xhat = (data - mean) * s, s = 1 / sqrt(var + epsilon) (keepdims).
+
+    The data is shifted by each group's first element before the mean (see :func:`_normalize_np`);
+    the shift cancels from xhat, so it carries no gradient."""
     inv_m = 1.0 / max(1, math.prod(data.shape[a] for a in axes))
-    mean = ops.multiply(ops.sum(data, axis=axes, keepdims=True), inv_m)
-    centered = ops.subtract(data, mean)
+    first = ops.stop_gradient(ops.strided_slice(
+        data, begin=[0] * data.ndim, end=[1 if i in axes else n for i, n in enumerate(data.shape)]))
+    shifted = ops.subtract(data, first)
+    centered = ops.subtract(shifted, ops.multiply(ops.sum(shifted, axis=axes, keepdims=True), inv_m))
     var = ops.multiply(ops.sum(ops.multiply(centered, centered), axis=axes, keepdims=True), inv_m)
     s = ops.divide(1.0, ops.sqrt(ops.add(var, epsilon)))
     return ops.multiply(centered, s), s
@@ -106,25 +114,32 @@ def _normalize_backward(g: Expr, xhat: Expr, s: Expr, axes: tuple[int, ...]) -> 
 
 def _lower_normalize(kb: KernelBuilder, out: View, data: View, axes: tuple[int, ...], epsilon: float,
                     scale: View, shift: View) -> None:
-    """out = (data - mean) / sqrt(var + epsilon) * scale + shift; mean and var in two reductions."""
+    """out = (data - mean) / sqrt(var + epsilon) * scale + shift; mean and var in two reductions.
+
+    As in :func:`_normalize_np`, the mean is taken of data - first (each group's first element),
+    so a constant group centers to exactly 0."""
     kept = _kept(data.shape, axes)
     inv_m = 1.0 / max(1, math.prod(data.shape[a] for a in axes))
+    first = data.pinned(axes)  # never read where data is empty
     mean = kb.temporary(kept, out.dtype)
-    kb.reduce(mean, data, axes, "sum", scale=inv_m)
+    kb.map_reduce(mean, [data, first], axes, "sum", body=lambda s, v: s.sub(v[0], v[1]), scale=inv_m)
     mean_b = mean.broadcast_to(data.shape)
     var = kb.temporary(kept, out.dtype)
 
+    def centered(s: Scalar, v: list[str]) -> str:
+        return s.sub(s.sub(v[0], v[1]), v[2])
+
     def squared(s: Scalar, v: list[str]) -> str:
-        d = s.sub(v[0], v[1])
+        d = centered(s, v)
         return s.mul(d, d)
 
-    kb.map_reduce(var, [data, mean_b], axes, "sum", body=squared, scale=inv_m)
+    kb.map_reduce(var, [data, first, mean_b], axes, "sum", body=squared, scale=inv_m)
 
     def body(s: Scalar, v: list[str]) -> str:
-        std = s.call("sqrt", s.add(v[2], s.const(epsilon)))
-        return s.add(s.mul(s.div(s.sub(v[0], v[1]), std), v[3]), v[4])
+        std = s.call("sqrt", s.add(v[3], s.const(epsilon)))
+        return s.add(s.mul(s.div(centered(s, v), std), v[4]), v[5])
 
-    kb.elementwise(out, [data, mean_b, var.broadcast_to(data.shape), scale, shift], body)
+    kb.elementwise(out, [data, first, mean_b, var.broadcast_to(data.shape), scale, shift], body)
 
 
 # ----- batch_norm -----

@@ -147,6 +147,11 @@ class View:
         strides = tuple(self.strides[0] if d == axis else 0 for d in range(len(shape)))
         return replace(self, shape=tuple(shape), strides=strides)
 
+    def pinned(self, axes: Sequence[int]) -> View:
+        """This view with ``axes`` held at index 0 (stride 0): every position along them reads the first."""
+        held = {a % self.ndim for a in axes}
+        return replace(self, strides=tuple(0 if d in held else s for d, s in enumerate(self.strides)))
+
     def element(self, index: Sequence[int]) -> View:
         """A 0-d view of one element (e.g. one scalar of a batch)."""
         off = self.offset + sum(i * s for i, s in zip(index, self.strides, strict=True))
