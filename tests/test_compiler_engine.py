@@ -435,3 +435,38 @@ def test_corrupt_cache_entry_is_reported_deleted_and_rebuilt(tmp_path: Path, dam
 def test_gemm_kernel_is_memoized_in_process() -> None:
     spec = GemmSpec.dense(8, 8, 8)
     assert gemm_kernel(spec) is gemm_kernel(spec)
+
+
+_PARALLEL_IR = """
+declare void @opgrad_parallel_for(ptr, ptr)
+
+define void @share(ptr %ctx, i32 %tid, i32 %nthreads) {
+  %slot = getelementptr i32, ptr %ctx, i32 %tid
+  store i32 %nthreads, ptr %slot
+  ret void
+}
+
+define void @run(ptr %ctx) {
+  call void @opgrad_parallel_for(ptr @share, ptr %ctx)
+  ret void
+}
+"""
+
+_PARALLEL_SCRIPT = textwrap.dedent("""
+    import ctypes
+    from opgrad.compiler import threads
+    from opgrad.compiler.jit import NativeModule
+    assert threads._pool is None
+    run = NativeModule(IR, use_cache=False).cfunc("run", None, ctypes.c_void_p)
+    shares = (ctypes.c_int32 * 64)()
+    run(ctypes.addressof(shares))
+    n = threads.pool().nthreads
+    assert list(shares[:n]) == [n] * n, list(shares[:n])
+    print(n)
+""").replace("IR", repr(_PARALLEL_IR))
+
+
+def test_a_module_calling_the_pool_starts_it_before_loading() -> None:
+    """Loading a module that declares the pool's entry starts the pool first (MCJIT would abort the
+    process on the unresolved symbol)."""
+    assert int(_run(_PARALLEL_SCRIPT, {"OPGRAD_NUM_THREADS": "2"}).strip()) >= 1

@@ -190,10 +190,27 @@ class ObjectCache:
 _symbols: dict[str, int] = {}
 
 
+_providers: dict[str, Callable[[], object]] = {}
+
+
 def register_symbol(name: str, address: int) -> None:
     """Make ``name`` resolvable by later modules (e.g. the thread-pool runtime, libc's syscall)."""
     _symbols[name] = address
     llvm.add_symbol(name, address)
+
+
+def provide_symbol(name: str, start: Callable[[], object]) -> None:
+    """``start()`` registers ``name`` (through :func:`register_symbol`) the first time a module that
+    declares it loads: MCJIT aborts the process on a symbol it cannot resolve."""
+    _providers[name] = start
+
+
+def _resolve_provided_symbols(ir_text: str) -> None:
+    for name, start in list(_providers.items()):
+        if name not in _symbols and re.search(rf"^declare [^@\n]*@{re.escape(name)}\(", ir_text, re.MULTILINE):
+            start()
+            if name not in _symbols:
+                raise RuntimeError(f"opgrad: starting the provider of {name!r} did not register it")
 
 
 # ----- Compiling in a worker process -----
@@ -576,6 +593,7 @@ class NativeModule:
             self.times.cache_hit = True
         if self.before_load is not None:
             self.before_load()
+        _resolve_provided_symbols(self.ir_text)
         t1 = time.perf_counter()
         self._engine = llvm.create_mcjit_compiler(llvm.parse_assembly(""), _target_machine())
         self.times.parts = len(objects)

@@ -32,7 +32,7 @@ import threading
 from opgrad.env import available_cpus, num_threads_setting
 
 from .irtext import FunctionEmitter, ModuleEmitter
-from .jit import NativeModule, host_target, register_symbol
+from .jit import NativeModule, host_target, provide_symbol, register_symbol
 
 #: Symbol that kernels declare as ``declare void @opgrad_parallel_for(ptr, ptr)``.
 PARALLEL_FOR = "opgrad_parallel_for"
@@ -271,9 +271,13 @@ _pool_lock = threading.Lock()
 
 
 def pool() -> ThreadPool:
-    """The process-wide pool, created on first use (must exist before kernels are finalized)."""
+    """The process-wide pool, created on first use: at the latest by the first module that declares
+    :data:`PARALLEL_FOR`, before it loads."""
     global _pool
     with _pool_lock:
         if _pool is None:
             _pool = ThreadPool(default_num_threads())
         return _pool
+
+
+provide_symbol(PARALLEL_FOR, pool)
