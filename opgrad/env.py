@@ -5,8 +5,9 @@ this process may run on). It is read when the first kernel is compiled; the ``op
 checks every variable here up front, so a typo fails before any work, as one line.
 ``OPGRAD_CACHE_DIR`` is the compiled-object cache directory (default ``~/.cache/opgrad``).
 ``OPGRAD_COMPILE_IN_PROCESS=1`` runs LLVM in the calling process instead of a worker process.
-``OPGRAD_CONV_ALGORITHM`` picks how 3x3 stride-1 convolutions run: ``auto`` (the default: Winograd
-where it pays), ``direct`` (always the im2col GEMM) or ``winograd`` (wherever it applies).
+``OPGRAD_CONV_ALGORITHM`` picks how stride-1 convolutions run: ``auto`` (the default: Winograd for
+3x3 kernels where it pays, a sliding window for few input taps), ``direct`` (always the im2col
+GEMM) or ``winograd`` (wherever it applies).
 """
 
 from __future__ import annotations
@@ -90,7 +91,7 @@ def conv_algorithm_setting(environ: Mapping[str, str] | None = None) -> str:
     text = (os.environ if environ is None else environ).get(CONV_ALGORITHM_VAR, "").strip() or "auto"
     if text not in CONV_ALGORITHMS:
         raise ConfigError(f"environment variable {CONV_ALGORITHM_VAR}={text!r}: expected one of "
-                          f"{', '.join(CONV_ALGORITHMS)} (how 3x3 stride-1 convolutions are computed)")
+                          f"{', '.join(CONV_ALGORITHMS)} (how stride-1 convolutions are computed)")
     return text
 
 

@@ -350,7 +350,8 @@ def test_dispatch_applies_only_to_three_by_three_stride_one_convolutions(monkeyp
     assert algorithm((8, 16, 14, 14), (32, 16, 3, 3), dilation=2) == "direct"
     assert algorithm((8, 16, 14, 14), (32, 16, 5, 5)) == "direct"
     assert algorithm((8, 16, 14, 14), (32, 16, 3, 3), pads=3) == "direct"
-    assert algorithm((8, 1, 28, 28), (32, 1, 3, 3)) == "direct"  # one input channel: a thin GEMM
+    # one input channel: too thin a GEMM for Winograd; the sliding window takes it
+    assert algorithm((8, 1, 28, 28), (32, 1, 3, 3)) == "sliding window"
     assert algorithm((8, 16, 3, 3), (32, 16, 3, 3), pads=0) == "direct"  # a 1x1 output: 16 products for 9
     # The weight gradient's per-group partial sums (16 x O x C) stay small, else the direct GEMM.
     assert algorithm((2, 128, 8, 8), (128, 128, 3, 3), pass_="backward_weight") == "winograd F(3x3,2x2)"
@@ -358,6 +359,7 @@ def test_dispatch_applies_only_to_three_by_three_stride_one_convolutions(monkeyp
     assert algorithm((2, 256, 8, 8), (256, 256, 3, 3), pass_="forward") in WINOGRAD_NAMES
     monkeypatch.setenv(CONV_ALGORITHM_VAR, "direct")
     assert algorithm((8, 16, 14, 14), (32, 16, 3, 3)) == "direct"
+    assert algorithm((8, 1, 28, 28), (32, 1, 3, 3)) == "direct"
     monkeypatch.setenv(CONV_ALGORITHM_VAR, "winograd")
     assert algorithm((8, 1, 28, 28), (32, 1, 3, 3)) in WINOGRAD_NAMES
     assert algorithm((8, 16, 14, 14), (32, 16, 3, 3), stride=2) == "direct"  # does not apply at all

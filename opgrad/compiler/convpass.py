@@ -1,4 +1,5 @@
-"""Which algorithm computes a conv2d pass: the im2col GEMM or Winograd, by shape and setting."""
+"""Which algorithm computes a conv2d pass: the im2col GEMM, Winograd or the sliding window, by shape
+and setting."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from opgrad.env import conv_algorithm_setting
 from .conv import Conv2dGeometry, ConvEntry, emit_conv2d_backward_data, emit_conv2d_backward_weight, emit_conv2d_forward
 from .gemm import Epilogue
 from .irtext import ModuleEmitter
+from .sliding import emit_sliding, sliding_applies
 from .winograd import (
     WinogradConv,
     WinogradTiles,
@@ -43,10 +45,16 @@ class ConvPass:
         return winograd_conv(self.geom, self.pass_, require_gain=setting == "auto")
 
     @property
+    def sliding(self) -> bool:
+        """Whether the pass runs as a sliding window (:mod:`.sliding`): where Winograd does not
+        apply, unless ``$OPGRAD_CONV_ALGORITHM`` asks for the im2col GEMM (``direct``)."""
+        return conv_algorithm_setting() != "direct" and self.winograd is None and sliding_applies(self.geom, self.pass_)
+
+    @property
     def algorithm(self) -> str:
         problem = self.winograd
         if problem is None:
-            return "direct"
+            return "sliding window" if self.sliding else "direct"
         return winograd_name(self.pass_, choose_tiles(problem, self.pass_))
 
     def accepts(self, epilogue: Epilogue) -> bool:
@@ -57,7 +65,7 @@ class ConvPass:
             return False
         if self.winograd is not None:
             return accepts_epilogue(epilogue)
-        return self.pass_ == "forward" and self.geom.groups == 1
+        return self.pass_ == "forward" and self.geom.groups == 1  # as the GEMM's or the sliding window's
 
 
 def winograd_name(pass_: str, tiles: WinogradTiles) -> str:
@@ -76,6 +84,8 @@ def emit_conv2d_pass(mod: ModuleEmitter, conv: ConvPass, name: str) -> tuple[Con
             return emit_winograd_weight(mod, problem, name, tiles), winograd_name(conv.pass_, tiles)
         return (emit_winograd(mod, problem, name, tiles, epilogue, exact_zeros=keeps_exact_zeros(conv.pass_)),
                 winograd_name(conv.pass_, tiles))
+    if conv.sliding:
+        return emit_sliding(mod, g, conv.pass_, name, epilogue), "sliding window"
     if conv.pass_ == "forward":
         return emit_conv2d_forward(mod, g, name, epilogue), "direct"
     emit = {"backward_data": emit_conv2d_backward_data, "backward_weight": emit_conv2d_backward_weight}[conv.pass_]
