@@ -119,8 +119,8 @@ class _Sliding:
         return f.val(f"select <{self.vl} x i1> {keep}, {self.vt} {value}, {self.vt} zeroinitializer", "keep")
 
     def splat_weight(self, f: FunctionEmitter, w: str, o: str, tap: int) -> str:
+        """Weight ``w[o, tap]`` (OIHW, taps flattened) in every lane."""
         return f.splat(self.vl, self.t, f.load(self.t, f.gep(self.t, w, f.add(f.mul(o, self.g.ckk), tap))))
-
 
     def accumulate_taps(self, f: FunctionEmitter, accs: list[str], taps: list[int], grad_row: str, planes: str,
                         h: str, start: str, keep: str | None) -> None:
@@ -207,7 +207,7 @@ def _weight_task(s: _Sliding, name: str, scratch_stride: int, groups: int) -> st
                         with f.loop(0, whole, hint="vec") as v:
                             s.accumulate_taps(f, accs, chunk, row, planes, h, f.mul(v, vl), None)
                         if tail is not None:
-                            s.accumulate_taps(f, accs, chunk, row, planes, h, str(tail), keep if repeated else None)
+                            s.accumulate_taps(f, accs, chunk, row, planes, h, str(tail), keep)
                     for acc, k in zip(accs, chunk, strict=True):
                         slot = f.gep(t, part, f.add(f.mul(o, taps), k))
                         total = f.call(t, reduce_fn, [(t, float_const(-0.0, t)), (vt, f.load(vt, acc))])
