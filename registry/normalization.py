@@ -121,9 +121,9 @@ def _lower_normalize(kb: KernelBuilder, out: View, data: View, axes: tuple[int, 
     kept = _kept(data.shape, axes)
     inv_m = 1.0 / max(1, math.prod(data.shape[a] for a in axes))
     first = data.pinned(axes)  # never read where data is empty
-    mean = kb.temporary(kept, out.dtype)
-    kb.map_reduce(mean, [data, first], axes, "sum", body=lambda s, v: s.sub(v[0], v[1]), scale=inv_m)
-    mean_b = mean.broadcast_to(data.shape)
+    shifted_mean = kb.temporary(kept, out.dtype)
+    kb.map_reduce(shifted_mean, [data, first], axes, "sum", body=lambda s, v: s.sub(v[0], v[1]), scale=inv_m)
+    shifted_mean_b = shifted_mean.broadcast_to(data.shape)
     var = kb.temporary(kept, out.dtype)
 
     def centered(s: Scalar, v: list[str]) -> str:
@@ -133,13 +133,13 @@ def _lower_normalize(kb: KernelBuilder, out: View, data: View, axes: tuple[int, 
         d = centered(s, v)
         return s.mul(d, d)
 
-    kb.map_reduce(var, [data, first, mean_b], axes, "sum", body=squared, scale=inv_m)
+    kb.map_reduce(var, [data, first, shifted_mean_b], axes, "sum", body=squared, scale=inv_m)
 
     def body(s: Scalar, v: list[str]) -> str:
         std = s.call("sqrt", s.add(v[3], s.const(epsilon)))
         return s.add(s.mul(s.div(centered(s, v), std), v[4]), v[5])
 
-    kb.elementwise(out, [data, first, mean_b, var.broadcast_to(data.shape), scale, shift], body)
+    kb.elementwise(out, [data, first, shifted_mean_b, var.broadcast_to(data.shape), scale, shift], body)
 
 
 # ----- batch_norm -----

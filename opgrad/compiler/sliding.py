@@ -28,7 +28,7 @@ from .conv import Conv2dGeometry, ConvEntry, output_matrix
 from .gemm import Epilogue, call_epilogue, emit_epilogue, round_up
 from .irtext import BYTES, LLVM_TYPE, FunctionEmitter, ModuleEmitter, float_const
 from .target import current_target
-from .winograd import emit_guarded_entry
+from .winograd import emit_guarded_entry, parallel_task, thread_share
 
 __all__ = ["SLIDING_MAX_TAPS", "emit_sliding", "sliding_applies"]
 
@@ -78,17 +78,6 @@ class _Sliding:
     def plane_bytes(self) -> int:
         """This thread's zero-bordered copy of an image's planes (none without padding)."""
         return round_up(self.g.c * self.plane * self.esize, 64) if self.padded else 0
-
-    def task(self, name: str, nctx: int, pipeline: str = "explicit") -> tuple[FunctionEmitter, list[str], str, str]:
-        f = FunctionEmitter(self.mod, name, [("ptr", "ctx"), ("i32", "tid"), ("i32", "nt")], linkage="internal",
-                            pipeline=pipeline)
-        ptrs = [f.load("ptr", f.gep("ptr", "%ctx", str(i))) for i in range(nctx)]
-        return f, ptrs, f.val("sext i32 %tid to i64"), f.val("sext i32 %nt to i64")
-
-    @staticmethod
-    def share(f: FunctionEmitter, tid: str, nt: str, total: int) -> tuple[str, str]:
-        return (f.val(f"udiv i64 {f.mul(tid, total)}, {nt}"),
-                f.val(f"udiv i64 {f.mul(f.add(tid, 1), total)}, {nt}"))
 
     def image_planes(self, f: FunctionEmitter, x: str, image: str, scratch: str) -> str:
         """The image's input planes as rows of ``wp`` elements with the padding around them: ``x``
@@ -144,8 +133,8 @@ def _forward_task(s: _Sliding, name: str, scratch_stride: int, epilogue_fn: str 
     ob = max(1, min(g.o, (regs - pv - 2) // pv))
     blocks = -(-g.o // ob)
     pairs = -(-s.vectors // pv)
-    f, (x, w, y, scratch, *inputs), tid, nt = s.task(name, 4 + n_inputs)
-    lo, hi = s.share(f, tid, nt, g.n)
+    f, (x, w, y, scratch, *inputs), tid, nt = parallel_task(s.mod, name, 4 + n_inputs)
+    lo, hi = thread_share(f, tid, nt, g.n)
     own = f.gep("i8", scratch, f.mul(tid, scratch_stride))
     p = g.oh * g.ow
     with f.loop(lo, hi, hint="img") as image:
@@ -179,8 +168,8 @@ def _weight_task(s: _Sliding, name: str, scratch_stride: int, groups: int) -> st
     g, t, vt, vl = s.g, s.t, s.vt, s.vl
     regs = current_target().vector_registers
     per_pass = max(1, regs - 4)
-    f, (x, dy, partials, scratch), tid, nt = s.task(name, 4)
-    lo, hi = s.share(f, tid, nt, groups)
+    f, (x, dy, partials, scratch), tid, nt = parallel_task(s.mod, name, 4)
+    lo, hi = thread_share(f, tid, nt, groups)
     own = f.gep("i8", scratch, f.mul(tid, scratch_stride))
     taps = len(s.taps)
     whole = g.ow // vl  # vectors at 0, VL, 2 VL, ...
@@ -221,8 +210,8 @@ def _weight_sum_task(s: _Sliding, name: str, groups: int) -> str:
     """``dW = ((P0 + P1) + P2) + ...`` over the groups' partials, split over the weights."""
     g, t = s.g, s.t
     total = g.o * g.ckk
-    f, (partials, dw), tid, nt = s.task(name, 2, pipeline="lean")
-    lo, hi = s.share(f, tid, nt, total)
+    f, (partials, dw), tid, nt = parallel_task(s.mod, name, 2, pipeline="lean")
+    lo, hi = thread_share(f, tid, nt, total)
     with f.loop(lo, hi, hint="wi") as i:
         acc = f.load(t, f.gep(t, partials, i))
         for group in range(1, groups):

@@ -59,6 +59,8 @@ __all__ = [
     "estimated_cycles",
     "keeps_exact_zeros",
     "linear_plan",
+    "parallel_task",
+    "thread_share",
     "tile_candidates",
     "winograd_conv",
 ]
@@ -522,19 +524,13 @@ class WinogradEmitter:
         return [self.product(f, right, row, vector) for row in rows]
 
     def task(self, name: str, nctx: int, pipeline: str = "explicit") -> tuple[FunctionEmitter, list[str], str, str]:
-        """A parallel-for task: its emitter, the context pointers, tid and thread count as i64.
-        Tasks are register-tiled explicit vector code unless they say otherwise: ``lean`` for
-        transforms, ``cold`` for fallbacks (:data:`opgrad.compiler.llvm_worker.PIPELINES`)."""
-        f = FunctionEmitter(self.mod, name, [("ptr", "ctx"), ("i32", "tid"), ("i32", "nt")], linkage="internal",
-                            pipeline=pipeline)
-        ptrs = [f.load("ptr", f.gep("ptr", "%ctx", str(i))) for i in range(nctx)]
-        return f, ptrs, f.val("sext i32 %tid to i64"), f.val("sext i32 %nt to i64")
+        """:func:`parallel_task` in this kernel's module."""
+        return parallel_task(self.mod, name, nctx, pipeline)
 
     @staticmethod
     def share(f: FunctionEmitter, tid: str, nt: str, total: str | int) -> tuple[str, str]:
-        lo = f.val(f"udiv i64 {f.mul(tid, total)}, {nt}")
-        hi = f.val(f"udiv i64 {f.mul(f.add(tid, 1), total)}, {nt}")
-        return lo, hi
+        """:func:`thread_share`."""
+        return thread_share(f, tid, nt, total)
 
     def masked_store(self, f: FunctionEmitter, lanes: int, value: str, ptr: str, valid: int) -> None:
         suffix = f"v{lanes}{'f32' if self.t == 'float' else 'f64'}.p0"
@@ -952,6 +948,24 @@ def emit_winograd(mod: ModuleEmitter, p: WinogradConv, name: str, tiles: Winogra
     phases = [(e.weight_task(name + ".weights"), ["w", "shared"]),
               (e.block_task(name + ".blocks", scratch_stride), ["x", "shared", "y", "scratch", "flag", *inputs])]
     return emit_guarded_entry(mod, name, ("x", "w", "y", *inputs), u_bytes, scratch_stride, phases, fallback)
+
+
+def parallel_task(mod: ModuleEmitter, name: str, nctx: int,
+                  pipeline: str = "explicit") -> tuple[FunctionEmitter, list[str], str, str]:
+    """A parallel-for task: its emitter, the context pointers, tid and thread count as i64.
+    Tasks are register-tiled explicit vector code unless they say otherwise: ``lean`` for
+    transforms, ``cold`` for fallbacks (:data:`opgrad.compiler.llvm_worker.PIPELINES`)."""
+    f = FunctionEmitter(mod, name, [("ptr", "ctx"), ("i32", "tid"), ("i32", "nt")], linkage="internal",
+                        pipeline=pipeline)
+    ptrs = [f.load("ptr", f.gep("ptr", "%ctx", str(i))) for i in range(nctx)]
+    return f, ptrs, f.val("sext i32 %tid to i64"), f.val("sext i32 %nt to i64")
+
+
+def thread_share(f: FunctionEmitter, tid: str, nt: str, total: str | int) -> tuple[str, str]:
+    """Thread ``tid``'s part ``[lo, hi)`` of ``[0, total)`` out of ``nt`` even parts."""
+    lo = f.val(f"udiv i64 {f.mul(tid, total)}, {nt}")
+    hi = f.val(f"udiv i64 {f.mul(f.add(tid, 1), total)}, {nt}")
+    return lo, hi
 
 
 def declare_helpers(mod: ModuleEmitter) -> None:
