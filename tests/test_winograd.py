@@ -11,7 +11,7 @@ from numpy.lib.stride_tricks import sliding_window_view
 
 from opgrad.compiler import conv2d_geometry
 from opgrad.compiler.convpass import ConvPass, emit_conv2d_pass
-from opgrad.compiler.irtext import ModuleEmitter
+from opgrad.compiler.irtext import FunctionEmitter, ModuleEmitter
 from opgrad.compiler.jit import NativeModule
 from opgrad.compiler.kernels import CompiledKernel
 from opgrad.compiler.target import resolve_target, use_target
@@ -281,15 +281,41 @@ def test_tile_choice_follows_the_pass_and_the_output_size() -> None:
     assert choose_tiles(_problem((8, 128, 28, 28), 128, 1, "backward_weight"), "backward_weight") is F2X3
 
 
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("lanes", [2, 4, 8, 16])
+@pytest.mark.parametrize("tiles", TILE_CHOICES, ids=lambda t: f"F({t.m},3)")
+def test_tile_columns_pick_every_mth_element_at_any_vector_width(tiles: WinogradTiles, lanes: int, dtype: str) -> None:
+    # Column j of tile l is plane[start + m * l + j], for every vector width the targets have
+    # (AVX-512's 16 float32 lanes included: LLVM splits wider vectors than the host's, so the
+    # shuffles' meaning is checked on any machine) and the 16-byte lanes of both dtypes.
+    emitter = WinogradEmitter(ModuleEmitter("t_cols"), _problem((1, 8, 12, 12), 8, 1), tiles)
+    emitter.t, emitter.esize = {"float32": ("float", 4), "float64": ("double", 8)}[dtype]
+    emitter.vl, emitter.vt = lanes, f"<{lanes} x {emitter.t}>"
+    start, size = 3, tiles.alpha
+    f = FunctionEmitter(emitter.mod, "cols", [("ptr", "plane"), ("ptr", "out"), ("ptr", "ws")])
+    for j, column in enumerate(emitter.tile_columns(f, "%plane", str(start), size)):
+        f.store(emitter.vt, column, f.gep(emitter.t, "%out", str(j * lanes)), align=emitter.esize)
+    f.ret_void()
+    f.finish()
+    kernel = CompiledKernel(NativeModule(emitter.mod.text()), "cols", 2, 0)
+    # The loads may read up to a 16-byte lane past the last column: the plane has room for that.
+    plane = np.arange(start + tiles.m * lanes + size + 16, dtype=dtype)
+    out = np.zeros((size, lanes), dtype)
+    kernel(plane, out)
+    want = np.array([[plane[start + tiles.m * tile + j] for tile in range(lanes)] for j in range(size)])
+    np.testing.assert_array_equal(out, want)
+
+
 def test_a_narrow_last_piece_of_columns_takes_several_panels_per_register_tile() -> None:
-    # The seed CNN's conv2 backward-data by F(4,3): 7x7 tiles per image in blocks of 6 rows (42
-    # columns, 48 with padding) and 1 row (7, 8 with padding). The full width takes 4 rows by 3
-    # vectors; the 8-column block takes 2 panels, 8 rows by 1 vector, where 4 rows would leave
-    # 8 of the 12 accumulators idle. The tile covers whole panels only.
+    # The seed CNN's conv2 backward-data by F(4,3): 7x7 tiles per image, one block (49 columns,
+    # 56 with padding) in register tiles 3 vectors wide: two of 24 columns and a last piece of
+    # 8. The full width takes 4 rows by 3 vectors; the 8-column piece takes 2 panels, 8 rows by
+    # 1 vector, where 4 rows would leave 8 of the 12 accumulators idle. The tile covers whole
+    # panels only.
     with use_target(resolve_target("x86-64-v3")):  # AVX2: 8 lanes, 16 registers
         emitter = WinogradEmitter(ModuleEmitter("t_panels"), _problem((32, 32, 26, 26), 64, 0, "backward_data"), F4X3)
         odd = WinogradEmitter(ModuleEmitter("t_panels"), _problem((2, 8, 10, 10), 20, 0), F2X3)
-    assert (emitter.vl, emitter.mr, emitter.nvec, emitter.cout_pad, emitter.cols) == (8, 4, 3, 32, 48)
+    assert (emitter.vl, emitter.mr, emitter.nvec, emitter.cout_pad, emitter.cols) == (8, 4, 3, 32, 56)
     assert [emitter.panels_per_tile(n) for n in (3, 2, 1)] == [1, 1, 2]
     # 20 channels: 5-row panels, 4 of them; one vector takes 2 panels, two vectors one.
     assert (odd.mr, odd.nvec) == (5, 2) and [odd.panels_per_tile(n) for n in (2, 1)] == [1, 2]

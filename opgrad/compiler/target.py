@@ -32,6 +32,7 @@ import llvmlite.binding as llvm
 __all__ = [
     "NAMED_TARGETS",
     "Target",
+    "cache_share",
     "cache_size",
     "current_target",
     "host_target",
@@ -149,6 +150,33 @@ def cache_size(level: int) -> int | None:
         if digits.isdigit():
             return int(digits) * scale
     return None
+
+
+def cache_share(level: int) -> int | None:
+    """Bytes of this host's level-``level`` data (or unified) cache that one CPU has to itself when
+    every CPU sharing it works: its size over the CPUs sysfs lists as sharing it (an L3 of 32 MiB
+    shared by 8 cores: 4 MiB). None where sysfs does not say."""
+    size = cache_size(level)
+    if size is None:
+        return None
+    for entry in sorted(Path("/sys/devices/system/cpu/cpu0/cache").glob("index*")):
+        try:
+            if int((entry / "level").read_text()) != level or (entry / "type").read_text().strip() == "Instruction":
+                continue
+            cpus = _cpu_count((entry / "shared_cpu_list").read_text())
+        except (OSError, ValueError):
+            return size
+        return size // max(1, cpus)
+    return size
+
+
+def _cpu_count(cpu_list: str) -> int:
+    """CPUs in a sysfs list such as ``0-3,8-11``."""
+    count = 0
+    for part in cpu_list.strip().split(","):
+        first, _, last = part.partition("-")
+        count += int(last or first) - int(first) + 1
+    return count
 
 
 _X86_V2 = "+cx16,+popcnt,+sse3,+sse4.1,+sse4.2,+ssse3,+sahf"
