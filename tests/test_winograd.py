@@ -14,10 +14,11 @@ from opgrad.compiler.convpass import ConvPass, emit_conv2d_pass
 from opgrad.compiler.irtext import FunctionEmitter, ModuleEmitter
 from opgrad.compiler.jit import NativeModule
 from opgrad.compiler.kernels import CompiledKernel
-from opgrad.compiler.target import resolve_target, use_target
+from opgrad.compiler.target import cache_share, cache_size, resolve_target, use_target
 from opgrad.compiler.threads import pool
 from opgrad.compiler.winograd import (
     ACCURACY_MARGIN,
+    BLOCK_BYTES,
     F2X3,
     F3X3,
     F4X3,
@@ -25,6 +26,7 @@ from opgrad.compiler.winograd import (
     WinogradConv,
     WinogradEmitter,
     WinogradTiles,
+    block_budget,
     choose_tiles,
     combination_ops,
     emit_winograd,
@@ -304,6 +306,19 @@ def test_tile_columns_pick_every_mth_element_at_any_vector_width(tiles: Winograd
     kernel(plane, out)
     want = np.array([[plane[start + tiles.m * tile + j] for tile in range(lanes)] for j in range(size)])
     np.testing.assert_array_equal(out, want)
+
+
+def test_blocks_are_as_large_as_the_cache_budget_allows() -> None:
+    # For another target than the host the budget is BLOCK_BYTES (2 MiB): the seed CNN's conv2
+    # (24x24 outputs) is one block per image, a 112x112x64 layer several, each within the budget.
+    with use_target(resolve_target("x86-64-v3")):
+        assert block_budget() == BLOCK_BYTES
+        seed = WinogradEmitter(ModuleEmitter("t_blocks"), _problem((32, 32, 26, 26), 64, 0), F3X3)
+        large = WinogradEmitter(ModuleEmitter("t_blocks"), _problem((2, 64, 112, 112), 64, 1), F4X3)
+    assert (seed.blocks, seed.rows) == (1, seed.th)
+    assert large.blocks > 1 and large.v_bytes + large.m_bytes <= BLOCK_BYTES
+    assert cache_share(2) is None or cache_share(2) <= (cache_size(2) or 0)
+    assert cache_share(3) is None or cache_share(3) <= (cache_size(3) or 0)
 
 
 def test_a_narrow_last_piece_of_columns_takes_several_panels_per_register_tile() -> None:
