@@ -152,6 +152,7 @@ def cache_size(level: int) -> int | None:
     return None
 
 
+@functools.lru_cache(maxsize=8)
 def cache_share(level: int) -> int | None:
     """Bytes of this host's level-``level`` data (or unified) cache that one CPU has to itself when
     every CPU sharing it works: its size over the CPUs sysfs lists as sharing it (an L3 of 32 MiB
