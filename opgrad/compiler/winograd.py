@@ -450,6 +450,7 @@ class WinogradEmitter:
         # height that divides the output channels where one exists, so no GEMM rows are padding.
         accumulators = blk.mr * blk.nr // self.vl
         self.mr = next((mr for mr in range(8, 3, -1) if p.cout % mr == 0 and accumulators // mr >= 2), blk.mr)
+        self.cout_pad = round_up(p.cout, self.mr)
         self.rows = self.block_rows()
         self.blocks = -(-self.th // self.rows)
         #: Tile rows of an image's last block: its transforms and GEMMs cover only those.
@@ -459,13 +460,9 @@ class WinogradEmitter:
         #: before that row overwrites them, and past the end into the spare vector.
         self.cols = round_up(self.rows * self.tw, self.vl)
         self.nvec = min(accumulators // self.mr, self.cols // self.vl)
-        self.stride = self.cols + self.vl
-        self.cout_pad = round_up(p.cout, self.mr)
-        #: Elements between two positions' V (and M) matrices, one cache line more than they need: a
-        #: multiple of 4 KiB would make the transform's stores to the positions alias each other.
-        line = 64 // self.esize
-        self.v_pos = round_up(p.cin * self.stride, line) + line
-        self.m_pos = round_up(self.cout_pad * self.stride, line) + line
+        self.stride = self.row_stride(self.rows)
+        self.v_pos = self.position_elements(p.cin, self.rows)
+        self.m_pos = self.position_elements(self.cout_pad, self.rows)
         self.wp = tiles.m * round_up(self.tw, self.vl) + self.alpha - 1
         self.hp = tiles.m * self.rows + 2
         self.it = "i32" if self.esize == 4 else "i64"
@@ -481,13 +478,9 @@ class WinogradEmitter:
         halo rows and a partial last block, so blocks are as large as stay on chip: measured on
         AMD Zen 3 (L2 512 KiB), one block of a whole 24 x 24 image (V and M 0.7 MiB) ran the seed
         CNN's conv2 forward 7 % faster than two."""
-        line = 64 // self.esize
-        cout_pad = round_up(self.p.cout, self.mr)
-
         def block_bytes(rows: int) -> int:
-            stride = round_up(rows * self.tw, self.vl) + self.vl
-            per_pos = (round_up(self.p.cin * stride, line) + round_up(cout_pad * stride, line) + 2 * line)
-            return self.alpha**2 * per_pos * self.esize
+            elements = self.position_elements(self.p.cin, rows) + self.position_elements(self.cout_pad, rows)
+            return self.alpha**2 * elements * self.esize
 
         def waste(rows: int) -> float:
             full, tail = divmod(self.th, rows)
@@ -496,6 +489,18 @@ class WinogradEmitter:
         budget = block_budget()
         limit = max([1] + [rows for rows in range(1, self.th + 1) if block_bytes(rows) <= budget])
         return min(range(1, limit + 1), key=lambda rows: (waste(rows), -rows))
+
+    def row_stride(self, rows: int) -> int:
+        """Row stride of V and M for blocks of ``rows`` tile rows: their tiles rounded to whole
+        vectors, and one vector more (a row's last transform chunk spills into it)."""
+        return round_up(rows * self.tw, self.vl) + self.vl
+
+    def position_elements(self, channels: int, rows: int) -> int:
+        """Elements between two positions' matrices of ``channels`` rows (V: the input channels,
+        M: the padded output channels) for blocks of ``rows`` tile rows, one cache line more than
+        they need: a multiple of 4 KiB would make the transform's stores to the positions alias."""
+        line = 64 // self.esize
+        return round_up(channels * self.row_stride(rows), line) + line
 
     def const(self, value: float, vector: bool) -> str:
         c = float_const(value, self.t)
