@@ -135,6 +135,79 @@ def test_gemm_epilogue_equals_the_separate_elementwise_pass(dtype: str, mnk: tup
     np.testing.assert_array_equal(out, np.maximum(w - np.asarray(0.25, dtype) * (c + bias), 0))
 
 
+_STORE_BODIES = {
+    # name: (body over [C, W, bias, scale], numpy twin, applied by the tile store)
+    "sgd": (lambda s, v: s.sub(v[1], s.mul(v[3], v[0])), lambda c, w, bias, lr: w - lr * c, True),
+    "erf": (lambda s, v: s.libm("erf", s.add(v[0], v[2])), None, True),
+    "step": (lambda s, v: s.select(s.cmp("ogt", v[0], v[2]), v[1], s.mask(s.cmp("olt", v[0], v[1]))),
+             lambda c, w, bias, lr: np.where(c > bias, w, (c < w).astype(c.dtype)), True),
+    # Integer work has no vector form: the finished panels go through the epilogue pass.
+    "integer": (lambda s, v: s.select(s.icmp("ult", "0", 1), v[0], v[1]), lambda c, w, bias, lr: c, False),
+}
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("body", sorted(_STORE_BODIES))
+@pytest.mark.parametrize("mnk,accumulate", [((128, 1000, 32), False), ((37, 53, 700), True), ((13, 301, 300), False),
+                                            ((300, 70, 40), False)])
+def test_gemm_epilogue_applied_in_the_tile_store(dtype: str, body: str, mnk: tuple[int, int, int],
+                                                 accumulate: bool) -> None:
+    # The tile store applies the epilogue to the finished tile in registers, walking C row tile by
+    # row tile: vector bodies (math library lane by lane, compares and selects) on whole panels
+    # and the same body scalar on edge tiles; with several K blocks only the last store applies
+    # it, onto C's old value when accumulating. The scale is a 0-d array broadcast to every element.
+    from scipy.special import erf
+
+    from opgrad.compiler.gemm import Epilogue, IndexMap, Operand, emit_gemm
+    from opgrad.compiler.irtext import ModuleEmitter
+
+    m, n, k = mnk
+    fn, twin, in_store = _STORE_BODIES[body]
+    if twin is None:
+        twin = lambda c, w, bias, lr: erf(c + bias).astype(c.dtype)  # noqa: E731
+    rng = np.random.default_rng(m * n + k)
+    a, b = rng.standard_normal((m, k)).astype(dtype), rng.standard_normal((k, n)).astype(dtype)
+    w, bias = rng.standard_normal((m, n)).astype(dtype), rng.standard_normal(n).astype(dtype)
+    lr = np.asarray(0.125, dtype)
+    everywhere = Operand(IndexMap.strided(m, 0), IndexMap.strided(n, 0))
+    epilogue = Epilogue(fn, (Operand.matrix(m, n, n, 1), Operand(IndexMap.strided(m, 0), IndexMap.strided(n, 1)),
+                             everywhere))
+    plain = GemmSpec.dense(m, n, k, dtype, alpha=-0.5, accumulate=accumulate)
+    fused = GemmSpec(m, n, k, plain.a, plain.b, plain.c, dtype, alpha=-0.5, accumulate=accumulate,
+                     epilogue=epilogue)
+    plan = emit_gemm(ModuleEmitter(), fused)
+    assert plan.spec is fused and plan.epilogue_in_store == in_store
+    c0 = rng.standard_normal((m, n)).astype(dtype)
+    c, out = c0.copy(), c0.copy()
+    gemm_kernel(plain)(a, b, c)
+    gemm_kernel(fused)(a, b, out, w, bias, lr)
+    want = twin(c, w, bias, lr)
+    if body == "erf":
+        _close(out, want, dtype)
+    else:
+        np.testing.assert_array_equal(out, want)
+
+
+def test_gemm_epilogue_reading_strided_columns_runs_as_a_pass() -> None:
+    # An input whose columns are not a run (every other element of a wider matrix) cannot be read
+    # by whole vectors where C can: the GEMM applies the epilogue in its pass over finished panels.
+    from opgrad.compiler.gemm import Epilogue, IndexMap, Operand, emit_gemm
+    from opgrad.compiler.irtext import ModuleEmitter
+
+    m, n, k, dtype = 64, 200, 48, "float32"
+    rng = np.random.default_rng(5)
+    a, b = rng.standard_normal((m, k)).astype(dtype), rng.standard_normal((k, n)).astype(dtype)
+    wide = rng.standard_normal((m, 2 * n)).astype(dtype)
+    epilogue = Epilogue(lambda s, v: s.add(v[0], v[1]), (Operand(IndexMap.strided(m, 2 * n), IndexMap.strided(n, 2)),))
+    plain = GemmSpec.dense(m, n, k, dtype)
+    fused = GemmSpec(m, n, k, plain.a, plain.b, plain.c, dtype, epilogue=epilogue)
+    assert not emit_gemm(ModuleEmitter(), fused).epilogue_in_store
+    c, out = np.full((m, n), np.nan, dtype), np.full((m, n), np.nan, dtype)
+    gemm_kernel(plain)(a, b, c)
+    gemm_kernel(fused)(a, b, out, wide)
+    np.testing.assert_array_equal(out, c + wide[:, ::2])
+
+
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
 @pytest.mark.parametrize("layout", ["rows", "columns"])
 def test_gemm_summing_k_in_groups_matches_numpy(dtype: str, layout: str) -> None:

@@ -14,7 +14,7 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
-from .irtext import BYTES, FAST, LLVM_TYPE, PRECISE, FunctionEmitter, float_const
+from .irtext import BYTES, FAST, LLVM_TYPE, PRECISE, FunctionEmitter, float_const, splat_const
 
 #: Pseudo buffer of an index view: its element value is its own (flat, strided) offset.
 IOTA = -1
@@ -258,6 +258,57 @@ class Scalar:
     def icmp(self, pred: str, a: str, b: str | int) -> str:
         """Integer compare of ``i64`` values (``uge``, ``ult``, ``eq``, ...) -> i1."""
         return self.f.icmp(pred, a, _i64(b) if isinstance(b, int) else b)
+
+
+class NotVectorizable(Exception):
+    """A body uses an operation :class:`VectorScalar` has no lane-parallel form of."""
+
+
+class VectorScalar(Scalar):
+    """Emits a body on whole vectors of ``lanes`` elements: the same instructions on ``<lanes x t>``,
+    so a kernel applies an elementwise body to values it holds in registers (a GEMM's finished
+    tile) without storing and reloading them. Math library calls run lane by lane; integer work
+    (counter hashing) raises :class:`NotVectorizable`, and the caller keeps its scalar loop."""
+
+    def __init__(self, f: FunctionEmitter, dtype: str, lanes: int) -> None:
+        super().__init__(f, dtype)
+        self.element = self.t
+        self.lanes = lanes
+        self.t = f"<{lanes} x {self.element}>"
+
+    def const(self, value: float) -> str:
+        return splat_const(self.lanes, self.element, float_const(value, self.element))
+
+    def call(self, intrinsic: str, *args: str) -> str:
+        suffix = f"v{self.lanes}{_suffix(self.element)}"
+        fn = self.f.module.intrinsic(intrinsic, self.t, [self.t] * len(args), suffix)
+        return self.f.call(self.t, fn, [(self.t, a) for a in args], hint=intrinsic)
+
+    def libm(self, name: str, *args: str) -> str:
+        fn = name + ("f" if self.element == "float" else "")
+        e = self.element
+        ref = self.f.module.declare(fn, f"declare {e} @{fn}({', '.join([e] * len(args))})")
+        out = "poison"
+        for lane in range(self.lanes):
+            xs = [self.f.val(f"extractelement {self.t} {a}, i32 {lane}", "lane") for a in args]
+            y = self.f.call(e, ref, [(e, x) for x in xs], hint=name)
+            out = self.f.val(f"insertelement {self.t} {out}, {e} {y}, i32 {lane}", "lanes")
+        return out
+
+    def cmp(self, pred: str, a: str, b: str) -> str:
+        return self.f.val(f"fcmp {pred} {self.t} {a}, {b}", "fc")
+
+    def select(self, cond: str, a: str, b: str) -> str:
+        return self.f.val(f"select <{self.lanes} x i1> {cond}, {self.t} {a}, {self.t} {b}", "sel")
+
+    def mask(self, cond: str) -> str:
+        return self.f.val(f"uitofp <{self.lanes} x i1> {cond} to {self.t}", "mask")
+
+    def hash64(self, counter: str, key: int) -> str:
+        raise NotVectorizable("hash64")
+
+    def icmp(self, pred: str, a: str, b: str | int) -> str:
+        raise NotVectorizable("icmp")
 
 
 def _i64(value: int) -> int:
