@@ -297,6 +297,12 @@ class GemmPlan:
         self.a_in_place = reads_a_in_place(s, b)
         self.epilogue_in_store = self.kgroups == 1 and epilogue_in_store(s, b.vl)
         esize = BYTES[s.dtype]
+        if self.epilogue_in_store:
+            # Walking row tile by row tile, every row tile reads all the packed panels of its NC
+            # columns again: as many as fit in half of L2.
+            l2 = cache_size(2) if current_target() == host_target() else 0
+            panels = max(1, (l2 or 512 << 10) // 2 // (panel_stride(self.kc, b.nr, s.dtype) * esize))
+            self.nc = min(self.nc, panels * b.nr)
         a_bytes = -(-b.mc // b.mr) * panel_stride(self.kc, b.mr, s.dtype) * esize
         b_bytes = -(-self.nc // b.nr) * panel_stride(self.kc, b.nr, s.dtype) * esize
         if self.kgroups > 1:
