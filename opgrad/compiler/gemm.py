@@ -994,9 +994,7 @@ def _prefetch_l2(f: FunctionEmitter, ptr: str, byte_offset: str | int = 0) -> No
     the GEMM prefetches are often a power-of-two multiple apart, share one L1 set and would evict
     each other. The address may lie past the operand (so no ``inbounds``): a prefetch never
     faults."""
-    prefetch = f.module.declare("llvm.prefetch.p0", "declare void @llvm.prefetch.p0(ptr, i32, i32, i32)")
-    at = f.val(f"getelementptr i8, ptr {ptr}, i64 {byte_offset}", "pf") if byte_offset != 0 else ptr
-    f.call("void", prefetch, [("ptr", at), ("i32", "0"), ("i32", "2"), ("i32", "1")])
+    f.prefetch(ptr, byte_offset, locality=2)
 
 
 def _microkernel(

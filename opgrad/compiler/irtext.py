@@ -272,6 +272,14 @@ class FunctionEmitter:
     def smin(self, a: str, b: str | int, ty: str = "i64") -> str:
         return self.select(self.icmp("slt", a, b, ty), ty, a, str(b))
 
+    def prefetch(self, ptr: str, byte_offset: str | int = 0, locality: int = 3) -> None:
+        """Prefetch the line at ``ptr + byte_offset`` for reading, into L1 (``locality`` 3) or
+        only into L2 (2). The address may lie past the object (so no ``inbounds``): a prefetch
+        never faults."""
+        fn = self.module.declare("llvm.prefetch.p0", "declare void @llvm.prefetch.p0(ptr, i32, i32, i32)")
+        at = self.val(f"getelementptr i8, ptr {ptr}, i64 {byte_offset}", "pf") if byte_offset != 0 else ptr
+        self.call("void", fn, [("ptr", at), ("i32", "0"), ("i32", str(locality)), ("i32", "1")])
+
     def splat(self, n: int, elem: str, scalar: str) -> str:
         """Broadcast a scalar value to all ``n`` lanes."""
         v = self.val(f"insertelement <{n} x {elem}> poison, {elem} {scalar}, i32 0", "ins")

@@ -19,17 +19,18 @@ other strides.
 Each task is one block of ``R`` tile rows of one image, run start to end by one thread with its
 data in L1/L2: the block's input tiles of every channel are transformed into V (vectorized over
 ``VL`` neighbouring tiles of a row, from a zero-padded copy of the rows it reads, so no tap needs a
-bounds check), the ``alpha**2`` small GEMMs run a register-tiled microkernel on V and on U, which
-the weight transform writes already packed in ``MR``-row panels, and the output transform writes
-the block's outputs. Nothing large goes through memory, and the blocks depend only on the shapes,
-so results are bitwise identical for any thread count. A non-finite output sends the whole pass
-to a direct sum (:func:`emit_guarded_entry`), which puts NaN and infinities where the reference does.
+bounds check, in two separable passes staged in L1), the ``alpha**2`` small GEMMs run a
+register-tiled microkernel on V and on U, which the weight transform writes already packed in
+``MR``-row panels, and the output transform writes the block's outputs. Nothing large goes
+through memory, and the blocks depend only on the shapes, so results are bitwise identical for
+any thread count. A non-finite output sends the whole pass to a direct sum
+(:func:`emit_guarded_entry`), which puts NaN and infinities where the reference does.
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from .conv import Conv2dGeometry, ConvEntry, output_matrix
@@ -262,7 +263,8 @@ def estimated_cycles(p: WinogradConv, tiles: WinogradTiles, exact_zeros: bool = 
     fmas = alpha**2 * e.cout_pad * p.cin * columns // vl
     runs = -(-e.tw // vl) * e.th
     loads = -(-alpha // m) * alpha + alpha**2  # wide loads and their phase shuffles
-    per_input = loads + _sandwich_ops(tiles.bt, alpha) + alpha**2
+    # The input transform's first pass runs once per plane row, which tile rows overlap on.
+    per_input = loads + linear_plan(tiles.bt).ops * (m + (alpha - m) / e.rows + alpha) + alpha**2
     # Each of the m output rows: interleave, store and the non-finite watch.
     per_output = alpha**2 + _sandwich_ops(tiles.at, alpha) + m * (2 * m + 3)
     ops = runs * (p.cin * per_input + p.cout * per_output)
@@ -277,7 +279,7 @@ def estimated_cycles(p: WinogradConv, tiles: WinogradTiles, exact_zeros: bool = 
 
 def _sandwich_ops(matrix: Matrix, columns: int) -> int:
     """Vector operations of ``matrix @ d @ matrix^T`` for a ``len(matrix[0]) x columns`` grid ``d``, as
-    :meth:`WinogradEmitter.sandwich` emits them: :func:`linear_plan`'s operations once per column of
+    :meth:`WinogradEmitter.outputs` emits them: :func:`linear_plan`'s operations once per column of
     ``d``, then once per row of the product."""
     ops = linear_plan(matrix).ops
     return ops * columns + ops * len(matrix)
@@ -433,6 +435,8 @@ class WinogradEmitter:
         #: needed by tiles larger than F(2,3), whose other inputs leave rounding noise there.
         self.exact_zeros = exact_zeros and tiles.m > 2
         self.field_mask_ptr = ""
+        #: This thread's L1 staging of the separable transforms (:meth:`transform_runs`, :meth:`outputs`).
+        self.row_staging = ""
         #: Applied to each block's outputs once they are stored (and, after a fallback, to all).
         self.epilogue = epilogue
         self.epilogue_fn = ""
@@ -612,6 +616,7 @@ class WinogradEmitter:
         occupancy = f.gep("i8", mm, str(self.m_bytes)) if self.exact_zeros else None
         if occupancy is not None:
             self.field_mask_ptr = f.gep("i8", occupancy, str(self.plane_bytes))
+        self.row_staging = f.gep("i8", mm, str(self.m_bytes + self.mask_bytes))
         self.sentinel = f.var(self.vt, "zeroinitializer", "bad")
         with f.loop(lo, hi, hint="blk") as item:
             img = f.val(f"udiv i64 {item}, {self.blocks}")
@@ -671,12 +676,13 @@ class WinogradEmitter:
             if occupancy is not None:
                 self.occupy(f, source, plane, occupancy)
             row_base = f.mul(ci, self.stride)
-            for r, chunk, out in self.chunks(f, source, plane, matrix, rows):
+
+            def put(r: str, chunk: int, a: int, b: int, value: str) -> None:
                 col = f.add(row_base, f.add(f.mul(r, self.tw), chunk * self.vl))
-                for a in range(len(matrix)):
-                    for b in range(len(matrix)):
-                        ptr = f.gep(t, dest, f.add(col, (a * len(matrix) + b) * pos_stride))
-                        f.store(self.vt, out[a][b], ptr, align=self.esize)
+                ptr = f.gep(t, dest, f.add(col, (a * len(matrix) + b) * pos_stride))
+                f.store(self.vt, value, ptr, align=self.esize)
+
+            self.transform_runs(f, source, plane, matrix, put, rows)
 
     def clear_plane(self, f: FunctionEmitter, source: TileSource, plane: str) -> None:
         """Zero the plane; every channel fills the same interior, so the border stays zero for the block."""
@@ -693,6 +699,16 @@ class WinogradEmitter:
                 dst = f.gep(t, plane, f.add(f.mul(pr, source.plane_cols), source.left))
                 f.emit(f"call void @llvm.memcpy.p0.p0.i64(ptr {dst}, ptr {f.gep(t, src, f.mul(ir, source.w))}, "
                        f"i64 {source.w * self.esize}, i1 false)")
+        # The same rows of the next channel, into L1 while this one is transformed: the copy
+        # reads a channel's rows as one short run among the transform's many streams, and would
+        # otherwise wait on each of its lines from L3 or memory in turn (measured on AMD Zen 3:
+        # the seed CNN's conv2 backward passes 7-8 % faster).
+        lo = f.mul(f.select(f.icmp("slt", first_row, 0), "i64", "0", first_row), source.w * self.esize)
+        hi = f.mul(f.smin(f.add(first_row, source.plane_rows), source.h), source.w * self.esize)
+        start = f.add(f.val(f"ptrtoint ptr {src} to i64", "at"), source.h * source.w * self.esize)
+        first_line = f.val(f"and i64 {f.add(start, lo)}, -64", "line")
+        with f.loop(first_line, f.add(start, hi), step=64, hint="pf") as line:
+            f.prefetch(f.val(f"inttoptr i64 {line} to ptr", "pp"))
 
     def occupy(self, f: FunctionEmitter, source: TileSource, plane: str, occupancy: str) -> None:
         """``occupancy |= bits(plane) & ~sign`` over the whole plane (its spare vector included):
@@ -724,19 +740,38 @@ class WinogradEmitter:
                 f.store(ivt, union, f.gep(it, self.field_mask_ptr, f.add(f.mul(py, self.mask_cols), cx)),
                         align=self.esize)
 
-    def chunks(self, f: FunctionEmitter, source: TileSource, plane: str, matrix: Matrix,
-               rows: str | None = None) -> Iterator[tuple[str, int, list[list[str]]]]:
-        """For each run of VL tiles of the block, in order: its tile row ``r`` (an IR value: the rows
-        are a loop), its index ``chunk`` in the row (tiles ``chunk * VL ...``) and the transformed
-        tiles, one vector over the VL tiles per position."""
-        m, vl, size = self.tiles.m, self.vl, source.size
-        with f.loop(0, rows or self.rows, hint="r") as r:
+    def transform_runs(self, f: FunctionEmitter, source: TileSource, plane: str, matrix: Matrix,
+                       put: Callable[[str, int, int, int, str], None], rows: str | None = None) -> None:
+        """``matrix d matrix^T`` for every tile ``d`` of the block's ``rows`` tile rows (``R`` unless
+        given), VL neighbouring tiles of a row at a time: ``put(r, chunk, a, b, value)`` receives
+        position ``(a, b)`` of the run ``chunk`` (tiles ``chunk * VL ...``) of tile row ``r`` (an IR
+        value: the rows are a loop).
+
+        The product is separable, so it runs in two passes through :attr:`row_staging` in L1: each
+        plane row the tiles read, its tiles' columns times ``matrix^T`` (shared by the tile rows
+        that overlap there), then down each staged column, times ``matrix``. Each pass holds one
+        tile row's ``size`` vectors and its results, where the direct sandwich holds the whole
+        ``size x size`` grid: on AMD Zen 3 (16 vector registers) F(4,3)'s sandwich went to the
+        stack 157 times per run of 8 tiles, the two passes not once, and the seed CNN's conv2
+        backward-data pass ran 8 % faster this way (the forward, F(3,3), 4 %)."""
+        m, vl, size, width = self.tiles.m, self.vl, source.size, len(matrix)
+        runs = -(-self.tw // vl)
+        line = width * runs * vl  # one staged plane row: [b][run][tile]
+        count = f.add(f.mul(rows or self.rows, m), size - m)
+        with f.loop(0, count, hint="hy") as y:
+            staged = f.gep(self.t, self.row_staging, f.mul(y, line))
             for chunk, tx0 in enumerate(range(0, self.tw, vl)):
-                d = []
-                for i in range(size):
-                    row = f.add(f.mul(f.add(f.mul(r, m), i), source.plane_cols), m * tx0)
-                    d.append(self.tile_columns(f, plane, row, size))
-                yield r, chunk, self.sandwich(f, matrix, d, matrix, vector=True)
+                columns = self.tile_columns(f, plane, f.add(f.mul(y, source.plane_cols), m * tx0), size)
+                for b, value in enumerate(self.product(f, matrix, columns, vector=True)):
+                    f.store(self.vt, value, f.gep(self.t, staged, (b * runs + chunk) * vl), align=self.esize)
+        with f.loop(0, rows or self.rows, hint="r") as r:
+            staged = f.gep(self.t, self.row_staging, f.mul(r, m * line))
+            for chunk in range(runs):
+                for b in range(width):
+                    down = [f.load(self.vt, f.gep(self.t, staged, i * line + (b * runs + chunk) * vl), align=self.esize)
+                            for i in range(size)]
+                    for a, value in enumerate(self.product(f, matrix, down, vector=True)):
+                        put(r, chunk, a, b, value)
 
     def tile_columns(self, f: FunctionEmitter, plane: str, row: str, size: int) -> list[str]:
         """Columns ``0 .. size-1`` of the VL consecutive tiles whose first starts at element ``row``
@@ -835,14 +870,21 @@ class WinogradEmitter:
                 for chunk, tx0 in enumerate(range(0, self.tw, vl)):
                     columns = m * vl if chunk < full_cols else p.ow - m * tx0
                     col = f.add(base, f.add(f.mul(r, self.tw), tx0))
-                    grid = [[f.load(self.vt, f.gep(t, mm, f.add(col, (a * alpha + b) * self.m_pos)),
-                                    align=self.esize) for b in range(alpha)] for a in range(alpha)]
-                    out = self.sandwich(f, self.tiles.at, grid, self.tiles.at, vector=True)
+                    # Separable, as the input transform (:meth:`transform_runs`): each column of
+                    # positions times A^T, staged, then each output row from its staged row.
+                    for b in range(alpha):
+                        down = [f.load(self.vt, f.gep(t, mm, f.add(col, (a * alpha + b) * self.m_pos)),
+                                       align=self.esize) for a in range(alpha)]
+                        for i, value in enumerate(self.product(f, self.tiles.at, down, vector=True)):
+                            f.store(self.vt, value, f.gep(t, self.row_staging, (i * alpha + b) * vl),
+                                    align=self.esize)
                     for i in range(m):
                         oy = f.add(f.mul(f.add(ty0, r), m), i)
                         with f.if_then(f.icmp("slt", oy, p.oh), "orow"):
                             ptr = f.gep(t, dst, f.add(f.mul(oy, p.ow), m * tx0))
-                            value = self.interleave(f, out[i])
+                            across = [f.load(self.vt, f.gep(t, self.row_staging, (i * alpha + b) * vl),
+                                             align=self.esize) for b in range(alpha)]
+                            value = self.interleave(f, self.product(f, self.tiles.at, across, vector=True))
                             if self.exact_zeros:
                                 value = self.zero_where_inputs_are(f, value, f.add(f.mul(r, m), i), m * tx0)
                             if columns == m * vl:
@@ -959,6 +1001,13 @@ class WinogradEmitter:
         return round_up(self.alpha**2 * self.m_pos * self.esize, 64)
 
     @property
+    def staging_rows_bytes(self) -> int:
+        """:attr:`row_staging`: the plane rows a block's tiles read, each ``alpha`` staged columns of
+        every run of tiles (:meth:`transform_runs`); it also holds a run's half-transformed outputs."""
+        runs = -(-self.tw // self.vl)
+        return round_up((self.tiles.m * self.rows + 2) * self.alpha * runs * self.vl * self.esize, 64)
+
+    @property
     def mask_bytes(self) -> int:
         """The occupancy plane and the field mask (:meth:`field_mask`), where outputs keep exact zeros."""
         if not self.exact_zeros:
@@ -976,7 +1025,7 @@ def emit_winograd(mod: ModuleEmitter, p: WinogradConv, name: str, tiles: Winogra
     tiles = tiles or F2X3
     e = WinogradEmitter(mod, p, tiles, epilogue, exact_zeros)
     u_bytes = round_up(e.alpha**2 * e.cout_pad * p.cin * e.esize, 64)
-    scratch_stride = e.plane_bytes + e.v_bytes + e.m_bytes + e.mask_bytes
+    scratch_stride = e.plane_bytes + e.v_bytes + e.m_bytes + e.mask_bytes + e.staging_rows_bytes
     inputs = [ptr for _, ptr in epilogue.pointers] if epilogue else []
     fallback = [(e.fallback_task(name + ".direct"), ["x", "w", "y"])]
     if epilogue is not None:

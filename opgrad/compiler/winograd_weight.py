@@ -80,7 +80,7 @@ class WeightGradEmitter(WinogradEmitter):
     def scratch_bytes(self) -> int:
         """One thread's two planes (each 64-byte aligned, as the plane fill assumes), the staging
         area of VL channels' transforms, the wide side's and the narrow side's transforms."""
-        return (self.x_plane_bytes + self.dy_plane_bytes + self.staging_bytes
+        return (self.x_plane_bytes + self.dy_plane_bytes + self.staging_bytes + self.staging_rows_bytes
                 + round_up(self.alpha**2 * (self.wide_pos + self.narrow_pos) * self.esize, 64))
 
     def group_task(self, name: str, scratch_stride: int) -> str:
@@ -94,6 +94,8 @@ class WeightGradEmitter(WinogradEmitter):
         staging = f.gep("i8", dy_plane, str(self.dy_plane_bytes))
         wide = f.gep("i8", staging, str(self.staging_bytes))
         narrow = f.gep(t, wide, str(self.alpha**2 * self.wide_pos))
+        self.row_staging = f.gep("i8", wide, str(round_up(self.alpha**2 * (self.wide_pos + self.narrow_pos)
+                                                          * self.esize, 64)))
         total = p.n * self.blocks
         x_source = TileSource(p.cin, p.h, p.w, p.top, p.left, self.alpha, self.hp, self.wp)
         dy_source = TileSource(p.cout, p.oh, p.ow, 0, 0, m, m * self.rows, self.dy_cols)
@@ -136,12 +138,14 @@ class WeightGradEmitter(WinogradEmitter):
                 ci = f.add(cg, lane)
                 with f.if_then(f.icmp("slt", ci, source.channels), "real"):
                     self.fill_plane(f, f.gep(t, x, f.mul(ci, source.h * source.w)), source, ty0, plane)
-                    for r, chunk, out in self.chunks(f, source, plane, matrix, rows):
+
+                    def put(r: str, chunk: int, a: int, b: int, value: str) -> None:
                         run = f.add(f.mul(r, chunks), chunk)
                         square0 = f.gep(t, staging, f.add(f.mul(run, a2 * vl * vl), f.mul(lane, vl)))
-                        for pos in range(a2):
-                            f.store(vt, out[pos // len(matrix)][pos % len(matrix)],
-                                    f.gep(t, square0, str(pos * vl * vl)), align=self.esize)
+                        pos = a * len(matrix) + b
+                        f.store(vt, value, f.gep(t, square0, str(pos * vl * vl)), align=self.esize)
+
+                    self.transform_runs(f, source, plane, matrix, put, rows)
             with f.loop(0, rows, hint="tr") as r:
                 for chunk in range(chunks):
                     run = f.add(f.mul(r, chunks), chunk)
