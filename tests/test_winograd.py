@@ -35,7 +35,7 @@ from opgrad.compiler.winograd import (
     tile_candidates,
     winograd_conv,
 )
-from opgrad.compiler.winograd_weight import emit_winograd_weight
+from opgrad.compiler.winograd_weight import GROUP_TILES, GROUPS, WeightGradEmitter, emit_winograd_weight
 from opgrad.env import CONV_ALGORITHM_VAR, conv_algorithm_setting
 from opgrad.errors import ConfigError
 
@@ -103,6 +103,27 @@ CASES = [
 RUNS = ([(case, "float32", tiles) for tiles in (F2X3, F3X3) for case in CASES]
         + [(case, "float64", tiles) for tiles in (F2X3, F3X3) for case in CASES[1:3]]
         + [(case, "float32", F4X3) for case in CASES[1:4]])
+
+
+@pytest.mark.parametrize("tiles", [F2X3, F3X3])
+def test_the_weight_gradient_sums_its_groups_of_blocks_in_order(tiles: WinogradTiles) -> None:
+    # Enough tiles for several groups, which a small case (one group) does not reach; the count
+    # follows the tiles, never the threads.
+    x_shape, w_shape, pads = (5, 3, 66, 64), (4, 3, 3, 3), (0, 1, 0, 1)
+    problem = winograd_conv(conv2d_geometry(x_shape, w_shape, 1, pads, 1, "float32"), "backward_weight",
+                            require_gain=False)
+    assert problem is not None
+    emitter = WeightGradEmitter(ModuleEmitter("groups"), problem, tiles)
+    total_tiles = problem.n * emitter.th * emitter.tw
+    assert 1 < emitter.groups == min(GROUPS, problem.n * emitter.blocks, total_tiles // GROUP_TILES)
+    rng = np.random.default_rng(7)
+    x = rng.standard_normal(x_shape).astype(np.float32)
+    dy = rng.standard_normal((5, 4, 64, 64)).astype(np.float32)
+    want = _backward_weight(x, dy, pads)
+    dw = np.full(w_shape, np.nan, np.float32)
+    _kernel(x_shape, w_shape, pads, "backward_weight", tiles, "float32")(x, dy, dw)
+    # float32 sums of 20480 products each
+    np.testing.assert_allclose(dw, want, rtol=0, atol=2e-5 * np.abs(want).max())
 
 
 @pytest.mark.parametrize(("case", "dtype", "tiles"), RUNS,
