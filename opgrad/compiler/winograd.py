@@ -506,14 +506,16 @@ class WinogradEmitter:
         line = 64 // self.esize
         return round_up(channels * self.row_stride(rows), line) + line
 
-    def const(self, value: float, vector: bool) -> str:
+    def const(self, value: float, lanes: int) -> str:
+        """``value`` as a scalar (``lanes`` 1) or splat to a vector of ``lanes``."""
         c = float_const(value, self.t)
-        return splat_const(self.vl, self.t, c) if vector else c
+        return splat_const(lanes, self.t, c) if lanes > 1 else c
 
-    def lincomb(self, f: FunctionEmitter, terms: list[tuple[float, str]], vector: bool) -> str:
-        """``sum(coef * value)`` skipping zero coefficients; +-1 are adds and subtracts, others FMAs.
-        A term with coefficient +1 goes first, so the sum starts from a plain value."""
-        ty = self.vt if vector else self.t
+    def lincomb(self, f: FunctionEmitter, terms: list[tuple[float, str]], lanes: int) -> str:
+        """``sum(coef * value)`` over scalars (``lanes`` 1) or vectors of ``lanes``, skipping zero
+        coefficients; +-1 are adds and subtracts, others FMAs. A term with coefficient +1 goes
+        first, so the sum starts from a plain value."""
+        ty = f"<{lanes} x {self.t}>" if lanes > 1 else self.t
         terms = [(coef, value) for coef, value in terms if coef != 0]
         plain = next((i for i, (coef, _) in enumerate(terms) if coef == 1), 0)
         terms = terms[plain:plain + 1] + terms[:plain] + terms[plain + 1:]
@@ -525,29 +527,29 @@ class WinogradEmitter:
                 elif coef == -1:
                     acc = f.val(f"fneg {ty} {value}", "wn")
                 else:
-                    acc = f.val(f"fmul {ty} {value}, {self.const(coef, vector)}", "wm")
+                    acc = f.val(f"fmul {ty} {value}, {self.const(coef, lanes)}", "wm")
             elif coef == 1:
                 acc = f.val(f"fadd {ty} {acc}, {value}", "wa")
             elif coef == -1:
                 acc = f.val(f"fsub {ty} {acc}, {value}", "ws")
             else:
-                acc = f.call(ty, self.mod.fma(ty), [(ty, value), (ty, self.const(coef, vector)), (ty, acc)], hint="wf")
-        return acc or self.const(0.0, vector)
+                acc = f.call(ty, self.mod.fma(ty), [(ty, value), (ty, self.const(coef, lanes)), (ty, acc)], hint="wf")
+        return acc or self.const(0.0, lanes)
 
-    def product(self, f: FunctionEmitter, matrix: Matrix, x: list[str], vector: bool) -> list[str]:
-        """``matrix @ x`` for a vector of values ``x``, by :func:`linear_plan`."""
+    def product(self, f: FunctionEmitter, matrix: Matrix, x: list[str], lanes: int) -> list[str]:
+        """``matrix @ x`` for a vector of values ``x`` (scalars or vectors of ``lanes``), by :func:`linear_plan`."""
         plan = linear_plan(matrix)
         values = list(x)
         for terms in plan.shared:
-            values.append(self.lincomb(f, [(coef, values[src]) for coef, src in terms], vector))
-        return [self.lincomb(f, [(coef, values[src]) for coef, src in terms], vector) for terms in plan.rows]
+            values.append(self.lincomb(f, [(coef, values[src]) for coef, src in terms], lanes))
+        return [self.lincomb(f, [(coef, values[src]) for coef, src in terms], lanes) for terms in plan.rows]
 
     def sandwich(self, f: FunctionEmitter, left: Matrix, x: list[list[str]], right: Matrix,
-                 vector: bool) -> list[list[str]]:
-        """``left @ x @ right^T`` on a grid of values."""
-        columns = [self.product(f, left, [row[j] for row in x], vector) for j in range(len(x[0]))]
+                 lanes: int) -> list[list[str]]:
+        """``left @ x @ right^T`` on a grid of values (scalars or vectors of ``lanes``)."""
+        columns = [self.product(f, left, [row[j] for row in x], lanes) for j in range(len(x[0]))]
         rows = [[column[a] for column in columns] for a in range(len(left))]
-        return [self.product(f, right, row, vector) for row in rows]
+        return [self.product(f, right, row, lanes) for row in rows]
 
     def task(self, name: str, nctx: int, pipeline: str = "explicit") -> tuple[FunctionEmitter, list[str], str, str]:
         """:func:`parallel_task` in this kernel's module."""
@@ -570,33 +572,41 @@ class WinogradEmitter:
     # ----- weights -----
 
     def weight_task(self, name: str) -> str:
-        """Task over (padded) output channels: ``U = G g G^T`` for every input channel, stored as
-        ``U[pos][panel][c][r]`` (``MR`` rows per panel, the microkernel's A operand); rows past
-        ``cout`` are zero."""
+        """Task over panels of ``MR`` (padded) output channels: ``U = G g G^T`` for every input
+        channel, stored as ``U[pos][panel][c][r]`` (the microkernel's A operand); rows past
+        ``cout`` are zero. A panel's ``MR`` rows are the lanes of one vector, so each position is
+        one contiguous store, and the transform's arithmetic is shared by the panel."""
         p, t, alpha, mr = self.p, self.t, self.alpha, self.mr
         f, (w, u), tid, nt = self.task(name, 2, pipeline="lean")
-        lo, hi = self.share(f, tid, nt, self.cout_pad)
-        s0, s1, s2, s3 = p.weight_strides
         panels = self.cout_pad // mr
-        with f.loop(lo, hi, hint="o") as o:
-            panel, r = f.val(f"udiv i64 {o}, {mr}"), f.val(f"urem i64 {o}, {mr}")
-            real = f.icmp("slt", o, p.cout)
+        lo, hi = self.share(f, tid, nt, panels)
+        s0, s1, s2, s3 = p.weight_strides
+        vt = f"<{mr} x {t}>"
+        with f.loop(lo, hi, hint="pn") as panel:
+            # Padding rows read the last real row's taps (always in bounds) and are then zeroed.
+            rows = [f.add(f.mul(panel, mr), r) for r in range(mr)]
+            offsets = [f.add(f.mul(f.smin(o, p.cout - 1), s0), p.weight_base) for o in rows]
+            real = "poison"
+            for r, o in enumerate(rows):
+                real = f.val(f"insertelement <{mr} x i1> {real}, i1 {f.icmp('slt', o, p.cout)}, i32 {r}", "real")
             with f.loop(0, p.cin, hint="c") as c:
-                slot = f.add(f.mul(f.add(f.mul(panel, p.cin), c), mr), r)
-                base = f.add(f.add(f.mul(o, s0), f.mul(c, s1)), p.weight_base)
-                then, other, done = f.if_else(real, "real")
-                f.block(then)
-                taps = [[f.load(t, f.gep(t, w, f.add(base, kh * s2 + kw * s3))) for kw in range(3)] for kh in range(3)]
-                out = self.sandwich(f, self.tiles.g, taps, self.tiles.g, vector=False)
+                slot = f.mul(f.add(f.mul(panel, p.cin), c), mr)
+                taps = []
+                for kh in range(3):
+                    row = []
+                    for kw in range(3):
+                        tap = f.add(f.mul(c, s1), kh * s2 + kw * s3)
+                        lanes = "poison"
+                        for r, offset in enumerate(offsets):
+                            value = f.load(t, f.gep(t, w, f.add(offset, tap)))
+                            lanes = f.val(f"insertelement {vt} {lanes}, {t} {value}, i32 {r}", "tap")
+                        row.append(f.val(f"select <{mr} x i1> {real}, {vt} {lanes}, {vt} zeroinitializer", "tap"))
+                    taps.append(row)
+                out = self.sandwich(f, self.tiles.g, taps, self.tiles.g, mr)
                 for a in range(alpha):
                     for b in range(alpha):
-                        f.store(t, out[a][b], f.gep(t, u, f.add(slot, (a * alpha + b) * panels * p.cin * mr)))
-                f.br(done)
-                f.block(other)
-                for pos in range(alpha * alpha):
-                    f.store(t, self.const(0.0, False), f.gep(t, u, f.add(slot, pos * panels * p.cin * mr)))
-                f.br(done)
-                f.block(done)
+                        f.store(vt, out[a][b], f.gep(t, u, f.add(slot, (a * alpha + b) * panels * p.cin * mr)),
+                                align=self.esize)
         f.ret_void()
         f.finish()
         return name
@@ -762,7 +772,7 @@ class WinogradEmitter:
             staged = f.gep(self.t, self.row_staging, f.mul(y, line))
             for chunk, tx0 in enumerate(range(0, self.tw, vl)):
                 columns = self.tile_columns(f, plane, f.add(f.mul(y, source.plane_cols), m * tx0), size)
-                for b, value in enumerate(self.product(f, matrix, columns, vector=True)):
+                for b, value in enumerate(self.product(f, matrix, columns, self.vl)):
                     f.store(self.vt, value, f.gep(self.t, staged, (b * runs + chunk) * vl), align=self.esize)
         with f.loop(0, rows or self.rows, hint="r") as r:
             staged = f.gep(self.t, self.row_staging, f.mul(r, m * line))
@@ -770,7 +780,7 @@ class WinogradEmitter:
                 for b in range(width):
                     down = [f.load(self.vt, f.gep(self.t, staged, i * line + (b * runs + chunk) * vl), align=self.esize)
                             for i in range(size)]
-                    for a, value in enumerate(self.product(f, matrix, down, vector=True)):
+                    for a, value in enumerate(self.product(f, matrix, down, self.vl)):
                         put(r, chunk, a, b, value)
 
     def tile_columns(self, f: FunctionEmitter, plane: str, row: str, size: int) -> list[str]:
@@ -875,7 +885,7 @@ class WinogradEmitter:
                     for b in range(alpha):
                         down = [f.load(self.vt, f.gep(t, mm, f.add(col, (a * alpha + b) * self.m_pos)),
                                        align=self.esize) for a in range(alpha)]
-                        for i, value in enumerate(self.product(f, self.tiles.at, down, vector=True)):
+                        for i, value in enumerate(self.product(f, self.tiles.at, down, self.vl)):
                             f.store(self.vt, value, f.gep(t, self.row_staging, (i * alpha + b) * vl),
                                     align=self.esize)
                     for i in range(m):
@@ -884,7 +894,7 @@ class WinogradEmitter:
                             ptr = f.gep(t, dst, f.add(f.mul(oy, p.ow), m * tx0))
                             across = [f.load(self.vt, f.gep(t, self.row_staging, (i * alpha + b) * vl),
                                              align=self.esize) for b in range(alpha)]
-                            value = self.interleave(f, self.product(f, self.tiles.at, across, vector=True))
+                            value = self.interleave(f, self.product(f, self.tiles.at, across, self.vl))
                             if self.exact_zeros:
                                 value = self.zero_where_inputs_are(f, value, f.add(f.mul(r, m), i), m * tx0)
                             if columns == m * vl:
@@ -948,7 +958,7 @@ class WinogradEmitter:
             img, co = f.val(f"udiv i64 {pl}, {p.cout}"), f.val(f"urem i64 {pl}, {p.cout}")
             src = f.gep(t, x, f.mul(img, p.cin * p.h * p.w))
             with f.loop(0, p.oh, hint="oy") as oy, f.loop(0, p.ow, hint="ox") as ox:
-                f.store(t, self.const(0.0, False), acc)
+                f.store(t, self.const(0.0, 1), acc)
                 # The taps are loops, not unrolled: this code is cold, and small code compiles fast.
                 with f.loop(0, p.cin, hint="ci") as ci, f.loop(0, 3, hint="kh") as kh, f.loop(0, 3, hint="kw") as kw:
                     wbase = f.add(f.add(f.mul(co, s0), f.mul(ci, s1)), p.weight_base)

@@ -224,7 +224,7 @@ class WeightGradEmitter(WinogradEmitter):
                     v = f.load(vt, f.gep(t, group, str(pos * plane)), align=self.esize)
                     f.store(vt, f.val(f"fadd {vt} {f.load(vt, acc)}, {v}", "gs"), acc)
             grid = [[f.load(vt, sums[a * alpha + b]) for b in range(alpha)] for a in range(alpha)]
-            out = self.sandwich(f, gt, grid, gt, vector=True)
+            out = self.sandwich(f, gt, grid, gt, self.vl)
             keep = "<" + ", ".join(f"i1 {'true' if i < lanes else 'false'}" for i in range(vl)) + ">"
             for kh in range(3):
                 for kw in range(3):
