@@ -30,7 +30,7 @@ from .winograd import F2X3, TileSource, WinogradConv, WinogradEmitter, WinogradT
 
 __all__ = ["GROUPS", "GROUP_TILES", "WeightGradEmitter", "emit_winograd_weight"]
 
-#: Most partial sums kept apart (then added in order): enough to share the blocks among many threads.
+#: Most groups of partial sums kept apart (then added in order): enough to share the blocks among many threads.
 GROUPS = 16
 #: Fewest tiles a group sums. Each group clears, fills and finally adds its own alpha**2 x O x C
 #: partial sums, a cost that only the tiles it sums pay for: measured on AMD Zen 3 (2 threads), the
@@ -83,11 +83,16 @@ class WeightGradEmitter(WinogradEmitter):
     def staging_bytes(self) -> int:
         return round_up(self.runs * self.alpha**2 * self.vl * self.vl * self.esize, 64)
 
+    @property
+    def transformed_bytes(self) -> int:
+        """The wide side's and the narrow side's transforms."""
+        return round_up(self.alpha**2 * (self.wide_pos + self.narrow_pos) * self.esize, 64)
+
     def scratch_bytes(self) -> int:
         """One thread's two planes (each 64-byte aligned, as the plane fill assumes), the staging
-        area of VL channels' transforms, the wide side's and the narrow side's transforms."""
-        return (self.x_plane_bytes + self.dy_plane_bytes + self.staging_bytes + self.staging_rows_bytes
-                + round_up(self.alpha**2 * (self.wide_pos + self.narrow_pos) * self.esize, 64))
+        area of VL channels' transforms, both sides' transforms and the separable transforms' rows."""
+        return (self.x_plane_bytes + self.dy_plane_bytes + self.staging_bytes + self.transformed_bytes
+                + self.staging_rows_bytes)
 
     def group_task(self, name: str, scratch_stride: int) -> str:
         """Task over groups: ``What_g = sum over the group's blocks of Hh^T Dh`` per position."""
@@ -100,8 +105,7 @@ class WeightGradEmitter(WinogradEmitter):
         staging = f.gep("i8", dy_plane, str(self.dy_plane_bytes))
         wide = f.gep("i8", staging, str(self.staging_bytes))
         narrow = f.gep(t, wide, str(self.alpha**2 * self.wide_pos))
-        self.row_staging = f.gep("i8", wide, str(round_up(self.alpha**2 * (self.wide_pos + self.narrow_pos)
-                                                          * self.esize, 64)))
+        self.row_staging = f.gep("i8", wide, str(self.transformed_bytes))
         total = p.n * self.blocks
         x_source = TileSource(p.cin, p.h, p.w, p.top, p.left, self.alpha, self.hp, self.wp)
         dy_source = TileSource(p.cout, p.oh, p.ow, 0, 0, m, m * self.rows, self.dy_cols)
