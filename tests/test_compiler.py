@@ -25,6 +25,7 @@ from opgrad import ops, registry
 from opgrad.checks import op_examples
 from opgrad.compiler import compile as compile_fn
 from opgrad.compiler.graph import plan_arena
+from opgrad.env import CONV_ALGORITHM_VAR
 from opgrad.errors import ArgumentError
 from opgrad.op import Input, Operator
 
@@ -215,7 +216,15 @@ def test_int_params_and_constants_returned_as_results_are_copied() -> None:
 # ----- the seed CNN -----
 
 @pytest.mark.parametrize("dtype", ["float64", "float32"])
-def test_seed_cnn_value_and_gradient(dtype: str) -> None:
+def test_seed_cnn_value_and_gradient(dtype: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    if dtype == "float32":
+        # conv2's Winograd passes round differently from the direct sum (about 1e-6 of the
+        # largest output), and among its 147456 relu units one lies within that of zero for
+        # this data (5.7e-7): its mask may flip, as any reordering of the float32 sum may, and
+        # move the weight gradient by 2e-3. float32 here holds the graph's rounding to the direct
+        # algorithms; float64 runs the default ones (Winograd included, 1e-15 from any tie), and
+        # tests/test_winograd.py holds each float32 Winograd pass to the float64 direct sum.
+        monkeypatch.setenv(CONV_ALGORITHM_VAR, "direct")
     batch = 4
     fn = opgrad.grad(seed_cnn_loss(batch, dtype), wrt=list(SHAPES))
     rng = np.random.default_rng(1)
