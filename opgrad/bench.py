@@ -5,7 +5,8 @@ Why this shape: the main job is a training loop, so the number that matters is o
 GFLOP/s. Every engine runs the same model from the same initial weights on the same batch; the
 third step's loss (after two updates) is compared with opgrad's reference backend, so a peer row can't be faster by
 computing something else. Times are medians (these machines vary 10-15 % run to run) of at
-least 20 steps after warm-up, and ratios are taken within one run.
+least 20 steps after warm-up, and ratios are taken within one run, the engines taking turns in
+short rounds so that the machine's drift during the run reaches all of them alike.
 
 ``--model`` picks the model (the seed CNN by default, or ``resnet`` / ``mlp``). PyTorch runs the
 same graph through :func:`torch_forward`, a layer-by-layer translation of the opgrad model to
@@ -219,30 +220,61 @@ def _version(module: str) -> str:
     return str(getattr(mod, "__version__", ""))
 
 
-def _measure(name: str, runner: Runner, params: dict[str, np.ndarray], images: np.ndarray, labels: np.ndarray,
-             lr: float, steps: int, warmup: int, *, peer: bool) -> Row:
+#: Timed steps per engine in one round of the interleaved timing, after one untimed step.
+ROUND_STEPS = 4
+
+
+def _prepare(name: str, runner: Runner, params: dict[str, np.ndarray], images: np.ndarray, labels: np.ndarray,
+             lr: float, warmup: int, *, peer: bool) -> tuple[Row, Callable[[], float] | None]:
+    """Build the engine, run its warm-up steps and record the check loss: (its row, its step) or
+    (a row saying why it is absent, None)."""
     start = time.perf_counter()
     try:
         run = runner(params, images, labels, lr)
         first = run()
     except ImportError as exc:
         if peer and exc.name in ("torch", "jax"):
-            return Row(name, note="not installed")
-        return Row(name, note=f"unavailable ({type(exc).__name__}: {exc})")
+            return Row(name, note="not installed"), None
+        return Row(name, note=f"unavailable ({type(exc).__name__}: {exc})"), None
     except AttributeError as exc:  # e.g. opgrad.compile missing while the compiler is being written
-        return Row(name, note=f"unavailable ({type(exc).__name__}: {exc})")
+        return Row(name, note=f"unavailable ({type(exc).__name__}: {exc})"), None
     setup = time.perf_counter() - start
     # Warm-up doubles as the correctness check: the third step's loss has been through two
     # backward passes and updates, so it compares gradients and SGD too, not just the forward.
     losses = [first] + [run() for _ in range(max(CHECK_STEP, warmup) - 1)]
-    times, cpu = [], []
-    for _ in range(steps):
-        t0, c0 = time.perf_counter(), time.process_time()
-        run()
-        times.append(time.perf_counter() - t0)
-        cpu.append(time.process_time() - c0)
-    return Row(name, ms=statistics.median(times) * 1000, check_loss=losses[CHECK_STEP - 1], setup_s=setup,
-               best_ms=min(times) * 1000, cpu_ms=statistics.median(cpu) * 1000)
+    return Row(name, check_loss=losses[CHECK_STEP - 1], setup_s=setup), run
+
+
+def time_interleaved(rows: dict[str, Row], runs: dict[str, Callable[[], float]], steps: int) -> None:
+    """Time ``steps`` steps of every engine in ``runs``, the engines taking turns, and fill in their rows.
+
+    A shared machine's speed drifts by tens of percent within seconds; engines timed one after the
+    other would each see a different machine, and the ratios would move with it. Taking turns in
+    rounds (one untimed step, which absorbs the switch: caches, the other engine's spinning
+    threads; then :data:`ROUND_STEPS` timed), with the order rotating, spreads every drift over all
+    engines alike.
+    """
+    times: dict[str, list[float]] = {key: [] for key in runs}
+    cpu: dict[str, list[float]] = {key: [] for key in runs}
+    order = list(runs)
+    round_index = 0
+    while any(len(t) < steps for t in times.values()):
+        shift = round_index % len(order)
+        for key in order[shift:] + order[:shift]:
+            todo = min(ROUND_STEPS, steps - len(times[key]))
+            if todo <= 0:
+                continue
+            runs[key]()
+            for _ in range(todo):
+                t0, c0 = time.perf_counter(), time.process_time()
+                runs[key]()
+                times[key].append(time.perf_counter() - t0)
+                cpu[key].append(time.process_time() - c0)
+        round_index += 1
+    for key in runs:
+        rows[key].ms = statistics.median(times[key]) * 1000
+        rows[key].best_ms = min(times[key]) * 1000
+        rows[key].cpu_ms = statistics.median(cpu[key]) * 1000
 
 
 def _setup_threads(requested: int | None) -> int:
@@ -305,8 +337,10 @@ def run(args: argparse.Namespace) -> int:
     ]
     print(f"opgrad bench: {args.model} training step (forward + backward + SGD), {model.num_params:,} parameters, "
           f"batch {args.batch_size}, float32, {threads} thread{'s' if threads > 1 else ''}; "
-          f"median of {args.steps} steps after {args.warmup} warm-up")
+          f"median of {args.steps} steps after {args.warmup} warm-up; opgrad llvm and its peers take turns "
+          f"(rounds of 1 untimed + {ROUND_STEPS} timed steps each), the reference runs after them")
     rows: dict[str, Row] = {}
+    runs: dict[str, Callable[[], float]] = {}
     for key, name, runner in subjects:
         if key in args.skip:
             rows[key] = Row(name, note="skipped")
@@ -317,8 +351,15 @@ def run(args: argparse.Namespace) -> int:
         if key == "llvm" and llvm_reason is not None:
             rows[key] = Row(name, note=f"unavailable: {llvm_reason}")
             continue
-        rows[key] = _measure(name, runner, params, images, labels, lr, args.steps, args.warmup,
-                             peer=key in ("torch", "jax"))
+        rows[key], run_step = _prepare(name, runner, params, images, labels, lr, args.warmup,
+                                       peer=key in ("torch", "jax"))
+        if run_step is not None:
+            runs[key] = run_step
+    # The reference backend is timed on its own: its numpy BLAS threads keep spinning for a while
+    # after each of its steps and would slow whichever engine took the next turn.
+    reference = {key: runs.pop(key) for key in ("reference",) if key in runs}
+    time_interleaved(rows, runs, args.steps)
+    time_interleaved(rows, reference, args.steps)
     flops = _step_flops(args.model, args.batch_size, llvm_holder.get("compiled")) if llvm_reason is None else 0
     base_key = "llvm" if rows["llvm"].ms is not None else "reference"
     base = rows[base_key].ms

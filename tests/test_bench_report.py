@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 import opgrad
-from opgrad import benchreport, cli
+from opgrad import bench, benchreport, cli
 from opgrad.compiler.peak import available_cpus, cgroup_cpu_limit, host_info, measure_bandwidth, measure_peak
 
 
@@ -96,3 +98,24 @@ def test_kernel_rows_name_each_convolution_pass_by_its_layer() -> None:
     conv_rows = [row for row in rows if row.detail.startswith("conv x")]
     assert len(conv_rows) >= 8
     assert all(row.name.split()[0] in {"conv1", "conv2", "conv3"} for row in conv_rows), [r.name for r in conv_rows]
+
+
+def test_engines_take_turns_so_a_drifting_machine_slows_all_alike() -> None:
+    calls: list[str] = []
+
+    def engine(key: str) -> Callable[[], float]:
+        def run() -> float:
+            calls.append(key)
+            return 0.0
+        return run
+
+    rows = {key: bench.Row(key) for key in ("a", "b", "c")}
+    bench.time_interleaved(rows, {key: engine(key) for key in rows}, steps=10)
+    rounds = -(-10 // bench.ROUND_STEPS)
+    for key in rows:  # every timed step, plus one untimed step per round
+        assert calls.count(key) == 10 + rounds
+        assert rows[key].ms is not None and rows[key].best_ms is not None and rows[key].cpu_ms is not None
+    runs = [len(list(group)) for _, group in itertools.groupby(calls)]
+    assert max(runs) <= bench.ROUND_STEPS + 1 and len(runs) == 3 * rounds
+    firsts = [calls[sum(runs[:3 * r])] for r in range(rounds)]
+    assert firsts[:3] == ["a", "b", "c"]  # the order rotates, so no engine always follows the same one
