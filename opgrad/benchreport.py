@@ -4,9 +4,10 @@ compile time and peak memory.
 Why child processes: opgrad's thread pool is sized once per process, the object cache is read per
 process, and peak resident memory only ever grows, so thread counts, cold/warm
 compiles and memory are each measured in a fresh ``python -m opgrad.benchreport`` child that
-prints one JSON line. A child measures only its own engine (the opgrad child never imports torch),
-and reports its resident memory after the imports as well as at the end, so the step's own
-footprint is the difference.
+prints one JSON line. For memory and compile times a child measures only its own engine (the
+opgrad child never imports torch), and reports its resident memory after the imports as well as
+at the end, so the step's own footprint is the difference; a scaling row's child times opgrad
+and PyTorch taking turns, so that their ratio is of one phase of a shared host.
 """
 
 from __future__ import annotations
@@ -15,11 +16,11 @@ import argparse
 import json
 import os
 import resource
-import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -55,15 +56,17 @@ def _maxrss_mib() -> float:
 # ----- the child process -----
 
 def _child(engine: str, model_name: str, batch: int, threads: int, steps: int) -> dict[str, Any]:
-    """Build and time one engine's training step; runs in a fresh process (see the module doc)."""
+    """Build and time one engine's training step, or (``engine="pair"``) opgrad's and PyTorch's
+    taking turns (:func:`opgrad.bench.time_interleaved`); runs in a fresh process (see the module doc)."""
     from opgrad import nn
+    from opgrad.bench import Row, time_interleaved
 
     result: dict[str, Any] = {}
-    if engine == "torch":
+    if engine in ("torch", "pair"):
         import torch
 
         torch.set_num_threads(threads)
-    else:  # the compiler's own libraries (LLVM) count as imports, as torch's do
+    if engine in ("opgrad", "pair"):  # the compiler's own libraries (LLVM) count as imports, as torch's do
         from opgrad.compiler.threads import pool
 
         pool()
@@ -71,12 +74,9 @@ def _child(engine: str, model_name: str, batch: int, threads: int, steps: int) -
     model = nn.build_model(model_name)
     params = model.init_params(seed=0)
     images, labels = _batch(batch)
+    runs: dict[str, Callable[[], float]] = {}
     t0 = time.perf_counter()
-    if engine == "torch":
-        from opgrad.bench import torch_runner
-
-        run = torch_runner(model_name)(params, images, labels, 0.01)
-    else:
+    if engine in ("opgrad", "pair"):
         cpu0 = time.process_time()
         step = nn.TrainStep(model, nn.SGD(), batch_size=batch, backend="llvm")
         compiled = step.compiled
@@ -95,15 +95,20 @@ def _child(engine: str, model_name: str, batch: int, threads: int, steps: int) -
             state["params"], state["state"] = out.params, out.state
             return out.loss
 
+        runs["ms"] = run
+    if engine in ("torch", "pair"):
+        from opgrad.bench import torch_runner
+
+        runs["torch_ms" if engine == "pair" else "ms"] = torch_runner(model_name)(params, images, labels, 0.01)
     result["setup_s"] = time.perf_counter() - t0
-    for _ in range(3):
-        run()
-    times = []
-    for _ in range(steps):
-        t = time.perf_counter()
-        run()
-        times.append(time.perf_counter() - t)
-    result.update(ms=1e3 * statistics.median(times), best_ms=1e3 * min(times), rss_mib=_maxrss_mib())
+    for run_step in runs.values():
+        for _ in range(3):
+            run_step()
+    rows = {key: Row(key) for key in runs}
+    time_interleaved(rows, runs, steps)
+    for key, row in rows.items():
+        result[key] = row.ms
+    result.update(best_ms=rows["ms"].best_ms, rss_mib=_maxrss_mib())
     return result
 
 
@@ -146,14 +151,14 @@ def scaling_report(model_name: str, batch: int, available: int, flops: int, step
     """ms/step, speed-up and % of the same threads' peak for 1, 2, 4, ... threads (children)."""
     from opgrad.compiler.peak import measure_peak
 
-    print(f"\nscaling ({model_name}, batch {batch}; each row in fresh processes):")
+    print(f"\nscaling ({model_name}, batch {batch}; each row in a fresh process"
+          f"{', opgrad and PyTorch taking turns' if with_torch else ''}):")
     print(f"{'threads':>7} {'peak GFLOP/s':>13} {'opgrad ms':>10} {'speed-up':>9} {'GFLOP/s':>8} {'% peak':>7}"
           f"{'  PyTorch ms' if with_torch else ''}{'   ratio' if with_torch else ''}")
     base = None
     for t in thread_counts(available):
         peak = measure_peak(t)
-        ours = run_child("opgrad", model_name, batch, t, steps)
-        theirs = run_child("torch", model_name, batch, t, steps) if with_torch else {}
+        ours = run_child("pair" if with_torch else "opgrad", model_name, batch, t, steps)
         if "error" in ours:
             print(f"{t:>7} {peak:>13.1f}  failed: {ours['error']}")
             continue
@@ -162,8 +167,7 @@ def scaling_report(model_name: str, batch: int, available: int, flops: int, step
         line = (f"{t:>7} {peak:>13.1f} {ours['ms']:>10.2f} {base / ours['ms']:>8.2f}x {rate:>8.1f} "
                 f"{100 * rate / peak:>6.1f}%")
         if with_torch:
-            line += (f"  {theirs['ms']:>10.2f} {theirs['ms'] / ours['ms']:>6.2f}x" if "ms" in theirs
-                     else f"  {theirs.get('error', '-')}")
+            line += f"  {ours['torch_ms']:>10.2f} {ours['torch_ms'] / ours['ms']:>6.2f}x"
         print(line)
 
 
@@ -275,8 +279,9 @@ def kernels_report(model_name: str, batch: int, threads: int, peak: float, bandw
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m opgrad.benchreport",
-                                     description="one engine's training step in this process (bench's child)")
-    parser.add_argument("engine", choices=("opgrad", "torch"))
+                                     description="one engine's training step in this process, or opgrad's and "
+                                                 "PyTorch's taking turns (pair) (bench's child)")
+    parser.add_argument("engine", choices=("opgrad", "torch", "pair"))
     parser.add_argument("model")
     parser.add_argument("batch", type=int)
     parser.add_argument("threads", type=int)

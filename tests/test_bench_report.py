@@ -8,6 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from optional import require
 
 import opgrad
 from opgrad import bench, benchreport, cli
@@ -119,3 +120,10 @@ def test_engines_take_turns_so_a_drifting_machine_slows_all_alike() -> None:
     assert max(runs) <= bench.ROUND_STEPS + 1 and len(runs) == 3 * rounds
     firsts = [calls[sum(runs[:3 * r])] for r in range(rounds)]
     assert firsts[:3] == ["a", "b", "c"]  # the order rotates, so no engine always follows the same one
+
+
+def test_a_scaling_child_times_opgrad_and_pytorch_in_one_process(tmp_path: Path) -> None:
+    require("torch", "the scaling table's ratio column times PyTorch's step")
+    result = benchreport.run_child("pair", "mlp", 8, 1, 4, cache_dir=str(tmp_path))
+    assert "error" not in result, result
+    assert result["ms"] > 0 and result["torch_ms"] > 0 and result["best_ms"] <= result["ms"]
