@@ -13,6 +13,7 @@ and PyTorch taking turns, so that their ratio is of one phase of a shared host.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import resource
@@ -151,6 +152,7 @@ def scaling_report(model_name: str, batch: int, available: int, flops: int, step
     """ms/step, speed-up and % of the same threads' peak for 1, 2, 4, ... threads (children)."""
     from opgrad.compiler.peak import measure_peak
 
+    with_torch = with_torch and importlib.util.find_spec("torch") is not None  # else its row would fail
     print(f"\nscaling ({model_name}, batch {batch}; each row in a fresh process"
           f"{', opgrad and PyTorch taking turns' if with_torch else ''}):")
     print(f"{'threads':>7} {'peak GFLOP/s':>13} {'opgrad ms':>10} {'speed-up':>9} {'GFLOP/s':>8} {'% peak':>7}"

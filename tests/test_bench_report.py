@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import itertools
 from collections.abc import Callable
 from pathlib import Path
@@ -127,3 +128,14 @@ def test_a_scaling_child_times_opgrad_and_pytorch_in_one_process(tmp_path: Path)
     result = benchreport.run_child("pair", "mlp", 8, 1, 4, cache_dir=str(tmp_path))
     assert "error" not in result, result
     assert result["ms"] > 0 and result["torch_ms"] > 0 and result["best_ms"] <= result["ms"]
+
+
+def test_scaling_without_pytorch_still_times_opgrad(monkeypatch: pytest.MonkeyPatch,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *args: None if name == "torch" else real_find_spec(name, *args))
+    benchreport.scaling_report("mlp", 8, 1, 10**6, 2, with_torch=True)
+    out = capsys.readouterr().out
+    row = next(line for line in out.splitlines() if line.strip().startswith("1 "))
+    assert "failed" not in row and "PyTorch" not in out and row.split()[2].replace(".", "").isdigit()
