@@ -168,6 +168,10 @@ POOL_CASES = [
     ((1, 2, 5, 5), (3, 3), (2, 2), (1, 1)),
     ((1, 1, 4, 4), (2, 2), (3, 3), (0, 0)),  # ceil mode adds a window that starts on the last row
     ((1, 2, 6, 9), (2, 3), (2, 3), (1, 1)),  # the ceil-mode window that would start in the padding is dropped
+    # Windows side by side along rows, no padding: the compiled pool runs whole vectors of output
+    # columns and a masked last piece per row (35 columns: 2 vectors of 16 and 3, or 4 of 8 and 3).
+    ((2, 3, 9, 71), (2, 2), (2, 2), (0, 0)),
+    ((1, 2, 7, 40), (3, 4), (2, 4), (0, 0)),  # rows of windows overlap, columns do not
 ]
 
 
@@ -192,6 +196,18 @@ def test_avg_pool2d_ceil_mode_and_count_include_pad_match_torch(xs, pool, stride
         lambda x: F.avg_pool2d(x, pool, strides, padding, ceil_mode=ceil_mode, count_include_pad=count_include_pad),
         [_rand(*xs)],
     )
+
+
+@pytest.mark.parametrize("op", ["max_pool2d", "avg_pool2d"])
+def test_compiled_pools_put_nan_and_infinities_where_the_reference_does(op: str) -> None:
+    xv = _rand(2, 3, 6, 70).astype(np.float32)
+    xv[0, 0, 1, 3], xv[0, 1, 4, 40], xv[1, 2, 0, 69] = np.nan, np.inf, -np.inf
+    x = opgrad.var("x", xv.shape, "float32")
+    fn = opgrad.function([x], getattr(ops, op)(x, pool_size=2, strides=2))
+    got, want = opgrad.compile(fn)(xv), opgrad.evaluate(fn, xv)
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)  # equal_nan: NaN and infinities in place
+    # A -inf never wins a max against finite neighbours; an average keeps it.
+    assert np.isnan(want).sum() == 1 and np.isinf(want).sum() == (1 if op == "max_pool2d" else 2)
 
 
 def test_pool_output_sizes_follow_torch_ceil_rule() -> None:

@@ -413,9 +413,17 @@ def _lane_terms(f: FunctionEmitter, imap: IndexMap, start: str, lanes: int) -> t
     return off, h, w, idx
 
 
-def _masked_load(m: ModuleEmitter, n: int, t: str) -> str:
+def masked_load(m: ModuleEmitter, n: int, t: str) -> str:
+    """``llvm.masked.load`` of ``n`` elements of ``t``: (pointer, alignment, lane mask, values of
+    the lanes left out)."""
     suffix = f"v{n}{'f32' if t == 'float' else 'f64'}.p0"
     return m.intrinsic("masked.load", f"<{n} x {t}>", ["ptr", "i32", f"<{n} x i1>", f"<{n} x {t}>"], suffix)
+
+
+def masked_store(m: ModuleEmitter, n: int, t: str) -> str:
+    """``llvm.masked.store`` of ``n`` elements of ``t``: (values, pointer, alignment, lane mask)."""
+    suffix = f"v{n}{'f32' if t == 'float' else 'f64'}.p0"
+    return m.intrinsic("masked.store", "void", [f"<{n} x {t}>", "ptr", "i32", f"<{n} x i1>"], suffix)
 
 
 def transpose_square(f: FunctionEmitter, rows: list[str], vt: str, n: int) -> list[str]:
@@ -460,7 +468,7 @@ def _emit_pack(
                   ("i64", "nloop")], linkage="internal", pipeline="lean",
     )
     gather = _gather(m, chunk, t)
-    mload = _masked_load(m, chunk, t)
+    mload = masked_load(m, chunk, t)
     npanels = f.val(f"udiv i64 {f.add('%nlanes', lanes - 1)}, {lanes}")
     stride = f.add(f.mul("%nloop", lanes), PANEL_PAD_BYTES // esize)
     first_panel = "0"
@@ -585,7 +593,7 @@ def _pack_by_loop_runs(
     must hold; with one they are masked by the window and the panel's valid lanes."""
     vt, it, mt = f"<{vl} x {t}>", f"<{vl} x i32>", f"<{vl} x i1>"
     esize = 4 if t == "float" else 8
-    mload = _masked_load(m, vl, t)
+    mload = masked_load(m, vl, t)
     with f.loop(0, f.val(f"udiv i64 {f.add('%nloop', vl - 1)}, {vl}"), hint="kv") as kv:
         k0 = f.mul(kv, vl)
         koff, kh, kw, _ = _lane_terms(f, loop_map, f.add("%loop0", k0), vl)

@@ -19,8 +19,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from .irtext import LLVM_TYPE, FunctionEmitter
-from .views import Scalar, View, elem_type
+from .gemm import masked_load, masked_store
+from .irtext import BYTES, LLVM_TYPE, FunctionEmitter
+from .target import current_target
+from .views import Scalar, VectorScalar, View, elem_type
 
 if TYPE_CHECKING:  # the builder imports this module; the type is all this one needs of it
     from .builder import KernelBuilder
@@ -163,6 +165,9 @@ def pool2d(kb: KernelBuilder, out: View, data: View, win: Window2d, op: str) -> 
     f, s = p.f, p.s
     pout, pin = p.planes()
     scale = 1.0 / (win.pool[0] * win.pool[1])
+    if _pool_rows_vectorized(p, out, data, win, op, pout, pin):
+        p.close()
+        return
     with f.loop(0, out.shape[2], hint="oh") as oh, f.loop(0, out.shape[3], hint="ow") as ow:
         acc = f.var(s.t, s.const(float("-inf") if op == "max" else 0.0), "acc")
 
@@ -178,6 +183,63 @@ def pool2d(kb: KernelBuilder, out: View, data: View, win: Window2d, op: str) -> 
             res = s.mul(res, s.const(scale)) if divisor is None else s.div(res, divisor)
         f.store(s.t, res, p.at(pout, out, oh, ow))
     p.close()
+
+
+def _pool_rows_vectorized(p: _Planes, out: View, data: View, win: Window2d, op: str, pout: str, pin: str) -> bool:
+    """The windows of every output row, ``VL`` output columns at a time, where windows sit side
+    by side along a row (stride = width) inside the input and rows are contiguous; False (nothing
+    emitted) where this does not apply.
+
+    One wide load of ``kw * VL`` input columns holds ``VL`` windows' columns; window column ``j``
+    of them is every ``kw``-th lane from ``j``. A row's last, shorter piece loads and stores under
+    a lane mask. The sums run in the scalar loop's order, so the results are the same bits.
+    LLVM's own vectorizer sees the strided reads of the scalar loop and keeps it scalar: measured
+    on AMD Zen 5, the seed CNN's 2x2 average pool read 24 GB/s that way, a fifth of what a copy
+    reaches."""
+    (kh, kw), (sh, sw) = win.pool, win.strides
+    esize = BYTES[out.dtype]
+    vl = current_target().vector_width(esize)
+    if win.overhangs(data.shape[2:]) or sw != kw or data.strides[3] != 1 or out.strides[3] != 1:
+        return False
+    f = p.f
+    v = VectorScalar(f, out.dtype, vl)
+    t = p.s.t
+    wide = f"<{kw * vl} x {t}>"
+    full, rest = divmod(out.shape[3], vl)
+
+    def lane_mask(n: int, lanes: int) -> str:
+        return "<" + ", ".join(f"i1 {'true' if i < lanes else 'false'}" for i in range(n)) + ">"
+
+    def windows(oh: str, col: str, lanes: int) -> None:
+        acc = v.const(float("-inf") if op == "max" else 0.0)
+        for ki in range(kh):
+            ptr = p.at(pin, data, f.add(f.mul(oh, sh), ki), f.mul(col, kw))
+            if lanes == vl:
+                window_cols = f.load(wide, ptr, align=esize)
+            else:
+                mask = lane_mask(kw * vl, kw * lanes)
+                window_cols = f.call(wide, masked_load(f.module, kw * vl, t),
+                                     [("ptr", ptr), ("i32", str(esize)), (f"<{kw * vl} x i1>", mask), (wide, "poison")])
+            for kj in range(kw):
+                picks = ", ".join(f"i32 {i * kw + kj}" for i in range(vl))
+                column = f.val(f"shufflevector {wide} {window_cols}, {wide} poison, <{vl} x i32> <{picks}>", "wc")
+                acc = v.max(acc, column) if op == "max" else v.add(acc, column)
+        if op == "avg":
+            acc = v.mul(acc, v.const(1.0 / (kh * kw)))
+        ptr = p.at(pout, out, oh, col)
+        if lanes == vl:
+            f.store(v.t, acc, ptr, align=esize)
+        else:
+            f.call("void", masked_store(f.module, vl, t),
+                   [(v.t, acc), ("ptr", ptr), ("i32", str(esize)), (f"<{vl} x i1>", lane_mask(vl, lanes))])
+
+    with f.loop(0, out.shape[2], hint="voh") as oh:
+        if full:
+            with f.loop(0, full, hint="vow") as chunk:
+                windows(oh, f.mul(chunk, vl), vl)
+        if rest:
+            windows(oh, str(full * vl), rest)
+    return True
 
 
 def pool2d_argmax_gather(kb: KernelBuilder, out: View, values: View, data: View, win: Window2d) -> None:

@@ -34,7 +34,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from .conv import Conv2dGeometry, ConvEntry, output_matrix
-from .gemm import Blocking, Epilogue, call_epilogue, emit_epilogue, round_up
+from .gemm import Blocking, Epilogue, call_epilogue, emit_epilogue, masked_store, round_up
 from .irtext import BYTES, LLVM_TYPE, FunctionEmitter, ModuleEmitter, float_const, splat_const
 from .target import cache_share, cache_size, current_target, host_target
 from .threads import PARALLEL_FOR, PARALLEL_FOR_DECL
@@ -561,9 +561,7 @@ class WinogradEmitter:
         return thread_share(f, tid, nt, total)
 
     def masked_store(self, f: FunctionEmitter, lanes: int, value: str, ptr: str, valid: int) -> None:
-        suffix = f"v{lanes}{'f32' if self.t == 'float' else 'f64'}.p0"
-        fn = self.mod.intrinsic("masked.store", "void", [f"<{lanes} x {self.t}>", "ptr", "i32", f"<{lanes} x i1>"],
-                                suffix)
+        fn = masked_store(self.mod, lanes, self.t)
         mask = "<" + ", ".join(f"i1 {'true' if i < valid else 'false'}" for i in range(lanes)) + ">"
         f.call("void", fn, [(f"<{lanes} x {self.t}>", value), ("ptr", ptr), ("i32", str(self.esize)),
                             (f"<{lanes} x i1>", mask)])
