@@ -65,6 +65,7 @@ __all__ = [
     "parallel_task",
     "thread_share",
     "tile_candidates",
+    "transform_op_cycles",
     "winograd_conv",
 ]
 
@@ -204,10 +205,14 @@ def accepts_epilogue(epilogue: Epilogue) -> bool:
 TILE_CHOICES = (F2X3, F3X3, F4X3)
 #: Cycles per vector FMA of the GEMMs (two FMA pipes, about 93 % busy) and per vector operation of
 #: the transforms' arithmetic as :func:`linear_plan` emits it (each counted operation stands for its
-#: share of the loads, shuffles, stores and 5x5 or 6x6 spills, which take most of the time); fitted
-#: on AMD Zen 3 (AVX2) over F(2,3), F(3,3) and F(4,3) of five layers from 6x6 to 56x56 outputs.
+#: share of the loads, shuffles and stores, and with 16 vector registers of the 5x5 or 6x6 spills,
+#: which take most of the time there). Fitted with 16 registers on AMD Zen 3 (AVX2) over F(2,3),
+#: F(3,3) and F(4,3) of five layers from 6x6 to 56x56 outputs, and with 32 on AMD Zen 5 (AVX-512)
+#: over the three tiles of the seed CNN's conv2 forward and backward-data passes, where nothing
+#: spills and the transforms cost a fifth as much against the FMAs: there F(3,3) runs the forward
+#: 19 % and the weight gradient 21 % faster than F(2,3), which the 16-register figure would pick.
 GEMM_FMA_CYCLES = 0.54
-TRANSFORM_OP_CYCLES = 1.9
+TRANSFORM_OP_CYCLES = {16: 1.9, 32: 0.38}
 #: A larger tile must be estimated this much cheaper to be worth its lost float32 accuracy.
 ACCURACY_MARGIN = 0.05
 
@@ -274,7 +279,13 @@ def estimated_cycles(p: WinogradConv, tiles: WinogradTiles, exact_zeros: bool = 
         plane_vectors = -(-e.hp * e.wp // vl)
         ops += e.blocks * (4 * p.cin * plane_vectors + 18 * m * e.rows * e.mask_cols // vl)
         ops += runs * p.cout * 3 * m
-    return GEMM_FMA_CYCLES * fmas + TRANSFORM_OP_CYCLES * ops
+    return GEMM_FMA_CYCLES * fmas + transform_op_cycles() * ops
+
+
+def transform_op_cycles() -> float:
+    """:data:`TRANSFORM_OP_CYCLES` for the target's vector register count (the nearest fitted)."""
+    registers = current_target().vector_registers
+    return TRANSFORM_OP_CYCLES[min(TRANSFORM_OP_CYCLES, key=lambda fitted: abs(fitted - registers))]
 
 
 def _sandwich_ops(matrix: Matrix, columns: int) -> int:
