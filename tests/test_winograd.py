@@ -156,6 +156,46 @@ def test_forward_and_backward_data_match_the_direct_sum(case: tuple, dtype: str,
 
 
 @pytest.mark.parametrize("tiles", TILE_CHOICES, ids=[f"F({t.m},3)" for t in TILE_CHOICES])
+@pytest.mark.parametrize("pass_", ["forward", "backward_data", "backward_weight"])
+def test_packed_tile_rows_give_the_same_bits_as_one_row_per_vector(pass_: str, tiles: WinogradTiles,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    # Outputs 4 tiles wide pack at least two tile rows per vector of 8 or 16 lanes, with a last
+    # run that reaches past the image (7 and 5 tile rows) and, in the forward pass, exact zeros
+    # kept; each lane computes what it computes alone, so the results are the same bits.
+    x_shape = (2, 8, 4 * tiles.m + 1, 4 * tiles.m - 1)
+    w_shape, pads = (16, 8, 3, 3), (1, 0, 2, 1)
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal(x_shape).astype(np.float32)
+    x[..., :3] = 0
+    w = rng.standard_normal(w_shape).astype(np.float32)
+    geometry = conv2d_geometry(x_shape, w_shape, 1, pads, 1, "float32")
+    problem = winograd_conv(geometry, pass_, require_gain=False)
+    assert problem is not None
+    dy = rng.standard_normal((2, 16, geometry.oh, geometry.ow)).astype(np.float32)
+    assert WinogradEmitter(ModuleEmitter("pack"), problem, tiles).pack >= 2
+
+    def run() -> np.ndarray:
+        nthreads = pool().nthreads
+        m = ModuleEmitter("packing")
+        if pass_ == "backward_weight":
+            entry = emit_winograd_weight(m, problem, "conv", tiles)
+            args, out = (x, dy), np.full(w_shape, np.nan, np.float32)
+        elif pass_ == "forward":
+            entry = emit_winograd(m, problem, "conv", tiles, exact_zeros=True)
+            args, out = (x, w), np.full(dy.shape, np.nan, np.float32)
+        else:
+            entry = emit_winograd(m, problem, "conv", tiles)
+            args, out = (dy, w), np.full(x_shape, np.nan, np.float32)
+        CompiledKernel(NativeModule(m.text(), use_cache=False), entry.entry, 3,
+                       entry.workspace_per_thread * nthreads)(*args, out)
+        return out
+
+    packed = run()
+    monkeypatch.setattr(WinogradEmitter, "row_packing", lambda self: (1, self.vl))
+    np.testing.assert_array_equal(packed, run())
+
+
+@pytest.mark.parametrize("tiles", TILE_CHOICES, ids=[f"F({t.m},3)" for t in TILE_CHOICES])
 @pytest.mark.parametrize("value", [np.nan, np.inf, -np.inf])
 @pytest.mark.parametrize("where", ["data", "weight"])
 def test_non_finite_inputs_give_the_direct_sums_nan_and_infinities(value: float, where: str,
@@ -305,28 +345,39 @@ def test_tile_choice_follows_the_pass_and_the_output_size() -> None:
     assert choose_tiles(_problem((8, 128, 28, 28), 128, 1, "backward_weight"), "backward_weight") is F2X3
 
 
-@pytest.mark.parametrize("dtype", ["float32", "float64"])
-@pytest.mark.parametrize("lanes", [2, 4, 8, 16])
+# (lanes, dtype, tile rows packed per vector): every vector width of both dtypes unpacked, and
+# packed where two rows each keep whole 16-byte lanes.
+COLUMN_LAYOUTS = [(lanes, dtype, pack) for lanes in (2, 4, 8, 16)
+                  for dtype, per_lane in (("float32", 4), ("float64", 2))
+                  for pack in (1, 2) if pack == 1 or lanes // pack >= per_lane]
+
+
+@pytest.mark.parametrize(("lanes", "dtype", "pack"), COLUMN_LAYOUTS)
 @pytest.mark.parametrize("tiles", TILE_CHOICES, ids=lambda t: f"F({t.m},3)")
-def test_tile_columns_pick_every_mth_element_at_any_vector_width(tiles: WinogradTiles, lanes: int, dtype: str) -> None:
+def test_tile_columns_pick_every_mth_element_at_any_vector_width(tiles: WinogradTiles, lanes: int, dtype: str,
+                                                                  pack: int) -> None:
     # Column j of tile l is plane[start + m * l + j], for every vector width the targets have
     # (AVX-512's 16 float32 lanes included: LLVM splits wider vectors than the host's, so the
-    # shuffles' meaning is checked on any machine) and the 16-byte lanes of both dtypes.
+    # shuffles' meaning is checked on any machine) and the 16-byte lanes of both dtypes. With two
+    # tile rows packed in a vector, the second half of the lanes reads row_step elements on.
     emitter = WinogradEmitter(ModuleEmitter("t_cols"), _problem((1, 8, 12, 12), 8, 1), tiles)
     emitter.t, emitter.esize = {"float32": ("float", 4), "float64": ("double", 8)}[dtype]
     emitter.vl, emitter.vt = lanes, f"<{lanes} x {emitter.t}>"
-    start, size = 3, tiles.alpha
+    emitter.pack, emitter.row_lanes = pack, lanes // pack
+    start, size, row_step = 3, tiles.alpha, 5 * tiles.m * lanes + 7
     f = FunctionEmitter(emitter.mod, "cols", [("ptr", "plane"), ("ptr", "out"), ("ptr", "ws")])
-    for j, column in enumerate(emitter.tile_columns(f, "%plane", str(start), size)):
+    for j, column in enumerate(emitter.tile_columns(f, "%plane", str(start), size, row_step)):
         f.store(emitter.vt, column, f.gep(emitter.t, "%out", str(j * lanes)), align=emitter.esize)
     f.ret_void()
     f.finish()
     kernel = CompiledKernel(NativeModule(emitter.mod.text()), "cols", 2, 0)
     # The loads may read up to a 16-byte lane past the last column: the plane has room for that.
-    plane = np.arange(start + tiles.m * lanes + size + 16, dtype=dtype)
+    plane = np.arange(start + row_step + tiles.m * lanes + size + 16, dtype=dtype)
     out = np.zeros((size, lanes), dtype)
     kernel(plane, out)
-    want = np.array([[plane[start + tiles.m * tile + j] for tile in range(lanes)] for j in range(size)])
+    row_lanes = lanes // pack
+    want = np.array([[plane[start + (lane // row_lanes) * row_step + tiles.m * (lane % row_lanes) + j]
+                      for lane in range(lanes)] for j in range(size)])
     np.testing.assert_array_equal(out, want)
 
 

@@ -266,12 +266,15 @@ def estimated_cycles(p: WinogradConv, tiles: WinogradTiles, exact_zeros: bool = 
     alpha, m, vl = tiles.alpha, tiles.m, e.vl
     columns = (e.blocks - 1) * e.cols + round_up(e.tail_rows * e.tw, vl)
     fmas = alpha**2 * e.cout_pad * p.cin * columns // vl
-    runs = -(-e.tw // vl) * e.th
+    runs = -(-e.tw // e.row_lanes) * -(-e.th // e.pack)
     loads = -(-alpha // m) * alpha + alpha**2  # wide loads and their phase shuffles
-    # The input transform's first pass runs once per plane row, which tile rows overlap on.
-    per_input = loads + linear_plan(tiles.bt).ops * (m + (alpha - m) / e.rows + alpha) + alpha**2
-    # Each of the m output rows: interleave, store and the non-finite watch.
-    per_output = alpha**2 + _sandwich_ops(tiles.at, alpha) + m * (2 * m + 3)
+    # The input transform's first pass runs once per plane row, which tile rows overlap on, or
+    # with packed rows once per row of the tile for the run.
+    first_pass = m + (alpha - m) / e.rows if e.pack == 1 else alpha
+    per_input = loads + linear_plan(tiles.bt).ops * (first_pass + alpha) + alpha**2
+    # A piece of M per packed row and position; each of the m output rows: interleave, store and
+    # the non-finite watch.
+    per_output = e.pack * alpha**2 + _sandwich_ops(tiles.at, alpha) + m * (2 * m + 3)
     ops = runs * (p.cin * per_input + p.cout * per_output)
     if e.exact_zeros:
         # Per block and channel, a load, an and, an or and a store per vector of the plane; per
@@ -460,6 +463,9 @@ class WinogradEmitter:
         self.alpha = tiles.alpha
         self.th = -(-p.oh // tiles.m)
         self.tw = -(-p.ow // tiles.m)
+        #: Tile rows that share one vector of the transforms (``pack``), ``row_lanes`` lanes each
+        #: (:meth:`row_packing`).
+        self.pack, self.row_lanes = self.row_packing()
         blk = Blocking.for_target(p.dtype)
         # The register tile keeps the GEMM engine's accumulator count (MR x NR/VL) but takes a
         # height that divides the output channels where one exists, so no GEMM rows are padding.
@@ -479,10 +485,35 @@ class WinogradEmitter:
         self.v_pos = self.position_elements(p.cin, self.rows)
         self.m_pos = self.position_elements(self.cout_pad, self.rows)
         self.wp = tiles.m * round_up(self.tw, self.vl) + self.alpha - 1
-        self.hp = tiles.m * self.rows + 2
+        self.hp = tiles.m * round_up(self.rows, self.pack) + 2
         self.it = "i32" if self.esize == 4 else "i64"
         #: Row stride of the field mask: every column a block's output transform stores.
         self.mask_cols = tiles.m * round_up(self.tw, self.vl)
+
+    def row_packing(self) -> tuple[int, int]:
+        """``(G, L)``: the transforms run ``G`` tile rows side by side in one vector, ``L = VL / G``
+        lanes each, where a row's tiles fit in half a vector or less. A 24-pixel row is 8 F(3,3)
+        tiles: on 16 lanes (AVX-512) one row per vector leaves half of every transform operation
+        idle, two rows fill it. ``L`` keeps whole 16-byte lanes, which :meth:`tile_columns` loads
+        a row's tiles by."""
+        per_lane = 16 // self.esize
+        if self.vl % per_lane or per_lane not in (2, 4):
+            return 1, self.vl
+        lanes = self.vl
+        while lanes // 2 >= max(self.tw, per_lane):
+            lanes //= 2
+        return self.vl // lanes, lanes
+
+    def packed_runs(self, f: FunctionEmitter, rows: str) -> str:
+        """Vectors of :attr:`pack` tile rows that cover ``rows`` tile rows."""
+        return f.val(f"udiv i64 {f.add(rows, self.pack - 1)}, {self.pack}", "runs")
+
+    def row_piece(self, f: FunctionEmitter, value: str, g: int) -> str:
+        """The :attr:`row_lanes` lanes of packed row ``g`` of a transform vector."""
+        if self.pack == 1:
+            return value
+        lanes = ", ".join(f"i32 {g * self.row_lanes + i}" for i in range(self.row_lanes))
+        return f.val(f"shufflevector {self.vt} {value}, {self.vt} poison, <{self.row_lanes} x i32> <{lanes}>", "rp")
 
     def block_rows(self) -> int:
         """Tile rows per block: the count whose GEMM columns (each block's tiles, the last block's
@@ -697,9 +728,13 @@ class WinogradEmitter:
             row_base = f.mul(ci, self.stride)
 
             def put(r: str, chunk: int, a: int, b: int, value: str) -> None:
-                col = f.add(row_base, f.add(f.mul(r, self.tw), chunk * self.vl))
-                ptr = f.gep(t, dest, f.add(col, (a * len(matrix) + b) * pos_stride))
-                f.store(self.vt, value, ptr, align=self.esize)
+                # Packed rows store one piece each, in order: a piece's lanes past the row's
+                # tiles spill into the next row's columns before that row's piece overwrites them.
+                piece_type = f"<{self.row_lanes} x {t}>"
+                for g in range(self.pack):
+                    col = f.add(row_base, f.add(f.mul(f.add(r, g), self.tw), chunk * self.vl))
+                    ptr = f.gep(t, dest, f.add(col, (a * len(matrix) + b) * pos_stride))
+                    f.store(piece_type, self.row_piece(f, value, g), ptr, align=self.esize)
 
             self.transform_runs(f, source, plane, matrix, put, rows)
 
@@ -774,6 +809,9 @@ class WinogradEmitter:
         stack 157 times per run of 8 tiles, the two passes not once, and the seed CNN's conv2
         backward-data pass ran 8 % faster this way (the forward, F(3,3), 4 %)."""
         m, vl, size, width = self.tiles.m, self.vl, source.size, len(matrix)
+        if self.pack > 1:
+            self.packed_transform_runs(f, source, plane, matrix, put, rows)
+            return
         runs = -(-self.tw // vl)
         line = width * runs * vl  # one staged plane row: [b][run][tile]
         count = f.add(f.mul(rows or self.rows, m), size - m)
@@ -792,7 +830,29 @@ class WinogradEmitter:
                     for a, value in enumerate(self.product(f, matrix, down, self.vl)):
                         put(r, chunk, a, b, value)
 
-    def tile_columns(self, f: FunctionEmitter, plane: str, row: str, size: int) -> list[str]:
+    def packed_transform_runs(self, f: FunctionEmitter, source: TileSource, plane: str, matrix: Matrix,
+                              put: Callable[[str, int, int, int, str], None], rows: str | None = None) -> None:
+        """:meth:`transform_runs` for :attr:`pack` tile rows per vector: ``put(r, 0, a, b, value)``
+        receives the run of tile rows ``r ... r + G - 1``. The first pass's vectors hold the plane
+        rows ``m`` apart that the packed tile rows read at the same height, so tile rows share no
+        first-pass work, and a run's staging stays in L1 between its two passes. A last run may
+        reach past the block's rows into the plane's zero rows; :meth:`inputs`'s pieces for them
+        land in V's spare columns."""
+        m, vl, size, width = self.tiles.m, self.vl, source.size, len(matrix)
+        with f.loop(0, self.packed_runs(f, rows or str(self.rows)), hint="pr") as run:
+            r = f.mul(run, self.pack)
+            for i in range(size):
+                row = f.mul(f.add(f.mul(r, m), i), source.plane_cols)
+                columns = self.tile_columns(f, plane, row, size, m * source.plane_cols)
+                for b, value in enumerate(self.product(f, matrix, columns, vl)):
+                    f.store(self.vt, value, f.gep(self.t, self.row_staging, (i * width + b) * vl), align=self.esize)
+            for b in range(width):
+                down = [f.load(self.vt, f.gep(self.t, self.row_staging, (i * width + b) * vl), align=self.esize)
+                        for i in range(size)]
+                for a, value in enumerate(self.product(f, matrix, down, vl)):
+                    put(r, 0, a, b, value)
+
+    def tile_columns(self, f: FunctionEmitter, plane: str, row: str, size: int, row_step: int = 0) -> list[str]:
         """Columns ``0 .. size-1`` of the VL consecutive tiles whose first starts at element ``row``
         of ``plane`` (tile ``l`` at ``row + m * l``): one vector over the tiles per column.
 
@@ -803,7 +863,8 @@ class WinogradEmitter:
         of long loads takes cross-lane permutes and blends instead, about six per column: on AMD
         Zen 3 the F(4,3) input transform's shuffles halve this way (216 to 102 per run of tiles)
         and the seed CNN's conv2 backward-data runs 4 % faster. Targets whose vectors are not whole
-        16-byte lanes keep the strided picks."""
+        16-byte lanes keep the strided picks. With :attr:`pack` rows per vector, packed row ``g``'s
+        lanes read ``g * row_step`` elements further on."""
         t, m, vl = self.t, self.tiles.m, self.vl
         per_lane = 16 // self.esize
         if vl % per_lane or per_lane not in (2, 4):
@@ -816,7 +877,9 @@ class WinogradEmitter:
         for first in range(0, size, per_lane):
             regs = []
             for q in range(per_lane):
-                parts = [f.load(f"<{per_lane} x {t}>", f.gep(t, plane, f.add(row, m * (k + q) + first)),
+                lanes = self.row_lanes
+                parts = [f.load(f"<{per_lane} x {t}>",
+                                f.gep(t, plane, f.add(row, (k // lanes) * row_step + m * (k % lanes + q) + first)),
                                 align=self.esize) for k in range(0, vl, per_lane)]
                 regs.append(concatenate(f, parts, per_lane, t))
             columns += transpose_lanes(f, regs, vl, t)[:size - first]
@@ -880,6 +943,9 @@ class WinogradEmitter:
         output channel; rows past ``oh`` and columns past ``ow`` are not written. ``finish(co)``
         runs after channel ``co``'s rows are stored, while they are in L1."""
         p, t, m, vl, alpha = self.p, self.t, self.tiles.m, self.vl, self.alpha
+        if self.pack > 1:
+            self.packed_outputs(f, mm, y, ty0, rows, finish)
+            return
         wide = f"<{m * vl} x {t}>"
         full_cols = p.ow // (m * vl)
         with f.loop(0, p.cout, hint="co") as co:
@@ -914,10 +980,51 @@ class WinogradEmitter:
             if finish is not None:
                 finish(co)
 
-    def zero_where_inputs_are(self, f: FunctionEmitter, value: str, row: str, col: int) -> str:
-        """``value`` (a wide vector of the block's output row ``row`` from column ``col``) with 0
-        where :meth:`field_mask` says every input is zero."""
-        lanes = self.tiles.m * self.vl
+    def packed_outputs(self, f: FunctionEmitter, mm: str, y: str, ty0: str, rows: str,
+                       finish: Callable[[str], None] | None = None) -> None:
+        """:meth:`outputs` for :attr:`pack` tile rows per vector: each run loads its rows' pieces of
+        M side by side, and each output row is one interleave and one store per packed row."""
+        p, t, m, vl, alpha, lanes = self.p, self.t, self.tiles.m, self.vl, self.alpha, self.row_lanes
+        piece_type, row_type = f"<{lanes} x {t}>", f"<{m * lanes} x {t}>"
+        with f.loop(0, p.cout, hint="co") as co:
+            dst = f.gep(t, y, f.mul(co, p.oh * p.ow))
+            base = f.mul(co, self.stride)
+            with f.loop(0, self.packed_runs(f, rows), hint="r") as run:
+                r = f.mul(run, self.pack)
+                col = f.add(base, f.mul(r, self.tw))
+                for b in range(alpha):
+                    down = []
+                    for a in range(alpha):
+                        at = f.add(col, (a * alpha + b) * self.m_pos)
+                        pieces = [f.load(piece_type, f.gep(t, mm, f.add(at, g * self.tw)), align=self.esize)
+                                  for g in range(self.pack)]
+                        down.append(concatenate(f, pieces, lanes, t))
+                    for i, value in enumerate(self.product(f, self.tiles.at, down, vl)):
+                        f.store(self.vt, value, f.gep(t, self.row_staging, (i * alpha + b) * vl), align=self.esize)
+                for i in range(m):
+                    across = [f.load(self.vt, f.gep(t, self.row_staging, (i * alpha + b) * vl), align=self.esize)
+                              for b in range(alpha)]
+                    parts = self.product(f, self.tiles.at, across, vl)
+                    for g in range(self.pack):
+                        oy = f.add(f.mul(f.add(f.add(ty0, r), g), m), i)
+                        with f.if_then(f.icmp("slt", oy, p.oh), "orow"):
+                            value = self.interleave(f, parts, g * lanes, lanes)
+                            if self.exact_zeros:
+                                value = self.zero_where_inputs_are(f, value, f.add(f.mul(f.add(r, g), m), i), 0,
+                                                                   m * lanes)
+                            ptr = f.gep(t, dst, f.mul(oy, p.ow))
+                            if p.ow == m * lanes:
+                                f.store(row_type, value, ptr, align=self.esize)
+                            else:
+                                self.masked_store(f, m * lanes, value, ptr, p.ow)
+                            self.watch(f, value, p.ow, m * lanes)
+            if finish is not None:
+                finish(co)
+
+    def zero_where_inputs_are(self, f: FunctionEmitter, value: str, row: str, col: int, lanes: int = 0) -> str:
+        """``value`` (a vector of ``lanes`` outputs, ``m * VL`` unless given, of the block's output
+        row ``row`` from column ``col``) with 0 where :meth:`field_mask` says every input is zero."""
+        lanes = lanes or self.tiles.m * self.vl
         ivt, wide = f"<{lanes} x {self.it}>", f"<{lanes} x {self.t}>"
         mask = f.load(ivt, f.gep(self.it, self.field_mask_ptr, f.add(f.mul(row, self.mask_cols), col)),
                       align=self.esize)
@@ -934,19 +1041,22 @@ class WinogradEmitter:
         with f.if_then(any_nan, "nonfinite"):
             f.emit(f"store atomic i32 1, ptr {flag} monotonic, align 4")
 
-    def watch(self, f: FunctionEmitter, value: str, columns: int) -> None:
-        """Fold the first ``columns`` lanes of a stored row into the block's non-finite sentinel:
-        ``x - x`` is 0 for a finite ``x`` and NaN otherwise, and NaN survives every later sum."""
-        m, vl, t = self.tiles.m, self.vl, self.t
-        wide = f"<{m * vl} x {t}>"
-        if columns < m * vl:
-            keep = "<" + ", ".join(f"i1 {'true' if i < columns else 'false'}" for i in range(m * vl)) + ">"
-            value = f.val(f"select <{m * vl} x i1> {keep}, {wide} {value}, {wide} zeroinitializer", "kept")
+    def watch(self, f: FunctionEmitter, value: str, columns: int, lanes: int = 0) -> None:
+        """Fold the first ``columns`` lanes of a stored row (``lanes`` wide, ``m * VL`` unless given)
+        into the block's non-finite sentinel: ``x - x`` is 0 for a finite ``x`` and NaN otherwise,
+        and NaN survives every later sum."""
+        vl, t = self.vl, self.t
+        lanes = lanes or self.tiles.m * vl
+        wide = f"<{lanes} x {t}>"
+        if columns < lanes:
+            keep = "<" + ", ".join(f"i1 {'true' if i < columns else 'false'}" for i in range(lanes)) + ">"
+            value = f.val(f"select <{lanes} x i1> {keep}, {wide} {value}, {wide} zeroinitializer", "kept")
         diff = f.val(f"fsub {wide} {value}, {value}", "fin")
         acc = f.load(self.vt, self.sentinel)
-        for part in range(m):
-            lanes = "<" + ", ".join(f"i32 {part * vl + i}" for i in range(vl)) + ">"
-            piece = f.val(f"shufflevector {wide} {diff}, {wide} poison, <{vl} x i32> {lanes}", "fp")
+        for first in range(0, lanes, vl):
+            # A last part shorter than a vector takes zeros (lanes of the second, zero, operand).
+            picks = "<" + ", ".join(f"i32 {first + i if first + i < lanes else lanes}" for i in range(vl)) + ">"
+            piece = f.val(f"shufflevector {wide} {diff}, {wide} zeroinitializer, <{vl} x i32> {picks}", "fp")
             acc = f.val(f"fadd {self.vt} {acc}, {piece}", "fa")
         f.store(self.vt, acc, self.sentinel)
 
@@ -997,15 +1107,17 @@ class WinogradEmitter:
         f.finish()
         return name
 
-    def interleave(self, f: FunctionEmitter, parts: list[str]) -> str:
-        """``m`` vectors of ``vl`` tiles' column ``j`` -> one row of ``m * vl`` consecutive outputs."""
+    def interleave(self, f: FunctionEmitter, parts: list[str], first: int = 0, tiles: int = 0) -> str:
+        """``m`` vectors of ``vl`` tiles' column ``j`` -> one row of ``m * tiles`` consecutive outputs
+        (``tiles``: all ``vl`` unless given) of the tiles in lanes ``first ...``."""
         vl, t, m = self.vl, self.t, self.tiles.m
+        tiles = tiles or vl
         # Concatenation pairs vectors: an odd m pads the list with poison to a power of two.
         parts = parts + ["poison"] * ((1 << (len(parts) - 1).bit_length()) - len(parts))
         joined = f"<{vl * len(parts)} x {t}>"
-        order = "<" + ", ".join(f"i32 {(k % m) * vl + k // m}" for k in range(m * vl)) + ">"
+        order = "<" + ", ".join(f"i32 {(k % m) * vl + first + k // m}" for k in range(m * tiles)) + ">"
         joined_parts = concatenate(f, parts, vl, t)
-        return f.val(f"shufflevector {joined} {joined_parts}, {joined} poison, <{m * vl} x i32> {order}", "il")
+        return f.val(f"shufflevector {joined} {joined_parts}, {joined} poison, <{m * tiles} x i32> {order}", "il")
 
     @property
     def plane_bytes(self) -> int:

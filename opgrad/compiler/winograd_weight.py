@@ -69,7 +69,10 @@ class WeightGradEmitter(WinogradEmitter):
         self.groups = max(1, min(GROUPS, p.n * self.blocks, p.n * self.th * self.tw // GROUP_TILES))
         self.w_group = self.alpha**2 * self.o_pad * self.c_pad
         self.dy_cols = self.tiles.m * round_up(self.tw, vl)
-        self.runs = self.rows * -(-self.tw // vl)
+        #: Transform runs of a block: packed rows share one (:meth:`~.WinogradEmitter.row_packing`).
+        self.runs = -(-self.rows // self.pack) * -(-self.tw // vl)
+        #: Rows of the output gradient's plane: whole runs of packed tile rows.
+        self.dy_rows = self.tiles.m * round_up(self.rows, self.pack)
 
     @property
     def x_plane_bytes(self) -> int:
@@ -77,7 +80,7 @@ class WeightGradEmitter(WinogradEmitter):
 
     @property
     def dy_plane_bytes(self) -> int:
-        return round_up((self.tiles.m * self.rows * self.dy_cols + self.tiles.m * self.vl) * self.esize, 64)
+        return round_up((self.dy_rows * self.dy_cols + self.tiles.m * self.vl) * self.esize, 64)
 
     @property
     def staging_bytes(self) -> int:
@@ -108,7 +111,7 @@ class WeightGradEmitter(WinogradEmitter):
         self.row_staging = f.gep("i8", wide, str(self.transformed_bytes))
         total = p.n * self.blocks
         x_source = TileSource(p.cin, p.h, p.w, p.top, p.left, self.alpha, self.hp, self.wp)
-        dy_source = TileSource(p.cout, p.oh, p.ow, 0, 0, m, m * self.rows, self.dy_cols)
+        dy_source = TileSource(p.cout, p.oh, p.ow, 0, 0, m, self.dy_rows, self.dy_cols)
         x_side = (x, p.cin * p.h * p.w, x_source, x_plane, self.tiles.bt)
         dy_side = (dy, p.cout * p.oh * p.ow, dy_source, dy_plane, _transpose(self.tiles.at))
         wide_side, narrow_side = (dy_side, x_side) if self.o_wide else (x_side, dy_side)
@@ -150,24 +153,31 @@ class WeightGradEmitter(WinogradEmitter):
                     self.fill_plane(f, f.gep(t, x, f.mul(ci, source.h * source.w)), source, ty0, plane)
 
                     def put(r: str, chunk: int, a: int, b: int, value: str) -> None:
-                        run = f.add(f.mul(r, chunks), chunk)
+                        # r is the first of the run's packed rows (a multiple of pack, a power of two).
+                        run = f.add(f.mul(f.val(f"udiv i64 {r}, {self.pack}", "run"), chunks), chunk)
                         square0 = f.gep(t, staging, f.add(f.mul(run, a2 * vl * vl), f.mul(lane, vl)))
                         pos = a * len(matrix) + b
                         f.store(vt, value, f.gep(t, square0, str(pos * vl * vl)), align=self.esize)
 
                     self.transform_runs(f, source, plane, matrix, put, rows)
-            with f.loop(0, rows, hint="tr") as r:
+            with f.loop(0, self.packed_runs(f, rows), hint="tr") as packed:
+                r = f.mul(packed, self.pack)
                 for chunk in range(chunks):
-                    run = f.add(f.mul(r, chunks), chunk)
+                    run = f.add(f.mul(packed, chunks), chunk)
                     col = f.add(f.mul(r, self.tw), chunk * vl)
                     with f.loop(0, a2, hint="tp") as position:
                         square = f.gep(t, staging, f.mul(f.add(f.mul(run, a2), position), vl * vl))
                         lines = [f.load(vt, f.gep(t, square, str(i * vl)), align=self.esize) for i in range(vl)]
                         columns = transpose_square(f, lines, vt, vl)
                         base = f.add(f.add(f.mul(position, pos_stride), cg), f.mul(col, channels_pad))
-                        for tile in range(vl):
-                            ptr = f.gep(t, dest, f.add(base, tile * channels_pad))
-                            f.store(vt, columns[tile], ptr, align=self.esize)
+                        for slot in range(vl):
+                            # Packed row g's tiles follow row g - 1's; lanes past a row's tiles
+                            # hold nothing and are not stored.
+                            g, tile = divmod(slot, self.row_lanes)
+                            if self.pack > 1 and tile >= self.tw:
+                                continue
+                            ptr = f.gep(t, dest, f.add(base, (g * self.tw + tile) * channels_pad))
+                            f.store(vt, columns[slot], ptr, align=self.esize)
 
     def outer_gemms(self, f: FunctionEmitter, wide: str, narrow: str, out: str, tiles: str) -> None:
         """``out[pos][n][w] += sum_tile narrow[pos][n][tile] * wide[pos][tile][w]`` over the block's
