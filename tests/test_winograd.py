@@ -155,13 +155,17 @@ def test_forward_and_backward_data_match_the_direct_sum(case: tuple, dtype: str,
     np.testing.assert_allclose(dw, want_dw, rtol=0, atol=relative * max(1.0, np.abs(want_dw).max()))
 
 
+@pytest.mark.parametrize("blocks", ["one block", "blocks of 3 tile rows"])
 @pytest.mark.parametrize("tiles", TILE_CHOICES, ids=[f"F({t.m},3)" for t in TILE_CHOICES])
 @pytest.mark.parametrize("pass_", ["forward", "backward_data", "backward_weight"])
-def test_packed_tile_rows_give_the_same_bits_as_one_row_per_vector(pass_: str, tiles: WinogradTiles,
+def test_packed_tile_rows_give_the_same_bits_as_one_row_per_vector(pass_: str, tiles: WinogradTiles, blocks: str,
                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     # Outputs 4 tiles wide pack at least two tile rows per vector of 8 or 16 lanes, with a last
-    # run that reaches past the image (7 and 5 tile rows) and, in the forward pass, exact zeros
-    # kept; each lane computes what it computes alone, so the results are the same bits.
+    # run that reaches past the block (5 tile rows, or blocks of 3) and, in the forward pass,
+    # exact zeros kept; each lane computes what it computes alone, so the results are the same
+    # bits, and no block writes another's rows.
+    if blocks != "one block":
+        monkeypatch.setattr(WinogradEmitter, "block_rows", lambda self: 3)
     x_shape = (2, 8, 4 * tiles.m + 1, 4 * tiles.m - 1)
     w_shape, pads = (16, 8, 3, 3), (1, 0, 2, 1)
     rng = np.random.default_rng(3)
@@ -172,7 +176,8 @@ def test_packed_tile_rows_give_the_same_bits_as_one_row_per_vector(pass_: str, t
     problem = winograd_conv(geometry, pass_, require_gain=False)
     assert problem is not None
     dy = rng.standard_normal((2, 16, geometry.oh, geometry.ow)).astype(np.float32)
-    assert WinogradEmitter(ModuleEmitter("pack"), problem, tiles).pack >= 2
+    emitter = WinogradEmitter(ModuleEmitter("pack"), problem, tiles)
+    assert emitter.pack >= 2 and emitter.blocks == (1 if blocks == "one block" else 2)
 
     def run() -> np.ndarray:
         nthreads = pool().nthreads

@@ -1007,7 +1007,9 @@ class WinogradEmitter:
                     parts = self.product(f, self.tiles.at, across, vl)
                     for g in range(self.pack):
                         oy = f.add(f.mul(f.add(f.add(ty0, r), g), m), i)
-                        with f.if_then(f.icmp("slt", oy, p.oh), "orow"):
+                        # A last run's rows past the block's belong to the next block, or to none.
+                        inside = f.val(f"and i1 {f.icmp('slt', oy, p.oh)}, {f.icmp('slt', f.add(r, g), rows)}")
+                        with f.if_then(inside, "orow"):
                             value = self.interleave(f, parts, g * lanes, lanes)
                             if self.exact_zeros:
                                 value = self.zero_where_inputs_are(f, value, f.add(f.mul(f.add(r, g), m), i), 0,
