@@ -49,6 +49,11 @@ def iota_const(n: int, elem: str = "i32", start: int = 0) -> str:
     return "<" + ", ".join(f"{elem} {start + i}" for i in range(n)) + ">"
 
 
+def prefix_mask(n: int, valid: int) -> str:
+    """An ``<n x i1>`` constant, true in the first ``valid`` lanes: a masked load's or store's lanes."""
+    return "<" + ", ".join(f"i1 {'true' if i < valid else 'false'}" for i in range(n)) + ">"
+
+
 class ModuleEmitter:
     """Collects declarations, globals and function bodies of one LLVM module."""
 

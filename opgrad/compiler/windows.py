@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from .gemm import masked_load, masked_store
-from .irtext import BYTES, LLVM_TYPE, FunctionEmitter
+from .irtext import BYTES, LLVM_TYPE, FunctionEmitter, prefix_mask
 from .target import current_target
 from .views import Scalar, VectorScalar, View, elem_type
 
@@ -207,9 +207,6 @@ def _pool_rows_vectorized(p: _Planes, out: View, data: View, win: Window2d, op: 
     wide = f"<{kw * vl} x {t}>"
     full, rest = divmod(out.shape[3], vl)
 
-    def lane_mask(n: int, lanes: int) -> str:
-        return "<" + ", ".join(f"i1 {'true' if i < lanes else 'false'}" for i in range(n)) + ">"
-
     def windows(oh: str, col: str, lanes: int) -> None:
         acc = v.const(float("-inf") if op == "max" else 0.0)
         for ki in range(kh):
@@ -217,7 +214,7 @@ def _pool_rows_vectorized(p: _Planes, out: View, data: View, win: Window2d, op: 
             if lanes == vl:
                 window_cols = f.load(wide, ptr, align=esize)
             else:
-                mask = lane_mask(kw * vl, kw * lanes)
+                mask = prefix_mask(kw * vl, kw * lanes)
                 window_cols = f.call(wide, masked_load(f.module, kw * vl, t),
                                      [("ptr", ptr), ("i32", str(esize)), (f"<{kw * vl} x i1>", mask), (wide, "poison")])
             for kj in range(kw):
@@ -231,7 +228,7 @@ def _pool_rows_vectorized(p: _Planes, out: View, data: View, win: Window2d, op: 
             f.store(v.t, acc, ptr, align=esize)
         else:
             f.call("void", masked_store(f.module, vl, t),
-                   [(v.t, acc), ("ptr", ptr), ("i32", str(esize)), (f"<{vl} x i1>", lane_mask(vl, lanes))])
+                   [(v.t, acc), ("ptr", ptr), ("i32", str(esize)), (f"<{vl} x i1>", prefix_mask(vl, lanes))])
 
     with f.loop(0, out.shape[2], hint="voh") as oh:
         if full:

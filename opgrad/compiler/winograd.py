@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 from .conv import Conv2dGeometry, ConvEntry, output_matrix
 from .gemm import Blocking, Epilogue, call_epilogue, emit_epilogue, masked_store, round_up
-from .irtext import BYTES, LLVM_TYPE, FunctionEmitter, ModuleEmitter, float_const, splat_const
+from .irtext import BYTES, LLVM_TYPE, FunctionEmitter, ModuleEmitter, float_const, prefix_mask, splat_const
 from .target import cache_share, cache_size, current_target, host_target
 from .threads import PARALLEL_FOR, PARALLEL_FOR_DECL
 
@@ -604,7 +604,7 @@ class WinogradEmitter:
 
     def masked_store(self, f: FunctionEmitter, lanes: int, value: str, ptr: str, valid: int) -> None:
         fn = masked_store(self.mod, lanes, self.t)
-        mask = "<" + ", ".join(f"i1 {'true' if i < valid else 'false'}" for i in range(lanes)) + ">"
+        mask = prefix_mask(lanes, valid)
         f.call("void", fn, [(f"<{lanes} x {self.t}>", value), ("ptr", ptr), ("i32", str(self.esize)),
                             (f"<{lanes} x i1>", mask)])
 
@@ -941,49 +941,11 @@ class WinogradEmitter:
                 finish: Callable[[str], None] | None = None) -> None:
         """``y tile = A^T M A`` for the block's tiles (``rows`` tile rows from ``ty0``) of every
         output channel; rows past ``oh`` and columns past ``ow`` are not written. ``finish(co)``
-        runs after channel ``co``'s rows are stored, while they are in L1."""
-        p, t, m, vl, alpha = self.p, self.t, self.tiles.m, self.vl, self.alpha
-        if self.pack > 1:
-            self.packed_outputs(f, mm, y, ty0, rows, finish)
-            return
-        wide = f"<{m * vl} x {t}>"
-        full_cols = p.ow // (m * vl)
-        with f.loop(0, p.cout, hint="co") as co:
-            dst = f.gep(t, y, f.mul(co, p.oh * p.ow))
-            base = f.mul(co, self.stride)
-            with f.loop(0, rows, hint="r") as r:
-                for chunk, tx0 in enumerate(range(0, self.tw, vl)):
-                    columns = m * vl if chunk < full_cols else p.ow - m * tx0
-                    col = f.add(base, f.add(f.mul(r, self.tw), tx0))
-                    # Separable, as the input transform (:meth:`transform_runs`): each column of
-                    # positions times A^T, staged, then each output row from its staged row.
-                    for b in range(alpha):
-                        down = [f.load(self.vt, f.gep(t, mm, f.add(col, (a * alpha + b) * self.m_pos)),
-                                       align=self.esize) for a in range(alpha)]
-                        for i, value in enumerate(self.product(f, self.tiles.at, down, self.vl)):
-                            f.store(self.vt, value, f.gep(t, self.row_staging, (i * alpha + b) * vl),
-                                    align=self.esize)
-                    for i in range(m):
-                        oy = f.add(f.mul(f.add(ty0, r), m), i)
-                        with f.if_then(f.icmp("slt", oy, p.oh), "orow"):
-                            ptr = f.gep(t, dst, f.add(f.mul(oy, p.ow), m * tx0))
-                            across = [f.load(self.vt, f.gep(t, self.row_staging, (i * alpha + b) * vl),
-                                             align=self.esize) for b in range(alpha)]
-                            value = self.interleave(f, self.product(f, self.tiles.at, across, self.vl))
-                            if self.exact_zeros:
-                                value = self.zero_where_inputs_are(f, value, f.add(f.mul(r, m), i), m * tx0)
-                            if columns == m * vl:
-                                f.store(wide, value, ptr, align=self.esize)
-                            else:
-                                self.masked_store(f, m * vl, value, ptr, columns)
-                            self.watch(f, value, columns)
-            if finish is not None:
-                finish(co)
+        runs after channel ``co``'s rows are stored, while they are in L1.
 
-    def packed_outputs(self, f: FunctionEmitter, mm: str, y: str, ty0: str, rows: str,
-                       finish: Callable[[str], None] | None = None) -> None:
-        """:meth:`outputs` for :attr:`pack` tile rows per vector: each run loads its rows' pieces of
-        M side by side, and each output row is one interleave and one store per packed row."""
+        A run is :attr:`row_lanes` tiles of each of :attr:`pack` tile rows, their pieces of M
+        loaded side by side; each output row of a packed row is one interleave and one store. A
+        last run's rows past the block's belong to the next block (or to none) and are not stored."""
         p, t, m, vl, alpha, lanes = self.p, self.t, self.tiles.m, self.vl, self.alpha, self.row_lanes
         piece_type, row_type = f"<{lanes} x {t}>", f"<{m * lanes} x {t}>"
         with f.loop(0, p.cout, hint="co") as co:
@@ -991,42 +953,47 @@ class WinogradEmitter:
             base = f.mul(co, self.stride)
             with f.loop(0, self.packed_runs(f, rows), hint="r") as run:
                 r = f.mul(run, self.pack)
-                col = f.add(base, f.mul(r, self.tw))
-                for b in range(alpha):
-                    down = []
-                    for a in range(alpha):
-                        at = f.add(col, (a * alpha + b) * self.m_pos)
-                        pieces = [f.load(piece_type, f.gep(t, mm, f.add(at, g * self.tw)), align=self.esize)
-                                  for g in range(self.pack)]
-                        down.append(concatenate(f, pieces, lanes, t))
-                    for i, value in enumerate(self.product(f, self.tiles.at, down, vl)):
-                        f.store(self.vt, value, f.gep(t, self.row_staging, (i * alpha + b) * vl), align=self.esize)
-                for i in range(m):
-                    across = [f.load(self.vt, f.gep(t, self.row_staging, (i * alpha + b) * vl), align=self.esize)
-                              for b in range(alpha)]
-                    parts = self.product(f, self.tiles.at, across, vl)
-                    for g in range(self.pack):
-                        oy = f.add(f.mul(f.add(f.add(ty0, r), g), m), i)
-                        # A last run's rows past the block's belong to the next block, or to none.
-                        inside = f.val(f"and i1 {f.icmp('slt', oy, p.oh)}, {f.icmp('slt', f.add(r, g), rows)}")
-                        with f.if_then(inside, "orow"):
-                            value = self.interleave(f, parts, g * lanes, lanes)
-                            if self.exact_zeros:
-                                value = self.zero_where_inputs_are(f, value, f.add(f.mul(f.add(r, g), m), i), 0,
-                                                                   m * lanes)
-                            ptr = f.gep(t, dst, f.mul(oy, p.ow))
-                            if p.ow == m * lanes:
-                                f.store(row_type, value, ptr, align=self.esize)
-                            else:
-                                self.masked_store(f, m * lanes, value, ptr, p.ow)
-                            self.watch(f, value, p.ow, m * lanes)
+                for tx0 in range(0, self.tw, lanes):
+                    col = f.add(base, f.add(f.mul(r, self.tw), tx0))
+                    columns = min(m * lanes, p.ow - m * tx0)
+                    # Separable, as the input transform (:meth:`transform_runs`): each column of
+                    # positions times A^T, staged, then each output row from its staged row.
+                    for b in range(alpha):
+                        down = []
+                        for a in range(alpha):
+                            at = f.add(col, (a * alpha + b) * self.m_pos)
+                            pieces = [f.load(piece_type, f.gep(t, mm, f.add(at, g * self.tw)), align=self.esize)
+                                      for g in range(self.pack)]
+                            down.append(concatenate(f, pieces, lanes, t))
+                        for i, value in enumerate(self.product(f, self.tiles.at, down, vl)):
+                            f.store(self.vt, value, f.gep(t, self.row_staging, (i * alpha + b) * vl),
+                                    align=self.esize)
+                    for i in range(m):
+                        across = [f.load(self.vt, f.gep(t, self.row_staging, (i * alpha + b) * vl),
+                                         align=self.esize) for b in range(alpha)]
+                        parts = self.product(f, self.tiles.at, across, vl)
+                        for g in range(self.pack):
+                            oy = f.add(f.mul(f.add(f.add(ty0, r), g), m), i)
+                            inside = f.icmp("slt", oy, p.oh)
+                            if self.pack > 1:
+                                inside = f.val(f"and i1 {inside}, {f.icmp('slt', f.add(r, g), rows)}")
+                            with f.if_then(inside, "orow"):
+                                value = self.interleave(f, parts, g * lanes, lanes)
+                                if self.exact_zeros:
+                                    value = self.zero_where_inputs_are(f, value, f.add(f.mul(f.add(r, g), m), i),
+                                                                       m * tx0, m * lanes)
+                                ptr = f.gep(t, dst, f.add(f.mul(oy, p.ow), m * tx0))
+                                if columns == m * lanes:
+                                    f.store(row_type, value, ptr, align=self.esize)
+                                else:
+                                    self.masked_store(f, m * lanes, value, ptr, columns)
+                                self.watch(f, value, columns, m * lanes)
             if finish is not None:
                 finish(co)
 
-    def zero_where_inputs_are(self, f: FunctionEmitter, value: str, row: str, col: int, lanes: int = 0) -> str:
-        """``value`` (a vector of ``lanes`` outputs, ``m * VL`` unless given, of the block's output
-        row ``row`` from column ``col``) with 0 where :meth:`field_mask` says every input is zero."""
-        lanes = lanes or self.tiles.m * self.vl
+    def zero_where_inputs_are(self, f: FunctionEmitter, value: str, row: str, col: int, lanes: int) -> str:
+        """``value`` (a vector of ``lanes`` outputs of the block's output row ``row`` from column
+        ``col``) with 0 where :meth:`field_mask` says every input is zero."""
         ivt, wide = f"<{lanes} x {self.it}>", f"<{lanes} x {self.t}>"
         mask = f.load(ivt, f.gep(self.it, self.field_mask_ptr, f.add(f.mul(row, self.mask_cols), col)),
                       align=self.esize)
@@ -1043,15 +1010,14 @@ class WinogradEmitter:
         with f.if_then(any_nan, "nonfinite"):
             f.emit(f"store atomic i32 1, ptr {flag} monotonic, align 4")
 
-    def watch(self, f: FunctionEmitter, value: str, columns: int, lanes: int = 0) -> None:
-        """Fold the first ``columns`` lanes of a stored row (``lanes`` wide, ``m * VL`` unless given)
-        into the block's non-finite sentinel: ``x - x`` is 0 for a finite ``x`` and NaN otherwise,
-        and NaN survives every later sum."""
+    def watch(self, f: FunctionEmitter, value: str, columns: int, lanes: int) -> None:
+        """Fold the first ``columns`` lanes of a stored row ``lanes`` wide into the block's
+        non-finite sentinel: ``x - x`` is 0 for a finite ``x`` and NaN otherwise, and NaN survives
+        every later sum."""
         vl, t = self.vl, self.t
-        lanes = lanes or self.tiles.m * vl
         wide = f"<{lanes} x {t}>"
         if columns < lanes:
-            keep = "<" + ", ".join(f"i1 {'true' if i < columns else 'false'}" for i in range(lanes)) + ">"
+            keep = prefix_mask(lanes, columns)
             value = f.val(f"select <{lanes} x i1> {keep}, {wide} {value}, {wide} zeroinitializer", "kept")
         diff = f.val(f"fsub {wide} {value}, {value}", "fin")
         acc = f.load(self.vt, self.sentinel)
@@ -1109,11 +1075,10 @@ class WinogradEmitter:
         f.finish()
         return name
 
-    def interleave(self, f: FunctionEmitter, parts: list[str], first: int = 0, tiles: int = 0) -> str:
+    def interleave(self, f: FunctionEmitter, parts: list[str], first: int, tiles: int) -> str:
         """``m`` vectors of ``vl`` tiles' column ``j`` -> one row of ``m * tiles`` consecutive outputs
-        (``tiles``: all ``vl`` unless given) of the tiles in lanes ``first ...``."""
+        of the ``tiles`` tiles in lanes ``first ...``."""
         vl, t, m = self.vl, self.t, self.tiles.m
-        tiles = tiles or vl
         # Concatenation pairs vectors: an odd m pads the list with poison to a power of two.
         parts = parts + ["poison"] * ((1 << (len(parts) - 1).bit_length()) - len(parts))
         joined = f"<{vl * len(parts)} x {t}>"

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from .conv import ConvEntry
 from .gemm import Blocking, round_up, transpose_square
-from .irtext import FunctionEmitter, ModuleEmitter
+from .irtext import FunctionEmitter, ModuleEmitter, prefix_mask
 from .winograd import F2X3, TileSource, WinogradConv, WinogradEmitter, WinogradTiles, emit_guarded_entry
 
 __all__ = ["GROUPS", "GROUP_TILES", "WeightGradEmitter", "emit_winograd_weight"]
@@ -239,7 +239,7 @@ class WeightGradEmitter(WinogradEmitter):
                     f.store(vt, f.val(f"fadd {vt} {f.load(vt, acc)}, {v}", "gs"), acc)
             grid = [[f.load(vt, sums[a * alpha + b]) for b in range(alpha)] for a in range(alpha)]
             out = self.sandwich(f, gt, grid, gt, self.vl)
-            keep = "<" + ", ".join(f"i1 {'true' if i < lanes else 'false'}" for i in range(vl)) + ">"
+            keep = prefix_mask(vl, lanes)
             for kh in range(3):
                 for kw in range(3):
                     value = out[kh][kw]
