@@ -200,6 +200,94 @@ def test_packed_tile_rows_give_the_same_bits_as_one_row_per_vector(pass_: str, t
     np.testing.assert_array_equal(packed, run())
 
 
+@pytest.mark.parametrize("packing", ["packed rows", "one row per vector"])
+@pytest.mark.parametrize("rows", [3, 5])
+@pytest.mark.parametrize("tiles", TILE_CHOICES, ids=[f"F({t.m},3)" for t in TILE_CHOICES])
+@pytest.mark.parametrize("pass_", ["forward", "backward_data"])
+def test_blocks_across_images_give_the_same_bits_as_blocks_within_one(pass_: str, tiles: WinogradTiles, rows: int,
+                                                                      packing: str,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    # Three images of 4 x 4 tiles. Blocks of 3 tile rows split them into segments of 3, 1 + 2,
+    # 2 + 1 and 3 rows; blocks of 5 into 4 + 1 and 3 + 2, and a tail of 2. Odd segments leave a
+    # packed run half past their rows, whose pieces land in the next segment's columns before
+    # it writes them. The GEMMs sum each column over the channels in one order wherever it lies,
+    # so the outputs are the same bits; the forward pass keeps exact zeros, whose mask rows
+    # follow the segments.
+    if packing != "packed rows":
+        monkeypatch.setattr(WinogradEmitter, "row_packing", lambda self: (1, self.vl))
+    x_shape = (3, 8, 3 * tiles.m + 1, 4 * tiles.m - 1)
+    w_shape, pads = (16, 8, 3, 3), (1, 0, 2, 1)
+    rng = np.random.default_rng(11)
+    x = rng.standard_normal(x_shape).astype(np.float32)
+    x[..., :3] = 0
+    w = rng.standard_normal(w_shape).astype(np.float32)
+    geometry = conv2d_geometry(x_shape, w_shape, 1, pads, 1, "float32")
+    problem = winograd_conv(geometry, pass_, require_gain=False)
+    assert problem is not None
+    dy = rng.standard_normal((3, 16, geometry.oh, geometry.ow)).astype(np.float32)
+
+    def run(spanning: int | None) -> np.ndarray:
+        monkeypatch.setattr(WinogradEmitter, "spanning_rows", lambda self: spanning)
+        emitter = WinogradEmitter(ModuleEmitter("span"), problem, tiles, exact_zeros=pass_ == "forward")
+        assert (emitter.th, emitter.spans) == (4, spanning is not None)
+        if spanning is not None:
+            assert (emitter.blocks, emitter.tail_rows) == (-(-12 // rows), 12 - (-(-12 // rows) - 1) * rows)
+        m = ModuleEmitter("spanning")
+        entry = emit_winograd(m, problem, "conv", tiles, exact_zeros=pass_ == "forward")
+        args, out = ((x, w), np.full(dy.shape, np.nan, np.float32)) if pass_ == "forward" else \
+            ((dy, w), np.full(x_shape, np.nan, np.float32))
+        CompiledKernel(NativeModule(m.text(), use_cache=False), entry.entry, 3,
+                       entry.workspace_per_thread * pool().nthreads)(*args, out)
+        return out
+
+    across = run(rows)
+    np.testing.assert_array_equal(across, run(None))
+    want = _forward(x, w, pads) if pass_ == "forward" else _backward_data(dy, w, x_shape, pads)
+    np.testing.assert_allclose(across, want, rtol=0, atol=(2e-5 if tiles is F4X3 else 2e-6) * np.abs(want).max())
+    if pass_ == "forward":
+        assert np.array_equal(across == 0, want == 0)  # the exact zeros of the zero columns
+
+
+def test_a_fused_epilogue_runs_on_each_image_of_a_block_across_images(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Bias and relu run on each segment's rows of its own image and channels.
+    import opgrad
+    from opgrad import ops
+
+    rng = np.random.default_rng(12)
+    x, w, b = (opgrad.var(name, shape, "float32")
+               for name, shape in (("x", (3, 8, 10, 9)), ("w", (16, 8, 3, 3)), ("b", (16,))))
+    fn = opgrad.function([x, w, b], ops.relu(ops.bias_add(ops.conv2d(x, w, padding=1), b)))
+    xs, ws, bs = (rng.standard_normal(v.shape).astype(np.float32) for v in (x, w, b))
+    results = []
+    for spanning in (3, None):
+        monkeypatch.setattr(WinogradEmitter, "spanning_rows", lambda self, rows=spanning: rows)
+        compiled = opgrad.compile(fn, step_entries=True)
+        assert compiled.step_labels == ["conv2d+bias_add+relu"]
+        results.append(compiled(xs, ws, bs))
+    np.testing.assert_array_equal(results[0], results[1])
+    want = opgrad.evaluate(fn, xs, ws, bs)
+    np.testing.assert_allclose(results[0], want, rtol=0, atol=2e-5 * np.abs(want).max())
+
+
+@pytest.mark.parametrize("threads", [1, 2, 16])
+def test_blocks_run_across_images_where_the_tiles_leave_vectors_part_empty(threads: int,
+                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    # The seed CNN's conv2: backward-data by F(4,3) has 7 x 7 tiles per image, 49 columns in 64
+    # (AVX-512). Blocks of 16 tile rows across images are 112 columns, 7 whole vectors: 14 blocks,
+    # 7 per thread on 2 threads, one each on 16 (where blocks of 2 rows would take as long); one
+    # thread takes blocks of 32 rows (224 columns), as large as the budget allows. The forward
+    # by F(3,3) (8 x 8 tiles, 4 whole vectors) gains nothing and keeps a block per image.
+    monkeypatch.setattr("opgrad.compiler.winograd.pool_size", lambda: threads)
+    monkeypatch.setattr("opgrad.compiler.winograd.host_target", lambda: resolve_target("x86-64-v4"))
+    monkeypatch.setattr("opgrad.compiler.winograd.block_budget", lambda: 4 << 20)
+    with use_target(resolve_target("x86-64-v4")):
+        data = WinogradEmitter(ModuleEmitter("d"), _problem((32, 32, 26, 26), 64, 0, "backward_data"), F4X3)
+        forward = WinogradEmitter(ModuleEmitter("f"), _problem((32, 32, 26, 26), 64, 0), F3X3, exact_zeros=True)
+    rows = 32 if threads == 1 else 16
+    assert (data.spans, data.rows, data.cols, data.blocks, data.segment_rows) == (True, rows, rows * 7, 224 // rows, 7)
+    assert not forward.spans and (forward.rows, forward.cols) == (8, 64)
+
+
 @pytest.mark.parametrize("tiles", TILE_CHOICES, ids=[f"F({t.m},3)" for t in TILE_CHOICES])
 @pytest.mark.parametrize("value", [np.nan, np.inf, -np.inf])
 @pytest.mark.parametrize("where", ["data", "weight"])
@@ -400,13 +488,14 @@ def test_blocks_are_as_large_as_the_cache_budget_allows() -> None:
 
 
 def test_a_narrow_last_piece_of_columns_takes_several_panels_per_register_tile() -> None:
-    # The seed CNN's conv2 backward-data by F(4,3): 7x7 tiles per image, one block (49 columns,
-    # 56 with padding) in register tiles 3 vectors wide: two of 24 columns and a last piece of
+    # The seed CNN's conv2 backward-data by F(4,3) in blocks of one image: 7x7 tiles, 49 columns
+    # (56 with padding) in register tiles 3 vectors wide: two of 24 columns and a last piece of
     # 8. The full width takes 4 rows by 3 vectors; the 8-column piece takes 2 panels, 8 rows by
     # 1 vector, where 4 rows would leave 8 of the 12 accumulators idle. The tile covers whole
     # panels only.
     with use_target(resolve_target("x86-64-v3")):  # AVX2: 8 lanes, 16 registers
-        emitter = WinogradEmitter(ModuleEmitter("t_panels"), _problem((32, 32, 26, 26), 64, 0, "backward_data"), F4X3)
+        emitter = WinogradEmitter(ModuleEmitter("t_panels"), _problem((32, 32, 26, 26), 64, 0, "backward_data"), F4X3,
+                                  spans_images=False)
         odd = WinogradEmitter(ModuleEmitter("t_panels"), _problem((2, 8, 10, 10), 20, 0), F2X3)
     assert (emitter.vl, emitter.mr, emitter.nvec, emitter.cout_pad, emitter.cols) == (8, 4, 3, 32, 56)
     assert [emitter.panels_per_tile(n) for n in (3, 2, 1)] == [1, 1, 2]

@@ -277,6 +277,9 @@ class FunctionEmitter:
     def smin(self, a: str, b: str | int, ty: str = "i64") -> str:
         return self.select(self.icmp("slt", a, b, ty), ty, a, str(b))
 
+    def smax(self, a: str, b: str | int, ty: str = "i64") -> str:
+        return self.select(self.icmp("sgt", a, b, ty), ty, a, str(b))
+
     def prefetch(self, ptr: str, byte_offset: str | int = 0, locality: int = 3) -> None:
         """Prefetch the line at ``ptr + byte_offset`` for reading, into L1 (``locality`` 3) or
         only into L2 (2). The address may lie past the object (so no ``inbounds``): a prefetch

@@ -280,4 +280,10 @@ def pool() -> ThreadPool:
         return _pool
 
 
+def pool_size() -> int:
+    """Threads of the process-wide pool: its size, or the size it takes when first used."""
+    with _pool_lock:
+        return _pool.nthreads if _pool is not None else default_num_threads()
+
+
 provide_symbol(PARALLEL_FOR, pool)

@@ -37,7 +37,7 @@ from .conv import Conv2dGeometry, ConvEntry, output_matrix
 from .gemm import Blocking, Epilogue, call_epilogue, emit_epilogue, masked_store, round_up
 from .irtext import BYTES, LLVM_TYPE, FunctionEmitter, ModuleEmitter, float_const, prefix_mask, splat_const
 from .target import cache_share, cache_size, current_target, host_target
-from .threads import PARALLEL_FOR, PARALLEL_FOR_DECL
+from .threads import PARALLEL_FOR, PARALLEL_FOR_DECL, pool_size
 
 __all__ = [
     "ACCURACY_MARGIN",
@@ -48,6 +48,7 @@ __all__ = [
     "TILE_CHOICES",
     "WEIGHT_PARTIAL_BYTES",
     "LinearPlan",
+    "Segment",
     "TileSource",
     "WinogradConv",
     "WinogradEmitter",
@@ -73,6 +74,9 @@ __all__ = [
 BLOCK_BYTES = 2 << 20
 #: Largest partial sum of the weight gradient (16 x O x C values) kept per group of blocks.
 WEIGHT_PARTIAL_BYTES = 1 << 20
+#: Blocks run across images (:meth:`WinogradEmitter.spanning_rows`) where that takes at least
+#: this share off the busiest thread's GEMM columns.
+SPANNING_GAIN = 0.05
 #: Fewer channels than this on either side leave the GEMMs too thin to win back the transforms.
 MIN_CHANNELS = 8
 
@@ -156,6 +160,17 @@ class TileSource:
     size: int
     plane_rows: int
     plane_cols: int
+
+
+@dataclass(frozen=True)
+class Segment:
+    """One image's part of a block (IR values): ``rows`` tile rows of image ``image`` from tile row
+    ``ty0``, at tile row ``offset`` of the block's columns (V and M) and of its field mask."""
+
+    image: str
+    ty0: str
+    rows: str
+    offset: str
 
 
 def winograd_conv(g: Conv2dGeometry, pass_: str, require_gain: bool = True) -> WinogradConv | None:
@@ -261,8 +276,13 @@ def estimated_cycles(p: WinogradConv, tiles: WinogradTiles, exact_zeros: bool = 
     runs of ``VL`` tiles they really transform (a row of 9 tiles is two runs of 8 lanes), plus,
     with ``exact_zeros``, those that keep exact zeros (:meth:`WinogradEmitter.field_mask`). The
     weight gradient does the same products and transforms the same tiles of its two inputs, so
-    one estimate serves the three passes."""
-    e = WinogradEmitter(ModuleEmitter("estimate"), p, tiles, exact_zeros=exact_zeros)
+    one estimate serves the three passes.
+
+    Blocks are counted within one image, the layout the costs are fitted on; blocks across
+    images (:meth:`WinogradEmitter.spanning_rows`) then fill the chosen tiles' columns. Counted
+    with them, F(4,3) would take the seed CNN's conv2 forward as 11 % cheaper than F(3,3), where
+    it ran no faster (AMD Zen 5, 0.70 against 0.69 ms) and is less accurate."""
+    e = WinogradEmitter(ModuleEmitter("estimate"), p, tiles, exact_zeros=exact_zeros, spans_images=False)
     alpha, m, vl = tiles.alpha, tiles.m, e.vl
     columns = (e.blocks - 1) * e.cols + round_up(e.tail_rows * e.tw, vl)
     fmas = alpha**2 * e.cout_pad * p.cin * columns // vl
@@ -443,7 +463,7 @@ class WinogradEmitter:
     """Shared emission state of one Winograd kernel: types, vector width and constants."""
 
     def __init__(self, mod: ModuleEmitter, p: WinogradConv, tiles: WinogradTiles,
-                 epilogue: Epilogue | None = None, exact_zeros: bool = False) -> None:
+                 epilogue: Epilogue | None = None, exact_zeros: bool = False, spans_images: bool = True) -> None:
         self.mod, self.p, self.tiles = mod, p, tiles
         #: Outputs whose 3x3 inputs are all zero are stored as exactly 0 (:meth:`field_mask`):
         #: needed by tiles larger than F(2,3), whose other inputs leave rounding noise there.
@@ -476,6 +496,17 @@ class WinogradEmitter:
         self.blocks = -(-self.th // self.rows)
         #: Tile rows of an image's last block: its transforms and GEMMs cover only those.
         self.tail_rows = self.th - (self.blocks - 1) * self.rows
+        #: Blocks take consecutive tile rows of the batch, across images (:meth:`spanning_rows`):
+        #: then ``rows`` and ``tail_rows`` count the batch's tile rows and ``blocks`` the batch's
+        #: blocks. A block transforms and stores each image it touches as one segment.
+        self.spans = False
+        spanning = self.spanning_rows() if spans_images else None
+        if spanning is not None:
+            self.spans, self.rows = True, spanning
+            self.blocks = -(-p.n * self.th // self.rows)
+            self.tail_rows = p.n * self.th - (self.blocks - 1) * self.rows
+        #: Tile rows of one image a block transforms at once: its plane and staging hold those.
+        self.segment_rows = min(self.rows, self.th)
         #: GEMM columns of a block (tiles, rounded to whole vectors) and the row stride of V and M,
         #: one vector longer: a row's last transform chunk spills into the next row's columns
         #: before that row overwrites them, and past the end into the spare vector.
@@ -485,7 +516,7 @@ class WinogradEmitter:
         self.v_pos = self.position_elements(p.cin, self.rows)
         self.m_pos = self.position_elements(self.cout_pad, self.rows)
         self.wp = tiles.m * round_up(self.tw, self.vl) + self.alpha - 1
-        self.hp = tiles.m * round_up(self.rows, self.pack) + 2
+        self.hp = tiles.m * round_up(self.segment_rows, self.pack) + 2
         self.it = "i32" if self.esize == 4 else "i64"
         #: Row stride of the field mask: every column a block's output transform stores.
         self.mask_cols = tiles.m * round_up(self.tw, self.vl)
@@ -524,17 +555,58 @@ class WinogradEmitter:
         halo rows and a partial last block, so blocks are as large as stay on chip: measured on
         AMD Zen 3 (L2 512 KiB), one block of a whole 24 x 24 image (V and M 0.7 MiB) ran the seed
         CNN's conv2 forward 7 % faster than two."""
-        def block_bytes(rows: int) -> int:
-            elements = self.position_elements(self.p.cin, rows) + self.position_elements(self.cout_pad, rows)
-            return self.alpha**2 * elements * self.esize
-
         def waste(rows: int) -> float:
             full, tail = divmod(self.th, rows)
             return (full * round_up(rows * self.tw, self.vl) + round_up(tail * self.tw, self.vl)) / (self.th * self.tw)
 
         budget = block_budget()
-        limit = max([1] + [rows for rows in range(1, self.th + 1) if block_bytes(rows) <= budget])
+        limit = max([1] + [rows for rows in range(1, self.th + 1) if self.block_bytes(rows) <= budget])
         return min(range(1, limit + 1), key=lambda rows: (waste(rows), -rows))
+
+    def block_bytes(self, rows: int) -> int:
+        """Bytes of V and M of a block of ``rows`` tile rows."""
+        elements = self.position_elements(self.p.cin, rows) + self.position_elements(self.cout_pad, rows)
+        return self.alpha**2 * elements * self.esize
+
+    def spanning_rows(self) -> int | None:
+        """Tile rows per block where blocks run across images, or None where blocks within one
+        image do as well.
+
+        A block's tiles are the GEMMs' columns, rounded to whole vectors: a 26 x 26 output is 7 x 7
+        F(4,3) tiles, 49 columns in 64, and a 7 x 7 output's 2 x 2 tiles fill a quarter of 16
+        lanes. Blocks of the batch's consecutive tile rows fill them (16 rows of 7 tiles are 112
+        columns, 7 whole vectors). The choice minimizes the columns of the busiest thread under
+        the blocks' even split over the pool's threads, among blocks within :func:`block_budget`,
+        and is taken where that is at least :data:`SPANNING_GAIN` below blocks within images.
+        The GEMMs sum each column over the channels in the same order wherever it lies, so the
+        results do not depend on the blocks."""
+        threads = pool_size() if current_target() == host_target() else 1
+        total = self.p.n * self.th
+
+        def busiest(rows: int, count: int, tail_rows: int, per_image: int) -> int:
+            """Columns of the busiest thread over ``count`` blocks of ``rows`` tile rows, every
+            ``per_image``-th (and the last) of ``tail_rows``."""
+            full, tail = round_up(rows * self.tw, self.vl), round_up(tail_rows * self.tw, self.vl)
+            cost = 0
+            for t in range(threads):
+                lo, hi = t * count // threads, (t + 1) * count // threads
+                tails = hi // per_image - lo // per_image
+                cost = max(cost, (hi - lo - tails) * full + tails * tail)
+            return cost
+
+        within = busiest(self.rows, self.p.n * self.blocks, self.tail_rows, self.blocks)
+        budget = block_budget()
+        best: tuple[int, int] | None = None
+        for rows in range(1, total + 1):
+            if rows > 1 and self.block_bytes(rows) > budget:
+                break
+            count = -(-total // rows)
+            cost = busiest(rows, count, total - (count - 1) * rows, count)
+            if best is None or cost <= best[0]:
+                best = (cost, rows)
+        if best is None or best[0] > (1 - SPANNING_GAIN) * within:
+            return None
+        return best[1]
 
     def row_stride(self, rows: int) -> int:
         """Row stride of V and M for blocks of ``rows`` tile rows: their tiles rounded to whole
@@ -654,11 +726,12 @@ class WinogradEmitter:
     # ----- one block: input transform, GEMMs, output transform -----
 
     def block_task(self, name: str, scratch_stride: int) -> str:
-        """Task over (image, block of tile rows); every buffer but x, U, y and the epilogue's inputs
-        is this thread's own."""
-        p = self.p
+        """Task over blocks of tile rows (of one image, or the batch's with :attr:`spans`); every
+        buffer but x, U, y and the epilogue's inputs is this thread's own."""
+        p, m = self.p, self.tiles.m
         f, (x, u, y, scratch, flag, *inputs), tid, nt = self.task(name, 5 + self.epilogue_inputs)
-        lo, hi = self.share(f, tid, nt, p.n * self.blocks)
+        tasks = self.blocks if self.spans else p.n * self.blocks
+        lo, hi = self.share(f, tid, nt, tasks)
         own = f.gep("i8", scratch, f.mul(tid, scratch_stride))
         plane = own
         v = f.gep("i8", own, str(self.plane_bytes))
@@ -669,14 +742,17 @@ class WinogradEmitter:
         self.row_staging = f.gep("i8", mm, str(self.m_bytes + self.mask_bytes))
         self.sentinel = f.var(self.vt, "zeroinitializer", "bad")
         with f.loop(lo, hi, hint="blk") as item:
-            img = f.val(f"udiv i64 {item}, {self.blocks}")
-            block = f.val(f"urem i64 {item}, {self.blocks}")
-            ty0 = f.mul(block, self.rows)
+            block = item if self.spans else f.val(f"urem i64 {item}, {self.blocks}")
             last = f.icmp("eq", block, self.blocks - 1)
             rows = f.select(last, "i64", str(self.tail_rows), str(self.rows))
-            self.inputs(f, f.gep(self.t, x, f.mul(img, p.cin * p.h * p.w)), ty0, rows, plane, v, occupancy)
-            if occupancy is not None:
-                self.field_mask(f, occupancy, rows)
+
+            def transform(segment: Segment) -> None:
+                self.inputs(f, f.gep(self.t, x, f.mul(segment.image, p.cin * p.h * p.w)), segment, plane, v,
+                            occupancy)
+                if occupancy is not None:
+                    self.field_mask(f, occupancy, segment)
+
+            self.segments(f, item, rows, transform)
             tail_cols = round_up(self.tail_rows * self.tw, self.vl)
             if tail_cols == self.cols:
                 self.gemms(f, u, v, mm, self.cols)
@@ -687,35 +763,59 @@ class WinogradEmitter:
                     self.gemms(f, u, v, mm, cols)
                     f.br(done)
                 f.block(done)
-            finish = None
-            if self.epilogue is not None:
-                # The block's rows of one channel are one run of pixels of its (image, channel) row.
-                first = f.mul(ty0, self.tiles.m)
-                pixels = f.mul(f.sub(f.smin(f.add(first, self.rows * self.tiles.m), p.oh), first), p.ow)
-                plane0, start = f.mul(img, p.cout), f.mul(first, p.ow)
 
-                def finish(co: str) -> None:
-                    call_epilogue(f, self.epilogue_fn, y, inputs, f.add(plane0, co), "1", start, pixels)
-            self.outputs(f, mm, f.gep(self.t, y, f.mul(img, p.cout * p.oh * p.ow)), ty0, rows, finish)
+            def store(segment: Segment) -> None:
+                finish = None
+                if self.epilogue is not None:
+                    # The segment's rows of one channel are one run of pixels of its (image, channel) row.
+                    first = f.mul(segment.ty0, m)
+                    pixels = f.mul(f.sub(f.smin(f.add(first, f.mul(segment.rows, m)), p.oh), first), p.ow)
+                    plane0, start = f.mul(segment.image, p.cout), f.mul(first, p.ow)
+
+                    def finish(co: str) -> None:
+                        call_epilogue(f, self.epilogue_fn, y, inputs, f.add(plane0, co), "1", start, pixels)
+                self.outputs(f, mm, f.gep(self.t, y, f.mul(segment.image, p.cout * p.oh * p.ow)), segment, finish)
+
+            self.segments(f, item, rows, store)
         self.raise_flag_if_nan(f, self.sentinel, flag)
         f.ret_void()
         f.finish()
         return name
 
-    def inputs(self, f: FunctionEmitter, x: str, ty0: str, rows: str, plane: str, v: str,
+    def segments(self, f: FunctionEmitter, item: str, rows: str, body: Callable[[Segment], None]) -> None:
+        """``body`` on each image's part of block ``item`` of ``rows`` tile rows, in column order: the
+        block itself, or with :attr:`spans` a loop over the images its rows reach."""
+        if not self.spans:
+            img = f.val(f"udiv i64 {item}, {self.blocks}")
+            ty0 = f.mul(f.val(f"urem i64 {item}, {self.blocks}"), self.rows)
+            body(Segment(img, ty0, rows, "0"))
+            return
+        th = self.th
+        first = f.mul(item, self.rows)
+        end = f.add(first, rows)
+        with f.loop(f.val(f"udiv i64 {first}, {th}"), f.val(f"udiv i64 {f.add(end, th - 1)}, {th}"),
+                    hint="img") as img:
+            base = f.mul(img, th)
+            ty0 = f.smax(f.sub(first, base), "0")
+            count = f.sub(f.smin(f.sub(end, base), th), ty0)
+            body(Segment(img, ty0, count, f.sub(f.add(base, ty0), first)))
+
+    def inputs(self, f: FunctionEmitter, x: str, segment: Segment, plane: str, v: str,
                occupancy: str | None = None) -> None:
-        """``V[pos][c][r * tw + tx] = (B^T d B)[pos]`` for the block's tiles (``rows`` tile rows from
-        ``ty0``) of every input channel; with ``occupancy``, also which plane positions hold a
+        """``V[pos][c][(offset + r) * tw + tx] = (B^T d B)[pos]`` for the segment's tiles of every
+        input channel of its image ``x``; with ``occupancy``, also which plane positions hold a
         nonzero value in any channel (:meth:`field_mask`)."""
         p = self.p
         source = TileSource(p.cin, p.h, p.w, p.top, p.left, self.alpha, self.hp, self.wp)
-        self.transform_tiles(f, x, source, ty0, plane, self.tiles.bt, v, self.v_pos, rows, occupancy)
+        self.transform_tiles(f, x, source, segment.ty0, plane, self.tiles.bt, v, self.v_pos, segment.rows, occupancy,
+                             f.mul(segment.offset, self.tw))
 
     def transform_tiles(self, f: FunctionEmitter, x: str, source: TileSource, ty0: str, plane: str, matrix: Matrix,
-                        dest: str, pos_stride: int, rows: str | None = None, occupancy: str | None = None) -> None:
-        """``dest[pos][c][r * tw + tx] = (matrix d matrix^T)[pos]`` for the ``size x size`` tiles ``d`` of
-        ``rows`` tile rows (the block's ``R`` unless given) from tile row ``ty0`` in every channel of
-        ``source``; ``plane`` is 64-byte aligned scratch for one zero-padded channel. With
+                        dest: str, pos_stride: int, rows: str | None = None, occupancy: str | None = None,
+                        first_column: str = "0") -> None:
+        """``dest[pos][c][first_column + r * tw + tx] = (matrix d matrix^T)[pos]`` for the ``size x size``
+        tiles ``d`` of ``rows`` tile rows (the block's ``R`` unless given) from tile row ``ty0`` in every
+        channel of ``source``; ``plane`` is 64-byte aligned scratch for one zero-padded channel. With
         ``occupancy`` (a plane of ints), each channel's plane is ORed into it, sign bits cleared."""
         t = self.t
         self.clear_plane(f, source, plane)
@@ -725,7 +825,7 @@ class WinogradEmitter:
             self.fill_plane(f, f.gep(t, x, f.mul(ci, source.h * source.w)), source, ty0, plane)
             if occupancy is not None:
                 self.occupy(f, source, plane, occupancy)
-            row_base = f.mul(ci, self.stride)
+            row_base = f.add(f.mul(ci, self.stride), first_column)
 
             def put(r: str, chunk: int, a: int, b: int, value: str) -> None:
                 # Packed rows store one piece each, in order: a piece's lanes past the row's
@@ -778,21 +878,22 @@ class WinogradEmitter:
             f.store(ivt, f.val(f"or {ivt} {seen}, {f.val(f'and {ivt} {bits}, {magnitude}')}"), ptr,
                     align=self.esize)
 
-    def field_mask(self, f: FunctionEmitter, occupancy: str, rows: str) -> None:
-        """For each output of the block's ``rows`` tile rows, whether any of its 3x3 inputs in any
-        channel is nonzero (the OR of its window of ``occupancy``), for :meth:`outputs` to zero the
-        others: where the direct sum adds only zeros, it is exactly 0."""
+    def field_mask(self, f: FunctionEmitter, occupancy: str, segment: Segment) -> None:
+        """For each output of the segment's tile rows, whether any of its 3x3 inputs in any channel
+        is nonzero (the OR of its window of ``occupancy``), for :meth:`outputs` to zero the others:
+        where the direct sum adds only zeros, it is exactly 0. The segment's mask rows start at its
+        offset's first output row."""
         vl, it, m = self.vl, self.it, self.tiles.m
         ivt = f"<{vl} x {it}>"
-        with f.loop(0, f.mul(rows, m), hint="fy") as py:
+        mask = f.gep(it, self.field_mask_ptr, f.mul(f.mul(segment.offset, m), self.mask_cols))
+        with f.loop(0, f.mul(segment.rows, m), hint="fy") as py:
             for cx in range(0, self.mask_cols, vl):
                 window = [f.load(ivt, f.gep(it, occupancy, f.add(f.mul(f.add(py, dy), self.wp), cx + dx)),
                                  align=self.esize) for dy in range(3) for dx in range(3)]
                 union = window[0]
                 for value in window[1:]:
                     union = f.val(f"or {ivt} {union}, {value}")
-                f.store(ivt, union, f.gep(it, self.field_mask_ptr, f.add(f.mul(py, self.mask_cols), cx)),
-                        align=self.esize)
+                f.store(ivt, union, f.gep(it, mask, f.add(f.mul(py, self.mask_cols), cx)), align=self.esize)
 
     def transform_runs(self, f: FunctionEmitter, source: TileSource, plane: str, matrix: Matrix,
                        put: Callable[[str, int, int, int, str], None], rows: str | None = None) -> None:
@@ -937,20 +1038,23 @@ class WinogradEmitter:
         fits = max(1, (self.mr * self.nvec) // (self.mr * nvec))
         return max(g for g in range(1, min(fits, panels) + 1) if panels % g == 0)
 
-    def outputs(self, f: FunctionEmitter, mm: str, y: str, ty0: str, rows: str,
+    def outputs(self, f: FunctionEmitter, mm: str, y: str, segment: Segment,
                 finish: Callable[[str], None] | None = None) -> None:
-        """``y tile = A^T M A`` for the block's tiles (``rows`` tile rows from ``ty0``) of every
-        output channel; rows past ``oh`` and columns past ``ow`` are not written. ``finish(co)``
-        runs after channel ``co``'s rows are stored, while they are in L1.
+        """``y tile = A^T M A`` for the segment's tiles of every output channel of its image ``y``;
+        rows past ``oh`` and columns past ``ow`` are not written. ``finish(co)`` runs after channel
+        ``co``'s rows are stored, while they are in L1.
 
         A run is :attr:`row_lanes` tiles of each of :attr:`pack` tile rows, their pieces of M
         loaded side by side; each output row of a packed row is one interleave and one store. A
-        last run's rows past the block's belong to the next block (or to none) and are not stored."""
+        last run's rows past the segment's belong to the next segment or block (or to none) and
+        are not stored."""
         p, t, m, vl, alpha, lanes = self.p, self.t, self.tiles.m, self.vl, self.alpha, self.row_lanes
         piece_type, row_type = f"<{lanes} x {t}>", f"<{m * lanes} x {t}>"
+        ty0, rows = segment.ty0, segment.rows
+        first_column, first_mask_row = f.mul(segment.offset, self.tw), f.mul(segment.offset, m)
         with f.loop(0, p.cout, hint="co") as co:
             dst = f.gep(t, y, f.mul(co, p.oh * p.ow))
-            base = f.mul(co, self.stride)
+            base = f.add(f.mul(co, self.stride), first_column)
             with f.loop(0, self.packed_runs(f, rows), hint="r") as run:
                 r = f.mul(run, self.pack)
                 for tx0 in range(0, self.tw, lanes):
@@ -980,8 +1084,8 @@ class WinogradEmitter:
                             with f.if_then(inside, "orow"):
                                 value = self.interleave(f, parts, g * lanes, lanes)
                                 if self.exact_zeros:
-                                    value = self.zero_where_inputs_are(f, value, f.add(f.mul(f.add(r, g), m), i),
-                                                                       m * tx0, m * lanes)
+                                    row = f.add(first_mask_row, f.add(f.mul(f.add(r, g), m), i))
+                                    value = self.zero_where_inputs_are(f, value, row, m * tx0, m * lanes)
                                 ptr = f.gep(t, dst, f.add(f.mul(oy, p.ow), m * tx0))
                                 if columns == m * lanes:
                                     f.store(row_type, value, ptr, align=self.esize)
@@ -1103,7 +1207,7 @@ class WinogradEmitter:
         """:attr:`row_staging`: the plane rows a block's tiles read, each ``alpha`` staged columns of
         every run of tiles (:meth:`transform_runs`); it also holds a run's half-transformed outputs."""
         runs = -(-self.tw // self.vl)
-        return round_up((self.tiles.m * self.rows + 2) * self.alpha * runs * self.vl * self.esize, 64)
+        return round_up((self.tiles.m * self.segment_rows + 2) * self.alpha * runs * self.vl * self.esize, 64)
 
     @property
     def mask_bytes(self) -> int:

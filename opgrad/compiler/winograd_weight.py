@@ -50,7 +50,7 @@ class WeightGradEmitter(WinogradEmitter):
     side's (``narrow``); What is stored ``[pos][narrow][wide]``."""
 
     def __init__(self, mod: ModuleEmitter, p: WinogradConv, tiles: WinogradTiles = F2X3) -> None:
-        super().__init__(mod, p, tiles)
+        super().__init__(mod, p, tiles, spans_images=False)
         vl = self.vl
         self.o_pad, self.c_pad = round_up(p.cout, vl), round_up(p.cin, vl)
         self.o_wide = self.o_pad >= self.c_pad
