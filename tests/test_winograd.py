@@ -155,18 +155,22 @@ def test_forward_and_backward_data_match_the_direct_sum(case: tuple, dtype: str,
     np.testing.assert_allclose(dw, want_dw, rtol=0, atol=relative * max(1.0, np.abs(want_dw).max()))
 
 
+@pytest.mark.parametrize("width", ["4 tiles", "3 tiles"])
 @pytest.mark.parametrize("blocks", ["one block", "blocks of 3 tile rows"])
 @pytest.mark.parametrize("tiles", TILE_CHOICES, ids=[f"F({t.m},3)" for t in TILE_CHOICES])
 @pytest.mark.parametrize("pass_", ["forward", "backward_data", "backward_weight"])
-def test_packed_tile_rows_give_the_same_bits_as_one_row_per_vector(pass_: str, tiles: WinogradTiles, blocks: str,
-                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+def test_packed_tile_rows_give_the_same_bits_as_one_row_per_vector(
+        pass_: str, tiles: WinogradTiles, blocks: str, width: str, monkeypatch: pytest.MonkeyPatch) -> None:
     # Outputs 4 tiles wide pack at least two tile rows per vector of 8 or 16 lanes, with a last
     # run that reaches past the block (5 tile rows, or blocks of 3) and, in the forward pass,
     # exact zeros kept; each lane computes what it computes alone, so the results are the same
-    # bits, and no block writes another's rows.
+    # bits, and no block writes another's rows. Rows of 3 tiles in 4 lanes store and load a run
+    # through a lane shuffle (each row's tiles 3 columns after the last's).
     if blocks != "one block":
         monkeypatch.setattr(WinogradEmitter, "block_rows", lambda self: 3)
-    x_shape = (2, 8, 4 * tiles.m + 1, 4 * tiles.m - 1)
+    monkeypatch.setattr(WinogradEmitter, "spanning_rows", lambda self: None)
+    columns = 4 * tiles.m - 1 if width == "4 tiles" else 3 * tiles.m
+    x_shape = (2, 8, 4 * tiles.m + 1, columns)
     w_shape, pads = (16, 8, 3, 3), (1, 0, 2, 1)
     rng = np.random.default_rng(3)
     x = rng.standard_normal(x_shape).astype(np.float32)
@@ -207,7 +211,7 @@ def test_packed_tile_rows_give_the_same_bits_as_one_row_per_vector(pass_: str, t
 def test_blocks_across_images_give_the_same_bits_as_blocks_within_one(pass_: str, tiles: WinogradTiles, rows: int,
                                                                       packing: str,
                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
-    # Three images of 4 x 4 tiles. Blocks of 3 tile rows split them into segments of 3, 1 + 2,
+    # Three images of 4 x 3 tiles. Blocks of 3 tile rows split them into segments of 3, 1 + 2,
     # 2 + 1 and 3 rows; blocks of 5 into 4 + 1 and 3 + 2, and a tail of 2. Odd segments leave a
     # packed run half past their rows, whose pieces land in the next segment's columns before
     # it writes them. The GEMMs sum each column over the channels in one order wherever it lies,
@@ -215,7 +219,7 @@ def test_blocks_across_images_give_the_same_bits_as_blocks_within_one(pass_: str
     # follow the segments.
     if packing != "packed rows":
         monkeypatch.setattr(WinogradEmitter, "row_packing", lambda self: (1, self.vl))
-    x_shape = (3, 8, 3 * tiles.m + 1, 4 * tiles.m - 1)
+    x_shape = (3, 8, 3 * tiles.m + 1, 3 * tiles.m)
     w_shape, pads = (16, 8, 3, 3), (1, 0, 2, 1)
     rng = np.random.default_rng(11)
     x = rng.standard_normal(x_shape).astype(np.float32)

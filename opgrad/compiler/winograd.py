@@ -539,12 +539,32 @@ class WinogradEmitter:
         """Vectors of :attr:`pack` tile rows that cover ``rows`` tile rows."""
         return f.val(f"udiv i64 {f.add(rows, self.pack - 1)}, {self.pack}", "runs")
 
-    def row_piece(self, f: FunctionEmitter, value: str, g: int) -> str:
-        """The :attr:`row_lanes` lanes of packed row ``g`` of a transform vector."""
-        if self.pack == 1:
+    def run_positions(self) -> list[int | None]:
+        """For each column from a run's first (tile row ``r``, stored at ``r * tw``), the lane of
+        the packed vector that lands there: packed row ``g``'s lanes start at column ``g * tw``,
+        where they overwrite the lanes of row ``g - 1`` past its tiles; None past the last row's."""
+        positions: list[int | None] = [None] * self.vl
+        for g in range(self.pack):
+            for i in range(self.row_lanes):
+                positions[g * self.tw + i] = g * self.row_lanes + i
+        return positions
+
+    def to_columns(self, f: FunctionEmitter, value: str) -> str:
+        """A packed transform vector as one run of V's columns (:meth:`run_positions`): one store
+        instead of one per packed row. The lanes past the last row's tiles are undefined; they
+        land in columns that a later run, segment or the row's spare vector takes."""
+        if self.pack == 1 or self.tw == self.row_lanes:
             return value
-        lanes = ", ".join(f"i32 {g * self.row_lanes + i}" for i in range(self.row_lanes))
-        return f.val(f"shufflevector {self.vt} {value}, {self.vt} poison, <{self.row_lanes} x i32> <{lanes}>", "rp")
+        lanes = ", ".join("i32 undef" if lane is None else f"i32 {lane}" for lane in self.run_positions())
+        return f.val(f"shufflevector {self.vt} {value}, {self.vt} poison, <{self.vl} x i32> <{lanes}>", "tc")
+
+    def from_columns(self, f: FunctionEmitter, value: str) -> str:
+        """One run of M's columns (``VL`` from the run's first) as a packed vector: the inverse of
+        :meth:`to_columns`, one load instead of one per packed row."""
+        if self.pack == 1 or self.tw == self.row_lanes:
+            return value
+        lanes = ", ".join(f"i32 {g * self.tw + i}" for g in range(self.pack) for i in range(self.row_lanes))
+        return f.val(f"shufflevector {self.vt} {value}, {self.vt} poison, <{self.vl} x i32> <{lanes}>", "fc")
 
     def block_rows(self) -> int:
         """Tile rows per block: the count whose GEMM columns (each block's tiles, the last block's
@@ -828,13 +848,11 @@ class WinogradEmitter:
             row_base = f.add(f.mul(ci, self.stride), first_column)
 
             def put(r: str, chunk: int, a: int, b: int, value: str) -> None:
-                # Packed rows store one piece each, in order: a piece's lanes past the row's
-                # tiles spill into the next row's columns before that row's piece overwrites them.
-                piece_type = f"<{self.row_lanes} x {t}>"
-                for g in range(self.pack):
-                    col = f.add(row_base, f.add(f.mul(f.add(r, g), self.tw), chunk * self.vl))
-                    ptr = f.gep(t, dest, f.add(col, (a * len(matrix) + b) * pos_stride))
-                    f.store(piece_type, self.row_piece(f, value, g), ptr, align=self.esize)
+                # Runs store in order: a run's lanes past its tiles spill into the next run's
+                # columns before that run overwrites them.
+                col = f.add(row_base, f.add(f.mul(r, self.tw), chunk * self.vl))
+                ptr = f.gep(t, dest, f.add(col, (a * len(matrix) + b) * pos_stride))
+                f.store(self.vt, self.to_columns(f, value), ptr, align=self.esize)
 
             self.transform_runs(f, source, plane, matrix, put, rows)
 
@@ -1044,12 +1062,13 @@ class WinogradEmitter:
         rows past ``oh`` and columns past ``ow`` are not written. ``finish(co)`` runs after channel
         ``co``'s rows are stored, while they are in L1.
 
-        A run is :attr:`row_lanes` tiles of each of :attr:`pack` tile rows, their pieces of M
-        loaded side by side; each output row of a packed row is one interleave and one store. A
+        A run is :attr:`row_lanes` tiles of each of :attr:`pack` tile rows, one load of M's
+        columns per position (:meth:`from_columns`); each output row of a packed row is one
+        interleave and one store. A
         last run's rows past the segment's belong to the next segment or block (or to none) and
         are not stored."""
         p, t, m, vl, alpha, lanes = self.p, self.t, self.tiles.m, self.vl, self.alpha, self.row_lanes
-        piece_type, row_type = f"<{lanes} x {t}>", f"<{m * lanes} x {t}>"
+        row_type = f"<{m * lanes} x {t}>"
         ty0, rows = segment.ty0, segment.rows
         first_column, first_mask_row = f.mul(segment.offset, self.tw), f.mul(segment.offset, m)
         with f.loop(0, p.cout, hint="co") as co:
@@ -1066,9 +1085,7 @@ class WinogradEmitter:
                         down = []
                         for a in range(alpha):
                             at = f.add(col, (a * alpha + b) * self.m_pos)
-                            pieces = [f.load(piece_type, f.gep(t, mm, f.add(at, g * self.tw)), align=self.esize)
-                                      for g in range(self.pack)]
-                            down.append(concatenate(f, pieces, lanes, t))
+                            down.append(self.from_columns(f, f.load(self.vt, f.gep(t, mm, at), align=self.esize)))
                         for i, value in enumerate(self.product(f, self.tiles.at, down, vl)):
                             f.store(self.vt, value, f.gep(t, self.row_staging, (i * alpha + b) * vl),
                                     align=self.esize)
