@@ -49,18 +49,60 @@ def test_batch_matmul_and_its_gradient_equal_the_reference(ba: int, bb: int, m: 
 
 
 @pytest.mark.parametrize(("alpha", "accumulate"), [(1.0, False), (0.5, True)])
-def test_small_gemm_loop_nest_honours_alpha_and_accumulate(alpha: float, accumulate: bool) -> None:
+@pytest.mark.parametrize(("m", "n", "k", "trans_a", "trans_b", "dtype"), [
+    (9, 5, 7, False, True, "float32"),     # B strided: copied into whole vectors first
+    (17, 35, 6, False, False, "float32"),  # B's rows read in place, a masked last part; 2 x 8 rows + 1
+    (17, 35, 6, False, False, "float64"),
+    (3, 16, 40, True, False, "float64"),   # A strided, whole vectors of B, fewer rows than a group
+    (8, 1, 300, False, True, "float32"),   # one column: a vector of which 15 lanes are padding
+])
+def test_small_gemm_loop_nest_honours_alpha_and_accumulate(m: int, n: int, k: int, trans_a: bool, trans_b: bool,
+                                                           dtype: str, alpha: float, accumulate: bool) -> None:
+    from opgrad.compiler import gemm_kernel
+    from opgrad.compiler.gemm import SMALL_GEMM_MAX_FLOPS, GemmSpec
+
+    assert 2.0 * m * n * k < SMALL_GEMM_MAX_FLOPS
+    rng = np.random.default_rng(1)
+    a = rng.standard_normal((k, m) if trans_a else (m, k)).astype(dtype)
+    b = rng.standard_normal((n, k) if trans_b else (k, n)).astype(dtype)
+    c = rng.standard_normal((m, n)).astype(dtype)
+    product = (a.T if trans_a else a).astype(np.float64) @ (b.T if trans_b else b).astype(np.float64)
+    want = (c if accumulate else 0) + alpha * product
+    kernel = gemm_kernel(GemmSpec.dense(m, n, k, dtype, trans_a=trans_a, trans_b=trans_b, alpha=alpha,
+                                        accumulate=accumulate))
+    kernel(a, b, c)
+    tol = 1e-5 if dtype == "float32" else 1e-12
+    np.testing.assert_allclose(c, want, rtol=tol, atol=tol * np.sqrt(k))
+
+
+def test_small_gemm_reads_no_further_than_the_end_of_b(tmp_path: object) -> None:
+    # B's rows are read in place a vector at a time; the last part of a row is a masked load, so
+    # an operand that ends right before an unmapped page is read without a fault.
+    import ctypes
+    import mmap
+
     from opgrad.compiler import gemm_kernel
     from opgrad.compiler.gemm import GemmSpec
 
-    rng = np.random.default_rng(1)
-    a = rng.standard_normal((9, 7)).astype(np.float32)
-    b = rng.standard_normal((5, 7)).astype(np.float32)  # used transposed: a strided operand
-    c = rng.standard_normal((9, 5)).astype(np.float32)
-    want = (c if accumulate else 0) + alpha * (a @ b.T)
-    kernel = gemm_kernel(GemmSpec.dense(9, 5, 7, trans_b=True, alpha=alpha, accumulate=accumulate))
-    kernel(a, b, c)
-    np.testing.assert_allclose(c, want, rtol=1e-5, atol=1e-5)
+    m, n, k = 5, 35, 6
+    page = mmap.PAGESIZE
+    region = mmap.mmap(-1, 2 * page, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    base = ctypes.addressof(ctypes.c_char.from_buffer(region))
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    assert libc.mprotect(base + page, page, 0) == 0, ctypes.get_errno()  # PROT_NONE
+    try:
+        nbytes = k * n * 4
+        b = np.frombuffer(region, np.float32, count=k * n, offset=page - nbytes).reshape(k, n)
+        rng = np.random.default_rng(2)
+        b[...] = rng.standard_normal((k, n))
+        a = rng.standard_normal((m, k)).astype(np.float32)
+        c = np.zeros((m, n), np.float32)
+        gemm_kernel(GemmSpec.dense(m, n, k))(a, b, c)
+        np.testing.assert_allclose(c, a.astype(np.float64) @ b, rtol=1e-5, atol=1e-5)
+        del b
+    finally:
+        libc.mprotect(base + page, page, mmap.PROT_READ | mmap.PROT_WRITE)
 
 
 def test_split_module_defines_every_function_once() -> None:

@@ -24,7 +24,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from .irtext import BYTES, LLVM_TYPE, FunctionEmitter, ModuleEmitter, float_const, iota_const, splat_const
+from .irtext import BYTES, LLVM_TYPE, FunctionEmitter, ModuleEmitter, float_const, iota_const, prefix_mask, splat_const
 from .target import Target, cache_size, current_target, host_target
 from .threads import PARALLEL_FOR, PARALLEL_FOR_DECL
 from .views import Body, NotVectorizable, Scalar, VectorScalar
@@ -683,7 +683,7 @@ def emit_gemm(
             emit_epilogue(m, base + ".epilogue", spec.c, spec.epilogue, spec.dtype)
     if small:
         plan.epilogue_in_store = False
-        plan.workspace_per_thread = round_up(spec.n * BYTES[spec.dtype], 64)
+        plan.workspace_per_thread = small_gemm_workspace(spec)
         _emit_small_gemm(m, base, spec, t)
         plan.names = {"entry": base}
         return plan
@@ -696,40 +696,101 @@ def emit_gemm(
     return plan
 
 
+#: Rows of A whose FMA chains the small GEMM runs side by side (one vector of C's row each).
+SMALL_GEMM_ROWS = 8
+
+
+def small_gemm_workspace(spec: GemmSpec) -> int:
+    """Bytes of the small GEMM's scratch (:func:`_emit_small_gemm`): B packed ``k x n`` padded to
+    whole vectors where its columns are not contiguous, then :data:`SMALL_GEMM_ROWS` rows of C's
+    values."""
+    esize = BYTES[spec.dtype]
+    columns = round_up(spec.n, current_target().vector_width(esize))
+    packed = 0 if lanes_are_plain_run(spec.b, False) else round_up(spec.k * columns * esize, 64)
+    return packed + round_up(SMALL_GEMM_ROWS * columns * esize, 64)
+
+
 def _emit_small_gemm(m: ModuleEmitter, base: str, spec: GemmSpec, t: str) -> None:
-    """``base(a, b, c, ws)`` on the calling thread: for each row i, ``row += A[i,k] * B[k,:]`` for k
-    in order (in ``ws``), then ``C[i,:] (=|+=) alpha * row``. Each C element is one FMA chain over
-    k, as in the packed engine; the j loop is left to LLVM's vectorizer."""
-    fma = m.fma(t)
+    """``base(a, b, c, ws)`` on the calling thread. :data:`SMALL_GEMM_ROWS` rows of A at a time,
+    each vector of their C columns accumulates ``A[i,k] * B[k,:]`` in registers, k in order, so
+    each C element is one FMA chain over k as in the packed engine; the rows' chains run side by
+    side, which hides the FMA latency. B's rows are read in place where its columns are
+    contiguous (a masked load for the last part of a row), else first copied into ``ws`` as
+    ``k`` rows of ``n`` contiguous values, zero-padded to whole vectors. The rows' values then
+    go to C through ``ws`` with ``alpha``, accumulation and the epilogue."""
+    esize = BYTES[spec.dtype]
+    vl = current_target().vector_width(esize)
+    vt = f"<{vl} x {t}>"
+    vfma = m.fma(vt)
+    columns = round_up(spec.n, vl)
+    in_place = lanes_are_plain_run(spec.b, False)
     extras = epilogue_pointers(spec)
     f = FunctionEmitter(m, base, [("ptr", "a"), ("ptr", "b"), ("ptr", "c"), *extras, ("ptr", "ws")],
-                        pipeline="streaming")
-    row = "%ws"
-    with f.loop(0, spec.m, hint="i") as i:
-        a_row, _, _ = spec.a.rows.terms(f, i)
-        c_row, _, _ = spec.c.rows.terms(f, i)
-        with f.loop(0, spec.n, hint="z") as j:
-            f.store(t, "0.0", f.gep(t, row, j))
-        with f.loop(0, spec.k, hint="k") as k:
-            a_col, _, _ = spec.a.cols.terms(f, k)
-            av = f.load(t, f.gep(t, "%a", f.add(a_row, a_col)))
+                        pipeline="explicit")
+    rows_out = "%ws"
+    if not in_place:
+        packed = f.gep("i8", "%ws", str(round_up(SMALL_GEMM_ROWS * columns * esize, 64)))
+        with f.loop(0, spec.k, hint="pk") as k:
             b_row, _, _ = spec.b.rows.terms(f, k)
-            with f.loop(0, spec.n, hint="j") as j:
+            dst = f.gep(t, packed, f.mul(k, columns))
+            with f.loop(0, spec.n, hint="pj") as j:
                 b_col, _, _ = spec.b.cols.terms(f, j)
-                bv = f.load(t, f.gep(t, "%b", f.add(b_row, b_col)))
-                acc = f.gep(t, row, j)
-                f.store(t, f.call(t, fma, [(t, av), (t, bv), (t, f.load(t, acc))]), acc)
-        with f.loop(0, spec.n, hint="s") as j:
-            c_col, _, _ = spec.c.cols.terms(f, j)
-            ptr = f.gep(t, "%c", f.add(c_row, c_col))
-            v = f.load(t, f.gep(t, row, j))
-            if spec.alpha != 1.0:
-                v = f.val(f"fmul {t} {v}, {float_const(spec.alpha, t)}")
-            if spec.accumulate:
-                v = f.val(f"fadd {t} {f.load(t, ptr)}, {v}")
-            f.store(t, v, ptr)
-        if spec.epilogue is not None:
-            call_epilogue(f, base + ".epilogue", "%c", _named(extras), i, "1", "0", str(spec.n))
+                f.store(t, f.load(t, f.gep(t, "%b", f.add(b_row, b_col))), f.gep(t, dst, j))
+            with f.loop(spec.n, columns, hint="pz") as j:
+                f.store(t, "0.0", f.gep(t, dst, j))
+    accs = [f.alloca(vt, f"acc{r}") for r in range(SMALL_GEMM_ROWS)]
+    tail = spec.n % vl if in_place else 0
+
+    def b_vector(k: str, first: str) -> str:
+        """B[k, first .. first + VL), zeros past column n."""
+        if not in_place:
+            return f.load(vt, f.gep(t, packed, f.add(f.mul(k, columns), first)), align=esize)
+        b_row, _, _ = spec.b.rows.terms(f, k)
+        ptr = f.gep(t, "%b", f.add(f.add(b_row, spec.b.cols.base), first))
+        if not tail or first != str(spec.n - tail):
+            return f.load(vt, ptr, align=esize)
+        return f.call(vt, masked_load(m, vl, t), [("ptr", ptr), ("i32", str(esize)),
+                                                   (f"<{vl} x i1>", prefix_mask(vl, tail)), (vt, "zeroinitializer")])
+
+    def row_group(i0: str, rows: int) -> None:
+        a_rows = [spec.a.rows.terms(f, f.add(i0, r))[0] for r in range(rows)]
+
+        def column_vector(first: str) -> None:
+            for r in range(rows):
+                f.store(vt, "zeroinitializer", accs[r])
+            with f.loop(0, spec.k, hint="k") as k:
+                a_col, _, _ = spec.a.cols.terms(f, k)
+                bv = b_vector(k, first)
+                for r in range(rows):
+                    av = f.splat(vl, t, f.load(t, f.gep(t, "%a", f.add(a_rows[r], a_col))))
+                    f.store(vt, f.call(vt, vfma, [(vt, av), (vt, bv), (vt, f.load(vt, accs[r]))]), accs[r])
+            for r in range(rows):
+                f.store(vt, f.load(vt, accs[r]), f.gep(t, rows_out, f.add(r * columns, first)), align=esize)
+
+        with f.loop(0, (spec.n - tail if in_place else columns) // vl, hint="cv") as cv:
+            column_vector(f.mul(cv, vl))
+        if tail:
+            column_vector(str(spec.n - tail))
+        for r in range(rows):
+            i = f.add(i0, r)
+            c_row, _, _ = spec.c.rows.terms(f, i)
+            with f.loop(0, spec.n, hint="s") as j:
+                c_col, _, _ = spec.c.cols.terms(f, j)
+                ptr = f.gep(t, "%c", f.add(c_row, c_col))
+                v = f.load(t, f.gep(t, rows_out, f.add(r * columns, j)))
+                if spec.alpha != 1.0:
+                    v = f.val(f"fmul {t} {v}, {float_const(spec.alpha, t)}")
+                if spec.accumulate:
+                    v = f.val(f"fadd {t} {f.load(t, ptr)}, {v}")
+                f.store(t, v, ptr)
+            if spec.epilogue is not None:
+                call_epilogue(f, base + ".epilogue", "%c", _named(extras), i, "1", "0", str(spec.n))
+
+    whole = spec.m - spec.m % SMALL_GEMM_ROWS
+    with f.loop(0, whole, SMALL_GEMM_ROWS, hint="i") as i0:
+        row_group(i0, SMALL_GEMM_ROWS)
+    with f.loop(whole, spec.m, hint="ir") as i:
+        row_group(i, 1)
     f.ret_void()
     f.finish()
 
