@@ -15,9 +15,10 @@ unaligned load of the input row shifted by the tap, and a register tile of ``PV`
   of channels while it is in cache.
 * ``backward_weight``: ``dW[o, tap] = sum over (n, h, w) of dY[n, o, h, w] * x[n, c, h + kh, w + kw]``.
   Images are split in groups fixed by the shapes; a group's task adds its images in order into
-  its own partial ``O x taps`` sums, and a last task adds the groups' partials in order, so the
-  result does not depend on the thread count. The overlapping last vector of a row masks its
-  repeated lanes to zero in both factors (a repeated infinity must not meet a zero).
+  its own partial ``O x taps`` sums (each image's lanes added as a fixed tree), and a last task
+  adds the groups' partials in order, so the result does not depend on the thread count. The
+  overlapping last vector of a row masks its repeated lanes to zero in both factors (a repeated
+  infinity must not meet a zero).
 
 Both need stride 1, dilation 1, one group and rows at least one vector wide (:func:`sliding_applies`).
 """
@@ -199,7 +200,11 @@ def _weight_task(s: _Sliding, name: str, scratch_stride: int, groups: int) -> st
                             s.accumulate_taps(f, accs, chunk, row, planes, h, str(tail), keep)
                     for acc, k in zip(accs, chunk, strict=True):
                         slot = f.gep(t, part, f.add(f.mul(o, taps), k))
-                        total = f.call(t, reduce_fn, [(t, float_const(-0.0, t)), (vt, f.load(vt, acc))])
+                        # The lanes add as a tree (reassoc): a fixed order, log2(VL) shuffles and
+                        # adds deep; in lane order they were a chain of VL dependent adds, a fifth
+                        # of the pass on AVX-512.
+                        total = f.call(t, reduce_fn, [(t, float_const(-0.0, t)), (vt, f.load(vt, acc))],
+                                       flags="reassoc")
                         f.store(t, f.val(f"fadd {t} {f.load(t, slot)}, {total}"), slot)
     f.ret_void()
     f.finish()
