@@ -170,38 +170,47 @@ def test_packed_tile_rows_give_the_same_bits_as_one_row_per_vector(
         monkeypatch.setattr(WinogradEmitter, "block_rows", lambda self: 3)
     monkeypatch.setattr(WinogradEmitter, "spanning_rows", lambda self: None)
     columns = 4 * tiles.m - 1 if width == "4 tiles" else 3 * tiles.m
-    x_shape = (2, 8, 4 * tiles.m + 1, columns)
-    w_shape, pads = (16, 8, 3, 3), (1, 0, 2, 1)
-    rng = np.random.default_rng(3)
+    problem, x, w, dy = _layout_case((2, 8, 4 * tiles.m + 1, columns), pass_, 3)
+    emitter = WinogradEmitter(ModuleEmitter("pack"), problem, tiles)
+    assert emitter.pack >= 2 and emitter.blocks == (1 if blocks == "one block" else 2)
+    packed = _run_pass(problem, pass_, tiles, x, w, dy)
+    monkeypatch.setattr(WinogradEmitter, "row_packing", lambda self: (1, self.vl))
+    np.testing.assert_array_equal(packed, _run_pass(problem, pass_, tiles, x, w, dy))
+
+
+def _layout_case(x_shape: tuple[int, ...], pass_: str,
+                 seed: int) -> tuple[WinogradConv, np.ndarray, np.ndarray, np.ndarray]:
+    """A pass to run in two layouts: 16 output channels, pads (1, 0, 2, 1), the input's first
+    three columns zero (exact zeros in the forward pass); the problem, x, w and dy."""
+    w_shape, pads = (16, x_shape[1], 3, 3), (1, 0, 2, 1)
+    rng = np.random.default_rng(seed)
     x = rng.standard_normal(x_shape).astype(np.float32)
     x[..., :3] = 0
     w = rng.standard_normal(w_shape).astype(np.float32)
     geometry = conv2d_geometry(x_shape, w_shape, 1, pads, 1, "float32")
     problem = winograd_conv(geometry, pass_, require_gain=False)
     assert problem is not None
-    dy = rng.standard_normal((2, 16, geometry.oh, geometry.ow)).astype(np.float32)
-    emitter = WinogradEmitter(ModuleEmitter("pack"), problem, tiles)
-    assert emitter.pack >= 2 and emitter.blocks == (1 if blocks == "one block" else 2)
+    dy = rng.standard_normal((x_shape[0], 16, geometry.oh, geometry.ow)).astype(np.float32)
+    return problem, x, w, dy
 
-    def run() -> np.ndarray:
-        nthreads = pool().nthreads
-        m = ModuleEmitter("packing")
-        if pass_ == "backward_weight":
-            entry = emit_winograd_weight(m, problem, "conv", tiles)
-            args, out = (x, dy), np.full(w_shape, np.nan, np.float32)
-        elif pass_ == "forward":
-            entry = emit_winograd(m, problem, "conv", tiles, exact_zeros=True)
-            args, out = (x, w), np.full(dy.shape, np.nan, np.float32)
-        else:
-            entry = emit_winograd(m, problem, "conv", tiles)
-            args, out = (dy, w), np.full(x_shape, np.nan, np.float32)
-        CompiledKernel(NativeModule(m.text(), use_cache=False), entry.entry, 3,
-                       entry.workspace_per_thread * nthreads)(*args, out)
-        return out
 
-    packed = run()
-    monkeypatch.setattr(WinogradEmitter, "row_packing", lambda self: (1, self.vl))
-    np.testing.assert_array_equal(packed, run())
+def _run_pass(problem: WinogradConv, pass_: str, tiles: WinogradTiles, x: np.ndarray, w: np.ndarray,
+              dy: np.ndarray) -> np.ndarray:
+    """``pass_`` of ``problem`` compiled now (no cache: the layout is patched), the forward
+    keeping exact zeros."""
+    m = ModuleEmitter("layout")
+    if pass_ == "backward_weight":
+        entry = emit_winograd_weight(m, problem, "conv", tiles)
+        args, out = (x, dy), np.full(w.shape, np.nan, np.float32)
+    elif pass_ == "forward":
+        entry = emit_winograd(m, problem, "conv", tiles, exact_zeros=True)
+        args, out = (x, w), np.full(dy.shape, np.nan, np.float32)
+    else:
+        entry = emit_winograd(m, problem, "conv", tiles)
+        args, out = (dy, w), np.full(x.shape, np.nan, np.float32)
+    CompiledKernel(NativeModule(m.text(), use_cache=False), entry.entry, 3,
+                   entry.workspace_per_thread * pool().nthreads)(*args, out)
+    return out
 
 
 @pytest.mark.parametrize("packing", ["packed rows", "one row per vector"])
@@ -219,16 +228,7 @@ def test_blocks_across_images_give_the_same_bits_as_blocks_within_one(pass_: str
     # follow the segments.
     if packing != "packed rows":
         monkeypatch.setattr(WinogradEmitter, "row_packing", lambda self: (1, self.vl))
-    x_shape = (3, 8, 3 * tiles.m + 1, 3 * tiles.m)
-    w_shape, pads = (16, 8, 3, 3), (1, 0, 2, 1)
-    rng = np.random.default_rng(11)
-    x = rng.standard_normal(x_shape).astype(np.float32)
-    x[..., :3] = 0
-    w = rng.standard_normal(w_shape).astype(np.float32)
-    geometry = conv2d_geometry(x_shape, w_shape, 1, pads, 1, "float32")
-    problem = winograd_conv(geometry, pass_, require_gain=False)
-    assert problem is not None
-    dy = rng.standard_normal((3, 16, geometry.oh, geometry.ow)).astype(np.float32)
+    problem, x, w, dy = _layout_case((3, 8, 3 * tiles.m + 1, 3 * tiles.m), pass_, 11)
 
     def run(spanning: int | None) -> np.ndarray:
         monkeypatch.setattr(WinogradEmitter, "spanning_rows", lambda self: spanning)
@@ -236,17 +236,12 @@ def test_blocks_across_images_give_the_same_bits_as_blocks_within_one(pass_: str
         assert (emitter.th, emitter.spans) == (4, spanning is not None)
         if spanning is not None:
             assert (emitter.blocks, emitter.tail_rows) == (-(-12 // rows), 12 - (-(-12 // rows) - 1) * rows)
-        m = ModuleEmitter("spanning")
-        entry = emit_winograd(m, problem, "conv", tiles, exact_zeros=pass_ == "forward")
-        args, out = ((x, w), np.full(dy.shape, np.nan, np.float32)) if pass_ == "forward" else \
-            ((dy, w), np.full(x_shape, np.nan, np.float32))
-        CompiledKernel(NativeModule(m.text(), use_cache=False), entry.entry, 3,
-                       entry.workspace_per_thread * pool().nthreads)(*args, out)
-        return out
+        return _run_pass(problem, pass_, tiles, x, w, dy)
 
     across = run(rows)
     np.testing.assert_array_equal(across, run(None))
-    want = _forward(x, w, pads) if pass_ == "forward" else _backward_data(dy, w, x_shape, pads)
+    pads = (1, 0, 2, 1)
+    want = _forward(x, w, pads) if pass_ == "forward" else _backward_data(dy, w, x.shape, pads)
     np.testing.assert_allclose(across, want, rtol=0, atol=(2e-5 if tiles is F4X3 else 2e-6) * np.abs(want).max())
     if pass_ == "forward":
         assert np.array_equal(across == 0, want == 0)  # the exact zeros of the zero columns
