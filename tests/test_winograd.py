@@ -272,18 +272,19 @@ def test_a_fused_epilogue_runs_on_each_image_of_a_block_across_images(monkeypatc
 def test_blocks_run_across_images_where_the_tiles_leave_vectors_part_empty(threads: int,
                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
     # The seed CNN's conv2: backward-data by F(4,3) has 7 x 7 tiles per image, 49 columns in 64
-    # (AVX-512). Blocks of 16 tile rows across images are 112 columns, 7 whole vectors: 14 blocks,
-    # 7 per thread on 2 threads, one each on 16 (where blocks of 2 rows would take as long); one
-    # thread takes blocks of 32 rows (224 columns), as large as the budget allows. The forward
-    # by F(3,3) (8 x 8 tiles, 4 whole vectors) gains nothing and keeps a block per image.
+    # (AVX-512). Blocks of 16 tile rows across images are 112 columns, 7 whole vectors: 14
+    # blocks, 7 per thread on 2 threads; on one, blocks of 32 rows would be as few columns, and
+    # 16 is nearer a block within an image (7 rows). On 16 threads, 16 blocks of 14 rows (98
+    # tiles in 112 columns) give each thread one. The forward by F(3,3) (8 x 8 tiles, 4 whole
+    # vectors) gains nothing and keeps a block per image.
     monkeypatch.setattr("opgrad.compiler.winograd.pool_size", lambda: threads)
     monkeypatch.setattr("opgrad.compiler.winograd.host_target", lambda: resolve_target("x86-64-v4"))
     monkeypatch.setattr("opgrad.compiler.winograd.block_budget", lambda: 4 << 20)
     with use_target(resolve_target("x86-64-v4")):
         data = WinogradEmitter(ModuleEmitter("d"), _problem((32, 32, 26, 26), 64, 0, "backward_data"), F4X3)
         forward = WinogradEmitter(ModuleEmitter("f"), _problem((32, 32, 26, 26), 64, 0), F3X3, exact_zeros=True)
-    rows = 32 if threads == 1 else 16
-    assert (data.spans, data.rows, data.cols, data.blocks, data.segment_rows) == (True, rows, rows * 7, 224 // rows, 7)
+    rows, cols = (14, 112) if threads == 16 else (16, 112)
+    assert (data.spans, data.rows, data.cols, data.blocks, data.segment_rows) == (True, rows, cols, 224 // rows, 7)
     assert not forward.spans and (forward.rows, forward.cols) == (8, 64)
 
 
