@@ -248,7 +248,8 @@ def test_blocks_across_images_give_the_same_bits_as_blocks_within_one(pass_: str
 
 
 def test_a_fused_epilogue_runs_on_each_image_of_a_block_across_images(monkeypatch: pytest.MonkeyPatch) -> None:
-    # Bias and relu run on each segment's rows of its own image and channels.
+    # Bias and relu run on each segment's rows of its own image and channels: in registers
+    # before each output row's store, or (a body without a vector form) on the stored rows.
     import opgrad
     from opgrad import ops
 
@@ -258,12 +259,15 @@ def test_a_fused_epilogue_runs_on_each_image_of_a_block_across_images(monkeypatc
     fn = opgrad.function([x, w, b], ops.relu(ops.bias_add(ops.conv2d(x, w, padding=1), b)))
     xs, ws, bs = (rng.standard_normal(v.shape).astype(np.float32) for v in (x, w, b))
     results = []
-    for spanning in (3, None):
+    for spanning, in_registers in ((3, True), (None, True), (3, False), (None, False)):
         monkeypatch.setattr(WinogradEmitter, "spanning_rows", lambda self, rows=spanning: rows)
+        monkeypatch.setattr("opgrad.compiler.winograd.has_vector_body", lambda *args, keep=in_registers: keep)
         compiled = opgrad.compile(fn, step_entries=True)
         assert compiled.step_labels == ["conv2d+bias_add+relu"]
+        assert (".epilogue(" in compiled.ir.split("blocks(")[1].split("\ndefine")[0]) != in_registers
         results.append(compiled(xs, ws, bs))
-    np.testing.assert_array_equal(results[0], results[1])
+    for result in results[1:]:
+        np.testing.assert_array_equal(results[0], result)
     want = opgrad.evaluate(fn, xs, ws, bs)
     np.testing.assert_allclose(results[0], want, rtol=0, atol=2e-5 * np.abs(want).max())
 

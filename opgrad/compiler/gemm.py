@@ -830,9 +830,14 @@ def epilogue_in_store(spec: GemmSpec, lanes: int) -> bool:
         if not (cols.strides == (1,) or not any(cols.strides)
                 or (cols.radices == c_cols.radices and cols.strides == c_cols.strides)):
             return False
+    return has_vector_body(epi, spec.dtype, lanes)
+
+
+def has_vector_body(epi: Epilogue, dtype: str, lanes: int) -> bool:
+    """Whether ``epi``'s body has a vector form on ``lanes`` lanes (:class:`VectorScalar`)."""
     probe = FunctionEmitter(ModuleEmitter("probe", function_attrs=""), "probe", [])
     try:
-        epi.body(VectorScalar(probe, spec.dtype, lanes), [f"%v{i}" for i in range(1 + len(epi.inputs))])
+        epi.body(VectorScalar(probe, dtype, lanes), [f"%v{i}" for i in range(1 + len(epi.inputs))])
     except NotVectorizable:
         return False
     return True
@@ -1133,7 +1138,7 @@ def _store_tile(
     for r in range(b.mr):
         with f.if_then(f.icmp("slt", str(r), mvalid), "row"):
             roff, _, _ = s.c.rows.terms(f, f.add(i0, r))
-            row_inputs = _tile_row_inputs(f, epi, pointers, f.add(i0, r), j0, t) if epi else []
+            row_inputs = tile_row_inputs(f, epi, pointers, f.add(i0, r), j0, t) if epi else []
             for c, (off, _ok) in enumerate(chunks):
                 off0 = f.val(f"extractelement {it} {off}, i32 0")
                 ptr = f.gep(t, "%c", f.add(roff, f.val(f"sext i32 {off0} to i64")))
@@ -1160,7 +1165,7 @@ def _store_tile(
             new = f.val(f"select i1 {overwrite}, {t} {x}, {t} {f.val(f'fadd {t} {old}, {x}')}")
             if epi is not None:
                 scalar = Scalar(f, s.dtype)
-                inputs = _tile_row_inputs(f, epi, pointers, f.add(i0, i), f.add(j0, j), t)
+                inputs = tile_row_inputs(f, epi, pointers, f.add(i0, i), f.add(j0, j), t)
                 new = epi.body(scalar, [new, *(x.at(f, 0, scalar) for x in inputs)])
             f.store(t, new, ptr)
     f.br(done)
@@ -1168,7 +1173,7 @@ def _store_tile(
 
 
 @dataclass(frozen=True)
-class _RowInput:
+class RowInput:
     """One epilogue input along a row of C: a constant, a value broadcast along the row (loaded
     once), or a run of elements from ``start``."""
 
@@ -1187,21 +1192,21 @@ class _RowInput:
         return f.load(s.t, f.gep(self.t, self.start, str(col)), align=BYTES[s.dtype])
 
 
-def _tile_row_inputs(f: FunctionEmitter, epi: Epilogue, pointers: list[str], i: str, j0: str,
-                     t: str) -> list[_RowInput]:
+def tile_row_inputs(f: FunctionEmitter, epi: Epilogue, pointers: list[str], i: str, j0: str,
+                     t: str) -> list[RowInput]:
     """The epilogue's inputs on row ``i`` of C from column ``j0``. Memory inputs read the run of
     columns their map lays out from ``j0`` (:func:`epilogue_in_store` admits no others)."""
-    values: list[_RowInput] = []
+    values: list[RowInput] = []
     memory = iter(pointers)
     for x in epi.inputs:
         if not isinstance(x, Operand):
-            values.append(_RowInput(t, const=x))
+            values.append(RowInput(t, const=x))
             continue
         roff, _, _ = x.rows.terms(f, i)
         coff, _, _ = x.cols.terms(f, j0)
         start = f.gep(t, next(memory), f.add(roff, coff))
-        values.append(_RowInput(t, broadcast=f.load(t, start)) if not any(x.cols.strides)
-                      else _RowInput(t, start=start))
+        values.append(RowInput(t, broadcast=f.load(t, start)) if not any(x.cols.strides)
+                      else RowInput(t, start=start))
     return values
 
 

@@ -35,10 +35,21 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from .conv import Conv2dGeometry, ConvEntry, output_matrix
-from .gemm import Blocking, Epilogue, call_epilogue, emit_epilogue, masked_store, round_up
+from .gemm import (
+    Blocking,
+    Epilogue,
+    RowInput,
+    call_epilogue,
+    emit_epilogue,
+    has_vector_body,
+    masked_store,
+    round_up,
+    tile_row_inputs,
+)
 from .irtext import BYTES, LLVM_TYPE, FunctionEmitter, ModuleEmitter, float_const, prefix_mask, splat_const
 from .target import cache_share, cache_size, current_target, host_target
 from .threads import PARALLEL_FOR, PARALLEL_FOR_DECL, pool_size
+from .views import VectorScalar
 
 __all__ = [
     "ACCURACY_MARGIN",
@@ -472,7 +483,9 @@ class WinogradEmitter:
         self.field_mask_ptr = ""
         #: This thread's L1 staging of the separable transforms (:meth:`transform_runs`, :meth:`outputs`).
         self.row_staging = ""
-        #: Applied to each block's outputs once they are stored (and, after a fallback, to all).
+        #: Applied to each output row in registers before its store where its body has a vector
+        #: form (:attr:`epilogue_in_registers`), else to each block's outputs once they are stored;
+        #: after a fallback to the direct sum, to all outputs.
         self.epilogue = epilogue
         self.epilogue_fn = ""
         #: The block task's vector of ``x - x`` sums over every output it stores (NaN: non-finite).
@@ -487,6 +500,8 @@ class WinogradEmitter:
         #: Tile rows that share one vector of the transforms (``pack``), ``row_lanes`` lanes each
         #: (:meth:`row_packing`).
         self.pack, self.row_lanes = self.row_packing()
+        self.epilogue_in_registers = epilogue is not None and has_vector_body(epilogue, p.dtype,
+                                                                               tiles.m * self.row_lanes)
         blk = Blocking.for_target(p.dtype)
         # The register tile keeps the GEMM engine's accumulator count (MR x NR/VL) but takes a
         # height that divides the output channels where one exists, so no GEMM rows are padding.
@@ -791,8 +806,14 @@ class WinogradEmitter:
                 f.block(done)
 
             def store(segment: Segment) -> None:
-                finish = None
-                if self.epilogue is not None:
+                finish, epilogue_rows = None, None
+                if self.epilogue_in_registers:
+                    plane0 = f.mul(segment.image, p.cout)
+
+                    def epilogue_rows(co: str) -> list[RowInput]:
+                        assert self.epilogue is not None
+                        return tile_row_inputs(f, self.epilogue, inputs, f.add(plane0, co), "0", self.t)
+                elif self.epilogue is not None:
                     # The segment's rows of one channel are one run of pixels of its (image, channel) row.
                     first = f.mul(segment.ty0, m)
                     pixels = f.mul(f.sub(f.smin(f.add(first, f.mul(segment.rows, m)), p.oh), first), p.ow)
@@ -800,7 +821,8 @@ class WinogradEmitter:
 
                     def finish(co: str) -> None:
                         call_epilogue(f, self.epilogue_fn, y, inputs, f.add(plane0, co), "1", start, pixels)
-                self.outputs(f, mm, f.gep(self.t, y, f.mul(segment.image, p.cout * p.oh * p.ow)), segment, finish)
+                self.outputs(f, mm, f.gep(self.t, y, f.mul(segment.image, p.cout * p.oh * p.ow)), segment, finish,
+                             epilogue_rows)
 
             self.segments(f, item, rows, store)
         self.raise_flag_if_nan(f, self.sentinel, flag)
@@ -1063,10 +1085,12 @@ class WinogradEmitter:
         return max(g for g in range(1, min(fits, panels) + 1) if panels % g == 0)
 
     def outputs(self, f: FunctionEmitter, mm: str, y: str, segment: Segment,
-                finish: Callable[[str], None] | None = None) -> None:
+                finish: Callable[[str], None] | None = None,
+                epilogue_rows: Callable[[str], list[RowInput]] | None = None) -> None:
         """``y tile = A^T M A`` for the segment's tiles of every output channel of its image ``y``;
         rows past ``oh`` and columns past ``ow`` are not written. ``finish(co)`` runs after channel
-        ``co``'s rows are stored, while they are in L1.
+        ``co``'s rows are stored, while they are in L1; with ``epilogue_rows(co)`` (channel ``co``'s
+        epilogue inputs) the epilogue is applied to each output row in registers before its store.
 
         A run is :attr:`row_lanes` tiles of each of :attr:`pack` tile rows, one load of M's
         columns per position (:meth:`from_columns`); each output row of a packed row is one
@@ -1080,6 +1104,7 @@ class WinogradEmitter:
         with f.loop(0, p.cout, hint="co") as co:
             dst = f.gep(t, y, f.mul(co, p.oh * p.ow))
             base = f.add(f.mul(co, self.stride), first_column)
+            row_inputs = epilogue_rows(co) if epilogue_rows is not None else None
             with f.loop(0, self.packed_runs(f, rows), hint="r") as run:
                 r = f.mul(run, self.pack)
                 for tx0 in range(0, self.tw, lanes):
@@ -1109,12 +1134,17 @@ class WinogradEmitter:
                                 if self.exact_zeros:
                                     row = f.add(first_mask_row, f.add(f.mul(f.add(r, g), m), i))
                                     value = self.zero_where_inputs_are(f, value, row, m * tx0, m * lanes)
+                                self.watch(f, value, columns, m * lanes)
+                                if row_inputs is not None:
+                                    assert self.epilogue is not None
+                                    vector = VectorScalar(f, p.dtype, m * lanes)
+                                    value = self.epilogue.body(vector, [value, *(x.at(f, 0, vector)
+                                                                                 for x in row_inputs)])
                                 ptr = f.gep(t, dst, f.add(f.mul(oy, p.ow), m * tx0))
                                 if columns == m * lanes:
                                     f.store(row_type, value, ptr, align=self.esize)
                                 else:
                                     self.masked_store(f, m * lanes, value, ptr, columns)
-                                self.watch(f, value, columns, m * lanes)
             if finish is not None:
                 finish(co)
 
