@@ -222,24 +222,6 @@ def _version(module: str) -> str:
 
 #: Timed steps per engine in one round of the interleaved timing, after one untimed step.
 ROUND_STEPS = 4
-#: Before an engine's round, the process's CPU time must stand still this long (seconds) ...
-QUIET_SECONDS = 0.002
-#: ... waiting at most this long: the engine before may leave worker threads spinning.
-SETTLE_LIMIT_SECONDS = 0.1
-
-
-def wait_until_quiet(quiet: float = QUIET_SECONDS, limit: float = SETTLE_LIMIT_SECONDS) -> float:
-    """Sleep until the process's threads stop using the CPU for ``quiet`` seconds (at most
-    ``limit``); returns the seconds waited. After its step, PyTorch's OpenMP workers spin for
-    5-8 ms of CPU (measured on 2 cores): the next engine's first steps would share the cores
-    with them, as neither does when it runs alone."""
-    start = time.perf_counter()
-    while time.perf_counter() - start < limit:
-        cpu = time.process_time()
-        time.sleep(quiet)
-        if time.process_time() - cpu < 0.1 * quiet:
-            break
-    return time.perf_counter() - start
 
 
 def _prepare(name: str, runner: Runner, params: dict[str, np.ndarray], images: np.ndarray, labels: np.ndarray,
@@ -268,9 +250,9 @@ def time_interleaved(rows: dict[str, Row], runs: dict[str, Callable[[], float]],
 
     A shared machine's speed drifts by tens of percent within seconds; engines timed one after the
     other would each see a different machine, and the ratios would move with it. Taking turns in
-    rounds (a wait until the engine before has stopped using the CPU, :func:`wait_until_quiet`;
-    one untimed step, which absorbs the switch of caches; then :data:`ROUND_STEPS` timed), with
-    the order rotating, spreads every drift over all engines alike.
+    rounds (one untimed step, which absorbs the switch: caches, the other engine's spinning
+    threads; then :data:`ROUND_STEPS` timed), with the order rotating, spreads every drift over all
+    engines alike.
     """
     times: dict[str, list[float]] = {key: [] for key in runs}
     cpu: dict[str, list[float]] = {key: [] for key in runs}
@@ -282,7 +264,6 @@ def time_interleaved(rows: dict[str, Row], runs: dict[str, Callable[[], float]],
             todo = min(ROUND_STEPS, steps - len(times[key]))
             if todo <= 0:
                 continue
-            wait_until_quiet()
             runs[key]()
             for _ in range(todo):
                 t0, c0 = time.perf_counter(), time.process_time()
