@@ -491,6 +491,40 @@ def test_blocks_are_as_large_as_the_cache_budget_allows() -> None:
     assert cache_share(3) is None or cache_share(3) <= (cache_size(3) or 0)
 
 
+@pytest.mark.parametrize("o_in_vectors", [True, False])
+def test_the_weight_gradient_gives_the_same_bits_with_either_side_in_vectors(o_in_vectors: bool,
+                                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    # Each What element is one FMA chain over the tiles in order, whichever side's channels the
+    # GEMMs hold in vectors (and transpose) and which they broadcast.
+    x_shape, w_shape, pads = (2, 24, 11, 13), (40, 24, 3, 3), (1, 1, 0, 2)
+    rng = np.random.default_rng(13)
+    x = rng.standard_normal(x_shape).astype(np.float32)
+    geometry = conv2d_geometry(x_shape, w_shape, 1, pads, 1, "float32")
+    dy = rng.standard_normal((2, 40, geometry.oh, geometry.ow)).astype(np.float32)
+    results = []
+    for side in (o_in_vectors, not o_in_vectors):
+        monkeypatch.setattr(WeightGradEmitter, "register_tile", lambda self, side=side: (side, 4, 2))
+        dw = np.full(w_shape, np.nan, np.float32)
+        _kernel(x_shape, w_shape, pads, "backward_weight", F3X3, "float32")(x, dy, dw)
+        results.append(dw)
+    np.testing.assert_array_equal(results[0], results[1])
+    want = _backward_weight(x, dy, pads)
+    np.testing.assert_allclose(results[0], want, rtol=0, atol=2e-6 * np.abs(want).max())
+
+
+def test_the_weight_gradient_holds_the_fewer_channels_in_vectors_where_they_fill_the_tile() -> None:
+    # The seed CNN's conv2 (64 output, 32 input channels): on AVX-512 the 2 vectors of input
+    # channels by 8 output channels fill the 16 accumulators, and only the input side is
+    # transposed; on AVX2 the 4 vectors of 8 would need 3 rows, so the output side stays there.
+    problem = _problem((32, 32, 26, 26), 64, 0, "backward_weight")
+    with use_target(resolve_target("x86-64-v4")):
+        avx512 = WeightGradEmitter(ModuleEmitter("w512"), problem, F3X3)
+    with use_target(resolve_target("x86-64-v3")):
+        avx2 = WeightGradEmitter(ModuleEmitter("w256"), problem, F3X3)
+    assert (avx512.o_in_vectors, avx512.kr, avx512.nvec, avx512.vector) == (False, 8, 2, 32)
+    assert (avx2.o_in_vectors, avx2.kr, avx2.nvec, avx2.vector) == (True, 4, 3, 64)
+
+
 def test_a_narrow_last_piece_of_columns_takes_several_panels_per_register_tile() -> None:
     # The seed CNN's conv2 backward-data by F(4,3) in blocks of one image: 7x7 tiles, 49 columns
     # (56 with padding) in register tiles 3 vectors wide: two of 24 columns and a last piece of
