@@ -77,6 +77,8 @@ __all__ = [
 ]
 
 T = TypeVar("T")
+#: Seconds a failing rank waits after printing its error before MPI_Abort (see abort_on_error).
+ABORT_GRACE_SECONDS = 0.2
 INSTALL_HINT = 'install it with `pip install "opgrad[distributed]"` (mpi4py and MPICH\'s mpirun)'
 
 
@@ -262,6 +264,10 @@ def abort_on_error(comm: Communicator, command: str) -> Iterator[None]:
             if not isinstance(exc, UserError):
                 print(f"{command}: rank {comm.rank} failed; ending every rank:", file=sys.stderr)
             _report(exc, comm.rank, command)
+            # mpiexec forwards a rank's stderr through a pipe; MPI_Abort kills the rank before
+            # the forwarder has read it, and the message is lost (seen once in about ten runs).
+            sys.stderr.flush()
+            time.sleep(ABORT_GRACE_SECONDS)
             comm.abort(code)
             raise
         _report(exc, comm.rank, command)
