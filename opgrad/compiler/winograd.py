@@ -304,9 +304,11 @@ def estimated_cycles(p: WinogradConv, tiles: WinogradTiles, exact_zeros: bool = 
     # with packed rows once per row of the tile for the run.
     first_pass = m + (alpha - m) / e.rows if e.pack == 1 else alpha
     per_input = loads + linear_plan(tiles.bt).ops * (first_pass + alpha) + alpha**2
-    # A piece of M per packed row and position; each of the m output rows: interleave, store and
+    # A load of M per position, and a lane shuffle where packed rows sit tw apart
+    # (:meth:`WinogradEmitter.from_columns`); each of the m output rows: interleave, store and
     # the non-finite watch.
-    per_output = e.pack * alpha**2 + _sandwich_ops(tiles.at, alpha) + m * (2 * m + 3)
+    shifted = e.pack > 1 and e.tw != e.row_lanes
+    per_output = (2 if shifted else 1) * alpha**2 + _sandwich_ops(tiles.at, alpha) + m * (2 * m + 3)
     ops = runs * (p.cin * per_input + p.cout * per_output)
     if e.exact_zeros:
         # Per block and channel, a load, an and, an or and a store per vector of the plane; per
@@ -983,8 +985,8 @@ class WinogradEmitter:
         receives the run of tile rows ``r ... r + G - 1``. The first pass's vectors hold the plane
         rows ``m`` apart that the packed tile rows read at the same height, so tile rows share no
         first-pass work, and a run's staging stays in L1 between its two passes. A last run may
-        reach past the block's rows into the plane's zero rows; :meth:`inputs`'s pieces for them
-        land in V's spare columns."""
+        reach past the block's rows into the plane's zero rows; :meth:`inputs`'s columns for them
+        land in the next segment's columns (written after) or V's spare vector."""
         m, vl, size, width = self.tiles.m, self.vl, source.size, len(matrix)
         with f.loop(0, self.packed_runs(f, rows or str(self.rows)), hint="pr") as run:
             r = f.mul(run, self.pack)
