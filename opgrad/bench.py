@@ -17,8 +17,8 @@ Every table shows each engine's GFLOP/s (the FLOPs of the step's GEMM and conv k
 from opgrad's plan, over its time) and the percent of this machine's fp32 FMA peak on the threads
 used, measured first by a generated FMA loop (:mod:`opgrad.compiler.peak`). ``--threads`` sets
 opgrad's pool and PyTorch's intra-op threads alike (default: the CPUs this process may use).
-``--peak``, ``--kernels``, ``--scaling``, ``--compile-times`` and ``--memory`` add the sections of
-:mod:`opgrad.benchreport`.
+``--peak``, ``--kernels``, ``--scaling``, ``--compile-times``, ``--memory`` and ``--simulate-threads``
+add the sections of :mod:`opgrad.benchreport`.
 
 PyTorch and JAX are imported lazily and only if installed; they are never opgrad dependencies.
 """
@@ -35,7 +35,7 @@ from typing import Any
 
 import numpy as np
 
-from opgrad.argtypes import positive_int
+from opgrad.argtypes import int_range, positive_int
 
 #: A benchmark subject: (params, images, labels, lr) -> a function running one step, returning its loss.
 CHECK_STEP = 3
@@ -75,7 +75,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="cold (empty object cache) and warm compile time of the step (children)")
     parser.add_argument("--memory", action="store_true",
                         help="peak resident memory of a process running the step, opgrad vs PyTorch (children)")
-    parser.add_argument("--all", action="store_true", help="all of the sections above")
+    parser.add_argument("--simulate-threads", type=int_range(2, 1024, "threads to simulate"), nargs="+",
+                        default=[], metavar="N",
+                        help="how the step splits over N threads, simulated with one core: every parallel job's "
+                             "N shares timed one after another (children; e.g. --simulate-threads 16 "
+                             "--batch-size 256)")
+    parser.add_argument("--all", action="store_true", help="all of the sections above but --simulate-threads")
 
 
 def _opgrad_runner(backend: str, model_name: str, holder: dict[str, Any] | None = None) -> Runner:
@@ -402,6 +407,9 @@ def _sections(args: argparse.Namespace, threads: int, flops: int, peak: float, p
         from opgrad.compiler.peak import available_cpus
 
         benchreport.scaling_report(args.model, args.batch_size, available_cpus(), flops, args.steps, with_torch)
+    if getattr(args, "simulate_threads", None):
+        benchreport.decomposition_report(args.model, args.batch_size, sorted(set(args.simulate_threads)), flops,
+                                         peak, max(3, min(args.steps, 5)))
     if args.compile_times:
         benchreport.compile_report(args.model, args.batch_size, threads)
     if args.memory:

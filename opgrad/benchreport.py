@@ -113,6 +113,33 @@ def _child(engine: str, model_name: str, batch: int, threads: int, steps: int) -
     return result
 
 
+def _profiled_step(model_name: str, batch: int) -> tuple[Any, Any, list[Any]]:
+    """The model, its training step compiled with an entry per step, and the step's arguments."""
+    import opgrad
+    from opgrad import nn
+
+    model = nn.build_model(model_name)
+    step = nn.TrainStep(model, nn.SGD(), batch_size=batch, backend="reference")
+    compiled = opgrad.compile(step.function, step_entries=True)
+    params, buffers = model.init_params(seed=0), model.init_buffers()
+    images, labels = _batch(batch)
+    args = [images, labels, np.asarray(0.01, np.float32), *(params[n] for n in step.param_names),
+            *(buffers[n] for n in step.state_names)]
+    return model, compiled, args
+
+
+def _shares_child(model_name: str, batch: int, runs: int) -> dict[str, Any]:
+    """Each step's serial and simulated parallel time on the pool's threads
+    (:meth:`opgrad.compiler.graph.CompiledFunction.profile_parallel`), with its label and FLOPs."""
+    model, compiled, args = _profiled_step(model_name, batch)
+    compiled(*args)
+    timings = compiled.profile_parallel(*args, runs=runs)
+    rows = named_rows(model, compiled, [serial for _, serial, _ in timings])
+    return {"threads": _pool_threads(),
+            "steps": [[row.name, row.flops, serial, parallel]
+                      for row, (_, serial, parallel) in zip(rows, timings, strict=True)]}
+
+
 def _pool_threads() -> int:
     from opgrad.compiler.threads import pool
 
@@ -173,6 +200,40 @@ def scaling_report(model_name: str, batch: int, available: int, flops: int, step
         print(line)
 
 
+#: The decomposition table lists the steps with at least this share of the serial time whose
+#: simulated speed-up is below this fraction of the thread count.
+DECOMPOSITION_MIN_SHARE, DECOMPOSITION_LOW_EFFICIENCY = 0.02, 0.7
+
+
+def decomposition_report(model_name: str, batch: int, counts: list[int], flops: int, peak_one: float,
+                         runs: int) -> None:
+    """How the step splits over ``counts`` threads, simulated with one core (children): each job's
+    shares timed one after another (:meth:`opgrad.compiler.graph.CompiledFunction.profile_parallel`)."""
+    print(f"\ndecomposition ({model_name}, batch {batch}; simulated: each row in a fresh process planned for "
+          "its thread count, every parallel job's shares run one after another on one core and timed; parallel = "
+          "the steps' serial parts plus each job's busiest share, so dispatch and contention for memory are "
+          "left out and the speed-up is an upper bound):")
+    print(f"{'threads':>7} {'serial ms':>10} {'parallel ms':>12} {'speed-up':>9} {'efficiency':>11} {'GFLOP/s':>8} "
+          f"{'% of threads x 1-thread peak':>29}")
+    for t in counts:
+        r = run_child("shares", model_name, batch, t, runs)
+        if "error" in r:
+            print(f"{t:>7}  failed: {r['error']}")
+            continue
+        steps = r["steps"]
+        serial = sum(x[2] for x in steps)
+        parallel = sum(x[3] for x in steps)
+        rate = flops / parallel / 1e6
+        speedup = serial / parallel
+        print(f"{t:>7} {serial:>10.2f} {parallel:>12.2f} {speedup:>8.2f}x {100 * speedup / t:>10.1f}% "
+              f"{rate:>8.1f} {100 * rate / (t * peak_one):>28.1f}%")
+        slow = [x for x in steps if x[2] >= DECOMPOSITION_MIN_SHARE * serial
+                and x[2] / x[3] < DECOMPOSITION_LOW_EFFICIENCY * t]
+        for name, _, step_serial, step_parallel in slow:
+            print(f"{'':>7}   {name[:40]:<40} {step_serial:>8.2f} -> {step_parallel:>7.2f} ms "
+                  f"({step_serial / step_parallel:.1f}x, {100 * step_serial / serial:.0f}% of the serial time)")
+
+
 def compile_report(model_name: str, batch: int, threads: int) -> None:
     """Cold compile (empty object cache) and warm (a second process, same cache), in children."""
     with tempfile.TemporaryDirectory(prefix="opgrad-bench-cache-") as cache:
@@ -217,21 +278,18 @@ class KernelRow:
 def kernel_rows(model_name: str, batch: int, runs: int, cpu_clock: bool = False) -> list[KernelRow]:
     """Each native step of the compiled training step, timed alone (fastest of ``runs``; by the
     thread's CPU time with ``cpu_clock``, right only when the pool has one thread)."""
-    import opgrad
-    from opgrad import nn
-
-    model = nn.build_model(model_name)
-    step = nn.TrainStep(model, nn.SGD(), batch_size=batch, backend="reference")
-    compiled = opgrad.compile(step.function, step_entries=True)
-    params, buffers = model.init_params(seed=0), model.init_buffers()
-    images, labels = _batch(batch)
-    args = [images, labels, np.asarray(0.01, np.float32), *(params[n] for n in step.param_names),
-            *(buffers[n] for n in step.state_names)]
+    model, compiled, args = _profiled_step(model_name, batch)
     timings = compiled.profile(*args, runs=runs, best=True, clock=time.thread_time if cpu_clock else time.perf_counter)
+    return named_rows(model, compiled, [ms for _, ms in timings])
+
+
+def named_rows(model: Any, compiled: Any, times_ms: list[float]) -> list[KernelRow]:
+    """A row for each step of ``compiled`` (a model's step) with its time: conv passes named by
+    their layer ("conv2 backward-data") and the elementwise ops fused into them."""
     conv_names = [layer.name or "conv" for layer in model.layers if layer.kind == "conv"]
     by_geometry: dict[str, str] = {}  # a conv's shapes -> its layer name, in forward order
     rows = []
-    for cost, (_, ms) in zip(compiled.plan.step_costs, timings, strict=True):
+    for cost, ms in zip(compiled.plan.step_costs, times_ms, strict=True):
         name = cost.label
         op, _, fused = cost.label.partition("+")  # a GEMM with its epilogue: "conv2d_backward_weight+multiply+..."
         if op in _PASS and cost.detail:
@@ -283,13 +341,16 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m opgrad.benchreport",
                                      description="one engine's training step in this process, or opgrad's and "
                                                  "PyTorch's taking turns (pair) (bench's child)")
-    parser.add_argument("engine", choices=("opgrad", "torch", "pair"))
+    parser.add_argument("engine", choices=("opgrad", "torch", "pair", "shares"))
     parser.add_argument("model")
     parser.add_argument("batch", type=int)
     parser.add_argument("threads", type=int)
     parser.add_argument("steps", type=int)
     args = parser.parse_args(argv)
-    print(json.dumps(_child(args.engine, args.model, args.batch, args.threads, args.steps)))
+    if args.engine == "shares":
+        print(json.dumps(_shares_child(args.model, args.batch, args.steps)))
+    else:
+        print(json.dumps(_child(args.engine, args.model, args.batch, args.threads, args.steps)))
     return 0
 
 

@@ -139,3 +139,20 @@ def test_scaling_without_pytorch_still_times_opgrad(monkeypatch: pytest.MonkeyPa
     out = capsys.readouterr().out
     row = next(line for line in out.splitlines() if line.strip().startswith("1 "))
     assert "failed" not in row and "PyTorch" not in out and row.split()[2].replace(".", "").isdigit()
+
+
+def test_decomposition_simulates_more_threads_than_cores(capsys: pytest.CaptureFixture[str]) -> None:
+    benchreport.decomposition_report("seed-cnn", 4, [4], flops=10**8, peak_one=100.0, runs=2)
+    out = capsys.readouterr().out
+    row = next(line for line in out.splitlines() if line.strip().startswith("4 "))
+    assert "failed" not in row, out
+    _, serial, parallel, speedup = row.split()[:4]
+    # the busiest of 4 shares is at least a quarter of their sum, and the kernels do split
+    assert 1.0 < float(speedup.rstrip("x")) <= 4.0 and float(parallel) < float(serial)
+
+
+@pytest.mark.parametrize("value", ["1", "0", "many"])
+def test_simulated_thread_counts_are_checked(value: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["bench", "--simulate-threads", value]) == 2
+    assert f"argument --simulate-threads: expected an integer from 2 to 1024 (threads to simulate), got '{value}'" \
+        in capsys.readouterr().err

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -543,3 +544,55 @@ def test_a_module_calling_the_pool_starts_it_before_loading() -> None:
     """Loading a module that declares the pool's entry starts the pool first (MCJIT would abort the
     process on the unresolved symbol)."""
     assert int(_run(_PARALLEL_SCRIPT, {"OPGRAD_NUM_THREADS": "2"}).strip()) >= 1
+
+
+# ----- simulated shares -----
+
+_SHARES_SCRIPT = textwrap.dedent("""
+    import json, time
+    import numpy as np
+    import opgrad
+    from opgrad import ops
+    from opgrad.compiler.threads import pool
+    rng = np.random.default_rng(0)
+    a = opgrad.var("a", (256, 384), "float32")
+    b = opgrad.var("b", (384, 512), "float32")
+    fn = opgrad.function([a, b], ops.relu(ops.matmul(a, b)))
+    compiled = opgrad.compile(fn, step_entries=True)
+    x, y = rng.standard_normal((256, 384), dtype=np.float32), rng.standard_normal((384, 512), dtype=np.float32)
+    real = compiled(x, y)
+    threads = pool()
+    threads.simulate(True)
+    try:
+        start = time.perf_counter()
+        simulated = compiled(x, y)
+        wall = time.perf_counter() - start
+        totals = threads.share_totals()
+        again = threads.share_totals()
+    finally:
+        threads.simulate(False)
+    profile = compiled.profile_parallel(x, y, runs=2)
+    print(json.dumps({"nthreads": threads.nthreads, "same": bool(np.array_equal(real, simulated)), "wall": wall,
+                      "calls": totals.calls, "busiest": totals.busiest_s, "work": totals.work_s,
+                      "cleared": again.calls == 0 and again.work_s == 0, "profile": profile,
+                      "after": bool(np.array_equal(real, compiled(x, y)))}))
+""")
+
+
+@pytest.mark.parametrize("threads", [3, 16])
+def test_simulated_shares_time_every_share_of_the_pool_size(tmp_path: Path, threads: int) -> None:
+    """More threads than this machine has cores: each job's shares run on the caller, timed;
+    the busiest share is at least the mean and at most all of them, the results are the same."""
+    r = json.loads(_run(_SHARES_SCRIPT, {"OPGRAD_CACHE_DIR": str(tmp_path), "OPGRAD_NUM_THREADS": str(threads)}))
+    assert r["nthreads"] == threads and r["same"] and r["after"] and r["cleared"]
+    assert r["calls"] >= 1
+    assert r["work"] / threads <= r["busiest"] <= r["work"] <= r["wall"]
+    (_, serial, parallel), = [row for row in r["profile"] if row[0].startswith("matmul")]
+    assert 0 < parallel < serial, r["profile"]
+
+
+def test_share_totals_give_the_parallel_time() -> None:
+    from opgrad.compiler.threads import ShareTotals
+
+    totals = ShareTotals(calls=2, busiest_s=0.25, work_s=1.0)
+    assert totals.parallel_seconds(1.5) == pytest.approx(0.75)  # 0.5 s serial + 0.25 s in parallel

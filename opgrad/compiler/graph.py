@@ -348,6 +348,8 @@ class CompiledFunction:
         self._calls_host = bool(plan.host_calls)
         self._profile: list[list[float]] | None = None
         self._profile_clock: Callable[[], float] = time.perf_counter
+        #: With :meth:`profile_parallel`: each step's simulated parallel seconds, run by run.
+        self._profile_parallel: list[list[float]] | None = None
         self._step_fns = [self._module.cfunc(f"{plan.name}.step{i}", None, ctypes.c_void_p, ctypes.c_void_p)
                           for i in range(self.steps)] if step_entries else []
         self._loop_fn = (self._module.cfunc(plan.loop_entry, ctypes.c_int32, ctypes.c_void_p, ctypes.c_void_p,
@@ -380,10 +382,16 @@ class CompiledFunction:
                 raise_pending()
             if self._profile is not None:  # rerun each step alone on the same buffers, timed
                 clock = self._profile_clock
+                shares = pool() if self._profile_parallel is not None else None
                 for i, step in enumerate(self._step_fns):
+                    if shares is not None:
+                        shares.share_totals()  # clears what the full call added
                     t = clock()
                     step(self._table_addr, self._ws_addr)
-                    self._profile[i].append(clock() - t)
+                    took = clock() - t
+                    self._profile[i].append(took)
+                    if shares is not None and self._profile_parallel is not None:
+                        self._profile_parallel[i].append(shares.share_totals().parallel_seconds(took))
         return tuple(outs) if self.function.returns_tuple else outs[0]
 
     def run_steps(self, steps: int, *arrays: Any, stop_on_nan: bool = False,
@@ -489,6 +497,33 @@ class CompiledFunction:
         finally:
             self._profile = None
         return list(zip(self.step_labels, timings, strict=True))
+
+    def profile_parallel(self, *arrays: Any, runs: int = 5) -> list[tuple[str, float, float]]:
+        """``(label, serial ms, parallel ms)`` of each step, the fastest of ``runs``: its time with
+        the thread pool's ``nthreads`` shares of every job run one after another on this thread,
+        and the time with those shares run in parallel, each as fast as it ran alone
+        (:meth:`.threads.ThreadPool.simulate`). It tests how a step splits over more cores than
+        the machine has: set ``OPGRAD_NUM_THREADS`` before the pool starts, since the kernels are
+        planned and their scratch sized for that many threads. Needs ``step_entries=True``.
+
+        Dispatch cost and contention for shared caches and memory are not in the parallel time,
+        so it is an upper bound of the speed-up."""
+        if not self._step_fns:
+            raise ValueError("compile with opgrad.compile(fn, step_entries=True) to profile steps")
+        threads = pool()
+        self._profile = [[] for _ in self._step_fns]
+        self._profile_parallel = [[] for _ in self._step_fns]
+        self._profile_clock = time.perf_counter
+        threads.simulate(True)
+        try:
+            for _ in range(runs):
+                self(*arrays)
+            serial, parallel = self._profile, self._profile_parallel
+        finally:
+            threads.simulate(False)
+            self._profile = self._profile_parallel = None
+        return [(label, 1e3 * min(s), 1e3 * min(p))
+                for label, s, p in zip(self.step_labels, serial, parallel, strict=True)]
 
     def __repr__(self) -> str:
         return (f"<CompiledFunction {len(self.function.params)} params -> {len(self._results)} results, "

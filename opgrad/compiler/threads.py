@@ -28,6 +28,7 @@ import ctypes.util
 import platform
 import sys
 import threading
+from dataclasses import dataclass
 
 from opgrad.env import available_cpus, num_threads_setting
 
@@ -57,7 +58,13 @@ def _runtime_ir() -> str:
     m.add_global("@pool.fn = internal global ptr null, align 64")
     m.add_global("@pool.ctx = internal global ptr null, align 64")
     m.add_global(f"@pool.timeout = internal constant [2 x i64] [i64 0, i64 {_SLEEP_NS}], align 8")
+    # Simulated shares (ThreadPool.simulate): on, nesting depth, and the totals since the last read.
+    m.add_global("@pool.simulate = internal global i32 0, align 64")
+    m.add_global("@pool.sim_depth = internal global i32 0, align 4")
+    for name in ("sim_calls", "sim_busiest", "sim_work"):
+        m.add_global(f"@pool.{name} = internal global i64 0, align 8")
     m.declare("syscall", "declare i64 @syscall(i64, ...)")
+    m.declare("clock_gettime", "declare i32 @clock_gettime(i32, ptr)")
     m.declare("sched_yield", "declare i32 @sched_yield()")
     sys_futex = _SYS_FUTEX.get(platform.machine(), -1)  # never called where futex_supported() is False
     pause = ""
@@ -152,14 +159,24 @@ def _runtime_ir() -> str:
     f.ret_void()
     f.finish()
 
+    _emit_simulation(m)
+
     # void opgrad_parallel_for(ptr fn, ptr ctx): the caller claims shares too, so a descheduled
     # worker delays a job only by the share it already started, never by one it has not.
     f = FunctionEmitter(m, PARALLEL_FOR, [("ptr", "fn"), ("ptr", "ctx")])
     nt = f.val("load atomic i32, ptr @pool.nthreads acquire, align 4")
-    single, try_lock, serial, pooled = (f.label(x) for x in ("single", "trylock", "serial", "pooled"))
-    f.cbr(f.icmp("sle", nt, "1", "i32"), single, try_lock)
+    single, dispatch, try_lock, serial, pooled = (f.label(x) for x in ("single", "dispatch", "trylock", "serial",
+                                                                        "pooled"))
+    f.cbr(f.icmp("sle", nt, "1", "i32"), single, dispatch)
     f.block(single)
     f.emit("call void %fn(ptr %ctx, i32 0, i32 1)")
+    f.ret_void()
+    f.block(dispatch)
+    simulated = f.label("simulated")
+    simulating = f.val("load atomic i32, ptr @pool.simulate monotonic, align 4")
+    f.cbr(f.icmp("ne", simulating, "0", "i32"), simulated, try_lock)
+    f.block(simulated)
+    f.call("void", "@opgrad_simulated_shares", [("ptr", "%fn"), ("ptr", "%ctx"), ("i32", nt)])
     f.ret_void()
     f.block(try_lock)
     pair = f.val("cmpxchg ptr @pool.busy, i32 0, i32 1 acquire monotonic")
@@ -215,6 +232,56 @@ def _runtime_ir() -> str:
     return m.text()
 
 
+def _emit_simulation(m: ModuleEmitter) -> None:
+    """``opgrad_simulated_shares(fn, ctx, nt)``: every share of a job run here, one after the other,
+    each timed by the monotonic clock; the call count, the busiest share's time and all shares' time
+    are added to the totals that ``opgrad_pool_share_totals(ptr out)`` returns (and clears), and
+    ``opgrad_pool_simulate(i32 on)`` switches ``parallel_for`` to this. A job started inside a
+    simulated share runs inline untimed: its time is part of that share's."""
+    f = FunctionEmitter(m, "opgrad_simulated_shares", [("ptr", "fn"), ("ptr", "ctx"), ("i32", "nt")],
+                        linkage="internal")
+    nested, timed = f.label("nested"), f.label("timed")
+    f.cbr(f.icmp("ne", f.load("i32", "@pool.sim_depth"), "0", "i32"), nested, timed)
+    f.block(nested)
+    with f.loop(0, f.val("sext i32 %nt to i64"), hint="t") as t:
+        f.emit(f"call void %fn(ptr %ctx, i32 {f.val(f'trunc i64 {t} to i32')}, i32 %nt)")
+    f.ret_void()
+    f.block(timed)
+    f.store("i32", "1", "@pool.sim_depth")
+    clock = f.alloca("[2 x i64]", "ts", align=8)
+
+    def now() -> str:
+        f.call("i32", "@clock_gettime", [("i32", "1"), ("ptr", clock)])  # CLOCK_MONOTONIC
+        sec, nsec = f.load("i64", clock), f.load("i64", f.gep("i64", clock, 1))
+        return f.add(f.mul(sec, 1_000_000_000), nsec)
+
+    busiest, work = f.var("i64", "0", "busiest"), f.var("i64", "0", "work")
+    with f.loop(0, f.val("sext i32 %nt to i64"), hint="t") as t:
+        start = now()
+        f.emit(f"call void %fn(ptr %ctx, i32 {f.val(f'trunc i64 {t} to i32')}, i32 %nt)")
+        took = f.sub(now(), start)
+        f.store("i64", f.add(f.load("i64", work), took), work)
+        f.store("i64", f.smax(f.load("i64", busiest), took), busiest)
+    for name, value in (("sim_calls", "1"), ("sim_busiest", f.load("i64", busiest)),
+                        ("sim_work", f.load("i64", work))):
+        f.store("i64", f.add(f.load("i64", f"@pool.{name}"), value), f"@pool.{name}")
+    f.store("i32", "0", "@pool.sim_depth")
+    f.ret_void()
+    f.finish()
+
+    f = FunctionEmitter(m, "opgrad_pool_simulate", [("i32", "on")])
+    f.emit("store atomic i32 %on, ptr @pool.simulate seq_cst, align 4")
+    f.ret_void()
+    f.finish()
+
+    f = FunctionEmitter(m, "opgrad_pool_share_totals", [("ptr", "out")])
+    for i, name in enumerate(("sim_calls", "sim_busiest", "sim_work")):
+        f.store("i64", f.load("i64", f"@pool.{name}"), f.gep("i64", "%out", i))
+        f.store("i64", "0", f"@pool.{name}")
+    f.ret_void()
+    f.finish()
+
+
 def futex_supported() -> bool:
     """Whether pool workers can sleep in ``futex``: Linux on a machine whose syscall number is known."""
     return sys.platform.startswith("linux") and platform.machine() in _SYS_FUTEX
@@ -232,6 +299,22 @@ def default_num_threads() -> int:
     return available_cpus()
 
 
+@dataclass(frozen=True)
+class ShareTotals:
+    """Simulated jobs (:meth:`ThreadPool.simulate`): how many, the sum over them of their busiest
+    share's seconds, and of all their shares' seconds. A region that took ``wall`` seconds with
+    these totals would take ``wall - work_s + busiest_s`` on ``nthreads`` cores that each ran
+    their share as fast as one core alone does (no dispatch cost, no contention for memory)."""
+
+    calls: int
+    busiest_s: float
+    work_s: float
+
+    def parallel_seconds(self, wall: float) -> float:
+        """The time of a region that took ``wall`` seconds simulated, with its jobs' shares in parallel."""
+        return wall - self.work_s + self.busiest_s
+
+
 class ThreadPool:
     """The process-wide pool; construct through :func:`pool`."""
 
@@ -239,11 +322,14 @@ class ThreadPool:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or None)
         register_symbol("syscall", ctypes.cast(libc.syscall, ctypes.c_void_p).value or 0)
         register_symbol("sched_yield", ctypes.cast(libc.sched_yield, ctypes.c_void_p).value or 0)
+        register_symbol("clock_gettime", ctypes.cast(libc.clock_gettime, ctypes.c_void_p).value or 0)
         self.module = NativeModule(_runtime_ir())
         register_symbol(PARALLEL_FOR, self.module.address(PARALLEL_FOR))
         self._worker = self.module.cfunc("opgrad_pool_worker", None, ctypes.c_int32)
         self._stop = self.module.cfunc("opgrad_pool_stop", None)
         self._set_size = self.module.cfunc("opgrad_pool_set_size", None, ctypes.c_int32)
+        self._simulate = self.module.cfunc("opgrad_pool_simulate", None, ctypes.c_int32)
+        self._share_totals = self.module.cfunc("opgrad_pool_share_totals", None, ctypes.c_void_p)
         self.parallel_for_address = self.module.address(PARALLEL_FOR)
         if not futex_supported():
             nthreads = 1  # no workers to sleep or wake: parallel_for runs every share inline
@@ -255,6 +341,19 @@ class ThreadPool:
             t.start()
             self._threads.append(t)
         atexit.register(self.shutdown)
+
+    def simulate(self, on: bool) -> None:
+        """Run every job's ``nthreads`` shares on the calling thread, one after the other, each timed
+        (:meth:`share_totals`): what the pool's decomposition would give on ``nthreads`` cores,
+        measured with only one. The results are the same (tasks do not depend on who runs a share).
+        For one calling thread at a time; the workers stay idle meanwhile."""
+        self._simulate(1 if on else 0)
+
+    def share_totals(self) -> ShareTotals:
+        """The simulated jobs since the last read (then cleared): see :class:`ShareTotals`."""
+        out = (ctypes.c_int64 * 3)()
+        self._share_totals(ctypes.addressof(out))
+        return ShareTotals(out[0], out[1] / 1e9, out[2] / 1e9)
 
     def shutdown(self) -> None:
         """Stop the workers; afterwards every parallel_for runs on the calling thread."""
