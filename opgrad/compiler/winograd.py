@@ -862,16 +862,18 @@ class WinogradEmitter:
 
     def transform_tiles(self, f: FunctionEmitter, x: str, source: TileSource, ty0: str, plane: str, matrix: Matrix,
                         dest: str, pos_stride: int, rows: str | None = None, occupancy: str | None = None,
-                        first_column: str = "0") -> None:
+                        first_column: str = "0", channels: tuple[str, str] | None = None) -> None:
         """``dest[pos][c][first_column + r * tw + tx] = (matrix d matrix^T)[pos]`` for the ``size x size``
         tiles ``d`` of ``rows`` tile rows (the block's ``R`` unless given) from tile row ``ty0`` in every
-        channel of ``source``; ``plane`` is 64-byte aligned scratch for one zero-padded channel. With
-        ``occupancy`` (a plane of ints), each channel's plane is ORed into it, sign bits cleared."""
+        channel of ``source`` (or those in ``channels``, ``[lo, hi)``); ``plane`` is 64-byte aligned
+        scratch for one zero-padded channel. With ``occupancy`` (a plane of ints), each channel's plane
+        is ORed into it, sign bits cleared."""
         t = self.t
         self.clear_plane(f, source, plane)
         if occupancy is not None:
             self.clear_plane(f, source, occupancy)
-        with f.loop(0, source.channels, hint="ci") as ci:
+        first, last = channels or ("0", str(source.channels))
+        with f.loop(first, last, hint="ci") as ci:
             self.fill_plane(f, f.gep(t, x, f.mul(ci, source.h * source.w)), source, ty0, plane)
             if occupancy is not None:
                 self.occupy(f, source, plane, occupancy)

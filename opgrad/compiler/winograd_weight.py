@@ -26,6 +26,8 @@ from __future__ import annotations
 from .conv import ConvEntry
 from .gemm import Blocking, round_up, transpose_square
 from .irtext import FunctionEmitter, ModuleEmitter, prefix_mask
+from .target import current_target, host_target
+from .threads import pool_size
 from .winograd import F2X3, TileSource, WinogradConv, WinogradEmitter, WinogradTiles, emit_guarded_entry
 
 __all__ = ["GROUPS", "GROUP_TILES", "WeightGradEmitter", "emit_winograd_weight"]
@@ -64,6 +66,7 @@ class WeightGradEmitter(WinogradEmitter):
         self.broadcast_pos = round_up(self.broadcast * self.stride, line) + line
         # The count depends on the shapes only, so the sums do not depend on the thread count.
         self.groups = max(1, min(GROUPS, p.n * self.blocks, p.n * self.th * self.tw // GROUP_TILES))
+        self.parts = self.group_parts()
         self.w_group = self.alpha**2 * self.o_pad * self.c_pad
         self.dy_cols = self.tiles.m * round_up(self.tw, vl)
         #: Transform runs of a block: packed rows share one (:meth:`~.WinogradEmitter.row_packing`).
@@ -91,6 +94,24 @@ class WeightGradEmitter(WinogradEmitter):
             return self.o_pad < self.c_pad, kr, vectors
         return self.o_pad >= self.c_pad, 4, max(1, accumulators // 4)
 
+    def group_parts(self) -> int:
+        """Parts of each group's broadcast-side channels that are separate units of work, so that
+        a pool with more threads than groups has a unit for each: a part sums the group's tiles for
+        its channels only, in the same order, so the results do not depend on the parts. Each part
+        transforms the vector side again, so there are no more parts than the pool's threads need
+        (on 16 threads the seed CNN's conv2 at batch 32 has 4 groups: 4 parts each)."""
+        threads = pool_size() if current_target() == host_target() else 1
+        return max(1, min(-(-threads // self.groups), self.broadcast // self.kr))
+
+    def part_channels(self, f: FunctionEmitter, part: str) -> tuple[str, str]:
+        """The broadcast-side channels ``[lo, hi)`` of part ``part``: whole register rows of ``kr``."""
+        if self.parts == 1:
+            return "0", str(self.broadcast)
+        rows = self.broadcast // self.kr
+        lo = f.mul(f.val(f"udiv i64 {f.mul(part, rows)}, {self.parts}"), self.kr)
+        hi = f.mul(f.val(f"udiv i64 {f.mul(f.add(part, 1), rows)}, {self.parts}"), self.kr)
+        return lo, hi
+
     @property
     def x_plane_bytes(self) -> int:
         return round_up((self.hp * self.wp + self.tiles.m * self.vl) * self.esize, 64)
@@ -115,10 +136,11 @@ class WeightGradEmitter(WinogradEmitter):
                 + self.staging_rows_bytes)
 
     def group_task(self, name: str, scratch_stride: int) -> str:
-        """Task over groups: ``What_g = sum over the group's blocks of Hh^T Dh`` per position."""
+        """Task over groups (and their parts, :meth:`group_parts`): ``What_g = sum over the group's
+        blocks of Hh^T Dh`` per position."""
         p, t, m = self.p, self.t, self.tiles.m
         f, (x, dy, partial, scratch), tid, nt = self.task(name, 4)
-        lo, hi = self.share(f, tid, nt, self.groups)
+        lo, hi = self.share(f, tid, nt, self.groups * self.parts)
         own = f.gep("i8", scratch, f.mul(tid, scratch_stride))
         x_plane = own
         dy_plane = f.gep("i8", own, str(self.x_plane_bytes))
@@ -132,10 +154,18 @@ class WeightGradEmitter(WinogradEmitter):
         x_side = (x, p.cin * p.h * p.w, x_source, x_plane, self.tiles.bt)
         dy_side = (dy, p.cout * p.oh * p.ow, dy_source, dy_plane, _transpose(self.tiles.at))
         vector_side, broadcast_side = (dy_side, x_side) if self.o_in_vectors else (x_side, dy_side)
-        with f.loop(lo, hi, hint="grp") as group:
+        with f.loop(lo, hi, hint="unit") as unit:
+            group = f.val(f"udiv i64 {unit}, {self.parts}")
+            n_lo, n_hi = self.part_channels(f, f.val(f"urem i64 {unit}, {self.parts}"))
             mine = f.gep(t, partial, f.mul(group, self.w_group))
-            f.emit(f"call void @llvm.memset.p0.i64(ptr align 64 {mine}, i8 0, i64 {self.w_group * self.esize}, "
-                   "i1 false)")
+            if self.parts == 1:
+                f.emit(f"call void @llvm.memset.p0.i64(ptr align 64 {mine}, i8 0, "
+                       f"i64 {self.w_group * self.esize}, i1 false)")
+            else:
+                part_bytes = f.mul(f.sub(n_hi, n_lo), self.vector * self.esize)
+                with f.loop(0, self.alpha**2, hint="zp") as pos:
+                    rows = f.gep(t, mine, f.add(f.mul(pos, self.vector * self.broadcast), f.mul(n_lo, self.vector)))
+                    f.emit(f"call void @llvm.memset.p0.i64(ptr {rows}, i8 0, i64 {part_bytes}, i1 false)")
             first = f.val(f"udiv i64 {f.mul(group, total)}, {self.groups}")
             last = f.val(f"udiv i64 {f.mul(f.add(group, 1), total)}, {self.groups}")
             with f.loop(first, last, hint="blk") as item:
@@ -147,9 +177,10 @@ class WeightGradEmitter(WinogradEmitter):
                 self.transposed_tiles(f, f.gep(t, src, f.mul(img, per_image)), source, ty0, rows, plane, matrix,
                                       staging, vectors, self.vector, self.vector_pos)
                 src, per_image, source, plane, matrix = broadcast_side
+                real = (n_lo, f.smin(n_hi, self.broadcast_real)) if self.parts > 1 else None
                 self.transform_tiles(f, f.gep(t, src, f.mul(img, per_image)), source, ty0, plane, matrix, broadcasts,
-                                     self.broadcast_pos, rows)
-                self.outer_gemms(f, vectors, broadcasts, mine, f.mul(rows, self.tw))
+                                     self.broadcast_pos, rows, channels=real)
+                self.outer_gemms(f, vectors, broadcasts, mine, f.mul(rows, self.tw), (n_lo, n_hi))
         f.ret_void()
         f.finish()
         return name
@@ -196,9 +227,10 @@ class WeightGradEmitter(WinogradEmitter):
                             ptr = f.gep(t, dest, f.add(base, (g * self.tw + tile) * channels_pad))
                             f.store(vt, columns[slot], ptr, align=self.esize)
 
-    def outer_gemms(self, f: FunctionEmitter, vectors: str, broadcasts: str, out: str, tiles: str) -> None:
+    def outer_gemms(self, f: FunctionEmitter, vectors: str, broadcasts: str, out: str, tiles: str,
+                    channels: tuple[str, str]) -> None:
         """``out[pos][n][w] += sum_tile broadcasts[pos][n][tile] * vectors[pos][tile][w]`` over the
-        block's first ``tiles`` tiles."""
+        block's first ``tiles`` tiles, for the broadcast-side channels ``n`` in ``channels``."""
         t, vt, vl, kr = self.t, self.vt, self.vl, self.kr
         fma = self.mod.fma(vt)
         w_pos, n_pos = self.vector_pos, self.broadcast_pos
@@ -209,7 +241,7 @@ class WeightGradEmitter(WinogradEmitter):
             wrow = f.gep(t, vectors, f.mul(pos, w_pos))
             nrow = f.gep(t, broadcasts, f.mul(pos, n_pos))
             opos = f.gep(t, out, f.mul(pos, self.vector * self.broadcast))
-            with f.loop(0, self.broadcast, step=kr, hint="n") as n0:
+            with f.loop(channels[0], channels[1], step=kr, hint="n") as n0:
                 col = 0
                 for nvec in groups:
                     for i in range(kr):
