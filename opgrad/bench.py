@@ -409,7 +409,7 @@ def _sections(args: argparse.Namespace, threads: int, flops: int, peak: float, p
         benchreport.scaling_report(args.model, args.batch_size, available_cpus(), flops, args.steps, with_torch)
     if getattr(args, "simulate_threads", None):
         benchreport.decomposition_report(args.model, args.batch_size, sorted(set(args.simulate_threads)), flops,
-                                         peak, max(3, min(args.steps, 5)))
+                                         peak, max(3, args.steps))
     if args.compile_times:
         benchreport.compile_report(args.model, args.batch_size, threads)
     if args.memory:

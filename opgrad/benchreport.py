@@ -208,7 +208,9 @@ DECOMPOSITION_MIN_SHARE, DECOMPOSITION_LOW_EFFICIENCY = 0.02, 0.7
 def decomposition_report(model_name: str, batch: int, counts: list[int], flops: int, peak_one: float,
                          runs: int) -> None:
     """How the step splits over ``counts`` threads, simulated with one core (children): each job's
-    shares timed one after another (:meth:`opgrad.compiler.graph.CompiledFunction.profile_parallel`)."""
+    shares timed one after another (:meth:`opgrad.compiler.graph.CompiledFunction.profile_parallel`),
+    the fastest of ``runs``: the busiest of many short shares is the one an interrupt hit, unless
+    there are enough runs for a quiet one."""
     print(f"\ndecomposition ({model_name}, batch {batch}; simulated: each row in a fresh process planned for "
           "its thread count, every parallel job's shares run one after another on one core and timed; parallel = "
           "the steps' serial parts plus each job's busiest share, so dispatch and contention for memory are "
