@@ -14,7 +14,7 @@ from opgrad.compiler.convpass import ConvPass, emit_conv2d_pass
 from opgrad.compiler.irtext import FunctionEmitter, ModuleEmitter
 from opgrad.compiler.jit import NativeModule
 from opgrad.compiler.kernels import CompiledKernel
-from opgrad.compiler.target import cache_share, cache_size, resolve_target, use_target
+from opgrad.compiler.target import cache_share, cache_size, current_target, resolve_target, use_target
 from opgrad.compiler.threads import pool
 from opgrad.compiler.winograd import (
     ACCURACY_MARGIN,
@@ -153,6 +153,37 @@ def test_forward_and_backward_data_match_the_direct_sum(case: tuple, dtype: str,
     dw = np.full(w_shape, np.nan, dtype)
     _kernel(x_shape, w_shape, pads, "backward_weight", tiles, dtype)(x, dy, dw)
     np.testing.assert_allclose(dw, want_dw, rtol=0, atol=relative * max(1.0, np.abs(want_dw).max()))
+
+
+@pytest.mark.parametrize("x_shape", [(2, 3, 10, 58), (3, 5, 11, 6), (4, 6, 26, 26)],
+                         ids=["15 tiles a row", "2 tiles a row, packed", "7 tiles a row, packed"])
+def test_whole_vector_loads_of_tiles_give_the_same_bits(monkeypatch: pytest.MonkeyPatch,
+                                                       x_shape: tuple[int, ...]) -> None:
+    # F(4,3)'s float32 tiles are 16-byte lanes: the transforms read whole vectors of tiles and
+    # put them back in order on the way to V; every pass equals the lane-by-lane loads bitwise.
+    w_shape, pads = (8, x_shape[1], 3, 3), (1, 1, 1, 1)
+    problem = winograd_conv(conv2d_geometry(x_shape, w_shape, 1, pads, 1, "float32"), "forward", require_gain=False)
+    assert problem is not None
+    assert WinogradEmitter(ModuleEmitter("w"), problem, F4X3).whole_loads == (current_target().vector_width(4) >= 4)
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal(x_shape).astype(np.float32)
+    w = rng.standard_normal(w_shape).astype(np.float32)
+    dy = rng.standard_normal((x_shape[0], 8, *x_shape[2:])).astype(np.float32)
+    calls = {"forward": (x, w, (x_shape[0], 8, *x_shape[2:])), "backward_data": (dy, w, x_shape),
+             "backward_weight": (x, dy, w_shape)}
+    results = []
+    for whole in (True, False):
+        if not whole:
+            monkeypatch.setattr(WinogradEmitter, "whole_loads", property(lambda self: False))
+        outs = []
+        for pass_, (a, b, shape) in calls.items():
+            out = np.full(shape, np.nan, np.float32)
+            _kernel(x_shape, w_shape, pads, pass_, F4X3, "float32")(a, b, out)
+            outs.append(out)
+        results.append(outs)
+    for whole, lanes in zip(*results, strict=True):
+        np.testing.assert_array_equal(whole, lanes)
+    np.testing.assert_allclose(results[0][0], _forward(x, w, pads), rtol=0, atol=2e-5 * np.abs(results[0][0]).max())
 
 
 @pytest.mark.parametrize("width", ["4 tiles", "3 tiles"])
@@ -456,7 +487,8 @@ def test_tile_columns_pick_every_mth_element_at_any_vector_width(tiles: Winograd
     # Column j of tile l is plane[start + m * l + j], for every vector width the targets have
     # (AVX-512's 16 float32 lanes included: LLVM splits wider vectors than the host's, so the
     # shuffles' meaning is checked on any machine) and the 16-byte lanes of both dtypes. With two
-    # tile rows packed in a vector, the second half of the lanes reads row_step elements on.
+    # tile rows packed in a vector, the second half of the slots reads row_step elements on.
+    # Lane e holds tile slot lane_slots()[e]: in order, or permuted where whole vectors are loaded.
     emitter = WinogradEmitter(ModuleEmitter("t_cols"), _problem((1, 8, 12, 12), 8, 1), tiles)
     emitter.t, emitter.esize = {"float32": ("float", 4), "float64": ("double", 8)}[dtype]
     emitter.vl, emitter.vt = lanes, f"<{lanes} x {emitter.t}>"
@@ -473,8 +505,12 @@ def test_tile_columns_pick_every_mth_element_at_any_vector_width(tiles: Winograd
     out = np.zeros((size, lanes), dtype)
     kernel(plane, out)
     row_lanes = lanes // pack
-    want = np.array([[plane[start + (lane // row_lanes) * row_step + tiles.m * (lane % row_lanes) + j]
-                      for lane in range(lanes)] for j in range(size)])
+    slots = emitter.lane_slots()
+    assert sorted(slots) == list(range(lanes))
+    per_vector = lanes * emitter.esize // 16  # 16-byte lanes
+    assert emitter.whole_loads == (tiles.m * emitter.esize == 16 and per_vector >= 1 and row_lanes % per_vector == 0)
+    want = np.array([[plane[start + (slot // row_lanes) * row_step + tiles.m * (slot % row_lanes) + j]
+                      for slot in slots] for j in range(size)])
     np.testing.assert_array_equal(out, want)
 
 

@@ -218,14 +218,14 @@ class WeightGradEmitter(WinogradEmitter):
                         lines = [f.load(vt, f.gep(t, square, str(i * vl)), align=self.esize) for i in range(vl)]
                         columns = transpose_square(f, lines, vt, vl)
                         base = f.add(f.add(f.mul(position, pos_stride), cg), f.mul(col, channels_pad))
-                        for slot in range(vl):
+                        for held, slot in enumerate(self.lane_slots()):
                             # Packed row g's tiles follow row g - 1's; lanes past a row's tiles
                             # hold nothing and are not stored.
                             g, tile = divmod(slot, self.row_lanes)
                             if self.pack > 1 and tile >= self.tw:
                                 continue
                             ptr = f.gep(t, dest, f.add(base, (g * self.tw + tile) * channels_pad))
-                            f.store(vt, columns[slot], ptr, align=self.esize)
+                            f.store(vt, columns[held], ptr, align=self.esize)
 
     def outer_gemms(self, f: FunctionEmitter, vectors: str, broadcasts: str, out: str, tiles: str,
                     channels: tuple[str, str]) -> None:
