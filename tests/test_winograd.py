@@ -449,7 +449,8 @@ def test_gradient_tiles_are_the_cheapest_estimate_unless_a_more_accurate_one_is_
         problem = _problem(x_shape, cout, pad, pass_)
         chosen = choose_tiles(problem, pass_)
         allowed = tile_candidates(problem, pass_)
-        cost = {tiles.m: estimated_cycles(problem, tiles) for tiles in allowed}
+        cost = {tiles.m: estimated_cycles(problem, tiles, reduces_tiles=pass_ == "backward_weight")
+                for tiles in allowed}
         assert chosen.m in cost
         assert cost[chosen.m] * (1 - ACCURACY_MARGIN) <= min(cost.values())
         for tiles in allowed:  # a more accurate candidate loses only by more than the margin
@@ -625,14 +626,14 @@ def test_the_forward_pass_takes_larger_tiles_where_they_pay_for_exact_zeros(targ
 def test_transforms_cost_less_against_the_fmas_where_nothing_spills() -> None:
     # 32 vector registers hold a 6x6 tile's transform without spills: measured on AMD Zen 5, its
     # operations cost a fifth of what they cost on Zen 3's 16, and the seed CNN's weight gradient
-    # takes F(3,3) on AVX-512 (21 % faster there than F(2,3)).
+    # takes F(4,3) on AVX-512 (its 36 tiles an image against F(3,3)'s 64: 10 % faster there, F(3,3)
+    # 21 % faster than F(2,3)); on AVX2 the transforms' cost keeps F(3,3) (Zen 3: 8 % faster).
     seed = _problem((32, 32, 26, 26), 64, 0, "backward_weight")
     costs = {}
     for target in ("x86-64-v3", "x86-64-v4"):
         with use_target(resolve_target(target)):
             costs[target] = transform_op_cycles()
-            if target == "x86-64-v4":
-                assert choose_tiles(seed, "backward_weight") is F3X3
+            assert choose_tiles(seed, "backward_weight") is (F4X3 if target == "x86-64-v4" else F3X3)
     assert costs["x86-64-v4"] < costs["x86-64-v3"] / 3
 
 
