@@ -229,10 +229,19 @@ def decomposition_report(model_name: str, batch: int, counts: list[int], flops: 
         speedup = serial / parallel
         print(f"{t:>7} {serial:>10.2f} {parallel:>12.2f} {speedup:>8.2f}x {100 * speedup / t:>10.1f}% "
               f"{rate:>8.1f} {100 * rate / (t * peak_one):>28.1f}%")
-        slow = [x for x in steps if x[2] >= DECOMPOSITION_MIN_SHARE * serial
-                and x[2] / x[3] < DECOMPOSITION_LOW_EFFICIENCY * t]
-        for name, _, step_serial, step_parallel in slow:
-            print(f"{'':>7}   {name[:40]:<40} {step_serial:>8.2f} -> {step_parallel:>7.2f} ms "
+        # Steps of one name (a model's repeated blocks have layers of the same shapes) count together.
+        by_name: dict[str, list[float]] = {}
+        for name, _, step_serial, step_parallel in steps:
+            totals = by_name.setdefault(name, [0.0, 0.0, 0])
+            totals[0] += step_serial
+            totals[1] += step_parallel
+            totals[2] += 1
+        for name, (step_serial, step_parallel, count) in by_name.items():
+            if step_serial < DECOMPOSITION_MIN_SHARE * serial or \
+                    step_serial / step_parallel >= DECOMPOSITION_LOW_EFFICIENCY * t:
+                continue
+            label = f"{name} (x{count:.0f})" if count > 1 else name
+            print(f"{'':>7}   {label[:44]:<44} {step_serial:>8.2f} -> {step_parallel:>7.2f} ms "
                   f"({step_serial / step_parallel:.1f}x, {100 * step_serial / serial:.0f}% of the serial time)")
 
 
