@@ -157,14 +157,18 @@ def test_forward_and_backward_data_match_the_direct_sum(case: tuple, dtype: str,
 
 @pytest.mark.parametrize("x_shape", [(2, 3, 10, 58), (3, 5, 11, 6), (4, 6, 26, 26)],
                          ids=["15 tiles a row", "2 tiles a row, packed", "7 tiles a row, packed"])
-def test_whole_vector_loads_of_tiles_give_the_same_bits(monkeypatch: pytest.MonkeyPatch,
-                                                       x_shape: tuple[int, ...]) -> None:
-    # F(4,3)'s float32 tiles are 16-byte lanes: the transforms read whole vectors of tiles and
-    # put them back in order on the way to V; every pass equals the lane-by-lane loads bitwise.
+@pytest.mark.parametrize("tiles", TILE_CHOICES, ids=[f"F({t.m},3)" for t in TILE_CHOICES])
+def test_tile_loads_give_the_same_bits_as_16_byte_lanes(monkeypatch: pytest.MonkeyPatch, tiles: WinogradTiles,
+                                                        x_shape: tuple[int, ...]) -> None:
+    # F(4,3)'s float32 tiles are 16-byte lanes: the transforms read whole vectors of tiles and put
+    # them back in order on the way to V. Smaller tiles on AVX-512 pick every m-th element of row
+    # loads. Every pass equals the 16-byte-lane loads bitwise (on AVX2 hosts those are the loads).
     w_shape, pads = (8, x_shape[1], 3, 3), (1, 1, 1, 1)
     problem = winograd_conv(conv2d_geometry(x_shape, w_shape, 1, pads, 1, "float32"), "forward", require_gain=False)
     assert problem is not None
-    assert WinogradEmitter(ModuleEmitter("w"), problem, F4X3).whole_loads == (current_target().vector_width(4) >= 4)
+    emitter = WinogradEmitter(ModuleEmitter("w"), problem, tiles)
+    assert emitter.whole_loads == (tiles is F4X3 and current_target().vector_width(4) >= 4)
+    assert emitter.strided_picks == (tiles is not F4X3 and current_target().vector_width(4) >= 16)
     rng = np.random.default_rng(3)
     x = rng.standard_normal(x_shape).astype(np.float32)
     w = rng.standard_normal(w_shape).astype(np.float32)
@@ -172,17 +176,18 @@ def test_whole_vector_loads_of_tiles_give_the_same_bits(monkeypatch: pytest.Monk
     calls = {"forward": (x, w, (x_shape[0], 8, *x_shape[2:])), "backward_data": (dy, w, x_shape),
              "backward_weight": (x, dy, w_shape)}
     results = []
-    for whole in (True, False):
-        if not whole:
-            monkeypatch.setattr(WinogradEmitter, "whole_loads", property(lambda self: False))
+    for host_loads in (True, False):
+        if not host_loads:
+            for name in ("whole_loads", "strided_picks"):
+                monkeypatch.setattr(WinogradEmitter, name, property(lambda self: False))
         outs = []
         for pass_, (a, b, shape) in calls.items():
             out = np.full(shape, np.nan, np.float32)
-            _kernel(x_shape, w_shape, pads, pass_, F4X3, "float32")(a, b, out)
+            _kernel(x_shape, w_shape, pads, pass_, tiles, "float32")(a, b, out)
             outs.append(out)
         results.append(outs)
-    for whole, lanes in zip(*results, strict=True):
-        np.testing.assert_array_equal(whole, lanes)
+    for host, lanes in zip(*results, strict=True):
+        np.testing.assert_array_equal(host, lanes)
     np.testing.assert_allclose(results[0][0], _forward(x, w, pads), rtol=0, atol=2e-5 * np.abs(results[0][0]).max())
 
 
