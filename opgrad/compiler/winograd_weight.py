@@ -99,7 +99,8 @@ class WeightGradEmitter(WinogradEmitter):
         a pool with more threads than groups has a unit for each: a part sums the group's tiles for
         its channels only, in the same order, so the results do not depend on the parts. Each part
         transforms the vector side again, so there are no more parts than the pool's threads need
-        (on 16 threads the seed CNN's conv2 at batch 32 has 4 groups: 4 parts each)."""
+        (the seed CNN's conv2 at batch 32 has 2 groups by F(4,3), 4 by F(3,3): on 16 threads, 8 or 4
+        parts each)."""
         threads = pool_size() if current_target() == host_target() else 1
         return max(1, min(-(-threads // self.groups), self.broadcast // self.kr))
 
