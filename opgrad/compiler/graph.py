@@ -382,16 +382,16 @@ class CompiledFunction:
                 raise_pending()
             if self._profile is not None:  # rerun each step alone on the same buffers, timed
                 clock = self._profile_clock
-                shares = pool() if self._profile_parallel is not None else None
+                parallel = self._profile_parallel
                 for i, step in enumerate(self._step_fns):
-                    if shares is not None:
-                        shares.share_totals()  # clears what the full call added
+                    if parallel is not None:
+                        pool().share_totals()  # clears what the full call added
                     t = clock()
                     step(self._table_addr, self._ws_addr)
                     took = clock() - t
                     self._profile[i].append(took)
-                    if shares is not None and self._profile_parallel is not None:
-                        self._profile_parallel[i].append(shares.share_totals().parallel_seconds(took))
+                    if parallel is not None:
+                        parallel[i].append(pool().share_totals().parallel_seconds(took))
         return tuple(outs) if self.function.returns_tuple else outs[0]
 
     def run_steps(self, steps: int, *arrays: Any, stop_on_nan: bool = False,
@@ -486,16 +486,8 @@ class CompiledFunction:
         shared machine the fastest run is the steadier figure (others' jobs only add time), and with
         one thread ``clock=time.thread_time`` leaves out the time other jobs held the core.
         """
-        if not self._step_fns:
-            raise ValueError("compile with opgrad.compile(fn, step_entries=True) to profile steps")
-        self._profile = [[] for _ in self._step_fns]
-        self._profile_clock = clock
-        try:
-            for _ in range(runs):
-                self(*arrays)
-            timings = [1e3 * float(np.min(t) if best else np.median(t)) for t in self._profile]
-        finally:
-            self._profile = None
+        serial, _ = self._step_runs(arrays, runs, clock, parallel=False)
+        timings = [1e3 * float(np.min(t) if best else np.median(t)) for t in serial]
         return list(zip(self.step_labels, timings, strict=True))
 
     def profile_parallel(self, *arrays: Any, runs: int = 5) -> list[tuple[str, float, float]]:
@@ -508,22 +500,30 @@ class CompiledFunction:
 
         Dispatch cost and contention for shared caches and memory are not in the parallel time,
         so it is an upper bound of the speed-up."""
+        serial, parallel = self._step_runs(arrays, runs, time.perf_counter, parallel=True)
+        return [(label, 1e3 * min(s), 1e3 * min(p))
+                for label, s, p in zip(self.step_labels, serial, parallel, strict=True)]
+
+    def _step_runs(self, arrays: tuple[Any, ...], runs: int, clock: Callable[[], float],
+                   parallel: bool) -> tuple[list[list[float]], list[list[float]]]:
+        """Each step's seconds re-run alone after each of ``runs`` full calls, and with ``parallel``
+        (the pool simulating its shares) each step's simulated parallel seconds."""
         if not self._step_fns:
             raise ValueError("compile with opgrad.compile(fn, step_entries=True) to profile steps")
-        threads = pool()
+        threads = pool() if parallel else None
         self._profile = [[] for _ in self._step_fns]
-        self._profile_parallel = [[] for _ in self._step_fns]
-        self._profile_clock = time.perf_counter
-        threads.simulate(True)
+        self._profile_parallel = [[] for _ in self._step_fns] if parallel else None
+        self._profile_clock = clock
+        if threads is not None:
+            threads.simulate(True)
         try:
             for _ in range(runs):
                 self(*arrays)
-            serial, parallel = self._profile, self._profile_parallel
+            return self._profile, self._profile_parallel or []
         finally:
-            threads.simulate(False)
+            if threads is not None:
+                threads.simulate(False)
             self._profile = self._profile_parallel = None
-        return [(label, 1e3 * min(s), 1e3 * min(p))
-                for label, s, p in zip(self.step_labels, serial, parallel, strict=True)]
 
     def __repr__(self) -> str:
         return (f"<CompiledFunction {len(self.function.params)} params -> {len(self._results)} results, "

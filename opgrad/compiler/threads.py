@@ -182,9 +182,7 @@ def _runtime_ir() -> str:
     pair = f.val("cmpxchg ptr @pool.busy, i32 0, i32 1 acquire monotonic")
     f.cbr(f.val(f"extractvalue {{ i32, i1 }} {pair}, 1"), pooled, serial)
     f.block(serial)  # pool busy (another thread or a nested call): run every share here
-    nt64 = f.val(f"sext i32 {nt} to i64")
-    with f.loop(0, nt64, hint="t") as t:
-        f.emit(f"call void %fn(ptr %ctx, i32 {f.val(f'trunc i64 {t} to i32')}, i32 {nt})")
+    f.call("void", "@opgrad_run_every_share", [("ptr", "%fn"), ("ptr", "%ctx"), ("i32", nt)])
     f.ret_void()
     f.block(pooled)
     f.emit("store ptr %fn, ptr @pool.fn, align 8")
@@ -238,13 +236,20 @@ def _emit_simulation(m: ModuleEmitter) -> None:
     are added to the totals that ``opgrad_pool_share_totals(ptr out)`` returns (and clears), and
     ``opgrad_pool_simulate(i32 on)`` switches ``parallel_for`` to this. A job started inside a
     simulated share runs inline untimed: its time is part of that share's."""
+    # void run_every_share(fn, ctx, nt): each share in turn, on this thread
+    f = FunctionEmitter(m, "opgrad_run_every_share", [("ptr", "fn"), ("ptr", "ctx"), ("i32", "nt")],
+                        linkage="internal")
+    with f.loop(0, f.val("sext i32 %nt to i64"), hint="t") as t:
+        f.emit(f"call void %fn(ptr %ctx, i32 {f.val(f'trunc i64 {t} to i32')}, i32 %nt)")
+    f.ret_void()
+    f.finish()
+
     f = FunctionEmitter(m, "opgrad_simulated_shares", [("ptr", "fn"), ("ptr", "ctx"), ("i32", "nt")],
                         linkage="internal")
     nested, timed = f.label("nested"), f.label("timed")
     f.cbr(f.icmp("ne", f.load("i32", "@pool.sim_depth"), "0", "i32"), nested, timed)
     f.block(nested)
-    with f.loop(0, f.val("sext i32 %nt to i64"), hint="t") as t:
-        f.emit(f"call void %fn(ptr %ctx, i32 {f.val(f'trunc i64 {t} to i32')}, i32 %nt)")
+    f.call("void", "@opgrad_run_every_share", [("ptr", "%fn"), ("ptr", "%ctx"), ("i32", "%nt")])
     f.ret_void()
     f.block(timed)
     f.store("i32", "1", "@pool.sim_depth")
