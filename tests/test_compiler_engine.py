@@ -210,6 +210,35 @@ def test_gemm_epilogue_reading_strided_columns_runs_as_a_pass() -> None:
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("mnk,accumulate", [((131, 2000, 40), False), ((70, 3001, 700), True)])
+def test_gemm_walking_row_tiles_gives_the_bits_of_walking_down_panels(
+        dtype: str, mnk: tuple[int, int, int], accumulate: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A C larger than a few L2 caches is walked row tile by row tile; every element is still the
+    # same chain of FMAs over K, so the bits equal those of the walk down the panels, edge tiles,
+    # several K blocks and accumulation included.
+    import importlib
+
+    from opgrad.compiler.irtext import ModuleEmitter
+
+    gemm_module = importlib.import_module("opgrad.compiler.gemm")  # the package exports a function gemm
+
+    m, n, k = mnk
+    rng = np.random.default_rng(m + k)
+    a, b = rng.standard_normal((m, k)).astype(dtype), rng.standard_normal((k, n)).astype(dtype)
+    c0 = rng.standard_normal((m, n)).astype(dtype)
+    spec = GemmSpec.dense(m, n, k, dtype, alpha=0.75, accumulate=accumulate)
+    results = []
+    for l2s, walks_rows in ((1 << 30, False), (0, True)):
+        monkeypatch.setattr(gemm_module, "C_IN_CACHE_L2S", l2s)
+        assert gemm_module.emit_gemm(ModuleEmitter(), spec).walk_rows == walks_rows
+        c = c0.copy()
+        gemm_kernel(spec)(a, b, c)
+        results.append(c)
+    np.testing.assert_array_equal(results[0], results[1])
+    _close(results[1], (c0 if accumulate else 0) + np.asarray(0.75, dtype) * (a @ b), dtype)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
 @pytest.mark.parametrize("layout", ["rows", "columns"])
 def test_gemm_summing_k_in_groups_matches_numpy(dtype: str, layout: str) -> None:
     # A small output over a long K sums K in groups, then adds them into C with alpha, onto C's
