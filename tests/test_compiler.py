@@ -13,6 +13,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -519,6 +520,76 @@ def test_a_reduction_stays_apart_from_a_short_batch_or_a_pass_it_would_overtake(
     out = np.zeros(16, np.float32)
     kb.compile()(a, squares, np.zeros(shape, np.float32), b, out)
     np.testing.assert_allclose(out, 2 * (a * a).sum(axis=1), rtol=1e-6)
+
+
+def test_an_optimizers_results_are_written_by_one_pass() -> None:
+    # Adam's new moments are results that its weight update reads back: all three are computed
+    # and stored by one pass over the gradient, the weights and the old moments.
+    rng = np.random.default_rng(12)
+    w, g, m, v = (opgrad.var(name, (96, 130), "float32") for name in ("w", "g", "m", "v"))
+    lr = opgrad.var("lr", (), "float32")
+    m2 = ops.add(ops.multiply(m, 0.9), ops.multiply(g, 0.1))
+    v2 = ops.add(ops.multiply(v, 0.999), ops.multiply(ops.multiply(g, g), 0.001))
+    w2 = ops.subtract(w, ops.divide(ops.multiply(lr, m2), ops.add(ops.sqrt(v2), 1e-8)))
+    fn = opgrad.function([w, g, m, v, lr], (w2, m2, v2))
+    arrays = [rng.standard_normal(w.shape).astype(np.float32) for _ in range(3)]
+    arrays += [np.abs(rng.standard_normal(w.shape)).astype(np.float32), np.asarray(0.01, np.float32)]
+    compiled = compile_fn(fn, step_entries=True)
+    assert len(compiled.step_labels) == 1, compiled.step_labels
+    for got, want in zip(compiled(*arrays), opgrad.evaluate(fn, *arrays), strict=True):
+        assert_close(got, want, 2e-6)
+
+
+def test_a_pass_in_another_type_is_not_merged_into_its_reader() -> None:
+    # exp in float32 is returned and read by a cast to float64: one loop computes in one type,
+    # so the two stay apart (merged, the float32 result would be stored as float64 values).
+    x = opgrad.var("x", (30, 20), "float32")
+    y = ops.exp(x)
+    fn = opgrad.function([x], (y, ops.multiply(ops.cast(y, "float64"), 2.0)))
+    compiled = compile_fn(fn, step_entries=True)
+    assert compiled.step_labels == ["exp", "cast+multiply"]
+    xs = np.random.default_rng(13).standard_normal(x.shape).astype(np.float32)
+    for got, want in zip(compiled(xs), opgrad.evaluate(fn, xs), strict=True):
+        assert got.dtype == want.dtype
+        assert_close(got, want, 2e-6)
+
+
+def test_a_pass_keeps_its_place_where_a_step_in_between_needs_it() -> None:
+    from opgrad.compiler.builder import KernelBuilder
+    from opgrad.compiler.views import View
+
+    shape = (16, 32)
+    a = np.arange(16 * 32, dtype=np.float32).reshape(shape) / 100
+
+    def build(name: str, middle: Callable[[KernelBuilder], None]) -> KernelBuilder:
+        kb = KernelBuilder(name)
+        kb.elementwise(View.contiguous(1, shape), [View.contiguous(0, shape)], lambda s, v: s.mul(v[0], v[0]))
+        middle(kb)
+        kb.elementwise(View.contiguous(2, shape), [View.contiguous(1, shape), View.contiguous(0, shape)],
+                       lambda s, v: s.add(v[0], v[1]))
+        return kb
+
+    # Nothing in between: one pass writes both the squares and their sum with the input.
+    kb = build("t_merge", lambda kb: None)
+    assert kb.fuse_outputs() == 1 and len(kb.steps) == 1
+    squares, sums = np.zeros(shape, np.float32), np.zeros(shape, np.float32)
+    kb.compile()(a, squares, sums)
+    np.testing.assert_array_equal(squares, a * a)
+    np.testing.assert_array_equal(sums, a * a + a)
+    # A step in between reads the squares: they must be written before it runs.
+    kb = build("t_read_between", lambda kb: kb.reduce(View.contiguous(3, (16,)), View.contiguous(1, shape), (1,)))
+    assert kb.fuse_outputs() == 0
+    rows = np.zeros(16, np.float32)
+    kb.compile()(a, squares, sums, rows)
+    np.testing.assert_allclose(rows, (a * a).sum(axis=1), rtol=1e-6)
+    # A step in between overwrites the input: the squares must be of the old values.
+    kb = build("t_write_between", lambda kb: kb.reduce(View.contiguous(0, shape), View.contiguous(3, (*shape, 2)),
+                                                       (2,)))
+    assert kb.fuse_outputs() == 0
+    x = a.copy()
+    kb.compile()(x, squares, sums, np.ones((*shape, 2), np.float32))
+    np.testing.assert_array_equal(squares, a * a)
+    np.testing.assert_array_equal(sums, a * a + 2)
 
 
 def test_a_view_refines_into_finer_axes_at_any_strides() -> None:

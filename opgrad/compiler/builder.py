@@ -21,8 +21,10 @@ and their intermediate buffers vanish; an elementwise consumer of a matmul becom
 epilogue (a dense layer's bias and activation, a weight gradient's update), applied to C while it
 is in cache; :meth:`KernelBuilder.fuse_reductions` runs a reduction of an elementwise output
 that others read too (a bias gradient's sum) in the pass that writes it, slice by slice while
-each slice is in cache. The builder never sees operator names. Bodies are written
-against :class:`Scalar`, a tiny expression emitter over one element type. Outputs must not
+each slice is in cache; :meth:`KernelBuilder.fuse_outputs` computes an elementwise output that
+others read too (an optimizer's new moments) in the later pass that reads it. The builder
+never sees operator names. Bodies are written against :class:`Scalar`, a tiny expression
+emitter over one element type. Outputs must not
 overlap inputs (pointers are ``noalias``), which the buffer planner guarantees. Large loops are
 split over the thread pool by output rows, so results do not depend on the thread count.
 """
@@ -97,6 +99,9 @@ class Step:
     #: Reductions an ``ew`` step also computes, each over the slice of its outermost axis just
     #: written (:meth:`KernelBuilder.fuse_reductions`); their axis 0 is kept.
     reductions: list[Step] = field(default_factory=list)
+    #: More outputs of an ``ew`` step, each a view of ``out``'s shape and the body that computes it
+    #: from the step's inputs (:meth:`KernelBuilder.fuse_outputs`).
+    outputs: list[tuple[View, Body]] = field(default_factory=list)
 
     @staticmethod
     def of_views(kind: str, out: View, inputs: list[View], **kw: object) -> Step:
@@ -491,6 +496,71 @@ class KernelBuilder:
             else:
                 return fused
 
+    def fuse_outputs(self) -> int:
+        """Compute an elementwise step whose output other steps read too in a later elementwise
+        step of the same shape that reads it; returns how many were merged.
+
+        An optimizer's update is several such steps: Adam writes its new first and second moments
+        (results of the training step) and then reads them back to update the weights. Merged,
+        one pass reads the gradient, weights and moments once and writes the three results: 7
+        arrays of memory traffic instead of 10. The producer's value is computed in the
+        consumer's loop, used there and stored to its own output. Taken where the consumer reads
+        the output through exactly the producer's view and in no other way, no step in between
+        reads or writes that output or writes what the producer reads, and the producer reads
+        nothing the consumer writes.
+        """
+        merged = 0
+        while True:
+            writers = Counter(b for st in self.steps for b in st.writes)
+            writer_at = {b: i for i, st in enumerate(self.steps) for b in st.writes}
+            for j, consumer in enumerate(self.steps):
+                if consumer.kind != "ew" or consumer.out is None or consumer.reductions:
+                    continue
+                for k, v in enumerate(consumer.inputs):
+                    i = writer_at.get(v.buffer, j)
+                    if writers[v.buffer] == 1 and i < j and self._merge_output(i, j, k):
+                        merged += 1
+                        break
+                else:
+                    continue
+                break
+            else:
+                return merged
+
+    def _merge_output(self, i: int, j: int, k: int) -> bool:
+        """Merge elementwise step ``i`` into step ``j``, whose input ``k`` is i's output
+        (:meth:`fuse_outputs`); False, with nothing changed, where the conditions do not hold."""
+        producer, consumer = self.steps[i], self.steps[j]
+        out, read = producer.out, consumer.inputs[k]
+        # One loop computes in one type: the consumer's (a cast between the two stays apart).
+        if (producer.kind != "ew" or out is None or producer.reductions or read != out
+                or consumer.out is None or out.shape != consumer.out.shape
+                or out.dtype != consumer.out.dtype or out.dtype in INT_TYPE):
+            return False
+        produced = set(producer.writes)
+        if sum(u.buffer in produced for u in consumer.inputs) != 1 or produced & set(producer.reads):
+            return False
+        if (set(producer.reads) | produced) & set(consumer.writes):
+            return False
+        moved = produced | set(producer.reads)
+        if any(produced & set(st.reads) or moved & set(st.writes) for st in self.steps[i + 1 : j]):
+            return False
+        n = len(producer.inputs)
+
+        def shifted(body: Body) -> Body:
+            return lambda s, vals: body(s, vals[k : k + n])
+
+        consumer.outputs = [(view, _compose(body, k, producer.body, n)) for view, body in consumer.outputs]
+        consumer.outputs += [(out, shifted(producer.body))]
+        consumer.outputs += [(view, shifted(body)) for view, body in producer.outputs]
+        consumer.body = _compose(consumer.body, k, producer.body, n)
+        consumer.inputs = [*consumer.inputs[:k], *producer.inputs, *consumer.inputs[k + 1 :]]
+        consumer.reads = [u.buffer for u in consumer.inputs if u.is_memory]
+        consumer.writes = [consumer.out.buffer, *(view.buffer for view, _ in consumer.outputs)]
+        consumer.label = "+".join(x for x in (producer.label, consumer.label) if x)
+        del self.steps[i]
+        return True
+
     def _join_reduction(self, j: int, producer: Step, slices: int) -> None:
         """Make reduction step ``j`` one of ``producer``'s (see :meth:`fuse_reductions`)."""
         red = self.steps[j]
@@ -697,7 +767,8 @@ class KernelBuilder:
     def _emit_elementwise(self, st: Step) -> tuple[str, list[int]]:
         out = st.out
         assert out is not None
-        views = [out, *st.inputs]
+        extra = [view for view, _ in st.outputs]
+        views = [out, *st.inputs, *extra]
         name = self.fresh("ew")
         # One pointer parameter per memory view, and per buffer that only the fused reductions
         # touch; a reduction reads the step's output through the pointer that writes it.
@@ -725,7 +796,13 @@ class KernelBuilder:
                     f.store(it, value, f.gep(it, ptrs[0], offs[0]))
                     return
                 vals = [load(s, v, ptrs.get(i + 1), offs[i + 1]) for i, v in enumerate(st.inputs)]
-                f.store(s.t, st.body(s, vals), f.gep(s.t, ptrs[0], offs[0]))
+                # All values first: the outputs' bodies share the producers' terms, which LLVM
+                # computes once, and no store comes between the loads and their uses.
+                results = [st.body(s, vals), *(body(s, vals) for _, body in st.outputs)]
+                first = 1 + len(st.inputs)
+                for x, value in enumerate(results):
+                    at = 0 if x == 0 else first + x - 1
+                    f.store(s.t, value, f.gep(s.t, ptrs[at], offs[at]))
                 return
             lo, hi = ("%lo", "%hi") if level == 0 and split else ("0", str(shape[level]))
             with f.loop(lo, hi, hint=f"e{level}") as i:

@@ -268,7 +268,7 @@ def plan_graph(fn: Function, *, name: str = "opgrad_graph", step_entries: bool =
     results = low.run()
     kb = low.kb
     internal = {i for i, b in enumerate(low.buffers) if b.kind == "internal"}
-    fused = kb.fuse(internal) + kb.fuse_reductions()
+    fused = kb.fuse(internal) + kb.fuse_reductions() + kb.fuse_outputs()
     internal = {i for i, b in enumerate(low.buffers) if b.kind == "internal"}  # and the partial sums
     lifetimes: dict[int, tuple[int, int]] = {}
     for s, step in enumerate(kb.steps):
