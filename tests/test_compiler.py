@@ -540,6 +540,41 @@ def test_an_optimizers_results_are_written_by_one_pass() -> None:
         assert_close(got, want, 2e-6)
 
 
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data(), shape=st.sampled_from([(5, 7), (1, 33), (24, 1), (260, 300)]),
+       dtypes=st.lists(st.sampled_from(["float32", "float64"]), min_size=2, max_size=2))
+def test_any_elementwise_program_with_returned_intermediates_matches_the_reference(
+        data: st.DataObject, shape: tuple[int, int], dtypes: list[str]) -> None:
+    # Random chains of elementwise ops over two inputs (one broadcast along the rows), some
+    # intermediates returned, some summed, casts between the float types: whatever the fusion
+    # passes inline, merge or join, every result equals the reference's.
+    x = opgrad.var("x", shape, dtypes[0])
+    y = opgrad.var("y", (shape[1],), dtypes[1])
+    values: list[opgrad.Expr] = [x, y]
+    unary = {"tanh": ops.tanh, "negative": ops.negative, "square": ops.square,
+             "cast": lambda v: ops.cast(v, "float64" if v.dtype == "float32" else "float32")}
+    binary = {"add": ops.add, "multiply": ops.multiply, "subtract": ops.subtract, "maximum": ops.maximum}
+    for _ in range(data.draw(st.integers(2, 7), label="ops")):
+        a = data.draw(st.sampled_from(values), label="a")
+        if data.draw(st.booleans(), label="binary"):
+            b = data.draw(st.sampled_from(values), label="b")
+            if b.dtype != a.dtype:
+                b = ops.cast(b, a.dtype)
+            values.append(binary[data.draw(st.sampled_from(sorted(binary)), label="op")](a, b))
+        else:
+            values.append(unary[data.draw(st.sampled_from(sorted(unary)), label="op")](a))
+    made = values[2:]
+    returned = data.draw(st.lists(st.sampled_from(made), min_size=0, max_size=3), label="returned")
+    outputs: list[opgrad.Expr] = [*returned, made[-1]]
+    if data.draw(st.booleans(), label="sum") and made[-1].ndim == 2:
+        outputs.append(ops.sum(made[-1], axis=data.draw(st.sampled_from([0, 1]), label="axis")))
+    fn = opgrad.function([x, y], tuple(outputs))
+    rng = np.random.default_rng(sum(shape))
+    arrays = [rng.uniform(-1.5, 1.5, shape).astype(dtypes[0]), rng.uniform(-1.5, 1.5, shape[1]).astype(dtypes[1])]
+    for i, (got, want) in enumerate(zip(compile_fn(fn)(*arrays), opgrad.evaluate(fn, *arrays), strict=True)):
+        assert_close(got, want, 1e-5, f"output {i}\n{fn}")
+
+
 def test_a_pass_in_another_type_is_not_merged_into_its_reader() -> None:
     # exp in float32 is returned and read by a cast to float64: one loop computes in one type,
     # so the two stay apart (merged, the float32 result would be stored as float64 values).
