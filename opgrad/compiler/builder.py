@@ -506,8 +506,8 @@ class KernelBuilder:
         arrays of memory traffic instead of 10. The producer's value is computed in the
         consumer's loop, used there and stored to its own output. Taken where the consumer reads
         the output through exactly the producer's view and in no other way, no step in between
-        reads or writes that output or writes what the producer reads, and the producer reads
-        nothing the consumer writes.
+        reads or writes that output or writes what the producer reads, the producer reads
+        nothing the consumer writes, and both compute in the same type.
         """
         merged = 0
         while True:
@@ -767,8 +767,7 @@ class KernelBuilder:
     def _emit_elementwise(self, st: Step) -> tuple[str, list[int]]:
         out = st.out
         assert out is not None
-        extra = [view for view, _ in st.outputs]
-        views = [out, *st.inputs, *extra]
+        views = [out, *st.inputs, *(view for view, _ in st.outputs)]
         name = self.fresh("ew")
         # One pointer parameter per memory view, and per buffer that only the fused reductions
         # touch; a reduction reads the step's output through the pointer that writes it.
