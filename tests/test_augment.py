@@ -70,3 +70,22 @@ def test_cli_range_errors_are_one_line(capsys: pytest.CaptureFixture[str]) -> No
         assert cli.main(["train", option, value]) == 2
         err = capsys.readouterr().err.strip().splitlines()[-1]
         assert option in err and f"got '{value}'" in err
+
+
+def test_shifts_move_each_image_by_its_own_draw_with_zeros_coming_in() -> None:
+    # Image i shows the input from (dy[i], dx[i]) on (the draws, in that order, in [-k, k]):
+    # out[y, x] = in[y + dy, x + dx], zero where that falls outside, on every channel alike.
+    images = np.random.default_rng(2).random((9, 2, 5, 6), dtype=np.float32) + 1
+    shifted = shift_images(images, np.random.default_rng(4), 2)
+    draws = np.random.default_rng(4)
+    dy, dx = draws.integers(-2, 3, size=9), draws.integers(-2, 3, size=9)
+    assert shifted.shape == images.shape and shifted.flags.c_contiguous
+    h, w = images.shape[2:]
+    for i in range(9):
+        want = np.zeros_like(images[i])
+        for y in range(h):
+            for x in range(w):
+                if 0 <= y + dy[i] < h and 0 <= x + dx[i] < w:
+                    want[:, y, x] = images[i, :, y + dy[i], x + dx[i]]
+        np.testing.assert_array_equal(shifted[i], want)
+    assert shift_images(images, np.random.default_rng(4), 0) is images

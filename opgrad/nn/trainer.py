@@ -83,16 +83,15 @@ def shift_images(images: np.ndarray, rng: np.random.Generator, max_shift: int) -
     """
     if max_shift <= 0:
         return images
-    n, _, h, w = images.shape
+    n, c, h, w = images.shape
     k = max_shift
-    padded: np.ndarray = np.pad(images, ((0, 0), (0, 0), (k, k), (k, k)))
-    dy: list[int] = np.asarray(rng.integers(-k, k + 1, size=n)).tolist()
-    dx: list[int] = np.asarray(rng.integers(-k, k + 1, size=n)).tolist()
-    out = np.empty_like(images)
-    for i in range(n):
-        top, left = k + dy[i], k + dx[i]
-        out[i] = padded[i, :, top : top + h, left : left + w]
-    return out
+    padded = np.zeros((n, c, h + 2 * k, w + 2 * k), images.dtype)
+    padded[:, :, k : k + h, k : k + w] = images
+    dy = rng.integers(-k, k + 1, size=n)
+    dx = rng.integers(-k, k + 1, size=n)
+    # Every image's (2k+1)^2 windows as a view; one gather picks each image's own window.
+    windows = np.lib.stride_tricks.sliding_window_view(padded, (h, w), axis=(2, 3))
+    return np.ascontiguousarray(windows[np.arange(n), :, k + dy, k + dx])
 
 
 def affine_images(images: np.ndarray, rng: np.random.Generator, max_degrees: float, max_scale: float,
