@@ -15,6 +15,7 @@ uninterrupted run would have, with nothing but arrays and JSON in the checkpoint
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
@@ -282,10 +283,15 @@ class Trainer:
             ys.append(labels)
             lrs.append(self.schedule(step))
         try:
-            result = self.train_step.run_steps(np.concatenate(xs), np.concatenate(ys), self.params, self.state,
-                                               np.asarray(lrs, dtype=self.dtype),
-                                               {name: np.concatenate(m) for name, m in masks.items()},
-                                               stop_on_nan=self.stop_on_nan)
+            # As in _train_batch: the stop reports a diverging step, numpy's overflow warnings on
+            # the reference backend would only be noise before it.
+            quiet = (np.errstate(over="ignore", invalid="ignore", divide="ignore") if self.stop_on_nan
+                     else contextlib.nullcontext())
+            with quiet:
+                result = self.train_step.run_steps(np.concatenate(xs), np.concatenate(ys), self.params, self.state,
+                                                   np.asarray(lrs, dtype=self.dtype),
+                                                   {name: np.concatenate(m) for name, m in masks.items()},
+                                                   stop_on_nan=self.stop_on_nan)
         except NanLossError as stopped:
             self.params, self.state = stopped.params, stopped.state
             for loss in stopped.losses[: stopped.step]:
