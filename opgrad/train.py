@@ -116,9 +116,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--stop-on-nan", action=argparse.BooleanOptionalAction, default=True,
                         help="stop with an error when the training loss becomes nan or infinite (default); "
                              "--no-stop-on-nan keeps training")
-    parser.add_argument("--steps-per-call", type=positive_int, default=1, metavar="K",
+    parser.add_argument("--steps-per-call", type=positive_int, default=8, metavar="K",
                         help="run K training steps per native call (the compiled multi-step loop; same "
-                             "numbers as K single steps; default 1)")
+                             "numbers as K single steps, the progress shown per K; default 8)")
     parser.add_argument("--distributed", action="store_true",
                         help="data-parallel training over the ranks of an MPI job (run under `mpirun -n N`); "
                              "--batch-size is the global batch, split over the ranks; rank 0 prints and saves. "
