@@ -227,6 +227,13 @@ class Trainer:
             return shift_images(images, rng, self.augment_shift)
         return images
 
+    def _quiet_while_stopping(self) -> contextlib.AbstractContextManager[Any]:
+        """With ``stop_on_nan``, numpy's overflow warnings off: the stop reports a diverging step,
+        and the reference backend's warnings would only say the same earlier, without a step."""
+        if self.stop_on_nan:
+            return np.errstate(over="ignore", invalid="ignore", divide="ignore")
+        return contextlib.nullcontext()
+
     def train_batch(self, images: np.ndarray, labels: np.ndarray) -> float:
         """One optimizer step on one batch; returns its loss (before the update).
 
@@ -240,12 +247,7 @@ class Trainer:
         masks = self.model.sample_noise(noise_rng(self.seed, self.step), len(labels), self.dtype)
         lr = self.schedule(self.step)
         inputs = (images.astype(self.dtype, copy=False), labels, self.params, self.state, lr, masks)
-        if self.stop_on_nan:
-            # The check below reports a diverging step; numpy's overflow warnings from the
-            # reference backend would only say the same earlier, as noise without a step number.
-            with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
-                result = self.train_step(*inputs)
-        else:
+        with self._quiet_while_stopping():
             result = self.train_step(*inputs)
         if self.stop_on_nan and not math.isfinite(result.loss):
             raise NonFiniteLossError(float(result.loss), epoch=self.epoch + 1, step=self.step + 1, lr=lr,
@@ -283,11 +285,7 @@ class Trainer:
             ys.append(labels)
             lrs.append(self.schedule(step))
         try:
-            # As in _train_batch: the stop reports a diverging step, numpy's overflow warnings on
-            # the reference backend would only be noise before it.
-            quiet = (np.errstate(over="ignore", invalid="ignore", divide="ignore") if self.stop_on_nan
-                     else contextlib.nullcontext())
-            with quiet:
+            with self._quiet_while_stopping():
                 result = self.train_step.run_steps(np.concatenate(xs), np.concatenate(ys), self.params, self.state,
                                                    np.asarray(lrs, dtype=self.dtype),
                                                    {name: np.concatenate(m) for name, m in masks.items()},
