@@ -1207,7 +1207,7 @@ class RowInput:
 
 
 def tile_row_inputs(f: FunctionEmitter, epi: Epilogue, pointers: list[str], i: str, j0: str,
-                     t: str) -> list[RowInput]:
+                    t: str) -> list[RowInput]:
     """The epilogue's inputs on row ``i`` of C from column ``j0``. Memory inputs read the run of
     columns their map lays out from ``j0`` (:func:`epilogue_in_store` admits no others)."""
     values: list[RowInput] = []

@@ -1066,22 +1066,10 @@ class WinogradEmitter:
         (F(4,3)) input transform's loop went from 735 to 568 instructions and the pass ran 2-3 %
         faster (2 threads, 0.800 -> 0.786 and 0.816 -> 0.790 ms, the builds taking turns)."""
         t, m, vl = self.t, self.tiles.m, self.vl
-        per_lane = 16 // self.esize
-        if self.whole_loads:
-            nl = vl // per_lane
-            columns: list[str] = []
-            for first in range(0, size, per_lane):
-                regs = []
-                for q in range(per_lane):
-                    g, tile = divmod(q * nl, self.row_lanes)
-                    regs.append(f.load(self.vt, f.gep(t, plane, f.add(row, g * row_step + m * tile + first)),
-                                       align=self.esize))
-                columns += transpose_lanes(f, regs, vl, t)[:size - first]
-            return columns
+        per_lane, lanes = 16 // self.esize, self.row_lanes
         if self.strided_picks:
             # Packed row g's tiles read one run of ``span`` elements; column j of lane (g, i) is its
             # element m * i + j.
-            lanes = self.row_lanes
             span = round_up(m * (lanes - 1) + size, vl)
             runs = [f.load(f"<{span} x {t}>", f.gep(t, plane, f.add(row, g * row_step)), align=self.esize)
                     for g in range(self.pack)]
@@ -1090,16 +1078,21 @@ class WinogradEmitter:
             return [f.val(f"shufflevector {wide} {joined}, {wide} poison, <{vl} x i32> <"
                           + ", ".join(f"i32 {(k // lanes) * span + m * (k % lanes) + j}" for k in range(vl)) + ">",
                           "dv") for j in range(size)]
-        columns = []
+
+        def register(q: int, first: int) -> str:
+            """``R_q``: elements ``first ..`` of the tiles it holds, whole (:attr:`whole_loads`) or
+            one 16-byte lane per tile."""
+            if self.whole_loads:
+                g, tile = divmod(q * (vl // per_lane), lanes)
+                return f.load(self.vt, f.gep(t, plane, f.add(row, g * row_step + m * tile + first)), align=self.esize)
+            parts = [f.load(f"<{per_lane} x {t}>",
+                            f.gep(t, plane, f.add(row, (k // lanes) * row_step + m * (k % lanes + q) + first)),
+                            align=self.esize) for k in range(0, vl, per_lane)]
+            return concatenate(f, parts, per_lane, t)
+
+        columns: list[str] = []
         for first in range(0, size, per_lane):
-            regs = []
-            for q in range(per_lane):
-                lanes = self.row_lanes
-                parts = [f.load(f"<{per_lane} x {t}>",
-                                f.gep(t, plane, f.add(row, (k // lanes) * row_step + m * (k % lanes + q) + first)),
-                                align=self.esize) for k in range(0, vl, per_lane)]
-                regs.append(concatenate(f, parts, per_lane, t))
-            columns += transpose_lanes(f, regs, vl, t)[:size - first]
+            columns += transpose_lanes(f, [register(q, first) for q in range(per_lane)], vl, t)[:size - first]
         return columns
 
     def gemms(self, f: FunctionEmitter, u: str, v: str, mm: str, cols: int) -> None:
