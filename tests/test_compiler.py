@@ -487,6 +487,55 @@ def test_any_reduction_of_an_elementwise_output_matches_numpy(shape: list[int], 
     np.testing.assert_allclose(got, want, rtol=2e-5)
 
 
+@settings(max_examples=40, deadline=None, derandomize=True, database=None,
+          suppress_health_check=[HealthCheck.too_slow])
+@given(batch=st.integers(1, 9), channels=st.integers(1, 5), run=st.integers(8, 90),
+       op=st.sampled_from(["sum", "max", "min"]), dtype=st.sampled_from(["float32", "float64"]),
+       fused=st.booleans(), special=st.sampled_from([None, np.nan, np.inf, -np.inf]), seed=st.integers(0, 99))
+def test_reductions_by_vectors_match_numpy(batch: int, channels: int, run: int, op: str, dtype: str, fused: bool,
+                                           special: float | None, seed: int) -> None:
+    # A per-channel reduction over (batch, pixels) of NCHW-like data with a per-channel input
+    # broadcast along the run: the run is read by whole vectors and a masked last part (any
+    # length from 8 on, so every remainder of the lanes), the accumulators carry across the
+    # batch. Joined to the pass that writes its input or standalone, with NaN or an infinity
+    # somewhere, it gives numpy's result: max and min exactly, sums to rounding.
+    from opgrad.compiler.reduction import reduces_by_vectors
+
+    shape = (batch if not fused else batch + 8, channels, run)
+    x = opgrad.var("x", shape, dtype)
+    shift = opgrad.var("shift", (channels, 1), dtype)
+    centered = ops.subtract(x, shift)
+    reduce = getattr(ops, op)
+    outputs = (centered, reduce(ops.multiply(centered, x), axis=(0, 2))) if fused else \
+        (reduce(ops.multiply(centered, x), axis=(0, 2)),)
+    compiled = compile_fn(opgrad.function([x, shift], outputs), step_entries=True)
+    rng = np.random.default_rng(seed)
+    xs = rng.standard_normal(shape).astype(dtype)
+    shifts = rng.standard_normal((channels, 1)).astype(dtype)
+    if special is not None:
+        xs[tuple(int(rng.integers(0, n)) for n in shape)] = special
+    got = compiled(xs, shifts)[-1]
+    # max and min against numpy's in the same type (the products round alike), sums in float64
+    with np.errstate(invalid="ignore"):
+        same = getattr(np, op)((xs - shifts) * xs, axis=(0, 2))
+        x64 = xs.astype(np.float64)
+        want = getattr(np, op)((x64 - shifts.astype(np.float64)) * x64, axis=(0, 2))
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+    if op == "sum":
+        finite = np.isfinite(want)
+        np.testing.assert_array_equal(got[~finite], want[~finite])
+        np.testing.assert_allclose(got[finite], want[finite], rtol=1e-5 if dtype == "float32" else 1e-12,
+                                   atol=1e-4 if dtype == "float32" else 1e-12)
+    else:
+        np.testing.assert_array_equal(got, same)
+    from opgrad.compiler.builder import KernelBuilder
+    from opgrad.compiler.views import View
+
+    kb = KernelBuilder("t_probe")
+    kb.map_reduce(View.contiguous(2, (channels,), dtype), [View.contiguous(0, shape, dtype)], (0, 2), op)
+    assert reduces_by_vectors(kb.steps[-1])
+
+
 def test_a_reduction_stays_apart_from_a_short_batch_or_a_pass_it_would_overtake() -> None:
     from opgrad.compiler.builder import FUSED_REDUCTION_MIN_SLICES, KernelBuilder
     from opgrad.compiler.views import View

@@ -45,8 +45,9 @@ from .convpass import ConvPass, emit_conv2d_pass
 from .gemm import Epilogue, GemmSpec, IndexMap, Operand, emit_gemm
 from .grouped import conv2d_direct
 from .hostcall import emit_cross_replica_sum, register_host_symbols
-from .irtext import BYTES, LLVM_TYPE, FunctionEmitter, ModuleEmitter
+from .irtext import BYTES, FunctionEmitter, ModuleEmitter
 from .jit import NativeModule
+from .reduction import emit_reduction, reduces_by_vectors
 from .threads import PARALLEL_FOR, PARALLEL_FOR_DECL, pool
 from .views import (
     CONSTANT,
@@ -775,9 +776,12 @@ class KernelBuilder:
         for red in st.reductions:
             assert red.out is not None
             buffers += [v.buffer for v in (red.out, *red.inputs) if v.is_memory and v.buffer not in buffers]
-        # A reduction's loop needs several vector accumulators (interleaving, in ``auto``): with
-        # one, its add latency bounds the pass that streaming loops otherwise are.
-        f = self.loop_function(name, len(buffers), pipeline="auto" if st.reductions else "streaming")
+        # A reduction the loop vectorizer widens needs several vector accumulators (interleaving,
+        # in ``auto``): with one, its add latency bounds the pass. Interleaved, a loop shorter
+        # than its unrolled vector body (a 7 x 7 plane) runs scalar; reductions by explicit
+        # vectors leave the pass to the streaming pipeline.
+        scalar_reductions = not all(reduces_by_vectors(red) for red in st.reductions)
+        f = self.loop_function(name, len(buffers), pipeline="auto" if scalar_reductions else "streaming")
         param = {b: f"%p{n}" for n, b in reversed(list(enumerate(buffers)))}
         ptrs = {i: f.gep(elem_type(v.dtype), param[v.buffer], str(v.offset))
                 for i, v in enumerate(views) if v.is_memory}
@@ -823,14 +827,14 @@ class KernelBuilder:
                     red_views = [red.out, *red.inputs]
                     red_ptrs = {x: f.gep(elem_type(v.dtype), param[v.buffer], str(v.offset))
                                 for x, v in enumerate(red_views) if v.is_memory}
-                    _emit_reduction(f, red, red_ptrs, [f.mul(i, v.strides[0]) for v in red_views], first_dim=1)
+                    emit_reduction(f, red, red_ptrs, [f.mul(i, v.strides[0]) for v in red_views], first_dim=1)
             outer = out.shape[0]
         f.ret_void()
         f.finish()
         return self._parallel_task(name, len(buffers), outer, out.size), buffers
 
     def _emit_reduce(self, st: Step) -> tuple[str, list[int]]:
-        """A reduction as loops over merged runs of kept and of reduced axes (:func:`_emit_reduction`),
+        """A reduction as loops over merged runs of kept and of reduced axes (:func:`emit_reduction`),
         the outermost kept run split over threads."""
         assert st.out is not None
         views = [st.out, *st.inputs]
@@ -838,7 +842,7 @@ class KernelBuilder:
         name = self.fresh("red")
         f = self.loop_function(name, len(mem), pipeline="streaming")
         ptrs = {i: f.gep(elem_type(views[i].dtype), f"%p{n}", str(views[i].offset)) for n, i in enumerate(mem)}
-        outer = _emit_reduction(f, st, ptrs, ["0"] * len(views), first_dim=0)
+        outer = emit_reduction(f, st, ptrs, ["0"] * len(views), first_dim=0)
         f.ret_void()
         f.finish()
         shape = st.inputs[0].shape
@@ -851,95 +855,6 @@ class KernelBuilder:
         nthreads = pool().nthreads
         module = NativeModule(self.finish(), kernel_labels=self.kernel_labels)
         return CompiledGraph(module, self.name, self.workspace_per_thread * nthreads)
-
-
-def _loop_runs(dims: list[int], shape: tuple[int, ...],
-               strides: list[tuple[int, ...]]) -> list[tuple[int, list[int]]]:
-    """Loops ``(extent, stride per view)`` over ``dims`` in order, dims contiguous in every view
-    merged into one (:func:`collapse`; a single loop of extent 1 when there are none)."""
-    extents, per_view = collapse(tuple(shape[d] for d in dims), [tuple(v[d] for d in dims) for v in strides])
-    return [(extent, list(run)) for extent, run in zip(extents, zip(*per_view, strict=True), strict=True)]
-
-
-def _emit_reduction(f: FunctionEmitter, st: Step, ptrs: dict[int, str], base: list[str], first_dim: int) -> int:
-    """Emit reduction step ``st`` into ``f`` over its axes from ``first_dim`` on (``base``: each
-    view's offset, ``ptrs``: each memory view's pointer, by position in ``[out, *inputs]``);
-    returns the extent of its outermost kept run, which runs over ``[%lo, %hi)`` when
-    ``first_dim`` is 0 (axes before ``first_dim`` are kept and fixed by ``base``).
-
-    Where every view is contiguous along the innermost kept run (a column sum, the batch sum
-    of a bias gradient), the kept run is the innermost loop: each reduced row is added into
-    the output, one vectorized pass over contiguous memory, every output element summed in
-    row order. Otherwise the reduced runs are innermost (reassociation allowed, so they
-    vectorize) and each output element is one loop's result.
-    """
-    out = st.out
-    assert out is not None
-    shape = st.inputs[0].shape
-    keep = [d for d in range(len(shape)) if d not in st.axes]
-    views = [out, *st.inputs]
-    mem = [i for i, v in enumerate(views) if v.is_memory]
-    init = {"sum": 0.0, "max": -math.inf, "min": math.inf}[st.op]
-    out_strides = tuple(out.strides[keep.index(d)] if d in keep else 0 for d in range(len(shape)))
-    strides = [out_strides, *(v.strides for v in st.inputs)]
-    kept = _loop_runs([d for d in keep if d >= first_dim], shape, strides)
-    reduced = _loop_runs(list(st.axes), shape, strides)
-    split = first_dim == 0
-    t = LLVM_TYPE[out.dtype]
-    s = Scalar(f, out.dtype)
-
-    def combine(cur: str, v: str, reassociate: bool) -> str:
-        if st.op != "sum":
-            return str(getattr(s, st.op)(cur, v))
-        return s.accumulate(cur, v) if reassociate else s.add(cur, v)
-
-    def values(offs: list[str]) -> str:
-        return st.body(s, [load(s, v, ptrs.get(i + 1), offs[i + 1]) for i, v in enumerate(st.inputs)])
-
-    def nest(runs: list[tuple[int, list[int]]], offs: list[str], body: Callable[[list[str]], None],
-             hint: str, split: bool = False) -> None:
-        """Loops over ``runs`` (the first over ``[lo, hi)`` when ``split``), then ``body(offsets)``."""
-        if not runs:
-            body(offs)
-            return
-        (extent, run_strides), rest = runs[0], runs[1:]
-        lo, hi = ("%lo", "%hi") if split else ("0", str(extent))
-        with f.loop(lo, hi, hint=hint) as i:
-            nest(rest, [f.add(o, f.mul(i, d)) for o, d in zip(offs, run_strides, strict=True)], body, hint)
-
-    vertical = all(kept[-1][1][i] == 1 for i in mem) and kept[-1][0] > 1
-
-    def vertical_rows(offs: list[str]) -> None:
-        """The innermost kept run: out = init; out = op(out, row) for each reduced row; scale."""
-        extent, run_strides = kept[-1]
-        lo, hi = ("%lo", "%hi") if split and len(kept) == 1 else ("0", str(extent))
-
-        def along(row: list[str], body: Callable[[list[str], str], None]) -> None:
-            with f.loop(lo, hi, hint="v") as j:
-                at = [f.add(o, f.mul(j, d)) for o, d in zip(row, run_strides, strict=True)]
-                body(at, f.gep(t, ptrs[0], at[0]))
-
-        along(offs, lambda _, at: f.store(t, s.const(init), at))
-        nest(reduced, offs, lambda row: along(
-            row, lambda o, at: f.store(t, combine(f.load(t, at), values(o), False), at)), "r")
-        if st.scale != 1.0:
-            along(offs, lambda _, at: f.store(t, s.mul(f.load(t, at), s.const(st.scale)), at))
-
-    def horizontal(offs: list[str]) -> None:
-        """One output element: op over the reduced runs, innermost."""
-        acc = f.alloca(t, "acc")
-        f.store(t, s.const(init), acc)
-        nest(reduced, offs, lambda o: f.store(t, combine(f.load(t, acc), values(o), True), acc), "r")
-        res = f.load(t, acc)
-        if st.scale != 1.0:
-            res = s.mul(res, s.const(st.scale))
-        f.store(t, res, f.gep(t, ptrs[0], offs[0]))
-
-    if vertical:
-        nest(kept[:-1], base, vertical_rows, "o", split=split and len(kept) > 1)
-    else:
-        nest(kept, base, horizontal, "o", split=split)
-    return kept[0][0]
 
 
 def kernel_name(call: str) -> str:

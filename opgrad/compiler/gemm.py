@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from .irtext import BYTES, LLVM_TYPE, FunctionEmitter, ModuleEmitter, float_const, iota_const, prefix_mask, splat_const
 from .target import Target, cache_size, current_target, host_target
 from .threads import PARALLEL_FOR, PARALLEL_FOR_DECL
-from .views import Body, NotVectorizable, Scalar, VectorScalar
+from .views import Body, Scalar, VectorScalar, body_vectorizes
 
 _I32_LIMIT = 2**31 - 1
 #: GEMMs below this many flops pack without the transposing path (about 0.06 s of compile time
@@ -848,12 +848,7 @@ def epilogue_in_store(spec: GemmSpec, lanes: int) -> bool:
 
 def has_vector_body(epi: Epilogue, dtype: str, lanes: int) -> bool:
     """Whether ``epi``'s body has a vector form on ``lanes`` lanes (:class:`VectorScalar`)."""
-    probe = FunctionEmitter(ModuleEmitter("probe", function_attrs=""), "probe", [])
-    try:
-        epi.body(VectorScalar(probe, dtype, lanes), [f"%v{i}" for i in range(1 + len(epi.inputs))])
-    except NotVectorizable:
-        return False
-    return True
+    return body_vectorizes(epi.body, dtype, lanes, 1 + len(epi.inputs))
 
 
 def emit_epilogue(m: ModuleEmitter, name: str, c: Operand, epi: Epilogue, dtype: str) -> None:

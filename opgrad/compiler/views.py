@@ -14,7 +14,7 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
-from .irtext import BYTES, FAST, LLVM_TYPE, PRECISE, FunctionEmitter, float_const, splat_const
+from .irtext import BYTES, FAST, LLVM_TYPE, PRECISE, FunctionEmitter, ModuleEmitter, float_const, splat_const
 
 #: Pseudo buffer of an index view: its element value is its own (flat, strided) offset.
 IOTA = -1
@@ -327,6 +327,16 @@ Body = Callable[[Scalar, list[str]], str]
 
 def identity(s: Scalar, v: list[str]) -> str:
     return v[0]
+
+
+def body_vectorizes(body: Body, dtype: str, lanes: int, inputs: int) -> bool:
+    """Whether ``body`` over ``inputs`` values has a form on whole vectors (:class:`VectorScalar`)."""
+    probe = FunctionEmitter(ModuleEmitter("probe", function_attrs=""), "probe", [])
+    try:
+        body(VectorScalar(probe, dtype, lanes), [f"%v{i}" for i in range(inputs)])
+    except NotVectorizable:
+        return False
+    return True
 
 
 def elem_type(dtype: str) -> str:
