@@ -117,7 +117,8 @@ def _lower_normalize(kb: KernelBuilder, out: View, data: View, axes: tuple[int, 
     """out = (data - mean) / sqrt(var + epsilon) * scale + shift; mean and var in two reductions.
 
     As in :func:`_normalize_np`, the mean is taken of data - first (each group's first element),
-    so a constant group centers to exactly 0."""
+    so a constant group centers to exactly 0. The square root and the division run once per
+    group (as torch's invstd), times the scale where that is one per group too."""
     kept = _kept(data.shape, axes)
     inv_m = 1.0 / max(1, math.prod(data.shape[a] for a in axes))
     first = data.pinned(axes)  # never read where data is empty
@@ -134,12 +135,16 @@ def _lower_normalize(kb: KernelBuilder, out: View, data: View, axes: tuple[int, 
         return s.mul(d, d)
 
     kb.map_reduce(var, [data, first, shifted_mean_b], axes, "sum", body=squared, scale=inv_m)
-
-    def body(s: Scalar, v: list[str]) -> str:
-        std = s.call("sqrt", s.add(v[3], s.const(epsilon)))
-        return s.add(s.mul(s.div(centered(s, v), std), v[4]), v[5])
-
-    kb.elementwise(out, [data, first, shifted_mean_b, var.broadcast_to(data.shape), scale, shift], body)
+    factor = kb.temporary(kept, out.dtype)
+    if all(scale.strides[a] == 0 for a in axes):  # one scale per group (batch_norm): fold it in
+        kb.elementwise(factor, [var, scale.first_along(axes)],
+                       lambda s, v: s.div(v[1], s.call("sqrt", s.add(v[0], s.const(epsilon)))))
+        kb.elementwise(out, [data, first, shifted_mean_b, factor.broadcast_to(data.shape), shift],
+                       lambda s, v: s.add(s.mul(centered(s, v), v[3]), v[4]))
+        return
+    kb.elementwise(factor, [var], lambda s, v: s.div(s.const(1.0), s.call("sqrt", s.add(v[0], s.const(epsilon)))))
+    kb.elementwise(out, [data, first, shifted_mean_b, factor.broadcast_to(data.shape), scale, shift],
+                   lambda s, v: s.add(s.mul(s.mul(centered(s, v), v[3]), v[4]), v[5]))
 
 
 # ----- batch_norm -----

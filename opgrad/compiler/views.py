@@ -152,6 +152,11 @@ class View:
         held = {a % self.ndim for a in axes}
         return replace(self, strides=tuple(0 if d in held else s for d, s in enumerate(self.strides)))
 
+    def first_along(self, axes: Sequence[int]) -> View:
+        """This view's elements at index 0 of ``axes``, which keep extent 1 (keepdims)."""
+        held = {a % self.ndim for a in axes}
+        return replace(self, shape=tuple(1 if d in held else n for d, n in enumerate(self.shape)))
+
     def element(self, index: Sequence[int]) -> View:
         """A 0-d view of one element (e.g. one scalar of a batch)."""
         off = self.offset + sum(i * s for i, s in zip(index, self.strides, strict=True))
