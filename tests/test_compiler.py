@@ -536,6 +536,29 @@ def test_reductions_by_vectors_match_numpy(batch: int, channels: int, run: int, 
     assert reduces_by_vectors(kb.steps[-1])
 
 
+def test_each_layer_update_follows_its_output_gradient() -> None:
+    # Outputs are walked shallowest first: the last layer's weight gradient and update run as
+    # soon as the gradient of its output exists, before the backward pass goes on to the layer
+    # below (the function lists the first layer's update first, which would pull the whole
+    # backward pass ahead of every update). The order changes no result.
+    from opgrad import nn
+
+    model = nn.Sequential([nn.Flatten(), nn.Dense(48, activation="relu"), nn.Dense(24, activation="relu"),
+                           nn.Dense(10)], input_shape=(1, 28, 28))
+    step = nn.TrainStep(model, nn.SGD(), batch_size=16, backend="reference")
+    compiled = compile_fn(step.function, step_entries=True)
+    gemms = [cost.detail for cost in compiled.plan.step_costs if cost.detail.startswith("gemm")]
+    weight_gradient = {10: "gemm 10x24x16", 24: "gemm 24x48x16", 48: "gemm 48x784x16"}
+    backward_data = {10: "gemm 16x24x10", 24: "gemm 16x48x24"}
+    order = [weight_gradient[10], backward_data[10], weight_gradient[24], backward_data[24], weight_gradient[48]]
+    assert [g for g in gemms if g in order] == order, gemms
+    params, rng = model.init_params(seed=3), np.random.default_rng(3)
+    args = [rng.random((16, 1, 28, 28), np.float32), rng.integers(0, 10, 16), np.asarray(0.1, np.float32),
+            *(params[n] for n in step.param_names)]
+    for got, want in zip(compiled(*args), opgrad.evaluate(step.function, *args), strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
 def test_a_reduction_stays_apart_from_a_short_batch_or_a_pass_it_would_overtake() -> None:
     from opgrad.compiler.builder import FUSED_REDUCTION_MIN_SLICES, KernelBuilder
     from opgrad.compiler.views import View

@@ -24,14 +24,14 @@ import ctypes
 import math
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from opgrad.errors import ArgumentError
-from opgrad.ir import Call, Const, Function, Var, topological_order
+from opgrad.ir import Call, Const, Expr, Function, Var, children, topological_order
 from opgrad.reference import check_arguments
 from opgrad.replicas import raise_pending
 
@@ -119,7 +119,7 @@ class _Lowering:
             results.append(self.new("result", out.shape, out.dtype, i))
             if isinstance(out, Call):
                 result_of.setdefault(out._uid, results[-1])
-        for node in topological_order(fn.outputs):
+        for node in topological_order(_shallowest_first(fn.outputs)):
             if node._uid in views:
                 continue
             if isinstance(node, Const):
@@ -297,6 +297,22 @@ def plan_graph(fn: Function, *, name: str = "opgrad_graph", step_entries: bool =
     return GraphPlan(fn, name, low.buffers, params, results, offsets, arena_bytes, low.consts, low.checks,
                      kb.workspace_per_thread, len(kb.steps), fused, step_labels, kb.kernel_labels, kb.m, ir,
                      loop, loop_entry, loop_checks, step_costs, list(kb.host_calls))
+
+
+def _shallowest_first(outputs: Sequence[Expr]) -> list[Expr]:
+    """``outputs`` ordered by depth (the longest path from a leaf), shallowest first (stable).
+
+    The step order is the depth-first order from the outputs in this order, so an output that
+    needs little of the graph is computed as soon as its inputs are: a batch norm's running
+    statistics right after its forward pass, while the activation they read is in cache, and a
+    layer's weight update right after the gradient of its output, before the backward pass goes
+    on to the layers below (in the given order the first layer's update would come first and pull
+    the whole backward pass ahead of every other update, leaving each gradient to be read again
+    from memory at the end)."""
+    depth: dict[int, int] = {}
+    for node in topological_order(outputs):
+        depth[node._uid] = 1 + max((depth[c._uid] for c in children(node)), default=0)
+    return [out for _, _, out in sorted((depth[out._uid], i, out) for i, out in enumerate(outputs))]
 
 
 class CompiledFunction:
