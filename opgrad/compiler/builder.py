@@ -48,6 +48,7 @@ from .hostcall import emit_cross_replica_sum, register_host_symbols
 from .irtext import BYTES, FunctionEmitter, ModuleEmitter
 from .jit import NativeModule
 from .reduction import emit_reduction, reduces_by_vectors
+from .target import current_target
 from .threads import PARALLEL_FOR, PARALLEL_FOR_DECL, pool
 from .views import (
     CONSTANT,
@@ -778,10 +779,16 @@ class KernelBuilder:
             buffers += [v.buffer for v in (red.out, *red.inputs) if v.is_memory and v.buffer not in buffers]
         # A reduction the loop vectorizer widens needs several vector accumulators (interleaving,
         # in ``auto``): with one, its add latency bounds the pass. Interleaved, a loop shorter
-        # than its unrolled vector body (a 7 x 7 plane) runs scalar; reductions by explicit
-        # vectors leave the pass to the streaming pipeline.
-        scalar_reductions = not all(reduces_by_vectors(red) for red in st.reductions)
-        f = self.loop_function(name, len(buffers), pipeline="auto" if scalar_reductions else "streaming")
+        # than its unrolled vector body (a 7 x 7 plane) runs scalar, so where the step's own
+        # innermost loop is at least a vector long, its reductions run by explicit vectors and
+        # the pass by the streaming pipeline. A shorter innermost loop (the two columns of a
+        # pooling window's gradient) needs ``auto``'s unrolling, and there the reductions are
+        # left to it as well: measured, explicit vectors beside it cost the seed CNN's pooling
+        # gradient pass twice its time.
+        inner = collapse(out.shape[1:], [v.strides[1:] for v in views])[0][-1] if out.shape[1:] else 1
+        lanes = current_target().vector_width(BYTES.get(out.dtype, 4))
+        by_vectors = inner >= lanes and all(reduces_by_vectors(red) for red in st.reductions)
+        f = self.loop_function(name, len(buffers), pipeline="streaming" if by_vectors or not st.reductions else "auto")
         param = {b: f"%p{n}" for n, b in reversed(list(enumerate(buffers)))}
         ptrs = {i: f.gep(elem_type(v.dtype), param[v.buffer], str(v.offset))
                 for i, v in enumerate(views) if v.is_memory}
@@ -827,7 +834,8 @@ class KernelBuilder:
                     red_views = [red.out, *red.inputs]
                     red_ptrs = {x: f.gep(elem_type(v.dtype), param[v.buffer], str(v.offset))
                                 for x, v in enumerate(red_views) if v.is_memory}
-                    emit_reduction(f, red, red_ptrs, [f.mul(i, v.strides[0]) for v in red_views], first_dim=1)
+                    emit_reduction(f, red, red_ptrs, [f.mul(i, v.strides[0]) for v in red_views], first_dim=1,
+                                   by_vectors=by_vectors)
             outer = out.shape[0]
         f.ret_void()
         f.finish()

@@ -40,11 +40,13 @@ def loop_runs(dims: list[int], shape: tuple[int, ...],
     return [(extent, list(run)) for extent, run in zip(extents, zip(*per_view, strict=True), strict=True)]
 
 
-def emit_reduction(f: FunctionEmitter, st: Step, ptrs: dict[int, str], base: list[str], first_dim: int) -> int:
+def emit_reduction(f: FunctionEmitter, st: Step, ptrs: dict[int, str], base: list[str], first_dim: int,
+                   by_vectors: bool = True) -> int:
     """Emit reduction step ``st`` into ``f`` over its axes from ``first_dim`` on (``base``: each
     view's offset, ``ptrs``: each memory view's pointer, by position in ``[out, *inputs]``);
     returns the extent of its outermost kept run, which runs over ``[%lo, %hi)`` when
-    ``first_dim`` is 0 (axes before ``first_dim`` are kept and fixed by ``base``).
+    ``first_dim`` is 0 (axes before ``first_dim`` are kept and fixed by ``base``);
+    ``by_vectors=False`` keeps the scalar loop.
 
     Where every view is contiguous along the innermost kept run (a column sum, the batch sum
     of a bias gradient), the kept run is the innermost loop: each reduced row is added into
@@ -106,7 +108,7 @@ def emit_reduction(f: FunctionEmitter, st: Step, ptrs: dict[int, str], base: lis
             along(offs, lambda _, at: f.store(t, s.mul(f.load(t, at), s.const(st.scale)), at))
 
     lanes = current_target().vector_width(BYTES[out.dtype])
-    by_vectors = reduces_by_vectors(st)
+    by_vectors = by_vectors and reduces_by_vectors(st)
 
     def horizontal(offs: list[str]) -> None:
         """One output element: op over the reduced runs, innermost."""
