@@ -136,15 +136,18 @@ def _lower_normalize(kb: KernelBuilder, out: View, data: View, axes: tuple[int, 
 
     kb.map_reduce(var, [data, first, shifted_mean_b], axes, "sum", body=squared, scale=inv_m)
     factor = kb.temporary(kept, out.dtype)
-    if all(scale.strides[a] == 0 for a in axes):  # one scale per group (batch_norm): fold it in
-        kb.elementwise(factor, [var, scale.first_along(axes)],
-                       lambda s, v: s.div(v[1], s.call("sqrt", s.add(v[0], s.const(epsilon)))))
-        kb.elementwise(out, [data, first, shifted_mean_b, factor.broadcast_to(data.shape), shift],
-                       lambda s, v: s.add(s.mul(centered(s, v), v[3]), v[4]))
-        return
-    kb.elementwise(factor, [var], lambda s, v: s.div(s.const(1.0), s.call("sqrt", s.add(v[0], s.const(epsilon)))))
-    kb.elementwise(out, [data, first, shifted_mean_b, factor.broadcast_to(data.shape), scale, shift],
-                   lambda s, v: s.add(s.mul(s.mul(centered(s, v), v[3]), v[4]), v[5]))
+    per_group = all(scale.strides[a] == 0 for a in axes)  # batch_norm's gamma: folded into the factor
+
+    def inverse_std(s: Scalar, v: list[str]) -> str:
+        return s.div(v[1] if per_group else s.const(1.0), s.call("sqrt", s.add(v[0], s.const(epsilon))))
+
+    def body(s: Scalar, v: list[str]) -> str:
+        normalized = s.mul(centered(s, v), v[3])
+        return s.add(normalized if per_group else s.mul(normalized, v[5]), v[4])
+
+    kb.elementwise(factor, [var, scale.first_along(axes)] if per_group else [var], inverse_std)
+    kb.elementwise(out, [data, first, shifted_mean_b, factor.broadcast_to(data.shape), shift,
+                         *([] if per_group else [scale])], body)
 
 
 # ----- batch_norm -----

@@ -785,10 +785,12 @@ class KernelBuilder:
         # pooling window's gradient) needs ``auto``'s unrolling, and there the reductions are
         # left to it as well: measured, explicit vectors beside it cost the seed CNN's pooling
         # gradient pass twice its time.
-        inner = collapse(out.shape[1:], [v.strides[1:] for v in views])[0][-1] if out.shape[1:] else 1
-        lanes = current_target().vector_width(BYTES.get(out.dtype, 4))
-        by_vectors = inner >= lanes and all(reduces_by_vectors(red) for red in st.reductions)
-        f = self.loop_function(name, len(buffers), pipeline="streaming" if by_vectors or not st.reductions else "auto")
+        # With reductions the loops run over one slice of axis 0 at a time.
+        shape, strides = collapse(out.shape[1:] if st.reductions else out.shape,
+                                  [v.strides[1:] if st.reductions else v.strides for v in views])
+        by_vectors = bool(st.reductions) and shape[-1] >= current_target().vector_width(BYTES[out.dtype]) \
+            and all(reduces_by_vectors(red) for red in st.reductions)
+        f = self.loop_function(name, len(buffers), pipeline="auto" if st.reductions and not by_vectors else "streaming")
         param = {b: f"%p{n}" for n, b in reversed(list(enumerate(buffers)))}
         ptrs = {i: f.gep(elem_type(v.dtype), param[v.buffer], str(v.offset))
                 for i, v in enumerate(views) if v.is_memory}
@@ -820,13 +822,11 @@ class KernelBuilder:
                      shape, strides, split)
 
         if not st.reductions:
-            shape, strides = collapse(out.shape, [v.strides for v in views])
             nest(0, ["0"] * len(views), shape, strides, True)
             outer = shape[0]
         else:
             # Slice by slice of axis 0: the step's loops over the slice, then each reduction of it.
             assert s is not None
-            shape, strides = collapse(out.shape[1:], [v.strides[1:] for v in views])
             with f.loop("%lo", "%hi", hint="slice") as i:
                 nest(0, [f.mul(i, v.strides[0]) for v in views], shape, strides, False)
                 for red in st.reductions:

@@ -62,8 +62,7 @@ def emit_reduction(f: FunctionEmitter, st: Step, ptrs: dict[int, str], base: lis
     views = [out, *st.inputs]
     mem = [i for i, v in enumerate(views) if v.is_memory]
     init = _INIT[st.op]
-    out_strides = tuple(out.strides[keep.index(d)] if d in keep else 0 for d in range(len(shape)))
-    strides = [out_strides, *(v.strides for v in st.inputs)]
+    strides = _strides_over_input(st)
     kept = loop_runs([d for d in keep if d >= first_dim], shape, strides)
     reduced = loop_runs(list(st.axes), shape, strides)
     split = first_dim == 0
@@ -130,6 +129,17 @@ def emit_reduction(f: FunctionEmitter, st: Step, ptrs: dict[int, str], base: lis
     return kept[0][0]
 
 
+def _strides_over_input(st: Step) -> list[tuple[int, ...]]:
+    """Each view's strides of ``[out, *inputs]`` over the input's axes (0 along reduced axes for
+    the output)."""
+    out = st.out
+    assert out is not None
+    shape = st.inputs[0].shape
+    keep = [d for d in range(len(shape)) if d not in st.axes]
+    return [tuple(out.strides[keep.index(d)] if d in keep else 0 for d in range(len(shape))),
+            *(v.strides for v in st.inputs)]
+
+
 def reduces_by_vectors(st: Step) -> bool:
     """Whether reduction ``st``'s innermost reduced run is read by the host's vectors: long
     enough, every input of the output's float type read along it contiguously or as one broadcast
@@ -137,10 +147,7 @@ def reduces_by_vectors(st: Step) -> bool:
     out = st.out
     assert out is not None
     lanes = current_target().vector_width(BYTES[out.dtype])
-    shape = st.inputs[0].shape
-    keep = [d for d in range(len(shape)) if d not in st.axes]
-    out_strides = tuple(out.strides[keep.index(d)] if d in keep else 0 for d in range(len(shape)))
-    extent, run_strides = loop_runs(list(st.axes), shape, [out_strides, *(v.strides for v in st.inputs)])[-1]
+    extent, run_strides = loop_runs(list(st.axes), st.inputs[0].shape, _strides_over_input(st))[-1]
     if extent < VECTOR_RUN_MIN or out.dtype not in ("float32", "float64") or lanes < 2:
         return False
     for v, stride in zip(st.inputs, run_strides[1:], strict=True):
@@ -167,9 +174,7 @@ def _reduce_by_vectors(f: FunctionEmitter, st: Step, ptrs: dict[int, str], reduc
     extent, run_strides = reduced[-1]
     full, rest = divmod(extent, lanes)
     count = max(1, min(VECTOR_ACCUMULATORS, full))
-    accs = [f.alloca(v.t, "vacc") for _ in range(count)]
-    for acc in accs:
-        f.store(v.t, init, acc)
+    accs = [f.var(v.t, init, "vacc") for _ in range(count)]
 
     def combine(a: str, b: str) -> str:
         return v.accumulate(a, b) if st.op == "sum" else str(getattr(v, st.op)(a, b))
@@ -184,10 +189,7 @@ def _reduce_by_vectors(f: FunctionEmitter, st: Step, ptrs: dict[int, str], reduc
                 values.append(v.const(view.value or 0.0))
                 continue
             if run_strides[i + 1] == 0:
-                one = f.load(elem, f.gep(elem, ptrs[i + 1], row[i + 1]))
-                lane0 = f.val(f"insertelement {v.t} poison, {elem} {one}, i32 0", "one")
-                values.append(f.val(f"shufflevector {v.t} {lane0}, {v.t} poison, <{lanes} x i32> zeroinitializer",
-                                    "splat"))
+                values.append(f.splat(lanes, elem, f.load(elem, f.gep(elem, ptrs[i + 1], row[i + 1]))))
                 continue
             at = f.gep(elem, ptrs[i + 1], f.add(row[i + 1], start))
             if valid == lanes:
