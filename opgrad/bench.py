@@ -207,8 +207,11 @@ def _jax_runner(params: dict[str, np.ndarray], images: np.ndarray, labels: np.nd
         loss, grads = jax.value_and_grad(loss_fn)(p, x, y)
         return loss, {k: p[k] - lr * grads[k] for k in p}
 
-    current = {"p": {k: jnp.asarray(v) for k, v in params.items()}}
-    x, y = jnp.asarray(images), jnp.asarray(labels)
+    # On the host's CPU like the other engines, also where jax is installed with a GPU backend: the
+    # step runs where its committed inputs lie.
+    cpu = jax.devices("cpu")[0]
+    current = {"p": {k: jax.device_put(v, cpu) for k, v in params.items()}}
+    x, y = jax.device_put(images, cpu), jax.device_put(labels, cpu)
 
     def run() -> float:
         loss, current["p"] = step(current["p"], x, y)

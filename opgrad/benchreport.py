@@ -28,6 +28,8 @@ from typing import Any
 
 import numpy as np
 
+import opgrad
+
 #: Kernels below this many FLOPs are too small for the peak targets (their call overhead dominates).
 TARGET_MIN_FLOPS = 50_000_000
 #: The issue's targets for heavy kernels: % of peak on one thread, and on more.
@@ -154,7 +156,11 @@ def run_child(engine: str, model_name: str, batch: int, threads: int, steps: int
     if cache_dir is not None:
         env["OPGRAD_CACHE_DIR"] = cache_dir
     cmd = [sys.executable, "-m", "opgrad.benchreport", engine, model_name, str(batch), str(threads), str(steps)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    # `python -m` puts its working directory first on the path: started from a source checkout
+    # beside an installed opgrad, the child would import the checkout's half (without
+    # opgrad.registry). It starts where this process's opgrad lies, so it imports the same one.
+    package_home = Path(opgrad.__file__).resolve().parents[1]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=package_home)
     lines = proc.stdout.strip().splitlines()
     if proc.returncode != 0 or not lines:
         tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]

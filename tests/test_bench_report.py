@@ -93,6 +93,18 @@ def test_child_reports_time_compile_and_memory(tmp_path: Path) -> None:
     assert warm["cache_hit"] and np.isfinite(warm["compile_s"])
 
 
+def test_child_imports_this_processes_opgrad_from_any_working_directory(tmp_path: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    # `python -m` puts its working directory first on the path: run from a source checkout beside
+    # an installed opgrad, a child would import the checkout's package. A decoy stands in for it.
+    decoy = tmp_path / "opgrad"
+    decoy.mkdir()
+    (decoy / "__init__.py").write_text("raise ImportError('the decoy opgrad was imported')\n")
+    monkeypatch.chdir(tmp_path)
+    result = benchreport.run_child("opgrad", "mlp", 8, 1, 1, cache_dir=str(tmp_path / "cache"))
+    assert "error" not in result, result
+
+
 def test_kernel_rows_name_each_convolution_pass_by_its_layer() -> None:
     # A layer's passes may run different algorithms (conv2's Winograd tiles differ per pass, and the
     # algorithm is part of the detail): every pass is still named after its layer, not a bare "conv".
