@@ -142,6 +142,14 @@ def resolve_wrt(fn: Function, wrt: Sequence[int | str | Var] | int | str | Var |
     return chosen
 
 
+def _require_function(fn: object, what: str) -> None:
+    """A clear error where an expression (or anything else) is passed where a Function belongs."""
+    if not isinstance(fn, Function):
+        hint = (" (an expression: wrap it as opgrad.function([params...], expr), or call "
+                "opgrad.gradients(expr, [vars]) for its gradient expressions)") if isinstance(fn, Expr) else ""
+        raise TypeError(f"opgrad.{what} takes an opgrad.Function, got {type(fn).__name__}{hint}")
+
+
 def grad(fn: Function, wrt: Sequence[int | str | Var] | int | str | Var | None = None, *,
          with_value: bool = True) -> Function:
     """A function of the same parameters returning ``(value, grad_1, ..., grad_k)``.
@@ -152,6 +160,7 @@ def grad(fn: Function, wrt: Sequence[int | str | Var] | int | str | Var | None =
     (JAX's ``grad``), so derivatives nest: for a scalar ``x``,
     ``grad(grad(f, with_value=False), with_value=False)`` is ``f''(x)``.
     """
+    _require_function(fn, "grad")
     if fn.returns_tuple or fn.outputs[0].shape != ():
         shapes = ", ".join(str(o.type) for o in fn.outputs)
         raise GradientError(
@@ -173,6 +182,7 @@ def hvp(fn: Function, wrt: Sequence[int | str | Var] | int | str | Var | None = 
     ``sum_i <grad_i f, v_i>`` with respect to the same parameters (reverse over reverse), built
     from registered gradients only, so it compiles like any other function.
     """
+    _require_function(fn, "hvp")
     first = grad(fn, wrt, with_value=False)
     targets = resolve_wrt(fn, wrt)
     vectors = [var(f"v_{t.name}", t.shape, t.dtype) for t in targets]
@@ -190,6 +200,7 @@ def jvp(fn: Function, wrt: Sequence[int | str | Var] | int | str | Var | None = 
     ``J t = sum_i dy/dparam_i . t_i``, computed by differentiating the (linear) VJP
     ``u -> J^T u`` once more: ``J t = d/du <J^T u, t>``. The output may have any shape.
     """
+    _require_function(fn, "jvp")
     if fn.returns_tuple:
         raise GradientError(f"opgrad.jvp needs a function with one output, got {len(fn.outputs)}")
     y = fn.outputs[0]

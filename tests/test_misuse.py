@@ -192,6 +192,13 @@ def test_other_op_input_mistakes_name_the_op_and_the_input() -> None:
     assert ops.one_hot(np.array([0, 2], np.int32), depth=3).shape == (2, 3)
 
 
+@pytest.mark.parametrize("transform", [opgrad.grad, opgrad.hvp, opgrad.jvp])
+def test_differentiating_an_expression_instead_of_a_function_says_what_to_pass(transform: object) -> None:
+    x = opgrad.var("x", (3,))
+    with pytest.raises(TypeError, match=r"takes an opgrad.Function, got Call .*opgrad.function"):
+        transform(ops.sum(x * x))  # type: ignore[operator]
+
+
 def test_evaluate_names_the_argument_given_a_non_numeric_value() -> None:
     x = opgrad.var("x", (2,))
     fn = opgrad.function([x], ops.relu(x))
