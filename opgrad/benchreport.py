@@ -306,10 +306,11 @@ def kernel_rows(model_name: str, batch: int, runs: int, cpu_clock: bool = False)
 def named_rows(model: Any, compiled: Any, times_ms: list[float]) -> list[KernelRow]:
     """A row for each step of ``compiled`` (a model's step) with its time: conv passes named by
     their layer ("conv2 backward-data") and the elementwise ops fused into them."""
+    layers = conv_layers_of_steps(model, compiled.plan, compiled.function)
     conv_names = [layer.name or "conv" for layer in model.layers if layer.kind == "conv"]
-    by_geometry: dict[str, str] = {}  # a conv's shapes -> its layer name, in forward order
+    by_geometry: dict[str, str] = {}  # a conv's shapes -> a layer name, in step order (the fallback)
     rows = []
-    for cost, ms in zip(compiled.plan.step_costs, times_ms, strict=True):
+    for cost, layer, ms in zip(compiled.plan.step_costs, layers, times_ms, strict=True):
         name = cost.label
         op, _, fused = cost.label.partition("+")  # a GEMM with its epilogue: "conv2d_backward_weight+multiply+..."
         if op in _PASS and cost.detail:
@@ -317,9 +318,52 @@ def named_rows(model: Any, compiled: Any, times_ms: list[float]) -> list[KernelR
             shapes = cost.detail.partition(" (")[0]
             if op == "conv2d" and shapes not in by_geometry and len(by_geometry) < len(conv_names):
                 by_geometry[shapes] = conv_names[len(by_geometry)]
-            name = f"{by_geometry.get(shapes) or 'conv'} {_PASS[op]}" + (f" +{fused}" if fused else "")
+            name = f"{layer or by_geometry.get(shapes) or 'conv'} {_PASS[op]}" + (f" +{fused}" if fused else "")
         rows.append(KernelRow(name, cost.detail, ms, cost.flops, cost.bytes))
     return rows
+
+
+def conv_layers_of_steps(model: Any, plan: Any, function: Any) -> list[str | None]:
+    """For each step of ``plan``, the conv layer whose weight it works on, or None.
+
+    A forward or backward-data pass reads the weight (or a copy of it, one step back); a
+    backward-weight pass writes the gradient that the layer's update reads, or reads the weight
+    itself when the update is its epilogue. Layers that share shapes (a ResNet's blocks) are told
+    apart this way, whatever order the steps run in; a step that matches no weight, or several,
+    gets None."""
+    conv_names = {layer.name for layer in model.layers if layer.kind == "conv" and layer.name}
+    weights: dict[int, str] = {}  # pointer-table slot -> layer
+    for slot, param in zip(plan.params, function.params, strict=True):
+        layer, _, leaf = param.name.rpartition(".")
+        if leaf == "weight" and layer in conv_names:
+            weights[slot] = layer
+    costs = plan.step_costs
+    readers: dict[int, list[Any]] = {}
+    producer: dict[int, Any] = {}
+    for cost in costs:
+        for b in cost.reads:
+            readers.setdefault(b, []).append(cost)
+        for b in cost.writes:
+            producer.setdefault(b, cost)
+    nbytes = [buffer.nbytes for buffer in plan.buffers]
+
+    def weights_read(cost: Any, size: int | None = None) -> set[str]:
+        return {weights[b] for b in cost.reads if b in weights and size in (None, nbytes[b])}
+
+    found: list[str | None] = []
+    for cost in costs:
+        op = cost.label.partition("+")[0]
+        names: set[str] = set()
+        if op in _PASS:
+            names = weights_read(cost)
+            if not names and op != "conv2d_backward_weight":
+                names = {name for b in cost.reads if b in producer
+                         for name in weights_read(producer[b], nbytes[b])}
+            if not names and op == "conv2d_backward_weight":
+                names = {name for b in cost.writes for reader in readers.get(b, [])
+                         for name in weights_read(reader, nbytes[b])}
+        found.append(names.pop() if len(names) == 1 else None)
+    return found
 
 
 def kernels_report(model_name: str, batch: int, threads: int, peak: float, bandwidth: float, runs: int) -> None:

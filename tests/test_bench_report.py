@@ -114,6 +114,28 @@ def test_kernel_rows_name_each_convolution_pass_by_its_layer() -> None:
     assert all(row.name.split()[0] in {"conv1", "conv2", "conv3"} for row in conv_rows), [r.name for r in conv_rows]
 
 
+def test_kernel_rows_tell_apart_layers_of_the_same_shapes() -> None:
+    # A ResNet's blocks repeat their shapes and its steps do not run in layer order: each pass is
+    # named by the layer whose weight it reads or whose update reads its gradient.
+    from opgrad import nn
+
+    model = nn.build_model("resnet")
+    rows = benchreport.kernel_rows("resnet", 2, 1)
+    params = model.init_params(seed=0)
+    weights = {layer.name: params[f"{layer.name}.weight"].shape for layer in model.layers if layer.kind == "conv"}
+    passes: dict[str, list[str]] = {}
+    for row in rows:
+        if row.detail.startswith("conv x"):
+            layer, kind = row.name.split()[:2]
+            o, c, kh, kw = weights[layer]
+            assert f" w{o}x{c}x{kh}x{kw}" in row.detail, (row.name, row.detail)
+            passes.setdefault(layer, []).append(kind)
+    assert set(passes) == set(weights)
+    first = model.layers[0].name  # the images need no gradient
+    assert all(sorted(kinds) == sorted(["forward", "backward-weight"] + ["backward-data"] * (layer != first))
+               for layer, kinds in passes.items()), passes
+
+
 def test_engines_take_turns_so_a_drifting_machine_slows_all_alike() -> None:
     calls: list[str] = []
 

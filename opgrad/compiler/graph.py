@@ -219,6 +219,9 @@ class StepCost:
     detail: str
     flops: int
     bytes: int
+    #: The pointer-table slots it reads and writes (see :attr:`GraphPlan.buffers`).
+    reads: tuple[int, ...] = ()
+    writes: tuple[int, ...] = ()
 
 
 @dataclass
@@ -280,7 +283,8 @@ def plan_graph(fn: Function, *, name: str = "opgrad_graph", step_entries: bool =
     params = [i for i, b in enumerate(low.buffers) if b.kind == "param"]
     step_labels = [step.label or "copy" for step in kb.steps]
     step_costs = [StepCost(label, step.detail, step.flops,
-                           sum(low.buffers[b].nbytes for b in {*step.reads, *step.writes}))
+                           sum(low.buffers[b].nbytes for b in {*step.reads, *step.writes}),
+                           tuple(step.reads), tuple(step.writes))
                   for label, step in zip(step_labels, kb.steps, strict=True)]
     ir = kb.finish(step_entries)
     loop_entry = ""
