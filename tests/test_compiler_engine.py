@@ -58,23 +58,32 @@ def test_gemm_accumulate_and_alpha(dtype: str) -> None:
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
-@pytest.mark.parametrize("panels", [0, 1, 2])
-def test_gemm_reading_a_in_place_matches_numpy(dtype: str, panels: int) -> None:
+@pytest.mark.parametrize(("panels", "long_k"), [(0, False), (1, False), (2, False), (1, True)])
+def test_gemm_reading_a_in_place_matches_numpy(dtype: str, panels: int, long_k: bool) -> None:
     # Few columns (a weight matrix against a small batch): A is read where it is, not packed. Its
-    # rows are strided past K and start at an offset; M is not a multiple of the register tile and
-    # K spans several cache blocks, so edge rows and every K block are exercised.
-    from opgrad.compiler.gemm import Blocking, GemmPlan, IndexMap, Operand
+    # rows are strided past K and start at an offset; M is not a multiple of the register tile.
+    # K is one block (each row tile streams its rows through all of K), or with ``long_k`` more
+    # than a B panel in half of L2 holds, so several K blocks, the last one shorter.
+    from opgrad.compiler.gemm import K_GROUPS_MAX, Blocking, GemmPlan, IndexMap, Operand
+    from opgrad.compiler.target import cache_size
 
     nr = Blocking.for_target(dtype).nr
+    esize = np.dtype(dtype).itemsize
+    half_l2 = ((cache_size(2) or 512 << 10) // 2)
     n = [1, nr + 1, 2 * nr][panels]  # one column, a partial second panel, two full panels
     m, k, lda, offset = 131, 1100, 1107, 5
+    if long_k:  # K groups each longer than two B panels in half of L2: three blocks a group
+        m, k = 13, 2 * K_GROUPS_MAX * (half_l2 // (nr * esize)) + 37
+        lda = k + 7
     rng = np.random.default_rng(n)
     storage = rng.standard_normal(offset + m * lda).astype(dtype)
     a = storage[offset:].reshape(m, lda)[:, :k]
     b = rng.standard_normal((k, n)).astype(dtype)
     spec = GemmSpec(m, n, k, a=Operand(IndexMap.strided(m, lda, offset), IndexMap.strided(k, 1)),
                     b=Operand.matrix(k, n, n, 1), c=Operand.matrix(m, n, n, 1), dtype=dtype)
-    assert GemmPlan(spec, Blocking.for_target(dtype)).a_in_place
+    plan = GemmPlan(spec, Blocking.for_target(dtype))
+    assert plan.a_in_place and plan.kc * nr * esize <= half_l2
+    assert plan.group_blocks == (3 if long_k else 1) and (plan.kgroups == K_GROUPS_MAX or not long_k)
     c = np.full((m, n), np.nan, dtype)
     gemm_kernel(spec)(storage, b, c)
     _close(c, a @ b, dtype)

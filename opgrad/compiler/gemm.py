@@ -308,6 +308,8 @@ class GemmPlan:
         self.epilogue_in_store = self.kgroups == 1 and epilogue_in_store(s, b.vl)
         esize = BYTES[s.dtype]
         l2 = (cache_size(2) if current_target() == host_target() else 0) or 512 << 10
+        if self.a_in_place:
+            self._long_k_blocks(l2 // 2 // (b.nr * esize))
         # An epilogue applied to finished panels needs the walk down the panels.
         self.walk_rows = self.epilogue_in_store or (
             self.kgroups == 1 and s.epilogue is None and s.m * s.n * esize > C_IN_CACHE_L2S * l2)
@@ -321,6 +323,20 @@ class GemmPlan:
         if self.kgroups > 1:
             self.partial_bytes = round_up(self.kgroups * s.m * s.n * esize, 64)
         self.workspace_per_thread = self.partial_bytes + round_up(a_bytes, 64) + round_up(b_bytes, 64)
+
+    def _long_k_blocks(self, most: int) -> None:
+        """K blocks as long as a group (at most ``most``, so the B panel stays in half of L2).
+
+        Reading A in place, a row tile streams its MR rows through the block. Short blocks walk
+        every row tile's piece of a block before the next block: all M rows become streams in
+        turn, more than a core's prefetchers track, and each piece is too short for them to ramp
+        up. Long blocks keep MR streams running (128 x 32 x 9216, 2 threads, Intel Xeon Emerald
+        Rapids: 0.31-0.41 -> 0.28-0.30 ms; unchanged on AMD Zen 5)."""
+        group_k = -(-self.spec.k // self.kgroups)
+        blocks = -(-group_k // max(most, self.blk.kc))
+        kc = -(-group_k // blocks)
+        if (self.kgroups - 1) * blocks * kc < self.spec.k:  # every K group keeps some of K
+            self.kc, self.group_blocks = kc, blocks
 
     @property
     def block_spec(self) -> GemmSpec:
