@@ -318,6 +318,12 @@ def _random_geometries(count: int) -> list[tuple]:
     # pixel) and a one-channel weight gradient, both under a padding window.
     out.append(((4, 128, 8, 8), (16, 0, 6, 6), (1, 1), (1, 1, 1, 1), (1, 1), "float32"))
     out.append(((16, 1, 60, 60), (16, 0, 3, 3), (1, 1), (1, 1, 1, 1), (1, 1), "float64"))
+    # Column strides from 2 to past half a vector: backward-data adds each col row to every
+    # stride-th element of a dx row by whole vectors (the last one partial), or by scalars.
+    out.append(((2, 3, 23, 37), (4, 0, 3, 3), (2, 2), (1, 1, 1, 1), (1, 1), "float32"))
+    out.append(((2, 3, 17, 40), (4, 0, 3, 4), (1, 3), (0, 0, 2, 1), (1, 1), "float64"))
+    out.append(((1, 2, 9, 50), (3, 0, 2, 5), (2, 5), (1, 0, 0, 2), (1, 2), "float32"))
+    out.append(((1, 2, 9, 60), (3, 0, 1, 3), (1, 9), (0, 0, 0, 0), (1, 1), "float32"))
     return out
 
 

@@ -20,8 +20,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from .gemm import Epilogue, GemmSpec, IndexMap, Operand, emit_gemm, round_up
-from .irtext import BYTES, LLVM_TYPE, FunctionEmitter, ModuleEmitter
+from .gemm import Epilogue, GemmSpec, IndexMap, Operand, emit_gemm, masked_load, masked_store, round_up
+from .irtext import BYTES, LLVM_TYPE, FunctionEmitter, ModuleEmitter, iota_const
+from .target import current_target
 from .threads import PARALLEL_FOR
 
 _COL_BUDGET_BYTES = 2 << 20
@@ -285,7 +286,7 @@ def _emit_col2im(m: ModuleEmitter, g: Conv2dGeometry, name: str, t: str) -> str:
     sh, sw = g.stride
     dh, dw = g.dilation
     top, left = g.pads[0], g.pads[2]
-    add_row = _emit_add_strided(m, name + ".row", t)
+    add_row = _emit_add_strided(m, name + ".row", t, sw)
     f = FunctionEmitter(m, name, [("ptr", "ctx"), ("i32", "tid"), ("i32", "nt")], linkage="internal",
                         pipeline="streaming")
     col = f.load("ptr", f.gep("ptr", "%ctx", "0"))
@@ -319,23 +320,54 @@ def _emit_col2im(m: ModuleEmitter, g: Conv2dGeometry, name: str, t: str) -> str:
                     with f.if_then(ok, "ihok"):
                         dst = f.gep(t, dplane, f.add(f.mul(ih, g.w), iw0))
                         src = f.gep(t, crow, f.add(f.mul(oh, g.ow), lo_ow))
-                        f.call("void", add_row, [("ptr", dst), ("ptr", src), ("i64", cnt), ("i64", str(sw))])
+                        f.call("void", add_row, [("ptr", dst), ("ptr", src), ("i64", cnt)])
     f.ret_void()
     f.finish()
     m.declare("llvm.memset.p0.i64", "declare void @llvm.memset.p0.i64(ptr, i8, i64, i1)")
     return name
 
 
-def _emit_add_strided(m: ModuleEmitter, name: str, t: str) -> str:
-    """``dst[i*stride] += src[i]``; noalias (kept as scope metadata when inlined) lets it vectorize."""
+def _emit_add_strided(m: ModuleEmitter, name: str, t: str, stride: int) -> str:
+    """``dst[i*stride] += src[i]``; noalias (kept as scope metadata when inlined) lets it vectorize.
+
+    A stride of 2 up to half a vector runs by whole vectors of ``dst``: the source's ``vl/stride``
+    values are spread to every stride-th lane, and the sum is stored under a mask of those lanes.
+    LLVM's vectorizer leaves such a loop scalar (a strided read-modify-write, and a row of a
+    small image is shorter than its vector body), which made col2im most of a stride-2 pass."""
     f = FunctionEmitter(
-        m, name, [("ptr noalias", "dst"), ("ptr noalias", "src"), ("i64", "n"), ("i64", "stride")],
+        m, name, [("ptr noalias", "dst"), ("ptr noalias", "src"), ("i64", "n")],
         linkage="internal", attrs="nounwind alwaysinline", pipeline="streaming",
     )
-    with f.loop(0, "%n", hint="i") as i:
-        d = f.gep(t, "%dst", f.mul(i, "%stride"))
-        s = f.gep(t, "%src", i)
-        f.store(t, f.val(f"fadd {t} {f.load(t, d)}, {f.load(t, s)}"), d)
+    esize = 4 if t == "float" else 8
+    vl = current_target().vector_width(esize)
+    per = vl // stride
+    if stride == 1 or per < 2:
+        with f.loop(0, "%n", hint="i") as i:
+            d = f.gep(t, "%dst", f.mul(i, stride))
+            s = f.gep(t, "%src", i)
+            f.store(t, f.val(f"fadd {t} {f.load(t, d)}, {f.load(t, s)}"), d)
+        f.ret_void()
+        f.finish()
+        return "@" + name
+    vt, st, it, sit = f"<{vl} x {t}>", f"<{per} x {t}>", f"<{vl} x i32>", f"<{per} x i32>"
+    load_src, load_dst, store_dst = masked_load(m, per, t), masked_load(m, vl, t), masked_store(m, vl, t)
+    # Lane L of the spread vector holds source value L / stride where L % stride == 0, else a zero.
+    spread = ", ".join(f"i32 {lane // stride if lane % stride == 0 else per}" for lane in range(vl))
+    # The other lanes get an index no count reaches, so they are never loaded or stored.
+    lane_of = ", ".join(f"i32 {lane // stride if lane % stride == 0 else 1 << 30}" for lane in range(vl))
+    with f.loop(0, "%n", per, hint="i") as i:
+        rest = f.val(f"trunc i64 {f.sub('%n', i)} to i32")
+        src_ok = f.val(f"icmp slt {sit} {iota_const(per)}, {f.splat(per, 'i32', rest)}")
+        values = f.call(st, load_src, [("ptr", f.gep(t, "%src", i)), ("i32", str(esize)), (f"<{per} x i1>", src_ok),
+                                       (st, "zeroinitializer")])
+        spread_values = f.val(f"shufflevector {st} {values}, {st} zeroinitializer, <{vl} x i32> <{spread}>")
+        # A lane is written where it is a stride-th one and its source value exists.
+        dst_ok = f.val(f"icmp slt {it} <{lane_of}>, {f.splat(vl, 'i32', rest)}")
+        dst = f.gep(t, "%dst", f.mul(i, stride))
+        mask = (f"<{vl} x i1>", dst_ok)
+        old = f.call(vt, load_dst, [("ptr", dst), ("i32", str(esize)), mask, (vt, "zeroinitializer")])
+        f.call("void", store_dst, [(vt, f.val(f"fadd {vt} {old}, {spread_values}")), ("ptr", dst), ("i32", str(esize)),
+                                   mask])
     f.ret_void()
     f.finish()
     return "@" + name
