@@ -324,6 +324,13 @@ def _random_geometries(count: int) -> list[tuple]:
     out.append(((2, 3, 17, 40), (4, 0, 3, 4), (1, 3), (0, 0, 2, 1), (1, 1), "float64"))
     out.append(((1, 2, 9, 50), (3, 0, 2, 5), (2, 5), (1, 0, 0, 2), (1, 2), "float32"))
     out.append(((1, 2, 9, 60), (3, 0, 1, 3), (1, 9), (0, 0, 0, 0), (1, 1), "float32"))
+    # Over 1 MFLOP a pass with column strides of 2 and 3: the weight gradient packs the im2col
+    # a strided output row at a time (rows of 14, 7, 10 and 11 pixels; K blocks and groups that
+    # start and end inside rows take the per-pixel path for their ends), padded and not.
+    out.append(((4, 8, 27, 27), (12, 0, 3, 3), (2, 2), (1, 1, 1, 1), (1, 1), "float32"))
+    out.append(((8, 10, 15, 15), (16, 0, 3, 3), (2, 2), (0, 1, 1, 0), (1, 1), "float64"))
+    out.append(((6, 32, 20, 20), (32, 0, 1, 1), (2, 2), (0, 0, 0, 0), (1, 1), "float32"))
+    out.append(((5, 8, 31, 31), (16, 0, 3, 3), (3, 3), (1, 1, 1, 1), (1, 1), "float32"))
     return out
 
 
