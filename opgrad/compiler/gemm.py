@@ -666,16 +666,7 @@ def _pack_by_loop_runs(
             mask = f.val(f"and {mt} {f.splat(vl, 'i1', f.val(f'and i1 {ok}, {hok}'))}, {wok}")
             src = f.val(f"getelementptr {t}, ptr %src, i64 {f.add(base, loff)}")
             vecs.append(f.call(vt, mload, [("ptr", src), ("i32", str(esize)), (mt, mask), (vt, "zeroinitializer")]))
-        for g in range(0, lanes, vl):
-            group = vecs[g:g + vl]
-            group += ["zeroinitializer"] * (vl - len(group))
-            width = min(vl, lanes - g)
-            for i, row in enumerate(transpose_square(f, group, vt, vl)):
-                out = f.gep(t, panel, f.add(f.mul(f.add(k0, i), lanes), g))
-                if width < vl:
-                    sel = ", ".join(f"i32 {x}" for x in range(width))
-                    row = f.val(f"shufflevector {vt} {row}, {vt} poison, <{width} x i32> <{sel}>")
-                f.store(f"<{width} x {t}>", row, out, align=esize)
+        _store_transposed(f, vecs, vl, vl, lanes, panel, k0, t)
         f.br(done)
         f.block(no)
         with f.loop(k0, f.smin(f.add(k0, vl), "%nloop"), hint="ki") as k:
@@ -688,6 +679,23 @@ def _pack_by_loop_runs(
 #: vl * log2(vl) shuffles however short it is, against one gather per index (7-pixel rows of a
 #: stride-2 conv's weight gradient gained 8 % on AMD Zen 5, 14-pixel rows 45 %).
 STRIDED_ROW_MIN = 6
+
+
+def _store_transposed(f: FunctionEmitter, vecs: list[str], vl: int, count: int, lanes: int, panel: str, k0: str,
+                      t: str) -> None:
+    """Store packed rows ``k0 .. k0+count`` of a panel from ``vecs``, one ``vl``-lane vector per
+    lane holding its values for those rows: transposed in registers ``vl`` lanes at a time."""
+    vt, esize = f"<{vl} x {t}>", 4 if t == "float" else 8
+    for g in range(0, lanes, vl):
+        group = vecs[g:g + vl]
+        group += ["zeroinitializer"] * (vl - len(group))
+        width = min(vl, lanes - g)
+        for i, row in enumerate(transpose_square(f, group, vt, vl)[:count]):
+            out = f.gep(t, panel, f.add(f.mul(f.add(k0, i), lanes), g))
+            if width < vl:
+                sel = ", ".join(f"i32 {x}" for x in range(width))
+                row = f.val(f"shufflevector {vt} {row}, {vt} poison, <{width} x i32> <{sel}>")
+            f.store(f"<{width} x {t}>", row, out, align=esize)
 
 
 def strided_row(imap: IndexMap, vl: int) -> tuple[int, int] | None:
@@ -758,16 +766,7 @@ def _pack_by_strided_rows(
             pick = ", ".join(f"i32 {j * stride if j < length else 0}" for j in range(vl))
             second = parts[1] if two else "zeroinitializer"
             vecs.append(f.val(f"shufflevector {vt} {parts[0]}, {vt} {second}, <{vl} x i32> <{pick}>"))
-        for g in range(0, lanes, vl):
-            group = vecs[g:g + vl]
-            group += ["zeroinitializer"] * (vl - len(group))
-            width = min(vl, lanes - g)
-            for i, row in enumerate(transpose_square(f, group, vt, vl)[:length]):
-                out = f.gep(t, panel, f.add(f.mul(f.add(k0, i), lanes), g))
-                if width < vl:
-                    sel = ", ".join(f"i32 {x}" for x in range(width))
-                    row = f.val(f"shufflevector {vt} {row}, {vt} poison, <{width} x i32> <{sel}>")
-                f.store(f"<{width} x {t}>", row, out, align=esize)
+        _store_transposed(f, vecs, vl, length, lanes, panel, k0, t)
     with f.loop(f.add(head, f.mul(rows, length)), "%nloop", hint="kt") as k:
         per_k(k, "slow")
 
