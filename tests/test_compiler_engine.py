@@ -331,6 +331,9 @@ def _random_geometries(count: int) -> list[tuple]:
     out.append(((8, 10, 15, 15), (16, 0, 3, 3), (2, 2), (0, 1, 1, 0), (1, 1), "float64"))
     out.append(((6, 32, 20, 20), (32, 0, 1, 1), (2, 2), (0, 0, 0, 0), (1, 1), "float32"))
     out.append(((5, 8, 31, 31), (16, 0, 3, 3), (3, 3), (1, 1, 1, 1), (1, 1), "float32"))
+    # A dilated 7-wide kernel: the forward packs its taps a kernel row at a time (7 taps two
+    # elements apart), the weight gradient its strided output rows, under uneven padding.
+    out.append(((4, 8, 33, 33), (16, 0, 7, 7), (2, 2), (2, 3, 1, 4), (2, 2), "float32"))
     return out
 
 

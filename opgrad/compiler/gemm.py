@@ -700,7 +700,8 @@ def _store_transposed(f: FunctionEmitter, vecs: list[str], vl: int, count: int, 
 
 def strided_row(imap: IndexMap, vl: int) -> tuple[int, int] | None:
     """(stride, length) of the loop's innermost digit where packing takes it a row at a time
-    (:func:`_pack_by_strided_rows`): a stride of 2 or more (a strided conv's output pixels),
+    (:func:`_pack_by_strided_rows`): a stride of 2 or more (a strided conv's output pixels, a
+    dilated kernel's taps),
     rows of :data:`STRIDED_ROW_MIN` to ``vl`` indices whose elements span at most two vectors,
     and, under a window, a ``w`` that moves with the offset. None otherwise."""
     inner = [i for i, r in enumerate(imap.radices) if r > 1]
@@ -719,11 +720,12 @@ def _pack_by_strided_rows(
     chunks: list[tuple[str, str, str, str, str]], chunk: int, lanes: int, vl: int, panel: str, t: str,
     per_k: Callable[[str, str], None],
 ) -> None:
-    """Loop indices a row of the innermost digit at a time (a strided conv's output row: its
-    pixels ``stride`` elements apart): each lane's row is read by one or two masked vector loads
-    over its span, its every stride-th element picked by a shuffle, and the lanes transposed in
-    registers. A gather per loop index (the fallback) costs several times as much. Indices before
-    the first whole row and after the last take the per-index path."""
+    """Loop indices a row of the innermost digit at a time (a strided conv's output row, its
+    pixels ``stride`` elements apart, or a dilated kernel's row of taps): each lane's row is
+    read by one or two masked vector loads over its span, its every stride-th element picked by
+    a shuffle, and the lanes transposed in registers. A gather per loop index (the fallback)
+    costs several times as much. Indices before the first whole row and after the last take the
+    per-index path."""
     stride, length = strided_row(loop_map, vl) or (0, 0)
     vt, it, mt = f"<{vl} x {t}>", f"<{vl} x i32>", f"<{vl} x i1>"
     esize = 4 if t == "float" else 8
