@@ -701,15 +701,17 @@ def _store_transposed(f: FunctionEmitter, vecs: list[str], vl: int, count: int, 
 def strided_row(imap: IndexMap, vl: int) -> tuple[int, int] | None:
     """(stride, length) of the loop's innermost digit where packing takes it a row at a time
     (:func:`_pack_by_strided_rows`): a stride of 2 or more (a strided conv's output pixels, a
-    dilated kernel's taps),
-    rows of :data:`STRIDED_ROW_MIN` to ``vl`` indices whose elements span at most two vectors,
-    and, under a window, a ``w`` that moves with the offset. None otherwise."""
+    dilated kernel's taps), rows of :data:`STRIDED_ROW_MIN` to ``vl`` indices whose elements
+    span at most two vectors, and, under a window, a ``w`` that moves with the offset. None
+    otherwise."""
     inner = [i for i, r in enumerate(imap.radices) if r > 1]
     if len(inner) < 2:
         return None
     i = inner[-1]
     stride, length = imap.strides[i], imap.radices[i]
-    moves = (not imap.spatial) or (imap.ws[i] == stride and imap.hs[i] == 0)
+    w_step = imap.ws[i] if imap.ws else 0
+    h_step = imap.hs[i] if imap.hs else 0
+    moves = not imap.spatial or (w_step == stride and h_step == 0)
     if stride < 2 or not STRIDED_ROW_MIN <= length <= vl or stride * (length - 1) + 1 > 2 * vl or not moves:
         return None
     return stride, length
