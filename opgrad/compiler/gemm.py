@@ -652,18 +652,12 @@ def _pack_by_loop_runs(
         vecs = []
         for lane in range(lanes):
             ci, li = divmod(lane, chunk)
-            off, h, w, lane_ok, _ = chunks[ci]
+            off = chunks[ci][0]
             loff = f.val(f"sext i32 {f.val(f'extractelement <{chunk} x i32> {off}, i32 {li}')} to i64")
             if window is None:
                 vecs.append(f.load(vt, f.gep(t, "%src", f.add(base, loff)), align=esize))
                 continue
-            ok = f.val(f"extractelement <{chunk} x i1> {lane_ok}, i32 {li}")
-            lh = f.val(f"extractelement <{chunk} x i32> {h}, i32 {li}")
-            lw = f.val(f"extractelement <{chunk} x i32> {w}, i32 {li}")
-            hok = f.val(f"icmp ult i32 {f.add(lh, kh0, 'i32')}, {window[0]}")
-            ww = f.val(f"add {it} {f.splat(vl, 'i32', f.add(lw, kw0, 'i32'))}, {iota_const(vl)}")
-            wok = f.val(f"icmp ult {it} {ww}, {splat_const(vl, 'i32', str(window[1]))}")
-            mask = f.val(f"and {mt} {f.splat(vl, 'i1', f.val(f'and i1 {ok}, {hok}'))}, {wok}")
+            mask = _lane_row_mask(f, chunks[ci], chunk, li, window, vl, kh0, kw0)
             src = f.val(f"getelementptr {t}, ptr %src, i64 {f.add(base, loff)}")
             vecs.append(f.call(vt, mload, [("ptr", src), ("i32", str(esize)), (mt, mask), (vt, "zeroinitializer")]))
         _store_transposed(f, vecs, vl, vl, lanes, panel, k0, t)
@@ -679,6 +673,22 @@ def _pack_by_loop_runs(
 #: vl * log2(vl) shuffles however short it is, against one gather per index (7-pixel rows of a
 #: stride-2 conv's weight gradient gained 8 % on AMD Zen 5, 14-pixel rows 45 %).
 STRIDED_ROW_MIN = 6
+
+
+def _lane_row_mask(f: FunctionEmitter, terms: tuple[str, str, str, str, str], chunk: int, lane: int,
+                   window: tuple[int, int], vl: int, dh: str, dw: str, start: int = 0) -> str:
+    """Mask of ``vl`` consecutive elements of one packed lane's input row, the first at column
+    ``w + dw + start``: the lane is valid, its row ``h + dh`` and each column inside ``window``
+    (``terms``: a chunk's (offsets, h, w, valid lanes, first offset); ``dh``, ``dw`` i32)."""
+    _, h, w, lane_ok, _ = terms
+    it, mt = f"<{vl} x i32>", f"<{vl} x i1>"
+    ok = f.val(f"extractelement <{chunk} x i1> {lane_ok}, i32 {lane}")
+    lh = f.val(f"extractelement <{chunk} x i32> {h}, i32 {lane}")
+    lw = f.val(f"extractelement <{chunk} x i32> {w}, i32 {lane}")
+    hok = f.val(f"icmp ult i32 {f.add(lh, dh, 'i32')}, {window[0]}")
+    ww = f.val(f"add {it} {f.splat(vl, 'i32', f.add(lw, dw, 'i32'))}, {iota_const(vl, start=start)}")
+    wok = f.val(f"icmp ult {it} {ww}, {splat_const(vl, 'i32', str(window[1]))}")
+    return f.val(f"and {mt} {f.splat(vl, 'i1', f.val(f'and i1 {ok}, {hok}'))}, {wok}")
 
 
 def _store_transposed(f: FunctionEmitter, vecs: list[str], vl: int, count: int, lanes: int, panel: str, k0: str,
@@ -741,28 +751,22 @@ def _pack_by_strided_rows(
     with f.loop(0, rows, hint="kr") as r:
         k0 = f.add(head, f.mul(r, length))
         roff, rh, rw = loop_map.terms(f, f.add("%loop0", k0))
+        rh32, rw32 = (f.val(f"trunc i64 {x} to i32") for x in (rh, rw))
         in_span = [f.val(f"icmp ult {it} {iota_const(vl, start=part * vl)}, {splat_const(vl, 'i32', str(span))}")
                    for part in range(2 if two else 1)]
         vecs = []
         for lane in range(lanes):
             ci, li = divmod(lane, chunk)
-            off, h, w, lane_ok, _ = chunks[ci]
+            off, lane_ok = chunks[ci][0], chunks[ci][3]
             loff = f.val(f"sext i32 {f.val(f'extractelement <{chunk} x i32> {off}, i32 {li}')} to i64")
             base = f.gep(t, "%src", f.add(roff, loff))
-            ok = f.val(f"extractelement <{chunk} x i1> {lane_ok}, i32 {li}")
-            if window is not None:
-                lh = f.val(f"extractelement <{chunk} x i32> {h}, i32 {li}")
-                lw = f.val(f"extractelement <{chunk} x i32> {w}, i32 {li}")
-                hok = f.val(f"icmp ult i32 {f.add(lh, f.val(f'trunc i64 {rh} to i32'), 'i32')}, {window[0]}")
-                ok = f.val(f"and i1 {ok}, {hok}")
-                w0 = f.add(lw, f.val(f"trunc i64 {rw} to i32"), "i32")
             parts = []
             for part in range(2 if two else 1):
-                mask = f.val(f"and {mt} {in_span[part]}, {f.splat(vl, 'i1', ok)}")
                 if window is not None:
-                    ww = f.val(f"add {it} {f.splat(vl, 'i32', w0)}, {iota_const(vl, start=part * vl)}")
-                    inside = f.val(f"icmp ult {it} {ww}, {splat_const(vl, 'i32', str(window[1]))}")
-                    mask = f.val(f"and {mt} {mask}, {inside}")
+                    lane_mask = _lane_row_mask(f, chunks[ci], chunk, li, window, vl, rh32, rw32, part * vl)
+                else:
+                    lane_mask = f.splat(vl, "i1", f.val(f"extractelement <{chunk} x i1> {lane_ok}, i32 {li}"))
+                mask = f.val(f"and {mt} {in_span[part]}, {lane_mask}")
                 src = f.val(f"getelementptr {t}, ptr {base}, i64 {part * vl}")
                 parts.append(f.call(vt, mload, [("ptr", src), ("i32", str(esize)), (mt, mask),
                                                 (vt, "zeroinitializer")]))
