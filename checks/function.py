@@ -8,7 +8,7 @@ is rebuilt in float64 first: finite differences in float32 are too coarse to jud
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -19,7 +19,7 @@ from opgrad.errors import ArgumentError
 from opgrad.ir import Call, Const, Expr, Function, Var, topological_order, var
 from opgrad.reference import evaluate
 
-from .checks import CheckFailure, Mismatch, random_cotangent, worst_mismatch
+from .checks import CheckFailure, Mismatch, difference_mismatch, random_cotangent, worst_mismatch
 from .report import Failure, OpReport
 from .runner import NothingToCheckError, check_seed, default_seed, positive_int
 from .tolerances import TOLERANCES
@@ -208,28 +208,33 @@ def _check_point(fn: Function, vjp_fn: Function, targets: list[Var], point: list
     for t, g in zip(targets, grads):  # sampled elements: a failure names the worst element
         k = index_of[t._uid]
         picked = rng.choice(g.size, min(g.size, SAMPLED_ELEMENTS), replace=False)
-        numeric = []
-        for i in picked:
-            plus, minus = list(point), list(point)
-            plus[k], minus[k] = point[k].copy(), point[k].copy()
-            plus[k].flat[i] += h
-            minus[k].flat[i] -= h
-            numeric.append(float(np.sum(c * (value(plus) - value(minus)))) / (2 * h))
-        m = worst_mismatch(g.ravel()[picked], np.array(numeric), tol.fd_rtol, tol.fd_atol)
+
+        def numeric_at(step: float, k: int = k, picked: np.ndarray = picked) -> np.ndarray:
+            numeric = []
+            for i in picked:
+                plus, minus = list(point), list(point)
+                plus[k], minus[k] = point[k].copy(), point[k].copy()
+                plus[k].flat[i] += step
+                minus[k].flat[i] -= step
+                numeric.append(float(np.sum(c * (value(plus) - value(minus)))) / (2 * step))
+            return np.array(numeric)
+
+        m = difference_mismatch(g.ravel()[picked], numeric_at, h, tol.fd_rtol, tol.fd_atol)
         m.index = tuple(int(i) for i in np.unravel_index(int(picked[m.index[0]]), g.shape))
         if m.ratio > 1:
             raise fail("b", f"gradient for {t.name!r} disagrees with finite differences", m, t.name, h, tol.fd_rtol)
         worst = max(worst, m.rel_error)
     for r in range(directions):
-        plus, minus = list(point), list(point)
-        analytic = 0.0
-        for t, g in zip(targets, grads):
-            k = index_of[t._uid]
-            v = rng.standard_normal(g.shape)
-            plus[k], minus[k] = point[k] + h * v, point[k] - h * v
-            analytic += float(np.sum(g * v))
-        directional = float(np.sum(c * (value(plus) - value(minus)))) / (2 * h)
-        m = worst_mismatch(np.array(analytic), np.array(directional), tol.fd_rtol, tol.fd_atol)
+        vs = {index_of[t._uid]: rng.standard_normal(g.shape) for t, g in zip(targets, grads)}
+        analytic = sum(float(np.sum(g * vs[index_of[t._uid]])) for t, g in zip(targets, grads))
+
+        def directional(step: float, vs: dict[int, np.ndarray] = vs) -> float:
+            plus, minus = list(point), list(point)
+            for k, v in vs.items():
+                plus[k], minus[k] = point[k] + step * v, point[k] - step * v
+            return float(np.sum(c * (value(plus) - value(minus)))) / (2 * step)
+
+        m = difference_mismatch(analytic, directional, h, tol.fd_rtol, tol.fd_atol)
         if m.ratio > 1:
             raise fail("b", "directional derivative along a random direction disagrees with finite differences",
                        m, f"direction {r}", h, tol.fd_rtol)
@@ -260,15 +265,24 @@ def _check_second_order(fn: Function, targets: list[Var], point: list[np.ndarray
     worst = 0.0
     for r in range(directions):
         vs = [rng.standard_normal(t.shape) for t in targets]
-        plus, minus = list(point), list(point)
-        for t, v in zip(targets, vs):
-            k = index_of[t._uid]
-            plus[k], minus[k] = point[k] + h * v, point[k] - h * v
-        numeric = [(gp - gm) / (2 * h) for gp, gm in zip(as_list(evaluate(grad_fn, *plus)),
-                                                         as_list(evaluate(grad_fn, *minus)))]
+
+        def numeric_at(step: float, vs: list[np.ndarray] = vs) -> list[np.ndarray]:
+            plus, minus = list(point), list(point)
+            for t, v in zip(targets, vs):
+                k = index_of[t._uid]
+                plus[k], minus[k] = point[k] + step * v, point[k] - step * v
+            return [(gp - gm) / (2 * step) for gp, gm in zip(as_list(evaluate(grad_fn, *plus)),
+                                                             as_list(evaluate(grad_fn, *minus)))]
+
         analytic = as_list(evaluate(hvp_fn, *point, *vs))
-        for t, a, n in zip(targets, analytic, numeric):
-            m = worst_mismatch(a, n, tol.fd_rtol, tol.fd_atol)
+        numeric = numeric_at(h)
+        for i, (t, a) in enumerate(zip(targets, analytic)):
+
+            def target_at(step: float, i: int = i, numeric: list[np.ndarray] = numeric,
+                          numeric_at: Callable[[float], list[np.ndarray]] = numeric_at) -> np.ndarray:
+                return numeric[i] if step == h else numeric_at(step)[i]
+
+            m = difference_mismatch(a, target_at, h, tol.fd_rtol, tol.fd_atol)
             if m.ratio > 1:
                 failure = Failure(op=name, check="e", problem=f"Hessian-vector product for {t.name!r} along random "
                                   f"direction {r} disagrees with finite differences of the gradient", seed=run_seed,

@@ -71,3 +71,36 @@ def test_cli_runs_one_ops_mutants(capsys: pytest.CaptureFixture[str]) -> None:
     out = capsys.readouterr().out
     assert "held constant" in out and "killed by check e" in out and "killed 2/2" in out
     assert cli.main(["check", "--mutants", "one_hot"]) == 2
+
+
+def test_central_differences_are_refined_before_a_mismatch_is_reported() -> None:
+    # sin(k x) for large k: the central difference with h = 1e-6 is off by about (k h)^2 / 6, so
+    # alone it would reject the true derivative; the extrapolated one accepts it and still rejects
+    # a derivative off by a factor.
+    import numpy as np
+
+    from opgrad.checks.checks import difference_mismatch
+
+    k, x, h = 20000.0, 0.3, 1e-6
+
+    def quotient(step: float) -> float:
+        return (np.sin(k * (x + step)) - np.sin(k * (x - step))) / (2 * step)
+
+    true = k * np.cos(k * x)
+    assert abs(quotient(h) - true) > 1e-5 * abs(true)  # the plain quotient would fail
+    assert difference_mismatch(true, quotient, h, 1e-5, 1e-6).ratio <= 1
+    assert difference_mismatch(1.001 * true, quotient, h, 1e-5, 1e-6).ratio > 1
+
+
+def test_a_correct_gradient_near_a_sharp_feature_passes_every_check() -> None:
+    # tanh(10^4 x) near 0: plain central differences with h = 1e-6 miss its (correct) gradient by
+    # 2.5e-5 relative and its second order likewise; a layer_norm over two elements (scale
+    # sqrt(epsilon)) did so on a random seed of `opgrad check`.
+    import numpy as np
+
+    from opgrad.checks import check_function
+
+    x = opgrad.var("x", (3,), "float64")
+    fn = opgrad.function([x], opgrad.ops.sum(opgrad.ops.tanh(x * 10000.0)))
+    report = check_function(fn, [np.array([3e-5, -5e-5, 1e-4])])
+    assert report.passed, report.failure
