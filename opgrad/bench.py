@@ -26,6 +26,7 @@ PyTorch and JAX are imported lazily and only if installed; they are never opgrad
 from __future__ import annotations
 
 import argparse
+import ctypes
 import os
 import statistics
 import time
@@ -152,6 +153,40 @@ def torch_forward(model: Any, params: dict[str, Any], buffers: dict[str, Any], x
             raise NotImplementedError(f"torch_forward has no translation of layer {layer.describe()}")
         values[id(node.output)] = h
     return values[id(model.outputs[0])]
+
+
+#: glibc's ``mallopt`` parameters (``malloc.h``) and the values :func:`keep_freed_memory` sets: the
+#: largest mmap threshold glibc accepts on 64-bit, and a trim threshold far above any step's memory.
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
+MMAP_THRESHOLD_BYTES, TRIM_THRESHOLD_BYTES = 32 << 20, 1 << 30
+
+
+def keep_freed_memory() -> str:
+    """Make glibc's malloc keep the memory a step frees for the next step; returns a line saying
+    so, or "" where the C library is not glibc.
+
+    By default glibc hands a large freed block straight back to the kernel (one above its mmap
+    threshold, or the heap's top once more than the trim threshold is free), and the next step,
+    allocating it again, takes a page fault for every 4 KiB page. PyTorch's seed-CNN step does
+    so about 6000 times a step (17-20 instead of 11 ms on an AMD EPYC) until glibc raises its
+    thresholds, which it does only after some larger blocks are freed: how fast PyTorch ran
+    depended on what the process had run before. PyTorch's performance guide answers with jemalloc
+    or tcmalloc; raising glibc's two thresholds does the same here, for every engine in the
+    process, so each is timed in its steady state. (opgrad's compiled step allocates only its
+    results and never faulted.)
+    """
+    try:
+        if not (os.confstr("CS_GNU_LIBC_VERSION") or "").startswith("glibc"):
+            return ""
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError, ValueError):  # no confstr, or no such name: not glibc
+        return ""
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    if not (mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES) and mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES)):
+        return ""
+    return (f"glibc malloc keeps freed memory (mmap threshold {MMAP_THRESHOLD_BYTES >> 20} MiB, trim threshold "
+            f"{TRIM_THRESHOLD_BYTES >> 20} MiB), so no engine's step pays page faults for the memory it freed "
+            "in the step before")
 
 
 def torch_runner(model_name: str, threads: int | None = None) -> Runner:
@@ -321,6 +356,7 @@ def run(args: argparse.Namespace) -> int:
     labels = rng.integers(0, 10, args.batch_size).astype(np.int64)
     lr = 0.01
     llvm_reason = llvm_unavailable_reason()
+    allocator_note = keep_freed_memory()
     threads = _setup_threads(getattr(args, "threads", None)) if llvm_reason is None else (args.threads or 1)
     peak = peak_all = bandwidth = None
     if llvm_reason is None:
@@ -393,6 +429,8 @@ def run(args: argparse.Namespace) -> int:
     print(f"ratio = ms/step divided by the first row that ran; GFLOP/s = the {flops / 1e9:.2f} GFLOP of the step's "
           f"conv/dense kernels per second, % of the measured peak on {threads} thread(s); setup = build/compile + "
           "first step; loss check = loss of step 3 (after two SGD updates) against opgrad's reference backend")
+    if allocator_note:
+        print(allocator_note)
     if llvm_reason is None and peak is not None and peak_all is not None:
         _sections(args, threads, flops, peak, peak_all, bandwidth, with_torch="torch" not in args.skip)
     return 0

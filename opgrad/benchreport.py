@@ -62,9 +62,11 @@ def _child(engine: str, model_name: str, batch: int, threads: int, steps: int) -
     """Build and time one engine's training step, or (``engine="pair"``) opgrad's and PyTorch's
     taking turns (:func:`opgrad.bench.time_interleaved`); runs in a fresh process (see the module doc)."""
     from opgrad import nn
-    from opgrad.bench import Row, time_interleaved
+    from opgrad.bench import Row, keep_freed_memory, time_interleaved
 
     result: dict[str, Any] = {}
+    if engine == "pair":  # timed as the main table is; memory and compile children keep the default
+        keep_freed_memory()
     if engine in ("torch", "pair"):
         import torch
 

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import importlib.util
 import itertools
+import platform
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -155,6 +158,43 @@ def test_engines_take_turns_so_a_drifting_machine_slows_all_alike() -> None:
     assert max(runs) <= bench.ROUND_STEPS + 1 and len(runs) == 3 * rounds
     firsts = [calls[sum(runs[:3 * r])] for r in range(rounds)]
     assert firsts[:3] == ["a", "b", "c"]  # the order rotates, so no engine always follows the same one
+
+
+FAULT_COUNTER = """
+import resource, sys
+import numpy as np
+from opgrad import bench
+if sys.argv[1] == "keep":
+    assert bench.keep_freed_memory().startswith("glibc malloc keeps freed memory")
+np.ones(1 << 18, np.float32)  # one freed 1 MiB block: glibc's own thresholds become 1 and 2 MiB
+
+def step():  # allocates and frees 10 MiB, as a training step allocates and frees its activations
+    blocks = [np.ones(1 << 18, np.float32) for _ in range(10)]
+    del blocks
+
+step()
+before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+for _ in range(10):
+    step()
+print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+"""
+
+
+def test_bench_keeps_freed_memory_so_steps_take_no_page_faults(tmp_path: Path) -> None:
+    if platform.libc_ver()[0] != "glibc":
+        pytest.skip(f"the allocator setting is glibc's; this C library is {platform.libc_ver()[0] or 'unknown'}")
+    script = tmp_path / "faults.py"
+    script.write_text(FAULT_COUNTER)
+
+    def faults(mode: str) -> int:
+        proc = subprocess.run([sys.executable, str(script), mode], capture_output=True, text=True, check=True,
+                              cwd=Path(opgrad.__file__).resolve().parents[1])
+        return int(proc.stdout.split()[-1])
+
+    default, kept = faults("default"), faults("keep")
+    pages = 10 * 10 * (1 << 20) // 4096
+    assert default > pages // 2, default  # glibc trims the freed 10 MiB and faults it in again every step
+    assert kept < pages // 20, kept
 
 
 def test_a_scaling_child_times_opgrad_and_pytorch_in_one_process(tmp_path: Path) -> None:
