@@ -8,6 +8,7 @@ pipeline turns them into registers, which keeps this emitter free of phi bookkee
 
 from __future__ import annotations
 
+import functools
 import struct
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -40,15 +41,18 @@ def vec(n: int, elem: str) -> str:
     return f"<{n} x {elem}>"
 
 
+@functools.lru_cache(maxsize=4096)  # kernels repeat a few constants thousands of times
 def splat_const(n: int, elem: str, value: str) -> str:
     """A constant vector with every lane equal to the constant text ``value``."""
     return "<" + ", ".join(f"{elem} {value}" for _ in range(n)) + ">"
 
 
+@functools.lru_cache(maxsize=1024)
 def iota_const(n: int, elem: str = "i32", start: int = 0) -> str:
     return "<" + ", ".join(f"{elem} {start + i}" for i in range(n)) + ">"
 
 
+@functools.lru_cache(maxsize=1024)
 def prefix_mask(n: int, valid: int) -> str:
     """An ``<n x i1>`` constant, true in the first ``valid`` lanes: a masked load's or store's lanes."""
     return "<" + ", ".join(f"i1 {'true' if i < valid else 'false'}" for i in range(n)) + ">"
@@ -117,6 +121,7 @@ class ModuleEmitter:
         return "\n".join(parts) + "\n"
 
 
+@functools.lru_cache(maxsize=256)
 def _mangle(ty: str) -> str:
     ty = ty.strip()
     if ty.startswith("<"):
@@ -126,12 +131,16 @@ def _mangle(ty: str) -> str:
 
 
 _INT_BITS = {"i64": 64, "i32": 32}
+#: First characters no integer literal has: SSA names, globals, vectors, ``true``/``false``/``poison``.
+_NOT_LITERAL = frozenset("%@<tfpz")
 
 
 def _integer(value: str | int) -> int | None:
     """``value`` as a Python int when it is an integer literal, else None (an SSA name, a vector)."""
     if isinstance(value, int):
         return value
+    if value[:1] in _NOT_LITERAL:  # the common case, an SSA name or a vector, decided by its first character
+        return None
     text = value.strip()
     if text.lstrip("-").isdigit():
         return int(text)
@@ -192,8 +201,9 @@ class FunctionEmitter:
 
     def val(self, text: str, hint: str = "t") -> str:
         """Emit ``%name = text`` and return the name."""
-        name = self.fresh(hint)
-        self.emit(f"{name} = {text}")
+        self._counter += 1  # fresh() and emit() inlined: this runs once per instruction
+        name = f"%{hint}.{self._counter}"
+        self._body.append(f"  {name} = {text}")
         return name
 
     def label(self, hint: str) -> str:
@@ -240,6 +250,8 @@ class FunctionEmitter:
 
     def add(self, a: str | int, b: str | int, ty: str = "i64") -> str:
         x, y = _integer(a), _integer(b)
+        if x is None and y is None:
+            return self.val(f"add {ty} {a}, {b}", "add")
         if (both := _both_constant(x, y, ty)) is not None:
             return str(_wrap(both[0] + both[1], ty))
         if y == 0:
@@ -250,6 +262,8 @@ class FunctionEmitter:
 
     def mul(self, a: str | int, b: str | int, ty: str = "i64") -> str:
         x, y = _integer(a), _integer(b)
+        if x is None and y is None:
+            return self.val(f"mul {ty} {a}, {b}", "mul")
         if (both := _both_constant(x, y, ty)) is not None:
             return str(_wrap(both[0] * both[1], ty))
         if y == 1:
