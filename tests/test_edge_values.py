@@ -71,3 +71,20 @@ def test_normalizing_a_constant_group_gives_exactly_beta(op: str, dtype: str) ->
             assert np.isnan(output[~finite]).all()
             # d_gamma = sum(grad * xhat)
             np.testing.assert_array_equal(d_gamma, np.zeros(channels, dtype))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_a_negative_zero_constant_keeps_its_sign(dtype: str) -> None:
+    """A constant -0.0 is baked into the code as -0.0: x * -0.0 is -0.0 for positive x, as numpy's,
+    in an elementwise pass, in a reduction's input and as a GEMM's epilogue operand."""
+    x = opgrad.var("x", (4, 8), dtype)
+    w = opgrad.var("w", (8, 8), dtype)
+    fn = opgrad.Function([x, w], (ops.multiply(x, -0.0), ops.max(ops.multiply(x, -0.0), axis=0),
+                                  ops.add(ops.multiply(ops.matmul(x, w), 0.0), -0.0)))
+    data = np.full((4, 8), 2.0, dtype)
+    weights = np.full((8, 8), 0.5, dtype)
+    want, got = _both(fn, data, weights)
+    for g, r in zip(got, want, strict=True):
+        np.testing.assert_array_equal(g, r)
+        np.testing.assert_array_equal(np.signbit(g), np.signbit(r))
+    assert np.signbit(got[0]).all() and np.signbit(got[1]).all()

@@ -679,7 +679,7 @@ class KernelBuilder:
             if x == k:
                 continue
             if u.buffer == CONSTANT:
-                inputs.append(u.value or 0.0)
+                inputs.append(u.constant)
                 continue
             matrix = operand(u) if u.is_memory and u.dtype == dtype else None
             if matrix is None:

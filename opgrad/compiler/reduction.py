@@ -186,7 +186,7 @@ def _reduce_by_vectors(f: FunctionEmitter, st: Step, ptrs: dict[int, str], reduc
         for i, view in enumerate(st.inputs):
             if not view.is_memory:
                 assert view.buffer == CONSTANT, "an index input keeps the scalar loop"
-                values.append(v.const(view.value or 0.0))
+                values.append(v.const(view.constant))
                 continue
             if run_strides[i + 1] == 0:
                 values.append(f.splat(lanes, elem, f.load(elem, f.gep(elem, ptrs[i + 1], row[i + 1]))))

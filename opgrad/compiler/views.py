@@ -63,6 +63,13 @@ class View:
         return View(CONSTANT, tuple(shape), (0,) * len(shape), 0, dtype, float(value))
 
     @property
+    def constant(self) -> float:
+        """The value of a :data:`CONSTANT` view, its sign kept (``x * -0.0`` is -0.0 where x > 0)."""
+        if self.value is None:
+            raise ValueError(f"not a constant view: {self}")
+        return self.value
+
+    @property
     def ndim(self) -> int:
         return len(self.shape)
 
@@ -101,7 +108,7 @@ class View:
         shape = tuple(shape)
         assert math.prod(shape) == self.size, f"cannot reshape {self.shape} to {shape}"
         if self.buffer == CONSTANT:
-            return View.scalar(self.value or 0.0, self.dtype, shape)
+            return View.scalar(self.constant, self.dtype, shape)
         if not self.is_contiguous:
             return None
         return replace(self, shape=shape, strides=row_major(shape))
@@ -352,7 +359,7 @@ def load(s: Scalar, v: View, ptr: str | None, off: str) -> str:
     """The value of ``v`` at element offset ``off``, as ``s``'s float type."""
     f = s.f
     if v.buffer == CONSTANT:
-        return s.const(v.value or 0.0)
+        return s.const(v.constant)
     if v.buffer == IOTA:
         if v.dtype == "int64":  # View.flat_index: the raw counter
             return f.add(off, v.offset)
