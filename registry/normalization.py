@@ -89,27 +89,47 @@ def _normalize_np(data: np.ndarray, axes: tuple[int, ...], epsilon: float) -> np
         return np.asarray(centered / np.sqrt(var + data.dtype.type(epsilon)))
 
 
-def _normalized(data: Expr, axes: tuple[int, ...], epsilon: float) -> tuple[Expr, Expr]:
-    """(xhat, s) as graph expressions: xhat = (data - mean) * s, s = 1 / sqrt(var + epsilon) (keepdims).
+def batch_statistics(data: Expr, axes: tuple[int, ...]) -> tuple[Expr, Expr, Expr]:
+    """(mean, centered, squares) over ``axes`` as graph expressions (keepdims): centered = data -
+    mean and squares = sum(centered ** 2), so the biased variance is squares / m.
 
-    The data is shifted by each group's first element before the mean (see :func:`_normalize_np`);
-    the shift cancels from xhat, so it carries no gradient."""
+    The data is shifted by each group's first element before the mean (see :func:`_normalize_np`),
+    so a constant group centers to exactly 0. batch_norm's gradient and ``BatchNorm2D``'s running
+    statistics both build them here, as the same expressions, so that a compiled training step
+    computes them once."""
     inv_m = 1.0 / max(1, math.prod(data.shape[a] for a in axes))
     first = ops.stop_gradient(ops.strided_slice(
         data, begin=[0] * data.ndim, end=[1 if i in axes else n for i, n in enumerate(data.shape)]))
     shifted = ops.subtract(data, first)
-    centered = ops.subtract(shifted, ops.multiply(ops.sum(shifted, axis=axes, keepdims=True), inv_m))
-    var = ops.multiply(ops.sum(ops.multiply(centered, centered), axis=axes, keepdims=True), inv_m)
-    s = ops.divide(1.0, ops.sqrt(ops.add(var, epsilon)))
+    shifted_mean = ops.multiply(ops.sum(shifted, axis=axes, keepdims=True), inv_m)
+    centered = ops.subtract(shifted, shifted_mean)
+    squares = ops.sum(ops.multiply(centered, centered), axis=axes, keepdims=True)
+    return ops.add(first, shifted_mean), centered, squares
+
+
+def _normalized(data: Expr, axes: tuple[int, ...], epsilon: float) -> tuple[Expr, Expr]:
+    """(xhat, s) as graph expressions: xhat = (data - mean) * s, s = 1 / sqrt(var + epsilon) (keepdims).
+
+    The shift of :func:`batch_statistics` cancels from xhat, so it carries no gradient."""
+    inv_m = 1.0 / max(1, math.prod(data.shape[a] for a in axes))
+    _, centered, squares = batch_statistics(data, axes)
+    s = ops.divide(1.0, ops.sqrt(ops.add(ops.multiply(squares, inv_m), epsilon)))
     return ops.multiply(centered, s), s
 
 
 def _normalize_backward(g: Expr, xhat: Expr, s: Expr, axes: tuple[int, ...]) -> Expr:
     """d_x = s * (g - mean(g) - xhat * mean(g * xhat)) for the normalization over ``axes``."""
+    return _normalize_backward_from_sums(g, xhat, s, ops.sum(g, axis=axes, keepdims=True),
+                                         ops.sum(ops.multiply(g, xhat), axis=axes, keepdims=True), axes)
+
+
+def _normalize_backward_from_sums(g: Expr, xhat: Expr, s: Expr, sum_g: Expr, sum_gx: Expr,
+                                  axes: tuple[int, ...]) -> Expr:
+    """d_x = s * (g - sum_g / m - xhat * sum_gx / m), given sum(g) and sum(g * xhat) over ``axes``
+    (keepdims; m values each)."""
     inv_m = 1.0 / max(1, math.prod(g.shape[a] for a in axes))
-    mean_g = ops.multiply(ops.sum(g, axis=axes, keepdims=True), inv_m)
-    mean_gx = ops.multiply(ops.sum(ops.multiply(g, xhat), axis=axes, keepdims=True), inv_m)
-    return ops.multiply(s, ops.subtract(ops.subtract(g, mean_g), ops.multiply(xhat, mean_gx)))
+    return ops.multiply(s, ops.subtract(ops.subtract(g, ops.multiply(sum_g, inv_m)),
+                                        ops.multiply(xhat, ops.multiply(sum_gx, inv_m))))
 
 
 def _lower_normalize(kb: KernelBuilder, out: View, data: View, axes: tuple[int, ...], epsilon: float,
@@ -180,16 +200,23 @@ def _batch_norm_forward(data: np.ndarray, gamma: np.ndarray, beta: np.ndarray, a
 
 @batch_norm.gradient
 def _batch_norm_gradient(call: Call, grad: Expr) -> list[Expr | None]:
-    """d_data = s * (g - mean(g) - xhat * mean(g * xhat)), g = grad*gamma; d_gamma = sum(grad*xhat) ; d_beta = sum(grad)
+    """d_data = s * gamma * (grad - mean(grad) - xhat * mean(grad * xhat)); d_gamma = sum(grad*xhat); d_beta = sum(grad)
 
-    Means and sums run over every axis but ``axis``; xhat and s are recomputed from data.
+    This is the shared formula s * (g - mean(g) - xhat * mean(g * xhat)) with g = grad * gamma:
+    gamma is one value per channel, constant over the means' axes, so it leaves both means as a
+    factor. The two channel sums d_beta and d_gamma then serve d_data as well, and one pass over
+    the data computes both. Sums run over every axis but ``axis``; xhat and s are recomputed from
+    data.
     """
     data, gamma, _ = call.args
     axis = call.attrs["axis"]
     axes = _others(data.ndim, axis)
     xhat, s = _normalized(data, axes, call.attrs["epsilon"])
-    d_data = _normalize_backward(ops.multiply(grad, _channel_expr(gamma, data.ndim, axis)), xhat, s, axes)
-    return [d_data, ops.sum(ops.multiply(grad, xhat), axis=axes), ops.sum(grad, axis=axes)]
+    sum_g = ops.sum(grad, axis=axes, keepdims=True)
+    sum_gx = ops.sum(ops.multiply(grad, xhat), axis=axes, keepdims=True)
+    scale = ops.multiply(s, _channel_expr(gamma, data.ndim, axis))
+    d_data = _normalize_backward_from_sums(grad, xhat, scale, sum_g, sum_gx, axes)
+    return [d_data, ops.reshape(sum_gx, shape=gamma.shape), ops.reshape(sum_g, shape=gamma.shape)]
 
 
 @batch_norm.mutant("d_data treats the batch mean and variance as constants")

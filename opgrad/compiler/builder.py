@@ -423,6 +423,20 @@ class KernelBuilder:
 
     # ----- fusion -----
 
+    def drop_unread(self, internal: set[int]) -> int:
+        """Remove steps that write only ``internal`` buffers no step reads; returns how many.
+
+        The graph compiler lowers a call's inputs before it finds that an earlier call computed
+        the same value; the steps computing those inputs are then read by nothing."""
+        dropped = 0
+        while True:
+            read = {b for st in self.steps for b in st.reads}
+            live = [st for st in self.steps if not st.writes or any(b not in internal or b in read for b in st.writes)]
+            if len(live) == len(self.steps):
+                return dropped
+            dropped += len(self.steps) - len(live)
+            self.steps = live
+
     def fuse(self, internal: set[int]) -> int:
         """Inline elementwise producers into their only consumer; returns how many were inlined.
 

@@ -119,13 +119,22 @@ class _Lowering:
             results.append(self.new("result", out.shape, out.dtype, i))
             if isinstance(out, Call):
                 result_of.setdefault(out._uid, results[-1])
+        same = SameValues()
         for node in topological_order(_shallowest_first(fn.outputs)):
             if node._uid in views:
                 continue
             if isinstance(node, Const):
                 views[node._uid] = self._const(node)
+                same.note_const(node)
             elif isinstance(node, Call):
+                earlier = same.earlier_call(node)
+                if earlier is not None:  # the same op of the same inputs, lowered before
+                    views[node._uid] = views[earlier]
+                    continue
+                first = len(self.kb.steps)
                 views[node._uid] = self._call(node, views, result_of.get(node._uid))
+                same.note_call(node, all(st.kind == "ew" for st in self.kb.steps[first:])
+                               and len(self.kb.steps) > first)
             else:
                 raise TypeError(f"unexpected node {node!r}")
         for i, out in enumerate(fn.outputs):  # results not computed in place: copy (rarely needed)
@@ -183,6 +192,72 @@ class _Lowering:
             else:
                 raise NotImplementedError(f"{call.op.name}: integer input {spec.name!r} computed in the graph "
                                           "cannot be range-checked before the call")
+
+
+class SameValues:
+    """Finds calls that compute what an earlier call computed: the same operator, attributes and
+    inputs, where inputs are the same parameter, equal small constants or again such calls.
+
+    A gradient recomputes what the forward pass computed (batch_norm's gradient the batch's mean
+    and variance, which the layer's running statistics take too); reusing the earlier result saves
+    the passes over the data. Calls that lower to elementwise steps only are recognised (so that
+    what reads them can be) but computed again: each copy fuses into its own reader, where one
+    shared result would be written to memory and read back twice.
+    """
+
+    #: Constants up to this many bytes are compared by value (larger ones by identity).
+    CONST_BYTES = 4096
+
+    def __init__(self) -> None:
+        self._class: dict[int, int] = {}  # node uid -> uid of the first node computing the same value
+        self._first: dict[tuple[Any, ...], int] = {}
+        self._recompute: set[int] = set()  # classes whose calls lower to elementwise steps only
+
+    def _key(self, node: Call) -> tuple[Any, ...] | None:
+        try:
+            attrs = tuple(sorted((name, _frozen(value)) for name, value in node.attrs.items()))
+        except TypeError:  # an attribute this comparison does not know: never the same
+            return None
+        return (node.op.name, node.dtype, node.shape, attrs, tuple(self._class.get(a._uid, a._uid) for a in node.args))
+
+    def note_const(self, node: Const) -> None:
+        if node.value.nbytes <= self.CONST_BYTES:
+            key = ("const", node.value.dtype.str, node.value.shape, node.value.tobytes())
+            self._class[node._uid] = self._first.setdefault(key, node._uid)
+
+    def earlier_call(self, node: Call) -> int | None:
+        """The uid of an earlier call whose result ``node`` may reuse, or None (lower it)."""
+        key = self._key(node)
+        if key is None:
+            return None
+        first = self._first.get(key)
+        if first is None:
+            return None
+        self._class[node._uid] = first
+        return None if first in self._recompute else first
+
+    def note_call(self, node: Call, elementwise_only: bool) -> None:
+        """Record ``node`` after lowering it; ``elementwise_only``: it emitted only elementwise steps."""
+        key = self._key(node)
+        if key is None or node._uid in self._class:
+            return
+        self._class[node._uid] = self._first.setdefault(key, node._uid)
+        if elementwise_only:
+            self._recompute.add(node._uid)
+
+
+def _frozen(value: Any) -> Any:
+    """An attribute value as a hashable key; floats by repr (0.0 and -0.0 differ, a nan equals no
+    other). Raises TypeError for a value of another kind."""
+    if value is None or isinstance(value, (bool, int, str)):
+        return (type(value).__name__, value)
+    if isinstance(value, float):
+        return ("float", repr(value))
+    if isinstance(value, (list, tuple)):
+        return ("seq", tuple(_frozen(v) for v in value))
+    if isinstance(value, np.generic):
+        return ("np", value.dtype.str, value.tobytes())
+    raise TypeError(f"attribute value of type {type(value).__name__}")
 
 
 def _resolve(call: Call, bound: int | str) -> int:
@@ -271,6 +346,7 @@ def plan_graph(fn: Function, *, name: str = "opgrad_graph", step_entries: bool =
     results = low.run()
     kb = low.kb
     internal = {i for i, b in enumerate(low.buffers) if b.kind == "internal"}
+    kb.drop_unread(internal)
     fused = kb.fuse(internal) + kb.fuse_reductions() + kb.fuse_outputs()
     internal = {i for i, b in enumerate(low.buffers) if b.kind == "internal"}  # and the partial sums
     lifetimes: dict[int, tuple[int, int]] = {}

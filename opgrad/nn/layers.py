@@ -46,6 +46,7 @@ from opgrad.ir import Expr
 from opgrad.nn.init import Initializer, get_initializer, initializer_name, ones, zeros
 from opgrad.registry._pooling import pool_padding_problem, pooled_hw
 from opgrad.registry.conv2d import conv_output_size, transpose_output_size
+from opgrad.registry.normalization import batch_statistics
 
 __all__ = [
     "ACTIVATIONS",
@@ -931,9 +932,8 @@ class BatchNorm2D(Layer):
             raise ShapeError(f"layer {self.describe()}: training needs more than one value per channel "
                              f"(input {x.shape}), as PyTorch's BatchNorm2d; use a batch larger than 1")
         y = ops.batch_norm(x, weight, bias, axis=1, epsilon=self.epsilon)
-        batch_mean = ops.mean(x, axis=axes, keepdims=True)
-        centered = ops.subtract(x, batch_mean)
-        unbiased = ops.multiply(ops.sum(ops.multiply(centered, centered), axis=axes), 1.0 / (count - 1))
+        batch_mean, _, squares = batch_statistics(x, axes)  # as batch_norm's gradient builds them
+        unbiased = ops.multiply(ops.reshape(squares, shape=var.shape), 1.0 / (count - 1))
         m = self.momentum
         new_mean = ops.add(ops.multiply(mean, 1.0 - m), ops.multiply(ops.reshape(batch_mean, shape=mean.shape), m))
         new_var = ops.add(ops.multiply(var, 1.0 - m), ops.multiply(unbiased, m))
