@@ -247,8 +247,8 @@ class SameValues:
 
 
 def _frozen(value: Any) -> Any:
-    """An attribute value as a hashable key; floats by repr (0.0 and -0.0 differ, a nan equals no
-    other). Raises TypeError for a value of another kind."""
+    """An attribute value as a hashable key; floats by repr, so 0.0 and -0.0 differ. Raises
+    TypeError for a value of another kind (such a call is never taken as a repeat)."""
     if value is None or isinstance(value, (bool, int, str)):
         return (type(value).__name__, value)
     if isinstance(value, float):
