@@ -324,12 +324,12 @@ def _train(args: argparse.Namespace, comm: Communicator | None) -> int:
         with ProgressBar(steps_per_epoch, desc=f"epoch {epoch_no}/{args.epochs}",
                          stream=None if root else io.StringIO()) as bar:
 
-            def show_step(_index: int, loss: float, bar: ProgressBar = bar) -> None:
-                bar.update(1, loss=loss)
+            def show_chunk(losses: list[float], bar: ProgressBar = bar) -> None:
+                bar.update(len(losses), loss=losses[-1])
 
             try:
                 train_loss = trainer.train_epoch(
-                    data.train_images, data.train_labels, max_steps=args.max_steps, on_step=show_step,
+                    data.train_images, data.train_labels, max_steps=args.max_steps, on_chunk=show_chunk,
                     steps_per_call=args.steps_per_call,
                 )
             except NonFiniteLossError as exc:

@@ -144,8 +144,14 @@ def test_trainer_steps_per_call_gives_the_same_run(mnist: Dataset, backend: str)
         trainer = nn.Trainer(nn.keras_mnist(), nn.Adam(), lr=nn.cosine_lr(2e-3, total_steps=5), batch_size=batch,
                              seed=5, augment_shift=2, backend=backend)
         seen: list[int] = []
-        trainer.train_epoch(x, y, steps_per_call=k, on_step=lambda i, _loss, seen=seen: seen.append(i))
+        losses: list[float] = []
+        chunks: list[list[float]] = []
+        trainer.train_epoch(x, y, steps_per_call=k, on_chunk=chunks.append,
+                            on_step=lambda i, loss, seen=seen, losses=losses: (seen.append(i), losses.append(loss)))
         assert seen == [1, 2, 3, 4, 5] and trainer.step == 5
+        # one call per native call, with its steps' losses: a progress bar times chunks, not steps
+        assert [len(c) for c in chunks] == ([1] * 5 if k == 1 else [3, 2])
+        assert [loss for c in chunks for loss in c] == losses
         runs.append(trainer)
     assert runs[0].history.step_losses == runs[1].history.step_losses
     for name, value in runs[0].params.items():

@@ -315,13 +315,14 @@ class Trainer:
 
     def train_epoch(self, images: np.ndarray, labels: np.ndarray, *,
                     on_step: Callable[[int, float], None] | None = None, max_steps: int | None = None,
-                    steps_per_call: int = 1) -> float:
+                    steps_per_call: int = 1, on_chunk: Callable[[list[float]], None] | None = None) -> float:
         """Run one epoch (or its first ``max_steps`` steps); returns the mean batch loss.
 
         The epoch counter advances even when ``max_steps`` cut it short, so a smoke run's next
         epoch still gets a new batch order. ``steps_per_call > 1`` runs that many steps per call
         of the native loop (:meth:`train_batches`), with the same numbers; ``on_step`` is then
-        called for each step of a chunk after the chunk.
+        called for each step of a chunk after the chunk, and ``on_chunk`` once with the chunk's
+        losses (a progress display times chunks: their steps all end together).
         """
         if steps_per_call < 1:
             raise ValueError(f"steps_per_call must be >= 1, got {steps_per_call}")
@@ -337,6 +338,8 @@ class Trainer:
                 losses.append(loss)
                 if on_step is not None:
                     on_step(len(losses), loss)
+            if on_chunk is not None:
+                on_chunk(list(done))
 
         for i, (x, y) in enumerate(self.epoch_batches(images, labels)):
             if max_steps is not None and i >= max_steps:
