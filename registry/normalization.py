@@ -96,21 +96,26 @@ def batch_statistics(data: Expr, axes: tuple[int, ...]) -> tuple[Expr, Expr, Exp
     The data is shifted by each group's first element before the mean (see :func:`_normalize_np`),
     so a constant group centers to exactly 0. batch_norm's gradient and ``BatchNorm2D``'s running
     statistics both build them here, as the same expressions, so that a compiled training step
-    computes them once."""
+    computes them once. Each elementwise value is built anew for each of its readers (the
+    compiler computes such a value again rather than share it): so it fuses into every pass that
+    reads it, and no pass writes the shifted or centered data to memory."""
     inv_m = 1.0 / max(1, math.prod(data.shape[a] for a in axes))
     first = ops.stop_gradient(ops.strided_slice(
         data, begin=[0] * data.ndim, end=[1 if i in axes else n for i, n in enumerate(data.shape)]))
-    shifted = ops.subtract(data, first)
-    shifted_mean = ops.multiply(ops.sum(shifted, axis=axes, keepdims=True), inv_m)
-    centered = ops.subtract(shifted, shifted_mean)
-    squares = ops.sum(ops.multiply(centered, centered), axis=axes, keepdims=True)
-    return ops.add(first, shifted_mean), centered, squares
+    shifted_mean = ops.multiply(ops.sum(ops.subtract(data, first), axis=axes, keepdims=True), inv_m)
+
+    def centered() -> Expr:
+        return ops.subtract(ops.subtract(data, first), shifted_mean)
+
+    squares = ops.sum(ops.square(centered()), axis=axes, keepdims=True)
+    return ops.add(first, shifted_mean), centered(), squares
 
 
 def _normalized(data: Expr, axes: tuple[int, ...], epsilon: float) -> tuple[Expr, Expr]:
     """(xhat, s) as graph expressions: xhat = (data - mean) * s, s = 1 / sqrt(var + epsilon) (keepdims).
 
-    The shift of :func:`batch_statistics` cancels from xhat, so it carries no gradient."""
+    The shift of :func:`batch_statistics` cancels from xhat, so it carries no gradient. Call it
+    once per reader of xhat, as :func:`batch_statistics` builds its values."""
     inv_m = 1.0 / max(1, math.prod(data.shape[a] for a in axes))
     _, centered, squares = batch_statistics(data, axes)
     s = ops.divide(1.0, ops.sqrt(ops.add(ops.multiply(squares, inv_m), epsilon)))
@@ -206,7 +211,7 @@ def _batch_norm_gradient(call: Call, grad: Expr) -> list[Expr | None]:
     gamma is one value per channel, constant over the means' axes, so it leaves both means as a
     factor. The two channel sums d_beta and d_gamma then serve d_data as well, and one pass over
     the data computes both. Sums run over every axis but ``axis``; xhat and s are recomputed from
-    data.
+    data, xhat once for each pass that reads it (see :func:`batch_statistics`).
     """
     data, gamma, _ = call.args
     axis = call.attrs["axis"]
@@ -215,7 +220,8 @@ def _batch_norm_gradient(call: Call, grad: Expr) -> list[Expr | None]:
     sum_g = ops.sum(grad, axis=axes, keepdims=True)
     sum_gx = ops.sum(ops.multiply(grad, xhat), axis=axes, keepdims=True)
     scale = ops.multiply(s, _channel_expr(gamma, data.ndim, axis))
-    d_data = _normalize_backward_from_sums(grad, xhat, scale, sum_g, sum_gx, axes)
+    xhat_again, _ = _normalized(data, axes, call.attrs["epsilon"])
+    d_data = _normalize_backward_from_sums(grad, xhat_again, scale, sum_g, sum_gx, axes)
     return [d_data, ops.reshape(sum_gx, shape=gamma.shape), ops.reshape(sum_g, shape=gamma.shape)]
 
 
