@@ -64,8 +64,11 @@ class WeightGradEmitter(WinogradEmitter):
         line = 64 // self.esize
         self.vector_pos = (self.cols + vl) * self.vector
         self.broadcast_pos = round_up(self.broadcast * self.stride, line) + line
-        # The count depends on the shapes only, so the sums do not depend on the thread count.
-        self.groups = max(1, min(GROUPS, p.n * self.blocks, p.n * self.th * self.tw // GROUP_TILES))
+        # The count depends on the shapes only, so the sums do not depend on the thread count; a
+        # power of two, so that 2, 4, 8 or 16 threads share the groups evenly (3 groups on 2
+        # threads left one thread a third of the pass idle: the ResNet's 16-channel layers).
+        most = max(1, min(GROUPS, p.n * self.blocks, p.n * self.th * self.tw // GROUP_TILES))
+        self.groups = 1 << (most.bit_length() - 1)
         self.parts = self.group_parts()
         self.w_group = self.alpha**2 * self.o_pad * self.c_pad
         self.dy_cols = self.tiles.m * round_up(self.tw, vl)
