@@ -103,9 +103,14 @@ class WeightGradEmitter(WinogradEmitter):
         its channels only, in the same order, so the results do not depend on the parts. Each part
         transforms the vector side again, so there are no more parts than the pool's threads need
         (the seed CNN's conv2 at batch 32 has 2 groups by F(4,3), 4 by F(3,3): on 16 threads, 8 or 4
-        parts each)."""
+        parts each), up to twice that where it makes the units a multiple of the threads."""
         threads = pool_size() if current_target() == host_target() else 1
-        return max(1, min(-(-threads // self.groups), self.broadcast // self.kr))
+        most = max(1, self.broadcast // self.kr)
+        fewest = min(-(-threads // self.groups), most)
+        # As many units as a multiple of the threads where the channels allow it: 2 groups on 3
+        # threads in 3 parts each (2 units a thread), not 2 parts (2, 1 and 1 units).
+        even = [parts for parts in range(fewest, min(most, 2 * fewest) + 1) if self.groups * parts % threads == 0]
+        return even[0] if even else fewest
 
     def part_channels(self, f: FunctionEmitter, part: str) -> tuple[str, str]:
         """The broadcast-side channels ``[lo, hi)`` of part ``part``: whole register rows of ``kr``."""
