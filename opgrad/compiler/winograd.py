@@ -240,6 +240,13 @@ TILE_CHOICES = (F2X3, F3X3, F4X3)
 #: 19 % and the weight gradient 21 % faster than F(2,3), which the 16-register figure would pick.
 GEMM_FMA_CYCLES = 0.54
 TRANSFORM_OP_CYCLES = {16: 1.9, 32: 0.38}
+#: Cycles per byte of the weight gradient's partial sums that each block loads and stores back
+#: (alpha**2 x O x C of them, whatever the block's tile count): a 7x7 image has 4 tiles by F(4,3)
+#: against 16 by F(2,3), so F(4,3)'s 2.25 times larger sums are read and written for a quarter of
+#: the products. Fitted on AMD Zen 5 over the three tiles of a 64-channel 7x7 layer (F(2,3) 0.216,
+#: F(3,3) 0.247, F(4,3) 0.247 ms at batch 32, 2 threads), where the products alone chose F(4,3);
+#: it keeps F(4,3) for the seed CNN's conv2 and the 14x14 and 28x28 layers, measured fastest there.
+PARTIAL_SUM_BYTE_CYCLES = 0.045
 #: A larger tile must be estimated this much cheaper to be worth its lost float32 accuracy.
 ACCURACY_MARGIN = 0.05
 
@@ -295,6 +302,7 @@ def estimated_cycles(p: WinogradConv, tiles: WinogradTiles, exact_zeros: bool = 
     rounded up to whole vectors of columns. Counted as columns, the seed CNN's conv2 weight
     gradient by F(4,3) (36 tiles an image, 48 columns) looked 11 % dearer than by F(3,3) (64
     tiles, 64 columns), where on AMD Zen 5 it ran 10 % faster (2 threads, 0.644 against 0.712 ms).
+    Each of its blocks also loads and stores its partial sums (:data:`PARTIAL_SUM_BYTE_CYCLES`).
 
     Blocks are counted within one image, the layout the costs are fitted on; blocks across
     images (:meth:`WinogradEmitter.spanning_rows`) then fill the chosen tiles' columns. Counted
@@ -316,13 +324,14 @@ def estimated_cycles(p: WinogradConv, tiles: WinogradTiles, exact_zeros: bool = 
     shifted = e.pack > 1 and e.tw != e.row_lanes
     per_output = (2 if shifted else 1) * alpha**2 + _sandwich_ops(tiles.at, alpha) + m * (2 * m + 3)
     ops = runs * (p.cin * per_input + p.cout * per_output)
+    partials = e.blocks * alpha**2 * e.cout_pad * p.cin * BYTES[p.dtype] if reduces_tiles else 0
     if e.exact_zeros:
         # Per block and channel, a load, an and, an or and a store per vector of the plane; per
         # output row stored, a load, a compare and a select; per block, the 3x3 window's union.
         plane_vectors = -(-e.hp * e.wp // vl)
         ops += e.blocks * (4 * p.cin * plane_vectors + 18 * m * e.rows * e.mask_cols // vl)
         ops += runs * p.cout * 3 * m
-    return GEMM_FMA_CYCLES * fmas + transform_op_cycles() * ops
+    return GEMM_FMA_CYCLES * fmas + transform_op_cycles() * ops + PARTIAL_SUM_BYTE_CYCLES * partials
 
 
 def transform_op_cycles() -> float:
