@@ -94,3 +94,17 @@ def test_batch_norm_training_step_computes_its_batch_statistics_once(monkeypatch
         got = result.params.get(name, result.state.get(name))
         want = result_without.params.get(name, result_without.state.get(name))
         np.testing.assert_array_equal(got, want, err_msg=name)
+
+
+def test_passes_of_the_same_spec_share_one_kernel() -> None:
+    """Two convolutions of the same shapes (a model's repeated blocks) call one emitted kernel;
+    each still reads and writes its own buffers."""
+    x = opgrad.var("x", (2, 8, 10, 10))
+    w1, w2 = opgrad.var("w1", (8, 8, 3, 3)), opgrad.var("w2", (8, 8, 3, 3))
+    fn = opgrad.Function([x, w1, w2], ops.conv2d(ops.conv2d(x, w1, padding=1), w2, padding=1))
+    compiled = compile_fn(fn)
+    conv_kernels = [name for name, label in compiled.plan.kernel_labels.items() if label == "conv2d"]
+    assert compiled.step_labels.count("conv2d") == 2 and len(conv_kernels) == 1, compiled.plan.kernel_labels
+    rng = np.random.default_rng(4)
+    args = [rng.standard_normal(v.shape).astype(np.float32) for v in fn.params]
+    np.testing.assert_allclose(compiled(*args), opgrad.evaluate(fn, *args), rtol=1e-4, atol=1e-4)
