@@ -32,6 +32,7 @@ split over the thread pool by output rows, so results do not depend on the threa
 from __future__ import annotations
 
 import ctypes
+import itertools
 import math
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -452,10 +453,12 @@ class KernelBuilder:
         # step's 1,100 steps were scanned from the start after each of ~1,000 fusions: 0.8 s of
         # planning, the most of a warm start.
         start = 0
+        counts: tuple[Counter[int], Counter[int]] | None = None  # writers and readers per buffer
         while True:
-            writers = Counter(b for st in self.steps for b in st.writes)
-            readers = Counter(b for st in self.steps for b in st.reads)
-            writer_at = {b: i for i, st in enumerate(self.steps) for b in st.writes}  # used where unique
+            if counts is None:
+                counts = (Counter(b for st in self.steps for b in st.writes),
+                          Counter(b for st in self.steps for b in st.reads))
+            writers, readers = counts
             done = True
             for j in range(start, len(self.steps)):
                 consumer = self.steps[j]
@@ -464,13 +467,14 @@ class KernelBuilder:
                 for k, v in enumerate(consumer.inputs):
                     if not (v.buffer in internal and writers[v.buffer] == 1 and readers[v.buffer] == 1):
                         continue
-                    i = writer_at[v.buffer]
+                    i = self._writer_of(v.buffer, j)
                     producer = self.steps[i]
                     if consumer.kind == "ew" and i < j and (self._fuse_into_gemm(i, j, k)
                                                             or self._fuse_into_conv(i, j, k)):
                         fused += 1
                         done = False
                         start = i
+                        counts = None  # the kernel took over the consumer's buffers: count again
                         break
                     if not (i < j and producer.kind == "ew" and producer.out is not None
                             and v.dtype == (consumer.out.dtype if consumer.out else v.dtype)):
@@ -479,10 +483,14 @@ class KernelBuilder:
                     between = {b for st in self.steps[i + 1 : j] for b in st.writes}
                     if views is None or between & set(producer.reads):
                         continue
+                    readers.subtract(consumer.reads)
+                    readers.subtract(producer.reads)
+                    writers.subtract(producer.writes)
                     consumer.out, inputs, inlined = views
                     consumer.inputs = [*inputs[:k], *inlined, *inputs[k + 1 :]]
                     consumer.body = _compose(consumer.body, k, producer.body, len(producer.inputs))
                     consumer.reads = [u.buffer for u in consumer.inputs if u.is_memory]
+                    readers.update(consumer.reads)
                     consumer.label = "+".join(x for x in (producer.label, consumer.label) if x)
                     del self.steps[i]
                     fused += 1
@@ -493,6 +501,14 @@ class KernelBuilder:
                     break
             if done:
                 return fused
+
+    def _writer_of(self, buffer: int, reader: int) -> int:
+        """The index of the step writing ``buffer`` (it has one writer), searched outward from the
+        step ``reader`` that reads it: a producer mostly sits just before its consumer."""
+        for i in itertools.chain(range(reader - 1, -1, -1), range(reader, len(self.steps))):
+            if buffer in self.steps[i].writes:
+                return i
+        raise AssertionError(f"no step writes buffer {buffer}")
 
     def fuse_reductions(self) -> int:
         """Compute reductions of an elementwise step's output in that step; returns how many joined.
