@@ -169,8 +169,8 @@ def keep_freed_memory() -> str:
     threshold, or the heap's top once more than the trim threshold is free), and the next step,
     allocating it again, takes a page fault for every 4 KiB page. PyTorch's seed-CNN step does
     so about 6000 times a step (17-20 instead of 11 ms on an AMD EPYC) until glibc raises its
-    thresholds, which it does only after some larger blocks are freed: how fast PyTorch ran
-    depended on what the process had run before. PyTorch's performance guide answers with jemalloc
+    thresholds, which it does only after some larger blocks are freed: how fast PyTorch runs
+    depends on what the process ran before it. PyTorch's performance guide answers with jemalloc
     or tcmalloc; raising glibc's two thresholds does the same here, for every engine in the
     process, so each is timed in its steady state. (opgrad's compiled step allocates only its
     results and never faulted.)

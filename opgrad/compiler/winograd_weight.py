@@ -66,7 +66,7 @@ class WeightGradEmitter(WinogradEmitter):
         self.broadcast_pos = round_up(self.broadcast * self.stride, line) + line
         # The count depends on the shapes only, so the sums do not depend on the thread count; a
         # power of two, so that 2, 4, 8 or 16 threads share the groups evenly (3 groups on 2
-        # threads left one thread a third of the pass idle: the ResNet's 16-channel layers).
+        # threads would leave one of them idle for a third of the pass).
         most = max(1, min(GROUPS, p.n * self.blocks, p.n * self.th * self.tw // GROUP_TILES))
         self.groups = 1 << (most.bit_length() - 1)
         self.parts = self.group_parts()
