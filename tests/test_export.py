@@ -450,6 +450,24 @@ def test_target_descriptions() -> None:
     assert current_target() is host_target()
 
 
+@pytest.mark.parametrize(("name", "fused"), [("x86-64-v2", False), ("x86-64", False), ("x86-64-v3", True),
+                                             ("aarch64-linux-gnu", True)])
+def test_multiply_adds_are_fused_only_where_the_target_fuses_them(name: str, fused: bool) -> None:
+    """``llvm.fma`` demands the fused rounding: on a CPU without FMA it becomes a call to the C
+    library's ``fmaf`` per element, so kernels for such a target ask for ``llvm.fmuladd``."""
+    from opgrad.compiler.gemm import GemmSpec, emit_gemm
+    from opgrad.compiler.irtext import ModuleEmitter
+    from opgrad.compiler.target import resolve_target, use_target
+
+    target = resolve_target(name)
+    assert target.has_fma == fused
+    with use_target(target):
+        module = ModuleEmitter("fma")
+        emit_gemm(module, GemmSpec.dense(64, 48, 32))
+        ir = module.text()
+    assert ("@llvm.fma." in ir, "@llvm.fmuladd." in ir) == (fused, not fused)
+
+
 def test_x86_64_v3_baseline_runs_here_and_agrees(python_losses: np.ndarray, tmp_path: Path) -> None:
     """A portable AVX2 library (what to ship to other x86-64 machines) trains to the same losses."""
     _require("cc")

@@ -89,9 +89,8 @@ def _peak_kernel() -> tuple[NativeModule, int, int]:
     target = host_target()
     lanes, chains = target.vector_width(4), peak_chains(target)
     vec = f"<{lanes} x float>"
-    m = ModuleEmitter("opgrad_peak", function_attrs=target.function_attrs)
-    fma = f"llvm.fma.v{lanes}f32"
-    m.declare(fma, f"declare {vec} @{fma}({vec}, {vec}, {vec})")
+    m = ModuleEmitter("opgrad_peak", function_attrs=target.function_attrs, fused_multiply_add=target.has_fma)
+    fma = m.fma(vec)[1:]
     lines = [f"define void @opgrad_peak(i64 %iters, float %a, float %b, ptr %out) nounwind {m.function_attrs} {{",
              "entry:",
              f"  %va0 = insertelement {vec} poison, float %a, i64 0",

@@ -87,6 +87,12 @@ class Target:
         return self._has("avx512f")
 
     @property
+    def has_fma(self) -> bool:
+        """Whether the CPU fuses a multiply and an add in one instruction: x86 with FMA3 (every
+        x86-64-v3 CPU), and AArch64, whose NEON always has it."""
+        return self._has("fma") if self.is_x86 else self.is_aarch64
+
+    @property
     def vector_registers(self) -> int:
         """Architectural vector registers: the budget for a GEMM register tile."""
         if self.has_avx512:
