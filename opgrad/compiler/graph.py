@@ -226,23 +226,18 @@ class SameValues:
             self._class[node._uid] = self._first.setdefault(key, node._uid)
 
     def earlier_call(self, node: Call) -> int | None:
-        """The uid of an earlier call whose result ``node`` may reuse, or None (lower it)."""
+        """The uid of an earlier call whose result ``node`` may reuse, or None (lower it); either
+        way ``node`` is recorded, as the first of its kind or as a repeat."""
         key = self._key(node)
         if key is None:
             return None
-        first = self._first.get(key)
-        if first is None:
-            return None
-        self._class[node._uid] = first
-        return None if first in self._recompute else first
+        first = self._class[node._uid] = self._first.setdefault(key, node._uid)
+        return None if first == node._uid or first in self._recompute else first
 
     def note_call(self, node: Call, elementwise_only: bool) -> None:
-        """Record ``node`` after lowering it; ``elementwise_only``: it emitted only elementwise steps."""
-        key = self._key(node)
-        if key is None or node._uid in self._class:
-            return
-        self._class[node._uid] = self._first.setdefault(key, node._uid)
-        if elementwise_only:
+        """After lowering ``node``: ``elementwise_only`` (it emitted only elementwise steps) makes
+        its repeats compute it again."""
+        if elementwise_only and self._class.get(node._uid) == node._uid:
             self._recompute.add(node._uid)
 
 
