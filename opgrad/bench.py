@@ -73,7 +73,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="per-kernel table: GFLOP/s and %% of peak of each conv/dense pass, GB/s of the others")
     parser.add_argument("--scaling", action="store_true", help="time the step on 1, 2, 4, ... threads (children)")
     parser.add_argument("--compile-times", action="store_true",
-                        help="cold (empty object cache) and warm compile time of the step (children)")
+                        help="cold (empty caches) and warm compile time of the step (children)")
     parser.add_argument("--memory", action="store_true",
                         help="peak resident memory of a process running the step, opgrad vs PyTorch (children)")
     parser.add_argument("--simulate-threads", type=int_range(2, 1024, "threads to simulate"), nargs="+",

@@ -8,6 +8,8 @@ checks every variable here up front, so a typo fails before any work, as one lin
 ``OPGRAD_CONV_ALGORITHM`` picks how stride-1 convolutions run: ``auto`` (the default: Winograd for
 3x3 kernels where it pays, a sliding window for few input taps), ``direct`` (always the im2col
 GEMM) or ``winograd`` (wherever it applies).
+``OPGRAD_PLAN_CACHE=0`` plans every compile afresh instead of loading a stored plan
+(:mod:`opgrad.compiler.plancache`): for code that patches opgrad's compiler at run time.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ __all__ = [
     "CONV_ALGORITHMS",
     "CONV_ALGORITHM_VAR",
     "NUM_THREADS_VAR",
+    "PLAN_CACHE_VAR",
     "available_cpus",
     "cache_dir_setting",
     "cgroup_cpu_limit",
@@ -32,6 +35,7 @@ __all__ = [
     "compile_in_process_setting",
     "conv_algorithm_setting",
     "num_threads_setting",
+    "plan_cache_setting",
 ]
 
 NUM_THREADS_VAR = "OPGRAD_NUM_THREADS"
@@ -39,6 +43,7 @@ CACHE_DIR_VAR = "OPGRAD_CACHE_DIR"
 COMPILE_IN_PROCESS_VAR = "OPGRAD_COMPILE_IN_PROCESS"
 CONV_ALGORITHM_VAR = "OPGRAD_CONV_ALGORITHM"
 CONV_ALGORITHMS = ("auto", "direct", "winograd")
+PLAN_CACHE_VAR = "OPGRAD_PLAN_CACHE"
 
 
 def num_threads_setting(environ: Mapping[str, str] | None = None) -> int | None:
@@ -95,12 +100,22 @@ def conv_algorithm_setting(environ: Mapping[str, str] | None = None) -> str:
     return text
 
 
+def plan_cache_setting(environ: Mapping[str, str] | None = None) -> bool:
+    """Whether ``$OPGRAD_PLAN_CACHE`` lets a compile load a stored plan (``1``, the default) or not (``0``)."""
+    text = (os.environ if environ is None else environ).get(PLAN_CACHE_VAR, "").strip()
+    if text not in ("", "0", "1"):
+        raise ConfigError(f"environment variable {PLAN_CACHE_VAR}={text!r}: expected 1 (load a graph's stored "
+                          "plan, the default) or 0 (plan every compile afresh)")
+    return text != "0"
+
+
 def check_environment(environ: Mapping[str, str] | None = None) -> None:
     """Validate every opgrad environment variable; raises ``ConfigError`` for the first bad one."""
     num_threads_setting(environ)
     cache_dir_setting(environ)
     compile_in_process_setting(environ)
     conv_algorithm_setting(environ)
+    plan_cache_setting(environ)
 
 
 def cgroup_cpu_limit(path: Path = Path("/sys/fs/cgroup/cpu.max"),

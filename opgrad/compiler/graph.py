@@ -30,6 +30,7 @@ from typing import Any
 
 import numpy as np
 
+from opgrad.env import plan_cache_setting
 from opgrad.errors import ArgumentError
 from opgrad.ir import Call, Const, Expr, Function, Var, children, topological_order
 from opgrad.reference import check_arguments
@@ -38,12 +39,15 @@ from opgrad.replicas import raise_pending
 from .builder import KernelBuilder
 from .hostcall import register_host_symbols
 from .irtext import ModuleEmitter
-from .jit import CompileTimes, NativeModule
+from .jit import CompileTimes, NativeModule, ObjectMissing
+from .plancache import PlanCache, attribute_key, plan_key
 from .steploop import LOOP_NAN, LOOP_RANGE, STATUS_WORDS, STOP_ON_NAN, LoopCheck, LoopStopped, StepLoop, emit_step_loop
 from .threads import pool
 from .views import ELEMENT_BYTES, View, identity
 
 _ALIGN = 64
+#: The compiled entry's name (``void opgrad_graph(ptr bufs, ptr ws)``).
+_ENTRY = "opgrad_graph"
 
 
 @dataclass
@@ -215,7 +219,7 @@ class SameValues:
 
     def _key(self, node: Call) -> tuple[Any, ...] | None:
         try:
-            attrs = tuple(sorted((name, _frozen(value)) for name, value in node.attrs.items()))
+            attrs = tuple(sorted((name, attribute_key(value)) for name, value in node.attrs.items()))
         except TypeError:  # an attribute this comparison does not know: never the same
             return None
         return (node.op.name, node.dtype, node.shape, attrs, tuple(self._class.get(a._uid, a._uid) for a in node.args))
@@ -239,20 +243,6 @@ class SameValues:
         its repeats compute it again."""
         if elementwise_only and self._class.get(node._uid) == node._uid:
             self._recompute.add(node._uid)
-
-
-def _frozen(value: Any) -> Any:
-    """An attribute value as a hashable key; floats by repr, so 0.0 and -0.0 differ. Raises
-    TypeError for a value of another kind (such a call is never taken as a repeat)."""
-    if value is None or isinstance(value, (bool, int, str)):
-        return (type(value).__name__, value)
-    if isinstance(value, float):
-        return ("float", repr(value))
-    if isinstance(value, (list, tuple)):
-        return ("seq", tuple(_frozen(v) for v in value))
-    if isinstance(value, np.generic):
-        return ("np", value.dtype.str, value.tobytes())
-    raise TypeError(f"attribute value of type {type(value).__name__}")
 
 
 def _resolve(call: Call, bound: int | str) -> int:
@@ -301,7 +291,8 @@ class GraphPlan:
     offsets of internal slots, constants, range checks, per-thread workspace and the LLVM IR.
 
     The JIT (:class:`CompiledFunction`) and the exporter (:mod:`opgrad.deploy`) both run a plan:
-    one fills the table from numpy arrays, the other from C.
+    one fills the table from numpy arrays, the other from C. A plan loaded from the plan cache
+    (:meth:`from_record`) has no IR: ``module`` is None and ``ir`` empty.
     """
 
     function: Function
@@ -318,7 +309,7 @@ class GraphPlan:
     fused: int
     step_labels: list[str]
     kernel_labels: dict[str, str]
-    module: ModuleEmitter
+    module: ModuleEmitter | None
     ir: str
     loop: StepLoop | None = None
     loop_entry: str = ""
@@ -326,6 +317,61 @@ class GraphPlan:
     step_costs: list[StepCost] = field(default_factory=list)
     #: Steps that call back into this process (``cross_replica_sum``'s reducer), described.
     host_calls: list[str] = field(default_factory=list)
+
+    def emitter(self) -> ModuleEmitter:
+        """The module the plan's IR was emitted into; a plan from the plan cache has none."""
+        if self.module is None:
+            raise ValueError(f"plan {self.name!r} came from the plan cache and has no IR module; "
+                             "build one with plan_graph")
+        return self.module
+
+    def record(self) -> tuple[dict[str, Any], dict[int, np.ndarray]]:
+        """What the plan cache stores: every field but the function, the loop and the IR, as JSON
+        values, and the constants."""
+        fields = {
+            "name": self.name,
+            "buffers": [[b.kind, list(b.shape), b.dtype, b.index] for b in self.buffers],
+            "params": self.params, "results": self.results,
+            "offsets": [[slot, offset] for slot, offset in self.offsets.items()],
+            "arena_bytes": self.arena_bytes,
+            "checks": [[c.param, c.op, c.input, c.low, c.high] for c in self.checks],
+            "workspace_per_thread": self.workspace_per_thread, "steps": self.steps, "fused": self.fused,
+            "step_labels": self.step_labels, "kernel_labels": self.kernel_labels,
+            "loop_entry": self.loop_entry,
+            "loop_checks": [[c.slot, c.count, c.dtype, c.low, c.high, c.per_step] for c in self.loop_checks],
+            "step_costs": [[c.label, c.detail, c.flops, c.bytes, list(c.reads), list(c.writes)]
+                           for c in self.step_costs],
+            "host_calls": self.host_calls,
+        }
+        return fields, self.consts
+
+    @classmethod
+    def from_record(cls, fn: Function, loop: StepLoop | None, fields: dict[str, Any],
+                    consts: dict[int, np.ndarray]) -> GraphPlan:
+        """The plan :meth:`record` stored for ``fn`` (and ``loop``), without its IR. Raises
+        KeyError, TypeError or ValueError on a record that does not fit ``fn``."""
+        buffers = [Buffer(str(kind), tuple(int(d) for d in shape), str(dtype), int(index))
+                   for kind, shape, dtype, index in fields["buffers"]]
+        params, results = [int(b) for b in fields["params"]], [int(b) for b in fields["results"]]
+        wanted = [(p.shape, p.dtype) for p in fn.params] + [(o.shape, o.dtype) for o in fn.outputs]
+        if [(buffers[b].shape, buffers[b].dtype) for b in params + results] != wanted:
+            raise ValueError("its parameters and results are not the function's")
+        if sorted(consts) != [b for b, buffer in enumerate(buffers) if buffer.kind == "const"]:
+            raise ValueError("its constants are not its constant slots")
+        return cls(
+            fn, str(fields["name"]), buffers, params, results,
+            {int(slot): int(offset) for slot, offset in fields["offsets"]}, int(fields["arena_bytes"]), consts,
+            [RangeCheck(int(param), str(op), str(name), int(low), int(high))
+             for param, op, name, low, high in fields["checks"]],
+            int(fields["workspace_per_thread"]), int(fields["steps"]), int(fields["fused"]),
+            [str(label) for label in fields["step_labels"]],
+            {str(k): str(v) for k, v in fields["kernel_labels"].items()}, None, "", loop, str(fields["loop_entry"]),
+            [LoopCheck(int(slot), int(count), str(dtype), int(low), int(high), bool(per_step))
+             for slot, count, dtype, low, high, per_step in fields["loop_checks"]],
+            [StepCost(str(label), str(detail), int(flops), int(nbytes), tuple(reads), tuple(writes))
+             for label, detail, flops, nbytes, reads, writes in fields["step_costs"]],
+            [str(call) for call in fields["host_calls"]],
+        )
 
 
 def plan_graph(fn: Function, *, name: str = "opgrad_graph", step_entries: bool = False,
@@ -394,27 +440,44 @@ class CompiledFunction:
     """A Function compiled to one native entry; call it like ``opgrad.evaluate(fn, ...)``.
 
     Attributes: ``compile_seconds`` (wall time of ``opgrad.compile``), ``cache_hit`` (the object
-    came from the on-disk cache), ``times`` (parse/optimize/codegen/load split), ``ir`` (the
-    unoptimized LLVM IR text), ``arena_bytes``, ``steps`` and ``fused`` (plan statistics).
+    came from the on-disk cache), ``plan_cache_hit`` (the plan did too: :mod:`.plancache`),
+    ``plan_seconds`` (building the plan, or reading the stored one), ``times``
+    (parse/optimize/codegen/load split), ``ir`` (the unoptimized LLVM IR text), ``arena_bytes``,
+    ``steps`` and ``fused`` (plan statistics).
 
     Arguments must match the parameters' dtype and shape exactly (no silent casts); arrays that
     are not C-contiguous or not in native byte order are copied first (documented, not an error).
     Calls on one object are serialized by a lock: the intermediate arena is shared.
     """
 
-    def __init__(self, fn: Function, step_entries: bool = False, loop: StepLoop | None = None) -> None:
+    def __init__(self, fn: Function, step_entries: bool = False, loop: StepLoop | None = None,
+                 plan_cache: bool | None = None) -> None:
         t0 = time.perf_counter()
         self.function = fn
-        plan = plan_graph(fn, step_entries=step_entries, loop=loop)
+        self._step_entries = step_entries
+        register_host_symbols()
+        use_plans = plan_cache_setting() if plan_cache is None else plan_cache
+        key = plan_key(fn, name=_ENTRY, step_entries=step_entries, loop=loop) if use_plans else None
+        plans = PlanCache() if key is not None else None
+        keyed = time.perf_counter() - t0
+        loaded = self._load_stored(fn, loop, plans, key) if plans is not None and key is not None else None
+        self.plan_cache_hit = loaded is not None
+        if loaded is None:
+            plan = plan_graph(fn, name=_ENTRY, step_entries=step_entries, loop=loop)
+            self.plan_seconds = time.perf_counter() - t0  # lowering, fusion, buffer plan and IR text
+            # The thread pool's module (which the step calls) is built after the step's objects, in a
+            # worker already started for them, rather than first and waiting for a worker of its own.
+            module = NativeModule(plan.ir, what=_describe(fn), kernel_labels=plan.kernel_labels, before_load=pool)
+            if plans is not None and key is not None:
+                fields, consts = plan.record()
+                plans.store(key, {**fields, "object_key": module.key, "declared": module.declared}, consts)
+        else:
+            plan, module, read_seconds = loaded
+            self.plan_seconds = keyed + read_seconds  # the key (graph fingerprint) and the stored record
         self.plan = plan
-        self.plan_seconds = time.perf_counter() - t0  # lowering, fusion, buffer plan and IR text
+        self._module = module
         self.fused, self.arena_bytes, self.steps = plan.fused, plan.arena_bytes, plan.steps
         self.step_labels = plan.step_labels
-        register_host_symbols()
-        self.ir = plan.ir
-        # The thread pool's module (which the step calls) is built after the step's objects, in a
-        # worker already started for them, rather than first and waiting for a worker of its own.
-        self._module = NativeModule(self.ir, what=_describe(fn), kernel_labels=plan.kernel_labels, before_load=pool)
         nthreads = pool().nthreads
         self.times: CompileTimes = self._module.times
         self.cache_hit = self.times.cache_hit
@@ -447,6 +510,38 @@ class CompiledFunction:
                                             ctypes.c_int64, ctypes.c_int32, ctypes.c_void_p)
                          if plan.loop_entry else None)
         self.compile_seconds = time.perf_counter() - t0
+
+    @staticmethod
+    def _load_stored(fn: Function, loop: StepLoop | None, plans: PlanCache,
+                     key: str) -> tuple[GraphPlan, NativeModule, float] | None:
+        """The stored plan of ``key``, its loaded object and the seconds the plan took to read;
+        None when either is missing (a plan that does not fit is reported and deleted)."""
+        t0 = time.perf_counter()
+        record = plans.load(key)
+        if record is None:
+            return None
+        fields, consts = record
+        try:
+            plan = GraphPlan.from_record(fn, loop, fields, consts)
+            object_key, declared = str(fields["object_key"]), [str(name) for name in fields["declared"]]
+        except (KeyError, TypeError, ValueError, IndexError) as exc:
+            plans.discard(key, f"not a plan of this function ({type(exc).__name__}: {exc})")
+            return None
+        seconds = time.perf_counter() - t0
+        try:
+            module = NativeModule("", key=object_key, declared=declared, what=_describe(fn),
+                                  kernel_labels=plan.kernel_labels, before_load=pool)
+        except ObjectMissing:
+            return None
+        return plan, module, seconds
+
+    @property
+    def ir(self) -> str:
+        """The unoptimized LLVM IR text (planned again on first use after a plan-cache hit)."""
+        if not self.plan.ir:
+            self.plan.ir = plan_graph(self.function, name=_ENTRY, step_entries=self._step_entries,
+                                      loop=self.plan.loop).ir
+        return self.plan.ir
 
     def __call__(self, *arrays: Any) -> np.ndarray | tuple[np.ndarray, ...]:
         checked = list(arrays)
@@ -634,15 +729,19 @@ def _aligned(arr: np.ndarray) -> int:
     return addr + (-addr) % _ALIGN
 
 
-def compile(fn: Function, *, step_entries: bool = False, loop: StepLoop | None = None) -> CompiledFunction:
+def compile(fn: Function, *, step_entries: bool = False, loop: StepLoop | None = None,
+            plan_cache: bool | None = None) -> CompiledFunction:
     """Compile ``fn`` (any Function, including those ``opgrad.grad`` returns) to native code.
 
     ``step_entries=True`` also exports one entry per step for :meth:`CompiledFunction.profile`;
     ``loop`` adds the native multi-step loop that :meth:`CompiledFunction.run_steps` calls.
+    ``plan_cache`` (default: ``$OPGRAD_PLAN_CACHE``, on) loads the plan stored by an earlier
+    compile of the same graph here, skipping lowering and IR (:mod:`opgrad.compiler.plancache`);
+    False plans afresh, as a check of a patched lowering must.
     """
     if not isinstance(fn, Function):
         raise TypeError(f"opgrad.compile expects an opgrad.Function, got {type(fn).__name__}")
-    return CompiledFunction(fn, step_entries, loop)
+    return CompiledFunction(fn, step_entries, loop, plan_cache)
 
 
 __all__ = ["CompiledFunction", "GraphPlan", "StepCost", "compile", "plan_arena", "plan_graph"]

@@ -50,8 +50,8 @@ from .merge import merge_identical_functions
 from .split import DEFINE, isolate_kernels, pipeline_pieces, split_module
 from .target import HostTarget, Target, ensure_native_initialized, host_target
 
-__all__ = ["ENGINE_VERSION", "Codegen", "HostTarget", "NativeModule", "ObjectCache", "build_object", "cache_key",
-           "host_target", "object_code"]
+__all__ = ["ENGINE_VERSION", "Codegen", "HostTarget", "NativeModule", "ObjectCache", "ObjectMissing", "build_object",
+           "cache_key", "declared_functions", "host_target", "object_code"]
 
 #: Bump when the optimization pipeline, target-machine options or cache format change.
 ENGINE_VERSION = "opgrad-engine-4"
@@ -126,13 +126,18 @@ def cache_key(ir_text: str, codegen: Codegen | None = None) -> str:
 
 
 class ObjectCache:
-    """On-disk store of compiled objects, one file per key, each validated by its own header."""
+    """On-disk store of compiled objects, one file per key, each validated by its own header.
 
-    def __init__(self, directory: Path | None = None) -> None:
+    ``suffix`` and ``what`` let other entries share the directory and format (stored plans:
+    ``.plan``, :mod:`.plancache`)."""
+
+    def __init__(self, directory: Path | None = None, suffix: str = ".o", what: str = "object") -> None:
         self.directory = directory if directory is not None else cache_dir()
+        self.suffix = suffix
+        self.what = what
 
     def path(self, key: str) -> Path:
-        return self.directory / f"{key}.o"
+        return self.directory / f"{key}{self.suffix}"
 
     def load(self, key: str) -> bytes | None:
         """Return the payload, or None if absent; a damaged entry is warned about and deleted."""
@@ -142,15 +147,20 @@ class ObjectCache:
         except FileNotFoundError:
             return None
         except OSError as exc:
-            warnings.warn(f"opgrad: cannot read cached object {path}: {exc}", stacklevel=3)
+            warnings.warn(f"opgrad: cannot read cached {self.what} {path}: {exc}", stacklevel=3)
             return None
         problem = self.check(blob, key)
         if problem is None:
             return blob[_HEADER.size :]
-        warnings.warn(f"opgrad: cached object {path} is {problem}; deleting and rebuilding", stacklevel=3)
+        self.discard(key, problem)
+        return None
+
+    def discard(self, key: str, problem: str) -> None:
+        """Warn that the entry under ``key`` is ``problem`` (damaged), and delete it."""
+        path = self.path(key)
+        warnings.warn(f"opgrad: cached {self.what} {path} is {problem}; deleting and rebuilding", stacklevel=4)
         with contextlib.suppress(OSError):
             path.unlink()
-        return None
 
     @staticmethod
     def check(blob: bytes, key: str) -> str | None:
@@ -178,11 +188,11 @@ class ObjectCache:
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
             header = _HEADER.pack(_MAGIC, bytes.fromhex(key), len(payload), hashlib.sha256(payload).digest())
-            with atomic_writer(self.path(key), what="a compiled object") as f:
+            with atomic_writer(self.path(key), what=f"a compiled {self.what}") as f:
                 f.write(header)
                 f.write(payload)
         except OSError as exc:  # a read-only home must not break compilation
-            warnings.warn(f"opgrad: cannot write object cache in {self.directory}: {exc}", stacklevel=3)
+            warnings.warn(f"opgrad: cannot write the {self.what} cache in {self.directory}: {exc}", stacklevel=3)
 
 
 # ----- Symbols shared between modules -----
@@ -205,15 +215,27 @@ def provide_symbol(name: str, start: Callable[[], object]) -> None:
     _providers[name] = start
 
 
-def _resolve_provided_symbols(ir_text: str) -> None:
+_DECLARE = re.compile(r"^declare [^@\n]*@([^\s(]+)\(", re.MULTILINE)
+
+
+def declared_functions(ir_text: str) -> list[str]:
+    """The functions ``ir_text`` declares (calls without defining), in order."""
+    return _DECLARE.findall(ir_text)
+
+
+def _resolve_provided_symbols(declared: list[str]) -> None:
     for name, start in list(_providers.items()):
-        if name not in _symbols and re.search(rf"^declare [^@\n]*@{re.escape(name)}\(", ir_text, re.MULTILINE):
+        if name not in _symbols and name in declared:
             start()
             if name not in _symbols:
                 raise RuntimeError(f"opgrad: starting the provider of {name!r} did not register it")
 
 
 # ----- Compiling in a worker process -----
+
+
+class ObjectMissing(LookupError):
+    """No sound object-cache entry under the key a stored plan names."""
 
 
 class WorkerDied(Exception):
@@ -566,6 +588,10 @@ class NativeModule:
     ``what`` and ``kernel_labels`` only make compile errors name the function and its ops.
     ``before_load`` runs after the object is built and before it is linked: it can build the
     module that defines the symbols this one calls, in workers this build has already started.
+
+    With an empty ``ir_text``, the object is the cache's entry under ``key`` (a stored plan
+    names it) and ``declared`` lists the functions its IR declared; :class:`ObjectMissing` is
+    raised when there is no sound entry, and the caller builds the IR after all.
     """
 
     ir_text: str
@@ -576,13 +602,20 @@ class NativeModule:
     what: str = ""
     kernel_labels: Mapping[str, str] | None = None
     before_load: Callable[[], object] | None = None
+    declared: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         _ensure_initialized()
-        self.key = cache_key(self.ir_text)
+        if self.ir_text:
+            self.key = cache_key(self.ir_text)
+            self.declared = declared_functions(self.ir_text)
+        elif not (self.key and self.use_cache):
+            raise ValueError("NativeModule: give the IR text, or the cache key of its object")
         store = (self.cache or ObjectCache()) if self.use_cache else None
         t0 = time.perf_counter()
         payload = store.load(self.key) if store is not None else None
+        if payload is None and not self.ir_text:
+            raise ObjectMissing(self.key)
         if payload is None:
             objects = _split_objects(self.ir_text) or [build_object(self.ir_text, self.what, self.kernel_labels)]
             self.times.optimize = time.perf_counter() - t0
@@ -593,7 +626,7 @@ class NativeModule:
             self.times.cache_hit = True
         if self.before_load is not None:
             self.before_load()
-        _resolve_provided_symbols(self.ir_text)
+        _resolve_provided_symbols(self.declared)
         t1 = time.perf_counter()
         self._engine = llvm.create_mcjit_compiler(llvm.parse_assembly(""), _target_machine())
         self.times.parts = len(objects)

@@ -94,8 +94,8 @@ def _module_ir(name: str, train: GraphPlan, evaluation: GraphPlan) -> str:
     """One module: both graphs, with the pool entry renamed to this export's and every function
     hidden (linkable by the runtime, but a shared library exports its C API only)."""
     module = ModuleEmitter(name, function_attrs="")
-    module.merge(train.module)
-    module.merge(evaluation.module)
+    module.merge(train.emitter())
+    module.merge(evaluation.emitter())
     text = re.sub(r"@opgrad_parallel_for\b", f"@{name}_parallel_for", module.text())
     lines = []
     for line in text.splitlines():
