@@ -234,10 +234,6 @@ def _resolve_provided_symbols(declared: list[str]) -> None:
 # ----- Compiling in a worker process -----
 
 
-class ObjectMissing(LookupError):
-    """No sound object-cache entry under the key a stored plan names."""
-
-
 class WorkerDied(Exception):
     """The compile worker exited without answering; ``detail`` is the end of what it printed."""
 
@@ -578,6 +574,10 @@ class CompileTimes:
     @property
     def total(self) -> float:
         return self.parse + self.optimize + self.codegen + self.load
+
+
+class ObjectMissing(LookupError):
+    """No sound object-cache entry under the key a stored plan names."""
 
 
 @dataclass
