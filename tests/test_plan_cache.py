@@ -133,6 +133,12 @@ def test_graphs_with_code_from_outside_opgrad_have_no_key(monkeypatch: pytest.Mo
     assert plancache.graph_fingerprint(fn) is None
 
 
+def test_without_opgrads_sources_to_digest_nothing_has_a_key(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert plancache.source_digest() is not None
+    monkeypatch.setattr(plancache, "source_digest", lambda: None)
+    assert plancache.plan_key(_conv(1, 2.0), name="opgrad_graph", step_entries=False, loop=None) is None
+
+
 def test_a_damaged_plan_is_reported_deleted_and_planned_again(plans: Path) -> None:
     fn = step_function()
     expected = run(compile_fn(fn), arguments(fn))

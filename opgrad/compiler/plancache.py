@@ -73,18 +73,24 @@ def attribute_key(value: Any) -> Any:
 
 
 @functools.lru_cache(maxsize=1)
-def source_digest() -> str:
+def source_digest() -> str | None:
     """sha256 of every ``.py`` file of the installed ``opgrad`` package and of its registry, by
-    relative path and content (about 2.5 ms for 1.1 MB, once per process)."""
+    relative path and content (about 2.5 ms for 1.1 MB, once per process); None where the
+    sources are not there to read (an install of bytecode only), and then nothing has a key."""
     files = [importlib.import_module(name).__file__ for name in ("opgrad", "opgrad.registry")]
     roots = sorted({Path(file).resolve().parent for file in files if file})
     h = hashlib.sha256()
-    for root in roots:
-        for path in sorted(root.rglob("*.py")):
-            h.update(f"{root.name}/{path.relative_to(root).as_posix()}\0".encode())
-            h.update(path.read_bytes())
-            h.update(b"\0")
-    return h.hexdigest()
+    found = 0
+    try:
+        for root in roots:
+            for path in sorted(root.rglob("*.py")):
+                h.update(f"{root.name}/{path.relative_to(root).as_posix()}\0".encode())
+                h.update(path.read_bytes())
+                h.update(b"\0")
+                found += 1
+    except OSError:
+        return None
+    return h.hexdigest() if found else None
 
 
 def graph_fingerprint(fn: Function) -> str | None:
@@ -126,11 +132,11 @@ def graph_fingerprint(fn: Function) -> str | None:
 
 def plan_key(fn: Function, *, name: str, step_entries: bool, loop: StepLoop | None) -> str | None:
     """The plan cache's key for compiling ``fn`` here and now, or None when it has none."""
-    graph = graph_fingerprint(fn)
-    if graph is None:
+    graph, sources = graph_fingerprint(fn), source_digest()
+    if graph is None or sources is None:
         return None
     target = current_target()
-    parts = (PLAN_FORMAT, ENGINE_VERSION, llvmlite.__version__, np.__version__, source_digest(),
+    parts = (PLAN_FORMAT, ENGINE_VERSION, llvmlite.__version__, np.__version__, sources,
              target.triple, target.cpu, target.features,
              repr([cache_size(level) for level in (1, 2, 3)]), repr([cache_share(level) for level in (1, 2, 3)]),
              f"threads={pool_size()}", f"conv={conv_algorithm_setting()}", f"name={name}",
