@@ -309,6 +309,27 @@ def test_a_fused_epilogue_runs_on_each_image_of_a_block_across_images(monkeypatc
     np.testing.assert_allclose(results[0], want, rtol=0, atol=2e-5 * np.abs(want).max())
 
 
+def test_an_epilogue_input_that_varies_along_the_pixels_is_read_pixel_by_pixel(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # The compiler keeps such an epilogue (a relu gradient) in its own pass; where a block is
+    # given one anyway, it must not take the in-register path, which reads each input once per
+    # (image, channel).
+    import opgrad
+    from opgrad import ops
+
+    monkeypatch.setattr("opgrad.compiler.convpass.accepts_epilogue", lambda epilogue: True)
+    rng = np.random.default_rng(13)
+    dy, w, y = (opgrad.var(name, shape, "float32")
+                for name, shape in (("dy", (2, 16, 8, 8)), ("w", (16, 8, 3, 3)), ("y", (2, 8, 10, 10))))
+    dx = ops.conv2d_backward_input(dy, w, input_size=(10, 10), strides=(1, 1), padding=(0, 0, 0, 0))
+    fn = opgrad.function([dy, w, y], ops.multiply(dx, ops.greater(y, opgrad.const(0.0))))
+    compiled = opgrad.compile(fn, step_entries=True)
+    assert compiled.step_labels == ["conv2d_backward_input+greater+multiply"]
+    args = [rng.standard_normal(v.shape).astype(np.float32) for v in (dy, w, y)]
+    want = opgrad.evaluate(fn, *args)
+    np.testing.assert_allclose(compiled(*args), want, rtol=0, atol=2e-5 * np.abs(want).max())
+
+
 @pytest.mark.parametrize("threads", [1, 2, 16])
 def test_blocks_run_across_images_where_the_tiles_leave_vectors_part_empty(threads: int,
                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
