@@ -36,7 +36,7 @@ from opgrad.compiler.winograd import (
     transform_op_cycles,
     winograd_conv,
 )
-from opgrad.compiler.winograd_weight import GROUP_TILES, GROUPS, WeightGradEmitter, emit_winograd_weight
+from opgrad.compiler.winograd_weight import GROUP_TILES, GROUPS, MIN_GROUPS, WeightGradEmitter, emit_winograd_weight
 from opgrad.env import CONV_ALGORITHM_VAR, conv_algorithm_setting
 from opgrad.errors import ConfigError
 
@@ -108,8 +108,8 @@ RUNS = ([(case, "float32", tiles) for tiles in (F2X3, F3X3) for case in CASES]
 
 @pytest.mark.parametrize("tiles", [F2X3, F3X3])
 def test_the_weight_gradient_sums_its_groups_of_blocks_in_order(tiles: WinogradTiles) -> None:
-    # Enough tiles for several groups, which a small case (one group) does not reach; the count
-    # follows the tiles, never the threads, and is a power of two (2, 4, ... threads share it evenly).
+    # Enough tiles for more than MIN_GROUPS groups; the count follows the tiles, never the
+    # threads, and is a power of two (2, 4, ... threads share it evenly).
     x_shape, w_shape, pads = (5, 3, 66, 64), (4, 3, 3, 3), (0, 1, 0, 1)
     problem = winograd_conv(conv2d_geometry(x_shape, w_shape, 1, pads, 1, "float32"), "backward_weight",
                             require_gain=False)
@@ -117,7 +117,7 @@ def test_the_weight_gradient_sums_its_groups_of_blocks_in_order(tiles: WinogradT
     emitter = WeightGradEmitter(ModuleEmitter("groups"), problem, tiles)
     total_tiles = problem.n * emitter.th * emitter.tw
     most = min(GROUPS, problem.n * emitter.blocks, total_tiles // GROUP_TILES)
-    assert 1 < emitter.groups <= most < 2 * emitter.groups and emitter.groups & (emitter.groups - 1) == 0
+    assert MIN_GROUPS < emitter.groups <= most < 2 * emitter.groups and emitter.groups & (emitter.groups - 1) == 0
     rng = np.random.default_rng(7)
     x = rng.standard_normal(x_shape).astype(np.float32)
     dy = rng.standard_normal((5, 4, 64, 64)).astype(np.float32)
@@ -126,6 +126,19 @@ def test_the_weight_gradient_sums_its_groups_of_blocks_in_order(tiles: WinogradT
     _kernel(x_shape, w_shape, pads, "backward_weight", tiles, "float32")(x, dy, dw)
     # float32 sums of 20480 products each
     np.testing.assert_allclose(dw, want, rtol=0, atol=2e-5 * np.abs(want).max())
+
+
+def test_few_tiles_still_make_two_groups_where_there_are_two_blocks() -> None:
+    # A ResNet's 14x14 layer at batch 32 has 512 tiles, one GROUP_TILES' worth: in one group a
+    # second thread would transform its vector side again; two groups are summed in order.
+    problem = winograd_conv(conv2d_geometry((32, 32, 14, 14), (32, 32, 3, 3), 1, (1, 1, 1, 1), 1, "float32"),
+                            "backward_weight")
+    assert problem is not None
+    assert WeightGradEmitter(ModuleEmitter("few"), problem, F4X3).groups == MIN_GROUPS
+    one_image = winograd_conv(conv2d_geometry((1, 32, 6, 6), (32, 32, 3, 3), 1, (1, 1, 1, 1), 1, "float32"),
+                              "backward_weight", require_gain=False)
+    assert one_image is not None
+    assert WeightGradEmitter(ModuleEmitter("one"), one_image, F4X3).groups == 1  # one block
 
 
 @pytest.mark.parametrize(("case", "dtype", "tiles"), RUNS,

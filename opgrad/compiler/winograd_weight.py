@@ -30,7 +30,7 @@ from .target import current_target, host_target
 from .threads import pool_size
 from .winograd import F2X3, TileSource, WinogradConv, WinogradEmitter, WinogradTiles, emit_guarded_entry
 
-__all__ = ["GROUPS", "GROUP_TILES", "WeightGradEmitter", "emit_winograd_weight"]
+__all__ = ["GROUPS", "GROUP_TILES", "MIN_GROUPS", "WeightGradEmitter", "emit_winograd_weight"]
 
 #: Most groups of partial sums kept apart (then added in order): enough to share the blocks among many threads.
 GROUPS = 16
@@ -39,6 +39,13 @@ GROUPS = 16
 #: seed CNN's conv2 weight gradient (2048 tiles) took 3.00 ms in 16 groups, 2.63 in 8, 2.49 in 4
 #: and no less in 2.
 GROUP_TILES = 512
+#: Groups wherever there are that many blocks, however few tiles: with one group a second thread
+#: takes half of its channels (:meth:`WeightGradEmitter.group_parts`) and transforms the vector
+#: side of every tile again, where with two each sums its own blocks. Measured on AMD Zen 5 at
+#: batch 32, a ResNet's 14x14 32-channel layer (512 tiles) took 0.203 ms in one group and 0.153 in
+#: two on 2 threads, its 7x7 64-channel layer 0.228 and 0.209; on one thread 0.276 and 0.284,
+#: 0.386 and 0.391 (one more clear and add of the partial sums).
+MIN_GROUPS = 2
 
 
 def _transpose(m: tuple[tuple[float, ...], ...]) -> tuple[tuple[float, ...], ...]:
@@ -67,7 +74,7 @@ class WeightGradEmitter(WinogradEmitter):
         # The count depends on the shapes only, so the sums do not depend on the thread count; a
         # power of two, so that 2, 4, 8 or 16 threads share the groups evenly (3 groups on 2
         # threads would leave one of them idle for a third of the pass).
-        most = max(1, min(GROUPS, p.n * self.blocks, p.n * self.th * self.tw // GROUP_TILES))
+        most = max(1, min(GROUPS, p.n * self.blocks, max(MIN_GROUPS, p.n * self.th * self.tw // GROUP_TILES)))
         self.groups = 1 << (most.bit_length() - 1)
         self.parts = self.group_parts()
         self.w_group = self.alpha**2 * self.o_pad * self.c_pad
