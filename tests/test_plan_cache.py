@@ -151,7 +151,8 @@ def test_a_damaged_plan_is_reported_deleted_and_planned_again(plans: Path) -> No
     assert compile_fn(fn).plan_cache_hit  # stored again
 
 
-def test_a_sound_entry_that_does_not_fit_the_function_is_discarded(plans: Path) -> None:
+@pytest.mark.parametrize("damage", ["params", "arena", "offsets"])
+def test_a_sound_entry_that_does_not_fit_the_function_is_discarded(plans: Path, damage: str) -> None:
     fn = step_function()
     compile_fn(fn)
     (entry,) = plans.glob("*.plan")
@@ -160,7 +161,12 @@ def test_a_sound_entry_that_does_not_fit_the_function_is_discarded(plans: Path) 
     record = store.load(key)
     assert record is not None
     fields, consts = record
-    fields["params"] = fields["params"][:-1]
+    if damage == "params":
+        fields["params"] = fields["params"][:-1]
+    elif damage == "arena":  # every internal buffer would run past the arena
+        fields["arena_bytes"] = 64
+    else:
+        fields["offsets"] = [[slot, offset + fields["arena_bytes"]] for slot, offset in fields["offsets"]]
     store.store(key, fields, consts)
     with pytest.warns(UserWarning, match="not a plan of this function"):
         again = compile_fn(fn)

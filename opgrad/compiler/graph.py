@@ -356,11 +356,16 @@ class GraphPlan:
         wanted = [(p.shape, p.dtype) for p in fn.params] + [(o.shape, o.dtype) for o in fn.outputs]
         if [(buffers[b].shape, buffers[b].dtype) for b in params + results] != wanted:
             raise ValueError("its parameters and results are not the function's")
-        if sorted(consts) != [b for b, buffer in enumerate(buffers) if buffer.kind == "const"]:
+        if sorted(consts) != [b for b, buffer in enumerate(buffers) if buffer.kind == "const"] or any(
+                consts[b].shape != buffers[b].shape or consts[b].dtype.name != buffers[b].dtype for b in consts):
             raise ValueError("its constants are not its constant slots")
+        offsets = {int(slot): int(offset) for slot, offset in fields["offsets"]}
+        arena_bytes = int(fields["arena_bytes"])
+        if any(buffers[b].kind != "internal" or not 0 <= offset <= arena_bytes - buffers[b].nbytes
+               for b, offset in offsets.items()):
+            raise ValueError("its arena offsets do not fit its arena")
         return cls(
-            fn, str(fields["name"]), buffers, params, results,
-            {int(slot): int(offset) for slot, offset in fields["offsets"]}, int(fields["arena_bytes"]), consts,
+            fn, str(fields["name"]), buffers, params, results, offsets, arena_bytes, consts,
             [RangeCheck(int(param), str(op), str(name), int(low), int(high))
              for param, op, name, low, high in fields["checks"]],
             int(fields["workspace_per_thread"]), int(fields["steps"]), int(fields["fused"]),
@@ -460,7 +465,7 @@ class CompiledFunction:
         key = plan_key(fn, name=_ENTRY, step_entries=step_entries, loop=loop) if use_plans else None
         plans = PlanCache() if key is not None else None
         keyed = time.perf_counter() - t0
-        loaded = self._load_stored(fn, loop, plans, key) if plans is not None and key is not None else None
+        loaded = self._load_stored(fn, loop, plans, key) if plans is not None and key else None
         self.plan_cache_hit = loaded is not None
         if loaded is None:
             plan = plan_graph(fn, name=_ENTRY, step_entries=step_entries, loop=loop)
@@ -468,7 +473,7 @@ class CompiledFunction:
             # The thread pool's module (which the step calls) is built after the step's objects, in a
             # worker already started for them, rather than first and waiting for a worker of its own.
             module = NativeModule(plan.ir, what=_describe(fn), kernel_labels=plan.kernel_labels, before_load=pool)
-            if plans is not None and key is not None:
+            if plans is not None and key:
                 fields, consts = plan.record()
                 plans.store(key, {**fields, "object_key": module.key, "declared": module.declared}, consts)
         else:
