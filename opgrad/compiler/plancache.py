@@ -48,7 +48,8 @@ from .steploop import StepLoop
 from .target import cache_share, cache_size, current_target
 from .threads import pool_size
 
-__all__ = ["PLAN_FORMAT", "PlanCache", "attribute_key", "graph_fingerprint", "plan_key", "source_digest"]
+__all__ = ["PLAN_FORMAT", "PlanCache", "attribute_key", "decode_record", "encode_record", "graph_fingerprint",
+           "plan_key", "source_digest"]
 
 #: Bump when the stored record's fields or their meaning change.
 PLAN_FORMAT = "opgrad-plan-1"
