@@ -82,6 +82,10 @@ class FuzzGraph:
     description: str
     dtype: str
     ops: set[str] = field(default_factory=set)
+    #: ``opgrad.compile(..., in_place=)`` pairs (a parameter and a result of its shape), and
+    #: whether the call donates the parameters' arrays.
+    in_place: tuple[tuple[int, int], ...] = ()
+    donate: bool = False
 
 
 def lowered_ops(names: Sequence[str] | None = None) -> list[Operator]:
@@ -166,8 +170,19 @@ def fuzz_graphs(draw: Callable[[st.SearchStrategy[Any]], Any], operators: Sequen
                    + (f", inputs {' '.join(pre)}" if pre else "")
                    + (f", then {' -> '.join(post)}" if post else "")
                    + (", with gradients" if differentiable else ""))
+    in_place: list[tuple[int, int]] = []
+    donate = False
+    if draw(st.booleans()):  # results computed over parameters of their shape (a gradient over its input)
+        for r, out in enumerate(fn.outputs):
+            free = [p for p, x in enumerate(fn.params) if (x.shape, x.dtype) == (out.shape, out.dtype)
+                    and all(p != q for q, _ in in_place)]
+            if free:
+                in_place.append((free[0], r))
+        donate = draw(st.booleans())
+        if in_place:
+            description += f", in place {in_place}" + (" donated" if donate else "")
     used = {c.op.name for c in opgrad.ir.calls(fn.outputs)}
-    return FuzzGraph(fn, arrays, description, dtype, used)
+    return FuzzGraph(fn, arrays, description, dtype, used, tuple(in_place), donate)
 
 
 def compare(graph: FuzzGraph) -> None:
@@ -176,8 +191,13 @@ def compare(graph: FuzzGraph) -> None:
         expected = opgrad.evaluate(graph.function, *graph.arrays)
     with warnings.catch_warnings():
         warnings.simplefilter("error", CompileWarning)
-        compiled = opgrad.compile(graph.function, plan_cache=False)  # the planner is what is tested
-    got = compiled(*graph.arrays)
+        # The planner is what is tested.
+        compiled = opgrad.compile(graph.function, plan_cache=False, in_place=graph.in_place)
+    arrays = [a.copy() for a in graph.arrays]
+    got = compiled(*arrays, donate=graph.donate)
+    if not graph.donate:
+        for arr, given in zip(arrays, graph.arrays):
+            assert np.array_equal(arr, given, equal_nan=arr.dtype.kind == "f"), "the call modified an argument"
     expected_list = list(expected) if isinstance(expected, tuple) else [expected]
     got_list = list(got) if isinstance(got, tuple) else [got]
     names = _output_names(graph.function)

@@ -46,7 +46,7 @@ from .convpass import ConvPass, emit_conv2d_pass
 from .gemm import Epilogue, GemmSpec, IndexMap, Operand, emit_gemm
 from .grouped import conv2d_direct
 from .hostcall import emit_cross_replica_sum, register_host_symbols
-from .irtext import BYTES, FunctionEmitter, ModuleEmitter
+from .irtext import BYTES, LLVM_TYPE, FunctionEmitter, ModuleEmitter
 from .jit import NativeModule
 from .reduction import emit_reduction, reduces_by_vectors
 from .target import current_target
@@ -745,11 +745,14 @@ class KernelBuilder:
 
     # ----- assembly -----
 
-    def finish(self, step_entries: bool = False) -> str:
+    def finish(self, step_entries: bool = False, guard: tuple[int, int, str] | None = None) -> str:
         """Emit every step and the entry that runs them in order; returns the module's IR text.
 
         ``step_entries`` also exports ``<name>.step<i>(bufs, ws)`` running step ``i`` alone, so
-        that a profiler can time each step with the same code and buffers.
+        that a profiler can time each step with the same code and buffers. ``guard`` (step, slot,
+        dtype) also emits ``i32 <name>.guarded(bufs, ws)``, which runs the same kernels but returns
+        1 before that step where the scalar in ``slot`` is NaN (a multi-step loop stopping at a NaN
+        loss before any step overwrites a weight), else 0 after the last.
         """
         calls: list[tuple[str, list[int]]] = []
         # A GEMM or conv pass of the same spec as an earlier step calls that step's kernel: a
@@ -788,11 +791,29 @@ class KernelBuilder:
                 f.call("void", f"@{self.name}.step{g}", [("ptr", "%bufs"), ("ptr", "%ws")])
             f.ret_void()
             f.finish()
+        if guard is not None:
+            self._emit_entry(f"{self.name}.guarded", calls, guard)
         return self.m.text()
 
-    def _emit_entry(self, name: str, calls: list[tuple[str, list[int]]]) -> None:
-        f = FunctionEmitter(self.m, name, [("ptr", "bufs"), ("ptr", "ws")])
-        for fn, bufs in calls:
+    def _emit_entry(self, name: str, calls: list[tuple[str, list[int]]],
+                    guard: tuple[int, int, str] | None = None) -> None:
+        f = FunctionEmitter(self.m, name, [("ptr", "bufs"), ("ptr", "ws")], ret="i32" if guard else "void")
+
+        def finished() -> None:
+            if guard is None:
+                f.ret_void()
+            else:
+                f.emit("ret i32 0")
+
+        for position, (fn, bufs) in enumerate(calls):
+            if guard is not None and position == guard[0]:
+                t = LLVM_TYPE[guard[2]]
+                value = f.load(t, f.load("ptr", f.gep("ptr", "%bufs", str(guard[1]))))
+                stop, go_on = f.label("nan"), f.label("finite")
+                f.cbr(f.val(f"fcmp uno {t} {value}, {value}"), stop, go_on)
+                f.block(stop)
+                f.emit("ret i32 1")
+                f.block(go_on)
             ptrs = [f.load("ptr", f.gep("ptr", "%bufs", str(b))) for b in bufs]
             if fn.startswith(("par:", "seq:")):
                 mode, base, outer = fn.split(":")
@@ -809,11 +830,11 @@ class KernelBuilder:
                 failed, go_on = f.label("failed"), f.label("ok")
                 f.cbr(f.icmp("ne", code, 0, "i32"), failed, go_on)
                 f.block(failed)
-                f.ret_void()
+                finished()
                 f.block(go_on)
             else:
                 f.call("void", "@" + fn, [("ptr", p) for p in ptrs] + [("ptr", "%ws")])
-        f.ret_void()
+        finished()
         f.finish()
 
     def _emit_elementwise(self, st: Step) -> tuple[str, list[int]]:

@@ -800,8 +800,7 @@ def emit_gemm(
     base = m.unique(name or f"gemm_{spec.m}x{spec.n}x{spec.k}")
     m.declare(PARALLEL_FOR, PARALLEL_FOR_DECL)
     t = LLVM_TYPE[spec.dtype]
-    small = blocking is None and spec.a.window is None and spec.b.window is None \
-        and 2.0 * spec.m * spec.n * spec.k < SMALL_GEMM_MAX_FLOPS
+    small = blocking is None and is_small(spec)
     if spec.epilogue is not None:
         for op in spec.epilogue.operands:
             op.check()
@@ -820,6 +819,27 @@ def emit_gemm(
     _emit_task_and_entry(m, base, plan)
     plan.names = {"entry": base, "block": base + ".block"}
     return plan
+
+
+def is_small(spec: GemmSpec) -> bool:
+    """Whether :func:`emit_gemm` (with the host's blocking) emits ``spec`` as the small GEMM, which
+    neither packs nor splits over threads."""
+    return spec.a.window is None and spec.b.window is None and 2.0 * spec.m * spec.n * spec.k < SMALL_GEMM_MAX_FLOPS
+
+
+def writes_c_once(spec: GemmSpec) -> bool:
+    """Whether :func:`emit_gemm` (with the host's blocking) stores each element of C once, with
+    the epilogue applied in that store: one K block, no K groups, the epilogue in the tile store.
+
+    Then C may be the memory of an epilogue input laid out as C is (a weight update written over
+    the weights it reads): each input element is loaded in the store of its own C element, before
+    that store, and by nothing else. A GEMM summing K in blocks stores partial sums in C first,
+    and a separate epilogue pass reads its inputs after C is stored."""
+    if spec.epilogue is None or is_small(spec):
+        return False
+    oriented_spec, blk = oriented(spec)
+    plan = GemmPlan(oriented_spec, blk, operands_swapped=oriented_spec is not spec)
+    return plan.epilogue_in_store and plan.kgroups == 1 and plan.kc >= oriented_spec.k
 
 
 #: Rows of A whose FMA chains the small GEMM runs side by side (one vector of C's row each).

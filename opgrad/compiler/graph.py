@@ -38,6 +38,7 @@ from opgrad.replicas import raise_pending
 
 from .builder import KernelBuilder
 from .hostcall import register_host_symbols
+from .inplace import update_in_place
 from .irtext import ModuleEmitter
 from .jit import CompileTimes, NativeModule, ObjectMissing
 from .plancache import PlanCache, attribute_key, plan_key
@@ -317,6 +318,9 @@ class GraphPlan:
     step_costs: list[StepCost] = field(default_factory=list)
     #: Steps that call back into this process (``cross_replica_sum``'s reducer), described.
     host_calls: list[str] = field(default_factory=list)
+    #: ``(parameter, result)`` index pairs whose result is computed over the parameter's slot
+    #: (:mod:`.inplace`): the caller hands the result's array in that slot, the result's is unused.
+    in_place: list[tuple[int, int]] = field(default_factory=list)
 
     def emitter(self) -> ModuleEmitter:
         """The module the plan's IR was emitted into; a plan from the plan cache has none."""
@@ -342,6 +346,7 @@ class GraphPlan:
             "step_costs": [[c.label, c.detail, c.flops, c.bytes, list(c.reads), list(c.writes)]
                            for c in self.step_costs],
             "host_calls": self.host_calls,
+            "in_place": [list(pair) for pair in self.in_place],
         }
         return fields, self.consts
 
@@ -376,24 +381,37 @@ class GraphPlan:
             [StepCost(str(label), str(detail), int(flops), int(nbytes), tuple(reads), tuple(writes))
              for label, detail, flops, nbytes, reads, writes in fields["step_costs"]],
             [str(call) for call in fields["host_calls"]],
+            _check_in_place(fn, [(int(p), int(r)) for p, r in fields["in_place"]], loop),
         )
 
 
 def plan_graph(fn: Function, *, name: str = "opgrad_graph", step_entries: bool = False,
-               loop: StepLoop | None = None) -> GraphPlan:
+               loop: StepLoop | None = None, in_place: Sequence[tuple[int, int]] = ()) -> GraphPlan:
     """Lower, fuse and plan ``fn`` into one module with entry ``void name(ptr bufs, ptr ws)``.
 
     Code is generated for the current target (:func:`opgrad.compiler.target.use_target`; the
-    host by default). ``loop`` adds ``i32 name_steps(...)`` (:mod:`.steploop`).
+    host by default). ``loop`` adds ``i32 name_steps(...)`` (:mod:`.steploop`). ``in_place``:
+    ``(parameter, result)`` index pairs whose result may be computed over the parameter's array
+    (:mod:`.inplace`); the plan's ``in_place`` lists those it honours.
     """
     if loop is not None:
         loop.validate(fn)
+    pairs = _check_in_place(fn, in_place, loop)
     low = _Lowering(fn, name)
     results = low.run()
     kb = low.kb
     internal = {i for i, b in enumerate(low.buffers) if b.kind == "internal"}
     kb.drop_unread(internal)
     fused = kb.fuse(internal) + kb.fuse_reductions() + kb.fuse_outputs()
+    params = [i for i, b in enumerate(low.buffers) if b.kind == "param"]
+    checked = loop.nan_check if loop is not None else None
+    honoured = [pairs[n] for n in update_in_place(kb.steps, [(params[p], results[r]) for p, r in pairs],
+                                                  after=results[checked] if checked is not None else None)]
+    guard = None
+    if honoured and checked is not None:  # the loop's NaN stop: before the first weight is overwritten
+        overwritten = {params[p] for p, _ in honoured}
+        first = min(s for s, step in enumerate(kb.steps) if overwritten & set(step.writes))
+        guard = (first, results[checked], fn.outputs[checked].dtype)
     internal = {i for i, b in enumerate(low.buffers) if b.kind == "internal"}  # and the partial sums
     lifetimes: dict[int, tuple[int, int]] = {}
     for s, step in enumerate(kb.steps):
@@ -402,13 +420,12 @@ def plan_graph(fn: Function, *, name: str = "opgrad_graph", step_entries: bool =
                 first, _ = lifetimes.get(b, (s, s))
                 lifetimes[b] = (first, s)
     offsets, arena_bytes = plan_arena({b: low.buffers[b].nbytes for b in lifetimes}, lifetimes)
-    params = [i for i, b in enumerate(low.buffers) if b.kind == "param"]
     step_labels = [step.label or "copy" for step in kb.steps]
     step_costs = [StepCost(label, step.detail, step.flops,
                            sum(low.buffers[b].nbytes for b in {*step.reads, *step.writes}),
                            tuple(step.reads), tuple(step.writes))
                   for label, step in zip(step_labels, kb.steps, strict=True)]
-    ir = kb.finish(step_entries)
+    ir = kb.finish(step_entries, guard)
     loop_entry = ""
     loop_checks: list[LoopCheck] = []
     if loop is not None:
@@ -418,11 +435,36 @@ def plan_graph(fn: Function, *, name: str = "opgrad_graph", step_entries: bool =
         nan_dtype = fn.outputs[loop.nan_check].dtype if loop.nan_check is not None else None
         loop_entry = emit_step_loop(kb.m, name, loop, params, results,
                                     {b: low.buffers[b].nbytes for b in range(len(low.buffers))},
-                                    loop_checks, nan_dtype)
+                                    loop_checks, nan_dtype, in_place=honoured,
+                                    guarded=f"{name}.guarded" if guard else "")
         ir = kb.m.text()
     return GraphPlan(fn, name, low.buffers, params, results, offsets, arena_bytes, low.consts, low.checks,
                      kb.workspace_per_thread, len(kb.steps), fused, step_labels, kb.kernel_labels, kb.m, ir,
-                     loop, loop_entry, loop_checks, step_costs, list(kb.host_calls))
+                     loop, loop_entry, loop_checks, step_costs, list(kb.host_calls), honoured)
+
+
+def _check_in_place(fn: Function, pairs: Sequence[tuple[int, int]], loop: StepLoop | None) -> list[tuple[int, int]]:
+    """``pairs`` as ``(parameter, result)`` ints, or ValueError naming what does not fit ``fn``."""
+    checked: list[tuple[int, int]] = []
+    for pair in pairs:
+        try:
+            p, r = (int(i) for i in pair)
+        except (TypeError, ValueError):
+            raise ValueError(f"in_place: expected (parameter index, result index) pairs, got {pair!r}") from None
+        if not (0 <= p < len(fn.params) and 0 <= r < len(fn.outputs)):
+            raise ValueError(f"in_place: ({p}, {r}) is not a (parameter, result) pair of a function with "
+                             f"{len(fn.params)} parameters and {len(fn.outputs)} results")
+        param, out = fn.params[p], fn.outputs[r]
+        if (param.shape, param.dtype) != (out.shape, out.dtype):
+            raise ValueError(f"in_place: parameter {param.name!r} ({param.dtype}{list(param.shape)}) cannot hold "
+                             f"result {r} ({out.dtype}{list(out.shape)})")
+        if any(p == q or r == s for q, s in checked):
+            raise ValueError(f"in_place: parameter {p} or result {r} is paired twice")
+        if loop is not None and (p, r) not in loop.carry:
+            raise ValueError(f"in_place: ({p}, {r}) is not a carried pair of the loop; a loop updates in place "
+                             "only what it carries")
+        checked.append((p, r))
+    return checked
 
 
 def _shallowest_first(outputs: Sequence[Expr]) -> list[Expr]:
@@ -456,19 +498,21 @@ class CompiledFunction:
     """
 
     def __init__(self, fn: Function, step_entries: bool = False, loop: StepLoop | None = None,
-                 plan_cache: bool | None = None) -> None:
+                 plan_cache: bool | None = None, in_place: Sequence[tuple[int, int]] = ()) -> None:
         t0 = time.perf_counter()
         self.function = fn
         self._step_entries = step_entries
         register_host_symbols()
+        in_place = _check_in_place(fn, in_place, loop)
         use_plans = plan_cache_setting() if plan_cache is None else plan_cache
-        key = plan_key(fn, name=_ENTRY, step_entries=step_entries, loop=loop) if use_plans else None
+        key = plan_key(fn, name=_ENTRY, step_entries=step_entries, loop=loop, in_place=in_place) \
+            if use_plans else None
         plans = PlanCache() if key is not None else None
         keyed = time.perf_counter() - t0
         loaded = self._load_stored(fn, loop, plans, key) if plans is not None and key else None
         self.plan_cache_hit = loaded is not None
         if loaded is None:
-            plan = plan_graph(fn, name=_ENTRY, step_entries=step_entries, loop=loop)
+            plan = plan_graph(fn, name=_ENTRY, step_entries=step_entries, loop=loop, in_place=in_place)
             self.plan_seconds = time.perf_counter() - t0  # lowering, fusion, buffer plan and IR text
             # The thread pool's module (which the step calls) is built after the step's objects, in a
             # worker already started for them, rather than first and waiting for a worker of its own.
@@ -502,6 +546,8 @@ class CompiledFunction:
         self._result_types = [(o.shape, np.dtype(o.dtype)) for o in fn.outputs]
         self._param_types = [(p.shape, np.dtype(p.dtype)) for p in fn.params]  # native byte order
         self._checks = plan.checks
+        #: The ``(parameter, result)`` pairs computed in place (see :meth:`__call__`).
+        self.in_place: list[tuple[int, int]] = list(plan.in_place)
         self._ws_addr = _aligned(self._ws)
         self._lock = threading.Lock()
         self._calls_host = bool(plan.host_calls)
@@ -548,7 +594,14 @@ class CompiledFunction:
                                       loop=self.plan.loop).ir
         return self.plan.ir
 
-    def __call__(self, *arrays: Any) -> np.ndarray | tuple[np.ndarray, ...]:
+    def __call__(self, *arrays: Any, donate: bool = False) -> np.ndarray | tuple[np.ndarray, ...]:
+        """The results for ``arrays`` (the function's parameters, in order).
+
+        For each pair of :attr:`in_place`, the result is computed in the parameter's memory:
+        with ``donate=True`` in the array passed (which is then returned as that result; the
+        caller gives it up, as with JAX's donated buffers), unless it is read-only or overlaps
+        another argument; otherwise in a copy of it, so the arrays passed are never modified.
+        """
         checked = list(arrays)
         if len(arrays) != len(self._param_types) or not all(
             type(a) is np.ndarray and a.shape == shape and a.dtype == dtype and a.flags.c_contiguous
@@ -562,6 +615,14 @@ class CompiledFunction:
         for check in self._checks:
             _check_range(checked[check.param], check, f"argument {self.function.params[check.param].name!r}")
         outs = [np.empty(shape, dtype) for shape, dtype in self._result_types]
+        if self.in_place:
+            kept = _donated(checked, [p for p, _ in self.in_place]) if donate else set()
+            for p, r in self.in_place:
+                if p in kept:
+                    outs[r] = checked[p]
+                else:
+                    np.copyto(outs[r], checked[p])
+                    checked[p] = outs[r]
         with self._lock:
             table = self._table
             for b, arr in zip(self._params, checked, strict=True):
@@ -729,24 +790,42 @@ def _describe(fn: Function) -> str:
     return f"function ({params}) -> ({outs})"
 
 
+def _donated(arrays: Sequence[np.ndarray], offered: Sequence[int]) -> set[int]:
+    """The indices in ``offered`` whose array may be written: writeable and sharing no memory with
+    any other of ``arrays`` (a weight passed twice, or a view of another argument)."""
+    spans = sorted((arr.ctypes.data, arr.ctypes.data + arr.nbytes, i) for i, arr in enumerate(arrays) if arr.nbytes)
+    overlapping: set[int] = set()
+    end, last = -1, -1
+    for lo, hi, i in spans:
+        if lo < end:
+            overlapping.update((i, last))
+        if hi > end:
+            end, last = hi, i
+    return {i for i in offered if arrays[i].flags.writeable and i not in overlapping}
+
+
 def _aligned(arr: np.ndarray) -> int:
     addr = arr.ctypes.data
     return addr + (-addr) % _ALIGN
 
 
 def compile(fn: Function, *, step_entries: bool = False, loop: StepLoop | None = None,
-            plan_cache: bool | None = None) -> CompiledFunction:
+            plan_cache: bool | None = None, in_place: Sequence[tuple[int, int]] = ()) -> CompiledFunction:
     """Compile ``fn`` (any Function, including those ``opgrad.grad`` returns) to native code.
 
     ``step_entries=True`` also exports one entry per step for :meth:`CompiledFunction.profile`;
     ``loop`` adds the native multi-step loop that :meth:`CompiledFunction.run_steps` calls.
     ``plan_cache`` (default: ``$OPGRAD_PLAN_CACHE``, on) loads the plan stored by an earlier
     compile of the same graph here, skipping lowering and IR (:mod:`opgrad.compiler.plancache`);
-    False plans afresh, as a check of a patched lowering must.
+    False plans afresh, as a check of a patched lowering must. ``in_place``: ``(parameter,
+    result)`` index pairs, such as a weight and its update, whose result may be computed in the
+    parameter's memory (:mod:`opgrad.compiler.inplace`; with a loop, carried pairs only); the
+    compiled function's ``in_place`` lists those the plan allows, and a call with
+    ``donate=True`` writes them into the arrays passed.
     """
     if not isinstance(fn, Function):
         raise TypeError(f"opgrad.compile expects an opgrad.Function, got {type(fn).__name__}")
-    return CompiledFunction(fn, step_entries, loop, plan_cache)
+    return CompiledFunction(fn, step_entries, loop, plan_cache, in_place)
 
 
 __all__ = ["CompiledFunction", "GraphPlan", "StepCost", "compile", "plan_arena", "plan_graph"]

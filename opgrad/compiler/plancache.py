@@ -33,7 +33,7 @@ import hashlib
 import importlib
 import json
 import struct
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -52,7 +52,7 @@ __all__ = ["PLAN_FORMAT", "PlanCache", "attribute_key", "decode_record", "encode
            "plan_key", "source_digest"]
 
 #: Bump when the stored record's fields or their meaning change.
-PLAN_FORMAT = "opgrad-plan-1"
+PLAN_FORMAT = "opgrad-plan-2"
 
 _RECORD_MAGIC = b"OPGRDPL1"
 _RECORD_HEADER = struct.Struct("<8sQ")  # magic, bytes of the JSON part
@@ -131,7 +131,8 @@ def graph_fingerprint(fn: Function) -> str | None:
     return h.hexdigest()
 
 
-def plan_key(fn: Function, *, name: str, step_entries: bool, loop: StepLoop | None) -> str | None:
+def plan_key(fn: Function, *, name: str, step_entries: bool, loop: StepLoop | None,
+             in_place: Sequence[tuple[int, int]] = ()) -> str | None:
     """The plan cache's key for compiling ``fn`` here and now, or None when it has none."""
     graph, sources = graph_fingerprint(fn), source_digest()
     if graph is None or sources is None:
@@ -141,7 +142,7 @@ def plan_key(fn: Function, *, name: str, step_entries: bool, loop: StepLoop | No
              target.triple, target.cpu, target.features,
              repr([cache_size(level) for level in (1, 2, 3)]), repr([cache_share(level) for level in (1, 2, 3)]),
              f"threads={pool_size()}", f"conv={conv_algorithm_setting()}", f"name={name}",
-             f"step_entries={step_entries}", f"loop={loop!r}", graph)
+             f"step_entries={step_entries}", f"loop={loop!r}", f"in_place={list(in_place)!r}", graph)
     h = hashlib.sha256()
     for part in parts:
         h.update(part.encode())

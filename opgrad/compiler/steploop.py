@@ -138,9 +138,13 @@ class LoopCheck:
 
 def emit_step_loop(m: ModuleEmitter, entry: str, loop: StepLoop, param_slots: Sequence[int],
                    result_slots: Sequence[int], slot_bytes: Mapping[int, int], checks: Sequence[LoopCheck],
-                   nan_dtype: str | None) -> str:
+                   nan_dtype: str | None, in_place: Sequence[tuple[int, int]] = (), guarded: str = "") -> str:
     """Emit ``i32 @<entry>_steps(bufs, ws, n, flags, status)`` into ``m`` (a C identifier, so an
-    exported library can call it); returns its name."""
+    exported library can call it); returns its name.
+
+    ``in_place``: carried pairs the step updates in the parameter's slot (:mod:`.inplace`), which
+    the loop does not swap. ``guarded``: the step's entry that returns before the first of those
+    updates when the loss is NaN, called instead of ``entry`` when the caller asks to stop there."""
     name = f"{entry}_steps"
     f = FunctionEmitter(m, name, [("ptr", "bufs"), ("ptr", "ws"), ("i64", "n"), ("i32", "flags"),
                                   ("ptr", "status")], ret="i32")
@@ -181,7 +185,18 @@ def emit_step_loop(m: ModuleEmitter, entry: str, loop: StepLoop, param_slots: Se
                 check(k, c, i)
         # noinline: the loop runs the very machine code that a single call runs, so N steps give
         # bitwise the results of N calls (an inlined copy could be vectorized differently).
-        f.emit(f"call void @{entry}(ptr %bufs, ptr %ws) noinline")
+        if guarded:
+            plain, checked, ran = f.label("plain"), f.label("guarded"), f.label("ran")
+            f.cbr(f.icmp("ne", f.val("and i32 %flags, 1"), "0", "i32"), checked, plain)
+            f.block(checked)
+            f.emit(f"call i32 @{guarded}(ptr %bufs, ptr %ws) noinline")
+            f.br(ran)
+            f.block(plain)
+            f.emit(f"call void @{entry}(ptr %bufs, ptr %ws) noinline")
+            f.br(ran)
+            f.block(ran)
+        else:
+            f.emit(f"call void @{entry}(ptr %bufs, ptr %ws) noinline")
         if loop.nan_check is not None and nan_dtype is not None:
             t = LLVM_TYPE[nan_dtype]
             wanted = f.icmp("ne", f.val("and i32 %flags, 1"), "0", "i32")
@@ -194,6 +209,8 @@ def emit_step_loop(m: ModuleEmitter, entry: str, loop: StepLoop, param_slots: Se
             f.br(fail_nan)
             f.block(ok)
         for p, r in loop.carry:
+            if (p, r) in in_place:
+                continue
             ps, rs = slot_ptr[param_slots[p]], slot_ptr[result_slots[r]]
             new, old = f.load("ptr", rs), f.load("ptr", ps)
             f.store("ptr", new, ps)
