@@ -93,10 +93,11 @@ def _opgrad_runner(backend: str, model_name: str, holder: dict[str, Any] | None 
         step = nn.TrainStep(model, nn.SGD(), batch_size=len(labels), backend=backend)
         if holder is not None:
             holder["compiled"] = step.compiled
-        current = {"params": dict(params), "state": model.init_buffers()}
+        # The step updates its own copy in place (donate): the other engines start from ``params`` too.
+        current = {"params": {name: array.copy() for name, array in params.items()}, "state": model.init_buffers()}
 
         def run() -> float:
-            result = step(images, labels, current["params"], current["state"], lr)
+            result = step(images, labels, current["params"], current["state"], lr, donate=True)
             current["params"], current["state"] = result.params, result.state
             return result.loss
 

@@ -93,10 +93,11 @@ def _child(engine: str, model_name: str, batch: int, threads: int, steps: int) -
         result.update(compile_s=compiled.compile_seconds, plan_s=compiled.plan_seconds,
                       optimize_s=compiled.times.optimize, load_s=compiled.times.load, parts=compiled.times.parts,
                       cache_hit=compiled.cache_hit, plan_cache_hit=compiled.plan_cache_hit, threads=_pool_threads())
-        state = {"params": dict(params), "state": model.init_buffers()}
+        # Updated in place (donate), as the bench's own runner does; PyTorch starts from ``params`` too.
+        state = {"params": {name: array.copy() for name, array in params.items()}, "state": model.init_buffers()}
 
         def run() -> float:
-            out = step(images, labels, state["params"], state["state"], 0.01)
+            out = step(images, labels, state["params"], state["state"], 0.01, donate=True)
             state["params"], state["state"] = out.params, out.state
             return out.loss
 
@@ -124,7 +125,7 @@ def _profiled_step(model_name: str, batch: int) -> tuple[Any, Any, list[Any]]:
 
     model = nn.build_model(model_name)
     step = nn.TrainStep(model, nn.SGD(), batch_size=batch, backend="reference")
-    compiled = opgrad.compile(step.function, step_entries=True)
+    compiled = opgrad.compile(step.function, step_entries=True, in_place=step.step_loop().carry)
     params, buffers = model.init_params(seed=0), model.init_buffers()
     images, labels = _batch(batch)
     args = [images, labels, np.asarray(0.01, np.float32), *(params[n] for n in step.param_names),

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import opgrad
-from opgrad import ops
+from opgrad import nn, ops
 from opgrad.compiler import LoopStopped, StepLoop
 from opgrad.compiler.gemm import Epilogue, GemmSpec, IndexMap, Operand, writes_c_once
 
@@ -160,6 +160,31 @@ def test_the_loop_updates_carried_arrays_in_place_and_still_stops_before_a_nan_s
     before = swapping.run_steps(3, x[:24], y[:24], lrs[:3], w0, b0)
     np.testing.assert_array_equal(info.value.outputs[1], before[1])  # the weights before the NaN step
     np.testing.assert_array_equal(info.value.outputs[2], before[2])
+
+
+@pytest.mark.parametrize("optimizer", [nn.SGD(momentum=0.9), nn.Adam()], ids=["sgd-momentum", "adam"])
+def test_train_step_updates_weights_and_optimizer_state_in_place(optimizer: nn.Optimizer) -> None:
+    model = nn.resnet() if isinstance(optimizer, nn.Adam) else nn.seed_cnn()
+    step = nn.TrainStep(model, optimizer, batch_size=8, backend="llvm")
+    honoured = {step.function.params[p].name for p, _ in step.compiled.in_place}
+    assert any(name.endswith(".weight") for name in honoured), honoured
+    separate = opgrad.compile(step.function)
+    rng = np.random.default_rng(0)
+    x = rng.random((8, *model.input_shape), np.float32)
+    y = rng.integers(0, 10, 8)
+    params = model.init_params(seed=0)
+    state = {**optimizer.init_state(params), **model.init_buffers()}
+    args = [x, y, np.asarray(0.01, np.float32), *(params[n] for n in step.param_names),
+            *(state[n] for n in step.state_names)]
+    want = separate(*args)
+    got = step(x, y, {n: a.copy() for n, a in params.items()}, {n: a.copy() for n, a in state.items()}, 0.01,
+               donate=True)
+    assert got.loss == float(want[0])
+    k = len(step.param_names)
+    for i, name in enumerate(step.param_names):
+        np.testing.assert_array_equal(got.params[name], want[1 + i], err_msg=name)
+    for i, name in enumerate(step.state_names):
+        np.testing.assert_array_equal(got.state[name], want[1 + k + i], err_msg=name)
 
 
 def test_the_plan_cache_keeps_the_pairs_and_keys_by_them(tmp_path: object, monkeypatch: pytest.MonkeyPatch) -> None:

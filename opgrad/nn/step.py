@@ -167,19 +167,37 @@ class TrainStep:
             [*inputs, *labels, *masks.values(), lr, *params.values(), *state.values()],
             [loss, *(new_params[n] for n in self.param_names), *(new_state[n] for n in self.state_names)],
         )
-        self.compiled: Any = None  # the CompiledFunction (llvm backend), with its multi-step loop
-        if backend == "llvm":
+        # The llvm backend compiles on first use, one plan per way of calling (see ``compiled``).
+        self._compiled: Any = None
+        self._copying: Any = None
+        self._run = compile_function(self.function, backend) if backend != "llvm" else self._run_compiled
+
+    @property
+    def compiled(self) -> Any:
+        """The llvm backend's :class:`~opgrad.compiler.CompiledFunction` (None on the reference
+        backend), compiled on first use: it has the multi-step loop of :meth:`run_steps` and
+        computes the new parameters and state over the old ones (:mod:`opgrad.compiler.inplace`).
+        Calls that donate nothing run a plan whose results have memory of their own (compiled on
+        the first such call): copying the weights first would cost more than the update saves."""
+        if self.backend != "llvm":
+            return None
+        if self._compiled is None:
             from opgrad.compiler import compile as compile_fn  # here: the compiler pulls in llvmlite
 
-            self.compiled = compile_fn(self.function, loop=self.step_loop())
-            compiled = self.compiled
+            loop = self.step_loop()
+            self._compiled = compile_fn(self.function, loop=loop, in_place=loop.carry)
+        return self._compiled
 
-            def run_compiled(*arrays: np.ndarray) -> tuple[np.ndarray, ...]:
-                return tuple(compiled(*arrays))
+    def _run_compiled(self, *arrays: np.ndarray, donate: bool = False) -> tuple[np.ndarray, ...]:
+        # A plan that updates nothing in place serves both ways of calling.
+        in_place_plan_copies = self._compiled is None or bool(self._compiled.in_place)
+        if donate or (self._copying is None and not in_place_plan_copies):
+            return tuple(self.compiled(*arrays, donate=donate))
+        if self._copying is None:
+            from opgrad.compiler import compile as compile_fn
 
-            self._run = run_compiled
-        else:
-            self._run = compile_function(self.function, backend)
+            self._copying = compile_fn(self.function)
+        return tuple(self._copying(*arrays))
 
     def step_loop(self) -> Any:
         """The :class:`~opgrad.compiler.steploop.StepLoop` of this step: images, labels, masks and
@@ -194,13 +212,18 @@ class TrainStep:
 
     def __call__(self, images: np.ndarray | Sequence[np.ndarray], labels: np.ndarray | Sequence[np.ndarray],
                  params: Mapping[str, np.ndarray], state: Mapping[str, np.ndarray], lr: float,
-                 masks: Mapping[str, np.ndarray] | None = None) -> StepResult:
-        outputs = self._run(
+                 masks: Mapping[str, np.ndarray] | None = None, *, donate: bool = False) -> StepResult:
+        """One step. ``donate=True`` lets the llvm backend write the new parameters and state over
+        the arrays passed, as PyTorch's optimizers update in place: the returned dicts then hold
+        those arrays (the caller gives them up), and the step needs no second copy of the model.
+        Without it nothing passed is modified. The reference backend always returns new arrays."""
+        arrays = (
             *per_input(images, len(self.model.inputs), "input"),
             *per_output(labels, len(self.model.outputs)),
             *mask_arrays(self.mask_names, masks), np.asarray(lr, dtype=self.dtype),
             *(params[n] for n in self.param_names), *(state[n] for n in self.state_names),
         )
+        outputs = self._run(*arrays, donate=True) if donate and self.backend == "llvm" else self._run(*arrays)
         k = len(self.param_names)
         return StepResult(
             loss=float(outputs[0]),
