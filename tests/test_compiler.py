@@ -9,6 +9,7 @@ and reductions accumulate more rounding.
 
 from __future__ import annotations
 
+import math
 import os
 import subprocess
 import sys
@@ -581,17 +582,65 @@ def test_a_reduction_stays_apart_from_a_short_batch_or_a_pass_it_would_overtake(
     kb.compile()(a, squares, doubled, sums)
     np.testing.assert_array_equal(doubled, np.full(16, 2, np.float32))
     np.testing.assert_allclose(sums, (a * a).sum(axis=1), rtol=1e-6)
-    # The reduction's other input is computed after the first step: it must wait for it.
+    # The reduction's other input is computed after the first step, and is too large to be moved
+    # ahead of it (not a per-channel value): the reduction must wait for it.
+    from opgrad.compiler.builder import HOISTED_STEP_MAX_ELEMENTS
+
+    wide = (16, HOISTED_STEP_MAX_ELEMENTS // 16 + 1)
     kb = KernelBuilder("t_wait")
-    kb.elementwise(View.contiguous(1, shape), [View.contiguous(0, shape)], lambda s, v: s.mul(v[0], v[0]))
-    kb.reduce(View.contiguous(2, shape), View.contiguous(3, (*shape, 2)), (2,))
-    kb.map_reduce(View.contiguous(4, (16,)), [View.contiguous(1, shape), View.contiguous(2, shape)], (1,), "sum",
+    kb.elementwise(View.contiguous(1, wide), [View.contiguous(0, wide)], lambda s, v: s.mul(v[0], v[0]))
+    kb.reduce(View.contiguous(2, wide), View.contiguous(3, (*wide, 2)), (2,))
+    kb.map_reduce(View.contiguous(4, (16,)), [View.contiguous(1, wide), View.contiguous(2, wide)], (1,), "sum",
                   lambda s, v: s.mul(v[0], v[1]))
     assert kb.fuse_reductions() == 0
-    b = np.ones((*shape, 2), np.float32)
+    c = np.arange(math.prod(wide), dtype=np.float32).reshape(wide) / 1e4
+    b = np.ones((*wide, 2), np.float32)
     out = np.zeros(16, np.float32)
-    kb.compile()(a, squares, np.zeros(shape, np.float32), b, out)
-    np.testing.assert_allclose(out, 2 * (a * a).sum(axis=1), rtol=1e-6)
+    kb.compile()(c, np.zeros(wide, np.float32), np.zeros(wide, np.float32), b, out)
+    np.testing.assert_allclose(out, 2 * (c * c).sum(axis=1), rtol=1e-5)
+
+
+def test_a_per_channel_value_computed_after_the_producer_moves_ahead_so_the_reduction_joins() -> None:
+    from opgrad.compiler.builder import KernelBuilder
+    from opgrad.compiler.views import View
+
+    shape = (16, 32)
+    a = np.arange(16 * 32, dtype=np.float32).reshape(shape) / 100
+    offsets = np.linspace(-1, 1, 16, dtype=np.float32).reshape(16, 1)
+    for reads_producer in (False, True):
+        # Step 1 computes a per-row value (from its own input, or from the producer's output,
+        # which it then cannot precede) that the reduction of step 0's output multiplies by.
+        kb = KernelBuilder(f"t_hoist_{reads_producer}")
+        kb.elementwise(View.contiguous(1, shape), [View.contiguous(0, shape)], lambda s, v: s.mul(v[0], v[0]))
+        source = View(1, (16, 1), (32, 1)) if reads_producer else View.contiguous(5, (16, 1))
+        kb.elementwise(View.contiguous(2, (16, 1)), [source], lambda s, v: s.add(v[0], s.const(1.0)))
+        kb.map_reduce(View.contiguous(4, (16,)), [View.contiguous(1, shape), View(2, shape, (1, 0))], (1,), "sum",
+                      lambda s, v: s.mul(v[0], v[1]))
+        assert kb.fuse_reductions() == (0 if reads_producer else 1)
+        assert len(kb.steps) == (3 if reads_producer else 2)
+        squares, scale, sums = np.zeros(shape, np.float32), np.zeros((16, 1), np.float32), np.zeros(16, np.float32)
+        kb.compile()(a, squares, scale, np.zeros(1, np.float32), sums, offsets)
+        want_scale = (a[:, :1] ** 2 if reads_producer else offsets) + 1
+        np.testing.assert_allclose(scale, want_scale, rtol=1e-6)
+        np.testing.assert_allclose(sums, (a * a * want_scale).sum(axis=1), rtol=1e-5)
+
+
+def test_a_batch_norm_gradient_sums_in_the_pass_of_the_gradient_it_reads() -> None:
+    # sum(grad * xhat) needs xhat's per-channel scale, computed after the relu gradient's pass:
+    # moved ahead of it, the sum runs in that pass with sum(grad) instead of reading grad back.
+    rng = np.random.default_rng(13)
+    x = opgrad.var("x", (16, 8, 5, 5), "float32")
+    gamma, beta = opgrad.var("gamma", (8,), "float32"), opgrad.var("beta", (8,), "float32")
+    w = opgrad.var("w", (16, 8, 5, 5), "float32")
+    loss = ops.sum(ops.multiply(ops.relu(ops.batch_norm(x, gamma, beta, axis=1)), w))
+    fn = opgrad.grad(opgrad.function([x, gamma, beta, w], loss), wrt=[0, 1, 2])
+    compiled = compile_fn(fn, step_entries=True)
+    assert any(label.startswith("greater+") and label.count("+sum") == 2 for label in compiled.step_labels), \
+        compiled.step_labels
+    args = [rng.standard_normal(x.shape).astype(np.float32), rng.uniform(0.5, 2, 8).astype(np.float32),
+            rng.standard_normal(8).astype(np.float32), rng.standard_normal(w.shape).astype(np.float32)]
+    for got, want in zip(compiled(*args), opgrad.evaluate(fn, *args), strict=True):
+        assert_close(got, want, 2e-5)
 
 
 def test_an_optimizers_results_are_written_by_one_pass() -> None:

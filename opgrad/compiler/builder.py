@@ -71,6 +71,9 @@ PARALLEL_MIN_ELEMENTS = 1 << 16
 #: An elementwise step computes a reduction of its output (:meth:`KernelBuilder.fuse_reductions`)
 #: only where its outermost axis has this many slices to share among threads.
 FUSED_REDUCTION_MIN_SLICES = 8
+#: Steps that :meth:`KernelBuilder.fuse_reductions` may move ahead of a producer write at most
+#: this many elements (per-channel values such as a normalization's mean and scale).
+HOISTED_STEP_MAX_ELEMENTS = 1 << 12
 #: Convolutions with more groups than this run as direct loops (:mod:`.grouped`): their per-group
 #: GEMMs are too small to pay for packing, and a depthwise conv would call one per channel.
 GROUPED_GEMM_MAX_GROUPS = 8
@@ -637,22 +640,60 @@ class KernelBuilder:
             out = producer.out
             if producer.kind != "ew" or out is None or out.dtype in INT_TYPE or out.buffer not in red.reads:
                 continue
+            if all(u.buffer != out.buffer or u.shape != out.shape for u in red.inputs):
+                continue  # a broadcast input (a per-channel value), not the tensor being reduced
             if writers[out.buffer] != 1 or not out.is_contiguous or out.shape[0] != shape[0]:
                 return None
             between = self.steps[i + 1 : j]
             written_between = {b for st in between for b in st.writes}
+            late: set[int] = set()  # other inputs of the reduction that steps in between write
             for u in red.inputs:
                 if u.buffer == out.buffer:
                     if not (u.is_contiguous and u.offset == out.offset and u.size == out.size):
                         return None
-                elif u.buffer in written_between or u.buffer in producer.writes:
+                elif u.buffer in producer.writes:
                     return None
+                elif u.buffer in written_between:
+                    late.add(u.buffer)
             target = red.out.buffer
             if 0 not in red.axes and (target in producer.reads or target in producer.writes
                                       or any(target in st.reads or target in st.writes for st in between)):
                 return None
+            if late and not self._hoist_writers(i, j, late):
+                return None
             return producer, shape[0]
         return None
+
+    def _hoist_writers(self, i: int, j: int, buffers: set[int]) -> bool:
+        """Move the steps between ``i`` and ``j`` that write ``buffers``, with the steps in between
+        that they read from, to just before step ``i``, in their order; False, with nothing
+        changed, where one has a large output (it is not a per-channel value) or the move would
+        change what a step reads or writes.
+
+        A normalization's gradient sums ``grad * xhat`` right after the pass that writes ``grad``
+        (a relu's gradient), but ``xhat``'s per-channel mean and scale are computed in between:
+        moved ahead, the sum can join that pass instead of reading ``grad`` back from memory."""
+        movers = {k for k in range(i + 1, j) if buffers & set(self.steps[k].writes)}
+        pending = sorted(movers)
+        while pending:
+            k = pending.pop()
+            for t in range(i + 1, k):
+                if t not in movers and set(self.steps[k].reads) & set(self.steps[t].writes):
+                    movers.add(t)
+                    pending.append(t)
+        for k in movers:
+            step = self.steps[k]
+            if step.kind not in ("ew", "red") or step.out is None or step.out.size > HOISTED_STEP_MAX_ELEMENTS:
+                return False
+            for t in range(i, k):
+                if t in movers:
+                    continue
+                other = self.steps[t]
+                if set(step.reads) & set(other.writes) or set(step.writes) & {*other.reads, *other.writes}:
+                    return False
+        self.steps[i:j] = [self.steps[k] for k in sorted(movers)] + \
+            [self.steps[k] for k in range(i, j) if k not in movers]
+        return True
 
     def _fuse_into_gemm(self, i: int, j: int, k: int) -> bool:
         """Make elementwise step ``j`` the epilogue of GEMM step ``i``, whose result is its input ``k``
