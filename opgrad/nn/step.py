@@ -189,14 +189,15 @@ class TrainStep:
         return self._compiled
 
     def _run_compiled(self, *arrays: np.ndarray, donate: bool = False) -> tuple[np.ndarray, ...]:
-        # A plan that updates nothing in place serves both ways of calling.
-        in_place_plan_copies = self._compiled is None or bool(self._compiled.in_place)
-        if donate or (self._copying is None and not in_place_plan_copies):
-            return tuple(self.compiled(*arrays, donate=donate))
+        if donate:
+            return tuple(self.compiled(*arrays, donate=True))
         if self._copying is None:
-            from opgrad.compiler import compile as compile_fn
+            if self._compiled is not None and not self._compiled.in_place:
+                self._copying = self._compiled  # it updates nothing in place, so it serves here too
+            else:
+                from opgrad.compiler import compile as compile_fn
 
-            self._copying = compile_fn(self.function)
+                self._copying = compile_fn(self.function)
         return tuple(self._copying(*arrays))
 
     def step_loop(self) -> Any:
