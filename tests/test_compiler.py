@@ -625,6 +625,20 @@ def test_a_per_channel_value_computed_after_the_producer_moves_ahead_so_the_redu
         np.testing.assert_allclose(sums, (a * a * want_scale).sum(axis=1), rtol=1e-5)
 
 
+def test_a_bias_gradient_sums_in_the_pass_that_reads_a_pooling_gradient_as_its_input() -> None:
+    # The pooling gradient's step writes (n, c, 6, 2, 6, 2); the bias sum reads the same elements
+    # as (n, c, 12, 12): that is the tensor being reduced, not a broadcast value.
+    rng = np.random.default_rng(14)
+    x, b = opgrad.var("x", (8, 3, 12, 12), "float32"), opgrad.var("b", (3,), "float32")
+    loss = ops.sum(ops.square(ops.avg_pool2d(ops.relu(ops.bias_add(x, b)), pool_size=2, strides=2)))
+    fn = opgrad.grad(opgrad.function([x, b], loss))
+    compiled = compile_fn(fn, step_entries=True)
+    assert "greater+avg_pool2d_backward+multiply+sum" in compiled.step_labels, compiled.step_labels
+    args = [rng.standard_normal(x.shape).astype(np.float32), rng.standard_normal(3).astype(np.float32)]
+    for got, want in zip(compiled(*args), opgrad.evaluate(fn, *args), strict=True):
+        assert_close(got, want, 2e-5)
+
+
 def test_a_batch_norm_gradient_sums_in_the_pass_of_the_gradient_it_reads() -> None:
     # sum(grad * xhat) needs xhat's per-channel scale, computed after the relu gradient's pass:
     # moved ahead of it, the sum runs in that pass with sum(grad) instead of reading grad back.

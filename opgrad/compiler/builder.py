@@ -640,7 +640,7 @@ class KernelBuilder:
             out = producer.out
             if producer.kind != "ew" or out is None or out.dtype in INT_TYPE or out.buffer not in red.reads:
                 continue
-            if all(u.buffer != out.buffer or u.shape != out.shape for u in red.inputs):
+            if out.size < math.prod(shape):
                 continue  # a broadcast input (a per-channel value), not the tensor being reduced
             if writers[out.buffer] != 1 or not out.is_contiguous or out.shape[0] != shape[0]:
                 return None
