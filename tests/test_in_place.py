@@ -34,8 +34,9 @@ def _sgd(batch: int, features: int = 1024, units: int = 96) -> tuple[opgrad.Func
 PAIRS = ((3, 1), (4, 2))
 
 
-def test_update_in_place_gives_the_same_bits_and_writes_only_donated_arrays() -> None:
-    fn, arrays = _sgd(32)
+@pytest.mark.parametrize("features", [1024, 64], ids=["packed-gemm", "small-gemm"])
+def test_update_in_place_gives_the_same_bits_and_writes_only_donated_arrays(features: int) -> None:
+    fn, arrays = _sgd(32, features=features)
     separate = opgrad.compile(fn)(*arrays)
     compiled = opgrad.compile(fn, in_place=PAIRS)
     assert compiled.in_place == list(PAIRS)
@@ -85,12 +86,12 @@ def _gemm_with_update(m: int, n: int, k: int) -> GemmSpec:
 
 
 def test_only_a_gemm_storing_c_once_may_write_over_its_epilogue_input() -> None:
-    """Summing K in blocks or groups stores partial sums in C first; a small GEMM applies its
-    epilogue in a pass after C is stored: either way the input would be overwritten too early."""
+    """Summing K in blocks or groups stores partial sums in C first: the input would be
+    overwritten before the epilogue reads it. The small GEMM finishes each row before storing it."""
     assert writes_c_once(_gemm_with_update(128, 9216, 32))  # the seed CNN's conv3 weight update
     assert not writes_c_once(_gemm_with_update(256, 256, 2048))  # K in blocks
     assert not writes_c_once(_gemm_with_update(40, 40, 3000))  # K in groups
-    assert not writes_c_once(_gemm_with_update(64, 64, 8))  # the small GEMM
+    assert writes_c_once(_gemm_with_update(64, 64, 8))  # the small GEMM
     # Whatever the plan honours, a long-K update computes the reference's numbers.
     fn, args = _sgd(3000, features=40, units=40)
     given = [a.copy() for a in args]

@@ -804,7 +804,10 @@ def emit_gemm(
     if spec.epilogue is not None:
         for op in spec.epilogue.operands:
             op.check()
-        if small or not plan.epilogue_in_store:
+        if small:  # applied to each finished row where it waits in the workspace (_emit_small_gemm)
+            row = Operand(IndexMap.strided(spec.m, 0), IndexMap.strided(spec.n, 1))
+            emit_epilogue(m, base + ".epilogue", row, spec.epilogue, spec.dtype)
+        elif not plan.epilogue_in_store:
             emit_epilogue(m, base + ".epilogue", spec.c, spec.epilogue, spec.dtype)
     if small:
         plan.epilogue_in_store = False
@@ -829,14 +832,17 @@ def is_small(spec: GemmSpec) -> bool:
 
 def writes_c_once(spec: GemmSpec) -> bool:
     """Whether :func:`emit_gemm` (with the host's blocking) stores each element of C once, with
-    the epilogue applied in that store: one K block, no K groups, the epilogue in the tile store.
+    the epilogue applied before that store: the small GEMM, or one K block, no K groups and the
+    epilogue in the tile store.
 
     Then C may be the memory of an epilogue input laid out as C is (a weight update written over
     the weights it reads): each input element is loaded in the store of its own C element, before
     that store, and by nothing else. A GEMM summing K in blocks stores partial sums in C first,
     and a separate epilogue pass reads its inputs after C is stored."""
-    if spec.epilogue is None or is_small(spec):
+    if spec.epilogue is None:
         return False
+    if is_small(spec):
+        return True  # its epilogue runs on each row before the row is stored (_emit_small_gemm)
     oriented_spec, blk = oriented(spec)
     plan = GemmPlan(oriented_spec, blk, operands_swapped=oriented_spec is not spec)
     return plan.epilogue_in_store and plan.kgroups == 1 and plan.kc >= oriented_spec.k
@@ -920,17 +926,32 @@ def _emit_small_gemm(m: ModuleEmitter, base: str, spec: GemmSpec, t: str) -> Non
         for r in range(rows):
             i = f.add(i0, r)
             c_row, _, _ = spec.c.rows.terms(f, i)
+            row = f.gep(t, rows_out, str(r * columns))
+            finish_in_row = spec.epilogue is not None
+            if finish_in_row:
+                # The epilogue runs on the row in the workspace and C is stored after it: each
+                # element of C is written once, after the epilogue read its inputs (one of which
+                # may be C's own memory: a weight updated in place).
+                if spec.alpha != 1.0 or spec.accumulate:
+                    with f.loop(0, spec.n, hint="sa") as j:
+                        c_col, _, _ = spec.c.cols.terms(f, j)
+                        at = f.gep(t, row, j)
+                        v = f.load(t, at)
+                        if spec.alpha != 1.0:
+                            v = f.val(f"fmul {t} {v}, {float_const(spec.alpha, t)}")
+                        if spec.accumulate:
+                            v = f.val(f"fadd {t} {f.load(t, f.gep(t, '%c', f.add(c_row, c_col)))}, {v}")
+                        f.store(t, v, at)
+                call_epilogue(f, base + ".epilogue", row, _named(extras), i, "1", "0", str(spec.n))
             with f.loop(0, spec.n, hint="s") as j:
                 c_col, _, _ = spec.c.cols.terms(f, j)
                 ptr = f.gep(t, "%c", f.add(c_row, c_col))
-                v = f.load(t, f.gep(t, rows_out, f.add(r * columns, j)))
-                if spec.alpha != 1.0:
+                v = f.load(t, f.gep(t, row, j))
+                if not finish_in_row and spec.alpha != 1.0:
                     v = f.val(f"fmul {t} {v}, {float_const(spec.alpha, t)}")
-                if spec.accumulate:
+                if not finish_in_row and spec.accumulate:
                     v = f.val(f"fadd {t} {f.load(t, ptr)}, {v}")
                 f.store(t, v, ptr)
-            if spec.epilogue is not None:
-                call_epilogue(f, base + ".epilogue", "%c", _named(extras), i, "1", "0", str(spec.n))
 
     whole = spec.m - spec.m % SMALL_GEMM_ROWS
     with f.loop(0, whole, SMALL_GEMM_ROWS, hint="i") as i0:
