@@ -25,9 +25,10 @@ def _sgd(batch: int, features: int = 1024, units: int = 96) -> tuple[opgrad.Func
     fn = opgrad.function([x, labels, lr, w, b], [loss, ops.subtract(w, ops.multiply(lr, dw)),
                                                  ops.subtract(b, ops.multiply(lr, db))])
     rng = np.random.default_rng(batch)
-    arrays = [rng.standard_normal((batch, features)).astype(np.float32), rng.integers(0, units, batch),
-              np.asarray(0.1, np.float32), rng.standard_normal((units, features)).astype(np.float32),
-              rng.standard_normal(units).astype(np.float32)]
+    arrays: list[np.ndarray] = [
+        rng.standard_normal((batch, features)).astype(np.float32), rng.integers(0, units, batch),
+        np.asarray(0.1, np.float32), rng.standard_normal((units, features)).astype(np.float32),
+        rng.standard_normal(units).astype(np.float32)]
     return fn, arrays
 
 
@@ -65,7 +66,8 @@ def test_a_read_only_or_shared_array_is_not_written_even_when_donated() -> None:
     square, _ = _sgd(48, features=48, units=48)
     rng = np.random.default_rng(1)
     shared = rng.standard_normal((48, 48)).astype(np.float32)
-    args = [shared, rng.integers(0, 48, 48), np.asarray(0.1, np.float32), shared, np.zeros(48, np.float32)]
+    args: list[np.ndarray] = [shared, rng.integers(0, 48, 48), np.asarray(0.1, np.float32), shared,
+                              np.zeros(48, np.float32)]
     want = opgrad.evaluate(square, *[a.copy() for a in args])
     before = shared.copy()
     got = opgrad.compile(square, in_place=PAIRS)(*args, donate=True)
@@ -130,8 +132,9 @@ def test_in_place_pairs_are_validated() -> None:
         opgrad.compile(fn, in_place=[(4, 1)])
     with pytest.raises(ValueError, match="paired twice"):
         opgrad.compile(fn, in_place=[(3, 1), (3, 1)])
-    with pytest.raises(ValueError, match="expected \\(parameter index, result index\\) pairs"):
-        opgrad.compile(fn, in_place=[3])  # type: ignore[list-item]
+    for bad in ([3], 3, [(3.0, 1)], [(True, 1)], [(3, 1, 0)]):
+        with pytest.raises(ValueError, match="expected a sequence of \\(parameter index, result index\\) pairs"):
+            opgrad.compile(fn, in_place=bad)
     loop = StepLoop(streams=(0, 1, 2), outfeeds=(0,), carry=((3, 1),), nan_check=0)
     with pytest.raises(ValueError, match=r"\(4, 2\) is not a carried pair of the loop"):
         opgrad.compile(fn, loop=loop, in_place=PAIRS)

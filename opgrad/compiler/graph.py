@@ -446,11 +446,14 @@ def plan_graph(fn: Function, *, name: str = "opgrad_graph", step_entries: bool =
 def _check_in_place(fn: Function, pairs: Sequence[tuple[int, int]], loop: StepLoop | None) -> list[tuple[int, int]]:
     """``pairs`` as ``(parameter, result)`` ints, or ValueError naming what does not fit ``fn``."""
     checked: list[tuple[int, int]] = []
+    expected = "in_place: expected a sequence of (parameter index, result index) pairs"
+    if isinstance(pairs, (str, bytes)) or not isinstance(pairs, Sequence):
+        raise ValueError(f"{expected}, got {pairs!r}")
     for pair in pairs:
-        try:
-            p, r = (int(i) for i in pair)
-        except (TypeError, ValueError):
-            raise ValueError(f"in_place: expected (parameter index, result index) pairs, got {pair!r}") from None
+        if not (isinstance(pair, Sequence) and len(pair) == 2 and all(
+                isinstance(i, (int, np.integer)) and not isinstance(i, bool) for i in pair)):
+            raise ValueError(f"{expected}, got {pair!r} in it")
+        p, r = int(pair[0]), int(pair[1])
         if not (0 <= p < len(fn.params) and 0 <= r < len(fn.outputs)):
             raise ValueError(f"in_place: ({p}, {r}) is not a (parameter, result) pair of a function with "
                              f"{len(fn.params)} parameters and {len(fn.outputs)} results")
