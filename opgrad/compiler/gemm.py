@@ -923,35 +923,34 @@ def _emit_small_gemm(m: ModuleEmitter, base: str, spec: GemmSpec, t: str) -> Non
             column_vector(f.mul(cv, vl))
         if tail:
             column_vector(str(spec.n - tail))
-        for r in range(rows):
-            i = f.add(i0, r)
+        def row_out(i: str, row: str, to_c: bool, scale: bool) -> None:
+            """The row's values (with ``alpha`` and accumulation where ``scale``) to row ``i`` of C,
+            or back into the row where not ``to_c``."""
             c_row, _, _ = spec.c.rows.terms(f, i)
-            row = f.gep(t, rows_out, str(r * columns))
-            finish_in_row = spec.epilogue is not None
-            if finish_in_row:
-                # The epilogue runs on the row in the workspace and C is stored after it: each
-                # element of C is written once, after the epilogue read its inputs (one of which
-                # may be C's own memory: a weight updated in place).
-                if spec.alpha != 1.0 or spec.accumulate:
-                    with f.loop(0, spec.n, hint="sa") as j:
-                        c_col, _, _ = spec.c.cols.terms(f, j)
-                        at = f.gep(t, row, j)
-                        v = f.load(t, at)
-                        if spec.alpha != 1.0:
-                            v = f.val(f"fmul {t} {v}, {float_const(spec.alpha, t)}")
-                        if spec.accumulate:
-                            v = f.val(f"fadd {t} {f.load(t, f.gep(t, '%c', f.add(c_row, c_col)))}, {v}")
-                        f.store(t, v, at)
-                call_epilogue(f, base + ".epilogue", row, _named(extras), i, "1", "0", str(spec.n))
             with f.loop(0, spec.n, hint="s") as j:
                 c_col, _, _ = spec.c.cols.terms(f, j)
                 ptr = f.gep(t, "%c", f.add(c_row, c_col))
-                v = f.load(t, f.gep(t, row, j))
-                if not finish_in_row and spec.alpha != 1.0:
+                at = f.gep(t, row, j)
+                v = f.load(t, at)
+                if scale and spec.alpha != 1.0:
                     v = f.val(f"fmul {t} {v}, {float_const(spec.alpha, t)}")
-                if not finish_in_row and spec.accumulate:
+                if scale and spec.accumulate:
                     v = f.val(f"fadd {t} {f.load(t, ptr)}, {v}")
-                f.store(t, v, ptr)
+                f.store(t, v, ptr if to_c else at)
+
+        for r in range(rows):
+            i = f.add(i0, r)
+            row = f.gep(t, rows_out, str(r * columns))
+            if spec.epilogue is None:
+                row_out(i, row, to_c=True, scale=True)
+                continue
+            # The epilogue finishes the row in the workspace and C is stored after it: each
+            # element of C is written once, after the epilogue read its inputs (one of which may
+            # be C's own memory: a weight updated in place).
+            if spec.alpha != 1.0 or spec.accumulate:
+                row_out(i, row, to_c=False, scale=True)
+            call_epilogue(f, base + ".epilogue", row, _named(extras), i, "1", "0", str(spec.n))
+            row_out(i, row, to_c=True, scale=False)
 
     whole = spec.m - spec.m % SMALL_GEMM_ROWS
     with f.loop(0, whole, SMALL_GEMM_ROWS, hint="i") as i0:

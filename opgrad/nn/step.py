@@ -169,7 +169,7 @@ class TrainStep:
         )
         # The llvm backend compiles on first use, one plan per way of calling (see ``compiled``).
         self._compiled: Any = None
-        self._copying: Any = None
+        self._separate: Any = None
         self._run = compile_function(self.function, backend) if backend != "llvm" else self._run_compiled
 
     @property
@@ -191,14 +191,14 @@ class TrainStep:
     def _run_compiled(self, *arrays: np.ndarray, donate: bool = False) -> tuple[np.ndarray, ...]:
         if donate:
             return tuple(self.compiled(*arrays, donate=True))
-        if self._copying is None:
+        if self._separate is None:
             if self._compiled is not None and not self._compiled.in_place:
-                self._copying = self._compiled  # it updates nothing in place, so it serves here too
+                self._separate = self._compiled  # it updates nothing in place, so it serves here too
             else:
                 from opgrad.compiler import compile as compile_fn
 
-                self._copying = compile_fn(self.function)
-        return tuple(self._copying(*arrays))
+                self._separate = compile_fn(self.function)
+        return tuple(self._separate(*arrays))
 
     def step_loop(self) -> Any:
         """The :class:`~opgrad.compiler.steploop.StepLoop` of this step: images, labels, masks and
