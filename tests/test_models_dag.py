@@ -152,6 +152,28 @@ def test_conv_same_padding_any_stride_and_pool_padding_match_torch() -> None:
         np.testing.assert_allclose(ours, theirs, rtol=1e-10, atol=1e-12, err_msg=layer.describe())
 
 
+@pytest.mark.parametrize("layer, shape", [
+    (nn.Conv2D(6, 3, strides=2, padding="same"), (3, 10, 9)),  # im2col GEMM, the odd row and column
+    (nn.Conv2D(4, 4, padding="same"), (1, 12, 12)),  # sliding window: one row and column more after
+    (nn.Conv2D(4, 3, strides=2, groups=4, padding="same"), (4, 8, 8)),  # depthwise
+])
+def test_asymmetric_same_padding_is_the_convolutions_own(layer: nn.Conv2D, shape: tuple[int, ...]) -> None:
+    """TF's "same" with its odd pixel after is one conv2d with four sides of padding (no padded
+    copy of the input, none of its gradient), and the compiled step trains as the reference does."""
+    model = nn.Sequential([layer, nn.Flatten(), nn.Dense(3)], input_shape=shape)
+    xv = opgrad.var("x", (2, *shape))
+    ops_used = {call.op.name for call in opgrad.ir.calls([model.forward(xv, model.param_vars())])}
+    assert "pad" not in ops_used and "conv2d" in ops_used
+    rng = np.random.default_rng(0)
+    x, y = rng.standard_normal((5, *shape)).astype(np.float32), rng.integers(0, 3, 5)
+    params, state = model.init_params(1), model.init_buffers()
+    runs = [nn.TrainStep(model, nn.SGD(), batch_size=5, backend=backend)(x, y, params, state, 0.1)
+            for backend in ("reference", "llvm")]
+    assert runs[0].loss == pytest.approx(runs[1].loss, rel=1e-5)
+    for name, value in runs[0].params.items():
+        np.testing.assert_allclose(runs[1].params[name], value, rtol=1e-4, atol=1e-5, err_msg=name)
+
+
 def test_grouped_conv_transposed_conv_and_upsampling_match_torch() -> None:
     torch = require("torch", "conv groups, transposed convs and upsampling are checked against PyTorch")
     F = torch.nn.functional

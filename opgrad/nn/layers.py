@@ -389,7 +389,7 @@ class Conv2D(Layer):
 
     ``padding`` is ``"valid"`` (Keras' default, no padding), ``"same"`` (TF/Keras semantics for
     any stride and dilation: output ``ceil(in / stride)``, the odd pixel of padding at the bottom
-    and right, done with ``ops.pad`` when it is asymmetric) or explicit zeros per side as an int
+    and right) or explicit zeros per side as an int
     or a pair (PyTorch's ``padding``). ``dilation_rate`` spaces the kernel taps. ``groups`` splits
     the channels into independent convolutions (PyTorch's; ``groups == channels`` is depthwise),
     so the weight is ``(filters, channels / groups, KH, KW)``.
@@ -471,13 +471,10 @@ class Conv2D(Layer):
 
     def apply(self, x: Expr, params: Mapping[str, Expr], ctx: ForwardContext) -> Expr:
         (top, bottom), (left, right) = self.pads(x.shape[2], x.shape[3])
-        if top == bottom and left == right:
-            padding = (top, left)
-        else:  # asymmetric "same": the conv pads symmetrically, the extra pixel comes from ops.pad
-            x = ops.pad(x, pad_width=((0, 0), (0, 0), (0, bottom - top), (0, right - left)))
-            padding = (top, left)
-        y = ops.conv2d(x, params["weight"], strides=self.strides, padding=padding, dilation=self.dilation_rate,
-                       groups=self.groups)
+        # An asymmetric "same" goes to the conv as four sides: its kernels read the zeros where
+        # they fall, with no padded copy of the input before and none of its gradient after.
+        y = ops.conv2d(x, params["weight"], strides=self.strides, padding=(top, left, bottom, right),
+                       dilation=self.dilation_rate, groups=self.groups)
         if self.use_bias:
             y = ops.bias_add(y, params["bias"], axis=1)
         return _activate(y, self.activation)
