@@ -8,10 +8,13 @@ computing something else. Times are medians (these machines vary 10-15 % run to 
 least 20 steps after warm-up, and ratios are taken within one run, the engines taking turns in
 short rounds so that the machine's drift during the run reaches all of them alike.
 
-``--model`` picks the model (the seed CNN by default, or ``resnet`` / ``mlp``). PyTorch runs the
-same graph through :func:`torch_forward`, a layer-by-layer translation of the opgrad model to
-``torch.nn.functional`` (BatchNorm included, with its running statistics); JAX has a hand-written
-twin of the seed CNN only.
+``--model`` picks the model: the seed CNN by default, ``resnet`` / ``mlp``, or a model file
+written by ``model.save`` or ``opgrad train --save`` (a classifier: one image input, one output
+of class scores), stepped on uniform random images of its input shape. PyTorch runs the same
+graph through :func:`torch_forward`, a layer-by-layer translation of the opgrad model to
+``torch.nn.functional`` (BatchNorm included, with its running statistics; dropout with the
+masks opgrad's step gets); a layer it does not translate leaves PyTorch's row out, saying which.
+JAX has a hand-written twin of the seed CNN only.
 
 Every table shows each engine's GFLOP/s (the FLOPs of the step's GEMM and conv kernels, counted
 from opgrad's plan, over its time) and the percent of this machine's fp32 FMA peak on the threads
@@ -37,6 +40,7 @@ from typing import Any
 import numpy as np
 
 from opgrad.argtypes import int_range, positive_int
+from opgrad.errors import ConfigError
 
 #: A benchmark subject: (params, images, labels, lr) -> a function running one step, returning its loss.
 CHECK_STEP = 3
@@ -55,10 +59,62 @@ class Row:
     cpu_ms: float | None = None  # CPU time of the whole process per step: steadier on a shared machine
 
 
+#: The models ``--model`` names.
+BUILT_IN_MODELS = ("seed-cnn", "resnet", "mlp")
+
+
+def checkpoint_argument(text: str) -> str:
+    """``--checkpoint``'s type: an existing file, as an absolute path (so that no file is taken
+    for a built-in model's name by :func:`bench_model`, here or in a child process)."""
+    if not os.path.isfile(text):
+        raise argparse.ArgumentTypeError(f"no such file: {text!r}")
+    return os.path.abspath(text)
+
+
+def bench_model(spec: str) -> Any:
+    """The :class:`~opgrad.nn.Model` that ``spec`` names: a built-in one, or the architecture in
+    the checkpoint at that path (``model.save``, ``opgrad train --save``). Its step must be a
+    classifier's: one floating-point input and one output of class scores, as :func:`bench_batch`
+    feeds it."""
+    from opgrad import nn
+
+    if spec in BUILT_IN_MODELS:
+        return nn.build_model(spec)
+    model = nn.load_model(spec)
+    inputs, outputs = model.input_vars(1), model.outputs
+    if len(inputs) != 1 or not np.issubdtype(np.dtype(inputs[0].dtype), np.floating):
+        found = ", ".join(f"{t.dtype}{list(t.shape[1:])}" for t in inputs)
+        raise ConfigError(f"--checkpoint {spec}: opgrad bench times a model with one floating-point input, "
+                          f"this one takes {found}")
+    if len(outputs) != 1 or len(outputs[0].shape) != 1 or outputs[0].shape[0] < 2:
+        found = ", ".join(str(list(t.shape)) for t in outputs)
+        raise ConfigError(f"--checkpoint {spec}: opgrad bench times a classifier (one output of class scores "
+                          f"per example), this model's outputs have shapes {found}")
+    return model
+
+
+def bench_batch(model: Any, batch: int) -> tuple[np.ndarray, np.ndarray]:
+    """The batch every engine steps on: uniform [0, 1) inputs of the model's input shape and
+    labels drawn from its classes, from seed 0."""
+    rng = np.random.default_rng(0)
+    (inp,), classes = model.input_vars(batch), model.outputs[0].shape[0]
+    images = rng.random(inp.shape, dtype=np.float32).astype(inp.dtype, copy=False)
+    return images, rng.integers(0, classes, batch).astype(np.int64)
+
+
+def bench_masks(model: Any, batch: int) -> dict[str, np.ndarray]:
+    """The dropout masks every engine's step applies (none without dropout), from seed 1."""
+    return dict(model.sample_noise(np.random.default_rng(1), batch))
+
+
 def configure(parser: argparse.ArgumentParser) -> None:
     """Add ``opgrad bench``'s options to ``parser``."""
-    parser.add_argument("--model", choices=("seed-cnn", "resnet", "mlp"), default="seed-cnn",
-                        help="the model whose training step is timed (default seed-cnn)")
+    source = parser.add_mutually_exclusive_group()
+    source.add_argument("--model", choices=BUILT_IN_MODELS, default="seed-cnn",
+                        help="the built-in model whose training step is timed (default seed-cnn)")
+    source.add_argument("--checkpoint", metavar="PATH", type=checkpoint_argument, default=None,
+                        help="time the model a checkpoint holds instead (as model.save or opgrad train --save "
+                             "write it; a classifier: one image input, one output of class scores)")
     parser.add_argument("--steps", type=positive_int, default=20, help="timed steps per engine (median; default 20)")
     parser.add_argument("--warmup", type=positive_int, default=3, help="untimed steps first (default 3)")
     parser.add_argument("--batch-size", type=positive_int, default=32, help="batch size (default 32, as opgrad train)")
@@ -89,15 +145,16 @@ def _opgrad_runner(backend: str, model_name: str, holder: dict[str, Any] | None 
              lr: float) -> Callable[[], float]:
         from opgrad import nn
 
-        model = nn.build_model(model_name)
+        model = bench_model(model_name)
         step = nn.TrainStep(model, nn.SGD(), batch_size=len(labels), backend=backend)
+        masks = bench_masks(model, len(labels))
         if holder is not None:
             holder["compiled"] = step.compiled
         # The step updates its own copy in place (donate): the other engines start from ``params`` too.
         current = {"params": {name: array.copy() for name, array in params.items()}, "state": model.init_buffers()}
 
         def run() -> float:
-            result = step(images, labels, current["params"], current["state"], lr, donate=True)
+            result = step(images, labels, current["params"], current["state"], lr, masks, donate=True)
             current["params"], current["state"] = result.params, result.state
             return result.loss
 
@@ -106,11 +163,14 @@ def _opgrad_runner(backend: str, model_name: str, holder: dict[str, Any] | None 
     return make
 
 
-def torch_forward(model: Any, params: dict[str, Any], buffers: dict[str, Any], x: Any, *, training: bool) -> Any:
+def torch_forward(model: Any, params: dict[str, Any], buffers: dict[str, Any], x: Any, *, training: bool,
+                  masks: dict[str, Any] | None = None) -> Any:
     """The opgrad ``model``'s first output computed with ``torch.nn.functional``, layer by layer.
 
     ``params`` and ``buffers`` are torch tensors keyed like opgrad's; BatchNorm updates the
-    buffers in place while training, as ``torch.nn.BatchNorm2d`` does. Dropout is not translated.
+    buffers in place while training, as ``torch.nn.BatchNorm2d`` does. Dropout multiplies by the
+    layer's mask in ``masks`` while training (opgrad's masks, so both compute the same), as
+    opgrad's Dropout does. A layer without a translation raises NotImplementedError.
     """
     import torch
     import torch.nn.functional as F
@@ -150,6 +210,11 @@ def torch_forward(model: Any, params: dict[str, Any], buffers: dict[str, Any], x
             h = sum(args[1:], args[0])
         elif kind in ("relu", "activation"):
             h = activate(h, getattr(layer, "activation", "relu"))
+        elif kind == "dropout":
+            if training and layer.rate > 0.0:
+                if masks is None or layer.name not in masks:
+                    raise ValueError(f"torch_forward: dropout layer {layer.name!r} needs its mask while training")
+                h = h * masks[layer.name]
         else:
             raise NotImplementedError(f"torch_forward has no translation of layer {layer.describe()}")
         values[id(node.output)] = h
@@ -197,17 +262,16 @@ def torch_runner(model_name: str, threads: int | None = None) -> Runner:
         import torch
         import torch.nn.functional as F
 
-        from opgrad import nn
-
-        model = nn.build_model(model_name)
+        model = bench_model(model_name)
         if threads is not None:
             torch.set_num_threads(threads)
         p = {k: torch.tensor(v, requires_grad=True) for k, v in params.items()}
         buffers = {k: torch.tensor(v) for k, v in model.init_buffers().items()}
         x, y = torch.from_numpy(images), torch.from_numpy(labels)
+        masks = {name: torch.from_numpy(mask) for name, mask in bench_masks(model, len(labels)).items()}
 
         def run() -> float:
-            loss = F.cross_entropy(torch_forward(model, p, buffers, x, training=True), y)
+            loss = F.cross_entropy(torch_forward(model, p, buffers, x, training=True, masks=masks), y)
             grads = torch.autograd.grad(loss, list(p.values()))
             with torch.no_grad():
                 for value, grad in zip(p.values(), grads):
@@ -282,6 +346,10 @@ def _prepare(name: str, runner: Runner, params: dict[str, np.ndarray], images: n
         return Row(name, note=f"unavailable ({type(exc).__name__}: {exc})"), None
     except AttributeError as exc:  # e.g. opgrad.compile missing while the compiler is being written
         return Row(name, note=f"unavailable ({type(exc).__name__}: {exc})"), None
+    except NotImplementedError as exc:  # a peer's translation lacks one of the model's layers
+        if not peer:
+            raise
+        return Row(name, note=f"unavailable ({exc})"), None
     setup = time.perf_counter() - start
     # Warm-up doubles as the correctness check: the third step's loss has been through two
     # backward passes and updates, so it compares gradients and SGD too, not just the forward.
@@ -321,6 +389,12 @@ def time_interleaved(rows: dict[str, Row], runs: dict[str, Callable[[], float]],
         rows[key].cpu_ms = statistics.median(cpu[key]) * 1000
 
 
+def milliseconds(ms: float) -> str:
+    """``ms`` with a tenth of a millisecond from 10 ms up, else three significant digits: a small
+    model's step is a fraction of a millisecond."""
+    return f"{ms:.1f}" if ms >= 10 else f"{ms:.3g}"
+
+
 def _setup_threads(requested: int | None) -> int:
     """Size opgrad's pool (before it exists) and return the thread count both engines use."""
     from opgrad.env import NUM_THREADS_VAR
@@ -338,23 +412,22 @@ def _step_flops(model_name: str, batch: int, compiled: Any) -> int:
         from opgrad import nn
         from opgrad.compiler import plan_graph
 
-        step = nn.TrainStep(nn.build_model(model_name), nn.SGD(), batch_size=batch, backend="reference")
+        step = nn.TrainStep(bench_model(model_name), nn.SGD(), batch_size=batch, backend="reference")
         return sum(cost.flops for cost in plan_graph(step.function).step_costs)
     return sum(cost.flops for cost in compiled.plan.step_costs)
 
 
 def run(args: argparse.Namespace) -> int:
     """Time each engine and print the table (and the sections asked for); returns 0."""
-    from opgrad import nn
     from opgrad.nn.step import llvm_unavailable_reason
 
     for section in ("peak", "kernels", "scaling", "compile_times", "memory"):
         setattr(args, section, getattr(args, section, False) or getattr(args, "all", False))
-    model = nn.build_model(args.model)
+    if getattr(args, "checkpoint", None):
+        args.model = args.checkpoint  # an absolute path: what every section and child process reads
+    model = bench_model(args.model)
     params = model.init_params(seed=0)
-    rng = np.random.default_rng(0)
-    images = rng.random((args.batch_size, 1, 28, 28), dtype=np.float32)
-    labels = rng.integers(0, 10, args.batch_size).astype(np.int64)
+    images, labels = bench_batch(model, args.batch_size)
     lr = 0.01
     llvm_reason = llvm_unavailable_reason()
     allocator_note = keep_freed_memory()
@@ -423,7 +496,8 @@ def run(args: argparse.Namespace) -> int:
         setup = f"{row.setup_s:.2f}s" if row.setup_s is not None else "-"
         rate = flops / row.ms / 1e6 if flops else None
         rate_text = f"{rate:>8.1f} {100 * rate / peak_all:>6.1f}%" if rate and peak_all else f"{'-':>8} {'-':>7}"
-        print(f"{row.name:<28} {row.ms:>9.1f} {row.best_ms or 0:>7.1f} {row.cpu_ms or 0:>7.1f} {rate_text} "
+        print(f"{row.name:<28} {milliseconds(row.ms):>9} {milliseconds(row.best_ms or 0):>7} "
+              f"{milliseconds(row.cpu_ms or 0):>7} {rate_text} "
               f"{ratio:>20} {setup:>8}  {check}")
     print("ms/step = median wall time, best = fastest step, CPU ms = median CPU time of the process (all its "
           "threads, spinning included) per step, the steadier figure when other jobs share the cores")

@@ -38,11 +38,6 @@ TARGET_ONE_THREAD, TARGET_THREADS = 75.0, 70.0
 _PASS = {"conv2d": "forward", "conv2d_backward_input": "backward-data", "conv2d_backward_weight": "backward-weight"}
 
 
-def _batch(batch: int) -> tuple[np.ndarray, np.ndarray]:
-    rng = np.random.default_rng(0)
-    return rng.random((batch, 1, 28, 28), dtype=np.float32), rng.integers(0, 10, batch).astype(np.int64)
-
-
 def _maxrss_mib() -> float:
     """This process's peak resident memory. Linux's VmHWM belongs to the process image, whereas
     ``ru_maxrss`` carries the parent's peak across fork and exec (a child of a big bench process
@@ -62,7 +57,7 @@ def _child(engine: str, model_name: str, batch: int, threads: int, steps: int) -
     """Build and time one engine's training step, or (``engine="pair"``) opgrad's and PyTorch's
     taking turns (:func:`opgrad.bench.time_interleaved`); runs in a fresh process (see the module doc)."""
     from opgrad import nn
-    from opgrad.bench import Row, keep_freed_memory, time_interleaved
+    from opgrad.bench import Row, bench_batch, bench_masks, bench_model, keep_freed_memory, time_interleaved
 
     result: dict[str, Any] = {}
     if engine == "pair":  # timed as the main table is; memory and compile children keep the default
@@ -76,9 +71,9 @@ def _child(engine: str, model_name: str, batch: int, threads: int, steps: int) -
 
         pool()
     result["rss_after_imports_mib"] = _maxrss_mib()
-    model = nn.build_model(model_name)
+    model = bench_model(model_name)
     params = model.init_params(seed=0)
-    images, labels = _batch(batch)
+    images, labels = bench_batch(model, batch)
     runs: dict[str, Callable[[], float]] = {}
     t0 = time.perf_counter()
     if engine in ("opgrad", "pair"):
@@ -95,9 +90,10 @@ def _child(engine: str, model_name: str, batch: int, threads: int, steps: int) -
                       cache_hit=compiled.cache_hit, plan_cache_hit=compiled.plan_cache_hit, threads=_pool_threads())
         # Updated in place (donate), as the bench's own runner does; PyTorch starts from ``params`` too.
         state = {"params": {name: array.copy() for name, array in params.items()}, "state": model.init_buffers()}
+        masks = bench_masks(model, batch)
 
         def run() -> float:
-            out = step(images, labels, state["params"], state["state"], 0.01, donate=True)
+            out = step(images, labels, state["params"], state["state"], 0.01, masks, donate=True)
             state["params"], state["state"] = out.params, out.state
             return out.loss
 
@@ -122,13 +118,16 @@ def _profiled_step(model_name: str, batch: int) -> tuple[Any, Any, list[Any]]:
     """The model, its training step compiled with an entry per step, and the step's arguments."""
     import opgrad
     from opgrad import nn
+    from opgrad.bench import bench_batch, bench_masks, bench_model
 
-    model = nn.build_model(model_name)
+    model = bench_model(model_name)
     step = nn.TrainStep(model, nn.SGD(), batch_size=batch, backend="reference")
     compiled = opgrad.compile(step.function, step_entries=True, in_place=step.step_loop().carry)
     params, buffers = model.init_params(seed=0), model.init_buffers()
-    images, labels = _batch(batch)
-    args = [images, labels, np.asarray(0.01, np.float32), *(params[n] for n in step.param_names),
+    images, labels = bench_batch(model, batch)
+    masks = bench_masks(model, batch)
+    args = [images, labels, *(masks[n] for n in step.mask_names), np.asarray(0.01, np.float32),
+            *(params[n] for n in step.param_names),
             *(buffers[n] for n in step.state_names)]
     return model, compiled, args
 

@@ -15,7 +15,7 @@ import pytest
 from optional import require
 
 import opgrad
-from opgrad import bench, benchreport, cli
+from opgrad import bench, benchreport, cli, nn
 from opgrad.compiler.peak import available_cpus, cgroup_cpu_limit, host_info, measure_bandwidth, measure_peak
 
 
@@ -85,6 +85,42 @@ def test_bench_prints_peak_percent_and_kernels(capsys: pytest.CaptureFixture[str
     dense = [line for line in kernels.splitlines() if line.strip().startswith("dense")]
     assert len(dense) >= 6 and all("gemm" in line and "%" in line for line in dense)
     assert "all steps" in kernels
+
+
+def test_bench_times_a_model_file_against_pytorch(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A user's saved model (not built in: 3-channel 20x18 images, a stride-2 "same" conv,
+    dropout, 4 classes) is timed on every engine; all of them apply the same dropout masks, so
+    PyTorch's loss after two updates matches the reference's."""
+    require("torch", "the bench times the model file against PyTorch")
+    model = nn.Sequential([nn.Conv2D(6, 3, strides=2, padding="same", activation="relu"), nn.Dropout(0.3),
+                           nn.Flatten(), nn.Dense(4)], input_shape=(3, 20, 18), name="users-net")
+    path = tmp_path / "users-net.npz"
+    model.save(path)
+    argv = ["bench", "--checkpoint", str(path), "--steps", "2", "--warmup", "3", "--skip", "jax", "--kernels"]
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    assert f"{path} training step" in out and f"{model.num_params:,} parameters" in out
+    for engine in ("opgrad llvm (compiled)", "opgrad reference (numpy)", "PyTorch"):
+        row = next(line for line in out.splitlines() if line.startswith(engine))
+        assert "ok (rel. diff" in row, row
+    assert "conv1 forward" in out.split("kernels of the", 1)[1]
+
+
+def test_bench_names_a_model_it_cannot_time(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    inp = nn.Input((5,))
+    regression = tmp_path / "regression.npz"
+    nn.Model(inp, nn.Dense(1)(inp)).save(regression)
+    assert cli.main(["bench", "--checkpoint", str(regression), "--steps", "1"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("opgrad bench: error: --checkpoint") and str(regression) in err and "[1]" in err
+    assert "\n" not in err
+    assert cli.main(["bench", "--checkpoint", str(tmp_path / "absent.npz")]) == 2
+    assert "no such file" in capsys.readouterr().err
+    assert cli.main(["bench", "--checkpoint", str(regression), "--model", "mlp"]) == 2
+    assert "not allowed with" in capsys.readouterr().err
+    (tmp_path / "broken.npz").write_bytes(b"not a checkpoint")
+    assert cli.main(["bench", "--checkpoint", str(tmp_path / "broken.npz"), "--steps", "1"]) == 2
+    assert "broken.npz" in capsys.readouterr().err
 
 
 def test_child_reports_time_compile_and_memory(tmp_path: Path) -> None:
