@@ -4,6 +4,9 @@ numpy implementation (forward, backward and SGD written here with einsum and loo
 
 from __future__ import annotations
 
+import re
+from collections.abc import Callable
+
 import numpy as np
 import pytest
 
@@ -72,6 +75,39 @@ def test_bad_layer_arguments() -> None:
         nn.Sequential([nn.ReLU(name="a"), nn.ReLU(name="a")], input_shape=(3,))
     with pytest.raises(ValueError, match="initializer"):
         nn.Dense(3, kernel_initializer="nope")
+
+
+@pytest.mark.parametrize(("make", "match"), [
+    (lambda: nn.Dense(2.5), "Dense units must be an int, got 2.5"),
+    (lambda: nn.Conv2D(4.7, 3), "Conv2D filters must be an int"),
+    (lambda: nn.Conv2D(4, 2.5), "Conv2D kernel_size must be an int or two ints, got 2.5"),
+    (lambda: nn.Conv2D(4, 3, strides=1.5), "Conv2D strides"),
+    (lambda: nn.Conv2D(4, 3, dilation_rate=(1, 2.0)), "Conv2D dilation_rate"),
+    (lambda: nn.Conv2D(4, 3, padding=(1, 2, 3)), "Conv2D padding"),
+    (lambda: nn.Conv2D(4, 3, groups=2.0), "Conv2D groups"),
+    (lambda: nn.MaxPool2D(2.5), "MaxPool2D pool_size"),
+    (lambda: nn.AvgPool2D(2, strides=True), "AvgPool2D strides"),
+    (lambda: nn.Embedding(10.5, 3), "Embedding input_dim must be an int"),
+    (lambda: nn.Softmax(axis=1.5), "Softmax axis must be an int"),
+    (lambda: nn.Reshape((2.5, 2)), "Reshape target_shape"),
+    (lambda: nn.ZeroPadding2D(((1, 0.5), (0, 1))), "ZeroPadding2D padding"),
+])
+def test_sizes_must_be_whole_numbers(make: Callable[[], nn.Layer], match: str) -> None:
+    """Keras and PyTorch refuse a layer size of 2.5; truncated to 2 it would build another model."""
+    with pytest.raises(ValueError, match=re.escape(match)):
+        make()
+    assert nn.Conv2D(np.int64(4), (np.int64(3), 3)).kernel_size == (3, 3)  # numpy ints are ints
+
+
+def test_summary_shows_each_axis_and_the_padding() -> None:
+    inp = nn.Input((3, 20, 20))
+    model = nn.Model(inp, [nn.Conv2D(4, 3, strides=(1, 2), dilation_rate=(2, 3), padding=1, name="a")(inp),
+                           nn.MaxPool2D(3, strides=2, padding=1, name="b")(inp),
+                           nn.Conv2D(4, 3, strides=2, padding="same", name="c")(inp)])
+    text = model.summary()
+    assert "'a' (Conv2D(4, 3x3, stride 1x2, dilation 2x3, pad 1))" in text
+    assert "'b' (MaxPool2D(3x3, stride 2, pad 1))" in text
+    assert "'c' (Conv2D(4, 3x3, stride 2, same))" in text
 
 
 def test_forward_rejects_wrong_input_and_missing_params() -> None:
@@ -306,3 +342,17 @@ def test_float64_reference_step_equals_independent_numpy_seed_cnn() -> None:
         for name in expect:
             np.testing.assert_allclose(got[name], expect[name], rtol=1e-9, atol=1e-12, err_msg=name)
     assert not np.allclose(got["conv1.weight"], params["conv1.weight"])  # it did train
+
+
+@pytest.mark.parametrize("backend", ["reference", "llvm"])
+def test_train_step_names_every_missing_parameter(backend: str) -> None:
+    model = nn.Sequential([nn.Conv2D(4, 3), nn.Flatten(), nn.Dense(3)], input_shape=(1, 6, 6))
+    step = nn.TrainStep(model, nn.SGD(momentum=0.9), batch_size=2, backend=backend)
+    params = {k: v for k, v in model.params.items() if k != "conv1.weight"}
+    state = nn.SGD(momentum=0.9).init_state(model.params)
+    del state[next(iter(state))]
+    x, y = np.zeros((2, 1, 6, 6), np.float32), np.zeros(2, np.int64)
+    with pytest.raises(ValueError, match=r"missing: parameter conv1\.weight, state "):
+        step(x, y, params, state, 0.1)
+    with pytest.raises(ValueError, match=r"missing: parameter conv1\.weight"):
+        step.run_steps(x, y, params, state, 0.1)

@@ -93,3 +93,22 @@ def test_model_predict_pads_and_keeps_order() -> None:
         np.testing.assert_allclose(model.predict(x, batch_size=batch_size), expected, rtol=1e-5, atol=1e-6)
     with pytest.raises(ValueError, match="batch_size must be a positive integer"):
         model.predict(x, batch_size=0)
+
+
+@pytest.mark.parametrize("backend", ["reference", "llvm"])
+def test_predict_refuses_inputs_it_would_pad_or_truncate(backend: str) -> None:
+    """Two inputs of 7 and 5 examples would run the short one's last rows as zeros, and float
+    token ids would be cut to integers: both are refused, naming the input."""
+    a, b = nn.Input((4,), name="a"), nn.Input((3,), name="b")
+    two = nn.Model([a, b], nn.Dense(2)(nn.Concatenate()([nn.Dense(5)(a), nn.Dense(5)(b)])))
+    rng = np.random.default_rng(0)
+    xa, xb = rng.random((7, 4)).astype(np.float32), rng.random((5, 3)).astype(np.float32)
+    with pytest.raises(ValueError, match=r"different numbers of examples \('a' 7, 'b' 5\)"):
+        two.predict([xa, xb], backend=backend)
+    assert two.predict([xa, np.vstack([xb, xb[:2]])], backend=backend).shape == (7, 2)
+    tokens = nn.Input((3,), dtype="int64", name="tokens")
+    text = nn.Model(tokens, nn.Dense(2)(nn.Flatten()(nn.Embedding(10, 4)(tokens))))
+    with pytest.raises(ValueError, match=r"input 'tokens' takes integer ids \(int64\), got an array of float64"):
+        text.predict(np.array([[2.7, 5.9, 0.0]]), backend=backend)
+    ids = [[2, 5, 0], [1, 1, 9]]
+    np.testing.assert_array_equal(text.predict(ids, backend=backend), text.predict(np.array(ids), backend=backend))

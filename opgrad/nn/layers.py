@@ -123,28 +123,55 @@ class ForwardContext:
     sync_batchnorm: bool = False
 
 
-def _pair(value: int | Sequence[int], what: str, minimum: int = 1) -> tuple[int, int]:
-    if isinstance(value, bool):
-        raise ValueError(f"{what} must be an int or two ints, got {value!r}")
-    if isinstance(value, (int, np.integer)):
+def is_int(value: Any) -> bool:
+    """Whether ``value`` is an integer (a Python or numpy int, not a bool, a float or a string)."""
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+
+
+def as_int(value: Any, what: str) -> int:
+    """``value`` as an int, or a ValueError naming ``what``: a size of 2.5 is refused, as Keras
+    and PyTorch refuse it, rather than truncated to 2."""
+    if not is_int(value):
+        raise ValueError(f"{what} must be an int, got {value!r}")
+    return int(value)
+
+
+def _pair(value: Any, what: str, minimum: int = 1) -> tuple[int, int]:
+    if is_int(value):
         pair = (int(value), int(value))
     else:
-        items = tuple(int(v) for v in value)
-        if len(items) != 2:
+        try:
+            items = tuple(value)
+        except TypeError:  # a float, None: not a pair either
+            items = ()
+        if len(items) != 2 or not all(is_int(v) for v in items):
             raise ValueError(f"{what} must be an int or two ints, got {value!r}")
-        pair = (items[0], items[1])
+        pair = (int(items[0]), int(items[1]))
     if min(pair) < minimum:
         raise ValueError(f"{what} must be >= {minimum}, got {value!r}")
     return pair
 
 
-def _padding_arg(padding: str | int | Sequence[int]) -> str | tuple[int, int]:
-    """``"valid"``, ``"same"`` or explicit zeros per side as a pair."""
+def _padding_arg(padding: str | int | Sequence[int], layer: str) -> str | tuple[int, int]:
+    """``"valid"``, ``"same"`` or explicit zeros as ``(ph, pw)``: ``ph`` rows above and below,
+    ``pw`` columns left and right."""
     if isinstance(padding, str):
         if padding not in ("valid", "same"):
-            raise ValueError(f"padding must be 'valid', 'same', an int or two ints, got {padding!r}")
+            raise ValueError(f"{layer} padding must be 'valid', 'same', an int or two ints, got {padding!r}")
         return padding
-    return _pair(padding, "padding", minimum=0)
+    return _pair(padding, f"{layer} padding", minimum=0)
+
+
+def per_axis(pair: tuple[int, int]) -> str:
+    """A (height, width) setting for a summary: ``2``, or ``1x2`` where the axes differ."""
+    return str(pair[0]) if pair[0] == pair[1] else f"{pair[0]}x{pair[1]}"
+
+
+def padding_text(padding: str | tuple[int, int]) -> str:
+    """A layer's padding for a summary: ``same``, ``pad 1`` / ``pad 1x2``, or nothing for none."""
+    if isinstance(padding, str):
+        return "same" if padding == "same" else ""
+    return f"pad {per_axis(padding)}" if any(padding) else ""
 
 
 def _same_pads(extent: int, k: int, s: int, d: int = 1) -> tuple[int, int]:
@@ -350,7 +377,7 @@ class Dense(Layer):
                  kernel_initializer: str | Initializer = "glorot_uniform",
                  bias_initializer: str | Initializer = "zeros", name: str | None = None) -> None:
         super().__init__(name)
-        if int(units) < 1:
+        if as_int(units, "Dense units") < 1:
             raise ValueError(f"Dense units must be >= 1, got {units}")
         self.units = int(units)
         self.activation = _check_activation(activation)
@@ -403,17 +430,17 @@ class Conv2D(Layer):
                  kernel_initializer: str | Initializer = "glorot_uniform",
                  bias_initializer: str | Initializer = "zeros", name: str | None = None) -> None:
         super().__init__(name)
-        if int(filters) < 1:
-            raise ValueError(f"{type(self).__name__} filters must be >= 1, got {filters}")
-        if isinstance(groups, bool) or int(groups) < 1 or int(filters) % int(groups):
-            raise ValueError(f"{type(self).__name__} groups must be a positive divisor of filters={filters}, "
-                             f"got {groups!r}")
+        cls = type(self).__name__
+        if as_int(filters, f"{cls} filters") < 1:
+            raise ValueError(f"{cls} filters must be >= 1, got {filters}")
+        if not is_int(groups) or int(groups) < 1 or int(filters) % int(groups):
+            raise ValueError(f"{cls} groups must be a positive divisor of filters={filters}, got {groups!r}")
         self.groups = int(groups)
         self.filters = int(filters)
-        self.kernel_size = _pair(kernel_size, "kernel_size")
-        self.strides = _pair(strides, "strides")
-        self.dilation_rate = _pair(dilation_rate, "dilation_rate")
-        self.padding = _padding_arg(padding)
+        self.kernel_size = _pair(kernel_size, f"{cls} kernel_size")
+        self.strides = _pair(strides, f"{cls} strides")
+        self.dilation_rate = _pair(dilation_rate, f"{cls} dilation_rate")
+        self.padding = _padding_arg(padding, cls)
         self.activation = _check_activation(activation)
         self.use_bias = bool(use_bias)
         self.kernel_init = get_initializer(kernel_initializer)
@@ -428,10 +455,10 @@ class Conv2D(Layer):
 
     def config(self) -> str:
         kh, kw = self.kernel_size
-        extras = [f"stride {self.strides[0]}" if self.strides != (1, 1) else "",
-                  f"dilation {self.dilation_rate[0]}" if self.dilation_rate != (1, 1) else "",
-                  f"groups {self.groups}" if self.groups != 1 else "",
-                  "same" if self.padding == "same" else "", self.activation or ""]
+        extras = [f"stride {per_axis(self.strides)}" if self.strides != (1, 1) else "",
+                  f"dilation {per_axis(self.dilation_rate)}" if self.dilation_rate != (1, 1) else "",
+                  f"groups {self.groups}" if self.groups != 1 else "", padding_text(self.padding),
+                  self.activation or ""]
         return ", ".join([f"{self.filters}", f"{kh}x{kw}", *(e for e in extras if e)])
 
     def pads(self, height: int, width: int) -> tuple[tuple[int, int], tuple[int, int]]:
@@ -500,7 +527,7 @@ class Conv2DTranspose(Conv2D):
         super().__init__(filters, kernel_size, strides=strides, padding=padding, dilation_rate=dilation_rate,
                          groups=groups, activation=activation, use_bias=use_bias,
                          kernel_initializer=kernel_initializer, bias_initializer=bias_initializer, name=name)
-        self.output_padding = _pair(output_padding, "output_padding", minimum=0)
+        self.output_padding = _pair(output_padding, f"{type(self).__name__} output_padding", minimum=0)
         if any(o >= s for o, s in zip(self.output_padding, self.strides)):
             raise ValueError(f"Conv2DTranspose output_padding {self.output_padding} must be smaller than the "
                              f"strides {self.strides}")
@@ -587,9 +614,10 @@ class _Pool2D(Layer):
     def __init__(self, pool_size: int | Sequence[int] = 2, *, strides: int | Sequence[int] | None = None,
                  padding: str | int | Sequence[int] = "valid", name: str | None = None) -> None:
         super().__init__(name)
-        self.pool_size = _pair(pool_size, "pool_size")
-        self.strides = self.pool_size if strides is None else _pair(strides, "strides")
-        self.padding = _padding_arg(padding)
+        cls = type(self).__name__
+        self.pool_size = _pair(pool_size, f"{cls} pool_size")
+        self.strides = self.pool_size if strides is None else _pair(strides, f"{cls} strides")
+        self.padding = _padding_arg(padding, cls)
         problem = pool_padding_problem(self.pool_size, self.padding) if isinstance(self.padding, tuple) else None
         if problem:
             raise ValueError(f"pool {problem}")
@@ -599,7 +627,9 @@ class _Pool2D(Layer):
                 "padding": self.padding if isinstance(self.padding, str) else list(self.padding)}
 
     def config(self) -> str:
-        return f"{self.pool_size[0]}x{self.pool_size[1]}" + (", same" if self.padding == "same" else "")
+        extras = [f"stride {per_axis(self.strides)}" if self.strides != self.pool_size else "",
+                  padding_text(self.padding)]
+        return ", ".join([f"{self.pool_size[0]}x{self.pool_size[1]}", *(e for e in extras if e)])
 
     def pads(self, height: int, width: int) -> tuple[tuple[int, int], tuple[int, int]]:
         if self.padding == "valid":
@@ -766,7 +796,7 @@ class Softmax(Layer):
 
     def __init__(self, axis: int = -1, *, name: str | None = None) -> None:
         super().__init__(name)
-        self.axis = int(axis)
+        self.axis = as_int(axis, f"{type(self).__name__} axis")
 
     def get_config(self) -> dict[str, Any]:
         return {"axis": self.axis}
@@ -979,7 +1009,7 @@ class LayerNorm(Layer):
         super().__init__(name)
         if not (math.isfinite(float(epsilon)) and float(epsilon) > 0):
             raise ValueError(f"LayerNorm epsilon must be a finite number > 0, got {epsilon!r}")
-        self.axis, self.epsilon = int(axis), float(epsilon)
+        self.axis, self.epsilon = as_int(axis, "LayerNorm axis"), float(epsilon)
 
     def get_config(self) -> dict[str, Any]:
         return {"axis": self.axis, "epsilon": self.epsilon}
@@ -1016,7 +1046,7 @@ class Embedding(Layer):
     def __init__(self, input_dim: int, output_dim: int, *,
                  embeddings_initializer: str | Initializer = "uniform", name: str | None = None) -> None:
         super().__init__(name)
-        if int(input_dim) < 1 or int(output_dim) < 1:
+        if as_int(input_dim, "Embedding input_dim") < 1 or as_int(output_dim, "Embedding output_dim") < 1:
             raise ValueError(f"Embedding input_dim and output_dim must be >= 1, got {input_dim}, {output_dim}")
         self.input_dim, self.output_dim = int(input_dim), int(output_dim)
         self.embeddings_init = get_initializer(embeddings_initializer)
@@ -1068,7 +1098,7 @@ class Concatenate(Layer):
 
     def __init__(self, axis: int = 1, *, name: str | None = None) -> None:
         super().__init__(name)
-        self.axis = int(axis)
+        self.axis = as_int(axis, f"{type(self).__name__} axis")
 
     def get_config(self) -> dict[str, Any]:
         return {"axis": self.axis}

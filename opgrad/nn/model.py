@@ -337,7 +337,12 @@ class Model:
             raise ValueError(f"predict: batch_size must be a positive integer, got {batch_size!r}")
         if backend == "llvm" and llvm_unavailable_reason() is not None:
             backend = "reference"
-        arrays = [inputs] if isinstance(inputs, np.ndarray) else list(inputs)
+        if isinstance(inputs, np.ndarray):
+            arrays = [inputs]
+        elif len(self.inputs) == 1 and not (len(inputs) == 1 and isinstance(inputs[0], np.ndarray)):
+            arrays = [np.asarray(inputs)]  # nested lists of one input's values, as Keras takes them
+        else:
+            arrays = [np.asarray(a) for a in inputs]
         if len(arrays) != len(self.inputs):
             raise ValueError(f"predict: model {self.name!r} takes {len(self.inputs)} input(s), got {len(arrays)}")
         for array, tensor in zip(arrays, self.inputs):

@@ -14,7 +14,7 @@ import numpy as np
 
 from opgrad import ops
 from opgrad.ir import Expr
-from opgrad.nn.layers import ForwardContext, Layer
+from opgrad.nn.layers import ForwardContext, Layer, as_int, is_int
 
 __all__ = ["Permute", "Reshape", "ZeroPadding2D"]
 
@@ -28,7 +28,7 @@ class Reshape(Layer):
 
     def __init__(self, target_shape: Sequence[int], *, name: str | None = None) -> None:
         super().__init__(name)
-        dims = tuple(int(d) for d in target_shape)
+        dims = tuple(as_int(d, "Reshape target_shape entries") for d in target_shape)
         if not dims or any(d == 0 or d < -1 for d in dims) or dims.count(-1) > 1:
             raise ValueError(f"Reshape target_shape must be positive ints with at most one -1, got {target_shape!r}")
         self.target_shape = dims
@@ -66,7 +66,7 @@ class Permute(Layer):
 
     def __init__(self, dims: Sequence[int], *, name: str | None = None) -> None:
         super().__init__(name)
-        axes = tuple(int(d) for d in dims)
+        axes = tuple(as_int(d, "Permute dims") for d in dims)
         if sorted(axes) != list(range(1, len(axes) + 1)):
             raise ValueError(f"Permute dims must be a permutation of 1..{len(axes)} (axis 0 is the batch), "
                              f"got {dims!r}")
@@ -101,20 +101,20 @@ class ZeroPadding2D(Layer):
     def _normalize(padding: Any) -> tuple[tuple[int, int], tuple[int, int]]:
         problem = f"ZeroPadding2D padding must be an int, two ints or two pairs of ints >= 0, got {padding!r}"
         try:
-            if isinstance(padding, (int, np.integer)) and not isinstance(padding, bool):
+            if is_int(padding):
                 p = int(padding)
                 pads = ((p, p), (p, p))
             else:
                 items = list(padding)
                 if len(items) != 2:
                     raise ValueError(problem)
-                if all(isinstance(i, (int, np.integer)) and not isinstance(i, bool) for i in items):
+                if all(is_int(i) for i in items):
                     pads = ((int(items[0]), int(items[0])), (int(items[1]), int(items[1])))
                 else:
-                    rows, cols = (tuple(int(v) for v in item) for item in items)
-                    if len(rows) != 2 or len(cols) != 2:
+                    rows, cols = (tuple(item) for item in items)
+                    if len(rows) != 2 or len(cols) != 2 or not all(is_int(v) for v in (*rows, *cols)):
                         raise ValueError(problem)
-                    pads = ((rows[0], rows[1]), (cols[0], cols[1]))
+                    pads = ((int(rows[0]), int(rows[1])), (int(cols[0]), int(cols[1])))
         except TypeError:
             raise ValueError(problem) from None
         if min(*pads[0], *pads[1]) < 0:

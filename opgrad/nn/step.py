@@ -200,6 +200,16 @@ class TrainStep:
                 self._separate = compile_fn(self.function)
         return tuple(self._separate(*arrays))
 
+    def named_arrays(self, params: Mapping[str, np.ndarray], state: Mapping[str, np.ndarray]) -> list[np.ndarray]:
+        """The parameters, then the optimizer and model state, in the step's order; a ValueError
+        names every one missing (a KeyError would name only the first, and not what it is)."""
+        missing = [f"parameter {n}" for n in self.param_names if n not in params]
+        missing += [f"state {n}" for n in self.state_names if n not in state]
+        if missing:
+            raise ValueError(f"the training step of model {self.model.name!r} needs every parameter and state "
+                             f"array; missing: {', '.join(missing)}")
+        return [*(params[n] for n in self.param_names), *(state[n] for n in self.state_names)]
+
     def step_loop(self) -> Any:
         """The :class:`~opgrad.compiler.steploop.StepLoop` of this step: images, labels, masks and
         lr streamed, the loss outfed (and checked for NaN), params and state carried."""
@@ -222,7 +232,7 @@ class TrainStep:
             *per_input(images, len(self.model.inputs), "input"),
             *per_output(labels, len(self.model.outputs)),
             *mask_arrays(self.mask_names, masks), np.asarray(lr, dtype=self.dtype),
-            *(params[n] for n in self.param_names), *(state[n] for n in self.state_names),
+            *self.named_arrays(params, state),
         )
         outputs = self._run(*arrays, donate=True) if donate and self.backend == "llvm" else self._run(*arrays)
         k = len(self.param_names)
@@ -257,6 +267,7 @@ class TrainStep:
             raise ValueError(f"run_steps: lr must be a float or an array of {steps} (one per step), "
                              f"got shape {lrs.shape}")
         mask_arrays(self.mask_names, masks)  # every mask is given
+        self.named_arrays(params, state)  # every parameter and state array is given
         masks = masks or {}
         if self.compiled is None:
             return self._run_steps_in_python(inputs, label_arrays, params, state, lrs, masks, stop_on_nan)
@@ -334,6 +345,21 @@ def mask_arrays(names: Sequence[str], masks: Mapping[str, np.ndarray] | None) ->
     return [masks[n] for n in names]
 
 
+def check_batch_inputs(model: Model, arrays: Sequence[np.ndarray], dtypes: Sequence[str], who: str) -> None:
+    """A ValueError naming the input where ``arrays`` (one per model input) do not hold the same
+    number of examples, or where an integer input (token ids) holds anything but integers: a
+    float id would be truncated and a short input padded with zeros, both without a word."""
+    counts = [len(a) if a.ndim else 0 for a in arrays]
+    if len(set(counts)) > 1:
+        sizes = ", ".join(f"{t.name!r} {count}" for t, count in zip(model.inputs, counts, strict=True))
+        raise ValueError(f"{who}: the inputs hold different numbers of examples ({sizes})")
+    for tensor, array, dtype in zip(model.inputs, arrays, dtypes, strict=True):
+        if np.issubdtype(np.dtype(dtype), np.integer) and not (np.issubdtype(array.dtype, np.integer)
+                                                                 or array.dtype == np.bool_):
+            raise ValueError(f"{who}: input {tensor.name!r} takes integer ids ({dtype}), got an array of "
+                             f"{array.dtype}; convert it with .astype(np.{dtype}) if its values are whole")
+
+
 def per_input(arrays: np.ndarray | Sequence[np.ndarray], count: int, what: str) -> list[np.ndarray]:
     """``arrays`` as a list of ``count`` arrays (one array alone when ``count`` is 1)."""
     items = [arrays] if isinstance(arrays, np.ndarray) else list(arrays)
@@ -375,7 +401,8 @@ class EvalStep:
 
     def outputs(self, inputs: np.ndarray | Sequence[np.ndarray], params: Mapping[str, np.ndarray]) -> list[np.ndarray]:
         """Every output for every example, in the model's output order."""
-        arrays = per_input(inputs, len(self.input_dtypes), "input")
+        arrays = [np.asarray(a) for a in per_input(inputs, len(self.input_dtypes), "input")]
+        check_batch_inputs(self.model, arrays, self.input_dtypes, f"model {self.model.name!r}")
         absent = [n for n in self.param_names if n not in params]
         if absent:
             raise ValueError(f"no value given for {', '.join(absent)}")
