@@ -545,3 +545,79 @@ def test_checkpoint_with_batchnorm_exports_trains_and_evaluates_like_python(tmp_
     net.params = {n: want.params[n] for n in net.params}
     net.buffers = {n: want.state[n] for n in net.buffers}
     np.testing.assert_allclose(logits, net.predict(test_x, batch_size=4), rtol=1e-4, atol=1e-5)
+
+
+def _user_model() -> nn.Model:
+    """A model that is not built in, so only the architecture in a checkpoint can rebuild it."""
+    inp = nn.Input((1, 28, 28))
+    x = nn.ReLU()(nn.BatchNorm2D()(nn.Conv2D(4, 3, strides=2, padding="same")(inp)))
+    return nn.Model(inp, nn.Dense(10)(nn.Flatten()(x)), name="user-net")
+
+
+def test_checkpoints_of_a_user_model_export_and_its_runtime_rebuild_with_nn_load(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """NAME_init.npz and every checkpoint the C runtime saves carry the architecture, as model.save writes it:
+    opgrad.nn.load, opgrad predict and opgrad train --resume read them back for a model that is not built in."""
+    _require("cc")
+    from opgrad.data import load_embedded_mnist
+
+    model = _user_model()
+    model.params = model.init_params(4)
+    rng = np.random.default_rng(1)
+    model.buffers = {n: rng.uniform(0.5, 1.5, a.shape).astype(np.float32) for n, a in model.buffers.items()}
+    model.save(tmp_path / "user.npz")
+    out = tmp_path / "lib"
+    assert cli.main(["export", str(out), "--checkpoint", str(tmp_path / "user.npz"), "--batch-size", "4",
+                     "--threads", "1"]) == 0
+
+    init = nn.load(out / "opgrad_init.npz")
+    assert init.get_config() == model.get_config()
+    for name, array in {**model.params, **model.buffers}.items():
+        np.testing.assert_array_equal({**init.params, **init.buffers}[name], array, err_msg=name)
+
+    so = ctypes.CDLL(str(out / "libopgrad.so"))
+    vp = ctypes.c_void_p
+    so.opgrad_model_create.restype = vp
+    so.opgrad_model_load.argtypes = [vp, ctypes.c_char_p]
+    so.opgrad_model_save.argtypes = [vp, ctypes.c_char_p]
+    so.opgrad_train_steps.argtypes = [vp, ctypes.c_int64, vp, vp, vp, vp, ctypes.c_int]
+    so.opgrad_eval.argtypes = [vp, vp, vp]
+    so.opgrad_model_array.argtypes = [vp, ctypes.c_char_p, ctypes.POINTER(ctypes.c_int64)]
+    so.opgrad_model_array.restype = ctypes.POINTER(ctypes.c_float)
+    so.opgrad_model_free.argtypes = [vp]
+    handle = so.opgrad_model_create()
+    assert so.opgrad_model_load(handle, str(out / "opgrad_init.npz").encode()) == OK
+    data = load_embedded_mnist()
+    steps, b = 2, 4
+    x, y = np.ascontiguousarray(data.train_images[: steps * b]), data.train_labels[: steps * b].copy()
+    lrs = np.array([0.01, 0.01], np.float32)
+    losses = np.zeros(steps, np.float32)
+    assert so.opgrad_train_steps(handle, steps, x.ctypes.data, y.ctypes.data, lrs.ctypes.data,
+                                 losses.ctypes.data, 0) == OK
+    test_x = np.ascontiguousarray(data.test_images[:4])
+    logits = np.zeros((4, 10), np.float32)
+    assert so.opgrad_eval(handle, test_x.ctypes.data, logits.ctypes.data) == OK
+    assert so.opgrad_model_save(handle, str(tmp_path / "c.npz").encode()) == OK
+
+    def c_array(name: str, shape: tuple[int, ...]) -> np.ndarray:
+        count = ctypes.c_int64()
+        ptr = so.opgrad_model_array(handle, name.encode(), ctypes.byref(count))
+        return np.ctypeslib.as_array(ptr, (count.value,)).reshape(shape).copy()
+
+    python = nn.load(tmp_path / "user.npz")
+    python.params = {n: c_array(n, a.shape) for n, a in python.params.items()}
+    python.buffers = {n: c_array(n, a.shape) for n, a in python.buffers.items()}
+    so.opgrad_model_free(handle)
+
+    from_c = nn.load(tmp_path / "c.npz")
+    assert from_c.get_config() == model.get_config()
+    assert from_c.checkpoint_meta["step"] == steps and from_c.checkpoint_meta["optimizer"] == nn.Adam().describe()
+    np.testing.assert_array_equal(from_c.predict(test_x, batch_size=4), python.predict(test_x, batch_size=4))
+    np.testing.assert_allclose(from_c.predict(test_x, batch_size=4), logits, rtol=1e-4, atol=1e-5)
+
+    capsys.readouterr()
+    assert cli.main(["predict", "--checkpoint", str(tmp_path / "c.npz")]) == 0
+    assert "model user-net:" in capsys.readouterr().out
+    assert cli.main(["train", "--resume", str(tmp_path / "c.npz"), "--epochs", "1", "--max-steps", "1",
+                     "--batch-size", "4", "--test-limit", "4"]) == 0
+    assert "model user-net:" in capsys.readouterr().out

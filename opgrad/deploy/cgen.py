@@ -10,10 +10,13 @@ lists depend on the model's dropout masks.
 
 from __future__ import annotations
 
+import json
 import math
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from importlib import resources
+from typing import Any
 
 import numpy as np
 
@@ -67,6 +70,7 @@ class ModelTables:
     loss_slot: int
     eval_images_slot: int
     eval_logits_slot: int
+    checkpoint_meta: Mapping[str, Any]  # what every saved checkpoint's metadata holds besides step and epoch
 
     @property
     def upper(self) -> str:
@@ -216,7 +220,8 @@ const char *{p}_last_error(const {p}_model *model);
 int {p}_model_load({p}_model *model, const char *path);
 
 /* Save parameters, buffers, optimizer state, step and epoch as an opgrad checkpoint, atomically (a
- * temporary file renamed over `path`); `opgrad train --resume` and opgrad.checkpoint read it. */
+ * temporary file renamed over `path`), with the model's architecture in its metadata as `opgrad train
+ * --save` writes it: opgrad.nn.load, `opgrad predict` and `opgrad train --resume` read it. */
 int {p}_model_save({p}_model *model, const char *path);
 
 /* Training steps run so far (loaded from a checkpoint's "step"), and the epoch counter saved
@@ -251,6 +256,15 @@ def _consts(prefix: str, plan: GraphPlan) -> str:
     lines.append(f"#define OG_{prefix.upper()}_NCONSTS {len(plan.consts)}")
     lines.append(f"static const og_const og_{prefix}_consts[] = {{{entries}}};")
     return "\n".join(lines)
+
+
+def _saved_meta(t: ModelTables) -> str:
+    """The hex rows of ``og_saved_meta``: the metadata fields that every checkpoint the runtime saves
+    shares, as one JSON object, ASCII and NUL-terminated. Bytes rather than a string literal: an
+    architecture's JSON easily passes the 4095 characters C promises to accept in one literal, and
+    its text may hold a trigraph such as ``??(``, which a C11 compiler would rewrite."""
+    text = json.dumps({**t.checkpoint_meta, "saved_by": "opgrad export runtime"}, sort_keys=True, ensure_ascii=True)
+    return _hex_rows(text.encode("ascii") + b"\0")
 
 
 def _offsets(plan: GraphPlan) -> str:
@@ -355,6 +369,13 @@ static const int64_t og_eval_offsets[OG_EVAL_SLOTS] = {{
 
 {_consts("train", t.train)}
 {_consts("eval", t.eval)}
+
+/* The JSON metadata of every checkpoint {p}_model_save writes, but for "epoch" and "step", which it puts
+ * first: the model's name and architecture (opgrad.nn.load rebuilds the model from them), the optimizer,
+ * the batch size and the dtype. */
+static const char og_saved_meta[] = {{
+{_saved_meta(t)}
+}};
 
 /* ---------------------------------- opgrad/deploy/runtime.c ---------------------------------- */
 """

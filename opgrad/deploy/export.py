@@ -11,6 +11,7 @@ pointer tables, runs the thread pool behind ``opgrad_parallel_for`` and reads/wr
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -20,6 +21,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -105,6 +107,19 @@ def _module_ir(name: str, train: GraphPlan, evaluation: GraphPlan) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _checkpoint_meta(model: Model, optimizer: Optimizer, batch_size: int) -> dict[str, Any]:
+    """The metadata, but for the counters, of every checkpoint the export and its runtime write: what
+    ``opgrad train --save`` writes, architecture included, so that ``opgrad.nn.load``, ``opgrad predict``
+    and ``opgrad train --resume`` rebuild a model that is not built in from the file alone."""
+    meta = {"model": model.name, "architecture": model.get_config(), "optimizer": optimizer.describe(),
+            "batch_size": batch_size, "dtype": "float32"}
+    try:
+        json.dumps(meta)
+    except (TypeError, ValueError) as exc:
+        raise ExportError(f"model {model.name!r}: its description (get_config) is not plain JSON: {exc}") from None
+    return meta
+
+
 def _tables(name: str, model: Model, optimizer: Optimizer, step: TrainStep, train: GraphPlan,
             evaluation: GraphPlan, evaluation_names: Sequence[str], threads: int, target: Target) -> ModelTables:
     fn = step.function
@@ -151,6 +166,7 @@ def _tables(name: str, model: Model, optimizer: Optimizer, step: TrainStep, trai
         train=train, eval=evaluation, streams=tuple(streams), arrays=tuple(arrays), num_params=len(model_arrays),
         loss_slot=train.results[0], eval_images_slot=evaluation.params[0],
         eval_logits_slot=evaluation.results[0],
+        checkpoint_meta=_checkpoint_meta(model, optimizer, step.batch_size),
     )
 
 
@@ -163,12 +179,12 @@ def export(directory: str | os.PathLike[str], *, model: str | Model = "seed-cnn"
 
     Always written: ``<name>.h`` (the C API), ``<name>_runtime.c`` (the runtime), ``<name>_kernels.o``
     (the compiled graphs) and ``<name>_init.npz`` (the starting parameters and buffers with the
-    optimizer's initial state, an opgrad checkpoint). The starting weights are drawn from ``seed``
-    when it is given or ``model`` is a name (seed 0), else they are ``model``'s current weights — so
-    ``export(dir, model=nn.load("trained.npz"))`` ships a trained model. Unless ``object_only``, the C compiler
-    ``cc`` (default: :func:`default_c_compiler`) also builds ``<name>.o``, ``lib<name>.a`` and
-    ``lib<name>.so``. ``threads`` is the runtime's pool size (0: one thread per online CPU;
-    1: no threads at all). Files are written atomically.
+    optimizer's initial state, an opgrad checkpoint that ``opgrad.nn.load`` rebuilds the model from).
+    The starting weights are drawn from ``seed`` when it is given or ``model`` is a name (seed 0), else
+    they are ``model``'s current weights — so ``export(dir, model=nn.load("trained.npz"))`` ships a
+    trained model. Unless ``object_only``, the C compiler ``cc`` (default: :func:`default_c_compiler`)
+    also builds ``<name>.o``, ``lib<name>.a`` and ``lib<name>.so``. ``threads`` is the runtime's pool
+    size (0: one thread per online CPU; 1: no threads at all). Files are written atomically.
     """
     if not isinstance(name, str) or not _NAME.match(name):
         raise ExportError(f"name (--name) {name!r}: expected a lowercase C identifier of at most 32 characters "
@@ -235,8 +251,7 @@ def export(directory: str | os.PathLike[str], *, model: str | Model = "seed-cnn"
         params = {n: np.asarray(a, np.float32) for n, a in net.params.items()}
         buffers = {n: np.asarray(a, np.float32) for n, a in net.buffers.items()}
     save_checkpoint(files["init"], {**params, **buffers, **opt.init_state(params)},
-                    {"model": net.name, "optimizer": opt.describe(), "step": 0, "epoch": 0, "seed": seed,
-                     "batch_size": batch_size, "dtype": "float32"})
+                    {**tables.checkpoint_meta, "step": 0, "epoch": 0, "seed": seed})
     if not object_only:
         assert cc is not None
         files.update(_build(cc, out, name, files, threads))

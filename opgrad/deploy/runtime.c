@@ -932,11 +932,13 @@ static int og_by_array_name(const void *a, const void *b) {
 int opgrad_model_save(opgrad_model *m, const char *path) {
     if (!m) return OPGRAD_ERR_NULL;
     if (!path) return og_fail(m, OPGRAD_ERR_NULL, "opgrad_model_save: path is NULL");
-    char meta[1024];
-    snprintf(meta, sizeof meta,
-             "{\"batch_size\": %d, \"dtype\": \"float32\", \"epoch\": %lld, \"model\": \"%s\", \"optimizer\": \"%s\", "
-             "\"saved_by\": \"opgrad export runtime\", \"step\": %lld}",
-             OPGRAD_BATCH_SIZE, (long long)m->epoch, OG_META_MODEL, OG_META_OPTIMIZER, (long long)m->step);
+    /* The counters, then the generated fields (og_saved_meta past its opening brace). The architecture
+     * makes the metadata as long as the model is deep, so it is sized from the table, not fixed. */
+    size_t meta_cap = sizeof og_saved_meta + 64;
+    char *meta = (char *)malloc(meta_cap);
+    if (!meta) return og_fail(m, OPGRAD_ERR_NOMEM, "%s: out of memory", path);
+    snprintf(meta, meta_cap, "{\"epoch\": %lld, \"step\": %lld, %s", (long long)m->epoch, (long long)m->step,
+             og_saved_meta + 1);
     int order[OG_NARRAYS];
     for (int k = 0; k < OG_NARRAYS; k++) order[k] = k;
     qsort(order, OG_NARRAYS, sizeof order[0], og_by_array_name);
@@ -959,13 +961,17 @@ int opgrad_model_save(opgrad_model *m, const char *path) {
     /* Write next to the target, then rename over it: a reader sees the old file or the new one. */
     size_t plen = strlen(path);
     char *tmp = (char *)malloc(plen + 32);
-    if (!tmp) return og_fail(m, OPGRAD_ERR_NOMEM, "%s: out of memory", path);
+    if (!tmp) {
+        free(meta);
+        return og_fail(m, OPGRAD_ERR_NOMEM, "%s: out of memory", path);
+    }
     snprintf(tmp, plen + 32, "%s.%ld.tmp", path, (long)getpid());
     og_zip z = {0};
     z.fp = fopen(tmp, "wb");
     if (!z.fp) {
         int rc = og_fail(m, OPGRAD_ERR_IO, "%s: cannot write checkpoint: %s", path, strerror(errno));
         free(tmp);
+        free(meta);
         return rc;
     }
     for (int k = 0; k < OG_NARRAYS; k++)
@@ -982,6 +988,7 @@ int opgrad_model_save(opgrad_model *m, const char *path) {
     og_put(end + 12, z.central_len, 4), og_put(end + 16, cd, 4);
     og_write(&z, end, 22);
     free(z.central);
+    free(meta);
     int failed = z.failed || fflush(z.fp) != 0 || fsync(fileno(z.fp)) != 0;
     int saved_errno = errno;
     failed |= fclose(z.fp) != 0;

@@ -528,8 +528,8 @@ def load_model(path: str | os.PathLike[str]) -> Model:
 
         builtin = MODELS.get(str(meta.get("model")))
         if builtin is None:
-            raise CheckpointError(f"{path}: the checkpoint holds no model description (it was saved before "
-                                  f"checkpoints carried one) and its model {meta.get('model')!r} is not built in")
+            raise CheckpointError(f"{path}: the checkpoint holds no model description (no \"architecture\" in "
+                                  f"its metadata) and its model {meta.get('model')!r} is not built in")
         model = builtin()
     else:
         try:
