@@ -58,7 +58,7 @@ from opgrad.nn.losses import accuracy, cross_entropy_numpy
 from opgrad.nn.model import Model
 from opgrad.nn.optim import Optimizer
 from opgrad.nn.schedules import Schedule
-from opgrad.nn.trainer import Trainer, noise_rng
+from opgrad.nn.trainer import Inputs, Trainer, noise_rng
 from opgrad.replicas import replica_group
 
 __all__ = [
@@ -461,16 +461,17 @@ class DistributedTrainer(Trainer):
 
     # ----- one step: local gradients, one all-reduce, the update everywhere -----
 
-    def _local_gradients(self, images: np.ndarray, labels: np.ndarray) -> None:
+    def _local_gradients(self, inputs: list[np.ndarray], labels: np.ndarray) -> None:
         """This rank's share of the step, packed into the fused buffer (weighted by its rows)."""
         if len(labels) != self.batch_size:
             raise ValueError(f"distributed step: the global batch has {len(labels)} rows, expected "
                              f"{self.batch_size} (every rank passes the same whole batch)")
-        images = self.augment(images, self.step)
+        augmented = self._augmented(inputs, self.step)
         masks = self.model.sample_noise(noise_rng(self.seed, self.step), self.batch_size, self.dtype)
         start, stop = self.rows
         local_masks = {name: np.ascontiguousarray(m[start:stop]) for name, m in masks.items()}
-        x = np.ascontiguousarray(images[start:stop], dtype=self.dtype)
+        x = self._one_or_list([np.ascontiguousarray(array[start:stop], dtype=dtype)
+                               for array, dtype in zip(augmented, self._input_dtypes)])
         y = np.ascontiguousarray(labels[start:stop])
         if self._reducer is None:
             with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
@@ -485,9 +486,9 @@ class DistributedTrainer(Trainer):
         self.fused_buffer.pack(result.loss, {**result.grads, **{name: value * self.share for name, value
                                                                 in result.buffers.items()}}, 1.0)
 
-    def _train_batch(self, images: np.ndarray, labels: np.ndarray, *, epoch_step: int | None) -> float:
+    def _train_batch(self, inputs: list[np.ndarray], labels: np.ndarray, *, epoch_step: int | None) -> float:
         if self.fused:
-            return super()._train_batch(images, labels, epoch_step=epoch_step)
+            return super()._train_batch(inputs, labels, epoch_step=epoch_step)
         buffer = self.fused_buffer
         error: Exception | None = None
         started = time.perf_counter()
@@ -505,7 +506,7 @@ class DistributedTrainer(Trainer):
             # Both halves are built (compiled) inside the check-in, and outside the timings.
             _ = self.gradient_step, self.update_step
             started = time.perf_counter()
-            self._local_gradients(images, labels)
+            self._local_gradients(inputs, labels)
         except PeerStepFailed:
             peer_failed = True
             buffer.array[:] = 0  # not this rank: the flags of the fused all-reduce name the one that failed
@@ -544,7 +545,7 @@ class DistributedTrainer(Trainer):
         self.history.record_step(loss)
         return loss
 
-    def _train_batches(self, batches: Sequence[tuple[np.ndarray, np.ndarray]], *,
+    def _train_batches(self, batches: Sequence[tuple[list[np.ndarray], np.ndarray]], *,
                        epoch_step: int | None) -> list[float]:
         if self.fused:
             return super()._train_batches(batches, epoch_step=epoch_step)
@@ -555,14 +556,15 @@ class DistributedTrainer(Trainer):
 
     # ----- evaluation: every rank scores its block of the data, the counts are summed -----
 
-    def evaluate(self, images: np.ndarray, labels: np.ndarray) -> tuple[float, float]:
-        """``(accuracy, mean cross-entropy)`` over all of ``images``, the same on every rank."""
+    def evaluate(self, inputs: Inputs, labels: np.ndarray) -> tuple[float, float]:
+        """``(accuracy, mean cross-entropy)`` over every example, the same on every rank."""
         start, stop = shard_bounds(len(labels), self.comm.rank, self.comm.size)
         totals = np.zeros(self.comm.size + 2, np.float64)  # failure flags, correct, summed loss
         error: Exception | None = None
         try:
+            arrays = self._input_arrays(inputs, labels, "evaluate")
             if stop > start:
-                logits = self.eval_step.logits(images[start:stop].astype(self.dtype, copy=False),
+                logits = self.eval_step.logits([array[start:stop] for array in arrays],
                                                {**self.params, **self.model.buffers})
                 part = labels[start:stop]
                 totals[-2] = accuracy(logits, part) * len(part)

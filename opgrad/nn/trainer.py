@@ -24,16 +24,20 @@ import numpy as np
 
 from opgrad.checkpoint import CheckpointError
 from opgrad.data import iterate_batches
-from opgrad.errors import NonFiniteLossError
+from opgrad.errors import NonFiniteLossError, ShapeError
 from opgrad.history import TrainingHistory
 from opgrad.nn.losses import accuracy, cross_entropy_numpy
 from opgrad.nn.model import Model
 from opgrad.nn.optim import Optimizer
 from opgrad.nn.schedules import LRSchedule, Schedule, constant_lr, cosine_lr
-from opgrad.nn.step import BACKENDS, EvalStep, NanLossError, TrainStep
+from opgrad.nn.step import BACKENDS, EvalStep, NanLossError, TrainStep, check_batch_inputs
 
-__all__ = ["LRSchedule", "Trainer", "affine_images", "constant_lr", "cosine_lr", "noise_rng", "shift_images",
-           "shift_rng"]
+__all__ = ["Inputs", "LRSchedule", "Trainer", "affine_images", "constant_lr", "cosine_lr", "noise_rng",
+           "shift_images", "shift_rng"]
+
+#: The inputs of a batch or a dataset: one array for a model with one input, else one array per
+#: input in ``model.inputs`` order (as ``TrainStep`` and ``Model.predict`` take them).
+Inputs = np.ndarray | Sequence[np.ndarray]
 
 _NOISE_TAG = 0x6E6F6973  # "nois": dropout masks
 _SHIFT_TAG = 0x73686966  # "shif": augmentation shifts
@@ -54,6 +58,16 @@ def _check_lr(lr: object) -> float:
     if not math.isfinite(value) or value < 0:
         raise ValueError(f"Trainer: lr must be a finite number >= 0, got {lr!r}")
     return value
+
+
+def _takes_one_image(model: Model) -> bool:
+    """Whether ``model`` has the single float ``(channels, height, width)`` input augmentation moves."""
+    return len(model.inputs) == 1 and model.inputs[0].dtype == "float" and len(model.inputs[0].shape) == 3
+
+
+def _describe_inputs(model: Model) -> str:
+    """``model``'s inputs as an error message lists them: ``'a' (4,) float, 'b' (3,) int64``."""
+    return ", ".join(f"{t.name!r} {t.shape} {t.dtype}" for t in model.inputs)
 
 
 def _step_rng(seed: int, tag: int, step: int) -> np.random.Generator:
@@ -134,7 +148,9 @@ class Trainer:
     """Trains ``model`` with ``optimizer`` on fixed-size batches with the chosen backend.
 
     ``backend`` is ``"reference"`` or ``"llvm"``; the steps are built on first use and reused.
-    ``params`` defaults to a fresh initialization from ``seed`` with fresh running statistics;
+    Methods that take data take :data:`Inputs`, one array per model input: float inputs are
+    cast to ``dtype``, integer inputs (token ids) stay integers. ``params`` defaults to a fresh
+    initialization from ``seed`` with fresh running statistics;
     given ``params`` (``model.params`` of a loaded model) keep the model's buffers. With ``stop_on_nan`` (the
     default) a step whose loss is nan or infinite raises :class:`~opgrad.errors.NonFiniteLossError`
     naming the epoch, step, loss and learning rate, and leaves the parameters as they were before
@@ -156,7 +172,14 @@ class Trainer:
             raise ValueError(f"Trainer: augment_scale must be a fraction in [0, 1), got {augment_scale!r}")
         if backend not in BACKENDS:
             raise ValueError(f"Trainer: unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
+        augments = bool(augment_shift or augment_rotate or augment_scale)
+        if augments and not _takes_one_image(model):
+            raise ValueError(f"Trainer: augment_shift, augment_rotate and augment_scale move the pixels of one image "
+                             f"input (channels, height, width); model {model.name!r} takes {_describe_inputs(model)}")
         self.model, self.optimizer = model, optimizer
+        self._augments = augments
+        # What the step takes per input: float inputs in ``dtype``, integer inputs in their own type.
+        self._input_dtypes = tuple(v.dtype for v in model.input_vars(1, dtype))
         self.schedule: Schedule = lr if isinstance(lr, Schedule) else constant_lr(_check_lr(lr))
         _check_lr(self.schedule.base)
         self.batch_size, self.seed, self.dtype, self.backend = batch_size, seed, dtype, backend
@@ -214,6 +237,46 @@ class Trainer:
                                        backend=self.backend)
         return self._eval_step
 
+    # ----- inputs: one array per model input -----
+
+    def _input_arrays(self, inputs: Inputs, labels: np.ndarray, who: str) -> list[np.ndarray]:
+        """One array per model input, in ``model.inputs`` order, checked against the model: how
+        many, their per-example shapes, integers for an integer input (a float id would be
+        truncated), and one row per label.
+
+        Not cast yet: a dataset is cast batch by batch, so uint8 pixels are never all held as floats.
+        """
+        tensors = self.model.inputs
+        arrays = [inputs] if isinstance(inputs, np.ndarray) else [np.asarray(a) for a in inputs]
+        if len(arrays) != len(tensors):
+            raise ValueError(f"Trainer.{who}: model {self.model.name!r} takes {len(tensors)} input array(s) "
+                             f"({_describe_inputs(self.model)}), got {len(arrays)}")
+        for tensor, array in zip(tensors, arrays):
+            if tuple(array.shape[1:]) != tensor.shape:
+                raise ShapeError(f"Trainer.{who}: input {tensor.name!r} has shape {array.shape}; model "
+                                 f"{self.model.name!r} expects (N, {', '.join(map(str, tensor.shape))})")
+        check_batch_inputs(self.model, arrays, self._input_dtypes, f"Trainer.{who}")
+        if any(len(array) != len(labels) for array in arrays):
+            rows = ", ".join(f"{t.name!r} {len(a)}" for t, a in zip(tensors, arrays))
+            raise ValueError(f"Trainer.{who}: every input needs one row per label; got {len(labels)} labels and "
+                             f"rows {rows}")
+        return arrays
+
+    def _one_or_list(self, arrays: list[np.ndarray]) -> Inputs:
+        """One bare array for a model with one input (what callers of :meth:`epoch_batches` and
+        wrappers of the steps have always been given), else the list."""
+        return arrays[0] if len(arrays) == 1 else arrays
+
+    def _augmented(self, arrays: Sequence[np.ndarray], step: int) -> list[np.ndarray]:
+        """A batch's inputs with the image input augmented as global step ``step`` draws it, when asked
+        (the constructor allows augmentation only for a model with one image input)."""
+        return [self.augment(arrays[0], step)] if self._augments else list(arrays)
+
+    def _step_inputs(self, arrays: Sequence[np.ndarray], step: int) -> list[np.ndarray]:
+        """A batch's inputs as global step ``step`` takes them: augmented, float inputs cast to the
+        trainer's dtype and integer inputs to their own (never a float: ``_input_arrays`` refuses it)."""
+        return [a.astype(dtype, copy=False) for a, dtype in zip(self._augmented(arrays, step), self._input_dtypes)]
+
     # ----- training -----
 
     def augment(self, images: np.ndarray, step: int) -> np.ndarray:
@@ -234,21 +297,21 @@ class Trainer:
             return np.errstate(over="ignore", invalid="ignore", divide="ignore")
         return contextlib.nullcontext()
 
-    def train_batch(self, images: np.ndarray, labels: np.ndarray) -> float:
+    def train_batch(self, inputs: Inputs, labels: np.ndarray) -> float:
         """One optimizer step on one batch; returns its loss (before the update).
 
+        ``inputs`` is one array per model input (a bare array for a model with one input).
         Raises :class:`~opgrad.errors.NonFiniteLossError` for a nan or infinite loss when
         ``stop_on_nan`` is set, without applying the step.
         """
-        return self._train_batch(images, labels, epoch_step=None)
+        return self._train_batch(self._input_arrays(inputs, labels, "train_batch"), labels, epoch_step=None)
 
-    def _train_batch(self, images: np.ndarray, labels: np.ndarray, *, epoch_step: int | None) -> float:
-        images = self.augment(images, self.step)
+    def _train_batch(self, inputs: list[np.ndarray], labels: np.ndarray, *, epoch_step: int | None) -> float:
+        arrays = self._step_inputs(inputs, self.step)
         masks = self.model.sample_noise(noise_rng(self.seed, self.step), len(labels), self.dtype)
         lr = self.schedule(self.step)
-        inputs = (images.astype(self.dtype, copy=False), labels, self.params, self.state, lr, masks)
         with self._quiet_while_stopping():
-            result = self.train_step(*inputs)
+            result = self.train_step(arrays, labels, self.params, self.state, lr, masks)
         if self.stop_on_nan and not math.isfinite(result.loss):
             raise NonFiniteLossError(float(result.loss), epoch=self.epoch + 1, step=self.step + 1, lr=lr,
                                      epoch_step=epoch_step)
@@ -257,37 +320,40 @@ class Trainer:
         self.history.record_step(result.loss)
         return result.loss
 
-    def train_batches(self, batches: Sequence[tuple[np.ndarray, np.ndarray]]) -> list[float]:
+    def train_batches(self, batches: Sequence[tuple[Inputs, np.ndarray]]) -> list[float]:
         """Consecutive optimizer steps in ONE call (:meth:`TrainStep.run_steps`); returns their losses.
 
-        The numbers equal :meth:`train_batch` on each batch in order: shifts, dropout masks and
+        Each batch is ``(inputs, labels)`` as :meth:`train_batch` takes them. The numbers equal
+        :meth:`train_batch` on each batch in order: shifts, dropout masks and
         learning rates are drawn per step exactly as there, then stacked batch-major. With
         ``stop_on_nan`` the native loop stops at a NaN loss: the steps before it are kept and
         :class:`~opgrad.errors.NonFiniteLossError` names the step.
         """
-        return self._train_batches(batches, epoch_step=None)
+        checked = [(self._input_arrays(inputs, labels, f"train_batches (batch {i})"), labels)
+                   for i, (inputs, labels) in enumerate(batches)]
+        return self._train_batches(checked, epoch_step=None)
 
-    def _train_batches(self, batches: Sequence[tuple[np.ndarray, np.ndarray]], *,
+    def _train_batches(self, batches: Sequence[tuple[list[np.ndarray], np.ndarray]], *,
                        epoch_step: int | None) -> list[float]:
         if not batches:
             return []
-        xs: list[np.ndarray] = []
+        xs: list[list[np.ndarray]] = [[] for _ in self.model.inputs]  # per input, the batches in order
         ys: list[np.ndarray] = []
         masks: dict[str, list[np.ndarray]] = {}
         lrs: list[float] = []
-        for i, (images, labels) in enumerate(batches):
+        for i, (inputs, labels) in enumerate(batches):
             step = self.step + i
-            images = self.augment(images, step)
+            for column, array in zip(xs, self._step_inputs(inputs, step)):
+                column.append(array)
             for name, mask in self.model.sample_noise(noise_rng(self.seed, step), len(labels),
                                                       self.dtype).items():
                 masks.setdefault(name, []).append(mask)
-            xs.append(images.astype(self.dtype, copy=False))
             ys.append(labels)
             lrs.append(self.schedule(step))
         try:
             with self._quiet_while_stopping():
-                result = self.train_step.run_steps(np.concatenate(xs), np.concatenate(ys), self.params, self.state,
-                                                   np.asarray(lrs, dtype=self.dtype),
+                result = self.train_step.run_steps([np.concatenate(column) for column in xs], np.concatenate(ys),
+                                                   self.params, self.state, np.asarray(lrs, dtype=self.dtype),
                                                    {name: np.concatenate(m) for name, m in masks.items()},
                                                    stop_on_nan=self.stop_on_nan)
         except NanLossError as stopped:
@@ -305,29 +371,43 @@ class Trainer:
             self.history.record_step(loss)
         return losses
 
-    def epoch_batches(self, images: np.ndarray, labels: np.ndarray) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-        """This epoch's batches: shuffled by ``(seed, epoch)``, last partial batch dropped."""
-        return iterate_batches(images, labels, self.batch_size,
-                               shuffle_seed=epoch_shuffle_seed(self.seed, self.epoch), drop_last=True)
+    def epoch_batches(self, inputs: Inputs, labels: np.ndarray) -> Iterator[tuple[Inputs, np.ndarray]]:
+        """This epoch's batches: shuffled by ``(seed, epoch)``, last partial batch dropped, every input
+        cut by the same rows. A batch's inputs are one array for a model with one input, else a list."""
+        batches = self._epoch_batches(self._input_arrays(inputs, labels, "epoch_batches"), labels)
+        return ((self._one_or_list(x), y) for x, y in batches)
+
+    def _epoch_batches(self, arrays: list[np.ndarray],
+                       labels: np.ndarray) -> Iterator[tuple[list[np.ndarray], np.ndarray]]:
+        # The epoch's order is iterate_batches' order of the row numbers, so every input and the
+        # labels are cut by the same rows, and a one-input model gets what iterate_batches gives it.
+        # (iterate_batches is typed for images, but only indexes what it is given.)
+        row_numbers: Any = np.arange(len(labels))
+        order = iterate_batches(row_numbers, labels, self.batch_size,
+                                shuffle_seed=epoch_shuffle_seed(self.seed, self.epoch), drop_last=True)
+        return (([np.ascontiguousarray(array[rows]) for array in arrays], y) for rows, y in order)
 
     def steps_per_epoch(self, num_examples: int) -> int:
         return num_examples // self.batch_size
 
-    def train_epoch(self, images: np.ndarray, labels: np.ndarray, *,
+    def train_epoch(self, inputs: Inputs, labels: np.ndarray, *,
                     on_step: Callable[[int, float], None] | None = None, max_steps: int | None = None,
                     steps_per_call: int = 1, on_chunk: Callable[[list[float]], None] | None = None) -> float:
         """Run one epoch (or its first ``max_steps`` steps); returns the mean batch loss.
 
-        The epoch counter advances even when ``max_steps`` cut it short, so a smoke run's next
-        epoch still gets a new batch order. ``steps_per_call > 1`` runs that many steps per call
-        of the native loop (:meth:`train_batches`), with the same numbers; ``on_step`` is then
-        called for each step of a chunk after the chunk, and ``on_chunk`` once with the chunk's
-        losses (a progress display times chunks: their steps all end together).
+        ``inputs`` is one array per model input (a bare array for a model with one input), each
+        shuffled by the same rows. The epoch counter advances even when ``max_steps`` cut it
+        short, so a smoke run's next epoch still gets a new batch order. ``steps_per_call > 1``
+        runs that many steps per call of the native loop (:meth:`train_batches`), with the same
+        numbers; ``on_step`` is then called for each step of a chunk after the chunk, and
+        ``on_chunk`` once with the chunk's losses (a progress display times chunks: their steps
+        all end together).
         """
         if steps_per_call < 1:
             raise ValueError(f"steps_per_call must be >= 1, got {steps_per_call}")
+        arrays = self._input_arrays(inputs, labels, "train_epoch")
         losses: list[float] = []
-        chunk: list[tuple[np.ndarray, np.ndarray]] = []
+        chunk: list[tuple[list[np.ndarray], np.ndarray]] = []
 
         def flush() -> None:
             first = len(losses) + 1
@@ -341,7 +421,7 @@ class Trainer:
             if on_chunk is not None:
                 on_chunk(list(done))
 
-        for i, (x, y) in enumerate(self.epoch_batches(images, labels)):
+        for i, (x, y) in enumerate(self._epoch_batches(arrays, labels)):
             if max_steps is not None and i >= max_steps:
                 break
             chunk.append((x, y))
@@ -352,9 +432,13 @@ class Trainer:
         self.epoch += 1
         return float(np.mean(losses)) if losses else math.nan
 
-    def evaluate(self, images: np.ndarray, labels: np.ndarray) -> tuple[float, float]:
-        """``(accuracy, mean cross-entropy)`` of the current parameters, dropout off."""
-        logits = self.eval_step.logits(images.astype(self.dtype, copy=False), {**self.params, **self.model.buffers})
+    def evaluate(self, inputs: Inputs, labels: np.ndarray) -> tuple[float, float]:
+        """``(accuracy, mean cross-entropy)`` of the current parameters on the first output, dropout off.
+
+        ``inputs`` is one array per model input (a bare array for a model with one input).
+        """
+        arrays = self._input_arrays(inputs, labels, "evaluate")
+        logits = self.eval_step.logits(arrays, {**self.params, **self.model.buffers})
         return accuracy(logits, labels), cross_entropy_numpy(logits, labels)
 
     # ----- checkpoints -----
