@@ -77,6 +77,69 @@ def test_a_repeated_lane_of_the_last_vector_counts_once_with_infinities() -> Non
         assert np.isinf(r).any()
 
 
+def _first_layer_step(xs: tuple[int, ...], ws: tuple[int, ...], pad: object, dtype: str,
+                      data_gradient: bool = False) -> opgrad.Function:
+    """A first layer (conv, bias, relu) under a 1x1 conv and a loss, and the gradients of its
+    weight and bias (and of its input with ``data_gradient``, which gives the relu's gradient a
+    second reader)."""
+    x, w, b = opgrad.var("x", xs, dtype), opgrad.var("w", ws, dtype), opgrad.var("b", (ws[0],), dtype)
+    y = ops.relu(ops.bias_add(ops.conv2d(x, w, padding=pad), b, axis=1))
+    w2 = opgrad.var("w2", (3, ws[0], 1, 1), dtype)
+    z = ops.conv2d(y, w2)
+    r = opgrad.var("r", z.shape, dtype)
+    wrt = [w, b, x] if data_gradient else [w, b]
+    return opgrad.function([x, w, b, w2, r], opgrad.gradients(ops.sum(ops.multiply(z, r)), wrt))
+
+
+# Batches of at least 8 images, so that the bias gradient's sum joins the relu gradient's pass.
+PROLOGUE_CASES = [
+    ((9, 1, 14, VL + 3), (6, 1, 3, 3), 1),
+    ((8, 3, 9, VL + 2), (5, 3, 3, 3), (1, 0)),  # rows exactly one vector
+    ((8, 1, 8, 2 * VL + 5), (4, 1, 5, 5), (0, 1, 2, 0)),
+    ((8, 3, 7, VL + 4), (6, 3, 5, 5), 2),  # 75 taps: several passes over each dY row
+]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize(("xs", "ws", "pad"), PROLOGUE_CASES, ids=[f"{c[0]}-{c[1]}-{c[2]}" for c in PROLOGUE_CASES])
+def test_the_relu_gradient_and_bias_sum_run_inside_the_weight_gradient(
+        xs: tuple[int, ...], ws: tuple[int, ...], pad: object, dtype: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The relu's gradient is computed as the weight gradient reads it, with the per-image channel
+    sums its bias gradient adds: no pass of its own. The weight gradient has the same bits as
+    with the separate pass (the same values in the same order), the bias gradient the same sums
+    in another order, and both match the reference."""
+    from opgrad.compiler.builder import KernelBuilder
+
+    fn = _first_layer_step(xs, ws, pad, dtype)
+    rng = np.random.default_rng(sum(xs) + sum(ws))
+    args = [rng.standard_normal(v.shape).astype(dtype) for v in fn.params]
+    fused = opgrad.compile(fn, plan_cache=False)
+    labels = [cost.label for cost in fused.plan.step_costs]
+    assert any(label.startswith("conv2d_backward_weight+") and "sum" in label for label in labels), labels
+    monkeypatch.setattr(KernelBuilder, "fuse_prologues", lambda self, internal: 0)
+    apart = opgrad.compile(fn, plan_cache=False)
+    assert len(apart.plan.step_costs) == len(labels) + 1
+    (d_w, d_b), (sep_w, sep_b) = fused(*args), apart(*args)
+    np.testing.assert_array_equal(d_w, sep_w)
+    tol = 2e-5 if dtype == "float32" else 1e-12
+    np.testing.assert_allclose(d_b, sep_b, rtol=tol, atol=tol * float(np.abs(sep_b).max()))
+    for got, want in zip((d_w, d_b), opgrad.evaluate(fn, *args), strict=True):
+        np.testing.assert_allclose(got, want, rtol=tol, atol=tol * float(np.abs(want).max()))
+
+
+def test_a_relu_gradient_with_another_reader_keeps_its_pass() -> None:
+    """Where the input's gradient reads the relu's gradient too, the product is written once and
+    read by both passes, as before."""
+    xs, ws = (8, 2, 9, VL + 2), (5, 2, 3, 3)
+    fn = _first_layer_step(xs, ws, 1, "float64", data_gradient=True)
+    compiled = opgrad.compile(fn)
+    assert not any(cost.label.startswith("conv2d_backward_weight+") for cost in compiled.plan.step_costs)
+    rng = np.random.default_rng(3)
+    args = [rng.standard_normal(v.shape) for v in fn.params]
+    for got, want in zip(compiled(*args), opgrad.evaluate(fn, *args), strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)
+
+
 @pytest.mark.parametrize(("xs", "ws", "stride", "dilation", "groups", "pass_"), [
     ((1, 1, 20, 20), (4, 1, 3, 3), 2, 1, 1, "forward"),
     ((1, 1, 20, 20), (4, 1, 3, 3), 1, 2, 1, "forward"),

@@ -42,7 +42,7 @@ import numpy as np
 
 from .batched import emit_batched_gemm
 from .conv import Conv2dGeometry
-from .convpass import ConvPass, emit_conv2d_pass
+from .convpass import ConvPass, accepts_prologue, emit_conv2d_pass
 from .gemm import Epilogue, GemmSpec, IndexMap, Operand, emit_gemm
 from .grouped import conv2d_direct
 from .hostcall import emit_cross_replica_sum, register_host_symbols
@@ -571,6 +571,79 @@ class KernelBuilder:
             else:
                 return merged
 
+    def fuse_prologues(self, internal: set[int]) -> int:
+        """Compute an elementwise step's output inside the conv weight gradient that is its only
+        reader, as that pass reads it (:func:`~.convpass.accepts_prologue`); returns how many.
+
+        A first layer's relu gradient ``grad * (y > 0)`` is written by one pass, which also sums
+        it per image and channel for the bias gradient, and read back by the layer's weight
+        gradient, the only other reader. Fused, the weight gradient reads ``grad`` and ``y`` and
+        computes the product and those sums itself: the product never goes through memory (on
+        the seed CNN, 2.8 MB written and read back). Taken where the step's output is internal,
+        dense and read only by the pass, as its dY; its inputs are dY's shape and layout or
+        constants; it has no other output and at most one reduction, a per-image channel sum of
+        its output; and no step in between writes what it reads or touches what it writes.
+        """
+        fused = 0
+        j = 0
+        while j < len(self.steps):
+            found = self._prologue_producer(j, internal)
+            if found is None:
+                j += 1
+                continue
+            i, prologue = found
+            producer, conv_step = self.steps[i], self.steps[j]
+            conv = conv_step.conv
+            assert conv is not None
+            memory = [u for u in producer.inputs if u.buffer != CONSTANT]
+            sums = [r.out.buffer for r in producer.reductions if r.out is not None]
+            x, _, dw = conv_step.call_buffers[:3]
+            conv_step.call_buffers = [x, memory[0].buffer, dw, *(u.buffer for u in memory[1:]), *sums]
+            conv_step.reads = [x, *(u.buffer for u in memory)]
+            conv_step.writes = [dw, *sums]
+            conv_step.conv = replace(conv, prologue=prologue, sums=bool(sums))
+            conv_step.label = "+".join(x for x in (conv_step.label, producer.label) if x)
+            del self.steps[i]
+            fused += 1
+            j = i
+        return fused
+
+    def _prologue_producer(self, j: int, internal: set[int]) -> tuple[int, Epilogue] | None:
+        """The index of the elementwise step that weight-gradient step ``j`` can compute as its
+        prologue (:meth:`fuse_prologues`), and that prologue; None where there is none."""
+        step = self.steps[j]
+        conv = step.conv
+        if conv is None or conv.pass_ != "backward_weight" or conv.prologue is not None:
+            return None
+        g, dy = conv.geom, step.call_buffers[1]
+        if dy not in internal or sum(dy in st.writes for st in self.steps) != 1 \
+                or sum(dy in st.reads for st in self.steps) != 1:
+            return None
+        i = self._writer_of(dy, j)
+        producer = self.steps[i]
+        out = producer.out
+        shape = (g.n, g.o, g.oh, g.ow)
+        if (i > j or producer.kind != "ew" or out is None or producer.outputs or out.buffer != dy
+                or out.shape != shape or out.dtype != g.dtype or not out.is_contiguous or out.offset != 0):
+            return None
+        memory = [u for u in producer.inputs if u.buffer != CONSTANT]
+        dense = _plane_operand(out, shape)
+        if dense is None or not memory or any(u.dtype != g.dtype or _plane_operand(u, shape) != dense
+                                               for u in memory):
+            return None
+        for red in producer.reductions:
+            total = red.out
+            if (len(producer.reductions) > 1 or red.kind != "red" or red.op != "sum" or red.body is not identity
+                    or red.scale != 1.0 or red.inputs != [out] or red.axes != (2, 3) or total is None
+                    or total.shape != (g.n, g.o) or not total.is_contiguous or total.offset != 0):
+                return None
+        moved_reads, moved_writes = set(producer.reads), set(producer.writes)
+        if any(moved_reads & set(st.writes) or moved_writes & {*st.reads, *st.writes} for st in self.steps[i + 1 : j]):
+            return None
+        inputs = tuple(u.constant if u.buffer == CONSTANT else dense for u in producer.inputs)
+        prologue = Epilogue(producer.body, inputs)
+        return (i, prologue) if accepts_prologue(conv, prologue) else None
+
     def _merge_output(self, i: int, j: int, k: int) -> bool:
         """Merge elementwise step ``i`` into step ``j``, whose input ``k`` is i's output
         (:meth:`fuse_outputs`); False, with nothing changed, where the conditions do not hold."""
@@ -813,7 +886,8 @@ class KernelBuilder:
                 self.workspace_per_thread = max(self.workspace_per_thread, plan.workspace_per_thread)
                 calls.append((plan.names["entry"], st.call_buffers))
                 emitted[_spec_key(st.gemm)] = plan.names["entry"]
-            elif st.conv is not None and st.conv.epilogue is None and _spec_key(st.conv) in emitted:
+            elif (st.conv is not None and st.conv.epilogue is None and st.conv.prologue is None
+                  and _spec_key(st.conv) in emitted):
                 calls.append((emitted[_spec_key(st.conv)], st.call_buffers))
             elif st.conv is not None:
                 entry, _ = emit_conv2d_pass(self.m, st.conv, st.call)

@@ -10,7 +10,8 @@ from opgrad.env import conv_algorithm_setting
 from .conv import Conv2dGeometry, ConvEntry, emit_conv2d_backward_data, emit_conv2d_backward_weight, emit_conv2d_forward
 from .gemm import Epilogue
 from .irtext import ModuleEmitter
-from .sliding import emit_sliding, sliding_applies
+from .sliding import emit_sliding, sliding_applies, vector_lanes
+from .views import body_vectorizes
 from .winograd import (
     WinogradConv,
     WinogradTiles,
@@ -22,7 +23,7 @@ from .winograd import (
 )
 from .winograd_weight import emit_winograd_weight
 
-__all__ = ["ConvPass", "emit_conv2d_pass", "winograd_name"]
+__all__ = ["ConvPass", "accepts_prologue", "emit_conv2d_pass", "winograd_name"]
 
 
 @dataclass(frozen=True)
@@ -36,6 +37,12 @@ class ConvPass:
     geom: Conv2dGeometry
     pass_: str
     epilogue: Epilogue | None = None
+    #: The weight gradient's dY computed from these inputs as it is read (:meth:`accepts_prologue`):
+    #: a relu's gradient then never goes through memory. Its memory inputs take dY's place among
+    #: the entry's pointers, the first where dY was, the others after the output.
+    prologue: Epilogue | None = None
+    #: With a prologue: also write each image's per-channel sum of dY, ``(N, O)``, after them.
+    sums: bool = False
 
     @property
     def winograd(self) -> WinogradConv | None:
@@ -68,6 +75,13 @@ class ConvPass:
         return self.pass_ == "forward" and self.geom.groups == 1  # as the GEMM's or the sliding window's
 
 
+def accepts_prologue(conv: ConvPass, prologue: Epilogue) -> bool:
+    """Whether ``conv`` can compute its dY from ``prologue`` as it reads it: the sliding window's
+    weight gradient (it reads each dY vector once per tap group), where the body is vector code."""
+    return (conv.pass_ == "backward_weight" and conv.sliding and bool(prologue.operands)
+            and body_vectorizes(prologue.body, conv.geom.dtype, vector_lanes(conv.geom.dtype), len(prologue.inputs)))
+
+
 def winograd_name(pass_: str, tiles: WinogradTiles) -> str:
     """The algorithm's name in reports: F(m,3), or F(3x3,mxm) for the weight gradient."""
     m = tiles.m
@@ -84,8 +98,10 @@ def emit_conv2d_pass(mod: ModuleEmitter, conv: ConvPass, name: str) -> tuple[Con
             return emit_winograd_weight(mod, problem, name, tiles), winograd_name(conv.pass_, tiles)
         return (emit_winograd(mod, problem, name, tiles, epilogue, exact_zeros=keeps_exact_zeros(conv.pass_)),
                 winograd_name(conv.pass_, tiles))
+    assert conv.prologue is None or accepts_prologue(conv, conv.prologue), "only the sliding weight gradient " \
+        "takes a prologue"
     if conv.sliding:
-        return emit_sliding(mod, g, conv.pass_, name, epilogue), "sliding window"
+        return emit_sliding(mod, g, conv.pass_, name, epilogue, conv.prologue, conv.sums), "sliding window"
     if conv.pass_ == "forward":
         return emit_conv2d_forward(mod, g, name, epilogue), "direct"
     emit = {"backward_data": emit_conv2d_backward_data, "backward_weight": emit_conv2d_backward_weight}[conv.pass_]

@@ -402,7 +402,7 @@ def plan_graph(fn: Function, *, name: str = "opgrad_graph", step_entries: bool =
     kb = low.kb
     internal = {i for i, b in enumerate(low.buffers) if b.kind == "internal"}
     kb.drop_unread(internal)
-    fused = kb.fuse(internal) + kb.fuse_reductions() + kb.fuse_outputs()
+    fused = kb.fuse(internal) + kb.fuse_reductions() + kb.fuse_prologues(internal) + kb.fuse_outputs()
     params = [i for i, b in enumerate(low.buffers) if b.kind == "param"]
     checked = loop.nan_check if loop is not None else None
     honoured = [pairs[n] for n in update_in_place(kb.steps, [(params[p], results[r]) for p, r in pairs],

@@ -18,20 +18,25 @@ unaligned load of the input row shifted by the tap, and a register tile of ``PV`
   its own partial ``O x taps`` sums (each image's lanes added as a fixed tree), and a last task
   adds the groups' partials in order, so the result does not depend on the thread count. The
   overlapping last vector of a row masks its repeated lanes to zero in both factors (a repeated
-  infinity must not meet a zero).
+  infinity must not meet a zero). With a prologue, dY is computed as it is read from the inputs
+  of the elementwise step that would have written it (a relu's gradient, ``grad * (y > 0)``),
+  and each image's per-channel sum of it (a bias gradient's partials) is stored beside.
 
 Both need stride 1, dilation 1, one group and rows at least one vector wide (:func:`sliding_applies`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from .conv import Conv2dGeometry, ConvEntry, output_matrix
-from .gemm import Epilogue, call_epilogue, emit_epilogue, round_up
+from .gemm import Epilogue, Operand, call_epilogue, emit_epilogue, round_up
 from .irtext import BYTES, LLVM_TYPE, FunctionEmitter, ModuleEmitter, float_const
 from .target import current_target
+from .views import VectorScalar
 from .winograd import emit_guarded_entry, parallel_task, thread_share
 
-__all__ = ["SLIDING_MAX_TAPS", "emit_sliding", "sliding_applies"]
+__all__ = ["SLIDING_MAX_TAPS", "emit_sliding", "sliding_applies", "vector_lanes"]
 
 #: Taps (``C * KH * KW``) up to which the sliding window replaces the im2col GEMM: a 5x5 kernel over
 #: three channels. Measured on AVX2 (AMD EPYC, znver3, 2 threads; forward with bias and relu, then
@@ -44,7 +49,8 @@ SLIDING_MAX_TAPS = 75
 WEIGHT_GROUPS = 16
 
 
-def _vector_lanes(dtype: str) -> int:
+def vector_lanes(dtype: str) -> int:
+    """Lanes of the vectors the sliding window computes on (the target's widest for ``dtype``)."""
     return current_target().vector_width(BYTES[dtype])
 
 
@@ -53,7 +59,7 @@ def sliding_applies(g: Conv2dGeometry, pass_: str) -> bool:
     stride-1, undilated, ungrouped convolution with at most :data:`SLIDING_MAX_TAPS` taps whose
     output rows hold a whole vector."""
     return (pass_ in ("forward", "backward_weight") and g.groups == 1 and g.stride == (1, 1)
-            and g.dilation == (1, 1) and g.ckk <= SLIDING_MAX_TAPS and g.ow >= _vector_lanes(g.dtype)
+            and g.dilation == (1, 1) and g.ckk <= SLIDING_MAX_TAPS and g.ow >= vector_lanes(g.dtype)
             and g.n >= 1 and g.o >= 1)
 
 
@@ -64,7 +70,7 @@ class _Sliding:
         self.mod, self.g = mod, g
         self.t = LLVM_TYPE[g.dtype]
         self.esize = BYTES[g.dtype]
-        self.vl = _vector_lanes(g.dtype)
+        self.vl = vector_lanes(g.dtype)
         self.vt = f"<{self.vl} x {self.t}>"
         self.fma = mod.fma(self.vt)
         top, bottom, left, right = g.pads
@@ -112,14 +118,18 @@ class _Sliding:
         """Weight ``w[o, tap]`` (OIHW, taps flattened) in every lane."""
         return f.splat(self.vl, self.t, f.load(self.t, f.gep(self.t, w, f.add(f.mul(o, self.g.ckk), tap))))
 
-    def accumulate_taps(self, f: FunctionEmitter, accs: list[str], taps: list[int], grad_row: str, planes: str,
-                        h: str, start: str, keep: str | None) -> None:
+    def accumulate_taps(self, f: FunctionEmitter, accs: list[str], taps: list[int], grad: Callable[[str], str],
+                        planes: str, h: str, start: str, keep: str | None, total: str | None = None) -> None:
         """``accs[i] += dY vector * input vector of tap taps[i]`` at output row ``h``, columns
-        ``start ..``; lanes outside the constant mask ``keep`` count zero in both factors."""
+        ``start ..`` (``grad(start)`` gives the dY vector of the row); lanes outside the constant
+        mask ``keep`` count zero in both factors. With ``total``, that accumulator adds the dY
+        vector too (its per-channel sum, a bias gradient)."""
         vt = self.vt
-        dv = f.load(vt, f.gep(self.t, grad_row, start), align=self.esize)
+        dv = grad(start)
         if keep is not None:
             dv = self.keep_lanes(f, dv, keep)
+        if total is not None:
+            f.store(vt, f.val(f"fadd {vt} {f.load(vt, total)}, {dv}"), total)
         for acc, k in zip(accs, taps, strict=True):
             xv = self.row_vector(f, planes, self.taps[k], h, start)
             if keep is not None:
@@ -165,11 +175,17 @@ def _forward_task(s: _Sliding, name: str, scratch_stride: int, epilogue_fn: str 
     return name
 
 
-def _weight_task(s: _Sliding, name: str, scratch_stride: int, groups: int) -> str:
+def _weight_task(s: _Sliding, name: str, scratch_stride: int, groups: int, prologue: Epilogue | None,
+                 sums: bool) -> str:
+    """The groups' partial sums of dW; dY is ``prologue`` applied to its memory inputs where there
+    is one, and with ``sums`` each image's per-channel sum of dY is stored too."""
     g, t, vt, vl = s.g, s.t, s.vt, s.vl
     regs = current_target().vector_registers
-    per_pass = max(1, regs - 4)
-    f, (x, dy, partials, scratch), tid, nt = parallel_task(s.mod, name, 4)
+    per_pass = max(1, regs - 4 - int(sums))
+    n_inputs = len(prologue.operands) if prologue is not None else 1
+    f, pointers, tid, nt = parallel_task(s.mod, name, 3 + n_inputs + int(sums))
+    x, partials, scratch, grads = pointers[0], pointers[1], pointers[2], pointers[3 : 3 + n_inputs]
+    image_sums = pointers[-1] if sums else ""
     lo, hi = thread_share(f, tid, nt, groups)
     own = f.gep("i8", scratch, f.mul(tid, scratch_stride))
     taps = len(s.taps)
@@ -188,27 +204,51 @@ def _weight_task(s: _Sliding, name: str, scratch_stride: int, groups: int) -> st
         with f.loop(first, last, hint="img") as image:
             planes = s.image_planes(f, x, image, own)
             with f.loop(0, g.o, hint="o") as o:
-                grad = f.gep(t, dy, f.mul(f.add(f.mul(image, g.o), o), g.oh * g.ow))
+                plane = f.mul(f.add(f.mul(image, g.o), o), g.oh * g.ow)
                 for t0 in range(0, taps, per_pass):
                     chunk = list(range(t0, min(taps, t0 + per_pass)))
                     accs = [f.var(vt, "zeroinitializer", "wacc") for _ in chunk]
+                    total = f.var(vt, "zeroinitializer", "dysum") if sums and t0 == 0 else None
                     with f.loop(0, g.oh, hint="oh") as h:
-                        row = f.gep(t, grad, f.mul(h, g.ow))
+                        rows = [f.gep(t, ptr, f.add(plane, f.mul(h, g.ow))) for ptr in grads]
+                        grad = _grad_vectors(s, f, rows, prologue)
                         with f.loop(0, whole, hint="vec") as v:
-                            s.accumulate_taps(f, accs, chunk, row, planes, h, f.mul(v, vl), None)
+                            s.accumulate_taps(f, accs, chunk, grad, planes, h, f.mul(v, vl), None, total)
                         if tail is not None:
-                            s.accumulate_taps(f, accs, chunk, row, planes, h, str(tail), keep)
+                            s.accumulate_taps(f, accs, chunk, grad, planes, h, str(tail), keep, total)
+                    # The lanes add as a tree (reassoc): a fixed order, log2(VL) shuffles and adds
+                    # deep; in lane order they were a chain of VL dependent adds, a fifth of the
+                    # pass on AVX-512.
                     for acc, k in zip(accs, chunk, strict=True):
                         slot = f.gep(t, part, f.add(f.mul(o, taps), k))
-                        # The lanes add as a tree (reassoc): a fixed order, log2(VL) shuffles and
-                        # adds deep; in lane order they were a chain of VL dependent adds, a fifth
-                        # of the pass on AVX-512.
-                        total = f.call(t, reduce_fn, [(t, float_const(-0.0, t)), (vt, f.load(vt, acc))],
+                        lanes = f.call(t, reduce_fn, [(t, float_const(-0.0, t)), (vt, f.load(vt, acc))],
                                        flags="reassoc")
-                        f.store(t, f.val(f"fadd {t} {f.load(t, slot)}, {total}"), slot)
+                        f.store(t, f.val(f"fadd {t} {f.load(t, slot)}, {lanes}"), slot)
+                    if total is not None:
+                        lanes = f.call(t, reduce_fn, [(t, float_const(-0.0, t)), (vt, f.load(vt, total))],
+                                       flags="reassoc")
+                        f.store(t, lanes, f.gep(t, image_sums, f.add(f.mul(image, g.o), o)))
     f.ret_void()
     f.finish()
     return name
+
+
+def _grad_vectors(s: _Sliding, f: FunctionEmitter, rows: list[str], prologue: Epilogue | None) -> Callable[[str], str]:
+    """The dY vector at a column of one output row: loaded from ``rows[0]``, or ``prologue``'s
+    body over its inputs' vectors there (``rows``: each memory input's row, laid out as dY)."""
+    def load(row: str, start: str) -> str:
+        return f.load(s.vt, f.gep(s.t, row, start), align=s.esize)
+
+    if prologue is None:
+        return lambda start: load(rows[0], start)
+    vector = VectorScalar(f, s.g.dtype, s.vl)
+
+    def value(start: str) -> str:
+        memory = iter(rows)
+        values = [load(next(memory), start) if isinstance(x, Operand) else vector.const(x) for x in prologue.inputs]
+        return prologue.body(vector, values)
+
+    return value
 
 
 def _weight_sum_task(s: _Sliding, name: str, groups: int) -> str:
@@ -228,9 +268,13 @@ def _weight_sum_task(s: _Sliding, name: str, groups: int) -> str:
 
 
 def emit_sliding(mod: ModuleEmitter, g: Conv2dGeometry, pass_: str, name: str,
-                 epilogue: Epilogue | None = None) -> ConvEntry:
+                 epilogue: Epilogue | None = None, prologue: Epilogue | None = None, sums: bool = False) -> ConvEntry:
     """``name(x, w, y, e..., ws)`` (forward, then ``epilogue`` on y seen as (image, channel) x pixel)
-    or ``name(x, dy, dw, ws)`` (backward_weight) as a sliding window; see the module docstring."""
+    or ``name(x, dy, dw, ws)`` (backward_weight) as a sliding window; see the module docstring.
+
+    The weight gradient with a ``prologue`` computes dY as its body over its memory inputs (each
+    laid out as dY): ``name(x, p0, dw, p1, ..., ws)``, and with ``sums`` it also writes each
+    image's per-channel sum of dY, ``(N, O)`` row-major, to one more pointer after them."""
     assert sliding_applies(g, pass_), f"{pass_} of {g.describe()} is not a sliding-window pass"
     s = _Sliding(mod, g)
     scratch_stride = s.plane_bytes
@@ -244,8 +288,12 @@ def emit_sliding(mod: ModuleEmitter, g: Conv2dGeometry, pass_: str, name: str,
         return emit_guarded_entry(mod, name, ("x", "w", "y", *inputs), 0, scratch_stride,
                                   [(task, ["x", "w", "y", "scratch", *inputs])], [])
     assert epilogue is None, "the weight gradient takes no epilogue"
+    assert prologue is not None or not sums, "the per-channel sums come with a prologue"
     groups = min(g.n, WEIGHT_GROUPS)
     partial_bytes = round_up(groups * g.o * g.ckk * s.esize, 64)
-    phases = [(_weight_task(s, name + ".groups", scratch_stride, groups), ["x", "dy", "shared", "scratch"]),
+    grads = [f"p{i}" for i in range(len(prologue.operands))] if prologue is not None else ["dy"]
+    extra = [*grads[1:], *(["sums"] if sums else [])]
+    task = _weight_task(s, name + ".groups", scratch_stride, groups, prologue, sums)
+    phases = [(task, ["x", "shared", "scratch", *grads, *(["sums"] if sums else [])]),
               (_weight_sum_task(s, name + ".sum", groups), ["shared", "dw"])]
-    return emit_guarded_entry(mod, name, ("x", "dy", "dw"), partial_bytes, scratch_stride, phases, [])
+    return emit_guarded_entry(mod, name, ("x", grads[0], "dw", *extra), partial_bytes, scratch_stride, phases, [])
