@@ -159,7 +159,7 @@ def test_the_loop_updates_carried_arrays_in_place_and_still_stops_before_a_nan_s
             np.testing.assert_array_equal(g, e)
     np.testing.assert_array_equal(w0, arrays[3])  # the loop never writes the caller's arrays
     x[8 * 3] = np.nan
-    with pytest.raises(LoopStopped, match="NaN at step 3") as info:
+    with pytest.raises(LoopStopped, match="NaN or infinite at step 3") as info:
         in_place.run_steps(steps, x, y, lrs, w0, b0, stop_on_nan=True)
     before = swapping.run_steps(3, x[:24], y[:24], lrs[:3], w0, b0)
     np.testing.assert_array_equal(info.value.outputs[1], before[1])  # the weights before the NaN step

@@ -78,13 +78,35 @@ def test_nan_loss_stops_the_loop_only_when_asked(tiny: opgrad.compiler.CompiledF
     x[4 * 2] = np.nan
     losses, _ = tiny.run_steps(5, x, y, lrs, w0)  # not asked: NaN flows on, as in single calls
     assert np.isnan(losses[2:]).all() and np.isfinite(losses[:2]).all()
-    with pytest.raises(LoopStopped, match="NaN at step 2") as info:
+    with pytest.raises(LoopStopped, match="NaN or infinite at step 2") as info:
         tiny.run_steps(5, x, y, lrs, w0, stop_on_nan=True)
     stopped_losses, w = info.value.outputs
     np.testing.assert_array_equal(stopped_losses[:2], losses[:2])
     assert len(stopped_losses) == 3 and np.isnan(stopped_losses[2])
     _, w_two = tiny.run_steps(2, x[:8], y[:8], lrs[:2], w0)
     np.testing.assert_array_equal(w, w_two)  # the weights before the NaN step
+
+
+@pytest.mark.parametrize("backend", ["llvm", "reference"])
+def test_an_infinite_loss_stops_the_loop_as_a_nan_does(backend: str) -> None:
+    """Logits of +-3e38 make the cross-entropy overflow to +inf with no NaN anywhere: the step has
+    diverged all the same, and stop_on_nan stops there with the weights before it, as the Trainer's
+    per-step check does."""
+    model = nn.Sequential([nn.Dense(3)], input_shape=(4,))
+    params = model.init_params(0)
+    params["dense1.weight"] = np.full((3, 4), 0.8e38, np.float32)
+    params["dense1.weight"][0] = -0.8e38
+    step = nn.TrainStep(model, nn.SGD(), batch_size=4, backend=backend)
+    x, y = np.ones((12, 4), np.float32), np.zeros(12, np.int64)
+    x[:4] = 0.0  # step 0 is finite (logits 0 plus the zero biases), step 1 overflows
+    with np.errstate(over="ignore", invalid="ignore"):
+        assert np.isinf(step(x[4:8], y[4:8], params, {}, 0.1).loss)
+        with pytest.raises(nn.NanLossError, match="loss is inf at step 1") as info:
+            step.run_steps(x, y, params, {}, 0.1, stop_on_nan=True)
+        first = step(x[:4], y[:4], params, {}, 0.1)
+    assert info.value.step == 1 and np.isposinf(info.value.losses[1])
+    for name, value in first.params.items():
+        np.testing.assert_array_equal(info.value.params[name], value, err_msg=name)
 
 
 def test_run_steps_argument_errors_name_the_argument(tiny: opgrad.compiler.CompiledFunction) -> None:
@@ -124,7 +146,7 @@ def test_train_step_run_steps_matches_single_steps(mnist: Dataset) -> None:
 
     bad = x.copy()
     bad[16:32] = np.nan
-    with pytest.raises(nn.NanLossError, match="NaN at step 1") as info:
+    with pytest.raises(nn.NanLossError, match="loss is nan at step 1") as info:
         step.run_steps(bad, y, params, {}, lrs, stop_on_nan=True)
     assert info.value.step == 1 and info.value.losses[0] == many.losses[0]
     first = step(x[:16], y[:16], params, {}, float(lrs[0]))

@@ -46,7 +46,7 @@ from .convpass import ConvPass, accepts_prologue, emit_conv2d_pass
 from .gemm import Epilogue, GemmSpec, IndexMap, Operand, emit_gemm
 from .grouped import conv2d_direct
 from .hostcall import emit_cross_replica_sum, register_host_symbols
-from .irtext import BYTES, LLVM_TYPE, FunctionEmitter, ModuleEmitter
+from .irtext import BYTES, LLVM_TYPE, FunctionEmitter, ModuleEmitter, not_finite
 from .jit import NativeModule
 from .reduction import emit_reduction, reduces_by_vectors
 from .target import current_target
@@ -865,7 +865,7 @@ class KernelBuilder:
         ``step_entries`` also exports ``<name>.step<i>(bufs, ws)`` running step ``i`` alone, so
         that a profiler can time each step with the same code and buffers. ``guard`` (step, slot,
         dtype) also emits ``i32 <name>.guarded(bufs, ws)``, which runs the same kernels but returns
-        1 before that step where the scalar in ``slot`` is NaN (a multi-step loop stopping at a NaN
+        1 before that step where the scalar in ``slot`` is NaN or infinite (a multi-step loop stopping at such a
         loss before any step overwrites a weight), else 0 after the last.
         """
         calls: list[tuple[str, list[int]]] = []
@@ -925,7 +925,7 @@ class KernelBuilder:
                 t = LLVM_TYPE[guard[2]]
                 value = f.load(t, f.load("ptr", f.gep("ptr", "%bufs", str(guard[1]))))
                 stop, go_on = f.label("nan"), f.label("finite")
-                f.cbr(f.val(f"fcmp uno {t} {value}, {value}"), stop, go_on)
+                f.cbr(not_finite(f, t, value), stop, go_on)
                 f.block(stop)
                 f.emit("ret i32 1")
                 f.block(go_on)

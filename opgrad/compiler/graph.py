@@ -408,7 +408,7 @@ def plan_graph(fn: Function, *, name: str = "opgrad_graph", step_entries: bool =
     honoured = [pairs[n] for n in update_in_place(kb.steps, [(params[p], results[r]) for p, r in pairs],
                                                   after=results[checked] if checked is not None else None)]
     guard = None
-    if honoured and checked is not None:  # the loop's NaN stop: before the first weight is overwritten
+    if honoured and checked is not None:  # the loop's stop at a non-finite loss: before the first weight is overwritten
         overwritten = {params[p] for p, _ in honoured}
         first = min(s for s, step in enumerate(kb.steps) if overwritten & set(step.writes))
         guard = (first, results[checked], fn.outputs[checked].dtype)
@@ -662,7 +662,7 @@ class CompiledFunction:
 
         Integer inputs are range-checked here first (``validate=False`` leaves that to the
         native loop, which checks each step before running it). ``stop_on_nan=True`` stops at the
-        first NaN of the ``nan_check`` result and raises :class:`LoopStopped`.
+        first NaN or infinite ``nan_check`` result and raises :class:`LoopStopped`.
         """
         loop = self.plan.loop
         if self._loop_fn is None or loop is None:
@@ -726,7 +726,7 @@ class CompiledFunction:
             for r in loop.outfeeds:
                 outs[r] = outs[r][: step + 1]
             raise LoopStopped(
-                f"{who}: result {loop.nan_check} is NaN at step {step}; stopped as asked (stop_on_nan), "
+                f"{who}: result {loop.nan_check} is NaN or infinite at step {step}; stopped as asked (stop_on_nan), "
                 f"carried values are those before step {step}", step, tuple(outs))
         if code != 0:
             raise RuntimeError(f"{who}: the native loop returned unknown code {code}")

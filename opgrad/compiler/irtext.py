@@ -369,3 +369,11 @@ class FunctionEmitter:
         text = "\n".join(lines)
         self.module.add_function(text)
         return text
+
+
+def not_finite(f: FunctionEmitter, t: str, value: str) -> str:
+    """An ``i1``: whether the scalar ``value`` of float type ``t`` is NaN or infinite (``value -
+    value`` is NaN exactly then; the emitter puts no fast-math flag on it that would let LLVM fold
+    it to zero)."""
+    difference = f.val(f"fsub {t} {value}, {value}")
+    return f.val(f"fcmp uno {t} {difference}, {difference}")

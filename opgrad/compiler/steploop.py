@@ -13,9 +13,10 @@ A :class:`StepLoop` says which parameters and results of a step function the loo
 * **carry**: ``(parameter, result)`` pairs whose result of step ``i`` is the parameter of step
   ``i + 1`` (weights, optimizer state). The loop swaps the two slots' pointers after each step,
   so nothing is copied; afterwards the parameter slot points at the newest values;
-* **nan_check**: a scalar float result (the loss) that stops the loop when it is NaN and the
-  caller passed :data:`STOP_ON_NAN`; the step's updates are then not swapped in, so the carried
-  parameter slots still hold the values before that step.
+* **nan_check**: a scalar float result (the loss) that stops the loop when it is not finite (NaN
+  or an infinity: a diverged step either way) and the caller passed :data:`STOP_ON_NAN`; the
+  step's updates are then not swapped in, so the carried parameter slots still hold the values
+  before that step.
 
 Integer parameters with a declared ``int_range`` (labels) are checked in the loop, for each
 step's slice, *before* that step runs, so a bad label never reaches a kernel even when no
@@ -40,7 +41,7 @@ from typing import Any
 from opgrad.errors import OpgradError
 from opgrad.ir import Function
 
-from .irtext import LLVM_TYPE, FunctionEmitter, ModuleEmitter
+from .irtext import LLVM_TYPE, FunctionEmitter, ModuleEmitter, not_finite
 from .views import INT_TYPE
 
 __all__ = [
@@ -57,17 +58,17 @@ __all__ = [
 LOOP_OK = 0
 LOOP_RANGE = 1
 LOOP_NAN = 2
-#: ``flags`` bit: stop at the first step whose ``nan_check`` result is NaN.
+#: ``flags`` bit: stop at the first step whose ``nan_check`` result is NaN or infinite.
 STOP_ON_NAN = 1
 STATUS_WORDS = 5
 
 
 class LoopStopped(OpgradError, FloatingPointError):
-    """The multi-step loop stopped at a NaN loss because the caller asked it to.
+    """The multi-step loop stopped at a NaN or infinite loss because the caller asked it to.
 
-    ``step`` is the step whose loss was NaN; ``outputs`` holds what the loop produced up to it:
-    the per-step outfeeds of steps ``0..step`` (the last one NaN) and the carried values as they
-    were *before* that step.
+    ``step`` is the step whose loss was not finite; ``outputs`` holds what the loop produced up
+    to it: the per-step outfeeds of steps ``0..step`` (the last one not finite) and the carried
+    values as they were *before* that step.
     """
 
     def __init__(self, message: str, step: int, outputs: tuple[Any, ...]) -> None:
@@ -144,7 +145,7 @@ def emit_step_loop(m: ModuleEmitter, entry: str, loop: StepLoop, param_slots: Se
 
     ``in_place``: carried pairs the step updates in the parameter's slot (:mod:`.inplace`), which
     the loop does not swap. ``guarded``: the step's entry that returns before the first of those
-    updates when the loss is NaN, called instead of ``entry`` when the caller asks to stop there."""
+    updates when the loss is not finite, called instead of ``entry`` when the caller asks to stop there."""
     name = f"{entry}_steps"
     f = FunctionEmitter(m, name, [("ptr", "bufs"), ("ptr", "ws"), ("i64", "n"), ("i32", "flags"),
                                   ("ptr", "status")], ret="i32")
@@ -201,9 +202,9 @@ def emit_step_loop(m: ModuleEmitter, entry: str, loop: StepLoop, param_slots: Se
             t = LLVM_TYPE[nan_dtype]
             wanted = f.icmp("ne", f.val("and i32 %flags, 1"), "0", "i32")
             value = f.load(t, f.load("ptr", slot_ptr[result_slots[loop.nan_check]]))
-            is_nan = f.val(f"and i1 {wanted}, {f.val(f'fcmp uno {t} {value}, {value}')}")
+            diverged = f.val(f"and i1 {wanted}, {not_finite(f, t, value)}")
             record, ok = f.label("nan"), f.label("finite")
-            f.cbr(is_nan, record, ok)
+            f.cbr(diverged, record, ok)
             f.block(record)
             f.store("i64", i, status[1])
             f.br(fail_nan)

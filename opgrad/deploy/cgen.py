@@ -184,13 +184,13 @@ extern "C" {{
 #define {P}_ERR_NULL 1     /* a required pointer argument is NULL */
 #define {P}_ERR_ARGUMENT 2 /* a bad value: negative steps, a misaligned array, unknown flags or name */
 #define {P}_ERR_LABEL 3    /* a label outside [0, {P}_NUM_CLASSES): no step from that one on ran */
-#define {P}_ERR_NAN 4      /* a NaN loss with {P}_STOP_ON_NAN: that step's update was not applied */
+#define {P}_ERR_NAN 4      /* a NaN or infinite loss with {P}_STOP_ON_NAN: that step's update was not applied */
 #define {P}_ERR_IO 5       /* a file cannot be opened, read or written */
 #define {P}_ERR_FORMAT 6   /* not an opgrad checkpoint, corrupt, or for another model */
 #define {P}_ERR_NOMEM 7    /* out of memory */
 
 /* Flags */
-#define {P}_STOP_ON_NAN 1  /* stop at the first NaN loss, keeping the parameters before that step */
+#define {P}_STOP_ON_NAN 1  /* stop at the first NaN or infinite loss, keeping the parameters before that step */
 
 typedef struct {p}_model {p}_model;
 

@@ -356,7 +356,7 @@ static int og_train_run(opgrad_model *m, const char *who, int64_t steps, const v
     }
     if (rc == 2)
         return og_fail(m, OPGRAD_ERR_NAN,
-                       "%s: the loss is NaN at step %lld; stopped there (OPGRAD_STOP_ON_NAN): the parameters are "
+                       "%s: the loss is NaN or infinite at step %lld; stopped there (OPGRAD_STOP_ON_NAN): the parameters are "
                        "those after step %lld",
                        who, (long long)status[1], (long long)status[1] - 1);
     if (rc != 0) return og_fail(m, OPGRAD_ERR_ARGUMENT, "%s: the compiled loop returned %d", who, (int)rc);

@@ -122,10 +122,10 @@ class StepsResult:
 
 
 class NanLossError(OpgradError, FloatingPointError):
-    """A step's loss was NaN and ``run_steps(..., stop_on_nan=True)`` was asked to stop there.
+    """A step's loss was NaN or infinite and ``run_steps(..., stop_on_nan=True)`` was asked to stop there.
 
-    ``step`` is that step (0-based within the call); ``losses`` ends with its NaN; ``params`` and
-    ``state`` are the values *before* it, i.e. after ``step`` good steps.
+    ``step`` is that step (0-based within the call); ``losses`` ends with its loss; ``params``
+    and ``state`` are the values *before* it, i.e. after ``step`` good steps.
     """
 
     def __init__(self, message: str, step: int, losses: np.ndarray, params: dict[str, np.ndarray],
@@ -212,7 +212,7 @@ class TrainStep:
 
     def step_loop(self) -> Any:
         """The :class:`~opgrad.compiler.steploop.StepLoop` of this step: images, labels, masks and
-        lr streamed, the loss outfed (and checked for NaN), params and state carried."""
+        lr streamed, the loss outfed (and checked for NaN and infinities), params and state carried."""
         from opgrad.compiler.steploop import StepLoop
 
         nm, k = len(self.mask_names), len(self.param_names) + len(self.state_names)
@@ -251,7 +251,7 @@ class TrainStep:
         ``images`` is ``(K * batch_size, *input_shape)`` and ``labels`` ``(K * batch_size,)``,
         batch-major (step ``i`` trains on rows ``i*B .. i*B+B-1``); ``masks`` holds each dropout
         layer's masks the same way; ``lr`` is one float for every step or an array of K. With
-        ``stop_on_nan`` a NaN loss raises :class:`NanLossError` carrying the state before it. A
+        ``stop_on_nan`` a NaN or infinite loss raises :class:`NanLossError` carrying the state before it. A
         model with several inputs or outputs takes lists, as :meth:`__call__` does.
         """
         b = self.batch_size
@@ -281,7 +281,8 @@ class TrainStep:
                 stop_on_nan=stop_on_nan)
         except LoopStopped as stop:
             o = stop.outputs
-            raise NanLossError(f"run_steps: the loss is NaN at step {stop.step}; stopped there (stop_on_nan)",
+            raise NanLossError(f"run_steps: the loss is {o[0][stop.step]} at step {stop.step}; stopped there "
+                               "(stop_on_nan: NaN or infinite)",
                                stop.step, np.asarray(o[0]), dict(zip(self.param_names, o[1 : 1 + k])),
                                dict(zip(self.state_names, o[1 + k :]))) from None
         return StepsResult(np.asarray(out[0]), dict(zip(self.param_names, out[1 : 1 + k])),
@@ -299,8 +300,9 @@ class TrainStep:
             result = self([a[rows] for a in images], [a[rows] for a in labels], cur_params, cur_state, lrs[i],
                           {n: m[rows] for n, m in masks.items()})
             losses[i] = result.loss
-            if stop_on_nan and np.isnan(losses[i]):
-                raise NanLossError(f"run_steps: the loss is NaN at step {i}; stopped there (stop_on_nan)",
+            if stop_on_nan and not np.isfinite(losses[i]):
+                raise NanLossError(f"run_steps: the loss is {losses[i]} at step {i}; stopped there "
+                                   "(stop_on_nan: NaN or infinite)",
                                    i, losses[: i + 1], cur_params, cur_state)
             cur_params, cur_state = result.params, result.state
         return StepsResult(losses, cur_params, cur_state)
