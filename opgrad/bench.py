@@ -14,7 +14,9 @@ of class scores), stepped on uniform random images of its input shape. PyTorch r
 graph through :func:`torch_forward`, a layer-by-layer translation of the opgrad model to
 ``torch.nn.functional`` (BatchNorm included, with its running statistics; dropout with the
 masks opgrad's step gets); a layer it does not translate leaves PyTorch's row out, saying which.
-JAX has a hand-written twin of the seed CNN only.
+JAX has a hand-written twin of the seed CNN with SGD only. ``--optimizer`` steps opgrad with
+:func:`opgrad.nn.make_optimizer`'s update and PyTorch with the ``torch.optim`` optimizer that
+matches it step for step (:func:`torch_optimizer`).
 
 Every table shows each engine's GFLOP/s (the FLOPs of the step's GEMM and conv kernels, counted
 from opgrad's plan, over its time) and the percent of this machine's fp32 FMA peak on the threads
@@ -61,6 +63,8 @@ class Row:
 
 #: The models ``--model`` names.
 BUILT_IN_MODELS = ("seed-cnn", "resnet", "mlp")
+#: ``--optimizer``'s choices: ``opgrad train``'s (:func:`opgrad.nn.make_optimizer`).
+OPTIMIZER_NAMES = ("sgd", "momentum", "nesterov", "adam", "adamw", "rmsprop")
 
 
 def checkpoint_argument(text: str) -> str:
@@ -115,6 +119,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     source.add_argument("--checkpoint", metavar="PATH", type=checkpoint_argument, default=None,
                         help="time the model a checkpoint holds instead (as model.save or opgrad train --save "
                              "write it; a classifier: one image input, one output of class scores)")
+    parser.add_argument("--optimizer", choices=OPTIMIZER_NAMES, default="sgd",
+                        help="the update every engine applies (default sgd): opgrad's and torch.optim's, step for "
+                             "step the same (momentum and nesterov 0.9, adamw weight decay 0.01, as opgrad train)")
     parser.add_argument("--steps", type=positive_int, default=20, help="timed steps per engine (median; default 20)")
     parser.add_argument("--warmup", type=positive_int, default=3, help="untimed steps first (default 3)")
     parser.add_argument("--batch-size", type=positive_int, default=32, help="batch size (default 32, as opgrad train)")
@@ -140,18 +147,20 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--all", action="store_true", help="all of the sections above but --simulate-threads")
 
 
-def _opgrad_runner(backend: str, model_name: str, holder: dict[str, Any] | None = None) -> Runner:
+def _opgrad_runner(backend: str, model_name: str, holder: dict[str, Any] | None = None,
+                   optimizer: str = "sgd") -> Runner:
     def make(params: dict[str, np.ndarray], images: np.ndarray, labels: np.ndarray,
              lr: float) -> Callable[[], float]:
         from opgrad import nn
 
         model = bench_model(model_name)
-        step = nn.TrainStep(model, nn.SGD(), batch_size=len(labels), backend=backend)
+        step = nn.TrainStep(model, nn.make_optimizer(optimizer), batch_size=len(labels), backend=backend)
         masks = bench_masks(model, len(labels))
         if holder is not None:
             holder["compiled"] = step.compiled
         # The step updates its own copy in place (donate): the other engines start from ``params`` too.
-        current = {"params": {name: array.copy() for name, array in params.items()}, "state": model.init_buffers()}
+        current = {"params": {name: array.copy() for name, array in params.items()},
+                   "state": {**step.optimizer.init_state(params), **model.init_buffers()}}
 
         def run() -> float:
             result = step(images, labels, current["params"], current["state"], lr, masks, donate=True)
@@ -255,8 +264,22 @@ def keep_freed_memory() -> str:
             "in the step before")
 
 
-def torch_runner(model_name: str, threads: int | None = None) -> Runner:
-    """PyTorch's training step of ``model_name`` (on ``threads`` intra-op threads if given)."""
+def torch_optimizer(name: str, params: list[Any], lr: float) -> Any:
+    """The ``torch.optim`` optimizer that updates as :func:`opgrad.nn.make_optimizer` ``(name)`` does
+    (the defaults agree: Adam's betas and eps, RMSprop's alpha, AdamW's weight decay 0.01)."""
+    import torch
+
+    if name in ("momentum", "nesterov"):
+        return torch.optim.SGD(params, lr=lr, momentum=0.9, nesterov=name == "nesterov")
+    table = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW,
+             "rmsprop": torch.optim.RMSprop}
+    return table[name](params, lr=lr)
+
+
+def torch_runner(model_name: str, threads: int | None = None, optimizer: str = "sgd") -> Runner:
+    """PyTorch's training step of ``model_name`` (on ``threads`` intra-op threads if given): plain
+    SGD as the update written out (autograd.grad, then ``w -= lr * g``), other optimizers as
+    ``torch.optim``'s."""
     def make(params: dict[str, np.ndarray], images: np.ndarray, labels: np.ndarray,
              lr: float) -> Callable[[], float]:
         import torch
@@ -278,7 +301,18 @@ def torch_runner(model_name: str, threads: int | None = None) -> Runner:
                     value -= lr * grad
             return float(loss.detach())
 
-        return run
+        if optimizer == "sgd":
+            return run
+        opt = torch_optimizer(optimizer, list(p.values()), lr)
+
+        def run_optimizer() -> float:
+            loss = F.cross_entropy(torch_forward(model, p, buffers, x, training=True, masks=masks), y)
+            for value, grad in zip(p.values(), torch.autograd.grad(loss, list(p.values()))):
+                value.grad = grad
+            opt.step()
+            return float(loss.detach())
+
+        return run_optimizer
 
     return make
 
@@ -406,19 +440,21 @@ def _setup_threads(requested: int | None) -> int:
     return pool().nthreads
 
 
-def _step_flops(model_name: str, batch: int, compiled: Any) -> int:
+def _step_flops(model_name: str, batch: int, compiled: Any, optimizer: str = "sgd") -> int:
     """FLOPs of the step's GEMM and conv kernels, from opgrad's plan (so every engine is divided alike)."""
     if compiled is None:
         from opgrad import nn
         from opgrad.compiler import plan_graph
 
-        step = nn.TrainStep(bench_model(model_name), nn.SGD(), batch_size=batch, backend="reference")
+        step = nn.TrainStep(bench_model(model_name), nn.make_optimizer(optimizer), batch_size=batch,
+                            backend="reference")
         return sum(cost.flops for cost in plan_graph(step.function).step_costs)
     return sum(cost.flops for cost in compiled.plan.step_costs)
 
 
 def run(args: argparse.Namespace) -> int:
     """Time each engine and print the table (and the sections asked for); returns 0."""
+    from opgrad import nn
     from opgrad.nn.step import llvm_unavailable_reason
 
     for section in ("peak", "kernels", "scaling", "compile_times", "memory"):
@@ -448,12 +484,13 @@ def run(args: argparse.Namespace) -> int:
     jax_name = f"JAX {_version('jax')}".strip()
     llvm_holder: dict[str, Any] = {}
     subjects: list[tuple[str, str, Runner]] = [
-        ("llvm", "opgrad llvm (compiled)", _opgrad_runner("llvm", args.model, llvm_holder)),
-        ("reference", "opgrad reference (numpy)", _opgrad_runner("reference", args.model)),
-        ("torch", torch_name, torch_runner(args.model, threads)),
+        ("llvm", "opgrad llvm (compiled)", _opgrad_runner("llvm", args.model, llvm_holder, args.optimizer)),
+        ("reference", "opgrad reference (numpy)", _opgrad_runner("reference", args.model, optimizer=args.optimizer)),
+        ("torch", torch_name, torch_runner(args.model, threads, args.optimizer)),
         ("jax", f"{jax_name} (jit)", _jax_runner),
     ]
-    print(f"opgrad bench: {args.model} training step (forward + backward + SGD), {model.num_params:,} parameters, "
+    update = nn.make_optimizer(args.optimizer).describe()
+    print(f"opgrad bench: {args.model} training step (forward + backward + {update}), {model.num_params:,} parameters, "
           f"batch {args.batch_size}, float32, {threads} thread{'s' if threads > 1 else ''}; "
           f"median of {args.steps} steps after {args.warmup} warm-up; opgrad llvm and its peers take turns "
           f"(rounds of 1 untimed + {ROUND_STEPS} timed steps each), the reference runs after them")
@@ -463,8 +500,9 @@ def run(args: argparse.Namespace) -> int:
         if key in args.skip:
             rows[key] = Row(name, note="skipped")
             continue
-        if key == "jax" and args.model != "seed-cnn":
-            rows[key] = Row(name, note=f"skipped (bench's JAX twin is of seed-cnn only, not {args.model})")
+        if key == "jax" and (args.model != "seed-cnn" or args.optimizer != "sgd"):
+            rows[key] = Row(name, note=f"skipped (bench's JAX twin is seed-cnn with SGD only, not {args.model} "
+                                       f"with {args.optimizer})")
             continue
         if key == "llvm" and llvm_reason is not None:
             rows[key] = Row(name, note=f"unavailable: {llvm_reason}")
@@ -478,7 +516,8 @@ def run(args: argparse.Namespace) -> int:
     reference = {key: runs.pop(key) for key in ("reference",) if key in runs}
     time_interleaved(rows, runs, args.steps)
     time_interleaved(rows, reference, args.steps)
-    flops = _step_flops(args.model, args.batch_size, llvm_holder.get("compiled")) if llvm_reason is None else 0
+    flops = (_step_flops(args.model, args.batch_size, llvm_holder.get("compiled"), args.optimizer)
+             if llvm_reason is None else 0)
     base_key = "llvm" if rows["llvm"].ms is not None else "reference"
     base = rows[base_key].ms
     ref_loss = rows["reference"].check_loss
@@ -518,15 +557,17 @@ def _sections(args: argparse.Namespace, threads: int, flops: int, peak: float, p
 
     if args.kernels:
         bw = bandwidth if bandwidth is not None and threads == 1 else measure_bandwidth(threads)
-        benchreport.kernels_report(args.model, args.batch_size, threads, peak_all, bw, max(args.steps, 10))
+        benchreport.kernels_report(args.model, args.batch_size, threads, peak_all, bw, max(args.steps, 10),
+                                   optimizer=args.optimizer)
     if args.scaling:
         from opgrad.compiler.peak import available_cpus
 
-        benchreport.scaling_report(args.model, args.batch_size, available_cpus(), flops, args.steps, with_torch)
+        benchreport.scaling_report(args.model, args.batch_size, available_cpus(), flops, args.steps, with_torch,
+                                   optimizer=args.optimizer)
     if getattr(args, "simulate_threads", None):
         benchreport.decomposition_report(args.model, args.batch_size, sorted(set(args.simulate_threads)), flops,
-                                         peak, max(3, args.steps))
+                                         peak, max(3, args.steps), optimizer=args.optimizer)
     if args.compile_times:
-        benchreport.compile_report(args.model, args.batch_size, threads)
+        benchreport.compile_report(args.model, args.batch_size, threads, optimizer=args.optimizer)
     if args.memory:
-        benchreport.memory_report(args.model, args.batch_size, threads, with_torch)
+        benchreport.memory_report(args.model, args.batch_size, threads, with_torch, optimizer=args.optimizer)

@@ -53,7 +53,8 @@ def _maxrss_mib() -> float:
 
 # ----- the child process -----
 
-def _child(engine: str, model_name: str, batch: int, threads: int, steps: int) -> dict[str, Any]:
+def _child(engine: str, model_name: str, batch: int, threads: int, steps: int,
+           optimizer: str = "sgd") -> dict[str, Any]:
     """Build and time one engine's training step, or (``engine="pair"``) opgrad's and PyTorch's
     taking turns (:func:`opgrad.bench.time_interleaved`); runs in a fresh process (see the module doc)."""
     from opgrad import nn
@@ -78,7 +79,7 @@ def _child(engine: str, model_name: str, batch: int, threads: int, steps: int) -
     t0 = time.perf_counter()
     if engine in ("opgrad", "pair"):
         cpu0 = time.process_time()
-        step = nn.TrainStep(model, nn.SGD(), batch_size=batch, backend="llvm")
+        step = nn.TrainStep(model, nn.make_optimizer(optimizer), batch_size=batch, backend="llvm")
         compiled = step.compiled
         from opgrad.compiler.jit import close_worker
 
@@ -89,7 +90,8 @@ def _child(engine: str, model_name: str, batch: int, threads: int, steps: int) -
                       optimize_s=compiled.times.optimize, load_s=compiled.times.load, parts=compiled.times.parts,
                       cache_hit=compiled.cache_hit, plan_cache_hit=compiled.plan_cache_hit, threads=_pool_threads())
         # Updated in place (donate), as the bench's own runner does; PyTorch starts from ``params`` too.
-        state = {"params": {name: array.copy() for name, array in params.items()}, "state": model.init_buffers()}
+        state = {"params": {name: array.copy() for name, array in params.items()},
+                 "state": {**step.optimizer.init_state(params), **model.init_buffers()}}
         masks = bench_masks(model, batch)
 
         def run() -> float:
@@ -101,7 +103,8 @@ def _child(engine: str, model_name: str, batch: int, threads: int, steps: int) -
     if engine in ("torch", "pair"):
         from opgrad.bench import torch_runner
 
-        runs["torch_ms" if engine == "pair" else "ms"] = torch_runner(model_name)(params, images, labels, 0.01)
+        runs["torch_ms" if engine == "pair" else "ms"] = torch_runner(model_name, optimizer=optimizer)(
+            params, images, labels, 0.01)
     result["setup_s"] = time.perf_counter() - t0
     for run_step in runs.values():
         for _ in range(3):
@@ -114,28 +117,28 @@ def _child(engine: str, model_name: str, batch: int, threads: int, steps: int) -
     return result
 
 
-def _profiled_step(model_name: str, batch: int) -> tuple[Any, Any, list[Any]]:
+def _profiled_step(model_name: str, batch: int, optimizer: str = "sgd") -> tuple[Any, Any, list[Any]]:
     """The model, its training step compiled with an entry per step, and the step's arguments."""
     import opgrad
     from opgrad import nn
     from opgrad.bench import bench_batch, bench_masks, bench_model
 
     model = bench_model(model_name)
-    step = nn.TrainStep(model, nn.SGD(), batch_size=batch, backend="reference")
+    step = nn.TrainStep(model, nn.make_optimizer(optimizer), batch_size=batch, backend="reference")
     compiled = opgrad.compile(step.function, step_entries=True, in_place=step.step_loop().carry)
-    params, buffers = model.init_params(seed=0), model.init_buffers()
+    params = model.init_params(seed=0)
+    state = {**step.optimizer.init_state(params), **model.init_buffers()}
     images, labels = bench_batch(model, batch)
     masks = bench_masks(model, batch)
     args = [images, labels, *(masks[n] for n in step.mask_names), np.asarray(0.01, np.float32),
-            *(params[n] for n in step.param_names),
-            *(buffers[n] for n in step.state_names)]
+            *step.named_arrays(params, state)]
     return model, compiled, args
 
 
-def _shares_child(model_name: str, batch: int, runs: int) -> dict[str, Any]:
+def _shares_child(model_name: str, batch: int, runs: int, optimizer: str = "sgd") -> dict[str, Any]:
     """Each step's serial and simulated parallel time on the pool's threads
     (:meth:`opgrad.compiler.graph.CompiledFunction.profile_parallel`), with its label and FLOPs."""
-    model, compiled, args = _profiled_step(model_name, batch)
+    model, compiled, args = _profiled_step(model_name, batch, optimizer)
     compiled(*args)
     timings = compiled.profile_parallel(*args, runs=runs)
     rows = named_rows(model, compiled, [serial for _, serial, _ in timings])
@@ -151,13 +154,14 @@ def _pool_threads() -> int:
 
 
 def run_child(engine: str, model_name: str, batch: int, threads: int, steps: int,
-              cache_dir: str | None = None) -> dict[str, Any]:
+              cache_dir: str | None = None, optimizer: str = "sgd") -> dict[str, Any]:
     """Run :func:`_child` in a fresh interpreter with ``threads`` threads; its JSON result, or
     ``{"error": ...}`` when it failed."""
     env = {**os.environ, "OPGRAD_NUM_THREADS": str(threads), "OMP_NUM_THREADS": str(threads)}
     if cache_dir is not None:
         env["OPGRAD_CACHE_DIR"] = cache_dir
-    cmd = [sys.executable, "-m", "opgrad.benchreport", engine, model_name, str(batch), str(threads), str(steps)]
+    cmd = [sys.executable, "-m", "opgrad.benchreport", engine, model_name, str(batch), str(threads), str(steps),
+           "--optimizer", optimizer]
     # `python -m` puts its working directory first on the path: started from a source checkout
     # beside an installed opgrad, the child would import the checkout's half (without
     # opgrad.registry). It starts where this process's opgrad lies, so it imports the same one.
@@ -183,7 +187,8 @@ def thread_counts(available: int) -> list[int]:
     return counts
 
 
-def scaling_report(model_name: str, batch: int, available: int, flops: int, steps: int, with_torch: bool) -> None:
+def scaling_report(model_name: str, batch: int, available: int, flops: int, steps: int, with_torch: bool,
+                   optimizer: str = "sgd") -> None:
     """ms/step, speed-up and % of the same threads' peak for 1, 2, 4, ... threads (children)."""
     from opgrad.compiler.peak import measure_peak
 
@@ -195,7 +200,7 @@ def scaling_report(model_name: str, batch: int, available: int, flops: int, step
     base = None
     for t in thread_counts(available):
         peak = measure_peak(t)
-        ours = run_child("pair" if with_torch else "opgrad", model_name, batch, t, steps)
+        ours = run_child("pair" if with_torch else "opgrad", model_name, batch, t, steps, optimizer=optimizer)
         if "error" in ours:
             print(f"{t:>7} {peak:>13.1f}  failed: {ours['error']}")
             continue
@@ -214,7 +219,7 @@ DECOMPOSITION_MIN_SHARE, DECOMPOSITION_LOW_EFFICIENCY = 0.02, 0.7
 
 
 def decomposition_report(model_name: str, batch: int, counts: list[int], flops: int, peak_one: float,
-                         runs: int) -> None:
+                         runs: int, optimizer: str = "sgd") -> None:
     """How the step splits over ``counts`` threads, simulated with one core (children): each job's
     shares timed one after another (:meth:`opgrad.compiler.graph.CompiledFunction.profile_parallel`),
     the fastest of ``runs``: the busiest of many short shares is the one an interrupt hit, unless
@@ -226,7 +231,7 @@ def decomposition_report(model_name: str, batch: int, counts: list[int], flops: 
     print(f"{'threads':>7} {'serial ms':>10} {'parallel ms':>12} {'speed-up':>9} {'efficiency':>11} {'GFLOP/s':>8} "
           f"{'% of threads x 1-thread peak':>29}")
     for t in counts:
-        r = run_child("shares", model_name, batch, t, runs)
+        r = run_child("shares", model_name, batch, t, runs, optimizer=optimizer)
         if "error" in r:
             print(f"{t:>7}  failed: {r['error']}")
             continue
@@ -256,11 +261,11 @@ def decomposition_report(model_name: str, batch: int, counts: list[int], flops: 
                   f"({step_serial / step_parallel:.1f}x, {100 * step_serial / serial:.0f}% of the serial time)")
 
 
-def compile_report(model_name: str, batch: int, threads: int) -> None:
+def compile_report(model_name: str, batch: int, threads: int, optimizer: str = "sgd") -> None:
     """Cold compile (empty caches) and warm (a second process, same caches: stored plan and object), in children."""
     with tempfile.TemporaryDirectory(prefix="opgrad-bench-cache-") as cache:
-        cold = run_child("opgrad", model_name, batch, threads, 3, cache_dir=cache)
-        warm = run_child("opgrad", model_name, batch, threads, 3, cache_dir=cache)
+        cold = run_child("opgrad", model_name, batch, threads, 3, cache_dir=cache, optimizer=optimizer)
+        warm = run_child("opgrad", model_name, batch, threads, 3, cache_dir=cache, optimizer=optimizer)
     print("\ncompile time of the training step (fresh processes):")
     for name, r in (("cold (empty caches)", cold), ("warm (stored plan, object)", warm)):
         if "error" in r:
@@ -276,13 +281,13 @@ def compile_report(model_name: str, batch: int, threads: int) -> None:
               f"+ load {r['load_s']:.3f} s + rest; CPU {r['compile_cpu_s']:.2f} s in all processes{surprise}")
 
 
-def memory_report(model_name: str, batch: int, threads: int, with_torch: bool) -> None:
+def memory_report(model_name: str, batch: int, threads: int, with_torch: bool, optimizer: str = "sgd") -> None:
     """Peak resident memory of a process running the step, opgrad vs PyTorch (children)."""
     print("\npeak resident memory (VmHWM of a fresh process running 20 steps):")
     print(f"  {'engine':<22} {'after imports':>14} {'peak':>10} {'step adds':>10}")
     engines = ["opgrad", "torch"] if with_torch else ["opgrad"]
     for engine in engines:
-        r = run_child(engine, model_name, batch, threads, 20)
+        r = run_child(engine, model_name, batch, threads, 20, optimizer=optimizer)
         if "error" in r:
             print(f"  {engine:<22} failed: {r['error']}")
             continue
@@ -300,10 +305,11 @@ class KernelRow:
     bytes: int
 
 
-def kernel_rows(model_name: str, batch: int, runs: int, cpu_clock: bool = False) -> list[KernelRow]:
+def kernel_rows(model_name: str, batch: int, runs: int, cpu_clock: bool = False,
+                optimizer: str = "sgd") -> list[KernelRow]:
     """Each native step of the compiled training step, timed alone (fastest of ``runs``; by the
     thread's CPU time with ``cpu_clock``, right only when the pool has one thread)."""
-    model, compiled, args = _profiled_step(model_name, batch)
+    model, compiled, args = _profiled_step(model_name, batch, optimizer)
     timings = compiled.profile(*args, runs=runs, best=True, clock=time.thread_time if cpu_clock else time.perf_counter)
     return named_rows(model, compiled, [ms for _, ms in timings])
 
@@ -371,9 +377,10 @@ def conv_layers_of_steps(model: Any, plan: Any, function: Any) -> list[str | Non
     return found
 
 
-def kernels_report(model_name: str, batch: int, threads: int, peak: float, bandwidth: float, runs: int) -> None:
+def kernels_report(model_name: str, batch: int, threads: int, peak: float, bandwidth: float, runs: int,
+                   optimizer: str = "sgd") -> None:
     """The per-kernel table: GFLOP/s and % of peak for GEMM/conv steps, GB/s for the rest."""
-    rows = kernel_rows(model_name, batch, runs, cpu_clock=threads == 1)
+    rows = kernel_rows(model_name, batch, runs, cpu_clock=threads == 1, optimizer=optimizer)
     total = sum(r.ms for r in rows)
     target = TARGET_ONE_THREAD if threads == 1 else TARGET_THREADS
     how = "thread CPU time" if threads == 1 else "wall time"
@@ -415,11 +422,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("batch", type=int)
     parser.add_argument("threads", type=int)
     parser.add_argument("steps", type=int)
+    parser.add_argument("--optimizer", default="sgd")
     args = parser.parse_args(argv)
     if args.engine == "shares":
-        print(json.dumps(_shares_child(args.model, args.batch, args.steps)))
+        print(json.dumps(_shares_child(args.model, args.batch, args.steps, args.optimizer)))
     else:
-        print(json.dumps(_child(args.engine, args.model, args.batch, args.threads, args.steps)))
+        print(json.dumps(_child(args.engine, args.model, args.batch, args.threads, args.steps, args.optimizer)))
     return 0
 
 

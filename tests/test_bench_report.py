@@ -106,6 +106,24 @@ def test_bench_times_a_model_file_against_pytorch(tmp_path: Path, capsys: pytest
     assert "conv1 forward" in out.split("kernels of the", 1)[1]
 
 
+@pytest.mark.parametrize("optimizer", ["adam", "nesterov"])
+def test_bench_steps_every_engine_with_the_optimizer_asked(optimizer: str,
+                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    """opgrad's optimizer and torch.optim's update alike: PyTorch's loss after two updates matches
+    the reference's; the kernel table is of the step with that update."""
+    require("torch", "the bench steps PyTorch with torch.optim")
+    assert set(bench.OPTIMIZER_NAMES) == set(nn.OPTIMIZERS)
+    argv = ["bench", "--model", "mlp", "--optimizer", optimizer, "--steps", "2", "--warmup", "3", "--skip", "jax",
+            "--kernels"]
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    assert nn.make_optimizer(optimizer).describe() in out.splitlines()[1]
+    for engine in ("opgrad llvm (compiled)", "opgrad reference (numpy)", "PyTorch"):
+        row = next(line for line in out.splitlines() if line.startswith(engine))
+        assert "ok (rel. diff" in row, row
+    assert "kernels of the mlp step" in out
+
+
 def test_bench_names_a_model_it_cannot_time(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     inp = nn.Input((5,))
     regression = tmp_path / "regression.npz"
