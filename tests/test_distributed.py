@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from optional import require
+from trainers import assert_split_trains_as_plain
 
 require("mpi4py", "distributed training runs on MPI through mpi4py (the `distributed` extra)")
 
@@ -131,12 +132,7 @@ def test_one_rank_is_bitwise_the_plain_trainer() -> None:
     options = {**ns["settings"]("adam"), "backend": "reference"}
     plain = Trainer(ns["tiny_model"](), ns["make_optimizer"]("adam"), **options)
     split = DistributedTrainer(ns["tiny_model"](), ns["make_optimizer"]("adam"), **options, fused_when_alone=False)
-    assert split.comm.size == 1 and not split.fused
-    for _ in range(2):
-        assert plain.train_epoch(images, labels) == split.train_epoch(images, labels)
-    for name in plain.params:
-        np.testing.assert_array_equal(plain.params[name], split.params[name])
-    assert plain.evaluate(images, labels) == split.evaluate(images, labels)
+    assert_split_trains_as_plain(plain, split, images, labels)
 
 
 # ----- two ranks under mpirun -----

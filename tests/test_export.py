@@ -17,6 +17,7 @@ import subprocess
 import sys
 import zipfile
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -131,26 +132,36 @@ def test_runtime_and_example_compile_without_warnings(host: tuple[Path, str]) ->
 # ----- the C runtime's errors, through ctypes on the shared library -----
 
 
+def c_library(path: Path, prefix: str = "opgrad") -> ctypes.CDLL:
+    """The exported shared library at ``path`` with its C API's prototypes (``prefix`` is the
+    export's ``--name``), for a model without dropout (four streamed arrays per training call)."""
+    so = ctypes.CDLL(str(path))
+    vp, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+
+    def fn(name: str) -> Any:
+        return getattr(so, f"{prefix}_{name}")
+
+    fn("model_create").restype = vp
+    fn("model_free").argtypes = [vp]
+    fn("last_error").restype = ctypes.c_char_p
+    fn("last_error").argtypes = [vp]
+    fn("train_steps").argtypes = [vp, i64, vp, vp, vp, vp, i32]
+    fn("train_step").argtypes = [vp, vp, vp, ctypes.c_float, vp, i32]
+    fn("eval").argtypes = [vp, vp, vp]
+    fn("model_load").argtypes = [vp, ctypes.c_char_p]
+    fn("model_save").argtypes = [vp, ctypes.c_char_p]
+    fn("model_step").argtypes = [vp]
+    fn("model_step").restype = i64
+    fn("model_set_epoch").argtypes = [vp, i64]
+    fn("model_array").argtypes = [vp, ctypes.c_char_p, ctypes.POINTER(i64)]
+    fn("model_array").restype = ctypes.POINTER(ctypes.c_float)
+    return so
+
+
 @pytest.fixture(scope="module")
 def lib(host: tuple[Path, str]) -> ctypes.CDLL:
     tmp, _ = host
-    so = ctypes.CDLL(str(tmp / "libopgrad.so"))
-    vp, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-    so.opgrad_model_create.restype = vp
-    so.opgrad_model_free.argtypes = [vp]
-    so.opgrad_last_error.restype = ctypes.c_char_p
-    so.opgrad_last_error.argtypes = [vp]
-    so.opgrad_train_steps.argtypes = [vp, i64, vp, vp, vp, vp, i32]
-    so.opgrad_train_step.argtypes = [vp, vp, vp, ctypes.c_float, vp, i32]
-    so.opgrad_eval.argtypes = [vp, vp, vp]
-    so.opgrad_model_load.argtypes = [vp, ctypes.c_char_p]
-    so.opgrad_model_save.argtypes = [vp, ctypes.c_char_p]
-    so.opgrad_model_step.argtypes = [vp]
-    so.opgrad_model_step.restype = i64
-    so.opgrad_model_set_epoch.argtypes = [vp, i64]
-    so.opgrad_model_array.argtypes = [vp, ctypes.c_char_p, ctypes.POINTER(i64)]
-    so.opgrad_model_array.restype = ctypes.POINTER(ctypes.c_float)
-    return so
+    return c_library(tmp / "libopgrad.so")
 
 
 OK, ERR_NULL, ERR_ARGUMENT, ERR_LABEL, ERR_NAN, ERR_IO, ERR_FORMAT = range(7)
@@ -511,14 +522,7 @@ def test_checkpoint_with_batchnorm_exports_trains_and_evaluates_like_python(tmp_
     header = (out / "bn.h").read_text()
     assert all(name in header for name in model.buffers) and "#define BN_NUM_PARAM_ARRAYS 12" in header
 
-    so = ctypes.CDLL(str(out / "libbn.so"))
-    vp = ctypes.c_void_p
-    so.bn_model_create.restype = vp
-    so.bn_model_load.argtypes = [vp, ctypes.c_char_p]
-    so.bn_model_save.argtypes = [vp, ctypes.c_char_p]
-    so.bn_train_steps.argtypes = [vp, ctypes.c_int64, vp, vp, vp, vp, ctypes.c_int]
-    so.bn_eval.argtypes = [vp, vp, vp]
-    so.bn_model_free.argtypes = [vp]
+    so = c_library(out / "libbn.so", "bn")
     handle = so.bn_model_create()
     assert so.bn_model_load(handle, str(out / "bn_init.npz").encode()) == OK
 
@@ -575,16 +579,7 @@ def test_checkpoints_of_a_user_model_export_and_its_runtime_rebuild_with_nn_load
     for name, array in {**model.params, **model.buffers}.items():
         np.testing.assert_array_equal({**init.params, **init.buffers}[name], array, err_msg=name)
 
-    so = ctypes.CDLL(str(out / "libopgrad.so"))
-    vp = ctypes.c_void_p
-    so.opgrad_model_create.restype = vp
-    so.opgrad_model_load.argtypes = [vp, ctypes.c_char_p]
-    so.opgrad_model_save.argtypes = [vp, ctypes.c_char_p]
-    so.opgrad_train_steps.argtypes = [vp, ctypes.c_int64, vp, vp, vp, vp, ctypes.c_int]
-    so.opgrad_eval.argtypes = [vp, vp, vp]
-    so.opgrad_model_array.argtypes = [vp, ctypes.c_char_p, ctypes.POINTER(ctypes.c_int64)]
-    so.opgrad_model_array.restype = ctypes.POINTER(ctypes.c_float)
-    so.opgrad_model_free.argtypes = [vp]
+    so = c_library(out / "libopgrad.so")
     handle = so.opgrad_model_create()
     assert so.opgrad_model_load(handle, str(out / "opgrad_init.npz").encode()) == OK
     data = load_embedded_mnist()

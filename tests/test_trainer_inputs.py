@@ -17,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from trainers import assert_split_trains_as_plain
 
 from opgrad import nn
 from opgrad.data import iterate_batches
@@ -268,12 +269,7 @@ def test_one_rank_split_step_is_bitwise_the_plain_trainer() -> None:
         options = dict(lr=LR, batch_size=BATCH, seed=SEED, backend="reference")
         plain = nn.Trainer(build(), nn.Adam(), **options)  # type: ignore[arg-type]
         split = DistributedTrainer(build(), nn.Adam(), **options, fused_when_alone=False)  # type: ignore[arg-type]
-        assert split.comm.size == 1 and not split.fused
-        for _ in range(2):
-            assert plain.train_epoch(inputs, labels) == split.train_epoch(inputs, labels)
-        for name in plain.params:
-            np.testing.assert_array_equal(plain.params[name], split.params[name])
-        assert plain.evaluate(inputs, labels) == split.evaluate(inputs, labels)
+        assert_split_trains_as_plain(plain, split, inputs, labels)
 
 
 TWO_RANKS = """
