@@ -50,7 +50,8 @@ KINK_RETRIES = 12
 
 
 class SamplerError(OpgradError):
-    """An operator's ``@sampler`` produced a case its own shape rule rejects."""
+    """The checker cannot build cases of an operator: its ``@sampler`` produced a case its own shape
+    rule rejects, or its declaration leaves something undrawable (a list length, a required attribute)."""
 
 
 def resolve_op(op: Operator | str) -> Operator:
@@ -150,6 +151,16 @@ def _default_case(op: Operator, d: CaseDraw) -> Case:
     """Shapes from ``dims`` (one size per symbol, shared across inputs) and ``broadcast``."""
     if op.variadic:
         raise SamplerError(f"{op.name}: a variadic operator needs an @{op.name}.sampler that chooses the list length")
+    undrawable = [a.name for a in op.attrs if a.required and a.sample is None]
+    if undrawable:
+        # Every case would be rejected for the missing attribute; hypothesis would only report
+        # that it filtered out too many, without saying which attribute or why.
+        listed = ", ".join(repr(name) for name in undrawable)
+        raise SamplerError(
+            f"{op.name}: required attribute(s) {listed} have no default and no sample, and the op has no "
+            f"@sampler, so the checker cannot draw them; give each Attr a sample= strategy or a default, "
+            f"or declare an @{op.name}.sampler that chooses them"
+        )
     sizes: dict[str, int] = {}
     shapes: list[tuple[int, ...] | None] = []
     for spec in op.inputs:

@@ -12,7 +12,7 @@ Each rule's result is then checked against its input's type, naming the rule if 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import numpy as np
 
@@ -50,6 +50,26 @@ def fit_to_input(call: Call, index: int, grad: Expr) -> Expr:
             f"expected {target.dtype} (call: {_describe(call)})"
         )
     return grad
+
+
+def gradient_entries(call: Call, result: object) -> list[Expr | None]:
+    """A gradient rule's ``result`` for ``call`` as a list with one entry per input, or a
+    ``GradientError`` naming the op when it is something else (a bare expression, a wrong count)."""
+    inputs = ", ".join(spec.name for spec in call.specs)
+    expected = (f"a gradient rule must return a list with one entry (an expression or None) per input, "
+                f"{len(call.args)} here ({inputs})")
+    if isinstance(result, Expr):
+        wrap = " (wrap it: return [expr])" if len(call.args) == 1 else ""
+        raise GradientError(f"gradient of {call.op.name!r} returned the expression {result!r} instead of a "
+                            f"list; {expected}{wrap}")
+    if not isinstance(result, Iterable):
+        raise GradientError(f"gradient of {call.op.name!r} returned {result!r} instead of a list; {expected}")
+    entries = list(result)
+    if len(entries) != len(call.args):
+        raise GradientError(
+            f"gradient of {call.op.name!r} returned {len(entries)} entries for {len(call.args)} inputs; {expected}"
+        )
+    return entries
 
 
 def _depends_on(outputs: Sequence[Expr], wrt: Sequence[Expr]) -> set[int]:
@@ -96,11 +116,7 @@ def gradients(output: Expr, wrt: Sequence[Expr], cotangent: Expr | None = None) 
                 f"cannot differentiate through {node.op.name!r}: its gradient is not implemented "
                 f"({status.reason}); call: {_describe(node)}"
             )
-        grads = list(rule(node, total))
-        if len(grads) != len(node.args):
-            raise GradientError(
-                f"gradient of {node.op.name!r} returned {len(grads)} entries for {len(node.args)} inputs"
-            )
+        grads = gradient_entries(node, rule(node, total))
         for index, (need, grad) in enumerate(zip(needs, grads)):
             if not need:
                 continue

@@ -114,6 +114,12 @@ class Attr:
     it (negative axes, ``None`` meaning all axes, a ``-1`` in a shape, strides defaulting to the
     pool size); the call then stores the resolved, canonical value.
     ``sample`` optionally returns a hypothesis strategy of values for the checker.
+
+    ``Operator`` refuses, where it is declared, an attribute whose name repeats another
+    attribute's or an input's (the reference takes both as arguments of one call) and a default
+    its own ``convert`` rejects (a ``uses_types`` converter is only run on calls). A required
+    attribute (no default) needs values the checker can draw: a ``sample``, or the op's
+    ``@sampler`` choosing it; without either the check stops at once, naming the attribute.
     """
 
     name: str
@@ -198,6 +204,7 @@ class Operator:
                 raise ValueError(f"operator {name!r}: linear_in names unknown input {lin!r}")
         if any(spec.variadic for spec in self.inputs[:-1]):
             raise ValueError(f"operator {name!r}: only the last input may be variadic")
+        self._check_attrs(names)
         caller = inspect.currentframe()
         declared_in = caller.f_back.f_globals.get("__name__", "") if caller and caller.f_back else ""
         if declared_in and not declared_in.startswith("opgrad.registry"):
@@ -208,6 +215,30 @@ class Operator:
             self.module = declared_in
             self._declared_outside_registry = True
             registry.register(self)
+
+    def _check_attrs(self, input_names: Sequence[str]) -> None:
+        """Refuse attribute declarations that calls would trip over later, with errors that could
+        no longer point at the declaration."""
+        seen: set[str] = set()
+        for attr in self.attrs:
+            where = f"operator {self.name!r}: attribute {attr.name!r}"
+            if attr.name in seen:
+                raise ValueError(f"{where} is declared twice; attribute names must be unique "
+                                 f"(attributes: {', '.join(a.name for a in self.attrs)})")
+            seen.add(attr.name)
+            if attr.name in input_names:
+                raise ValueError(f"{where} has the name of an input; the reference is called as "
+                                 f"reference(*inputs, **attrs), where it would collide with that input's "
+                                 f"parameter (inputs: {', '.join(input_names)})")
+            # A converter that reads the input types can only be run on a call; any other one must
+            # accept its own default, or every call that leaves the attribute out fails.
+            if attr.required or attr.convert is None or attr.uses_types:
+                continue
+            try:
+                attr.convert(attr.default)
+            except (ValueError, TypeError) as exc:
+                raise ValueError(f"{where}: the default {attr.default!r} is rejected by the attribute's own "
+                                 f"convert: {exc}") from None
 
     # ----- decorators used by registry files -----
 
@@ -224,6 +255,8 @@ class Operator:
     def gradient(self, fn: GradientRule) -> GradientRule:
         """Attach the gradient ``fn(call, grad) -> [expr | None per input]``.
 
+        The result is a list even for a one-input op (``[expr]``); ``None`` stands for an input
+        that is not differentiable.
         Each entry is built from registered ops. It may have the broadcast shape of the output;
         autodiff sums it back to the input's shape with ``collapse_sum_like``.
         """
