@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from opgrad.autodiff import fit_to_input, gradients
+from opgrad.autodiff import fit_to_input, gradient_entries, gradients
 from opgrad.errors import GradientError
 from opgrad.ir import Call, Expr, Function, Var, var
 from opgrad.op import GradientRule, Input, Operator
@@ -93,21 +93,52 @@ def worst_mismatch(analytic: np.ndarray, expected: np.ndarray, rtol: float, atol
                     float(diff.flat[flat]), rel, plain)
 
 
+#: Steps, as fractions of ``h``, at which :func:`difference_mismatch` retries a difference that
+#: disagrees even after Richardson's extrapolation.
+SMALLER_STEPS = (1 / 16, 1 / 256)
+
+
 def difference_mismatch(analytic: np.ndarray | float, difference: Callable[[float], Any], h: float, rtol: float,
                         atol: float) -> Mismatch:
     """``analytic`` against the central difference quotient ``difference(h)``; where they disagree,
-    against Richardson's extrapolation ``(4 D(h/2) - D(h)) / 3`` before calling it a mismatch.
+    against Richardson's extrapolation ``(4 D(h/2) - D(h)) / 3``, then against the quotient at
+    the steps :data:`SMALLER_STEPS` before calling it a mismatch.
 
     A central difference is off by about h^2 / 6 times the third derivative: near a sharp feature
     (a normalization over two elements, whose scale is sqrt(epsilon)) that alone can exceed the
     tolerance. The extrapolation cancels that term, while a wrong gradient, off by O(1), stays off.
+    Within ``h`` of a point where the second derivative jumps (softsign's ``x / (1 + |x|)`` at 0)
+    the error is of order ``h`` and no extrapolation removes it; it shrinks with the step, so a
+    smaller step agrees, whereas a wrong gradient disagrees at every step (float64 keeps the
+    rounding of a 256 times smaller step far below the tolerance).
     """
     numeric = np.asarray(difference(h), dtype=np.float64)
     m = worst_mismatch(np.asarray(analytic), numeric, rtol, atol)
     if m.ratio <= 1:
         return m
     refined = (4 * np.asarray(difference(h / 2), dtype=np.float64) - numeric) / 3
-    return worst_mismatch(np.asarray(analytic), refined, rtol, atol)
+    best = worst_mismatch(np.asarray(analytic), refined, rtol, atol)
+    for fraction in SMALLER_STEPS:
+        if best.ratio <= 1:
+            break
+        smaller = worst_mismatch(np.asarray(analytic), np.asarray(difference(h * fraction), dtype=np.float64),
+                                 rtol, atol)
+        if smaller.ratio <= 1:
+            return smaller
+    return best
+
+
+def kinked_along(value_at: Callable[[float], float], h: float, rtol: float, atol: float) -> bool:
+    """Whether ``t -> value_at(t)`` has a kink within ``h / 16`` of ``t = 0``: its one-sided difference
+    quotients disagree beyond the tolerance at the steps ``h`` and ``h / 16`` both. A smooth
+    function's quotients differ by about the step times its second derivative, so they agree at
+    the smaller step; across a kink they differ by the jump of the slope at any step."""
+    at_zero = value_at(0.0)
+    for step in (h, h / 16):
+        right, left = (value_at(step) - at_zero) / step, (at_zero - value_at(-step)) / step
+        if worst_mismatch(np.asarray(right), np.asarray(left), rtol, atol).ratio <= 1:
+            return False
+    return True
 
 
 @dataclass
@@ -125,6 +156,8 @@ class Context:
     diff: list[int] = field(default_factory=list)  # indices of differentiable inputs
     grads: list[Expr] = field(default_factory=list)  # one VJP expression per differentiable input
     vjp_fn: Function | None = None
+    #: Comparisons that finite differences cannot decide at this example, and why.
+    skipped: list[str] = field(default_factory=list)
 
     @property
     def op(self) -> Operator:
@@ -175,10 +208,8 @@ class Context:
 
 def vjp_exprs(op: Operator, rule: GradientRule, call: Call, cotangent: Expr) -> list[Expr]:
     """The rule applied to ``call``, each entry fitted to its input exactly as autodiff does."""
-    raw = list(rule(call, cotangent))
+    raw = gradient_entries(call, rule(call, cotangent))
     specs = call.specs
-    if len(raw) != len(specs):
-        raise GradientError(f"gradient of {op.name!r} returned {len(raw)} entries for {len(specs)} inputs")
     fitted = []
     for index, spec in enumerate(specs):
         if not spec.differentiable:
@@ -417,17 +448,23 @@ def check_e_second_order(ctx: Context) -> tuple[bool, float]:
     for r in range(DIRECTIONS):
         directions = [rng.standard_normal(a.shape) for a in (*(ctx.arrays[k] for k in ctx.diff), c)]
 
-        def numeric_at(step: float, directions: list[np.ndarray] = directions) -> float:
-            plus, minus = list(ctx.arrays), list(ctx.arrays)
+        def value_at(t: float, directions: list[np.ndarray] = directions) -> float:
+            moved = list(ctx.arrays)
             for k, v in zip(ctx.diff, directions):
-                plus[k], minus[k] = ctx.arrays[k] + step * v, ctx.arrays[k] - step * v
-            s_plus = float(np.asarray(evaluate(value_fn, *plus, c + step * directions[-1], *w)))
-            s_minus = float(np.asarray(evaluate(value_fn, *minus, c - step * directions[-1], *w)))
-            return (s_plus - s_minus) / (2 * step)
+                moved[k] = ctx.arrays[k] + t * v
+            return float(np.asarray(evaluate(value_fn, *moved, c + t * directions[-1], *w)))
+
+        def numeric_at(step: float, value_at: Callable[[float], float] = value_at) -> float:
+            return (value_at(step) - value_at(-step)) / (2 * step)
 
         along = float(sum(np.sum(g * v) for g, v in zip(analytic, directions)))
         m = difference_mismatch(along, numeric_at, h, tol.fd_rtol, tol.fd_atol)
         if m.ratio > 1:
+            if kinked_along(value_at, h, tol.fd_rtol, tol.fd_atol):
+                # The gradient itself has a kink this close (softsign's second derivative jumps at
+                # 0): no step resolves the second derivative here, so this direction proves nothing.
+                ctx.skipped.append(f"e: a direction through a kink of the gradient within {h / 16:.1e} skipped")
+                continue
             raise ctx.fail("e", "second order: the gradient of <w, VJP(x, c)> disagrees with finite differences "
                            "along a random direction in (inputs, cotangent)", m, input=f"direction {r}", step=h,
                            rtol=tol.fd_rtol)
@@ -465,7 +502,17 @@ def check_g_backend(ctx: Context, backend: Backend | None) -> bool:
         arrays = [a.astype(dtype) if spec.kind == "float" else a for spec, a in zip(ctx.specs, ctx.arrays)]
         params = [var(spec.name, s, dtype if spec.kind == "float" else "int64")
                   for spec, s in zip(ctx.specs, case.shapes)]
-        fns = [("output", Function(params, op(*params, **case.attrs)))]
+        call = op(*params, **case.attrs)
+        # The reference backend casts each forward's result to the promised type, so a forward
+        # computing in another precision would pass unseen there, and differ from every backend.
+        try:
+            forward = np.asarray(op.reference_fn(*arrays, **case.attrs))
+        except Exception as exc:
+            raise ctx.fail("g", f"the forward in {dtype} raised {type(exc).__name__}: {exc}", dtype=dtype) from None
+        if forward.dtype != np.dtype(call.dtype):
+            raise ctx.fail("g", f"the forward returns {forward.dtype} for {dtype} inputs; its shape rule promises "
+                           f"{call.dtype} (cast the result, e.g. .astype(data.dtype))", input="output", dtype=dtype)
+        fns = [("output", Function(params, call))]
         if backend is not None and ctx.vjp_fn is not None and ctx.rule is not None and dtype == "float64":
             fns.append(("gradient", ctx.vjp_fn))
         supports = getattr(backend, "supports", None)

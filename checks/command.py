@@ -1,7 +1,8 @@
-"""``opgrad check [OP ...] [--examples N] [--seed S] [--backend B] [--jobs J] [--mutants]``.
+"""``opgrad check [OP ...] [--import MODULE] [--examples N] [--seed S] [--backend B] [--jobs J] [--mutants]``.
 
 Prints one table row per operator as it finishes, then the failure report of every failing
-operator, and exits 1 if any failed. With ``--mutants`` it checks the operators' planted wrong
+operator, and exits 1 if any failed. ``--import`` first imports a user's module, which registers
+the operators it declares. With ``--mutants`` it checks the operators' planted wrong
 gradients instead, prints which check killed each, and exits 1 if one survived. Imports stay
 inside ``run``: the CLI imports this module for every subcommand, and ``opgrad ops`` must not
 pay for hypothesis.
@@ -14,6 +15,7 @@ import importlib
 import os
 import sys
 import time
+import traceback
 from typing import Any
 
 from opgrad.argtypes import non_negative_int, positive_int
@@ -21,6 +23,7 @@ from opgrad.argtypes import non_negative_int, positive_int
 
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("ops", nargs="*", metavar="OP", help="operators to check (default: every registered op)")
+    add_import_option(parser)
     parser.add_argument("--examples", type=positive_int, default=100,
                         help="generated examples per operator (default 100)")
     parser.add_argument("--seed", type=non_negative_int, default=None,
@@ -33,6 +36,43 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--mutants", action="store_true",
                         help="check the planted wrong gradients of OP (default: of every op) and say which check "
                              "killed each")
+
+
+def add_import_option(parser: argparse.ArgumentParser) -> None:
+    """``--import MODULE`` (repeatable), shared with the compile fuzzer's command line."""
+    parser.add_argument("--import", dest="imports", action="append", default=[], metavar="MODULE",
+                        help="import MODULE first, registering the operators it declares (a module name as "
+                             "python -m takes it, e.g. mylib.ops; repeatable)")
+
+
+def import_user_modules(names: list[str]) -> None:
+    """Import the modules of ``--import``; importing one registers the operators it declares.
+
+    A name is looked up as ``python -m`` looks it up: on ``sys.path``, then in the current
+    directory, which the ``opgrad`` script (unlike ``python -m``) does not put on ``sys.path``.
+    A module that cannot be imported is a ``ConfigError`` naming it and why.
+    """
+    from opgrad.errors import ConfigError
+
+    for name in names:
+        if name.endswith(".py") or os.sep in name or "/" in name:
+            raise ConfigError(f"--import {name}: expected a module name as python -m takes it (mylib.ops), "
+                              f"not a file path")
+        try:
+            try:
+                importlib.import_module(name)
+            except ModuleNotFoundError as exc:
+                cwd = os.getcwd()
+                # Only when needed: a directory on sys.path can shadow packages (spawned workers inherit it).
+                if exc.name != name.split(".")[0] or "" in sys.path or cwd in sys.path:
+                    raise
+                sys.path.append(cwd)
+                importlib.import_module(name)
+        except Exception as exc:  # the user's module raising on import is the user's to fix: say where
+            where = traceback.extract_tb(exc.__traceback__)[-1] if exc.__traceback__ is not None else None
+            at = f" (at {where.filename}:{where.lineno})" if where is not None and \
+                not isinstance(exc, (ImportError, SyntaxError)) else ""
+            raise ConfigError(f"--import {name}: cannot import it: {type(exc).__name__}: {exc}{at}") from None
 
 
 def loaded_modules() -> list[str]:
@@ -72,6 +112,7 @@ def run(args: argparse.Namespace) -> int:
     from opgrad.checks.report import format_table
     from opgrad.errors import ConfigError, RegistryError
 
+    import_user_modules(args.imports)
     try:
         names = [registry.get(n).name for n in args.ops] if args.ops else registry.names()
         resolve_backend(args.backend)  # fail early, with the reason, if the backend is unavailable
@@ -107,7 +148,11 @@ def run(args: argparse.Namespace) -> int:
         print()
         print(r.failure)
     total = time.perf_counter() - start
-    print(f"\n{len(reports) - len(failed)}/{len(reports)} operators passed in {total:.1f}s"
+    skipped = [r for r in reports if r.passed and not r.checks]
+    for r in skipped:
+        print(f"\n{r.op}: skipped, nothing to check on this backend: {'; '.join(r.notes)}")
+    unchecked = f", {len(skipped)} skipped" if skipped else ""
+    print(f"\n{len(reports) - len(failed) - len(skipped)}/{len(reports)} operators passed{unchecked} in {total:.1f}s"
           f" (sum of per-op times {sum(r.seconds for r in reports):.1f}s)")
     return 1 if failed else 0
 

@@ -12,6 +12,10 @@ Run it in a child process when a native crash must not take the caller down (the
 does)::
 
     python -m opgrad.checks.fuzz --graphs 1000 --seed 0
+    python -m opgrad.checks.fuzz --import mylib.ops --ops my_op   # an op of a user's module
+
+``--ops`` names operators with a lowering; an unknown name, or an operator declared reference
+only, is a usage error (exit status 2), since it leaves nothing of that op to compile.
 """
 
 from __future__ import annotations
@@ -32,10 +36,11 @@ from hypothesis import strategies as st
 
 import opgrad
 from opgrad import ops
-from opgrad.errors import CompileWarning
+from opgrad.errors import CompileWarning, ConfigError, RegistryError
 from opgrad.ir import Expr, Function, var
 from opgrad.op import Case, Operator
 
+from .command import add_import_option, import_user_modules
 from .strategies import CaseDraw, make_inputs, op_cases
 
 #: Sizes that break code generators: 1, primes, vector widths and their neighbours, rows of
@@ -89,11 +94,32 @@ class FuzzGraph:
 
 
 def lowered_ops(names: Sequence[str] | None = None) -> list[Operator]:
-    """Every registered operator with a lowering (or the named ones)."""
+    """Every registered operator with a lowering, or the named ones.
+
+    Named operators are the user's choice, so none is dropped quietly: an unknown name is a
+    ``RegistryError`` naming every unknown one, and an operator without a lowering (nothing to
+    compile) a ``ConfigError`` naming those.
+    """
     from opgrad import registry
 
-    chosen = [registry.get(n) for n in names] if names else registry.all_ops()
-    return [op for op in chosen if op.lowering_fn is not None]
+    if not names:
+        return [op for op in registry.all_ops() if op.lowering_fn is not None]
+    chosen: list[Operator] = []
+    unknown: list[str] = []
+    for name in names:
+        try:
+            chosen.append(registry.get(name))
+        except RegistryError as exc:
+            unknown.append(str(exc))
+    if unknown:
+        raise RegistryError("; ".join(unknown))
+    unlowered = [op for op in chosen if op.lowering_fn is None]
+    if unlowered:
+        listed = ", ".join(f"{op.name} (reference only: {op.lowering_reason})" if op.lowering_reason
+                           else f"{op.name} (no lowering declared)" for op in unlowered)
+        raise ConfigError(f"no compiled kernel to fuzz for {listed}; the fuzzer compiles operators that "
+                          f"have a lowering")
+    return chosen
 
 
 def _post_ops(draw: Callable[[st.SearchStrategy[Any]], Any], y: Expr, notes: list[str]) -> Expr:
@@ -236,7 +262,10 @@ class FuzzResult:
 
 def run(graphs: int = 200, seed: int = 0, op_names: Sequence[str] | None = None,
         dtypes: Sequence[str] = ("float32", "float64"), log: Callable[[str], None] | None = None) -> FuzzResult:
-    """Compile and compare ``graphs`` random graphs; a failure is shrunk and described."""
+    """Compile and compare ``graphs`` random graphs; a failure is shrunk and described.
+
+    ``op_names`` that are unknown or have no lowering raise, as :func:`lowered_ops` says.
+    """
     operators = lowered_ops(op_names)
     count = 0
     covered: set[str] = set()
@@ -269,10 +298,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m opgrad.checks.fuzz", description=__doc__.splitlines()[0])
     parser.add_argument("--graphs", type=_positive, default=200, help="random graphs to compile (default 200)")
     parser.add_argument("--seed", type=int, default=0, help="hypothesis seed (default 0)")
-    parser.add_argument("--ops", nargs="*", default=None, help="only these operators")
+    parser.add_argument("--ops", nargs="*", default=None, help="only these operators (each needs a lowering)")
+    add_import_option(parser)
     parser.add_argument("--quiet", action="store_true", help="print only the summary")
     args = parser.parse_args(argv)
+    from opgrad.cli import one_line
     from opgrad.compiler.jit import host_target
+
+    try:
+        import_user_modules(args.imports)
+    except ConfigError as exc:
+        print(f"{parser.prog}: error: {one_line(exc)}", file=sys.stderr)
+        return 2
+    try:
+        lowered_ops(args.ops)  # refuses unknown names and ops with nothing to compile, before any run
+    except (ConfigError, RegistryError) as exc:
+        print(f"{parser.prog}: error: --ops: {one_line(exc)}", file=sys.stderr)
+        return 2
 
     log = None if args.quiet else (lambda line: print(line, flush=True))
     result = run(args.graphs, args.seed, args.ops, log=log)

@@ -45,8 +45,8 @@ class Failure:
     dtype: str = "float64"
     arrays: list[np.ndarray] | None = field(default=None, repr=False)  # the inputs, to reproduce by hand
     names: list[str] | None = None  # the name of each of ``arrays`` (default: the keys of ``shapes``)
-    # How to rerun exactly this check; the CLI form only reproduces runs of the registered rule
-    # with every check, so check_op sets the Python call when a candidate gradient or a subset ran.
+    # How to rerun exactly this check; check_op sets the CLI form where a fresh process can rerun
+    # it, and the Python call where only the caller's process can (a candidate rule, a subset).
     rerun: str | None = None
     # Other distinct failures of the same run, one line each (each was shrunk on its own).
     others: list[str] = field(default_factory=list)
@@ -140,12 +140,20 @@ class OpReport:
         return "\n".join(parts)
 
 
+def _verdict(report: OpReport) -> str:
+    """A report's result cell: ``ok``, ``skipped`` where no check could run (an op without a kernel
+    checked on a compiling backend), or the failing check."""
+    if not report.passed:
+        return f"FAILED ({report.failure.check if report.failure else '?'})"
+    return "ok" if report.checks else "skipped"
+
+
 def format_table(reports: Sequence[OpReport]) -> str:
     """The ``opgrad check`` table: op, examples, checks, worst relative error, time."""
     rows = [("op", "examples", "checks", "worst rel err", "time", "result")]
     for r in reports:
         rows.append((r.op, str(r.examples), "".join(r.checks) or "-", f"{r.worst_rel_error:.1e}",
-                     f"{r.seconds:.2f}s", "ok" if r.passed else f"FAILED ({r.failure.check if r.failure else '?'})"))
+                     f"{r.seconds:.2f}s", _verdict(r)))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths)))
              for row in rows]

@@ -14,7 +14,7 @@ from hypothesis.errors import FailedHealthCheck, Flaky, Unsatisfiable
 
 from opgrad.op import GradientRule, Operator
 
-from .backends import BACKENDS, Backend, resolve_backend
+from .backends import BACKENDS, Backend, LLVMBackend, resolve_backend
 from .checks import (
     CheckFailure,
     Context,
@@ -125,8 +125,9 @@ def applicable_checks(op: Operator, rule: GradientRule | None) -> tuple[list[str
 
 
 def run_example(example: Example, rule: GradientRule | None, letters: Sequence[str], *, seed: int | None,
-                backend: Backend | None) -> tuple[dict[str, float], set[str]]:
-    """Run the chosen checks on one example; returns worst FD relative errors and the checks that ran."""
+                backend: Backend | None) -> tuple[dict[str, float], set[str], list[str]]:
+    """Run the chosen checks on one example; returns worst FD relative errors, the checks that ran
+    and the comparisons finite differences could not decide (:attr:`Context.skipped`)."""
     ctx = Context(example=example, rule=rule, tol=tolerance(example.dtype), seed=seed)
     errors: dict[str, float] = {}
     ran: set[str] = set()
@@ -154,7 +155,7 @@ def run_example(example: Example, rule: GradientRule | None, letters: Sequence[s
         ran.add("f")
     if "g" in letters and check_g_backend(ctx, backend):
         ran.add("g")
-    return errors, ran
+    return errors, ran, ctx.skipped
 
 
 def check_op(name: str | Operator, *, gradient: GradientRule | None = None, max_examples: int = 100,
@@ -189,6 +190,7 @@ def check_op(name: str | Operator, *, gradient: GradientRule | None = None, max_
     run_seed = default_seed() if seed is None else seed
     report = OpReport(op=op.name, passed=True, seed=run_seed, notes=notes)
     seen: set[str] = set()
+    undecided: list[str] = []  # comparisons finite differences could not decide
     first_failure: list[CheckFailure] = []  # the failure found first, before any shrinking
     start = time.perf_counter()
 
@@ -197,7 +199,7 @@ def check_op(name: str | Operator, *, gradient: GradientRule | None = None, max_
             # A wrong rule overflowing (exp of a large logit) is a finding reported as a mismatch,
             # not a warning.
             with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
-                errors, ran = run_example(example, rule, letters, seed=run_seed, backend=backend)
+                errors, ran, skipped = run_example(example, rule, letters, seed=run_seed, backend=backend)
         except CheckFailure as exc:
             if not first_failure:
                 first_failure.append(exc)
@@ -205,6 +207,7 @@ def check_op(name: str | Operator, *, gradient: GradientRule | None = None, max_
         if not first_failure:
             report.examples += 1
             seen.update(ran)
+            undecided.extend(skipped)
             report.worst_rel_error = max(report.worst_rel_error, *errors.values(), 0.0)
 
     phases = [Phase.explicit, Phase.generate] + ([Phase.shrink] if shrink else [])
@@ -237,8 +240,16 @@ def check_op(name: str | Operator, *, gradient: GradientRule | None = None, max_
         report.failure = error_failure(exc, op.name, run_seed)
     if report.failure is not None:
         report.failure.rerun = rerun_text(op.name, run_seed, custom_rule=gradient is not None, checks=checks,
-                                          backend=backend, max_examples=max_examples, shrink=shrink)
+                                          backend=backend, max_examples=max_examples, shrink=shrink,
+                                          user_module=op.module if op.user_defined else None)
     report.checks = [c for c in ALL_CHECKS if c in seen or (report.failure and report.failure.check == c)]
+    if undecided:
+        report.notes.append(f"{len(undecided)} second-order comparison(s) skipped: the direction crossed a kink of "
+                            "the gradient within a few steps, where no step resolves a second derivative")
+    if "g" in letters and "g" not in report.checks and report.failure is None:
+        why = f" ({op.lowering_reason})" if op.lowering_reason else ""
+        report.notes.append(f"g skipped: backend {backend_name(backend) or 'given'} runs no graph of {op.name}: "
+                            f"it has no compiled kernel{why}")
     report.seconds = time.perf_counter() - start
     return report
 
@@ -301,23 +312,47 @@ def summary_line(exc: BaseException) -> str:
     return f"error: {type(exc).__name__}: {exc}"
 
 
-def rerun_text(op: str, seed: int, *, custom_rule: bool, checks: str, backend: Backend | None,
-               max_examples: int, shrink: bool) -> str | None:
-    """The command that reruns a failed ``check_op`` call, or None when the CLI form does.
+#: Names a module run as a script has; such a module cannot be imported by name in another process.
+SCRIPT_MODULES = ("__main__", "__mp_main__")
 
-    The hypothesis search depends on the number of examples too, so a non-default count is quoted.
+
+def backend_name(backend: Backend | None) -> str | None:
+    """The name that selects ``backend`` (``"reference"``, ``"llvm"``), or None for a user's callable."""
+    if backend is None:
+        return "reference"
+    if type(backend) is LLVMBackend:
+        return LLVMBackend.name
+    return None
+
+
+def rerun_text(op: str, seed: int, *, custom_rule: bool, checks: str, backend: Backend | None,
+               max_examples: int, shrink: bool, user_module: str | None = None) -> str:
+    """The command that reruns a failed ``check_op`` call: the CLI form when it can, else the Python call.
+
+    ``user_module`` is the module that declares ``op`` when a user's module does (None for an op of
+    opgrad's registry): the CLI imports it with ``--import``, since a fresh process knows only the
+    registry's operators. A module run as a script, a candidate rule or a backend callable exists
+    only in the caller's process, so those runs quote the ``check_op(...)`` call made there, with
+    a placeholder for what only the caller has. The hypothesis search depends on the number of
+    examples too, so a non-default count is quoted.
     """
-    if not custom_rule and checks == ALL_CHECKS and shrink:
-        flags = f" --examples {max_examples}" if max_examples != 100 else ""
-        flags += " --backend <yours>" if backend is not None else ""
-        return f"opgrad check {op} --seed {seed}{flags}"
+    named_backend = backend_name(backend)
+    importable = user_module is None or user_module not in SCRIPT_MODULES
+    if not custom_rule and checks == ALL_CHECKS and shrink and named_backend is not None and importable:
+        flags = f" --import {user_module}" if user_module is not None else ""
+        flags += f" --seed {seed}"
+        flags += f" --examples {max_examples}" if max_examples != 100 else ""
+        flags += f" --backend {named_backend}" if named_backend != "reference" else ""
+        return f"opgrad check {op}{flags}"
     args = [repr(op)]
     if custom_rule:
         args.append("gradient=<your rule>")
     if checks != ALL_CHECKS:
         args.append(f"checks={checks!r}")
-    if backend is not None:
+    if named_backend is None:
         args.append("backend=<your backend>")
+    elif named_backend != "reference":
+        args.append(f"backend={named_backend!r}")
     if max_examples != 100:
         args.append(f"max_examples={max_examples}")
     if not shrink:

@@ -161,9 +161,11 @@ def draw_pool_case(d: CaseDraw, layout: str, avg: bool = False) -> Case:
     inputs: "data", "pooled,data" or "data,data"."""
     n, c = d.int(1, 2), d.int(1, 3)
     pool = (d.int(1, 3), d.int(1, 3))
-    strides = None if d.bool() else (d.int(1, 3), d.int(1, 3))
+    # Explicit strides two times in three, and room for several windows: a gradient that takes the
+    # strides for the pool size differs only where windows are spaced otherwise.
+    strides = None if d.int(0, 2) == 0 else (d.int(1, 3), d.int(1, 3))
     padding = (d.int(0, pool[0] - 1), d.int(0, pool[1] - 1))
-    hw = tuple(max(1, pool[i] - 2 * padding[i]) + d.int(0, 4) for i in range(2))
+    hw = tuple(max(1, pool[i] - 2 * padding[i]) + d.int(0, 5) for i in range(2))
     attrs: dict[str, Any] = {"pool_size": pool, "strides": strides, "padding": padding, "ceil_mode": d.bool()}
     if avg:
         attrs["count_include_pad"] = d.bool()

@@ -235,3 +235,16 @@ def test_repro_line_quotes_the_call_that_reproduces_the_run() -> None:
         "opgrad check dense --seed 3 --examples 20")
     assert rerun_text("dense", 3, custom_rule=True, checks="abc", max_examples=100, **common) == (
         "opgrad.checks.check_op('dense', gradient=<your rule>, checks='abc', seed=3)")
+
+
+def test_a_backend_without_the_ops_kernel_says_what_it_skipped(capsys: pytest.CaptureFixture[str]) -> None:
+    """nms has neither a gradient nor a compiled kernel: on llvm no check applies, and the report,
+    the table and the summary say so instead of calling it checked."""
+    report = check_op("nms", backend="llvm", max_examples=3, seed=0)
+    assert report.passed and report.checks == []
+    assert any(note.startswith("g skipped: backend llvm runs no graph of nms") for note in report.notes)
+    assert cli.main(["check", "nms", "relu", "--backend", "llvm", "--examples", "3", "--seed", "0"]) == 0
+    out = capsys.readouterr().out
+    assert "skipped" in next(line for line in out.splitlines() if line.startswith("nms "))
+    assert "1/2 operators passed, 1 skipped" in out
+
