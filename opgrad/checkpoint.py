@@ -214,12 +214,13 @@ def load_checkpoint(path: str | os.PathLike[str], expected: ExpectedSpec | None 
     except json.JSONDecodeError as exc:  # unreachable unless the hash was forged along with it
         raise CheckpointError(f"{source}: metadata is not valid JSON: {exc}") from None
     if expected is not None:
-        _check_expected(source, contents, expected)
+        check_arrays(source, contents, expected)
     return Checkpoint(arrays=contents, meta=meta)
 
 
-def _check_expected(source: Path, arrays: Mapping[str, np.ndarray], expected: ExpectedSpec) -> None:
-    """Collect every name/shape/dtype mismatch and raise them together."""
+def check_arrays(source: str | os.PathLike[str], arrays: Mapping[str, np.ndarray], expected: ExpectedSpec) -> None:
+    """A ``CheckpointError`` naming ``source`` with every array name, shape and dtype of
+    ``arrays`` that differs from ``expected`` (name -> (shape, dtype)), raised together."""
     problems: list[str] = []
     missing = [name for name in expected if name not in arrays]
     extra = sorted(name for name in arrays if name not in expected)

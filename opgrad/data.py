@@ -274,7 +274,7 @@ def load_mnist_dir(directory: str | os.PathLike[str]) -> Dataset:
 
     Accepts ``train-images-idx3-ubyte``, ``train-labels-idx1-ubyte``, ``t10k-images-idx3-ubyte``
     and ``t10k-labels-idx1-ubyte``, each plain or ``.gz``, and the dotted spelling
-    ``train-images.idx3-ubyte``. Checks that each split has as many labels as images.
+    ``train-images.idx3-ubyte``. Checks that each split has as many labels as images, and some.
     """
     d = Path(directory)
     if not d.exists():
@@ -291,6 +291,8 @@ def load_mnist_dir(directory: str | os.PathLike[str]) -> Dataset:
             raise DataError(
                 f"{image_path}: has {len(images)} images but {label_path.name} has {len(labels)} labels"
             )
+        if len(images) == 0:  # a test split of none would report a NaN loss and 0 % of 0 digits
+            raise DataError(f"{image_path}: holds no images; the {split} split needs at least one")
         splits[split] = (_to_float_images(images), labels.astype(np.int64))
     return Dataset(
         train_images=splits["train"][0],

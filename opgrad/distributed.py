@@ -301,12 +301,15 @@ def share_cores(comm: Communicator) -> None:
     os.environ[NUM_THREADS_VAR] = str(max(1, cores // max(1, local)))
 
 
-def check_same_everywhere(comm: Communicator, arrays: Mapping[str, np.ndarray], what: str) -> None:
+def check_same_everywhere(comm: Communicator, arrays: Mapping[str, np.ndarray], what: str,
+                          remedy: str = "every rank must start from the same --seed and the same checkpoint") -> None:
     """Raise on every rank unless ``arrays`` are bitwise the same on every rank. Collective.
 
     Ranks that start from different weights (another ``--seed``, another checkpoint) would
-    silently train different models that share gradients; one 64-bit digest per rank, compared
-    with a min and a max all-reduce, catches it before the first step.
+    silently train different models that share gradients, and ranks with other data would run
+    other numbers of steps until their all-reduces no longer match; one 64-bit digest per rank,
+    compared with a min and a max all-reduce, catches either before the first step. ``remedy``
+    ends the message.
     """
     digest = hashlib.sha256()
     for name in sorted(arrays):
@@ -319,8 +322,7 @@ def check_same_everywhere(comm: Communicator, arrays: Mapping[str, np.ndarray], 
     comm.comm.Allreduce(comm.mpi.IN_PLACE, high, op=comm.mpi.MAX)
     if low[0] != high[0]:
         raise _collective(RankFailedError(
-            f"{what} differ between the ranks (rank {comm.rank} of {comm.size}); every rank must start from the "
-            "same --seed and the same checkpoint"))
+            f"{what} differ between the ranks (rank {comm.rank} of {comm.size}); {remedy}"))
 
 
 def _collective(exc: BaseException) -> BaseException:

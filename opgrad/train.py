@@ -227,7 +227,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _train(args: argparse.Namespace, comm: Communicator | None) -> int:
-    from opgrad.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+    from opgrad.checkpoint import CheckpointError, check_arrays, load_checkpoint, save_checkpoint
     from opgrad.nn import Trainer, make_optimizer
     from opgrad.nn.schedules import LRSchedule, Schedule, StepLR, WarmupLR
 
@@ -238,9 +238,12 @@ def _train(args: argparse.Namespace, comm: Communicator | None) -> int:
     if args.epochs is None:
         args.epochs = MODEL_EPOCHS.get(args.model or model.name, DEFAULT_EPOCHS)
     if comm is not None:
-        from opgrad.distributed import agree
+        from opgrad.distributed import agree, check_same_everywhere
 
         data = agree(comm, "loading the data", lambda: _load_data(args.data))
+        check_same_everywhere(comm, {"train images": data.train_images, "train labels": data.train_labels,
+                                     "test images": data.test_images, "test labels": data.test_labels},
+                              f"the data ({data.source})", "every rank must read the same --data")
     else:
         data = _load_data(args.data)
     backend = resolve_backend(args.backend)
@@ -275,19 +278,19 @@ def _train(args: argparse.Namespace, comm: Communicator | None) -> int:
     trainer = parallel if parallel is not None else Trainer(model, optimizer, **options)
 
     def resume() -> None:
-        arrays, meta = load_checkpoint(args.resume, expected=trainer.expected_arrays())
+        arrays, meta = load_checkpoint(args.resume)
         try:
-            trainer.restore(arrays, meta)
+            trainer.check_resumable(meta)  # another model or optimizer: said before its arrays differ
         except CheckpointError as exc:
             raise CheckpointError(f"{args.resume}: {exc}") from None
+        check_arrays(args.resume, arrays, trainer.expected_arrays())
+        trainer.restore(arrays, meta)
 
     if args.resume and comm is not None:
         agree(comm, f"loading the checkpoint {args.resume}", resume)
     elif args.resume:
         resume()
     if comm is not None:
-        from opgrad.distributed import check_same_everywhere
-
         check_same_everywhere(comm, {**trainer.params, **trainer.state}, "the parameters and optimizer state")
     test_images, test_labels = data.test_images, data.test_labels
     if args.test_limit is not None:

@@ -9,20 +9,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from mnist_files import idx_images, idx_labels
 
 from opgrad import data
 from opgrad.data import DataError, iterate_batches, load_idx, load_mnist_dir
-
-
-def idx_images(images: np.ndarray) -> bytes:
-    """Encode uint8 images (n, rows, cols) as an IDX3 file."""
-    n, rows, cols = images.shape
-    return struct.pack(">IIII", 0x00000803, n, rows, cols) + images.astype(np.uint8).tobytes()
-
-
-def idx_labels(labels: np.ndarray) -> bytes:
-    """Encode uint8 labels (n,) as an IDX1 file."""
-    return struct.pack(">II", 0x00000801, len(labels)) + labels.astype(np.uint8).tobytes()
 
 
 def make_split(rng: np.random.Generator, n: int) -> tuple[np.ndarray, np.ndarray]:
@@ -202,6 +192,18 @@ def test_count_mismatch(tmp_path: Path) -> None:
         match=r"train-images-idx3-ubyte: has 12 images but "
         r"train-labels-idx1-ubyte has 11 labels",
     ):
+        load_mnist_dir(tmp_path)
+
+
+@pytest.mark.parametrize("split", ["train", "t10k"])
+def test_an_empty_split_is_refused(tmp_path: Path, split: str) -> None:
+    """A test split of no images would report a NaN loss and 0 % of 0 digits; an empty training
+    split has nothing to learn from."""
+    write_mnist_dir(tmp_path, gz=False)
+    (tmp_path / f"{split}-images-idx3-ubyte").write_bytes(idx_images(np.zeros((0, 28, 28), np.uint8)))
+    (tmp_path / f"{split}-labels-idx1-ubyte").write_bytes(idx_labels(np.zeros(0, np.uint8)))
+    with pytest.raises(DataError, match=rf"{split}-images-idx3-ubyte: holds no images; the "
+                                        rf"{'train' if split == 'train' else 'test'} split needs at least one"):
         load_mnist_dir(tmp_path)
 
 

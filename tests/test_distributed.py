@@ -16,12 +16,14 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from mnist_files import idx_images, idx_labels
 from optional import require
 from trainers import assert_split_trains_as_plain
 
 require("mpi4py", "distributed training runs on MPI through mpi4py (the `distributed` extra)")
 
 from opgrad.checkpoint import load_checkpoint  # noqa: E402
+from opgrad.data import load_embedded_mnist  # noqa: E402
 from opgrad.distributed import DistributedTrainer, FusedBuffer, shard_bounds  # noqa: E402
 from opgrad.nn import SGD, Trainer  # noqa: E402
 
@@ -292,6 +294,19 @@ def test_cli_a_rank_with_bad_data_or_other_weights_stops_every_rank(tmp_path: Pa
     assert done.returncode != 0
     assert "the parameters and optimizer state differ between the ranks" in done.stderr
     assert "every rank must start from the same --seed" in done.stderr
+    # Other data on one rank (here of another size) would run other numbers of steps until the
+    # all-reduces no longer match: refused before the first step, on both ranks.
+    other = tmp_path / "other"
+    other.mkdir()
+    mnist = load_embedded_mnist()
+    (other / "train-images-idx3-ubyte").write_bytes(idx_images((mnist.train_images[:300, 0] * 255).round()))
+    (other / "train-labels-idx1-ubyte").write_bytes(idx_labels(mnist.train_labels[:300]))
+    (other / "t10k-images-idx3-ubyte").write_bytes(idx_images((mnist.test_images[:50, 0] * 255).round()))
+    (other / "t10k-labels-idx1-ubyte").write_bytes(idx_labels(mnist.test_labels[:50]))
+    done = run_mpi(["-n", "1", opgrad_cli(), *common, ":", "-n", "1", opgrad_cli(), *common, "--data", str(other)],
+                   tmp_path, timeout=60)
+    assert done.returncode != 0
+    assert done.stderr.count("differ between the ranks") == 2 and "every rank must read the same --data" in done.stderr
 
 
 # ----- checkpoints: rank 0 writes, a different number of ranks resumes -----
@@ -345,3 +360,4 @@ def test_a_global_batch_smaller_than_the_world_is_refused() -> None:
     ns = tiny_namespace()
     with pytest.raises(ValueError, match="global batch size 3 is smaller than the number of ranks \\(4\\)"):
         DistributedTrainer(ns["tiny_model"](), SGD(), comm=FakeWorld(), batch_size=3)  # type: ignore[arg-type]
+

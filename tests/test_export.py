@@ -252,10 +252,15 @@ def test_c_stop_on_nan_keeps_the_parameters_before_that_step(lib: ctypes.CDLL, h
     stopped = Model(lib, tmp)
     rc, losses = stopped.steps(nan, y, lrs, flags=1)
     assert rc == ERR_NAN and "the loss is NaN or infinite at step 1" in stopped.error
+    assert "the parameters are those after step 0 of this call" in stopped.error
     assert np.isfinite(losses[0]) and np.isnan(losses[1]) and losses[2] == -1.0
     assert lib.opgrad_model_step(stopped.handle) == 1
     for name in ("conv1.weight", "dense1.bias", "conv3.weight/m", "adam/beta1_power"):
         np.testing.assert_array_equal(stopped.array(name), one.array(name), err_msg=name)
+    first = Model(lib, tmp)
+    rc, _ = first.steps(nan[BATCH:], y[BATCH:], lrs[1:], flags=1)  # the NaN batch comes first
+    assert rc == ERR_NAN and "at step 0; stopped there" in first.error and "unchanged by this call" in first.error
+    assert lib.opgrad_model_step(first.handle) == 0
     flowing = Model(lib, tmp)
     rc, losses = flowing.steps(nan, y, lrs)  # without the flag NaN flows on, as in Python
     assert rc == OK and np.isnan(losses[1:]).all()
@@ -423,6 +428,13 @@ def test_export_argument_errors(tmp_path: Path, capsys: pytest.CaptureFixture[st
     err = capsys.readouterr().err
     assert err.startswith("opgrad export: error: threads (--threads)") and err.count("\n") == 1
     assert "Traceback" not in err
+    assert cli.main(["export", str(tmp_path / "out"), "--seed", "-1"]) == 2
+    err = capsys.readouterr().err
+    assert err == "opgrad export: error: seed (--seed) must be an int >= 0, got -1\n"
+    assert cli.main(["export", str(tmp_path / "out"), "--cpu", "skylake-avx51", "--object-only"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("opgrad export: error: cpu 'skylake-avx51': LLVM does not know this processor")
+    assert err.count("\n") == 1
     assert not (tmp_path / "out").exists()
 
 

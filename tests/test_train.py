@@ -110,6 +110,21 @@ def test_restore_rejects_other_model_or_optimizer(mnist: Dataset) -> None:
         _trainer("keras-mnist").restore(arrays, meta)
 
 
+def test_cli_resume_with_another_optimizer_or_model_says_so(tmp_path: Path,
+                                                             capsys: pytest.CaptureFixture[str]) -> None:
+    """A checkpoint of momentum SGD resumed under the default Adam, or as another model, names the
+    optimizer or model first: their arrays differ by the dozen, which says less."""
+    ckpt = tmp_path / "momentum.npz"
+    assert cli.main([*SMOKE, "--optimizer", "momentum", "--save", str(ckpt)]) == 0
+    capsys.readouterr()
+    assert cli.main([*SMOKE, "--resume", str(ckpt), "--epochs", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "checkpoint was trained with 'sgd(momentum=0.9)'; resume it with the same optimizer" in err
+    assert "missing arrays" not in err and err.count("\n") == 1
+    assert cli.main([*SMOKE, "--model", "mlp", "--optimizer", "momentum", "--resume", str(ckpt), "--epochs", "2"]) == 2
+    assert "checkpoint is of model 'seed-cnn', not 'mlp'" in capsys.readouterr().err
+
+
 def test_lr_schedule() -> None:
     schedule = nn.cosine_lr(1e-3, total_steps=100)
     assert schedule(0) == pytest.approx(1e-3)

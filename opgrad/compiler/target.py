@@ -202,12 +202,46 @@ NAMED_TARGETS: dict[str, tuple[str, str, str]] = {
 }
 
 
+#: Creates a target machine for (triple, cpu) in a child process: LLVM says on its standard
+#: error when it does not know the CPU (and ignores it), and with no features to go on it may
+#: abort the process that compiles for it.
+_CPU_PROBE = """
+import sys
+import llvmlite.binding as llvm
+llvm.initialize_all_targets()
+llvm.Target.from_triple(sys.argv[1]).create_target_machine(cpu=sys.argv[2], features="")
+"""
+
+
+def check_cpu(triple: str, cpu: str) -> None:
+    """A ``ValueError`` where LLVM does not know ``cpu`` for ``triple`` (a misspelt ``--cpu``)."""
+    import subprocess
+    import sys
+
+    try:
+        probe = subprocess.run([sys.executable, "-c", _CPU_PROBE, triple, cpu], capture_output=True, text=True,
+                               timeout=120)
+    except (OSError, subprocess.TimeoutExpired):
+        return  # no verdict: the compile itself still runs with the name
+    if "not a recognized processor" in probe.stderr:
+        raise ValueError(f"cpu {cpu!r}: LLVM does not know this processor for {triple} (it would ignore the name); "
+                         f"use an LLVM CPU name such as {host_target().cpu!r} (this host's) or 'generic'")
+
+
 def resolve_target(name: str = "host", cpu: str | None = None, features: str | None = None) -> Target:
     """The target called ``name`` (``host``, a key of :data:`NAMED_TARGETS`, or an LLVM triple).
 
     ``cpu``/``features`` override the named target's; a bare triple needs no override (it gets
-    the ``generic`` CPU) but is checked against LLVM's list of targets.
+    the ``generic`` CPU) but is checked against LLVM's list of targets. A ``cpu`` given is
+    checked against LLVM's processors for the triple (:func:`check_cpu`).
     """
+    target = _resolved_target(name, cpu, features)
+    if cpu is not None:
+        check_cpu(target.triple, cpu)
+    return target
+
+
+def _resolved_target(name: str, cpu: str | None, features: str | None) -> Target:
     if name == "host":
         host = host_target()
         if cpu is None and features is None:

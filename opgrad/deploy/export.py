@@ -196,6 +196,8 @@ def export(directory: str | os.PathLike[str], *, model: str | Model = "seed-cnn"
         raise ExportError(f"eval_batch_size (--eval-batch-size) must be an int >= 1, got {eval_batch_size!r}")
     if isinstance(threads, bool) or not isinstance(threads, int) or not 0 <= threads <= 256:
         raise ExportError(f"threads (--threads) must be an int in [0, 256] (0: one per CPU), got {threads!r}")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
+        raise ExportError(f"seed (--seed) must be an int >= 0, got {seed!r}")
     try:
         net = build_model(model) if isinstance(model, str) else model
         opt = make_optimizer(optimizer) if isinstance(optimizer, str) else optimizer

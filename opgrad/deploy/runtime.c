@@ -354,10 +354,15 @@ static int og_train_run(opgrad_model *m, const char *who, int64_t steps, const v
                        (long long)status[1], (long long)status[2], (long long)c->low, (long long)c->high, c->input,
                        c->op, (long long)status[1], (long long)status[0]);
     }
+    if (rc == 2 && status[1] == 0)
+        return og_fail(m, OPGRAD_ERR_NAN,
+                       "%s: the loss is NaN or infinite at step 0; stopped there (OPGRAD_STOP_ON_NAN): the parameters "
+                       "are unchanged by this call",
+                       who);
     if (rc == 2)
         return og_fail(m, OPGRAD_ERR_NAN,
-                       "%s: the loss is NaN or infinite at step %lld; stopped there (OPGRAD_STOP_ON_NAN): the parameters are "
-                       "those after step %lld",
+                       "%s: the loss is NaN or infinite at step %lld; stopped there (OPGRAD_STOP_ON_NAN): the "
+                       "parameters are those after step %lld of this call",
                        who, (long long)status[1], (long long)status[1] - 1);
     if (rc != 0) return og_fail(m, OPGRAD_ERR_ARGUMENT, "%s: the compiled loop returned %d", who, (int)rc);
     m->error[0] = '\0';

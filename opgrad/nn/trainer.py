@@ -462,11 +462,10 @@ class Trainer:
         }
         return {**self.params, **self.state}, meta
 
-    def restore(self, arrays: Mapping[str, np.ndarray], meta: Mapping[str, Any]) -> None:
-        """Load what :meth:`checkpoint` produced (shapes already checked by ``load_checkpoint``).
-
-        A checkpoint of another model or optimizer is a ``CheckpointError`` (a ``ValueError``).
-        """
+    def check_resumable(self, meta: Mapping[str, Any]) -> None:
+        """A ``CheckpointError`` (a ``ValueError``) where a checkpoint with metadata ``meta`` is
+        of another model or was trained with another optimizer: said before its arrays are
+        compared, whose names then differ by the dozen."""
         if meta.get("model") != self.model.name:
             raise CheckpointError(f"checkpoint is of model {meta.get('model')!r}, not {self.model.name!r}")
         if meta.get("optimizer") != self.optimizer.describe():
@@ -474,6 +473,13 @@ class Trainer:
                 f"checkpoint was trained with {meta.get('optimizer')!r}; resume it with the same optimizer "
                 f"(this run uses {self.optimizer.describe()!r})"
             )
+
+    def restore(self, arrays: Mapping[str, np.ndarray], meta: Mapping[str, Any]) -> None:
+        """Load what :meth:`checkpoint` produced (shapes already checked by ``load_checkpoint``).
+
+        A checkpoint of another model or optimizer is a ``CheckpointError`` (a ``ValueError``).
+        """
+        self.check_resumable(meta)
         # np.array, not np.ascontiguousarray: the latter turns Adam's 0-d scalars into shape (1,).
         self.params = {name: np.array(arrays[name], order="C") for name in self.params}
         self.state = {name: np.array(arrays[name], order="C") for name in self.state}
