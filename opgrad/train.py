@@ -75,7 +75,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
                              "by --lr-gamma every --lr-step-size steps")
     parser.add_argument("--lr-step-size", type=positive_int, default=None, metavar="STEPS",
                         help="with --lr-schedule step: steps between decays (default: one epoch)")
-    parser.add_argument("--lr-gamma", type=fraction, default=0.1, help="with --lr-schedule step: factor (0.1)")
+    parser.add_argument("--lr-gamma", type=fraction, default=None, help="with --lr-schedule step: factor (0.1)")
     parser.add_argument("--warmup-steps", type=non_negative_int, default=0, metavar="STEPS",
                         help="ramp the learning rate linearly from 0 over this many steps first (default 0)")
     parser.add_argument("--optimizer", choices=tuple(DEFAULT_LR), default=DEFAULT_OPTIMIZER,
@@ -177,6 +177,11 @@ def _preflight(args: argparse.Namespace) -> None:
     """Checks that need no data or model, so that a typo fails in a second, not after an epoch."""
     check_output(args.save, "--save")
     check_output(args.plot, "--plot")
+    given = [option for option, value in (("--lr-step-size", args.lr_step_size), ("--lr-gamma", args.lr_gamma))
+             if value is not None]
+    if given and args.lr_schedule != "step":
+        raise ConfigError(f"{' and '.join(given)}: only the step schedule decays by steps; this run's schedule "
+                          f"is {args.lr_schedule}: add --lr-schedule step, or leave {' and '.join(given)} out")
     if args.plot:
         for option, other in (("--save", args.save), ("--resume", args.resume)):
             if other and os.path.abspath(other) == os.path.abspath(args.plot):
@@ -257,8 +262,9 @@ def _train(args: argparse.Namespace, comm: Communicator | None) -> int:
     if args.max_steps is not None:
         steps_per_epoch = min(steps_per_epoch, args.max_steps)
     decay_steps = max(1, steps_per_epoch * args.epochs - args.warmup_steps)
+    gamma = 0.1 if args.lr_gamma is None else args.lr_gamma
     schedule: Schedule = (LRSchedule(lr, decay_steps) if args.lr_schedule == "cosine" else
-                          StepLR(lr, args.lr_step_size or steps_per_epoch, args.lr_gamma)
+                          StepLR(lr, args.lr_step_size or steps_per_epoch, gamma)
                           if args.lr_schedule == "step" else LRSchedule(lr))
     if args.warmup_steps:
         schedule = WarmupLR(schedule, args.warmup_steps)

@@ -203,6 +203,10 @@ def test_cli_optimizer_schedule_and_clipping_options(capsys: pytest.CaptureFixtu
     assert "linear warm-up over 1 steps, then 0.001 times 0.5 every 2 steps" in out
     assert cli.main([*SMOKE, "--optimizer", "rmsprop", "--lr-gamma", "1.5"]) == 2
     assert "--lr-gamma: expected a number in (0, 1]" in capsys.readouterr().err
+    # Without the step schedule the decay options would be ignored without a word.
+    assert cli.main([*SMOKE, "--lr-step-size", "3", "--lr-gamma", "0.5"]) == 2
+    err = capsys.readouterr().err
+    assert "--lr-step-size and --lr-gamma: only the step schedule decays by steps; this run's schedule is cosine" in err
 
 
 def test_train_lists_every_built_in_model() -> None:
