@@ -9,6 +9,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 from numpy.lib.stride_tricks import sliding_window_view
 
+import opgrad
+from opgrad import ops
 from opgrad.compiler import conv2d_geometry
 from opgrad.compiler.convpass import ConvPass, emit_conv2d_pass
 from opgrad.compiler.irtext import FunctionEmitter, ModuleEmitter
@@ -710,3 +712,27 @@ def test_conv_algorithm_variable_is_validated() -> None:
     assert conv_algorithm_setting({CONV_ALGORITHM_VAR: "winograd"}) == "winograd"
     with pytest.raises(ConfigError, match=f"{CONV_ALGORITHM_VAR}='fft': expected one of auto, direct, winograd"):
         conv_algorithm_setting({CONV_ALGORITHM_VAR: "fft"})
+
+
+def test_an_infinite_weight_on_the_padding_gives_nan_as_the_reference_does() -> None:
+    """Padded zeros times an infinite weight are NaN in the reference (and PyTorch): the direct
+    sum a non-finite Winograd result falls back to counts the padding's taps as zero inputs,
+    in the forward and in the weight gradient alike."""
+    c = 8
+    x, w = opgrad.var("x", (1, c, 6, 6)), opgrad.var("w", (c, c, 3, 3))
+    fn = opgrad.function([x, w], ops.conv2d(x, w, padding=1))
+    images, weights = np.ones((1, c, 6, 6), np.float32), np.ones((c, c, 3, 3), np.float32)
+    weights[0, 0, 0, 0] = np.inf
+    assert "winograd" in opgrad.compile(fn).plan.step_costs[0].detail
+    with np.errstate(invalid="ignore"):
+        want, got = opgrad.evaluate(fn, images, weights), opgrad.compile(fn)(images, weights)
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+    assert np.isnan(got[0, 0, 0]).all()
+    g = opgrad.var("g", (1, c, 6, 6))
+    fw = opgrad.function([g, x], ops.conv2d_backward_weight(g, x, padding=1, kernel_size=(3, 3)))
+    grads = np.ones((1, c, 6, 6), np.float32)
+    grads[0, 0, 0, 0] = np.inf
+    with np.errstate(invalid="ignore"):
+        want, got = opgrad.evaluate(fw, grads, images), opgrad.compile(fw)(grads, images)
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+    np.testing.assert_array_equal(np.isinf(got), np.isinf(want))

@@ -1266,7 +1266,8 @@ class WinogradEmitter:
         It runs only when a Winograd output is NaN or infinite. The transforms mix the taps of a
         tile, so one infinite input can meet its own negative there (``inf - inf``) and give NaN
         where the direct sum gives an infinity; the direct sum puts NaN and infinities exactly
-        where the reference does."""
+        where the reference does. A tap on the padding counts a zero input, as the reference's
+        padded image does: an infinite weight there gives ``0 * inf``, NaN."""
         p, t = self.p, self.t
         f, (x, w, y), tid, nt = self.task(name, 3, pipeline="cold")
         lo, hi = self.share(f, tid, nt, p.n * p.cout)
@@ -1283,10 +1284,10 @@ class WinogradEmitter:
                     wbase = f.add(f.add(f.mul(co, s0), f.mul(ci, s1)), p.weight_base)
                     iy, ix = f.sub(f.add(oy, kh), p.top), f.sub(f.add(ox, kw), p.left)
                     inside = f.val(f"and i1 {f.icmp('ult', iy, p.h)}, {f.icmp('ult', ix, p.w)}")
-                    with f.if_then(inside, "tap"):
-                        xv = f.load(t, f.gep(t, src, f.add(f.mul(f.add(f.mul(ci, p.h), iy), p.w), ix)))
-                        wv = f.load(t, f.gep(t, w, f.add(wbase, f.add(f.mul(kh, s2), f.mul(kw, s3)))))
-                        f.store(t, f.call(t, fma, [(t, wv), (t, xv), (t, f.load(t, acc))]), acc)
+                    at = f.select(inside, "i64", f.add(f.mul(f.add(f.mul(ci, p.h), iy), p.w), ix), "0")
+                    xv = f.select(inside, t, f.load(t, f.gep(t, src, at)), self.const(0.0, 1))
+                    wv = f.load(t, f.gep(t, w, f.add(wbase, f.add(f.mul(kh, s2), f.mul(kw, s3)))))
+                    f.store(t, f.call(t, fma, [(t, wv), (t, xv), (t, f.load(t, acc))]), acc)
                 out = f.gep(t, y, f.add(f.mul(pl, p.oh * p.ow), f.add(f.mul(oy, p.ow), ox)))
                 f.store(t, f.load(t, acc), out)
         f.ret_void()

@@ -331,7 +331,9 @@ class WeightGradEmitter(WinogradEmitter):
 
     def direct_task(self, name: str) -> str:
         """Task over output channels: every tap's sum over images and output pixels, directly (only
-        after a non-finite result: it puts NaN and infinities where the reference does)."""
+        after a non-finite result: it puts NaN and infinities where the reference does). A tap on
+        the padding counts a zero input, as the reference's padded image does: an infinite output
+        gradient there gives ``inf * 0``, NaN."""
         p, t = self.p, self.t
         f, (x, dy, dw), tid, nt = self.task(name, 3, pipeline="cold")
         lo, hi = self.share(f, tid, nt, p.cout)
@@ -342,15 +344,15 @@ class WeightGradEmitter(WinogradEmitter):
         with (f.loop(lo, hi, hint="o") as o, f.loop(0, p.cin, hint="c") as c, f.loop(0, 3, hint="kh") as kh,
               f.loop(0, 3, hint="kw") as kw):
             f.store(t, self.const(0.0, False), acc)
-            with f.loop(0, p.n, hint="n") as img, f.loop(0, p.oh, hint="oy") as oy:
-                iy = f.sub(f.add(oy, kh), p.top)
-                with f.if_then(f.icmp("ult", iy, p.h), "row"), f.loop(0, p.ow, hint="ox") as ox:
-                    ix = f.sub(f.add(ox, kw), p.left)
-                    with f.if_then(f.icmp("ult", ix, p.w), "col"):
-                        xi = f.add(f.mul(f.add(f.mul(f.add(f.mul(img, p.cin), c), p.h), iy), p.w), ix)
-                        gi = f.add(f.mul(f.add(f.mul(f.add(f.mul(img, p.cout), o), p.oh), oy), p.ow), ox)
-                        xv, gv = f.load(t, f.gep(t, x, xi)), f.load(t, f.gep(t, dy, gi))
-                        f.store(t, f.call(t, fma, [(t, gv), (t, xv), (t, f.load(t, acc))]), acc)
+            with f.loop(0, p.n, hint="n") as img, f.loop(0, p.oh, hint="oy") as oy, f.loop(0, p.ow, hint="ox") as ox:
+                iy, ix = f.sub(f.add(oy, kh), p.top), f.sub(f.add(ox, kw), p.left)
+                inside = f.val(f"and i1 {f.icmp('ult', iy, p.h)}, {f.icmp('ult', ix, p.w)}")
+                xi = f.add(f.mul(f.add(f.mul(f.add(f.mul(img, p.cin), c), p.h), iy), p.w), ix)
+                gi = f.add(f.mul(f.add(f.mul(f.add(f.mul(img, p.cout), o), p.oh), oy), p.ow), ox)
+                xv = f.select(inside, t, f.load(t, f.gep(t, x, f.select(inside, "i64", xi, "0"))),
+                              self.const(0.0, False))
+                gv = f.load(t, f.gep(t, dy, gi))
+                f.store(t, f.call(t, fma, [(t, gv), (t, xv), (t, f.load(t, acc))]), acc)
             tap = f.add(f.add(f.add(f.mul(o, s0), f.mul(c, s1)), p.weight_base), f.add(f.mul(kh, s2), f.mul(kw, s3)))
             f.store(t, f.load(t, acc), f.gep(t, dw, tap))
         f.ret_void()
