@@ -88,3 +88,25 @@ def test_a_negative_zero_constant_keeps_its_sign(dtype: str) -> None:
         np.testing.assert_array_equal(g, r)
         np.testing.assert_array_equal(np.signbit(g), np.signbit(r))
     assert np.signbit(got[0]).all() and np.signbit(got[1]).all()
+
+
+@pytest.mark.parametrize("case", ["sum_dense", "mean_matmul", "max_batch_matmul", "sum_conv", "grad_tanh_dense"])
+def test_a_reduction_of_a_product_over_an_empty_axis_compiles(case: str) -> None:
+    """A GEMM or conv over an empty contraction axis is a fill of zeros; a reduction of it keeps
+    its own pass (it takes its shape from its input) and gives the reference's value."""
+    x, w = opgrad.var("x", (3, 0)), opgrad.var("w", (4, 0))
+    a, b = opgrad.var("a", (2, 3, 0)), opgrad.var("b", (2, 0, 5))
+    images, kernels = opgrad.var("images", (2, 0, 5, 5)), opgrad.var("kernels", (3, 0, 3, 3))
+    built = {
+        "sum_dense": lambda: opgrad.function([x, w], ops.sum(ops.dense(x, w))),
+        "mean_matmul": lambda: opgrad.function([x, w], ops.mean(ops.matmul(x, ops.transpose(w)), axis=1)),
+        "max_batch_matmul": lambda: opgrad.function([a, b], ops.max(ops.batch_matmul(a, b), axis=(1, 2))),
+        "sum_conv": lambda: opgrad.function([images, kernels], ops.sum(ops.conv2d(images, kernels))),
+        "grad_tanh_dense": lambda: opgrad.grad(opgrad.function([x, w], ops.sum(ops.tanh(ops.dense(x, w))))),
+    }
+    fn = built[case]()
+    args = [np.zeros(p.shape, np.float32) for p in fn.params]
+    want, got = opgrad.evaluate(fn, *args), opgrad.compile(fn)(*args)
+    for g, e in zip(got if isinstance(got, tuple) else (got,), want if isinstance(want, tuple) else (want,),
+                    strict=True):
+        np.testing.assert_array_equal(g, e)

@@ -482,6 +482,9 @@ class KernelBuilder:
                     if not (i < j and producer.kind == "ew" and producer.out is not None
                             and v.dtype == (consumer.out.dtype if consumer.out else v.dtype)):
                         continue
+                    if consumer.kind == "red" and not producer.inputs and len(consumer.inputs) == 1:
+                        continue  # a reduction takes its shape from its input: a fill (a GEMM over no K) stays one
+
                     views = _aligned(consumer, k, producer)
                     between = {b for st in self.steps[i + 1 : j] for b in st.writes}
                     if views is None or between & set(producer.reads):
