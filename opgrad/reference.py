@@ -23,8 +23,13 @@ def check_arguments(fn: Function, arrays: Sequence[Any], *, who: str = "opgrad.e
         raise ArgumentError(f"{who}: expected {len(fn.params)} argument(s) ({sig}), got {len(arrays)}")
     checked = []
     for param, value in zip(fn.params, arrays):
+        if isinstance(value, np.ma.MaskedArray):  # every kernel would read the masked-out values too
+            raise ArgumentError(f"{who}: argument {param.name!r} is a masked array, whose mask no operator "
+                                f"reads; pass value.filled(...) or np.asarray(value) for its data ({param.type})")
         try:
-            arr = value if isinstance(value, np.ndarray) else np.asarray(value)
+            # The base ndarray of a subclass: np.matrix's * is a matrix product, and the reference's
+            # numpy forwards must see elementwise arrays as every backend does.
+            arr = value if type(value) is np.ndarray else np.asarray(value)
         except (ValueError, TypeError) as exc:  # ragged nested lists
             raise ArgumentError(f"{who}: argument {param.name!r} must be a numeric array ({param.type}), got "
                                 f"{describe_value(value)} ({exc})") from None

@@ -521,3 +521,20 @@ def test_native_multi_step_loop_stops_on_nan_like_single_steps(backend: str) -> 
     assert looped.step == single.step == one.value.step - 1
     for name, value in single.params.items():
         np.testing.assert_array_equal(looped.params[name], value)
+
+
+@pytest.mark.filterwarnings("ignore:the matrix subclass:PendingDeprecationWarning")
+def test_ndarray_subclasses_are_their_arrays_and_masked_arrays_are_refused() -> None:
+    """np.matrix's * is a matrix product: the reference's numpy forwards see the plain array, as
+    the compiled kernels do. A masked array's mask would be ignored by every kernel: refused."""
+    x, y = opgrad.var("x", (2, 2)), opgrad.var("y", (2, 2))
+    fn = opgrad.function([x, y], ops.multiply(x, y))
+    a = np.matrix([[1.0, 2.0], [3.0, 4.0]], dtype=np.float32)
+    b = np.matrix([[5.0, 6.0], [7.0, 8.0]], dtype=np.float32)
+    for run in (lambda *v: opgrad.evaluate(fn, *v), opgrad.compile(fn)):
+        got = run(a, b)
+        assert type(got) is np.ndarray
+        np.testing.assert_array_equal(got, [[5.0, 12.0], [21.0, 32.0]])
+        masked = np.ma.masked_array(np.asarray(a), mask=[[1, 0], [0, 0]])
+        with pytest.raises(opgrad.ArgumentError, match="argument 'x' is a masked array"):
+            run(masked, b)
