@@ -139,23 +139,53 @@ def resolve_wrt(fn: Function, wrt: Sequence[int | str | Var] | int | str | Var |
     if wrt is None:
         return [p for p in fn.params if p.type.is_float]
     items = wrt if isinstance(wrt, (list, tuple)) else [wrt]
+    names = [p.name for p in fn.params]
     chosen: list[Var] = []
     for item in items:
         if isinstance(item, Var):
             if item not in fn.params:
                 raise ValueError(f"wrt variable {item.name!r} is not a parameter of the function")
             chosen.append(item)
-        elif isinstance(item, int):
-            chosen.append(fn.params[item])
-        else:
+        elif isinstance(item, (int, np.integer)) and not isinstance(item, (bool, np.bool_)):
+            if not -len(fn.params) <= int(item) < len(fn.params):
+                raise ValueError(f"wrt position {int(item)} is out of range: the function has {len(fn.params)} "
+                                 f"parameter(s) {names}")
+            chosen.append(fn.params[int(item)])
+        elif isinstance(item, str):
             match = [p for p in fn.params if p.name == item]
             if not match:
-                raise ValueError(f"no parameter named {item!r}; parameters: {[p.name for p in fn.params]}")
+                raise ValueError(f"no parameter named {item!r}; parameters: {names}")
             chosen.append(match[0])
+        else:
+            raise TypeError(f"wrt entries are parameter positions (int), names (str) or Vars, got {item!r}")
     for v in chosen:
         if not v.type.is_float:
             raise ValueError(f"cannot differentiate with respect to {v.name!r} of dtype {v.dtype}")
     return chosen
+
+
+def chosen_parameters(fn: Function, wrt: Sequence[int | str | Var] | int | str | Var | None, what: str) -> list[Var]:
+    """:func:`resolve_wrt` for a derivative that needs at least one parameter (``what`` names it)."""
+    targets = resolve_wrt(fn, wrt)
+    if not targets:
+        names = [p.name for p in fn.params]
+        raise ValueError(f"opgrad.{what}: wrt selects no parameter to differentiate by; choose one or more of "
+                         f"{names} (a float one)")
+    return targets
+
+
+def fresh_names(fn: Function, prefix: str, targets: Sequence[Var]) -> list[str]:
+    """``prefix + name`` for each of ``targets``, with underscores added where a parameter of
+    ``fn`` already has that name (a parameter named ``v_w`` beside ``w``)."""
+    taken = {p.name for p in fn.params}
+    names = []
+    for t in targets:
+        name = prefix + t.name
+        while name in taken:
+            name = "_" + name
+        taken.add(name)
+        names.append(name)
+    return names
 
 
 def _require_function(fn: object, what: str) -> None:
@@ -183,7 +213,7 @@ def grad(fn: Function, wrt: Sequence[int | str | Var] | int | str | Var | None =
             f"opgrad.grad needs a function returning one scalar, got ({shapes}); reduce it first "
             "(e.g. opgrad.ops.sum), use opgrad.hvp / opgrad.jvp, or opgrad.gradients with a cotangent"
         )
-    targets = resolve_wrt(fn, wrt)
+    targets = chosen_parameters(fn, wrt, "grad")
     value = fn.outputs[0]
     grads = gradients(value, targets)
     if with_value:
@@ -199,9 +229,9 @@ def hvp(fn: Function, wrt: Sequence[int | str | Var] | int | str | Var | None = 
     from registered gradients only, so it compiles like any other function.
     """
     _require_function(fn, "hvp")
+    targets = chosen_parameters(fn, wrt, "hvp")
     first = grad(fn, wrt, with_value=False)
-    targets = resolve_wrt(fn, wrt)
-    vectors = [var(f"v_{t.name}", t.shape, t.dtype) for t in targets]
+    vectors = [var(name, t.shape, t.dtype) for name, t in zip(fresh_names(fn, "v_", targets), targets, strict=True)]
     firsts = list(first.outputs)
     total = ops.sum(ops.multiply(firsts[0], vectors[0]))
     for g, v in zip(firsts[1:], vectors[1:]):
@@ -222,8 +252,8 @@ def jvp(fn: Function, wrt: Sequence[int | str | Var] | int | str | Var | None = 
     y = fn.outputs[0]
     if not y.type.is_float:
         raise GradientError(f"opgrad.jvp: the output is {y.type}; only a float output has a derivative")
-    targets = resolve_wrt(fn, wrt)
-    tangents = [var(f"t_{t.name}", t.shape, t.dtype) for t in targets]
+    targets = chosen_parameters(fn, wrt, "jvp")
+    tangents = [var(name, t.shape, t.dtype) for name, t in zip(fresh_names(fn, "t_", targets), targets, strict=True)]
     u = var("jvp_cotangent", y.shape, y.dtype)
     pulled = gradients(y, targets, cotangent=u)
     total = ops.sum(ops.multiply(pulled[0], tangents[0]))

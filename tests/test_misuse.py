@@ -538,3 +538,24 @@ def test_ndarray_subclasses_are_their_arrays_and_masked_arrays_are_refused() -> 
         masked = np.ma.masked_array(np.asarray(a), mask=[[1, 0], [0, 0]])
         with pytest.raises(opgrad.ArgumentError, match="argument 'x' is a masked array"):
             run(masked, b)
+
+
+def test_wrt_is_checked_and_new_parameters_never_clash() -> None:
+    x, y = opgrad.var("x", (3,)), opgrad.var("y", (3,))
+    f = opgrad.function([x, y], ops.sum(x * y * y))
+    with pytest.raises(ValueError, match=r"wrt position 5 is out of range: the function has 2 parameter"):
+        opgrad.grad(f, wrt=5)
+    with pytest.raises(TypeError, match="wrt entries are parameter positions"):
+        opgrad.grad(f, wrt=True)
+    assert opgrad.grad(f, wrt=[np.int64(1)]).outputs[1].shape == (3,)  # a numpy integer is a position
+    for derivative in (opgrad.hvp, opgrad.jvp):
+        with pytest.raises(ValueError, match=rf"opgrad.{derivative.__name__}: wrt selects no parameter"):
+            derivative(f, wrt=[])
+    # hvp's and jvp's new parameters are named v_<name> / t_<name>, unless the function has those.
+    w, v_w, t_w = (opgrad.var(name, (3,), "float64") for name in ("w", "v_w", "t_w"))
+    h = opgrad.hvp(opgrad.function([w, v_w], ops.sum(ops.square(w) * v_w)), wrt=["w"])
+    assert [p.name for p in h.params] == ["w", "v_w", "_v_w"]
+    np.testing.assert_allclose(opgrad.evaluate(h, np.ones(3), np.full(3, 2.0), np.full(3, 3.0)), np.full(3, 12.0))
+    j = opgrad.jvp(opgrad.function([w, t_w], ops.sum(ops.square(w) * t_w)), wrt=["w"])
+    assert [p.name for p in j.params] == ["w", "t_w", "_t_w"]
+
