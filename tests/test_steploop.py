@@ -193,3 +193,19 @@ def test_cli_steps_per_call(capsys: pytest.CaptureFixture[str]) -> None:
     assert lines[0] == lines[1]
     assert cli.main([*base, "--steps-per-call", "0"]) == 2
     assert "argument --steps-per-call: expected a positive integer" in capsys.readouterr().err
+
+
+def test_no_steps_leave_every_result_defined() -> None:
+    """With zero steps a carried result is its initial value, an outfeed is empty, and a result
+    no step computed is NaN rather than whatever the allocator left there."""
+    fn, loop = _tiny()
+    w = fn.params[3]
+    extra = opgrad.function(fn.params, [*fn.outputs, ops.exp(w)])
+    compiled = opgrad.compile(extra, loop=loop, step_entries=True)
+    x, y, lrs, w0 = _tiny_data(0)
+    losses, w_after, exp_w = compiled.run_steps(0, x, y, lrs, w0)
+    assert losses.shape == (0,)
+    np.testing.assert_array_equal(w_after, w0)
+    assert np.isnan(exp_w).all()
+    with pytest.raises(ValueError, match="runs must be an int >= 1"):
+        compiled.profile(*[a[:4] if a.ndim else a for a in _tiny_data(1)[:2]], np.float32(0.1), w0, runs=0)

@@ -658,7 +658,9 @@ class CompiledFunction:
         as its initial value (never modified); the rest as for a single call. Returns the results
         like a call does, except that each outfeed is stacked to ``(steps, *shape)`` and each
         carried result holds the values after the last step. The results equal ``steps``
-        single calls bitwise: the loop calls the same machine code.
+        single calls bitwise: the loop calls the same machine code. With ``steps = 0`` a carried
+        result is its initial value and any other result, computed by no step, is NaN (0 for an
+        integer result).
 
         Integer inputs are range-checked here first (``validate=False`` leaves that to the
         native loop, which checks each step before running it). ``stop_on_nan=True`` stops at the
@@ -691,8 +693,14 @@ class CompiledFunction:
             for check in self._checks:
                 _check_range(checked[check.param], check, f"argument {fn.params[check.param].name!r} of run_steps")
         outs: list[np.ndarray] = []
+        carried = {r for _, r in loop.carry}
         for r, (shape, dtype) in enumerate(self._result_types):
-            outs.append(np.empty((steps, *shape) if r in loop.outfeeds else shape, dtype))
+            if r in loop.outfeeds:
+                outs.append(np.empty((steps, *shape), dtype))
+            elif steps == 0 and r not in carried:  # no step computed it: NaN (0 for integers), not garbage
+                outs.append(np.full(shape, np.nan if np.dtype(dtype).kind == "f" else 0, dtype))
+            else:
+                outs.append(np.empty(shape, dtype))
         spare = {r: np.array(checked[p], copy=True) for p, r in loop.carry}  # the caller's arrays stay as given
         status = np.zeros(STATUS_WORDS, np.int64)
         with self._lock:
@@ -765,6 +773,8 @@ class CompiledFunction:
         (the pool simulating its shares) each step's simulated parallel seconds."""
         if not self._step_fns:
             raise ValueError("compile with opgrad.compile(fn, step_entries=True) to profile steps")
+        if isinstance(runs, bool) or not isinstance(runs, (int, np.integer)) or runs < 1:
+            raise ValueError(f"profile: runs must be an int >= 1 (calls timed per step), got {runs!r}")
         threads = pool() if parallel else None
         self._profile = [[] for _ in self._step_fns]
         self._profile_parallel = [[] for _ in self._step_fns] if parallel else None
