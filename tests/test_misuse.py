@@ -559,3 +559,30 @@ def test_wrt_is_checked_and_new_parameters_never_clash() -> None:
     j = opgrad.jvp(opgrad.function([w, t_w], ops.sum(ops.square(w) * t_w)), wrt=["w"])
     assert [p.name for p in j.params] == ["w", "t_w", "_t_w"]
 
+
+
+def test_a_bad_option_value_is_one_error_line(capsys: pytest.CaptureFixture[str]) -> None:
+    """argparse's usage block would bury the error: every command's usage error is one line."""
+    from opgrad import cli
+
+    for argv in (["train", "--epochs", "0"], ["bench", "--model", "vgg"], ["check", "--examples", "x"], ["nosuch"]):
+        assert cli.main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert err.startswith("opgrad") and ": error: " in err and err.count("\n") == 1, err
+
+
+CLOSED_PIPE = """
+import os, sys
+from opgrad import cli
+read, write = os.pipe()
+os.close(read)  # the reader is gone, as when `opgrad ops | head -1` has its line
+os.dup2(write, sys.stdout.fileno())
+code = cli.main(["ops"])
+print(f"exit {code}", file=sys.stderr)
+"""
+
+
+def test_a_closed_pipe_ends_the_command_quietly() -> None:
+    done = subprocess.run([sys.executable, "-c", CLOSED_PIPE], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])})
+    assert "exit 0" in done.stderr and "Traceback" not in done.stderr and "BrokenPipe" not in done.stderr, done.stderr
