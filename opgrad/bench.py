@@ -8,9 +8,10 @@ computing something else. Times are medians (these machines vary 10-15 % run to 
 least 20 steps after warm-up, and ratios are taken within one run, the engines taking turns in
 short rounds so that the machine's drift during the run reaches all of them alike.
 
-``--model`` picks the model: the seed CNN by default, ``resnet`` / ``mlp``, or a model file
-written by ``model.save`` or ``opgrad train --save`` (a classifier: one image input, one output
-of class scores), stepped on uniform random images of its input shape. PyTorch runs the same
+``--model`` picks a built-in model (the seed CNN by default, or ``resnet`` / ``mlp``), and
+``--checkpoint`` the model a file written by ``model.save`` or ``opgrad train --save`` holds (a
+classifier: one image input, one output of class scores), stepped on uniform random images of
+its input shape. PyTorch runs the same
 graph through :func:`torch_forward`, a layer-by-layer translation of the opgrad model to
 ``torch.nn.functional`` (BatchNorm included, with its running statistics; dropout with the
 masks opgrad's step gets); a layer it does not translate leaves PyTorch's row out, saying which.
@@ -293,26 +294,22 @@ def torch_runner(model_name: str, threads: int | None = None, optimizer: str = "
         x, y = torch.from_numpy(images), torch.from_numpy(labels)
         masks = {name: torch.from_numpy(mask) for name, mask in bench_masks(model, len(labels)).items()}
 
+        opt = None if optimizer == "sgd" else torch_optimizer(optimizer, list(p.values()), lr)
+
         def run() -> float:
             loss = F.cross_entropy(torch_forward(model, p, buffers, x, training=True, masks=masks), y)
             grads = torch.autograd.grad(loss, list(p.values()))
             with torch.no_grad():
                 for value, grad in zip(p.values(), grads):
-                    value -= lr * grad
+                    if opt is None:
+                        value -= lr * grad
+                    else:
+                        value.grad = grad
+                if opt is not None:
+                    opt.step()
             return float(loss.detach())
 
-        if optimizer == "sgd":
-            return run
-        opt = torch_optimizer(optimizer, list(p.values()), lr)
-
-        def run_optimizer() -> float:
-            loss = F.cross_entropy(torch_forward(model, p, buffers, x, training=True, masks=masks), y)
-            for value, grad in zip(p.values(), torch.autograd.grad(loss, list(p.values()))):
-                value.grad = grad
-            opt.step()
-            return float(loss.detach())
-
-        return run_optimizer
+        return run
 
     return make
 

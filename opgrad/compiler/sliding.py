@@ -219,15 +219,15 @@ def _weight_task(s: _Sliding, name: str, scratch_stride: int, groups: int, prolo
                     # The lanes add as a tree (reassoc): a fixed order, log2(VL) shuffles and adds
                     # deep; in lane order they were a chain of VL dependent adds, a fifth of the
                     # pass on AVX-512.
+                    def lane_sum(vector: str) -> str:
+                        return f.call(t, reduce_fn, [(t, float_const(-0.0, t)), (vt, f.load(vt, vector))],
+                                      flags="reassoc")
+
                     for acc, k in zip(accs, chunk, strict=True):
                         slot = f.gep(t, part, f.add(f.mul(o, taps), k))
-                        lanes = f.call(t, reduce_fn, [(t, float_const(-0.0, t)), (vt, f.load(vt, acc))],
-                                       flags="reassoc")
-                        f.store(t, f.val(f"fadd {t} {f.load(t, slot)}, {lanes}"), slot)
+                        f.store(t, f.val(f"fadd {t} {f.load(t, slot)}, {lane_sum(acc)}"), slot)
                     if total is not None:
-                        lanes = f.call(t, reduce_fn, [(t, float_const(-0.0, t)), (vt, f.load(vt, total))],
-                                       flags="reassoc")
-                        f.store(t, lanes, f.gep(t, image_sums, f.add(f.mul(image, g.o), o)))
+                        f.store(t, lane_sum(total), f.gep(t, image_sums, f.add(f.mul(image, g.o), o)))
     f.ret_void()
     f.finish()
     return name
