@@ -43,9 +43,23 @@ def _load_npy(path: str, what: str) -> np.ndarray:
     if not source.is_file():
         raise DataError(f"{path}: {what} file not found" if not source.exists() else f"{path}: is not a file")
     try:
+        with source.open("rb") as handle:
+            magic = handle.read(6)
+    except OSError as exc:
+        raise DataError(f"{path}: cannot read the {what} file ({exc.strerror or exc})") from None
+    # numpy reads a file without the NPY header as a pickle, and its refusal says so: say what the file is not.
+    if magic != b"\x93NUMPY":
+        kind = "a .npz archive" if magic.startswith(b"PK") else "no .npy file (it lacks the NPY header)"
+        raise DataError(f"{path}: {what} file is {kind}; expected one array written by numpy.save")
+    try:
         return np.asarray(np.load(source, allow_pickle=False))
-    except (ValueError, OSError, EOFError) as exc:
-        raise DataError(f"{path}: not a .npy array ({type(exc).__name__}: {exc})") from None
+    except ValueError as exc:
+        if "pickle" in str(exc):
+            raise DataError(f"{path}: the {what} array holds Python objects; expected numbers (opgrad loads no "
+                            "pickles)") from None
+        raise DataError(f"{path}: not a readable .npy array ({exc})") from None
+    except (OSError, EOFError) as exc:
+        raise DataError(f"{path}: truncated or unreadable .npy array ({type(exc).__name__}: {exc})") from None
 
 
 def _images_from_npy(path: str, shape: tuple[int, ...]) -> np.ndarray:

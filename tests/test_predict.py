@@ -69,12 +69,19 @@ def test_predict_user_errors_are_one_line(trained: tuple[Path, float], tmp_path:
     notes = tmp_path / "notes.txt"
     notes.write_text("not a checkpoint")
     np.save(tmp_path / "wrong.npy", np.zeros((3, 32, 32), np.uint8))
+    np.savez(tmp_path / "arrays.npz", images=np.zeros((2, 28, 28), np.float32))
+    np.save(tmp_path / "objects.npy", np.array([{"image": 1}], dtype=object), allow_pickle=True)
     cases = [
         (["--checkpoint", str(notes)], "notes.txt: not an .npz checkpoint"),
         (["--checkpoint", str(tmp_path / "missing.npz")], "missing.npz: checkpoint file not found"),
         (["--checkpoint", str(path), "--images", str(tmp_path / "wrong.npy")],
          "wrong.npy: images have shape (3, 32, 32), the model expects (N, 1, 28, 28) or (N, 28, 28)"),
-        (["--checkpoint", str(path), "--images", str(notes)], "notes.txt: not a .npy array"),
+        (["--checkpoint", str(path), "--images", str(notes)],
+         "notes.txt: images file is no .npy file (it lacks the NPY header); expected one array written by numpy.save"),
+        (["--checkpoint", str(path), "--images", str(tmp_path / "arrays.npz")],
+         "arrays.npz: images file is a .npz archive; expected one array written by numpy.save"),
+        (["--checkpoint", str(path), "--images", str(tmp_path / "objects.npy")],
+         "objects.npy: the images array holds Python objects; expected numbers (opgrad loads no pickles)"),
         (["--checkpoint", str(path), "--labels", str(notes)], "--labels goes with --images"),
     ]
     for args, message in cases:
