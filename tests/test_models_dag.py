@@ -368,6 +368,8 @@ def test_model_save_and_load_every_layer_kind(tmp_path: Path) -> None:
     x = nn.Conv2D(3, 3, strides=2, padding="same", dilation_rate=1, activation="leaky_relu")(inp)
     x = nn.AvgPool2D(2, padding="same")(nn.BatchNorm2D(momentum=0.2)(x))
     x = nn.Dropout(0.25)(nn.GELU(approximate="tanh")(nn.LeakyReLU(0.1)(x)))
+    x = nn.Hardswish()(nn.Hardsigmoid()(nn.Softplus(2.0)(nn.ELU(0.5)(nn.SiLU()(nn.PReLU(3, init=0.2)(x))))))
+    x = nn.AvgPool2D(2, strides=1, padding=1, ceil_mode=True, count_include_pad=False)(x)
     x = nn.Sigmoid()(nn.Tanh()(nn.ReLU()(nn.Activation("relu")(nn.LayerNorm(axis=1)(x)))))
     x = nn.Permute((1, 3, 2))(nn.ZeroPadding2D(((1, 0), (0, 2)))(nn.Rescaling(0.5, offset=0.1)(x)))
     flat = nn.Softmax()(nn.Reshape((-1,))(x))
@@ -375,7 +377,7 @@ def test_model_save_and_load_every_layer_kind(tmp_path: Path) -> None:
     emb = nn.Flatten()(nn.Embedding(5, 2)(tokens))
     out = nn.Dense(2, kernel_initializer="he_uniform")(nn.Concatenate()([flat, emb]))
     up = nn.UpSampling2D(2)(nn.Conv2DTranspose(2, 3, strides=2, padding="same", groups=2)(inp))
-    pooled = nn.Dense(2)(nn.GlobalAvgPool2D()(nn.MaxPool2D(2, strides=1, padding=1)(up)))
+    pooled = nn.Dense(2)(nn.GlobalAvgPool2D()(nn.MaxPool2D(2, strides=2, padding=1, ceil_mode=True)(up)))
     model = nn.Model([inp, tokens], [nn.Add()([out, pooled])], name="every")
     kinds = {layer.kind for layer in model.layers}
     builtin = {kind for kind, cls in nn.LAYERS.items() if cls.__module__ in ("opgrad.nn.layers", "opgrad.nn.reshaping")}

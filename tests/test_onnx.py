@@ -197,8 +197,8 @@ def build(nodes: list[Any], input_shape: tuple[int, ...], initializers: dict[str
         return model
 
 
-def node(op_type: str, inputs: list[str], outputs: list[str] | None = None, **attrs: Any) -> Any:
-    return helper.make_node(op_type, inputs, outputs or ["y"], name=f"my_{op_type.lower()}", **attrs)
+def node(op_type: str, inputs: list[str], outputs: list[str] | None = None, suffix: str = "", **attrs: Any) -> Any:
+    return helper.make_node(op_type, inputs, outputs or ["y"], name=f"my_{op_type.lower()}{suffix}", **attrs)
 
 
 def _rand(*shape: int, seed: int = 0) -> np.ndarray:
@@ -281,6 +281,22 @@ CASES: dict[str, tuple[list[Any], tuple[int, ...], dict[str, Any]] | tuple[Any, 
                               {"g": _rand(4), "b": _rand(4), "m": _rand(4), "v": np.abs(_rand(4)) + 0.5}),
     "layer normalization": ([node("LayerNormalization", ["x", "g", "b"], axis=-2, epsilon=1e-3)], (3, 4, 5),
                             {"g": _rand(4, 5), "b": _rand(5)}),
+    "maxpool ceil_mode with equal pads": ([node("MaxPool", ["x"], kernel_shape=[3, 3], strides=[2, 2],
+                                                pads=[1, 1, 1, 1], ceil_mode=1)], (2, 8, 8), {}),
+    "avgpool ceil_mode excluding equal pads": ([node("AveragePool", ["x"], kernel_shape=[3, 3], strides=[2, 2],
+                                                     pads=[1, 1, 1, 1], ceil_mode=1, count_include_pad=0)],
+                                               (2, 8, 8), {}),
+    "one-input math": ([node("Abs", ["x"], ["a"]), node("Sqrt", ["a"], ["b"]), node("Erf", ["b"], ["c"]),
+                        node("Neg", ["c"], ["d"]), node("Exp", ["d"], ["e"]), node("Reciprocal", ["e"], ["f"]),
+                        node("Log", ["f"], ["g"]), node("Pow", ["g", "two"])], (3, 4), {"two": np.float32(2.0)}),
+    "more activations": ([node("Elu", ["x"], ["a"], alpha=0.7), node("Softplus", ["a"], ["b"]),
+                          node("HardSigmoid", ["b"], ["c"], alpha=0.2, beta=0.4),
+                          node("HardSigmoid", ["x"], ["d"], "2", alpha=1 / 6, beta=0.5), node("HardSwish", ["x"], ["e"]),
+                          node("Mish", ["x"], ["f"]), node("Max", ["c", "d", "e"], ["g"]),
+                          node("Min", ["g", "f"], ["h"]), node("Max", ["h", "zero"], suffix="2")], (3, 4),
+                         {"zero": np.float32(0.0)}, 18),
+    "prelu per channel and shared": ([node("PRelu", ["x", "s"], ["a"]), node("PRelu", ["a", "t"], suffix="2")], (3, 4, 5),
+                                     {"s": _rand(3, 1, 1), "t": np.array([0.3], np.float32)}),
     "shape arithmetic into reshape": (
         [node("Shape", ["x"], ["sh"]), node("Gather", ["sh", "zero"], ["n"], axis=0),
          node("Unsqueeze", ["n", "ax"], ["n1"]), node("Concat", ["n1", "rest"], ["target"], axis=0),
@@ -306,6 +322,20 @@ def test_node_kinds_match_onnxruntime_and_round_trip(case: str, tmp_path: Path) 
     opgrad_onnx.save(model, tmp_path / "back.onnx")
     for theirs, again in zip(reference, run_onnxruntime(tmp_path / "back.onnx", x)):
         np.testing.assert_allclose(again, theirs, rtol=1e-5, atol=1e-5)
+
+
+def test_output_names_survive_import_and_export(tmp_path: Path) -> None:
+    path = tmp_path / "named.onnx"
+    onnx.save(build([node("Relu", ["x"], ["logits"]), node("Sigmoid", ["x"], ["features"])], (3,),
+                    outputs=("logits", "features")), path)
+    model = opgrad_onnx.load(path)
+    assert model.output_names == ["logits", "features"]
+    opgrad_onnx.save(model, tmp_path / "back.onnx")
+    assert [o.name for o in onnx.load(tmp_path / "back.onnx").graph.output] == ["logits", "features"]
+    model.save(tmp_path / "named.npz")
+    assert nn.load(tmp_path / "named.npz").output_names == ["logits", "features"]
+    with pytest.raises(ValueError, match="output_names must be 2 distinct non-empty strings"):
+        nn.Model(model.inputs, model.outputs, output_names=["a", "a"])
 
 
 def test_a_fixed_batch_size_is_read_as_the_batch_axis(tmp_path: Path) -> None:
@@ -344,17 +374,20 @@ def _cycle() -> Any:
 
 
 REFUSED: dict[str, tuple[Any, str]] = {
-    "unsupported op": (build([node("HardSwish", ["x"])], (3,)),
-                       r"node 'my_hardswish' \(HardSwish\): op type HardSwish is not supported; supported op types:"),
+    "unsupported op": (build([node("Celu", ["x"])], (3,)),
+                       r"node 'my_celu' \(Celu\): op type Celu is not supported; supported op types:"),
+    "pow by a tensor": (build([node("Pow", ["x", "x"])], (3,)), r"\(Pow\): input 1 \(Y, 'x'\) is computed from"),
+    "pow by 3": (build([node("Pow", ["x", "e"])], (3,), {"e": np.float32(3.0)}),
+                 r"\(Pow\): exponent 3 is not supported; supported: constant exponents"),
     "unsupported attribute value": (
         build([node("Resize", ["x", "", "s"], mode="cubic")], (1, 2, 2), {"s": np.array([1, 1, 2, 2], np.float32)}),
         r"node 'my_resize' \(Resize\): attribute mode='cubic' is not supported; supported: nearest, linear"),
     "max pool dilations": (build([node("MaxPool", ["x"], kernel_shape=[2, 2], dilations=[2, 2])], (1, 6, 6)),
                            r"'my_maxpool' \(MaxPool\): attribute dilations=\[2, 2\] is not supported"),
-    "ceil_mode that changes the size": (build([node("MaxPool", ["x"], kernel_shape=[2, 2], strides=[2, 2],
-                                                    ceil_mode=1)], (1, 5, 5)),
+    "ceil_mode that changes the size": (build([node("MaxPool", ["x"], kernel_shape=[3, 3], strides=[2, 2],
+                                                    pads=[0, 1, 1, 0], ceil_mode=1)], (1, 7, 7)),
                                         r"\(MaxPool\): attribute ceil_mode=1 is not supported; supported: 0, or"),
-    "avg pool excluding explicit pads": (build([node("AveragePool", ["x"], kernel_shape=[2, 2], pads=[1, 1, 1, 1])],
+    "avg pool excluding explicit pads": (build([node("AveragePool", ["x"], kernel_shape=[2, 2], pads=[1, 1, 0, 0])],
                                                (1, 5, 5)),
                                          r"\(AveragePool\): attribute count_include_pad=0 is not supported"),
     "transpose moving the batch axis": (build([node("Transpose", ["x"], perm=[1, 0, 2])], (2, 3)),
@@ -460,7 +493,7 @@ def test_cli_import_of_a_bad_onnx_file_is_one_line(tmp_path: Path, capsys: pytes
     path.write_bytes(REFUSED["unsupported op"][0].SerializeToString())
     assert cli.main(["import", str(path), "--save", str(tmp_path / "x.npz")]) == 2
     err = capsys.readouterr().err.strip()
-    assert "(HardSwish): op type HardSwish is not supported" in err and err.count("\n") == 0
+    assert "(Celu): op type Celu is not supported" in err and err.count("\n") == 0
     assert not (tmp_path / "x.npz").exists()
 
 

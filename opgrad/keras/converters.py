@@ -15,6 +15,7 @@ import numpy as np
 
 from opgrad.keras.graph import Converter, LayerCall, Tensor
 from opgrad.nn.layers import (
+    ELU,
     GELU,
     Add,
     AvgPool2D,
@@ -27,22 +28,27 @@ from opgrad.nn.layers import (
     Embedding,
     Flatten,
     GlobalAvgPool2D,
+    Hardswish,
     LayerNorm,
     LeakyReLU,
     MaxPool2D,
     ReLU,
     Rescaling,
     Sigmoid,
+    SiLU,
     Softmax,
+    Softplus,
     Tanh,
     UpSampling2D,
 )
+from opgrad.nn.ops_layers import Clip, Elementwise
 from opgrad.nn.reshaping import Permute, Reshape, ZeroPadding2D
 
 __all__ = ["ACTIVATIONS", "CONVERTERS"]
 
-#: Keras activation names the importer maps; ``relu``/``sigmoid``/``tanh``/``gelu`` fuse into Dense/Conv.
-ACTIVATIONS = ("linear", "relu", "sigmoid", "tanh", "gelu", "leaky_relu", "softmax")
+#: Keras activation names the importer maps; ``relu``/``sigmoid``/``tanh`` fuse into Dense/Conv.
+ACTIVATIONS = ("linear", "relu", "sigmoid", "tanh", "gelu", "leaky_relu", "softmax", "silu", "swish", "elu",
+               "softplus", "relu6", "hard_silu", "hard_swish", "mish")
 _FUSED = ("relu", "sigmoid", "tanh")
 
 
@@ -67,14 +73,26 @@ def _activate(call: LayerCall, tensor: Tensor, name: str) -> Tensor:
         out = call.add(layer, tensor, tensor.layout, tensor.keras_shape, suffix="softmax", chw=tensor.chw)
         call.builder.softmax_inputs[id(out.sym)] = (tensor, call.spec.name)
         return out
-    layer = {"relu": ReLU, "sigmoid": Sigmoid, "tanh": Tanh}.get(name)
-    if layer is not None:
-        layer = layer()
-    elif name == "gelu":
-        layer = GELU("none")  # keras.activations.gelu's default is the exact (erf) form
-    else:
-        layer = LeakyReLU(0.2)  # keras.activations.leaky_relu's default slope
-    return call.add(layer, tensor, tensor.layout, tensor.keras_shape, suffix=name, chw=tensor.chw)
+    if name == "mish":  # x * tanh(softplus(x)), as keras.activations.mish
+        gate = call.add(Tanh(), call.add(Softplus(), tensor, tensor.layout, tensor.keras_shape, suffix="softplus",
+                                         chw=tensor.chw), tensor.layout, tensor.keras_shape, suffix="tanh",
+                        chw=tensor.chw)
+        return call.add(Elementwise("multiply"), [tensor, gate], tensor.layout, tensor.keras_shape, suffix=name,
+                        chw=tensor.chw)
+    return call.add(_activation_layer(name), tensor, tensor.layout, tensor.keras_shape, suffix=name, chw=tensor.chw)
+
+
+def _activation_layer(name: str) -> Any:
+    """The opgrad layer of Keras activation ``name`` (one of :data:`ACTIVATIONS` but linear, softmax, mish)."""
+    simple = {"relu": ReLU, "sigmoid": Sigmoid, "tanh": Tanh, "silu": SiLU, "swish": SiLU, "elu": ELU,
+              "softplus": Softplus, "hard_silu": Hardswish, "hard_swish": Hardswish}.get(name)
+    if simple is not None:
+        return simple()
+    if name == "gelu":
+        return GELU("none")  # keras.activations.gelu's default is the exact (erf) form
+    if name == "relu6":
+        return Clip(0.0, 6.0)
+    return LeakyReLU(0.2)  # keras.activations.leaky_relu's default slope
 
 
 def _one(call: LayerCall, inputs: list[Tensor]) -> Tensor:
@@ -417,20 +435,25 @@ def activation(call: LayerCall, inputs: list[Tensor]) -> Tensor:
     name = _activation_name(call)
     if name == "linear":
         return tensor
-    if name == "softmax":
+    if name in ("softmax", "mish"):
         return _activate(call, tensor, name)
-    layer = {"relu": ReLU, "sigmoid": Sigmoid, "tanh": Tanh}.get(name)
-    built = layer() if layer else GELU("none") if name == "gelu" else LeakyReLU(0.2)
-    return call.add(built, tensor, tensor.layout, tensor.keras_shape, chw=tensor.chw)
+    return call.add(_activation_layer(name), tensor, tensor.layout, tensor.keras_shape, chw=tensor.chw)
 
 
 def relu(call: LayerCall, inputs: list[Tensor]) -> Tensor:
     tensor = _one(call, inputs)
-    call.choose("max_value", (None,), None)
+    ceiling = call.take("max_value", None)
+    if ceiling is not None and (isinstance(ceiling, bool) or not isinstance(ceiling, (int, float)) or ceiling < 0):
+        raise call.unsupported("max_value", ceiling, "None or a number >= 0")
     call.choose("threshold", (0, 0.0), 0.0)
     slope = float(call.take("negative_slope", 0.0))
+    if ceiling is not None and not slope:  # ReLU(max_value=6) is MobileNet's relu6
+        return call.add(Clip(0.0, float(ceiling)), tensor, tensor.layout, tensor.keras_shape, chw=tensor.chw)
     layer = LeakyReLU(slope) if slope else ReLU()
-    return call.add(layer, tensor, tensor.layout, tensor.keras_shape, chw=tensor.chw)
+    out = call.add(layer, tensor, tensor.layout, tensor.keras_shape, chw=tensor.chw)
+    if ceiling is None:
+        return out
+    return call.add(Clip(None, float(ceiling)), out, out.layout, out.keras_shape, suffix="max", chw=out.chw)
 
 
 def leaky_relu(call: LayerCall, inputs: list[Tensor]) -> Tensor:

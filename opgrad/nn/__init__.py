@@ -13,6 +13,7 @@ reference backend runs per batch::
 
 from opgrad.nn.init import compute_fans, get_initializer, glorot_uniform, he_uniform, param_generator, zeros
 from opgrad.nn.layers import (
+    ELU,
     GELU,
     LAYERS,
     Activation,
@@ -28,16 +29,21 @@ from opgrad.nn.layers import (
     Flatten,
     ForwardContext,
     GlobalAvgPool2D,
+    Hardsigmoid,
+    Hardswish,
     Input,
     Layer,
     LayerNorm,
     LeakyReLU,
     MaxPool2D,
     ParamSpec,
+    PReLU,
     ReLU,
     Rescaling,
     Sigmoid,
+    SiLU,
     Softmax,
+    Softplus,
     SymbolicTensor,
     Tanh,
     UpSampling2D,
@@ -55,6 +61,7 @@ from opgrad.nn.ops_layers import (
     Reduce,
     Resize,
     Slice,
+    Unary,
 )
 from opgrad.nn.optim import OPTIMIZERS, SGD, Adam, AdamW, Optimizer, RMSprop, make_optimizer
 from opgrad.nn.reshaping import Permute, Reshape, ZeroPadding2D
@@ -76,6 +83,7 @@ load = load_model
 
 __all__ = [
     "BACKENDS",
+    "ELU",
     "GELU",
     "LAYERS",
     "MODELS",
@@ -101,6 +109,8 @@ __all__ = [
     "ForwardContext",
     "GlobalAvgPool2D",
     "GlobalPool2D",
+    "Hardsigmoid",
+    "Hardswish",
     "Input",
     "LRSchedule",
     "Layer",
@@ -111,6 +121,7 @@ __all__ = [
     "Model",
     "NanLossError",
     "Optimizer",
+    "PReLU",
     "Pad",
     "ParamSpec",
     "Permute",
@@ -122,9 +133,11 @@ __all__ = [
     "Resize",
     "Schedule",
     "Sequential",
+    "SiLU",
     "Sigmoid",
     "Slice",
     "Softmax",
+    "Softplus",
     "StepLR",
     "StepResult",
     "StepsResult",
@@ -132,6 +145,7 @@ __all__ = [
     "Tanh",
     "TrainStep",
     "Trainer",
+    "Unary",
     "UpSampling2D",
     "WarmupLR",
     "ZeroPadding2D",

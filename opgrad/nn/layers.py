@@ -50,6 +50,7 @@ from opgrad.registry.normalization import batch_statistics
 
 __all__ = [
     "ACTIVATIONS",
+    "ELU",
     "GELU",
     "LAYERS",
     "Activation",
@@ -66,27 +67,36 @@ __all__ = [
     "Flatten",
     "ForwardContext",
     "GlobalAvgPool2D",
+    "Hardsigmoid",
+    "Hardswish",
     "Input",
     "Layer",
     "LayerNorm",
     "LeakyReLU",
     "MaxPool2D",
     "Node",
+    "PReLU",
     "ParamSpec",
     "ReLU",
     "Rescaling",
+    "SiLU",
     "Sigmoid",
     "Softmax",
+    "Softplus",
     "SymbolicTensor",
     "Tanh",
     "UpSampling2D",
+    "hard_sigmoid",
 ]
 
 Shape = tuple[int, ...]
 #: What ``build`` takes: one per-example shape, or a list of them for a layer with several inputs.
 InputShape = Shape | list[Shape]
 
-ACTIVATIONS = (None, "relu", "leaky_relu", "gelu", "sigmoid", "tanh")
+#: Activation names of ``activation=`` and :class:`Activation` (Keras' names; ``relu6``,
+#: ``hard_sigmoid`` and ``hard_swish`` as PyTorch's ``ReLU6``, ``Hardsigmoid`` and ``Hardswish``).
+ACTIVATIONS = (None, "relu", "leaky_relu", "gelu", "sigmoid", "tanh", "silu", "elu", "softplus", "relu6",
+               "hard_sigmoid", "hard_swish")
 
 #: Every layer class by ``kind``, filled as classes are defined (a user's subclass included).
 LAYERS: dict[str, type[Layer]] = {}
@@ -198,7 +208,24 @@ def _activate(x: Expr, activation: str | None) -> Expr:
         return ops.sigmoid(x)
     if activation == "tanh":
         return ops.tanh(x)
+    if activation == "silu":
+        return ops.multiply(x, ops.sigmoid(x))
+    if activation == "elu":
+        return ops.elu(x)
+    if activation == "softplus":
+        return ops.softplus(x)
+    if activation == "relu6":
+        return ops.clip(x, lo=0.0, hi=6.0)
+    if activation == "hard_sigmoid":
+        return hard_sigmoid(x)
+    if activation == "hard_swish":
+        return ops.multiply(x, hard_sigmoid(x))
     return x
+
+
+def hard_sigmoid(x: Expr) -> Expr:
+    """``relu6(x + 3) / 6``, as PyTorch's ``Hardsigmoid`` and Keras 3's ``hard_sigmoid`` compute it."""
+    return ops.divide(ops.clip(ops.add(x, 3.0), lo=0.0, hi=6.0), 6.0)
 
 
 def _init_config(init: Initializer) -> str | None:
@@ -612,7 +639,8 @@ class UpSampling2D(Layer):
 
 class _Pool2D(Layer):
     def __init__(self, pool_size: int | Sequence[int] = 2, *, strides: int | Sequence[int] | None = None,
-                 padding: str | int | Sequence[int] = "valid", name: str | None = None) -> None:
+                 padding: str | int | Sequence[int] = "valid", ceil_mode: bool = False,
+                 name: str | None = None) -> None:
         super().__init__(name)
         cls = type(self).__name__
         self.pool_size = _pair(pool_size, f"{cls} pool_size")
@@ -621,14 +649,21 @@ class _Pool2D(Layer):
         problem = pool_padding_problem(self.pool_size, self.padding) if isinstance(self.padding, tuple) else None
         if problem:
             raise ValueError(f"pool {problem}")
+        if not isinstance(ceil_mode, (bool, np.bool_)):
+            raise ValueError(f"{cls} ceil_mode must be True or False, got {ceil_mode!r}")
+        if ceil_mode and self.padding == "same":
+            raise ValueError(f"{cls} ceil_mode applies to 'valid' or explicit padding; 'same' sizes the output itself")
+        #: PyTorch's ceil_mode: the output size rounds up, keeping windows that start inside the input.
+        self.ceil_mode = bool(ceil_mode)
 
     def get_config(self) -> dict[str, Any]:
         return {"pool_size": list(self.pool_size), "strides": list(self.strides),
-                "padding": self.padding if isinstance(self.padding, str) else list(self.padding)}
+                "padding": self.padding if isinstance(self.padding, str) else list(self.padding),
+                **({"ceil_mode": True} if self.ceil_mode else {})}
 
     def config(self) -> str:
         extras = [f"stride {per_axis(self.strides)}" if self.strides != self.pool_size else "",
-                  padding_text(self.padding)]
+                  padding_text(self.padding), "ceil_mode" if self.ceil_mode else ""]
         return ", ".join([f"{self.pool_size[0]}x{self.pool_size[1]}", *(e for e in extras if e)])
 
     def pads(self, height: int, width: int) -> tuple[tuple[int, int], tuple[int, int]]:
@@ -647,7 +682,8 @@ class _Pool2D(Layer):
         c, h, w = input_shape
         (top, bottom), (left, right) = self.pads(h, w)
         # apply() hands the op the odd bottom/right pixel of "same" padding as input rows and columns.
-        attrs = {"pool_size": self.pool_size, "strides": self.strides, "padding": (top, left)}
+        attrs = {"pool_size": self.pool_size, "strides": self.strides, "padding": (top, left),
+                 "ceil_mode": self.ceil_mode}
         try:
             oh, ow = pooled_hw((h + bottom - top, w + right - left), attrs)
         except ShapeError:
@@ -667,22 +703,45 @@ class MaxPool2D(_Pool2D):
         (top, bottom), (left, right) = self.pads(x.shape[2], x.shape[3])
         if bottom != top or right != left:  # asymmetric "same": -inf never wins a max
             x = ops.pad(x, pad_width=((0, 0), (0, 0), (0, bottom - top), (0, right - left)), value=-math.inf)
-        return ops.max_pool2d(x, pool_size=self.pool_size, strides=self.strides, padding=(top, left))
+        return ops.max_pool2d(x, pool_size=self.pool_size, strides=self.strides, padding=(top, left),
+                              ceil_mode=self.ceil_mode)
 
 
 class AvgPool2D(_Pool2D):
     """Mean over each window; strides default to the pool size, as in Keras.
 
-    Explicit padding counts the zeros (PyTorch's default ``count_include_pad=True``); ``"same"``
-    averages only the real pixels of each window, as TF/Keras do.
+    Explicit padding counts the zeros unless ``count_include_pad=False`` (PyTorch's option and
+    default); ``"same"`` averages only the real pixels of each window, as TF/Keras do.
+    ``ceil_mode`` is PyTorch's.
     """
 
     kind = "avgpool"
 
+    def __init__(self, pool_size: int | Sequence[int] = 2, *, strides: int | Sequence[int] | None = None,
+                 padding: str | int | Sequence[int] = "valid", ceil_mode: bool = False,
+                 count_include_pad: bool | None = None, name: str | None = None) -> None:
+        super().__init__(pool_size, strides=strides, padding=padding, ceil_mode=ceil_mode, name=name)
+        if count_include_pad is not None and not isinstance(count_include_pad, (bool, np.bool_)):
+            raise ValueError(f"AvgPool2D count_include_pad must be True or False, got {count_include_pad!r}")
+        if count_include_pad and self.padding == "same":
+            raise ValueError("AvgPool2D 'same' padding averages the real pixels only (TF's); count_include_pad=True "
+                             "needs explicit padding")
+        self.count_include_pad = self.padding != "same" if count_include_pad is None else bool(count_include_pad)
+
+    def get_config(self) -> dict[str, Any]:
+        counts_padding = self.padding != "same"
+        return {**super().get_config(),
+                **({"count_include_pad": self.count_include_pad} if self.count_include_pad != counts_padding else {})}
+
+    def config(self) -> str:
+        excluded = not self.count_include_pad and self.padding not in ("same", "valid")
+        return super().config() + (", count_include_pad=False" if excluded else "")
+
     def apply(self, x: Expr, params: Mapping[str, Expr], ctx: ForwardContext) -> Expr:
         (top, bottom), (left, right) = self.pads(x.shape[2], x.shape[3])
         if self.padding != "same" or (top, bottom, left, right) == (0, 0, 0, 0):
-            return ops.avg_pool2d(x, pool_size=self.pool_size, strides=self.strides, padding=(top, left))
+            return ops.avg_pool2d(x, pool_size=self.pool_size, strides=self.strides, padding=(top, left),
+                                  ceil_mode=self.ceil_mode, count_include_pad=self.count_include_pad)
         widths = ((0, 0), (0, 0), (top, bottom), (left, right))
         summed = ops.avg_pool2d(ops.pad(x, pad_width=widths), pool_size=self.pool_size, strides=self.strides)
         real = ops.avg_pool2d(ops.pad(ops.ones_like(x), pad_width=widths), pool_size=self.pool_size,
@@ -783,6 +842,114 @@ class Tanh(Layer):
 
     def apply(self, x: Expr, params: Mapping[str, Expr], ctx: ForwardContext) -> Expr:
         return ops.tanh(x)
+
+
+class SiLU(Layer):
+    """``x * sigmoid(x)`` (PyTorch's ``SiLU``, Keras' ``silu``/``swish``)."""
+
+    kind = "silu"
+
+    def apply(self, x: Expr, params: Mapping[str, Expr], ctx: ForwardContext) -> Expr:
+        return _activate(x, "silu")
+
+
+class ELU(Layer):
+    """``x if x > 0 else alpha * (exp(x) - 1)`` (PyTorch's default ``alpha`` 1)."""
+
+    kind = "elu"
+
+    def __init__(self, alpha: float = 1.0, *, name: str | None = None) -> None:
+        super().__init__(name)
+        if not (math.isfinite(float(alpha)) and float(alpha) >= 0):
+            raise ValueError(f"ELU alpha must be a finite number >= 0, got {alpha!r}")
+        self.alpha = float(alpha)
+
+    def get_config(self) -> dict[str, Any]:
+        return {"alpha": self.alpha}
+
+    def config(self) -> str:
+        return f"{self.alpha:g}" if self.alpha != 1.0 else ""
+
+    def apply(self, x: Expr, params: Mapping[str, Expr], ctx: ForwardContext) -> Expr:
+        return ops.elu(x, alpha=self.alpha)
+
+
+class Softplus(Layer):
+    """``log(1 + exp(beta * x)) / beta``, linear where ``beta * x > threshold`` (PyTorch's defaults 1 and 20)."""
+
+    kind = "softplus"
+
+    def __init__(self, beta: float = 1.0, threshold: float = 20.0, *, name: str | None = None) -> None:
+        super().__init__(name)
+        if not (math.isfinite(float(beta)) and float(beta) > 0 and math.isfinite(float(threshold))):
+            raise ValueError(f"Softplus beta must be a finite number > 0 and threshold finite, got {beta!r}, "
+                             f"{threshold!r}")
+        self.beta, self.threshold = float(beta), float(threshold)
+
+    def get_config(self) -> dict[str, Any]:
+        return {"beta": self.beta, "threshold": self.threshold}
+
+    def config(self) -> str:
+        return "" if (self.beta, self.threshold) == (1.0, 20.0) else f"beta {self.beta:g}, threshold {self.threshold:g}"
+
+    def apply(self, x: Expr, params: Mapping[str, Expr], ctx: ForwardContext) -> Expr:
+        return ops.softplus(x, beta=self.beta, threshold=self.threshold)
+
+
+class Hardsigmoid(Layer):
+    """``relu6(x + 3) / 6`` (PyTorch's ``Hardsigmoid``, Keras 3's ``hard_sigmoid``)."""
+
+    kind = "hardsigmoid"
+
+    def apply(self, x: Expr, params: Mapping[str, Expr], ctx: ForwardContext) -> Expr:
+        return hard_sigmoid(x)
+
+
+class Hardswish(Layer):
+    """``x * relu6(x + 3) / 6`` (PyTorch's ``Hardswish``, Keras 3's ``hard_swish``)."""
+
+    kind = "hardswish"
+
+    def apply(self, x: Expr, params: Mapping[str, Expr], ctx: ForwardContext) -> Expr:
+        return _activate(x, "hard_swish")
+
+
+class PReLU(Layer):
+    """``x if x > 0 else a * x`` with a learned slope ``a``: one shared (``num_parameters=1``) or
+    one per channel (axis 1, ``num_parameters`` = channels), starting at ``init``, as PyTorch's
+    ``PReLU``; its parameter is ``weight``."""
+
+    kind = "prelu"
+
+    def __init__(self, num_parameters: int = 1, init: float = 0.25, *, name: str | None = None) -> None:
+        super().__init__(name)
+        self.num_parameters = as_int(num_parameters, "PReLU num_parameters")
+        if self.num_parameters < 1 or not math.isfinite(float(init)):
+            raise ValueError(f"PReLU needs num_parameters >= 1 and a finite init, got {num_parameters!r}, {init!r}")
+        self.init = float(init)
+
+    def get_config(self) -> dict[str, Any]:
+        return {"num_parameters": self.num_parameters, "init": self.init}
+
+    def config(self) -> str:
+        return f"{self.num_parameters}" if self.num_parameters != 1 else ""
+
+    def output_shape_for(self, input_shape: Shape) -> Shape:
+        if self.num_parameters != 1 and (not input_shape or input_shape[0] != self.num_parameters):
+            raise self._shape_error(input_shape, f"{self.num_parameters} slopes need {self.num_parameters} channels "
+                                                 "on axis 1")
+        return input_shape
+
+    def param_specs(self) -> dict[str, ParamSpec]:
+        value = self.init
+
+        def constant(shape: tuple[int, ...], rng: np.random.Generator, dtype: str = "float32") -> np.ndarray:
+            return np.full(shape, value, dtype=dtype)
+
+        return {"weight": ParamSpec((self.num_parameters,), constant)}
+
+    def apply(self, x: Expr, params: Mapping[str, Expr], ctx: ForwardContext) -> Expr:
+        return ops.prelu(x, params["weight"], axis=1)
 
 
 class Softmax(Layer):

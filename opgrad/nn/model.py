@@ -70,14 +70,25 @@ class Model:
     """The layers between ``inputs`` and ``outputs`` (one tensor or a list of each).
 
     Supports branches, skip connections, several inputs and outputs and shared layers; every
-    tensor the outputs depend on must come from the given inputs.
+    tensor the outputs depend on must come from the given inputs. ``output_names`` (one distinct
+    name per output) name the outputs where a file format has names for them: an imported ONNX
+    graph keeps its output names through ``opgrad.onnx.save``.
     """
 
     def __init__(self, inputs: SymbolicTensor | Sequence[SymbolicTensor],
-                 outputs: SymbolicTensor | Sequence[SymbolicTensor], *, name: str = "model") -> None:
+                 outputs: SymbolicTensor | Sequence[SymbolicTensor], *, name: str = "model",
+                 output_names: Sequence[str] | None = None) -> None:
         self.name = name
         self.inputs = _as_list(inputs, "inputs")
         self.outputs = _as_list(outputs, "outputs")
+        self.output_names: list[str] | None = None
+        if output_names is not None:
+            names = list(output_names)
+            if (len(names) != len(self.outputs) or not all(isinstance(n, str) and n for n in names)
+                    or len(set(names)) != len(names)):
+                raise ValueError(f"model {name!r}: output_names must be {len(self.outputs)} distinct non-empty "
+                                 f"strings, one per output; got {output_names!r}")
+            self.output_names = names
         for tensor in self.inputs:
             if tensor.node is not None:
                 raise TypeError(f"model {name!r}: inputs must come from nn.Input, got {tensor!r}")
@@ -88,6 +99,8 @@ class Model:
         self.layers: tuple[Layer, ...] = tuple(dict.fromkeys(node.layer for node in self.nodes))
         self._name_layers()
         self._params: dict[str, np.ndarray] | None = None
+        #: Whether ``params`` was assigned (set, loaded, imported or trained) rather than drawn on first use.
+        self.weights_assigned = False
         self._buffers: dict[str, np.ndarray] | None = None
         self._predict_steps: dict[tuple[int, str, str], Any] = {}
         #: The metadata of the checkpoint the model was loaded from (step, optimizer, ...), else empty.
@@ -235,6 +248,7 @@ class Model:
     @params.setter
     def params(self, values: Mapping[str, np.ndarray]) -> None:
         self._params = self._checked(values, self.param_shapes(), "parameter")
+        self.weights_assigned = True
 
     @property
     def buffers(self) -> dict[str, np.ndarray]:
@@ -421,6 +435,7 @@ class Model:
             "layers": [{"kind": layer.kind, "name": layer.name, "config": layer.get_config()} for layer in self.layers],
             "nodes": [{"layer": node.layer.name, "inputs": [index[id(t)] for t in node.inputs]} for node in self.nodes],
             "outputs": [index[id(t)] for t in self.outputs],
+            **({"output_names": self.output_names} if self.output_names is not None else {}),
         }
 
     def save(self, path: str | os.PathLike[str]) -> None:
@@ -505,7 +520,7 @@ def model_from_config(config: Mapping[str, Any], *, source: str = "model descrip
             args = [tensors[i] for i in node["inputs"]]
             tensors.append(layer(args if layer.multi_input else args[0]))
         return Model(tensors[: len(config["inputs"])], [tensors[i] for i in config["outputs"]],
-                     name=str(config["name"]))
+                     name=str(config["name"]), output_names=config.get("output_names"))
     except (KeyError, IndexError, TypeError) as exc:
         raise ValueError(f"{source}: malformed model description ({type(exc).__name__}: {exc})") from None
 

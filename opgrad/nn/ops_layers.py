@@ -26,6 +26,7 @@ from opgrad.nn.layers import ForwardContext, Layer, ParamSpec, Softmax
 
 __all__ = [
     "ARITHMETIC",
+    "UNARY",
     "Arithmetic",
     "Clip",
     "Elementwise",
@@ -35,11 +36,14 @@ __all__ = [
     "Reduce",
     "Resize",
     "Slice",
+    "Unary",
 ]
 
 Shape = tuple[int, ...]
 #: The binary operations of :class:`Elementwise` and :class:`Arithmetic`.
 ARITHMETIC = ("add", "subtract", "multiply", "divide", "maximum", "minimum")
+#: The registered one-input operators :class:`Unary` applies.
+UNARY = ("abs", "erf", "exp", "log", "negative", "rsqrt", "sqrt", "square")
 
 
 def _example_axis(axis: int, rank: int, what: str) -> int:
@@ -96,6 +100,28 @@ class Elementwise(Layer):
         for other in x[1:]:
             out = _binary(self.op, out, other)
         return out
+
+
+class Unary(Layer):
+    """A registered one-input operator ``op`` (one of :data:`UNARY`) on every element: what an
+    imported graph holds between layers (ONNX's Abs, Erf, Exp, Log, Neg, Sqrt)."""
+
+    kind = "unary"
+
+    def __init__(self, op: str, *, name: str | None = None) -> None:
+        super().__init__(name)
+        if op not in UNARY:
+            raise ValueError(f"Unary op must be one of {UNARY}, got {op!r}")
+        self.op = op
+
+    def get_config(self) -> dict[str, Any]:
+        return {"op": self.op}
+
+    def config(self) -> str:
+        return self.op
+
+    def apply(self, x: Expr, params: Mapping[str, Expr], ctx: ForwardContext) -> Expr:
+        return getattr(ops, self.op)(x)  # type: ignore[no-any-return]
 
 
 class Arithmetic(Layer):

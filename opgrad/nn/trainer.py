@@ -26,7 +26,7 @@ from opgrad.checkpoint import CheckpointError
 from opgrad.data import iterate_batches
 from opgrad.errors import NonFiniteLossError, ShapeError
 from opgrad.history import TrainingHistory
-from opgrad.nn.losses import accuracy, cross_entropy_numpy
+from opgrad.nn.losses import accuracy, check_class_labels, cross_entropy_numpy
 from opgrad.nn.model import Model
 from opgrad.nn.optim import Optimizer
 from opgrad.nn.schedules import LRSchedule, Schedule, constant_lr, cosine_lr
@@ -149,12 +149,14 @@ class Trainer:
 
     ``backend`` is ``"reference"`` or ``"llvm"``; the steps are built on first use and reused.
     Methods that take data take :data:`Inputs`, one array per model input: float inputs are
-    cast to ``dtype``, integer inputs (token ids) stay integers. ``params`` defaults to a fresh
-    initialization from ``seed`` with fresh running statistics;
-    given ``params`` (``model.params`` of a loaded model) keep the model's buffers. With ``stop_on_nan`` (the
-    default) a step whose loss is nan or infinite raises :class:`~opgrad.errors.NonFiniteLossError`
-    naming the epoch, step, loss and learning rate, and leaves the parameters as they were before
-    that step; without it training carries on with whatever the updates produce.
+    cast to ``dtype``, integer inputs (token ids) stay integers. ``params`` defaults to the
+    model's weights where it holds some (assigned to ``model.params``, loaded, imported, or trained
+    by another Trainer; :attr:`~opgrad.nn.Model.weights_assigned`), else to a fresh initialization
+    from ``seed`` with fresh running statistics; kept or given weights keep the model's buffers.
+    With ``stop_on_nan`` (the default) a step whose loss is nan or infinite raises
+    :class:`~opgrad.errors.NonFiniteLossError` naming the epoch, step, loss and learning rate, and
+    leaves the parameters as they were before that step; without it training carries on with
+    whatever the updates produce.
     """
 
     def __init__(self, model: Model, optimizer: Optimizer, *, lr: float | Schedule = 1e-3,
@@ -187,10 +189,14 @@ class Trainer:
         self.augment_rotate, self.augment_scale = float(augment_rotate), float(augment_scale)
         self.stop_on_nan = stop_on_nan
         self._optimizer_state: dict[str, np.ndarray] = {}
+        # The model's own weights where it holds some (assigned, loaded, imported or trained, as
+        # Keras' fit and a PyTorch optimizer take them), else a fresh draw from ``seed``.
+        keeps_weights = params is not None or model.weights_assigned
+        if params is None and model.weights_assigned:
+            params = model.params
         self.params = dict(params) if params is not None else model.init_params(seed, dtype)
-        # Given weights (a loaded or imported model's) come with their running statistics; fresh
-        # weights start from fresh statistics.
-        buffers = ({k: v.astype(dtype, copy=False) for k, v in model.buffers.items()} if params is not None
+        # Kept weights come with their running statistics; fresh weights start from fresh statistics.
+        buffers = ({k: v.astype(dtype, copy=False) for k, v in model.buffers.items()} if keeps_weights
                    else model.init_buffers(dtype))
         self.state = {**optimizer.init_state(self.params), **buffers}
         self.step = 0
@@ -406,6 +412,11 @@ class Trainer:
         if steps_per_call < 1:
             raise ValueError(f"steps_per_call must be >= 1, got {steps_per_call}")
         arrays = self._input_arrays(inputs, labels, "train_epoch")
+        if len(labels) < self.batch_size and max_steps != 0:
+            # An epoch takes whole batches only (the compiled step has one batch size), so this
+            # epoch would train nothing and report a nan loss that reads like a diverged run.
+            raise ValueError(f"Trainer.train_epoch: {len(labels)} examples make no whole batch of {self.batch_size} "
+                             f"(an epoch drops the last partial batch); give batch_size <= {len(labels)}")
         losses: list[float] = []
         chunk: list[tuple[list[np.ndarray], np.ndarray]] = []
 
@@ -438,6 +449,8 @@ class Trainer:
         ``inputs`` is one array per model input (a bare array for a model with one input).
         """
         arrays = self._input_arrays(inputs, labels, "evaluate")
+        shape = self.model.outputs[0].shape
+        check_class_labels(labels, len(labels), shape[0] if len(shape) == 1 else None, "Trainer.evaluate")
         logits = self.eval_step.logits(arrays, {**self.params, **self.model.buffers})
         return accuracy(logits, labels), cross_entropy_numpy(logits, labels)
 

@@ -60,11 +60,13 @@ class GraphBuilder:
                                                      value=tensor))
         return name
 
-    def weight(self, layer: Layer, local: str) -> str:
+    def weight(self, layer: Layer, local: str, shape: tuple[int, ...] | None = None) -> str:
+        """The initializer of a layer's weight, reshaped to ``shape`` where given."""
         name = f"{layer.name}.{local}"
         if name not in self.initializers:
             self.taken.add(name)
             array = np.asarray(self.weights[name], dtype=self.dtype)
+            array = array if shape is None else array.reshape(shape)
             self.initializers[name] = self.onnx.numpy_helper.from_array(array, name)
         return name
 
@@ -103,6 +105,18 @@ def _activation(b: GraphBuilder, x: str, activation: str | None, out: str, hint:
         b.node("Tanh", [x], out, hint)
     elif activation == "gelu":
         _gelu(b, x, "none", out, hint)
+    elif activation == "silu":
+        b.node("Mul", [x, b.node("Sigmoid", [x], hint=hint)], out, hint)
+    elif activation == "elu":
+        b.node("Elu", [x], out, hint, alpha=1.0)
+    elif activation == "softplus":
+        b.node("Softplus", [x], out, hint)
+    elif activation == "relu6":
+        b.node("Clip", [x, b.constant(0.0, f"{hint}.min"), b.constant(6.0, f"{hint}.max")], out, hint)
+    elif activation == "hard_sigmoid":
+        b.node("HardSigmoid", [x], out, hint, alpha=1.0 / 6.0, beta=0.5)
+    elif activation == "hard_swish":
+        b.node("HardSwish", [x], out, hint)
     else:
         raise OnnxError(f"activation {activation!r} has no ONNX export")
 
@@ -184,9 +198,10 @@ def _pool(b: GraphBuilder, layer: Any, x: list[str], shapes: list[Shape], out: s
     (top, bottom), (left, right) = layer.pads(shapes[0][1], shapes[0][2])
     attrs: dict[str, Any] = {"kernel_shape": list(layer.pool_size), "strides": list(layer.strides),
                              "pads": [top, left, bottom, right]}
+    if layer.ceil_mode:
+        attrs["ceil_mode"] = 1
     if layer.kind == "avgpool":
-        # opgrad's "same" averages the real pixels only; explicit padding counts the zeros.
-        attrs["count_include_pad"] = 0 if layer.padding == "same" else 1
+        attrs["count_include_pad"] = int(layer.count_include_pad)
     b.node("MaxPool" if layer.kind == "maxpool" else "AveragePool", [x[0]], out, layer.name, **attrs)
 
 
@@ -213,6 +228,49 @@ def _activation_layer(b: GraphBuilder, layer: Any, x: list[str], shapes: list[Sh
         _gelu(b, x[0], layer.approximate, out, layer.name)
     else:
         _activation(b, x[0], layer.activation if layer.kind == "activation" else layer.kind, out, layer.name)
+
+
+@emitter("silu", "hardsigmoid", "hardswish")
+def _named_activation(b: GraphBuilder, layer: Any, x: list[str], shapes: list[Shape], out: str) -> None:
+    _activation(b, x[0], {"silu": "silu", "hardsigmoid": "hard_sigmoid", "hardswish": "hard_swish"}[layer.kind],
+                out, layer.name)
+
+
+@emitter("elu")
+def _elu(b: GraphBuilder, layer: Any, x: list[str], shapes: list[Shape], out: str) -> None:
+    b.node("Elu", [x[0]], out, layer.name, alpha=layer.alpha)
+
+
+@emitter("softplus")
+def _softplus(b: GraphBuilder, layer: Any, x: list[str], shapes: list[Shape], out: str) -> None:
+    # ONNX's Softplus has neither beta nor PyTorch's linear region past the threshold, where the
+    # two differ by at most log1p(exp(-threshold)) / beta (2e-9 at the default 20).
+    if layer.beta == 1.0:
+        b.node("Softplus", [x[0]], out, layer.name)
+        return
+    beta = b.constant(layer.beta, f"{layer.name}.beta")
+    scaled = b.node("Softplus", [b.node("Mul", [x[0], beta], hint=layer.name)], hint=layer.name)
+    b.node("Div", [scaled, beta], out, layer.name)
+
+
+@emitter("prelu")
+def _prelu(b: GraphBuilder, layer: Any, x: list[str], shapes: list[Shape], out: str) -> None:
+    # The slopes run along axis 1; ONNX broadcasts them from the right, so (C,) becomes (C, 1, ...).
+    slopes = b.weight(layer, "weight", (layer.num_parameters, *([1] * (len(shapes[0]) - 1))))
+    b.node("PRelu", [x[0], slopes], out, layer.name)
+
+
+_ONNX_UNARY = {"abs": "Abs", "erf": "Erf", "exp": "Exp", "log": "Log", "negative": "Neg", "sqrt": "Sqrt"}
+
+
+@emitter("unary")
+def _unary(b: GraphBuilder, layer: Any, x: list[str], shapes: list[Shape], out: str) -> None:
+    if layer.op == "rsqrt":
+        b.node("Reciprocal", [b.node("Sqrt", [x[0]], hint=layer.name)], out, layer.name)
+    elif layer.op == "square":
+        b.node("Mul", [x[0], x[0]], out, layer.name)
+    else:
+        b.node(_ONNX_UNARY[layer.op], [x[0]], out, layer.name)
 
 
 @emitter("dropout")
@@ -369,7 +427,11 @@ def to_onnx(model: Model, *, opset: int | None = None) -> Any:
         names[id(tensor)] = name
         kind = onnx.TensorProto.INT64 if tensor.dtype == "int64" else elem
         graph_inputs.append(onnx.helper.make_tensor_value_info(name, kind, ["N", *tensor.shape]))
-    final = {id(t): (f"output{i + 1}" if len(model.outputs) > 1 else "output") for i, t in enumerate(model.outputs)}
+    default_names = [f"output{i + 1}" if len(model.outputs) > 1 else "output" for i in range(len(model.outputs))]
+    output_names = [n for n in model.output_names or default_names if n not in names.values()]
+    if len(output_names) != len(model.outputs):  # an output named as an input: the default names
+        output_names = default_names
+    final = {id(t): output_names[i] for i, t in enumerate(model.outputs)}
     for name in final.values():
         b.taken.add(name)
     for node in model.nodes:

@@ -318,7 +318,7 @@ class _Reader:
         # The file's name, which the user chose, rather than the exporter's graph name ("main_graph").
         name = _safe_name(Path(self.source).stem, _safe_name(self.graph.name, "onnx-model"))
         try:
-            model = Model(inputs, outputs, name=name)
+            model = Model(inputs, outputs, name=name, output_names=[info.name for info in self.graph.output])
         except (ValueError, TypeError) as exc:
             raise OnnxError(f"{self.source}: {exc}") from None
         params: dict[str, np.ndarray] = {}

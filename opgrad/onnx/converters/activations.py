@@ -1,18 +1,35 @@
-"""Activations and pass-through nodes: Relu, LeakyRelu, Sigmoid, Tanh, Gelu, Softmax, LogSoftmax,
-Clip, Dropout, Identity, Cast."""
+"""Activations and pass-through nodes: Relu, LeakyRelu, Sigmoid, Tanh, Gelu, Elu, Softplus, PRelu,
+HardSigmoid, HardSwish, Mish, Softmax, LogSoftmax, Clip, Dropout, Identity, Cast, and the
+one-input math nodes Abs, Erf, Exp, Log, Neg, Sqrt, Reciprocal and Pow by a constant."""
 
 from __future__ import annotations
 
 import math
 
-from opgrad.nn.layers import GELU, Dropout, LeakyReLU, ReLU, Sigmoid, Softmax, Tanh
-from opgrad.nn.ops_layers import Clip, LogSoftmax
+import numpy as np
+
+from opgrad.nn.layers import (
+    ELU,
+    GELU,
+    Dropout,
+    Hardsigmoid,
+    Hardswish,
+    LeakyReLU,
+    PReLU,
+    ReLU,
+    Sigmoid,
+    Softmax,
+    Softplus,
+    Tanh,
+)
+from opgrad.nn.ops_layers import Arithmetic, Clip, Elementwise, LogSoftmax, Unary
 from opgrad.nn.reshaping import Reshape
 from opgrad.onnx.table import NodeContext, StaticValue, Value, converter
 
 __all__: list[str] = []
 
-_SIMPLE = {"Relu": ReLU, "Sigmoid": Sigmoid, "Tanh": Tanh}
+_SIMPLE = {"Relu": ReLU, "Sigmoid": Sigmoid, "Tanh": Tanh, "Softplus": Softplus, "HardSwish": Hardswish}
+_UNARY = {"Abs": "abs", "Erf": "erf", "Exp": "exp", "Log": "log", "Neg": "negative", "Sqrt": "sqrt"}
 _FLOAT_CASTS = {1: "FLOAT", 10: "FLOAT16", 11: "DOUBLE", 16: "BFLOAT16"}
 
 
@@ -22,6 +39,81 @@ def simple(ctx: NodeContext) -> list[Value]:
 
 for _op_type in _SIMPLE:
     converter(_op_type, since=6)(simple)
+
+
+def unary(ctx: NodeContext) -> list[Value]:
+    return [ctx.layer(ctx.new(Unary, _UNARY[ctx.op_type]), ctx.tensor(0, "X"))]
+
+
+for _op_type in _UNARY:
+    converter(_op_type, since=6)(unary)
+
+
+@converter("Reciprocal", since=6)
+def reciprocal(ctx: NodeContext) -> list[Value]:
+    return [ctx.layer(ctx.new(Arithmetic, "divide", operand=1.0, reverse=True), ctx.tensor(0, "X"))]
+
+
+#: Constant exponents of Pow that are one registered operator (a LayerNorm exported before opset
+#: 17 squares its deviations; an RMS norm takes their reciprocal square root).
+_POWERS = {2.0: "square", 0.5: "sqrt", -0.5: "rsqrt"}
+
+
+@converter("Pow", since=7)
+def power(ctx: NodeContext) -> list[Value]:
+    x = ctx.tensor(0, "X")
+    exponent = ctx.static_floats(1, "Y")
+    if exponent.size != 1:
+        raise ctx.error(f"exponent has shape {list(exponent.shape)}; supported: one constant exponent")
+    value = float(exponent.reshape(()))
+    if value == 1.0:
+        return [x]
+    if value == -1.0:
+        return [ctx.layer(ctx.new(Arithmetic, "divide", operand=1.0, reverse=True), x)]
+    if value not in _POWERS:
+        raise ctx.error(f"exponent {value:g} is not supported; supported: constant exponents 1, -1, 2, 0.5, -0.5")
+    return [ctx.layer(ctx.new(Unary, _POWERS[value]), x)]
+
+
+@converter("Elu", since=6, attributes=("alpha",))
+def elu(ctx: NodeContext) -> list[Value]:
+    return [ctx.layer(ctx.new(ELU, float(ctx.attr("alpha", 1.0))), ctx.tensor(0, "X"))]
+
+
+@converter("HardSigmoid", since=6, attributes=("alpha", "beta"))
+def hard_sigmoid(ctx: NodeContext) -> list[Value]:
+    x = ctx.tensor(0, "X")
+    alpha, beta = float(ctx.attr("alpha", 0.2)), float(ctx.attr("beta", 0.5))
+    if math.isclose(alpha, 1 / 6, rel_tol=1e-6) and beta == 0.5:  # PyTorch's and Keras 3's
+        return [ctx.layer(ctx.new(Hardsigmoid), x)]
+    scaled = ctx.layer(ctx.new(Arithmetic, "multiply", operand=alpha), x)
+    shifted = ctx.layer(ctx.new(Arithmetic, "add", operand=beta), scaled)
+    return [ctx.layer(ctx.new(Clip, 0.0, 1.0), shifted)]
+
+
+@converter("Mish", since=18)
+def mish(ctx: NodeContext) -> list[Value]:
+    x = ctx.tensor(0, "X")
+    gate = ctx.layer(ctx.new(Tanh), ctx.layer(ctx.new(Softplus), x))
+    return [ctx.layer(ctx.new(Elementwise, "multiply"), [x, gate])]
+
+
+@converter("PRelu", since=9)
+def prelu(ctx: NodeContext) -> list[Value]:
+    x = ctx.tensor(0, "X")
+    slope = ctx.static_floats(1, "slope")
+    channels = x.shape[0] if x.shape else 1
+    # One shared slope, or one per channel of axis 1 (shape (C,) on (N, C), else (C, 1, ...)).
+    per_channel = (channels, *([1] * (len(x.shape) - 1)))
+    if slope.size == 1:
+        count = 1
+    elif slope.shape == per_channel or (len(x.shape) > 1 and slope.shape == (channels, *per_channel[1:])):
+        count = channels
+    else:
+        raise ctx.error(f"slope has shape {list(slope.shape)}; supported: one slope, or one per channel of axis 1 "
+                        f"(shape {list(per_channel)}) for data (N, {', '.join(map(str, x.shape))})")
+    weights = {"weight": np.asarray(slope.reshape(count), dtype=np.float32)}
+    return [ctx.layer(ctx.new(PReLU, count), x, weights)]
 
 
 @converter("LeakyRelu", since=6, attributes=("alpha",))

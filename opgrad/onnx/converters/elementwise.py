@@ -1,4 +1,4 @@
-"""Add, Sub, Mul, Div with ONNX (numpy) broadcasting, between tensors or against a constant."""
+"""Add, Sub, Mul, Div, Max, Min with ONNX (numpy) broadcasting, between tensors or against a constant."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ __all__ = ["FIXED_OPERAND_LIMIT"]
 #: A constant operand that is no initializer is kept in the model description up to this many
 #: elements (a scale, a mean); a larger one becomes a parameter so the description stays small.
 FIXED_OPERAND_LIMIT = 4096
-_OPS = {"Add": "add", "Sub": "subtract", "Mul": "multiply", "Div": "divide"}
+_OPS = {"Add": "add", "Sub": "subtract", "Mul": "multiply", "Div": "divide", "Max": "maximum", "Min": "minimum"}
 
 
 def binary(ctx: NodeContext) -> list[Value]:
@@ -47,5 +47,21 @@ def binary(ctx: NodeContext) -> list[Value]:
     return [ctx.layer(ctx.new(Arithmetic, op, operand=array.tolist(), reverse=reverse), tensor)]
 
 
-for _op_type in _OPS:
+def extremum(ctx: NodeContext) -> list[Value]:
+    """Max and Min take one or more inputs: one is itself, two as the binary operations, more
+    (tensors of one rank) fold from the left."""
+    count = ctx.input_count
+    if count == 1:
+        return [ctx.value(0)]
+    if count == 2:
+        return binary(ctx)
+    tensors = [ctx.tensor(i, f"data_{i}") for i in range(count)]
+    if len({len(t.shape) for t in tensors}) != 1:
+        raise ctx.error("inputs differ in rank; supported: more than two inputs of one rank")
+    return [ctx.layer(ctx.new(Elementwise, _OPS[ctx.op_type]), tensors)]
+
+
+for _op_type in ("Add", "Sub", "Mul", "Div"):
     converter(_op_type, since=7)(binary)
+for _op_type in ("Max", "Min"):
+    converter(_op_type, since=8)(extremum)

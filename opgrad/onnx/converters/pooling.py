@@ -25,26 +25,37 @@ def _pool(ctx: NodeContext, kind: str) -> list[Value]:
         raise ctx.unsupported("dilations", list(dilations), "[1, 1]")
     size = x.shape[1:]
     t, l, b, r = spatial_pads(ctx, size, kernel, strides, (1, 1))
+    # Equal pads below the window are the layer's own padding, which takes ceil_mode and
+    # count_include_pad=0 as PyTorch defines them; other pads become a Pad layer first.
+    symmetric = t == b and l == r and t < kernel[0] and l < kernel[1]
+    ceil_mode = False
     if int(ctx.attr("ceil_mode", 0)):
         for extent, k, s, pad in zip(size, kernel, strides, (t + b, l + r)):
             if (extent + pad - k) % s:
-                floor = (extent + pad - k) // s + 1
-                raise ctx.unsupported("ceil_mode", 1, f"0, or ceil_mode=1 where it does not change the output "
-                                                      f"size (here it gives {floor + 1} instead of {floor})")
+                if not symmetric:
+                    floor = (extent + pad - k) // s + 1
+                    raise ctx.unsupported("ceil_mode", 1, f"0, or 1 with equal pads on both sides or where it "
+                                                          f"does not change the output size (here it gives "
+                                                          f"{floor + 1} instead of {floor})")
+                ceil_mode = True
     (st, sb), (sl, sr) = (same_pads(e, k, s, 1) for e, k, s in zip(size, kernel, strides))
     same = (st, sl, sb, sr)
     if kind == "max":
         x, padding = symmetric_or_padded(ctx, x, (t, l, b, r), same, kernel, -math.inf)
-        layer = ctx.new(MaxPool2D, kernel, strides=strides, padding=padding)
+        layer = ctx.new(MaxPool2D, kernel, strides=strides, padding=padding, ceil_mode=ceil_mode)
     elif int(ctx.attr("count_include_pad", 0)) or (t, l, b, r) == (0, 0, 0, 0):
         # The nn layer's "same" averages real pixels only: padding counted must not take that path.
         x, padding = symmetric_or_padded(ctx, x, (t, l, b, r), (-1, -1, -1, -1), kernel, 0.0)
-        layer = ctx.new(AvgPool2D, kernel, strides=strides, padding=padding)
+        layer = ctx.new(AvgPool2D, kernel, strides=strides, padding=padding, ceil_mode=ceil_mode)
+    elif symmetric:
+        layer = ctx.new(AvgPool2D, kernel, strides=strides, padding=(t, l), ceil_mode=ceil_mode,
+                        count_include_pad=False)
     elif (t, l, b, r) == same:
         layer = ctx.new(AvgPool2D, kernel, strides=strides, padding="same")
     else:
-        raise ctx.unsupported("count_include_pad", 0, f"1, or 0 with the pads of auto_pad SAME_UPPER ({list(same)}); "
-                                                      f"these pads are {[t, l, b, r]}")
+        raise ctx.unsupported("count_include_pad", 0, f"1, or 0 with equal pads on both sides or the pads of "
+                                                      f"auto_pad SAME_UPPER ({list(same)}); these pads are "
+                                                      f"{[t, l, b, r]}")
     return [ctx.layer(layer, x)]
 
 

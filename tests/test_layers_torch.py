@@ -1,0 +1,143 @@
+"""Activation and pooling layers against PyTorch's modules: forward and every gradient, on both
+backends, and through a checkpoint; the Trainer's handling of labels and of a model's own weights.
+
+PyTorch is a test-only dependency: without it this module is skipped locally, and fails under CI=true.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from optional import require
+
+torch = require("torch", "the layers are compared with PyTorch's modules")
+
+import opgrad  # noqa: E402
+from opgrad import nn, ops  # noqa: E402
+
+# name -> (opgrad layer, the same PyTorch module, input shape per example)
+LAYERS: dict[str, tuple[Callable[[], nn.Layer], Callable[[], Any], tuple[int, ...]]] = {
+    "silu": (nn.SiLU, lambda: torch.nn.SiLU(), (3, 5, 4)),
+    "elu": (lambda: nn.ELU(0.7), lambda: torch.nn.ELU(0.7), (3, 5, 4)),
+    "softplus": (lambda: nn.Softplus(2.0, 3.0), lambda: torch.nn.Softplus(2.0, 3.0), (3, 5, 4)),
+    "hardsigmoid": (nn.Hardsigmoid, lambda: torch.nn.Hardsigmoid(), (3, 5, 4)),
+    "hardswish": (nn.Hardswish, lambda: torch.nn.Hardswish(), (3, 5, 4)),
+    "prelu_per_channel": (lambda: nn.PReLU(3, 0.1), lambda: torch.nn.PReLU(3, 0.1), (3, 5, 4)),
+    "prelu_shared": (nn.PReLU, lambda: torch.nn.PReLU(), (6,)),
+    "maxpool_ceil": (lambda: nn.MaxPool2D(3, strides=2, padding=1, ceil_mode=True),
+                     lambda: torch.nn.MaxPool2d(3, 2, 1, ceil_mode=True), (2, 8, 7)),
+    "avgpool_ceil_excluding_pads": (
+        lambda: nn.AvgPool2D(3, strides=2, padding=1, ceil_mode=True, count_include_pad=False),
+        lambda: torch.nn.AvgPool2d(3, 2, 1, ceil_mode=True, count_include_pad=False), (2, 8, 7)),
+    "avgpool_excluding_pads": (lambda: nn.AvgPool2D((2, 3), strides=1, padding=(1, 1), count_include_pad=False),
+                               lambda: torch.nn.AvgPool2d((2, 3), 1, (1, 1), count_include_pad=False), (2, 5, 6)),
+    "avgpool_ceil_counting_pads": (lambda: nn.AvgPool2D(2, padding=1, ceil_mode=True),
+                                   lambda: torch.nn.AvgPool2d(2, 2, 1, ceil_mode=True), (1, 6, 5)),
+}
+
+
+def _model(name: str) -> tuple[nn.Model, Any, np.ndarray]:
+    make_layer, make_module, shape = LAYERS[name]
+    layer = make_layer()
+    layer.name = "act"
+    model = nn.Sequential([layer], input_shape=shape)
+    module = make_module().double()
+    params = {f"act.{key}": value.detach().numpy().astype(np.float64) for key, value in module.named_parameters()}
+    model.params = params
+    x = np.random.default_rng(5).standard_normal((2, *shape))
+    x[0].flat[:4] = [0.0, -3.0, 3.0, 25.0]  # the kinks of hardsigmoid/hardswish, softplus' linear region
+    return model, module, x
+
+
+@pytest.mark.parametrize("name", LAYERS)
+def test_layer_matches_pytorch_forward_and_gradients(name: str) -> None:
+    model, module, x = _model(name)
+    xt = torch.tensor(x, requires_grad=True)
+    yt = module(xt)
+    cotangent = np.random.default_rng(6).standard_normal(tuple(yt.shape))
+    yt.backward(torch.tensor(cotangent))
+    images = opgrad.var("x", x.shape, "float64")
+    params = {k: opgrad.var(k, v.shape, "float64") for k, v in model.params.items()}
+    out = model.forward(images, params)
+    loss = ops.sum(ops.multiply(out, opgrad.const(cotangent)))
+    outputs = opgrad.evaluate(opgrad.function([images, *params.values()], [out]), x, *model.params.values())
+    y = outputs[0] if isinstance(outputs, tuple) else outputs
+    grads = opgrad.evaluate(opgrad.grad(opgrad.function([images, *params.values()], loss), with_value=False),
+                            x, *model.params.values())
+    grads = grads if isinstance(grads, tuple) else (grads,)
+    wrt = ["x", *params]
+    np.testing.assert_allclose(y, yt.detach().numpy(), rtol=1e-12, atol=1e-12)
+    expected = {"x": xt.grad.numpy(), **{f"act.{k}": p.grad.numpy() for k, p in module.named_parameters()}}
+    for key, value in zip(wrt, grads, strict=True):
+        # PyTorch's double hardsigmoid/hardswish gradients scale by the float constant 1.0f / 6.0f.
+        rtol = 1e-7 if name.startswith("hard") else 1e-10
+        np.testing.assert_allclose(value, expected[key], rtol=rtol, atol=1e-12, err_msg=key)
+
+
+@pytest.mark.parametrize("name", LAYERS)
+def test_layer_compiles_and_checkpoints(name: str, tmp_path: Path) -> None:
+    model, module, x = _model(name)
+    model.params = {k: v.astype(np.float32) for k, v in model.params.items()}
+    expected = module(torch.tensor(x)).detach().numpy()
+    compiled = model.predict(x.astype(np.float32), backend="llvm")
+    np.testing.assert_allclose(compiled, expected, rtol=1e-5, atol=1e-6)
+    model.save(tmp_path / "model.npz")
+    again = nn.load(tmp_path / "model.npz")
+    assert [layer.get_config() for layer in again.layers] == [layer.get_config() for layer in model.layers]
+    np.testing.assert_array_equal(again.predict(x.astype(np.float32), backend="llvm"), compiled)
+
+
+def test_pool_layer_options_are_checked() -> None:
+    with pytest.raises(ValueError, match="ceil_mode applies to 'valid' or explicit padding"):
+        nn.MaxPool2D(2, padding="same", ceil_mode=True)
+    with pytest.raises(ValueError, match="count_include_pad=True needs explicit padding"):
+        nn.AvgPool2D(2, padding="same", count_include_pad=True)
+    with pytest.raises(ValueError, match="ceil_mode must be True or False"):
+        nn.AvgPool2D(2, ceil_mode=1)  # type: ignore[arg-type]
+    assert "count_include_pad=False" in nn.AvgPool2D(3, padding=1, count_include_pad=False).config()
+
+
+def _classifier() -> nn.Model:
+    return nn.Sequential([nn.Dense(3, name="fc")], input_shape=(3,))
+
+
+def test_evaluate_refuses_labels_pytorch_refuses() -> None:
+    model = _classifier()
+    trainer = nn.Trainer(model, nn.SGD(), lr=0.1, batch_size=2)
+    x = np.eye(3, dtype=np.float32)[[0, 1, 2, 0]]
+    trainer.evaluate(x, np.array([0, 1, 2, 1]))
+    for labels, message in ((np.array([[0], [1], [2], [1]]), r"labels have shape \(4, 1\), expected \(4,\)"),
+                            (np.array([0, 1, 2, -1]), r"labels must lie in 0..2 for 3 classes, got values in -1..2"),
+                            (np.array([0, 1, 3, 1]), r"labels must lie in 0..2"),
+                            (np.array([0.0, 1.0, 2.0, 1.0]), "labels have dtype float64, expected integer")):
+        with pytest.raises(ValueError, match=message):
+            trainer.evaluate(x, labels)
+    with pytest.raises(ValueError, match="accuracy: labels have shape"):
+        nn.accuracy(np.zeros((4, 3)), np.zeros((4, 1), np.int64))
+
+
+def test_an_epoch_without_a_whole_batch_is_an_error() -> None:
+    trainer = nn.Trainer(_classifier(), nn.SGD(), lr=0.1, batch_size=32)
+    x, y = np.zeros((20, 3), np.float32), np.zeros(20, np.int64)
+    with pytest.raises(ValueError, match="20 examples make no whole batch of 32"):
+        trainer.train_epoch(x, y)
+
+
+def test_trainer_trains_the_weights_a_model_holds() -> None:
+    model = _classifier()
+    fresh = nn.Trainer(model, nn.SGD(), lr=0.1, batch_size=2, seed=3)
+    drawn = {k: v.copy() for k, v in fresh.params.items()}
+    ported = {"fc.weight": np.eye(3, dtype=np.float32), "fc.bias": np.ones(3, np.float32)}
+    model.params = ported
+    trainer = nn.Trainer(model, nn.SGD(), lr=0.1, batch_size=2, seed=3)
+    for key, value in ported.items():
+        np.testing.assert_array_equal(trainer.params[key], value)
+    assert not np.array_equal(drawn["fc.weight"], ported["fc.weight"])
+    # A model never assigned weights still starts from the seed's draw.
+    again = nn.Trainer(_classifier(), nn.SGD(), lr=0.1, batch_size=2, seed=3)
+    for key, value in drawn.items():
+        np.testing.assert_array_equal(again.params[key], value)
