@@ -430,6 +430,7 @@ LAYER_VARIANTS = {
     "relu_slope_and_max_value": lambda layers: layers.ReLU(max_value=0.5, negative_slope=0.2),
     "conv_relu6": lambda layers: layers.Conv2D(3, 3, activation="relu6"),
     "conv_silu": lambda layers: layers.Conv2D(2, 1, activation="silu"),
+    "dense_on_pixels": lambda layers: layers.Dense(4, activation="silu"),
     "activation_swish": lambda layers: layers.Activation("swish"),
     "activation_elu": lambda layers: layers.Activation("elu"),
     "activation_softplus": lambda layers: layers.Activation("softplus"),
@@ -457,6 +458,23 @@ def test_layer_variants_predict_like_keras(tmp_path: Path, monkeypatch: pytest.M
     keras_model.save(tmp_path / "layer.keras")
     model = load(tmp_path / "layer.keras", layout="NHWC", keep_softmax=True)
     np.testing.assert_allclose(model.predict(x, backend="reference"), expected, atol=1e-5, rtol=0)
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # Keras' own numpy 2 deprecations
+def test_dense_over_a_sequence_predicts_like_keras(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    generator = _generator(monkeypatch)
+    import keras
+
+    inp = keras.Input((5, 7))
+    hidden = keras.layers.Dense(6, activation="gelu")(inp)
+    keras_model = keras.Model(inp, keras.layers.Dense(3)(keras.layers.Flatten()(keras.layers.Dense(4)(hidden))))
+    generator.randomize(keras_model, seed=4)
+    x = np.random.default_rng(4).standard_normal((2, 5, 7)).astype(np.float32)
+    expected = np.asarray(keras_model.predict(x, verbose=0))
+    keras_model.save(tmp_path / "sequence.keras")
+    model = load(tmp_path / "sequence.keras", keep_softmax=True)
+    for backend in ("reference", "llvm"):
+        np.testing.assert_allclose(model.predict(x, backend=backend), expected, atol=1e-5, rtol=0)
 
 
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")  # Keras' own numpy 2 deprecations

@@ -28,6 +28,7 @@ LAYERS: dict[str, tuple[Callable[[], nn.Layer], Callable[[], Any], tuple[int, ..
     "hardswish": (nn.Hardswish, lambda: torch.nn.Hardswish(), (3, 5, 4)),
     "prelu_per_channel": (lambda: nn.PReLU(3, 0.1), lambda: torch.nn.PReLU(3, 0.1), (3, 5, 4)),
     "prelu_shared": (nn.PReLU, lambda: torch.nn.PReLU(), (6,)),
+    "dense_over_rows": (lambda: nn.Dense(4), lambda: torch.nn.Linear(5, 4), (2, 3, 5)),
     "maxpool_ceil": (lambda: nn.MaxPool2D(3, strides=2, padding=1, ceil_mode=True),
                      lambda: torch.nn.MaxPool2d(3, 2, 1, ceil_mode=True), (2, 8, 7)),
     "avgpool_ceil_excluding_pads": (
@@ -141,3 +142,11 @@ def test_trainer_trains_the_weights_a_model_holds() -> None:
     again = nn.Trainer(_classifier(), nn.SGD(), lr=0.1, batch_size=2, seed=3)
     for key, value in drawn.items():
         np.testing.assert_array_equal(again.params[key], value)
+
+
+def test_a_classifier_scoring_rows_of_pixels_is_told_to_flatten() -> None:
+    model = nn.Sequential([nn.Conv2D(4, 3), nn.Dense(10)], input_shape=(1, 8, 8))
+    assert model.output_shape == (4, 6, 10)  # the Dense runs over each row of pixels, as PyTorch's Linear
+    trainer = nn.Trainer(model, nn.SGD(), lr=0.1, batch_size=2)
+    with pytest.raises(ValueError, match=r"output 0 has shape \(4, 6, 10\).*put a Flatten\(\) \(or a global pool\)"):
+        trainer.train_batch(np.zeros((2, 1, 8, 8), np.float32), np.zeros(2, np.int64))

@@ -93,7 +93,7 @@ def test_several_inputs_and_int_inputs() -> None:
     ("build", "error", "match"),
     [
         (lambda a, b: nn.Add()([a, b]), ShapeError, r"layer Add: input shape .* Add needs inputs of one shape"),
-        (lambda a, b: nn.Dense(3)(a), ShapeError, r"Dense\(3\).*put a Flatten"),
+        (lambda a, b: nn.PReLU(3)(a), ShapeError, r"PReLU\(3\).*3 slopes need 3 channels"),
         (lambda a, b: nn.Concatenate(axis=2)([a, b]), ShapeError, r"Concatenate along axis 2 needs the other axes"),
         (lambda a, b: nn.Add()(a), TypeError, r"takes a list of two or more tensors"),
         (lambda a, b: nn.Embedding(3, 2)(a), TypeError, r"takes int64 inputs"),

@@ -51,7 +51,7 @@ def test_forward_builds_typed_graph() -> None:
 @pytest.mark.parametrize(
     ("layers", "match"),
     [
-        ([nn.Conv2D(4, 3), nn.Dense(10)], r"'dense1' \(Dense\(10\)\).*put a Flatten"),
+        ([nn.Conv2D(4, 3), nn.PReLU(5)], r"'prelu1' \(PReLU\(5\)\).*5 slopes need 5 channels on axis 1"),
         ([nn.Conv2D(4, 30)], r"'conv1'.*does not fit"),
         ([nn.Flatten(), nn.Conv2D(4, 3)], r"Conv2D needs \(channels, height, width\)"),
         ([nn.MaxPool2D(40)], r"pool does not fit"),

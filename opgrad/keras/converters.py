@@ -127,12 +127,11 @@ def _use_bias(call: LayerCall) -> bool:
 
 def dense(call: LayerCall, inputs: list[Tensor]) -> Tensor:
     tensor = _one(call, inputs)
-    if tensor.keras_rank != 1:
-        raise call.fail(f"input shape {tensor.keras_shape}: opgrad's Dense takes flat features; supported: "
-                        "a Dense after Flatten or another Dense")
+    if tensor.keras_rank > 1:  # Keras' Dense runs over the last axis: take the values in Keras' order
+        tensor = call.to_keras_order(tensor)
     units, use_bias, act = int(call.take("units")), _use_bias(call), _activation_name(call)
     call.choose("lora_rank", (None, 0), None)
-    features = tensor.keras_shape[0]
+    features = tensor.keras_shape[-1]
     expected = {"kernel": (features, units), **({"bias": (units,)} if use_bias else {})}
     weights = call.weights(expected)
     kernel = weights["kernel"]
@@ -144,11 +143,11 @@ def dense(call: LayerCall, inputs: list[Tensor]) -> Tensor:
     else:
         weight = kernel.T
     layer = Dense(units, activation=act if act in _FUSED else None, use_bias=use_bias)
-    out = call.add(layer, tensor, "keras", (units,))
+    out = call.add(layer, tensor, "keras", (*tensor.keras_shape[:-1], units))
     call.set_param(layer, "weight", weight)
     if use_bias:
         call.set_param(layer, "bias", weights["bias"])
-    return out if act in _FUSED else _activate(call, out, act)
+    return call.canonical(out if act in _FUSED else _activate(call, out, act))
 
 
 def _conv_common(call: LayerCall) -> dict[str, Any]:

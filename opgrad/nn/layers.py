@@ -396,7 +396,11 @@ class Layer:
 
 
 class Dense(Layer):
-    """``x @ weight.T + bias`` with ``weight`` shaped ``(units, in)``; optional activation."""
+    """``x @ weight.T + bias`` with ``weight`` shaped ``(units, in)``; optional activation.
+
+    Over the last axis of each example, as PyTorch's ``Linear`` and Keras' ``Dense``: features
+    ``(in,)`` give ``(units,)``, a sequence ``(T, in)`` gives ``(T, units)``, every row by the same
+    weights."""
 
     kind = "dense"
 
@@ -420,21 +424,26 @@ class Dense(Layer):
         return f"{self.units}" + (f", {self.activation}" if self.activation else "")
 
     def output_shape_for(self, input_shape: Shape) -> Shape:
-        if len(input_shape) != 1:
-            raise self._shape_error(input_shape, "Dense needs flat features (in,); put a Flatten() before it")
-        return (self.units,)
+        if not input_shape:
+            raise self._shape_error(input_shape, "Dense needs features (in,) or rows of them (..., in)")
+        return (*input_shape[:-1], self.units)
 
     def param_specs(self) -> dict[str, ParamSpec]:
         assert self.input_shape is not None, "build() first"
-        specs = {"weight": ParamSpec((self.units, self.input_shape[0]), self.kernel_init)}
+        specs = {"weight": ParamSpec((self.units, self.input_shape[-1]), self.kernel_init)}
         if self.use_bias:
             specs["bias"] = ParamSpec((self.units,), self.bias_init)
         return specs
 
     def apply(self, x: Expr, params: Mapping[str, Expr], ctx: ForwardContext) -> Expr:
-        y = ops.dense(x, params["weight"])
+        rows = x.shape[:-1]
+        # Rows of several axes are one matrix of rows for the GEMM (a view), then their shape again.
+        flat = x if x.ndim == 2 else ops.reshape(x, shape=(math.prod(rows), x.shape[-1]))
+        y = ops.dense(flat, params["weight"])
         if self.use_bias:
             y = ops.bias_add(y, params["bias"], axis=1)
+        if x.ndim != 2:
+            y = ops.reshape(y, shape=(*rows, self.units))
         return _activate(y, self.activation)
 
 

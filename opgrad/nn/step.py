@@ -316,8 +316,11 @@ def classifier_loss(model: Model, outputs: Sequence[Expr], labels: Sequence[Var]
         raise ValueError(f"loss_weights has {len(weights)} entries but model {model.name!r} has {len(outputs)} outputs")
     for i, out in enumerate(outputs):
         if out.ndim != 2:
+            # A Dense runs over the last axis of each example (PyTorch's Linear), so one on an
+            # image gives a score per row of pixels rather than per image.
+            hint = "; put a Flatten() (or a global pool) before the last Dense" if out.ndim > 2 else ""
             raise ShapeError(f"model {model.name!r}: output {i} has shape {tuple(out.shape[1:])} per example; the "
-                             "training step's softmax cross-entropy needs class logits (classes,)")
+                             f"training step's softmax cross-entropy needs class logits (classes,){hint}")
     if len(outputs) == 1 and weights[0] == 1.0:
         return softmax_cross_entropy(outputs[0], labels[0])
     total: Expr | None = None

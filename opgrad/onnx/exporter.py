@@ -60,13 +60,13 @@ class GraphBuilder:
                                                      value=tensor))
         return name
 
-    def weight(self, layer: Layer, local: str, shape: tuple[int, ...] | None = None) -> str:
-        """The initializer of a layer's weight, reshaped to ``shape`` where given."""
+    def weight(self, layer: Layer, local: str, arrange: Callable[[np.ndarray], np.ndarray] | None = None) -> str:
+        """The initializer of a layer's weight, as ``arrange`` lays it out where given."""
         name = f"{layer.name}.{local}"
         if name not in self.initializers:
             self.taken.add(name)
             array = np.asarray(self.weights[name], dtype=self.dtype)
-            array = array if shape is None else array.reshape(shape)
+            array = array if arrange is None else np.ascontiguousarray(arrange(array))
             self.initializers[name] = self.onnx.numpy_helper.from_array(array, name)
         return name
 
@@ -140,6 +140,15 @@ def _gelu(b: GraphBuilder, x: str, approximate: str, out: str, hint: str) -> Non
 
 @emitter("dense")
 def _dense(b: GraphBuilder, layer: Any, x: list[str], shapes: list[Shape], out: str) -> None:
+    if len(shapes[0]) > 1:  # rows of features: MatMul broadcasts over the leading axes, Gemm does not
+        final = None if layer.activation else out
+        y = b.node("MatMul", [x[0], b.weight(layer, "weight", np.transpose)], None if layer.use_bias else final,
+                   layer.name)
+        if layer.use_bias:
+            y = b.node("Add", [y, b.weight(layer, "bias")], final, layer.name)
+        if layer.activation:
+            _activation(b, y, layer.activation, out, layer.name)
+        return
     inputs = [x[0], b.weight(layer, "weight")] + ([b.weight(layer, "bias")] if layer.use_bias else [])
     y = b.node("Gemm", inputs, None if layer.activation else out, layer.name, transB=1)
     if layer.activation:
@@ -256,7 +265,7 @@ def _softplus(b: GraphBuilder, layer: Any, x: list[str], shapes: list[Shape], ou
 @emitter("prelu")
 def _prelu(b: GraphBuilder, layer: Any, x: list[str], shapes: list[Shape], out: str) -> None:
     # The slopes run along axis 1; ONNX broadcasts them from the right, so (C,) becomes (C, 1, ...).
-    slopes = b.weight(layer, "weight", (layer.num_parameters, *([1] * (len(shapes[0]) - 1))))
+    slopes = b.weight(layer, "weight", lambda w: w.reshape(layer.num_parameters, *([1] * (len(shapes[0]) - 1))))
     b.node("PRelu", [x[0], slopes], out, layer.name)
 
 

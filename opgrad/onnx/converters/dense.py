@@ -39,8 +39,10 @@ def gemm(ctx: NodeContext) -> list[Value]:
 
 @converter("MatMul", since=1)
 def matmul(ctx: NodeContext) -> list[Value]:
-    a = ctx.tensor(0, "A", rank=2)
+    a = ctx.tensor(0, "A")
     b = _matrix(ctx, 1, "B")
-    if b.shape[0] != a.shape[0]:
-        raise ctx.error(f"B {list(b.shape)} does not fit A (N, {a.shape[0]})")
+    if not a.shape or b.shape[0] != a.shape[-1]:
+        raise ctx.error(f"B {list(b.shape)} does not fit A (N, {', '.join(map(str, a.shape))}); supported: A's "
+                        "last axis times a constant matrix")
+    # Over A's last axis, as PyTorch's Linear on (N, T, K) exports it.
     return [ctx.layer(ctx.new(Dense, b.shape[1], use_bias=False), a, {"weight": b.T})]
