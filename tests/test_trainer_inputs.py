@@ -164,14 +164,14 @@ def test_one_input_takes_an_array_or_a_list_of_one_and_int32_ids() -> None:
 def test_epoch_batches_cut_every_input_by_the_same_rows() -> None:
     count = 20
     features = np.repeat(np.arange(count, dtype=np.float64)[:, None], 4, axis=1)
-    tokens = np.repeat(np.arange(count)[:, None], 3, axis=1)
+    tokens = np.repeat(np.arange(count)[:, None] % 10, 3, axis=1)  # ids of the 10-row embedding
     row_ids = np.arange(count)
     trainer = nn.Trainer(two_input_model(), nn.SGD(), batch_size=6, seed=SEED)
     batches = list(trainer.epoch_batches([features, tokens], row_ids))
     assert len(batches) == 3  # 20 // 6; the short last batch is dropped
     for (batch_features, batch_tokens), batch_rows in batches:
         np.testing.assert_array_equal(batch_features[:, 0], batch_rows)
-        np.testing.assert_array_equal(batch_tokens[:, 0], batch_rows)
+        np.testing.assert_array_equal(batch_tokens[:, 0], batch_rows % 10)
     seen = np.concatenate([rows for _, rows in batches])
     assert len(set(seen.tolist())) == 18 and not np.array_equal(seen, np.arange(18))  # shuffled, each row once
     # A one-input model's batches are iterate_batches' (the order single-input runs always had).
@@ -311,3 +311,20 @@ def test_two_ranks_train_a_two_input_model_like_one_process(tmp_path: Path) -> N
     for rank in ranks:
         np.testing.assert_allclose(rank["losses"], losses, rtol=1e-5)
         np.testing.assert_allclose(rank["eval"], single.evaluate(inputs, labels), rtol=1e-5)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_ids_past_the_embedding_table_name_the_layer(backend: str) -> None:
+    ids, labels = text_data()
+    bad = ids.copy()
+    bad[3, 2] = 30
+    model = text_classifier()
+    message = r"input 'tokens' feeds layer 'embed' \(Embedding\(30, 8\)\), whose ids lie in 0..29; got values in 0..30"
+    with pytest.raises(ValueError, match=message):
+        model.predict(bad, backend=backend)
+    trainer = nn.Trainer(model, nn.SGD(), lr=LR, batch_size=BATCH, seed=SEED, backend=backend)
+    with pytest.raises(ValueError, match=message):
+        trainer.train_epoch(bad, labels)
+    bad[3, 2] = -1
+    with pytest.raises(ValueError, match="got values in -1..29"):
+        trainer.evaluate(bad, labels)

@@ -363,6 +363,13 @@ def check_batch_inputs(model: Model, arrays: Sequence[np.ndarray], dtypes: Seque
                                                                  or array.dtype == np.bool_):
             raise ValueError(f"{who}: input {tensor.name!r} takes integer ids ({dtype}), got an array of "
                              f"{array.dtype}; convert it with .astype(np.{dtype}) if its values are whole")
+        # Ids past an Embedding's table: named here with the layer, not later by its gather.
+        for node in model.nodes:
+            size = getattr(node.layer, "input_dim", None)
+            if node.layer.kind == "embedding" and size is not None and any(t is tensor for t in node.inputs) \
+                    and array.size and (array.min() < 0 or array.max() >= size):
+                raise ValueError(f"{who}: input {tensor.name!r} feeds layer {node.layer.describe()}, whose ids lie in "
+                                 f"0..{size - 1}; got values in {array.min()}..{array.max()}")
 
 
 def per_input(arrays: np.ndarray | Sequence[np.ndarray], count: int, what: str) -> list[np.ndarray]:
