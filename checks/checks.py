@@ -247,6 +247,14 @@ def check_a_build(ctx: Context) -> None:
                                input=ctx.specs[k].name, dtype=dtype)
     ctx.params, ctx.call, ctx.cotangent, ctx.grads = params, call, cot, grads
     ctx.vjp_fn = Function([*params, cot], grads)
+    # Finite differences of a forward that breaks its own shape rule would blame the gradient.
+    try:
+        forward = ctx.forward(ctx.arrays)
+    except Exception:  # a raising forward is a finding of the checks that run it, with their own message
+        return
+    if forward.shape != call.type.shape:
+        raise ctx.fail("a", f"the reference forward returned shape {list(forward.shape)}, but the shape rule "
+                            f"promises {list(call.type.shape)}: the declaration is inconsistent")
 
 
 def random_cotangent(rng: np.random.Generator, shape: tuple[int, ...]) -> np.ndarray:

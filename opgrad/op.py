@@ -27,6 +27,7 @@ compiler, the checker, ``opgrad ops``, the operator reference in the docs) reads
 from __future__ import annotations
 
 import inspect
+import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
@@ -68,6 +69,10 @@ class Interval:
 
     low: float
     high: float
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.low) and math.isfinite(self.high) and self.low <= self.high):
+            raise ValueError(f"Interval({self.low!r}, {self.high!r}): a domain needs finite bounds, low <= high")
 
 
 DEFAULT_DOMAIN: tuple[Interval, ...] = (Interval(-2.0, 2.0),)
@@ -205,8 +210,7 @@ class Operator:
         if any(spec.variadic for spec in self.inputs[:-1]):
             raise ValueError(f"operator {name!r}: only the last input may be variadic")
         self._check_attrs(names)
-        caller = inspect.currentframe()
-        declared_in = caller.f_back.f_globals.get("__name__", "") if caller and caller.f_back else ""
+        declared_in = declaring_module(inspect.currentframe())
         if declared_in and not declared_in.startswith("opgrad.registry"):
             # An operator declared in a user's module is as first-class as one in registry/: it
             # joins opgrad.ops, the checker and the pytest plugin as soon as its module is imported.
@@ -558,6 +562,32 @@ def composite(*uses: str) -> Callable[[Callable[..., Any]], Composite]:
 # ----- helpers shared by shape rules and attribute converters -----
 
 
+def declaring_module(frame: Any) -> str:
+    """The module an operator declared from ``frame``'s caller belongs to: the module being
+    imported where the declaration runs inside one's import (a helper function in another module
+    may build it), so that importing it registers the operator again; else the caller's module."""
+    caller = frame.f_back if frame is not None else None
+    if caller is None:
+        return ""
+    outer = caller
+    while outer is not None:
+        if outer.f_code.co_name == "<module>":
+            name = str(outer.f_globals.get("__name__", ""))
+            if name and name != "__main__":
+                return name
+            break
+        outer = outer.f_back
+    return str(caller.f_globals.get("__name__", ""))
+
+
+def whole(value: Any) -> int:
+    """``value`` as an int where it is a Python or numpy integer; a float (which ``int`` would
+    truncate) or a bool is a ``ValueError``, as numpy refuses them for shapes and axes."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        raise ValueError(f"expected ints, got {value!r}")
+    return int(value)
+
+
 def int_tuple(length: int, *, minimum: int = 0) -> Callable[[Any], tuple[int, ...]]:
     """Converter: an int or a sequence of ``length`` ints, each ``>= minimum``."""
 
@@ -566,7 +596,7 @@ def int_tuple(length: int, *, minimum: int = 0) -> Callable[[Any], tuple[int, ..
             items = (int(value),) * length
         else:
             try:
-                items = tuple(int(v) for v in value)
+                items = tuple(whole(v) for v in value)
             except TypeError:
                 raise ValueError(f"expected an int or {length} ints") from None
             if len(items) != length:

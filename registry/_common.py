@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from opgrad.dtypes import TensorType, broadcast_shapes
-from opgrad.op import DEFAULT_DOMAIN, Attrs, Input, Interval, Operator, require
+from opgrad.op import DEFAULT_DOMAIN, Attrs, Input, Interval, Operator, require, whole
 
 if TYPE_CHECKING:
     from opgrad.compiler.builder import KernelBuilder
@@ -50,17 +50,17 @@ def optional_axes(value: Any) -> tuple[int, ...] | None:
     """Converter for ``axis``: None (all axes), an int, or a sequence of ints."""
     if value is None:
         return None
-    if isinstance(value, int) and not isinstance(value, bool):
+    if isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_)):
         return (int(value),)
     try:
-        return tuple(int(v) for v in value)
+        return tuple(whole(v) for v in value)
     except TypeError:
         raise ValueError("expected None, an int or a sequence of ints") from None
 
 
 def shape_tuple(value: Any) -> tuple[int, ...]:
     try:
-        return tuple(int(v) for v in value)
+        return tuple(whole(v) for v in value)
     except TypeError:
         raise ValueError("expected a sequence of ints") from None
 

@@ -29,7 +29,7 @@ from numpy.lib.stride_tricks import sliding_window_view
 from opgrad import ops
 from opgrad.dtypes import TensorType
 from opgrad.ir import Call, Expr
-from opgrad.op import Attr, Attrs, Case, Input, Operator, int_tuple, require
+from opgrad.op import Attr, Attrs, Case, Input, Operator, int_tuple, require, whole
 
 from ._common import ieee_contract
 
@@ -55,7 +55,7 @@ def conv_padding(value: Any) -> tuple[int, int, int, int]:
         items: tuple[int, ...] = (int(value),) * 4
     else:
         try:
-            items = tuple(int(v) for v in value)
+            items = tuple(whole(v) for v in value)
         except TypeError:
             raise ValueError("expected an int, (ph, pw) or (top, left, bottom, right)") from None
         if len(items) == 2:

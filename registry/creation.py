@@ -12,7 +12,7 @@ import numpy as np
 
 from opgrad.dtypes import FLOAT_DTYPES, TensorType
 from opgrad.ir import Call
-from opgrad.op import Attr, Attrs, Case, Input, Operator, require
+from opgrad.op import Attr, Attrs, Case, Input, Operator, require, whole
 
 from ._common import positive_int
 
@@ -117,7 +117,7 @@ def _shape(value: Any) -> tuple[int, ...]:
     if isinstance(value, (int, np.integer)) and not isinstance(value, bool):
         value = (value,)
     try:
-        shape = tuple(int(d) for d in value)
+        shape = tuple(whole(d) for d in value)
     except TypeError:
         raise ValueError("expected an int or a sequence of ints") from None
     if any(d < 0 for d in shape):

@@ -41,13 +41,15 @@ def argmax_positions(data: np.ndarray, pool_size: Any, strides: Any, padding: An
                      ceil_mode: bool = False) -> tuple[np.ndarray, np.ndarray]:
     """(row, col) inside each window of its first maximum; padding never wins, even over -inf data.
 
-    As PyTorch: a NaN is the maximum (the first NaN wins), and a window whose data is all -inf
-    picks its first element that is not padding.
+    A NaN is the maximum, as in PyTorch; of several NaNs in one window the first wins, as in
+    np.argmax (PyTorch's CPU kernel takes the last: the value is NaN either way). A window whose
+    data is all -inf picks its first element that is not padding.
     """
+    taps = pool_size[0] * pool_size[1]  # not -1: a reshape cannot infer it for an empty batch
     win = windows(data, pool_size, strides, padding, -np.inf, ceil_mode)
-    flat = win.reshape(*win.shape[:4], -1)
+    flat = win.reshape(*win.shape[:4], taps)
     valid = windows(np.ones(data.shape, bool), pool_size, strides, padding, False, ceil_mode)
-    valid = valid.reshape(*valid.shape[:4], -1)
+    valid = valid.reshape(*valid.shape[:4], taps)
     index = np.argmax(flat, axis=-1)  # numpy returns the first of equal maxima, or the first NaN
     best = np.take_along_axis(flat, index[..., None], -1)[..., 0]
     index = np.where(best == -np.inf, np.argmax(valid, axis=-1), index)

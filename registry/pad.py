@@ -31,6 +31,8 @@ PAD_MODES = ("constant", "reflect", "edge")
 
 def _pad_width(value: Any, types: Sequence[TensorType], _attrs: Any = None) -> tuple[tuple[int, int], ...]:
     ndim = types[0].ndim if types else 0
+    if ndim == 0 and np.asarray(value).size <= 2:  # a scalar has no axis to pad (numpy.pad returns it)
+        value = np.zeros((0, 2), np.int64)
     try:
         pairs = np.broadcast_to(np.asarray(value, dtype=np.int64), (ndim, 2))
     except (ValueError, TypeError):
@@ -124,6 +126,8 @@ def _pad_shape(data: TensorType, attrs: Attrs) -> TensorType:
 
 @pad.reference
 def _pad_forward(data: np.ndarray, pad_width: Any, mode: str, value: float) -> np.ndarray:
+    if data.ndim == 0:
+        return np.array(data, copy=True)
     if mode == "constant":
         return np.pad(data, pad_width, mode="constant", constant_values=value)
     return np.pad(data, pad_width, mode="reflect" if mode == "reflect" else "edge")
@@ -210,8 +214,9 @@ pad_backward = Operator(
 @pad_backward.shape_rule
 def _pad_backward_shape(grad: TensorType, attrs: Attrs) -> TensorType:
     shape = _unpadded_shape(grad, attrs)
+    # Edge and reflect copy from the axis they pad, which must hold an element; an unpadded axis may be empty.
     low = 0 if attrs["mode"] == "constant" else 1
-    require(all(n >= low for n in shape),
+    require(all(n >= low or widths == (0, 0) for n, widths in zip(shape, attrs["pad_width"])),
             f"grad of shape {grad.shape} is smaller than the pad widths {attrs['pad_width']} "
             f"(the padded input would have shape {shape})")
     return TensorType(shape, grad.dtype)
@@ -222,7 +227,7 @@ def _pad_backward_forward(grad: np.ndarray, pad_width: Any, mode: str) -> np.nda
     out = grad
     for axis, (b, a) in enumerate(pad_width):
         n = out.shape[axis] - b - a
-        src = np.array(source_index(n, b, a, mode))
+        src = np.array(source_index(n, b, a, mode), dtype=np.int64)
         keep = src >= 0
         moved = np.moveaxis(out, axis, 0)
         summed = np.zeros((n, *moved.shape[1:]), dtype=grad.dtype)

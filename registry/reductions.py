@@ -105,9 +105,10 @@ def _mean_forward(data: np.ndarray, axis: tuple[int, ...], keepdims: bool) -> np
 def _mean_gradient(call: Call, grad: Expr) -> list[Expr | None]:
     """d_data = broadcast_to(reshape(grad, kept dims), data.shape) / (elements per reduced slice)"""
     data = call.args[0]
-    count = data.type.size // builtins.max(call.type.size, 1)
+    # Elements per slice from the reduced axes: the sizes' ratio is 0 where the output is empty.
+    count = math.prod(data.shape[a] for a in call.attrs["axis"])
     spread = ops.broadcast_to(ops.reshape(grad, shape=_kept(call)), shape=data.shape)
-    return [ops.multiply(spread, 1.0 / count)]
+    return [ops.multiply(spread, 1.0 / builtins.max(count, 1))]  # no elements, no gradient to scale
 
 
 @mean.mutant("sum's gradient: forgets to divide by the count")
@@ -172,12 +173,16 @@ def _split_subgradient(larger: bool) -> Subgradient:
 
 
 def _extreme_gradient(call: Call, grad: Expr, larger: bool) -> list[Expr | None]:
-    """d_data = grad * tie / (number of ties), tie = (data == the slice's max), grad broadcast from kept dims"""
+    """d_data = grad * tie / (number of ties), tie = (data == the slice's max), grad broadcast from
+    kept dims; NaN over a slice whose max is NaN, as PyTorch's amax/amin give"""
     data = call.args[0]
     kept = _kept(call)
     top = ops.reshape(call, shape=kept)
     beaten = ops.greater(top, data) if larger else ops.greater(data, top)
-    tie = ops.subtract(1.0, beaten)
+    # A NaN max beats nothing, so every element would tie: 0 * clip(top) adds NaN there, and +0
+    # (a clipped infinity stays finite) everywhere else.
+    nan_where_nan = ops.multiply(ops.clip(top, lo=-1.0, hi=1.0), 0.0)
+    tie = ops.add(ops.subtract(1.0, beaten), nan_where_nan)
     count = ops.sum(tie, axis=call.attrs["axis"], keepdims=True)
     return [ops.multiply(tie, ops.divide(ops.reshape(grad, shape=kept), count))]
 

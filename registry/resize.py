@@ -43,7 +43,7 @@ import numpy as np
 from opgrad import ops
 from opgrad.dtypes import TensorType
 from opgrad.ir import Call, Expr
-from opgrad.op import Attr, Attrs, Case, Input, Operator, composite, require
+from opgrad.op import Attr, Attrs, Case, Input, Operator, composite, require, whole
 
 from ._common import slice_view
 
@@ -245,7 +245,7 @@ def _method(value: Any) -> str:
 def _size(value: Any) -> tuple[int, int]:
     items = (value, value) if isinstance(value, (int, np.integer)) and not isinstance(value, bool) else value
     try:
-        size = tuple(int(v) for v in items)
+        size = tuple(whole(v) for v in items)
     except TypeError:
         raise ValueError("expected an int or an (out_height, out_width) pair") from None
     if len(size) != 2 or any(v < 1 for v in size) or any(isinstance(v, bool) for v in items):

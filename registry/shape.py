@@ -12,7 +12,7 @@ import numpy as np
 from opgrad import ops
 from opgrad.dtypes import TensorType, broadcast_shapes
 from opgrad.ir import Call, Expr
-from opgrad.op import Attr, Attrs, Case, Input, Operator, require
+from opgrad.op import Attr, Attrs, Case, Input, Operator, require, whole
 
 from ._common import dense_reshape, shape_tuple
 
@@ -26,7 +26,10 @@ def _permutation(value: Any, types: Sequence[TensorType], _attrs: Any = None) ->
     ndim = types[0].ndim if types else 0
     if value is None:
         return tuple(reversed(range(ndim)))
-    axes = tuple(int(a) % ndim if ndim else int(a) for a in value)
+    try:
+        axes = tuple(whole(a) % ndim if ndim else whole(a) for a in value)
+    except TypeError:
+        raise ValueError(f"expected a permutation of range({ndim})") from None
     if sorted(axes) != list(range(ndim)):
         raise ValueError(f"expected a permutation of range({ndim}) for a rank-{ndim} input")
     return axes
@@ -173,7 +176,7 @@ def _flatten_shape(data: TensorType, attrs: Attrs) -> TensorType:
 
 @flatten.reference
 def _flatten_forward(data: np.ndarray) -> np.ndarray:
-    return data.reshape(data.shape[0], -1)
+    return data.reshape(data.shape[0], int(np.prod(data.shape[1:], dtype=np.int64)))  # -1 fails on 0 rows
 
 
 flatten.gradient(_reshape_gradient)

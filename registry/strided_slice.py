@@ -15,7 +15,7 @@ import numpy as np
 from opgrad import ops
 from opgrad.dtypes import TensorType
 from opgrad.ir import Call, Expr
-from opgrad.op import Attr, Attrs, Case, Input, Operator, require
+from opgrad.op import Attr, Attrs, Case, Input, Operator, require, whole
 
 from ._common import copy_element, shape_tuple, slice_view
 
@@ -28,7 +28,7 @@ if TYPE_CHECKING:  # types only: the compiler and the checker sit above the regi
 def _index_list(value: Any) -> tuple[int | None, ...]:
     items = (value,) if value is None or isinstance(value, (int, np.integer)) else value
     try:
-        return tuple(None if v is None else int(v) for v in items)
+        return tuple(None if v is None else whole(v) for v in items)
     except TypeError:
         raise ValueError("expected an int, None, or a sequence of ints and Nones") from None
 

@@ -115,3 +115,47 @@ def test_gradient_rule_returning_a_tuple_still_works(declared: list[str]) -> Non
     x = opgrad.var("x", (3,), "float64")
     _, grad = opgrad.evaluate(opgrad.grad(opgrad.function([x], ops.sum(ops.decl_tuple_gradient(x)))), np.ones(3))
     np.testing.assert_array_equal(grad, np.full(3, 2.0))
+
+
+def test_a_reversed_or_infinite_domain_is_refused_at_declaration() -> None:
+    from opgrad.op import Interval
+
+    for low, high in ((3.0, 1.0), (0.0, float("inf")), (float("nan"), 1.0)):
+        with pytest.raises(ValueError, match="a domain needs finite bounds, low <= high"):
+            Interval(low, high)
+
+
+def test_a_forward_breaking_its_shape_rule_is_named_not_the_gradient(declared: list[str]) -> None:
+    declared.append("decl_flattening")
+    op = Operator("decl_flattening", inputs=[Input("data")], doc="2 * data, flattened by mistake")
+    op.shape_rule(lambda data, attrs: data)
+    op.reference(lambda data: np.asarray(2 * data).reshape(-1))
+    op.gradient(lambda call, grad: [ops.multiply(grad, 2.0)])
+    report = check_op("decl_flattening", max_examples=20, seed=0)
+    assert not report.passed and report.failure is not None
+    assert report.failure.check == "a"
+    assert "the reference forward returned shape" in report.failure.problem
+    assert "the declaration is inconsistent" in report.failure.problem
+
+
+def test_an_operator_built_by_a_helper_belongs_to_the_module_being_imported(tmp_path: Any,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "decl_factory.py").write_text(
+        "import numpy as np\n"
+        "from opgrad import ops\n"
+        "from opgrad.op import Input, Operator\n"
+        "def tripling(name):\n"
+        "    op = Operator(name, inputs=[Input('data')], doc='3 * data')\n"
+        "    op.shape_rule(lambda data, attrs: data)\n"
+        "    op.reference(lambda data: 3 * data)\n"
+        "    op.gradient(lambda call, grad: [ops.multiply(grad, 3.0)])\n"
+        "    return op\n")
+    (tmp_path / "decl_user_ops.py").write_text("from decl_factory import tripling\ntripling('decl_tripled')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    try:
+        import decl_user_ops  # noqa: F401
+
+        assert registry.get("decl_tripled").module == "decl_user_ops"
+    finally:
+        if "decl_tripled" in registry.names():
+            registry.unregister("decl_tripled")

@@ -281,7 +281,7 @@ class KernelBuilder:
         ``backward_weight`` (x, dy) -> dw. Non-dense operands are copied to scratch first."""
         if out.size == 0:
             return
-        if geom.ckk == 0 or geom.n == 0:
+        if geom.ckk == 0 or geom.n == 0 or geom.o == 0:  # an empty contraction (backward-data sums over O)
             self.fill(out, 0.0)
             return
         a, b = self.contiguous(first), self.contiguous(second)
