@@ -1,5 +1,5 @@
-"""Which algorithm computes a conv2d pass: the im2col GEMM, Winograd or the sliding window, by shape
-and setting."""
+"""Which algorithm computes a conv2d pass: the im2col GEMM, Winograd (for backward-data, in the
+correlation or the adjoint form) or the sliding window, by shape and setting."""
 
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ from .winograd import (
     keeps_exact_zeros,
     winograd_conv,
 )
+from .winograd_adjoint import AdjointConv, emit_winograd_adjoint, prefers_adjoint
 from .winograd_weight import emit_winograd_weight
 
 __all__ = ["ConvPass", "accepts_prologue", "emit_conv2d_pass", "winograd_name"]
@@ -52,6 +53,14 @@ class ConvPass:
         return winograd_conv(self.geom, self.pass_, require_gain=setting == "auto")
 
     @property
+    def adjoint(self) -> tuple[AdjointConv, WinogradTiles] | None:
+        """The backward-data pass in the adjoint Winograd form (:mod:`.winograd_adjoint`) and its
+        tiles, where Winograd applies and that form's estimate is below the correlation form's."""
+        if self.pass_ != "backward_data" or self.winograd is None:
+            return None
+        return prefers_adjoint(self.geom, require_gain=conv_algorithm_setting() == "auto")
+
+    @property
     def sliding(self) -> bool:
         """Whether the pass runs as a sliding window (:mod:`.sliding`): where Winograd does not
         apply, unless ``$OPGRAD_CONV_ALGORITHM`` asks for the im2col GEMM (``direct``)."""
@@ -62,6 +71,9 @@ class ConvPass:
         problem = self.winograd
         if problem is None:
             return "sliding window" if self.sliding else "direct"
+        adjoint = self.adjoint
+        if adjoint is not None:
+            return winograd_name(self.pass_, adjoint[1], adjoint=True)
         return winograd_name(self.pass_, choose_tiles(problem, self.pass_))
 
     def accepts(self, epilogue: Epilogue) -> bool:
@@ -82,10 +94,13 @@ def accepts_prologue(conv: ConvPass, prologue: Epilogue) -> bool:
             and body_vectorizes(prologue.body, conv.geom.dtype, vector_lanes(conv.geom.dtype), len(prologue.inputs)))
 
 
-def winograd_name(pass_: str, tiles: WinogradTiles) -> str:
-    """The algorithm's name in reports: F(m,3), or F(3x3,mxm) for the weight gradient."""
+def winograd_name(pass_: str, tiles: WinogradTiles, adjoint: bool = False) -> str:
+    """The algorithm's name in reports: F(m,3), F(3x3,mxm) for the weight gradient, ``adjoint
+    F(m,3)`` for backward-data in the adjoint form."""
     m = tiles.m
-    return f"winograd F(3x3,{m}x{m})" if pass_ == "backward_weight" else f"winograd F({m},3)"
+    if pass_ == "backward_weight":
+        return f"winograd F(3x3,{m}x{m})"
+    return f"winograd adjoint F({m},3)" if adjoint else f"winograd F({m},3)"
 
 
 def emit_conv2d_pass(mod: ModuleEmitter, conv: ConvPass, name: str) -> tuple[ConvEntry, str]:
@@ -93,11 +108,15 @@ def emit_conv2d_pass(mod: ModuleEmitter, conv: ConvPass, name: str) -> tuple[Con
     epilogue, problem, g = conv.epilogue, conv.winograd, conv.geom
     assert epilogue is None or conv.accepts(epilogue), f"{conv.pass_} by {conv.algorithm} cannot take this epilogue"
     if problem is not None:
+        adjoint = conv.adjoint
+        if adjoint is not None:
+            return (emit_winograd_adjoint(mod, adjoint[0], name, adjoint[1], epilogue),
+                    winograd_name(conv.pass_, adjoint[1], adjoint=True))
         tiles = choose_tiles(problem, conv.pass_)
         if conv.pass_ == "backward_weight":
             return emit_winograd_weight(mod, problem, name, tiles), winograd_name(conv.pass_, tiles)
-        return (emit_winograd(mod, problem, name, tiles, epilogue, exact_zeros=keeps_exact_zeros(conv.pass_)),
-                winograd_name(conv.pass_, tiles))
+        return (emit_winograd(mod, problem, name, tiles, epilogue, exact_zeros=keeps_exact_zeros(conv.pass_),
+                              padding_is_data=conv.pass_ == "forward"), winograd_name(conv.pass_, tiles))
     assert conv.prologue is None or accepts_prologue(conv, conv.prologue), "only the sliding weight gradient " \
         "takes a prologue"
     if conv.sliding:

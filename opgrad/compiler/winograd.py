@@ -14,7 +14,9 @@ channels, the products at one of the ``alpha**2`` tile positions form a GEMM:
 
 Backward-data of a stride-1 convolution is a forward convolution of dY by the weights with O and C
 swapped and both taps reversed, padded by ``2 - pad``: the same kernel reading the weights through
-other strides.
+other strides. Where dX is larger than dY (padding below 1) the adjoint form of
+:mod:`.winograd_adjoint`, tiled over dY, does fewer products and takes the pass where its
+estimate is lower (:func:`.winograd_adjoint.prefers_adjoint`).
 
 Each task is one block of ``R`` tile rows of one image, run start to end by one thread with its
 data in L1/L2: the block's input tiles of every channel are transformed into V (vectorized over
@@ -76,6 +78,7 @@ __all__ = [
     "keeps_exact_zeros",
     "linear_plan",
     "parallel_task",
+    "sandwich_ops",
     "thread_share",
     "tile_candidates",
     "transform_op_cycles",
@@ -323,7 +326,7 @@ def estimated_cycles(p: WinogradConv, tiles: WinogradTiles, exact_zeros: bool = 
     # (:meth:`WinogradEmitter.from_columns`); each of the m output rows: interleave, store and
     # the non-finite watch.
     shifted = e.pack > 1 and e.tw != e.row_lanes
-    per_output = (2 if shifted else 1) * alpha**2 + _sandwich_ops(tiles.at, alpha) + m * (2 * m + 3)
+    per_output = (2 if shifted else 1) * alpha**2 + sandwich_ops(tiles.at, alpha) + m * (2 * m + 3)
     ops = runs * (p.cin * per_input + p.cout * per_output)
     partials = e.blocks * alpha**2 * e.cout_pad * p.cin * BYTES[p.dtype] if reduces_tiles else 0
     if e.exact_zeros:
@@ -341,7 +344,7 @@ def transform_op_cycles() -> float:
     return TRANSFORM_OP_CYCLES[min(TRANSFORM_OP_CYCLES, key=lambda fitted: abs(fitted - registers))]
 
 
-def _sandwich_ops(matrix: Matrix, columns: int) -> int:
+def sandwich_ops(matrix: Matrix, columns: int) -> int:
     """Vector operations of ``matrix @ d @ matrix^T`` for a ``len(matrix[0]) x columns`` grid ``d``, as
     :meth:`WinogradEmitter.outputs` emits them: :func:`linear_plan`'s operations once per column of
     ``d``, then once per row of the product."""
@@ -1260,14 +1263,17 @@ class WinogradEmitter:
             acc = f.val(f"fadd {self.vt} {acc}, {piece}", "fa")
         f.store(self.vt, acc, self.sentinel)
 
-    def fallback_task(self, name: str) -> str:
+    def fallback_task(self, name: str, padding_is_data: bool = True) -> str:
         """Task over (image, output channel) planes: the correlation summed directly, tap by tap.
 
         It runs only when a Winograd output is NaN or infinite. The transforms mix the taps of a
         tile, so one infinite input can meet its own negative there (``inf - inf``) and give NaN
         where the direct sum gives an infinity; the direct sum puts NaN and infinities exactly
-        where the reference does. A tap on the padding counts a zero input, as the reference's
-        padded image does: an infinite weight there gives ``0 * inf``, NaN."""
+        where the reference does. With ``padding_is_data`` (the forward pass) a tap on the padding
+        counts a zero input, as the reference's padded image does: an infinite weight there gives
+        ``0 * inf``, NaN. Without it (backward-data, a correlation of dY padded by ``2 - pad``) such
+        a tap is no term at all: that padding stands for dY positions that do not exist, which
+        the reference's gradient never multiplies."""
         p, t = self.p, self.t
         f, (x, w, y), tid, nt = self.task(name, 3, pipeline="cold")
         lo, hi = self.share(f, tid, nt, p.n * p.cout)
@@ -1287,7 +1293,10 @@ class WinogradEmitter:
                     at = f.select(inside, "i64", f.add(f.mul(f.add(f.mul(ci, p.h), iy), p.w), ix), "0")
                     xv = f.select(inside, t, f.load(t, f.gep(t, src, at)), self.const(0.0, 1))
                     wv = f.load(t, f.gep(t, w, f.add(wbase, f.add(f.mul(kh, s2), f.mul(kw, s3)))))
-                    f.store(t, f.call(t, fma, [(t, wv), (t, xv), (t, f.load(t, acc))]), acc)
+                    summed = f.call(t, fma, [(t, wv), (t, xv), (t, f.load(t, acc))])
+                    if not padding_is_data:
+                        summed = f.select(inside, t, summed, f.load(t, acc))
+                    f.store(t, summed, acc)
                 out = f.gep(t, y, f.add(f.mul(pl, p.oh * p.ow), f.add(f.mul(oy, p.ow), ox)))
                 f.store(t, f.load(t, acc), out)
         f.ret_void()
@@ -1347,18 +1356,21 @@ class WinogradEmitter:
 
 
 def emit_winograd(mod: ModuleEmitter, p: WinogradConv, name: str, tiles: WinogradTiles | None = None,
-                  epilogue: Epilogue | None = None, exact_zeros: bool = False) -> ConvEntry:
+                  epilogue: Epilogue | None = None, exact_zeros: bool = False,
+                  padding_is_data: bool = True) -> ConvEntry:
     """``name(x, w, y, e..., ws)``: the correlation ``p`` by Winograd ``tiles`` (F(2,3) unless
     given), then ``epilogue`` (inputs ``e...``) on y, seen as the matrix
     (image, channel) x pixel. ``exact_zeros``: outputs whose inputs are all zero are exactly 0,
-    as in the direct sum (F(2,3) has that property by itself). The workspace holds the packed U,
-    shared, then each thread's plane, V, M and the planes that keep exact zeros."""
+    as in the direct sum (F(2,3) has that property by itself). ``padding_is_data``: the forward's
+    zero padding, which the fallback multiplies (:meth:`WinogradEmitter.fallback_task`). The
+    workspace holds the packed U, shared, then each thread's plane, V, M and the planes that keep
+    exact zeros."""
     tiles = tiles or F2X3
     e = WinogradEmitter(mod, p, tiles, epilogue, exact_zeros)
     u_bytes = round_up(e.alpha**2 * e.cout_pad * p.cin * e.esize, 64)
     scratch_stride = e.plane_bytes + e.v_bytes + e.m_bytes + e.mask_bytes + e.staging_rows_bytes
     inputs = [ptr for _, ptr in epilogue.pointers] if epilogue else []
-    fallback = [(e.fallback_task(name + ".direct"), ["x", "w", "y"])]
+    fallback = [(e.fallback_task(name + ".direct", padding_is_data), ["x", "w", "y"])]
     if epilogue is not None:
         e.epilogue_fn = name + ".epilogue"
         emit_epilogue(mod, e.epilogue_fn, output_matrix(p.n, p.cout, p.oh * p.ow), epilogue, p.dtype)
