@@ -76,3 +76,28 @@ def test_nan_and_inf_times_zero_give_nan_on_both_backends(name: str, build: Buil
         where = "compiled" if compiled else "reference"
         np.testing.assert_array_equal(np.isnan(got), expected_nan, err_msg=f"{name}: NaN positions ({where})")
         assert np.all(got[~expected_nan] == 0.0), f"{name}: zeros elsewhere ({where})"
+
+
+# (input shape, weight shape, padding): the Winograd backward-data forms, adjoint and correlation.
+WINOGRAD_BACKWARD_DATA = [((2, 8, 6, 6), (8, 8, 3, 3), 1), ((2, 8, 6, 6), (8, 8, 3, 3), 0),
+                          ((2, 32, 26, 26), (64, 32, 3, 3), 0), ((2, 16, 12, 12), (16, 16, 3, 3), 1)]
+
+
+@pytest.mark.parametrize("x_shape, w_shape, pad", WINOGRAD_BACKWARD_DATA)
+def test_an_infinite_weight_meets_no_padding_in_the_data_gradient(x_shape: tuple[int, ...],
+                                                                  w_shape: tuple[int, ...], pad: int) -> None:
+    # The data gradient sums dY's real positions only: an infinite weight gives infinities, and
+    # NaN nowhere, where a correlation over dY padded with zeros would add 0 * inf.
+    x, w = opgrad.var("x", x_shape), opgrad.var("w", w_shape)
+    y = ops.conv2d(x, w, padding=pad)
+    dy = opgrad.var("dy", y.shape)
+    fn = opgrad.grad(opgrad.function([x, w, dy], ops.sum(ops.multiply(y, dy))), wrt=["x"], with_value=False)
+    rng = np.random.default_rng(0)
+    args = [rng.standard_normal(v.shape).astype(np.float32) for v in (x, w, dy)]
+    args[1][0, 0, 0, 0] = np.inf
+    with np.errstate(all="ignore"):
+        want = opgrad.evaluate(fn, *args)
+    got = opgrad.compile(fn)(*args)
+    assert np.isinf(want).any() and not np.isnan(want).any()
+    for test in (np.isnan, np.isposinf, np.isneginf):
+        np.testing.assert_array_equal(test(got), test(want))
