@@ -404,6 +404,12 @@ class DistributedTrainer(Trainer):
             raise ConfigError(f"the global batch size {batch_size} is smaller than the number of ranks "
                               f"({self.comm.size}); every rank needs at least one example per step")
         self.rows = shard_bounds(batch_size, self.comm.rank, self.comm.size)
+        if self.comm.size > 1:
+            # The ranks average their gradients into one model: replicas that start apart (a model
+            # holding other weights, another seed) would train apart without a word.
+            check_same_everywhere(self.comm, {**self.params, **self.state}, "the starting parameters and state",
+                                  "every rank must start from the same weights: the same --seed (seed), "
+                                  "checkpoint or params")
         # Alone, nothing is averaged: the single fused step computes the same numbers, faster.
         self.fused = fused_when_alone and self.comm.size == 1
         self.sync_batchnorm = bool(sync_batchnorm)

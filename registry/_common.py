@@ -203,6 +203,6 @@ def slice_view(view: View, axis: int, start: int, length: int, step: int) -> Vie
 
 def positive_int(value: Any) -> int:
     """An attribute that is a whole number >= 1 (a bool is refused, though Python counts it as an int)."""
-    if isinstance(value, bool) or int(value) != value or int(value) < 1:
+    if whole(value) < 1:
         raise ValueError("expected a positive int")
     return int(value)

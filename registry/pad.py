@@ -37,8 +37,10 @@ def _pad_width(value: Any, types: Sequence[TensorType], _attrs: Any = None) -> t
         pairs = np.broadcast_to(np.asarray(value, dtype=np.int64), (ndim, 2))
     except (ValueError, TypeError):
         raise ValueError(f"expected an int, a (before, after) pair or {ndim} pairs (numpy.pad's forms)") from None
-    if np.any(np.asarray(value) != np.asarray(value, dtype=np.int64)):
-        raise ValueError("pad widths must be ints")
+    given = np.asarray(value)
+    flags = any(isinstance(v, (bool, np.bool_)) for v in np.asarray(value, dtype=object).ravel())
+    if given.size and (flags or not np.issubdtype(given.dtype, np.integer)):
+        raise ValueError("pad widths must be ints")  # as numpy.pad: a float width is refused, not truncated
     if (pairs < 0).any():
         raise ValueError("pad widths must be >= 0")
     return tuple((int(b), int(a)) for b, a in pairs)

@@ -16,7 +16,7 @@ import numpy as np
 from opgrad import ops
 from opgrad.dtypes import TensorType
 from opgrad.ir import Call, Expr
-from opgrad.op import Attr, Attrs, Case, Input, Operator, require
+from opgrad.op import Attr, Attrs, Case, Input, Operator, require, whole
 
 from ._common import normalized_axis, positive_int
 
@@ -27,7 +27,7 @@ if TYPE_CHECKING:  # types only: the compiler and the checker sit above the regi
 
 
 def _take_axis(value: Any, types: Sequence[TensorType], _attrs: Any = None) -> int:
-    return normalized_axis(int(value), types[0].ndim if types else 0)
+    return normalized_axis(whole(value), types[0].ndim if types else 0)
 
 
 def _axis_size(value: Any, types: Sequence[TensorType], attrs: dict[str, Any]) -> int:
@@ -115,7 +115,7 @@ def _take_backward_axis(value: Any, types: Sequence[TensorType], _attrs: Any = N
     ndim = types[0].ndim - types[1].ndim + 1 if len(types) == 2 else 0
     if ndim < 1:
         raise ValueError(f"grad of rank {types[0].ndim} cannot hold indices of rank {types[1].ndim}")
-    return normalized_axis(int(value), ndim)
+    return normalized_axis(whole(value), ndim)
 
 
 take_backward = Operator(

@@ -292,8 +292,8 @@ def test_cli_a_rank_with_bad_data_or_other_weights_stops_every_rank(tmp_path: Pa
     done = run_mpi(["-n", "1", opgrad_cli(), *common, ":", "-n", "1", opgrad_cli(), *common, "--seed", "1"],
                    tmp_path, timeout=60)
     assert done.returncode != 0
-    assert "the parameters and optimizer state differ between the ranks" in done.stderr
-    assert "every rank must start from the same --seed" in done.stderr
+    assert "the starting parameters and state differ between the ranks" in done.stderr
+    assert "every rank must start from the same weights: the same --seed" in done.stderr
     # Other data on one rank (here of another size) would run other numbers of steps until the
     # all-reduces no longer match: refused before the first step, on both ranks.
     other = tmp_path / "other"
@@ -361,3 +361,37 @@ def test_a_global_batch_smaller_than_the_world_is_refused() -> None:
     with pytest.raises(ValueError, match="global batch size 3 is smaller than the number of ranks \\(4\\)"):
         DistributedTrainer(ns["tiny_model"](), SGD(), comm=FakeWorld(), batch_size=3)  # type: ignore[arg-type]
 
+
+
+OWN_WEIGHTS = """
+import sys
+import numpy as np
+from opgrad import nn
+from opgrad.distributed import DistributedTrainer, RankFailedError, world
+
+comm = world()
+inp = nn.Input((6,))
+model = nn.Model(inp, nn.Dense(3)(nn.Dense(5, activation="relu")(inp)))
+model.params = model.init_params(seed=100 + comm.rank if sys.argv[1] == "apart" else 100)
+try:
+    DistributedTrainer(model, nn.SGD(), lr=0.1, batch_size=8, comm=comm)
+except RankFailedError as exc:
+    outcome = f"refused: {exc}"
+else:
+    outcome = "built"
+with open(f"rank{comm.rank}.txt", "w") as handle:  # mpirun may interleave the ranks' printed lines
+    handle.write(outcome)
+"""
+
+
+@pytest.mark.parametrize("weights", ["apart", "same"])
+def test_ranks_holding_other_weights_are_refused(tmp_path: Path, weights: str) -> None:
+    # A Trainer trains the weights its model holds; replicas that hold other ones would train apart.
+    script = write_script(tmp_path, "own_weights.py", OWN_WEIGHTS)
+    done = run_mpi(["-n", "2", sys.executable, str(script), weights], tmp_path, timeout=60)
+    assert done.returncode == 0, done.stderr
+    lines = [(tmp_path / f"rank{rank}.txt").read_text() for rank in range(2)]
+    if weights == "apart":
+        assert all("refused: the starting parameters and state differ between the ranks" in line for line in lines)
+    else:
+        assert lines == ["built", "built"]

@@ -628,3 +628,13 @@ def test_checkpoints_of_a_user_model_export_and_its_runtime_rebuild_with_nn_load
     assert cli.main(["train", "--resume", str(tmp_path / "c.npz"), "--epochs", "1", "--max-steps", "1",
                      "--batch-size", "4", "--test-limit", "4"]) == 0
     assert "model user-net:" in capsys.readouterr().out
+
+
+def test_export_of_a_model_the_step_cannot_train_is_one_line(tmp_path: Path,
+                                                             capsys: pytest.CaptureFixture[str]) -> None:
+    model = nn.Sequential([nn.Dense(3)], input_shape=(5, 4))  # scores per row of a sequence: no classifier
+    model.save(tmp_path / "rows.npz")
+    assert cli.main(["export", str(tmp_path / "out"), "--checkpoint", str(tmp_path / "rows.npz")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("opgrad export: error: model 'model': output 0 has shape (5, 3) per example")
+    assert err.count("\n") == 1 and "Traceback" not in err

@@ -435,6 +435,7 @@ LAYER_VARIANTS = {
     "activation_elu": lambda layers: layers.Activation("elu"),
     "activation_softplus": lambda layers: layers.Activation("softplus"),
     "activation_hard_silu": lambda layers: layers.Activation("hard_silu"),
+    "activation_hard_sigmoid": lambda layers: layers.Activation("hard_sigmoid"),
     "activation_mish": lambda layers: layers.Activation("mish"),
     "channel_softmax": lambda layers: layers.Softmax(axis=-1),
     "rescaling": lambda layers: layers.Rescaling(1 / 255, offset=-0.5),

@@ -150,3 +150,52 @@ def test_a_classifier_scoring_rows_of_pixels_is_told_to_flatten() -> None:
     trainer = nn.Trainer(model, nn.SGD(), lr=0.1, batch_size=2)
     with pytest.raises(ValueError, match=r"output 0 has shape \(4, 6, 10\).*put a Flatten\(\) \(or a global pool\)"):
         trainer.train_batch(np.zeros((2, 1, 8, 8), np.float32), np.zeros(2, np.int64))
+
+
+@pytest.mark.parametrize("backend", ["reference", "llvm"])
+def test_hardswish_gradient_at_the_infinities_is_pytorchs(backend: str) -> None:
+    x = np.array([[-np.inf, -4.0, -3.0, 3.0, 4.0, np.inf]])
+    xt = torch.tensor(x, requires_grad=True)
+    torch.nn.functional.hardswish(xt).sum().backward()
+    images = opgrad.var("x", x.shape, "float64")
+    fn = opgrad.grad(opgrad.function([images], ops.sum(nn.layers.hard_swish(images))), with_value=False)
+    grad = opgrad.evaluate(fn, x) if backend == "reference" else opgrad.compile(fn)(x)
+    np.testing.assert_array_equal(grad, xt.grad.numpy())
+
+
+def test_a_float64_trainer_trains_float32_weights_the_model_holds() -> None:
+    model = nn.Sequential([nn.Dense(4, name="fc"), nn.Dense(3, name="out")],
+                          input_shape=(5,))
+    model.params = {k: v.astype(np.float32) for k, v in model.init_params(1).items()}
+    trainer = nn.Trainer(model, nn.SGD(), lr=0.1, batch_size=2, dtype="float64")
+    assert all(v.dtype == np.float64 for v in trainer.params.values())
+    trainer.train_batch(np.ones((2, 5)), np.array([0, 2]))
+    assert model.predict(np.ones((2, 5))).shape == (2, 3)
+
+
+def test_weights_read_from_a_model_are_the_ones_a_trainer_trains() -> None:
+    model = _classifier()
+    model.params["fc.bias"][:] = 5.0  # the lazily drawn weights, changed in place
+    trainer = nn.Trainer(model, nn.SGD(), lr=0.0, batch_size=2, seed=7)
+    np.testing.assert_array_equal(trainer.params["fc.bias"], np.full(3, 5.0, np.float32))
+
+
+def test_integer_arguments_of_generic_layers_are_not_truncated() -> None:
+    with pytest.raises(ValueError, match=r"Pad pads must be an int, got 1\.5"):
+        nn.Pad([(0, 0), (1.5, 1)])
+    with pytest.raises(ValueError, match=r"Slice end must be an int, got 2\.9"):
+        nn.Slice([0], [2.9])
+
+
+def test_a_multi_head_trainer_says_what_its_labels_are() -> None:
+    inp = nn.Input((6,))
+    hidden = nn.Dense(8, activation="relu")(inp)
+    model = nn.Model(inp, [nn.Dense(10, name="digit")(hidden), nn.Dense(2, name="parity")(hidden)])
+    trainer = nn.Trainer(model, nn.Adam(), batch_size=4)
+    x, digits = np.zeros((4, 6), np.float32), np.array([3, 4, 7, 8])
+    with pytest.raises(TypeError, match="labels must be one integer array, which serves every output"):
+        trainer.train_batch(x, [digits, digits % 2])  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"labels must lie in 0..1 for output 'parity' \(Dense\(2\)\)"):
+        trainer.train_batch(x, digits)
+    with pytest.raises(ValueError, match=r"Trainer\.evaluate: no examples"):
+        trainer.evaluate(np.zeros((0, 6), np.float32), np.zeros(0, np.int64))

@@ -285,6 +285,8 @@ CASES: dict[str, tuple[list[Any], tuple[int, ...], dict[str, Any]] | tuple[Any, 
                                   {"w": _rand(5, 4), "b": _rand(4)}),
     "maxpool ceil_mode with equal pads": ([node("MaxPool", ["x"], kernel_shape=[3, 3], strides=[2, 2],
                                                 pads=[1, 1, 1, 1], ceil_mode=1)], (2, 8, 8), {}),
+    "maxpool ceil_mode whose last window would start in the padding": (
+        [node("MaxPool", ["x"], kernel_shape=[3, 3], strides=[3, 3], pads=[1, 1, 1, 1], ceil_mode=1)], (2, 8, 8), {}),
     "avgpool ceil_mode excluding equal pads": ([node("AveragePool", ["x"], kernel_shape=[3, 3], strides=[2, 2],
                                                      pads=[1, 1, 1, 1], ceil_mode=1, count_include_pad=0)],
                                                (2, 8, 8), {}),
@@ -326,6 +328,14 @@ def test_node_kinds_match_onnxruntime_and_round_trip(case: str, tmp_path: Path) 
     opgrad_onnx.save(model, tmp_path / "back.onnx")
     for theirs, again in zip(reference, run_onnxruntime(tmp_path / "back.onnx", x)):
         np.testing.assert_allclose(again, theirs, rtol=1e-5, atol=1e-5)
+
+
+def test_a_softplus_threshold_is_exported_as_its_linear_region(tmp_path: Path) -> None:
+    x = np.array([[1.0, 2.49, 2.51, 2.6, 4.0]], np.float32)
+    for beta, threshold in ((2.0, 5.0), (0.5, 1.0), (1.0, 20.0)):
+        model = nn.Sequential([nn.Softplus(beta, threshold)], input_shape=(5,))
+        opgrad_onnx.save(model, tmp_path / "softplus.onnx")
+        np.testing.assert_allclose(run_onnxruntime(tmp_path / "softplus.onnx", x)[0], model.predict(x), rtol=1e-6)
 
 
 def test_output_names_survive_import_and_export(tmp_path: Path) -> None:

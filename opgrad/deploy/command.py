@@ -42,6 +42,7 @@ def run(args: argparse.Namespace) -> int:
     """Export; returns a process exit code (0 ok, 2 bad input or a failed build)."""
     from opgrad.checkpoint import CheckpointError
     from opgrad.deploy.export import ExportError, export
+    from opgrad.errors import ShapeError
     from opgrad.nn import Model, load_model
 
     try:
@@ -50,7 +51,7 @@ def run(args: argparse.Namespace) -> int:
                         eval_batch_size=args.eval_batch_size, target=args.target, cpu=args.cpu,
                         features=args.features, threads=args.threads, name=args.name, cc=args.cc,
                         object_only=args.object_only, seed=args.seed)
-    except (ExportError, CheckpointError, OSError) as exc:
+    except (ExportError, CheckpointError, OSError, ShapeError) as exc:  # ShapeError: a model the step cannot train
         print(f"opgrad export: error: {exc}", file=sys.stderr)
         return 2
     t = result.target

@@ -60,7 +60,8 @@ def read(path: str | os.PathLike[str], *, layout: str = "NCHW", keep_softmax: bo
         raise ValueError(f"opgrad.keras.load: layout must be one of {LAYOUTS}, got {layout!r}")
     name = os.fspath(path)
     spec, store, facts = read_model_file(name)
-    builder = Builder(name, store)
+    version = str(facts["keras_version"])
+    builder = Builder(name, store, keras2=version.startswith("2.") or (not version and facts["format"] == ".h5"))
     try:
         model = build_model(spec, builder, CONVERTERS, layout=layout, keep_softmax=bool(keep_softmax))
     except OSError as exc:  # h5py's error for damaged data inside an HDF5 file that opened

@@ -28,6 +28,7 @@ from opgrad.nn.layers import (
     Embedding,
     Flatten,
     GlobalAvgPool2D,
+    Hardsigmoid,
     Hardswish,
     LayerNorm,
     LeakyReLU,
@@ -41,14 +42,14 @@ from opgrad.nn.layers import (
     Tanh,
     UpSampling2D,
 )
-from opgrad.nn.ops_layers import Clip, Elementwise
+from opgrad.nn.ops_layers import Arithmetic, Clip, Elementwise
 from opgrad.nn.reshaping import Permute, Reshape, ZeroPadding2D
 
 __all__ = ["ACTIVATIONS", "CONVERTERS"]
 
 #: Keras activation names the importer maps; ``relu``/``sigmoid``/``tanh`` fuse into Dense/Conv.
 ACTIVATIONS = ("linear", "relu", "sigmoid", "tanh", "gelu", "leaky_relu", "softmax", "silu", "swish", "elu",
-               "softplus", "relu6", "hard_silu", "hard_swish", "mish")
+               "softplus", "relu6", "hard_sigmoid", "hard_silu", "hard_swish", "mish")
 _FUSED = ("relu", "sigmoid", "tanh")
 
 
@@ -73,6 +74,12 @@ def _activate(call: LayerCall, tensor: Tensor, name: str) -> Tensor:
         out = call.add(layer, tensor, tensor.layout, tensor.keras_shape, suffix="softmax", chw=tensor.chw)
         call.builder.softmax_inputs[id(out.sym)] = (tensor, call.spec.name)
         return out
+    if name == "hard_sigmoid" and call.builder.keras2:  # Keras 2's: clip(0.2 x + 0.5, 0, 1)
+        scaled = call.add(Arithmetic("multiply", operand=0.2), tensor, tensor.layout, tensor.keras_shape,
+                          suffix="scale", chw=tensor.chw)
+        shifted = call.add(Arithmetic("add", operand=0.5), scaled, tensor.layout, tensor.keras_shape, suffix="shift",
+                           chw=tensor.chw)
+        return call.add(Clip(0.0, 1.0), shifted, tensor.layout, tensor.keras_shape, suffix=name, chw=tensor.chw)
     if name == "mish":  # x * tanh(softplus(x)), as keras.activations.mish
         gate = call.add(Tanh(), call.add(Softplus(), tensor, tensor.layout, tensor.keras_shape, suffix="softplus",
                                          chw=tensor.chw), tensor.layout, tensor.keras_shape, suffix="tanh",
@@ -85,7 +92,8 @@ def _activate(call: LayerCall, tensor: Tensor, name: str) -> Tensor:
 def _activation_layer(name: str) -> Any:
     """The opgrad layer of Keras activation ``name`` (one of :data:`ACTIVATIONS` but linear, softmax, mish)."""
     simple = {"relu": ReLU, "sigmoid": Sigmoid, "tanh": Tanh, "silu": SiLU, "swish": SiLU, "elu": ELU,
-              "softplus": Softplus, "hard_silu": Hardswish, "hard_swish": Hardswish}.get(name)
+              "softplus": Softplus, "hard_sigmoid": Hardsigmoid, "hard_silu": Hardswish,
+              "hard_swish": Hardswish}.get(name)
     if simple is not None:
         return simple()
     if name == "gelu":
@@ -434,7 +442,7 @@ def activation(call: LayerCall, inputs: list[Tensor]) -> Tensor:
     name = _activation_name(call)
     if name == "linear":
         return tensor
-    if name in ("softmax", "mish"):
+    if name in ("softmax", "mish", "hard_sigmoid"):
         return _activate(call, tensor, name)
     return call.add(_activation_layer(name), tensor, tensor.layout, tensor.keras_shape, chw=tensor.chw)
 

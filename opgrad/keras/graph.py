@@ -201,8 +201,10 @@ Converter = Callable[[LayerCall, list[Tensor]], Tensor]
 class Builder:
     """State of one import: the file, its weights, the names taken, and what was set along the way."""
 
-    def __init__(self, path: str, store: WeightStore) -> None:
+    def __init__(self, path: str, store: WeightStore, keras2: bool = False) -> None:
         self.path, self.store = path, store
+        #: Written by Keras 2, whose activations differ from Keras 3's by name (hard_sigmoid).
+        self.keras2 = keras2
         self.notes: list[str] = []
         self.params: dict[str, np.ndarray] = {}
         self.buffers: dict[str, np.ndarray] = {}

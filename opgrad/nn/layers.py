@@ -87,6 +87,7 @@ __all__ = [
     "Tanh",
     "UpSampling2D",
     "hard_sigmoid",
+    "hard_swish",
 ]
 
 Shape = tuple[int, ...]
@@ -219,13 +220,21 @@ def _activate(x: Expr, activation: str | None) -> Expr:
     if activation == "hard_sigmoid":
         return hard_sigmoid(x)
     if activation == "hard_swish":
-        return ops.multiply(x, hard_sigmoid(x))
+        return hard_swish(x)
     return x
 
 
 def hard_sigmoid(x: Expr) -> Expr:
     """``relu6(x + 3) / 6``, as PyTorch's ``Hardsigmoid`` and Keras 3's ``hard_sigmoid`` compute it."""
     return ops.divide(ops.clip(ops.add(x, 3.0), lo=0.0, hi=6.0), 6.0)
+
+
+def hard_swish(x: Expr) -> Expr:
+    """``x * relu6(x + 3) / 6``, as PyTorch's ``Hardswish``: ``x`` from 3 on, else the product on
+    ``x`` clipped to [-3, 3], so that the gradient is PyTorch's (0 up to -3, 1 from 3, infinities
+    included) rather than the product rule's ``inf * 0``."""
+    inner = ops.clip(x, lo=-3.0, hi=3.0)
+    return ops.where(ops.greater(3.0, x), ops.multiply(inner, hard_sigmoid(inner)), x)
 
 
 def _init_config(init: Initializer) -> str | None:
@@ -869,7 +878,7 @@ class ELU(Layer):
 
     def __init__(self, alpha: float = 1.0, *, name: str | None = None) -> None:
         super().__init__(name)
-        if not (math.isfinite(float(alpha)) and float(alpha) >= 0):
+        if not (math.isfinite(float(alpha)) and float(alpha) >= 0):  # the elu operator's domain
             raise ValueError(f"ELU alpha must be a finite number >= 0, got {alpha!r}")
         self.alpha = float(alpha)
 

@@ -99,7 +99,8 @@ class Model:
         self.layers: tuple[Layer, ...] = tuple(dict.fromkeys(node.layer for node in self.nodes))
         self._name_layers()
         self._params: dict[str, np.ndarray] | None = None
-        #: Whether ``params`` was assigned (set, loaded, imported or trained) rather than drawn on first use.
+        #: Whether the model holds weights: assigned (set, loaded, imported or trained) or handed
+        #: out by ``params``; a Trainer keeps them, else it draws its own from its seed.
         self.weights_assigned = False
         self._buffers: dict[str, np.ndarray] | None = None
         self._predict_steps: dict[tuple[int, str, str], Any] = {}
@@ -240,9 +241,13 @@ class Model:
 
     @property
     def params(self) -> dict[str, np.ndarray]:
-        """The model's current parameters (initialized from seed 0 on first use, unless set)."""
+        """The model's current parameters (initialized from seed 0 on first use, unless set).
+
+        Once handed out they are the model's weights (:attr:`weights_assigned`): whoever read,
+        changed in place or predicted with them finds the same ones in a Trainer."""
         if self._params is None:
             self._params = self.init_params(seed=0)
+            self.weights_assigned = True
         return self._params
 
     @params.setter

@@ -22,7 +22,7 @@ import numpy as np
 from opgrad import ops
 from opgrad.ir import Const, Expr
 from opgrad.nn.init import zeros
-from opgrad.nn.layers import ForwardContext, Layer, ParamSpec, Softmax
+from opgrad.nn.layers import ForwardContext, Layer, ParamSpec, Softmax, as_int
 
 __all__ = [
     "ARITHMETIC",
@@ -147,7 +147,7 @@ class Arithmetic(Layer):
             raise ValueError("Arithmetic operand must be finite")
         shape = self.operand.shape if self.operand is not None else operand_shape
         assert shape is not None
-        self.operand_shape: Shape = tuple(int(d) for d in shape)
+        self.operand_shape: Shape = tuple(as_int(d, "Arithmetic operand_shape") for d in shape)
 
     def get_config(self) -> dict[str, Any]:
         if self.operand is not None:
@@ -219,7 +219,7 @@ class Pad(Layer):
     def __init__(self, pads: Sequence[Sequence[int]], *, mode: str = "constant", value: float = 0.0,
                  name: str | None = None) -> None:
         super().__init__(name)
-        self.pads = tuple((int(p[0]), int(p[1])) for p in pads)
+        self.pads = tuple((as_int(p[0], "Pad pads"), as_int(p[1], "Pad pads")) for p in pads)
         if not self.pads or any(min(p) < 0 for p in self.pads):
             raise ValueError(f"Pad pads must be one (before, after) pair of ints >= 0 per axis, got {pads!r}")
         if mode not in ("constant", "reflect", "edge"):
@@ -253,9 +253,9 @@ class Slice(Layer):
     def __init__(self, begin: Sequence[int | None], end: Sequence[int | None],
                  steps: Sequence[int | None] | None = None, *, name: str | None = None) -> None:
         super().__init__(name)
-        self.begin = tuple(None if b is None else int(b) for b in begin)
-        self.end = tuple(None if e is None else int(e) for e in end)
-        self.steps = tuple(1 if s is None else int(s) for s in (steps or [1] * len(self.begin)))
+        self.begin = tuple(None if b is None else as_int(b, "Slice begin") for b in begin)
+        self.end = tuple(None if e is None else as_int(e, "Slice end") for e in end)
+        self.steps = tuple(1 if s is None else as_int(s, "Slice steps") for s in (steps or [1] * len(self.begin)))
         if not len(self.begin) == len(self.end) == len(self.steps) or 0 in self.steps:
             raise ValueError(f"Slice needs one begin, end and non-zero step per axis, got {begin}, {end}, {steps}")
 
@@ -289,7 +289,7 @@ class Reduce(Layer):
         super().__init__(name)
         if op not in ("mean", "sum", "max"):
             raise ValueError(f"Reduce op must be 'mean', 'sum' or 'max', got {op!r}")
-        self.op, self.axes, self.keepdims = op, tuple(int(a) for a in axes), bool(keepdims)
+        self.op, self.axes, self.keepdims = op, tuple(as_int(a, "Reduce axes") for a in axes), bool(keepdims)
         if not self.axes:
             raise ValueError("Reduce needs at least one axis")
 
@@ -355,7 +355,7 @@ class Resize(Layer):
     def __init__(self, size: Sequence[int], *, method: str = "nearest", align_corners: bool = False,
                  name: str | None = None) -> None:
         super().__init__(name)
-        self.size = tuple(int(s) for s in size)
+        self.size = tuple(as_int(s, "Resize size") for s in size)
         if len(self.size) != 2 or min(self.size) < 1:
             raise ValueError(f"Resize size must be two positive ints (height, width), got {size!r}")
         if method not in ("nearest", "bilinear"):

@@ -194,7 +194,9 @@ class Trainer:
         keeps_weights = params is not None or model.weights_assigned
         if params is None and model.weights_assigned:
             params = model.params
-        self.params = dict(params) if params is not None else model.init_params(seed, dtype)
+        # Kept or given weights in the trainer's dtype, as its buffers are (a float32 model trained in float64).
+        self.params = ({k: np.asarray(v).astype(dtype, copy=False) for k, v in params.items()} if params is not None
+                       else model.init_params(seed, dtype))
         # Kept weights come with their running statistics; fresh weights start from fresh statistics.
         buffers = ({k: v.astype(dtype, copy=False) for k, v in model.buffers.items()} if keeps_weights
                    else model.init_buffers(dtype))
@@ -245,13 +247,24 @@ class Trainer:
 
     # ----- inputs: one array per model input -----
 
-    def _input_arrays(self, inputs: Inputs, labels: np.ndarray, who: str) -> list[np.ndarray]:
+    def _input_arrays(self, inputs: Inputs, labels: np.ndarray, who: str, classes: bool = True) -> list[np.ndarray]:
         """One array per model input, in ``model.inputs`` order, checked against the model: how
         many, their per-example shapes, integers for an integer input (a float id would be
-        truncated), and one row per label.
+        truncated), and one row per label; the labels one integer class per row, with
+        ``classes`` within every output's classes.
 
         Not cast yet: a dataset is cast batch by batch, so uint8 pixels are never all held as floats.
         """
+        if not isinstance(labels, np.ndarray):
+            raise TypeError(f"Trainer.{who}: labels must be one integer array, which serves every output of "
+                            f"model {self.model.name!r}; per-output label arrays go to nn.TrainStep")
+        check_class_labels(labels, len(labels), None, f"Trainer.{who}")
+        for tensor in self.model.outputs if classes else []:  # each head's classes, named where a label is past them
+            node = tensor.node
+            if len(tensor.shape) == 1 and labels.size and labels.max() >= tensor.shape[0] and node is not None:
+                raise ValueError(f"Trainer.{who}: labels must lie in 0..{tensor.shape[0] - 1} for output "
+                                 f"{node.layer.describe()} ({tensor.shape[0]} classes), got values in "
+                                 f"{labels.min()}..{labels.max()}")
         tensors = self.model.inputs
         arrays = [inputs] if isinstance(inputs, np.ndarray) else [np.asarray(a) for a in inputs]
         if len(arrays) != len(tensors):
@@ -380,7 +393,8 @@ class Trainer:
     def epoch_batches(self, inputs: Inputs, labels: np.ndarray) -> Iterator[tuple[Inputs, np.ndarray]]:
         """This epoch's batches: shuffled by ``(seed, epoch)``, last partial batch dropped, every input
         cut by the same rows. A batch's inputs are one array for a model with one input, else a list."""
-        batches = self._epoch_batches(self._input_arrays(inputs, labels, "epoch_batches"), labels)
+        # Only cut here: what the labels index is the steps' to check.
+        batches = self._epoch_batches(self._input_arrays(inputs, labels, "epoch_batches", classes=False), labels)
         return ((self._one_or_list(x), y) for x, y in batches)
 
     def _epoch_batches(self, arrays: list[np.ndarray],
@@ -415,8 +429,9 @@ class Trainer:
         if len(labels) < self.batch_size and max_steps != 0:
             # An epoch takes whole batches only (the compiled step has one batch size), so this
             # epoch would train nothing and report a nan loss that reads like a diverged run.
+            remedy = f"give batch_size <= {len(labels)}" if len(labels) else "give it examples"
             raise ValueError(f"Trainer.train_epoch: {len(labels)} examples make no whole batch of {self.batch_size} "
-                             f"(an epoch drops the last partial batch); give batch_size <= {len(labels)}")
+                             f"(an epoch drops the last partial batch); {remedy}")
         losses: list[float] = []
         chunk: list[tuple[list[np.ndarray], np.ndarray]] = []
 
@@ -449,6 +464,8 @@ class Trainer:
         ``inputs`` is one array per model input (a bare array for a model with one input).
         """
         arrays = self._input_arrays(inputs, labels, "evaluate")
+        if not len(labels):
+            raise ValueError("Trainer.evaluate: no examples; accuracy and loss need at least one")
         shape = self.model.outputs[0].shape
         check_class_labels(labels, len(labels), shape[0] if len(shape) == 1 else None, "Trainer.evaluate")
         logits = self.eval_step.logits(arrays, {**self.params, **self.model.buffers})

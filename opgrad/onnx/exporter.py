@@ -208,7 +208,13 @@ def _pool(b: GraphBuilder, layer: Any, x: list[str], shapes: list[Shape], out: s
     attrs: dict[str, Any] = {"kernel_shape": list(layer.pool_size), "strides": list(layer.strides),
                              "pads": [top, left, bottom, right]}
     if layer.ceil_mode:
-        attrs["ceil_mode"] = 1
+        # Where PyTorch's rule drops a last window that would start in the padding, the size is
+        # the floor's, which ONNX's shape inference gives only with ceil_mode 0 (the same windows).
+        pads = ((top, bottom), (left, right))
+        floor = [(n + a + b - k) // s + 1 for n, (a, b), k, s in zip(shapes[0][1:], pads, layer.pool_size,
+                                                                     layer.strides, strict=True)]
+        if list(layer.output_shape_for(shapes[0])[1:]) != floor:
+            attrs["ceil_mode"] = 1
     if layer.kind == "avgpool":
         attrs["count_include_pad"] = int(layer.count_include_pad)
     b.node("MaxPool" if layer.kind == "maxpool" else "AveragePool", [x[0]], out, layer.name, **attrs)
@@ -252,14 +258,19 @@ def _elu(b: GraphBuilder, layer: Any, x: list[str], shapes: list[Shape], out: st
 
 @emitter("softplus")
 def _softplus(b: GraphBuilder, layer: Any, x: list[str], shapes: list[Shape], out: str) -> None:
-    # ONNX's Softplus has neither beta nor PyTorch's linear region past the threshold, where the
-    # two differ by at most log1p(exp(-threshold)) / beta (2e-9 at the default 20).
+    # ONNX's Softplus has neither beta nor PyTorch's linear region past the threshold. From
+    # PyTorch's default threshold 20 on, the two differ by at most log1p(exp(-20)) / beta, 2e-9
+    # times 1 / beta, below float32's resolution there; a lower threshold is written as a Where.
+    smooth = final = out if layer.threshold >= 20.0 else None
     if layer.beta == 1.0:
-        b.node("Softplus", [x[0]], out, layer.name)
-        return
-    beta = b.constant(layer.beta, f"{layer.name}.beta")
-    scaled = b.node("Softplus", [b.node("Mul", [x[0], beta], hint=layer.name)], hint=layer.name)
-    b.node("Div", [scaled, beta], out, layer.name)
+        scaled, smooth = x[0], b.node("Softplus", [x[0]], smooth, layer.name)
+    else:
+        beta = b.constant(layer.beta, f"{layer.name}.beta")
+        scaled = b.node("Mul", [x[0], beta], hint=layer.name)
+        smooth = b.node("Div", [b.node("Softplus", [scaled], hint=layer.name), beta], smooth, layer.name)
+    if final is None:
+        linear = b.node("Greater", [scaled, b.constant(layer.threshold, f"{layer.name}.threshold")], hint=layer.name)
+        b.node("Where", [linear, x[0], smooth], out, layer.name)
 
 
 @emitter("prelu")
