@@ -350,6 +350,16 @@ def test_output_names_survive_import_and_export(tmp_path: Path) -> None:
     assert nn.load(tmp_path / "named.npz").output_names == ["logits", "features"]
     with pytest.raises(ValueError, match="output_names must be 2 distinct non-empty strings"):
         nn.Model(model.inputs, model.outputs, output_names=["a", "a"])
+    # PyTorch's default names are no identifiers: the model's input is renamed, the file's name kept.
+    graph = helper.make_graph([node("Relu", ["input.1"], ["input_1"])], "torch-named",
+                              [helper.make_tensor_value_info("input.1", TensorProto.FLOAT, ["N", 3])],
+                              [helper.make_tensor_value_info("input_1", TensorProto.FLOAT, ["N", 3])])
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8), path)
+    model = opgrad_onnx.load(path)
+    assert model.input_names == ["input.1"] and model.inputs[0].name != "input.1"
+    opgrad_onnx.save(model, tmp_path / "back.onnx")
+    back = onnx.load(tmp_path / "back.onnx").graph
+    assert [i.name for i in back.input] == ["input.1"] and [o.name for o in back.output] == ["input_1"]
 
 
 def test_a_fixed_batch_size_is_read_as_the_batch_axis(tmp_path: Path) -> None:

@@ -62,6 +62,17 @@ def _as_list(value: SymbolicTensor | Sequence[SymbolicTensor], what: str) -> lis
     return items
 
 
+def _file_names(names: Sequence[str] | None, count: int, what: str, model: str) -> list[str] | None:
+    """``names`` checked as one distinct non-empty string per model input or output (``what``)."""
+    if names is None:
+        return None
+    listed = list(names)
+    if len(listed) != count or not all(isinstance(n, str) and n for n in listed) or len(set(listed)) != count:
+        raise ValueError(f"model {model!r}: {what}_names must be {count} distinct non-empty strings, one per "
+                         f"{what}; got {names!r}")
+    return listed
+
+
 def _count(shape: Shape) -> int:
     return int(np.prod(shape, dtype=np.int64))
 
@@ -70,25 +81,20 @@ class Model:
     """The layers between ``inputs`` and ``outputs`` (one tensor or a list of each).
 
     Supports branches, skip connections, several inputs and outputs and shared layers; every
-    tensor the outputs depend on must come from the given inputs. ``output_names`` (one distinct
-    name per output) name the outputs where a file format has names for them: an imported ONNX
-    graph keeps its output names through ``opgrad.onnx.save``.
+    tensor the outputs depend on must come from the given inputs. ``input_names`` and
+    ``output_names`` (one distinct name each) name the inputs and outputs where a file format has
+    names for them, which need not be identifiers: an imported ONNX graph keeps its names
+    (PyTorch's ``input.1``) through ``opgrad.onnx.save``.
     """
 
     def __init__(self, inputs: SymbolicTensor | Sequence[SymbolicTensor],
                  outputs: SymbolicTensor | Sequence[SymbolicTensor], *, name: str = "model",
-                 output_names: Sequence[str] | None = None) -> None:
+                 input_names: Sequence[str] | None = None, output_names: Sequence[str] | None = None) -> None:
         self.name = name
         self.inputs = _as_list(inputs, "inputs")
         self.outputs = _as_list(outputs, "outputs")
-        self.output_names: list[str] | None = None
-        if output_names is not None:
-            names = list(output_names)
-            if (len(names) != len(self.outputs) or not all(isinstance(n, str) and n for n in names)
-                    or len(set(names)) != len(names)):
-                raise ValueError(f"model {name!r}: output_names must be {len(self.outputs)} distinct non-empty "
-                                 f"strings, one per output; got {output_names!r}")
-            self.output_names = names
+        self.input_names = _file_names(input_names, len(self.inputs), "input", name)
+        self.output_names = _file_names(output_names, len(self.outputs), "output", name)
         for tensor in self.inputs:
             if tensor.node is not None:
                 raise TypeError(f"model {name!r}: inputs must come from nn.Input, got {tensor!r}")
@@ -440,6 +446,7 @@ class Model:
             "layers": [{"kind": layer.kind, "name": layer.name, "config": layer.get_config()} for layer in self.layers],
             "nodes": [{"layer": node.layer.name, "inputs": [index[id(t)] for t in node.inputs]} for node in self.nodes],
             "outputs": [index[id(t)] for t in self.outputs],
+            **({"input_names": self.input_names} if self.input_names is not None else {}),
             **({"output_names": self.output_names} if self.output_names is not None else {}),
         }
 
@@ -525,7 +532,8 @@ def model_from_config(config: Mapping[str, Any], *, source: str = "model descrip
             args = [tensors[i] for i in node["inputs"]]
             tensors.append(layer(args if layer.multi_input else args[0]))
         return Model(tensors[: len(config["inputs"])], [tensors[i] for i in config["outputs"]],
-                     name=str(config["name"]), output_names=config.get("output_names"))
+                     name=str(config["name"]), input_names=config.get("input_names"),
+                     output_names=config.get("output_names"))
     except (KeyError, IndexError, TypeError) as exc:
         raise ValueError(f"{source}: malformed model description ({type(exc).__name__}: {exc})") from None
 

@@ -442,8 +442,8 @@ def to_onnx(model: Model, *, opset: int | None = None) -> Any:
     b.weights = weights
     names: dict[int, str] = {}
     graph_inputs = []
-    for tensor in model.inputs:
-        name = b.fresh(str(tensor.name))
+    for i, tensor in enumerate(model.inputs):
+        name = b.fresh(model.input_names[i] if model.input_names else str(tensor.name))
         names[id(tensor)] = name
         kind = onnx.TensorProto.INT64 if tensor.dtype == "int64" else elem
         graph_inputs.append(onnx.helper.make_tensor_value_info(name, kind, ["N", *tensor.shape]))

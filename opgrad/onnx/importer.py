@@ -86,6 +86,8 @@ class _Reader:
         self.onnx, self.model, self.source = onnx, model, source
         self.graph = model.graph
         self.values: dict[str, Value] = {}
+        #: The file's names of the data inputs, in order (the model's inputs get identifiers).
+        self.input_names: list[str] = []
         self.weights: dict[str, dict[str, np.ndarray]] = {}
         self.layer_names: set[str] = set()
         self.batch: int | None = None
@@ -171,6 +173,7 @@ class _Reader:
             taken.add(name)
             tensor = Input(tuple(shape), name=name)
             self.values[info.name] = tensor
+            self.input_names.append(info.name)
             inputs.append(tensor)
         if not inputs:
             raise OnnxError(f"{self.source}: the graph has no data input (every input is an initializer)")
@@ -318,7 +321,8 @@ class _Reader:
         # The file's name, which the user chose, rather than the exporter's graph name ("main_graph").
         name = _safe_name(Path(self.source).stem, _safe_name(self.graph.name, "onnx-model"))
         try:
-            model = Model(inputs, outputs, name=name, output_names=[info.name for info in self.graph.output])
+            model = Model(inputs, outputs, name=name, input_names=list(self.input_names),
+                          output_names=[info.name for info in self.graph.output])
         except (ValueError, TypeError) as exc:
             raise OnnxError(f"{self.source}: {exc}") from None
         params: dict[str, np.ndarray] = {}
