@@ -848,16 +848,7 @@ class WinogradEmitter:
                     self.field_mask(f, occupancy, segment)
 
             self.segments(f, item, rows, transform)
-            tail_cols = round_up(self.tail_rows * self.tw, self.vl)
-            if tail_cols == self.cols:
-                self.gemms(f, u, v, mm, self.cols)
-            else:
-                tail, whole, done = f.if_else(last, "tail")
-                for label, cols in ((tail, tail_cols), (whole, self.cols)):
-                    f.block(label)
-                    self.gemms(f, u, v, mm, cols)
-                    f.br(done)
-                f.block(done)
+            self.block_gemms(f, u, v, mm, last)
 
             def store(segment: Segment) -> None:
                 finish, epilogue_rows = None, None
@@ -883,6 +874,20 @@ class WinogradEmitter:
         f.ret_void()
         f.finish()
         return name
+
+    def block_gemms(self, f: FunctionEmitter, u: str, v: str, mm: str, last: str) -> None:
+        """:meth:`gemms` over a block's columns: the last block's fewer (``last``, an i1) where its
+        tile rows round to fewer vectors."""
+        tail_cols = round_up(self.tail_rows * self.tw, self.vl)
+        if tail_cols == self.cols:
+            self.gemms(f, u, v, mm, self.cols)
+            return
+        tail, whole, done = f.if_else(last, "tail")
+        for label, cols in ((tail, tail_cols), (whole, self.cols)):
+            f.block(label)
+            self.gemms(f, u, v, mm, cols)
+            f.br(done)
+        f.block(done)
 
     def segments(self, f: FunctionEmitter, item: str, rows: str, body: Callable[[Segment], None]) -> None:
         """``body`` on each image's part of block ``item`` of ``rows`` tile rows, in column order: the

@@ -186,16 +186,7 @@ class AdjointEmitter(WinogradEmitter):
                                      first_column=f.mul(segment.offset, self.tw))
 
             self.segments(f, item, rows, transform)
-            tail_cols = round_up(self.tail_rows * self.tw, self.vl)
-            if tail_cols == self.cols:
-                self.gemms(f, u, v, mm, self.cols)
-            else:
-                tail, whole, done = f.if_else(last, "tail")
-                for label, cols in ((tail, tail_cols), (whole, self.cols)):
-                    f.block(label)
-                    self.gemms(f, u, v, mm, cols)
-                    f.br(done)
-                f.block(done)
+            self.block_gemms(f, u, v, mm, last)
 
             def store(segment: Segment) -> None:
                 finish = None
