@@ -58,7 +58,7 @@ from opgrad.nn.losses import accuracy, cross_entropy_numpy
 from opgrad.nn.model import Model
 from opgrad.nn.optim import Optimizer
 from opgrad.nn.schedules import Schedule
-from opgrad.nn.trainer import Inputs, Trainer, noise_rng
+from opgrad.nn.trainer import Inputs, Labels, Trainer, cut_labels, first_labels, label_rows, noise_rng
 from opgrad.replicas import replica_group
 
 __all__ = [
@@ -469,10 +469,10 @@ class DistributedTrainer(Trainer):
 
     # ----- one step: local gradients, one all-reduce, the update everywhere -----
 
-    def _local_gradients(self, inputs: list[np.ndarray], labels: np.ndarray) -> None:
+    def _local_gradients(self, inputs: list[np.ndarray], labels: Labels) -> None:
         """This rank's share of the step, packed into the fused buffer (weighted by its rows)."""
-        if len(labels) != self.batch_size:
-            raise ValueError(f"distributed step: the global batch has {len(labels)} rows, expected "
+        if label_rows(labels) != self.batch_size:
+            raise ValueError(f"distributed step: the global batch has {label_rows(labels)} rows, expected "
                              f"{self.batch_size} (every rank passes the same whole batch)")
         augmented = self._augmented(inputs, self.step)
         masks = self.model.sample_noise(noise_rng(self.seed, self.step), self.batch_size, self.dtype)
@@ -480,7 +480,7 @@ class DistributedTrainer(Trainer):
         local_masks = {name: np.ascontiguousarray(m[start:stop]) for name, m in masks.items()}
         x = self._one_or_list([np.ascontiguousarray(array[start:stop], dtype=dtype)
                                for array, dtype in zip(augmented, self._input_dtypes)])
-        y = np.ascontiguousarray(labels[start:stop])
+        y = cut_labels(labels, slice(start, stop))
         if self._reducer is None:
             with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
                 result = self.gradient_step(x, y, self.params, self.model.buffers, local_masks)
@@ -494,7 +494,7 @@ class DistributedTrainer(Trainer):
         self.fused_buffer.pack(result.loss, {**result.grads, **{name: value * self.share for name, value
                                                                 in result.buffers.items()}}, 1.0)
 
-    def _train_batch(self, inputs: list[np.ndarray], labels: np.ndarray, *, epoch_step: int | None) -> float:
+    def _train_batch(self, inputs: list[np.ndarray], labels: Labels, *, epoch_step: int | None) -> float:
         if self.fused:
             return super()._train_batch(inputs, labels, epoch_step=epoch_step)
         buffer = self.fused_buffer
@@ -553,7 +553,7 @@ class DistributedTrainer(Trainer):
         self.history.record_step(loss)
         return loss
 
-    def _train_batches(self, batches: Sequence[tuple[list[np.ndarray], np.ndarray]], *,
+    def _train_batches(self, batches: Sequence[tuple[list[np.ndarray], Labels]], *,
                        epoch_step: int | None) -> list[float]:
         if self.fused:
             return super()._train_batches(batches, epoch_step=epoch_step)
@@ -564,9 +564,9 @@ class DistributedTrainer(Trainer):
 
     # ----- evaluation: every rank scores its block of the data, the counts are summed -----
 
-    def evaluate(self, inputs: Inputs, labels: np.ndarray) -> tuple[float, float]:
-        """``(accuracy, mean cross-entropy)`` over every example, the same on every rank."""
-        start, stop = shard_bounds(len(labels), self.comm.rank, self.comm.size)
+    def evaluate(self, inputs: Inputs, labels: Labels) -> tuple[float, float]:
+        """``(accuracy, mean cross-entropy)`` of the first output over every example, the same on every rank."""
+        start, stop = shard_bounds(label_rows(labels), self.comm.rank, self.comm.size)
         totals = np.zeros(self.comm.size + 2, np.float64)  # failure flags, correct, summed loss
         error: Exception | None = None
         try:
@@ -574,7 +574,7 @@ class DistributedTrainer(Trainer):
             if stop > start:
                 logits = self.eval_step.logits([array[start:stop] for array in arrays],
                                                {**self.params, **self.model.buffers})
-                part = labels[start:stop]
+                part = first_labels(labels)[start:stop]
                 totals[-2] = accuracy(logits, part) * len(part)
                 totals[-1] = cross_entropy_numpy(logits, part) * len(part)
         except Exception as exc:
@@ -588,7 +588,7 @@ class DistributedTrainer(Trainer):
         if failed:
             raise _collective(RankFailedError(f"rank {_ranks(failed)} failed while evaluating; its error is "
                                               f"printed above; rank {self.comm.rank} stops too"))
-        n = max(1, len(labels))
+        n = max(1, label_rows(labels))
         return float(totals[-2] / n), float(totals[-1] / n)
 
     # ----- checkpoints: rank 0 writes, everyone learns whether it worked -----

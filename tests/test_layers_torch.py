@@ -187,15 +187,39 @@ def test_integer_arguments_of_generic_layers_are_not_truncated() -> None:
         nn.Slice([0], [2.9])
 
 
-def test_a_multi_head_trainer_says_what_its_labels_are() -> None:
+def _two_heads() -> nn.Model:
     inp = nn.Input((6,))
-    hidden = nn.Dense(8, activation="relu")(inp)
-    model = nn.Model(inp, [nn.Dense(10, name="digit")(hidden), nn.Dense(2, name="parity")(hidden)])
-    trainer = nn.Trainer(model, nn.Adam(), batch_size=4)
+    hidden = nn.Dense(8, activation="relu", name="hidden")(inp)
+    return nn.Model(inp, [nn.Dense(10, name="digit")(hidden), nn.Dense(2, name="parity")(hidden)])
+
+
+def test_a_trainer_takes_one_label_array_per_head() -> None:
+    rng = np.random.default_rng(3)
+    x, digits = rng.standard_normal((16, 6)).astype(np.float32), rng.integers(0, 10, 16)
+    heads = [digits, digits % 2]
+    trainer = nn.Trainer(_two_heads(), nn.SGD(), lr=0.1, batch_size=8, seed=1)
+    start = {k: v.copy() for k, v in trainer.params.items()}
+    step = nn.TrainStep(_two_heads(), nn.SGD(), batch_size=8)
+    expected = step(x[:8], [digits[:8], digits[:8] % 2], start, {}, lr=0.1)
+    assert trainer.train_batch(x[:8], [h[:8] for h in heads]) == expected.loss
+    for key, value in expected.params.items():
+        np.testing.assert_array_equal(trainer.params[key], value)
+    # Two steps in one native call give the numbers of two calls; evaluation scores the first head.
+    one, two = (nn.Trainer(_two_heads(), nn.SGD(), lr=0.1, batch_size=8, seed=1) for _ in range(2))
+    assert one.train_epoch(x, heads) == two.train_epoch(x, heads, steps_per_call=2)
+    accuracy, _ = one.evaluate(x, heads)
+    assert accuracy == nn.accuracy(one.model.predict(x, backend="reference")[0], digits)
+
+
+def test_a_multi_head_trainer_says_what_its_labels_are() -> None:
+    trainer = nn.Trainer(_two_heads(), nn.Adam(), batch_size=4)
     x, digits = np.zeros((4, 6), np.float32), np.array([3, 4, 7, 8])
-    with pytest.raises(TypeError, match="labels must be one integer array, which serves every output"):
-        trainer.train_batch(x, [digits, digits % 2])  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="labels must be one integer array, which serves every output, or a list "
+                                        "of 2"):
+        trainer.train_batch(x, [digits])
     with pytest.raises(ValueError, match=r"labels must lie in 0..1 for output 'parity' \(Dense\(2\)\)"):
         trainer.train_batch(x, digits)
+    with pytest.raises(ValueError, match=r"\(output 'parity' \(Dense\(2\)\)\): labels have shape \(3,\), expected"):
+        trainer.train_batch(x, [digits, digits[:3] % 2])
     with pytest.raises(ValueError, match=r"Trainer\.evaluate: no examples"):
         trainer.evaluate(np.zeros((0, 6), np.float32), np.zeros(0, np.int64))

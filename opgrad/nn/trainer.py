@@ -32,12 +32,32 @@ from opgrad.nn.optim import Optimizer
 from opgrad.nn.schedules import LRSchedule, Schedule, constant_lr, cosine_lr
 from opgrad.nn.step import BACKENDS, EvalStep, NanLossError, TrainStep, check_batch_inputs
 
-__all__ = ["Inputs", "LRSchedule", "Trainer", "affine_images", "constant_lr", "cosine_lr", "noise_rng",
-           "shift_images", "shift_rng"]
+__all__ = ["Inputs", "LRSchedule", "Labels", "Trainer", "affine_images", "constant_lr", "cosine_lr", "cut_labels",
+           "first_labels", "label_rows", "noise_rng", "shift_images", "shift_rng"]
 
 #: The inputs of a batch or a dataset: one array for a model with one input, else one array per
 #: input in ``model.inputs`` order (as ``TrainStep`` and ``Model.predict`` take them).
 Inputs = np.ndarray | Sequence[np.ndarray]
+#: What Trainer methods take as labels: one integer array serving every output, or a list of one
+#: per output (a model with several heads, each with its own classes).
+Labels = np.ndarray | Sequence[np.ndarray]
+
+
+def label_rows(labels: Labels) -> int:
+    """The number of examples ``labels`` (one array, or one per output) label."""
+    return len(labels if isinstance(labels, np.ndarray) else labels[0])
+
+
+def cut_labels(labels: Labels, rows: Any) -> Labels:
+    """``labels`` at ``rows`` (a slice or an index array), every output's alike."""
+    if isinstance(labels, np.ndarray):
+        return np.ascontiguousarray(labels[rows])
+    return [np.ascontiguousarray(array[rows]) for array in labels]
+
+
+def first_labels(labels: Labels) -> np.ndarray:
+    """The labels of the first output, which evaluation scores."""
+    return labels if isinstance(labels, np.ndarray) else labels[0]
 
 _NOISE_TAG = 0x6E6F6973  # "nois": dropout masks
 _SHIFT_TAG = 0x73686966  # "shif": augmentation shifts
@@ -247,7 +267,7 @@ class Trainer:
 
     # ----- inputs: one array per model input -----
 
-    def _input_arrays(self, inputs: Inputs, labels: np.ndarray, who: str, classes: bool = True) -> list[np.ndarray]:
+    def _input_arrays(self, inputs: Inputs, labels: Labels, who: str, classes: bool = True) -> list[np.ndarray]:
         """One array per model input, in ``model.inputs`` order, checked against the model: how
         many, their per-example shapes, integers for an integer input (a float id would be
         truncated), and one row per label; the labels one integer class per row, with
@@ -255,16 +275,22 @@ class Trainer:
 
         Not cast yet: a dataset is cast batch by batch, so uint8 pixels are never all held as floats.
         """
-        if not isinstance(labels, np.ndarray):
-            raise TypeError(f"Trainer.{who}: labels must be one integer array, which serves every output of "
-                            f"model {self.model.name!r}; per-output label arrays go to nn.TrainStep")
-        check_class_labels(labels, len(labels), None, f"Trainer.{who}")
-        for tensor in self.model.outputs if classes else []:  # each head's classes, named where a label is past them
+        outputs = self.model.outputs
+        per_output = [labels] * len(outputs) if isinstance(labels, np.ndarray) else list(labels)
+        if len(per_output) != len(outputs) or not all(isinstance(y, np.ndarray) for y in per_output):
+            raise TypeError(f"Trainer.{who}: labels must be one integer array, which serves every output, or a list "
+                            f"of {len(outputs)} (one per output of model {self.model.name!r}); got "
+                            f"{type(labels).__name__} of {len(per_output)}")
+        rows = label_rows(labels)
+        for tensor, y in zip(outputs, per_output, strict=True):
             node = tensor.node
-            if len(tensor.shape) == 1 and labels.size and labels.max() >= tensor.shape[0] and node is not None:
-                raise ValueError(f"Trainer.{who}: labels must lie in 0..{tensor.shape[0] - 1} for output "
-                                 f"{node.layer.describe()} ({tensor.shape[0]} classes), got values in "
-                                 f"{labels.min()}..{labels.max()}")
+            head = f" (output {node.layer.describe()})" if node is not None and len(outputs) > 1 else ""
+            check_class_labels(y, rows, None, f"Trainer.{who}{head}")
+            if classes and len(tensor.shape) == 1 and y.size and y.max() >= tensor.shape[0]:
+                # Each head's classes, named where a label is past them.
+                where = node.layer.describe() if node is not None else repr(tensor.name)
+                raise ValueError(f"Trainer.{who}: labels must lie in 0..{tensor.shape[0] - 1} for output {where} "
+                                 f"({tensor.shape[0]} classes), got values in {y.min()}..{y.max()}")
         tensors = self.model.inputs
         arrays = [inputs] if isinstance(inputs, np.ndarray) else [np.asarray(a) for a in inputs]
         if len(arrays) != len(tensors):
@@ -275,10 +301,10 @@ class Trainer:
                 raise ShapeError(f"Trainer.{who}: input {tensor.name!r} has shape {array.shape}; model "
                                  f"{self.model.name!r} expects (N, {', '.join(map(str, tensor.shape))})")
         check_batch_inputs(self.model, arrays, self._input_dtypes, f"Trainer.{who}")
-        if any(len(array) != len(labels) for array in arrays):
-            rows = ", ".join(f"{t.name!r} {len(a)}" for t, a in zip(tensors, arrays))
-            raise ValueError(f"Trainer.{who}: every input needs one row per label; got {len(labels)} labels and "
-                             f"rows {rows}")
+        if any(len(array) != rows for array in arrays):
+            counts = ", ".join(f"{t.name!r} {len(a)}" for t, a in zip(tensors, arrays))
+            raise ValueError(f"Trainer.{who}: every input needs one row per label; got {rows} labels and "
+                             f"rows {counts}")
         return arrays
 
     def _one_or_list(self, arrays: list[np.ndarray]) -> Inputs:
@@ -316,7 +342,7 @@ class Trainer:
             return np.errstate(over="ignore", invalid="ignore", divide="ignore")
         return contextlib.nullcontext()
 
-    def train_batch(self, inputs: Inputs, labels: np.ndarray) -> float:
+    def train_batch(self, inputs: Inputs, labels: Labels) -> float:
         """One optimizer step on one batch; returns its loss (before the update).
 
         ``inputs`` is one array per model input (a bare array for a model with one input).
@@ -325,9 +351,9 @@ class Trainer:
         """
         return self._train_batch(self._input_arrays(inputs, labels, "train_batch"), labels, epoch_step=None)
 
-    def _train_batch(self, inputs: list[np.ndarray], labels: np.ndarray, *, epoch_step: int | None) -> float:
+    def _train_batch(self, inputs: list[np.ndarray], labels: Labels, *, epoch_step: int | None) -> float:
         arrays = self._step_inputs(inputs, self.step)
-        masks = self.model.sample_noise(noise_rng(self.seed, self.step), len(labels), self.dtype)
+        masks = self.model.sample_noise(noise_rng(self.seed, self.step), label_rows(labels), self.dtype)
         lr = self.schedule(self.step)
         with self._quiet_while_stopping():
             result = self.train_step(arrays, labels, self.params, self.state, lr, masks)
@@ -339,7 +365,7 @@ class Trainer:
         self.history.record_step(result.loss)
         return result.loss
 
-    def train_batches(self, batches: Sequence[tuple[Inputs, np.ndarray]]) -> list[float]:
+    def train_batches(self, batches: Sequence[tuple[Inputs, Labels]]) -> list[float]:
         """Consecutive optimizer steps in ONE call (:meth:`TrainStep.run_steps`); returns their losses.
 
         Each batch is ``(inputs, labels)`` as :meth:`train_batch` takes them. The numbers equal
@@ -352,26 +378,28 @@ class Trainer:
                    for i, (inputs, labels) in enumerate(batches)]
         return self._train_batches(checked, epoch_step=None)
 
-    def _train_batches(self, batches: Sequence[tuple[list[np.ndarray], np.ndarray]], *,
+    def _train_batches(self, batches: Sequence[tuple[list[np.ndarray], Labels]], *,
                        epoch_step: int | None) -> list[float]:
         if not batches:
             return []
         xs: list[list[np.ndarray]] = [[] for _ in self.model.inputs]  # per input, the batches in order
-        ys: list[np.ndarray] = []
+        ys: list[Labels] = []
         masks: dict[str, list[np.ndarray]] = {}
         lrs: list[float] = []
         for i, (inputs, labels) in enumerate(batches):
             step = self.step + i
             for column, array in zip(xs, self._step_inputs(inputs, step)):
                 column.append(array)
-            for name, mask in self.model.sample_noise(noise_rng(self.seed, step), len(labels),
+            for name, mask in self.model.sample_noise(noise_rng(self.seed, step), label_rows(labels),
                                                       self.dtype).items():
                 masks.setdefault(name, []).append(mask)
             ys.append(labels)
             lrs.append(self.schedule(step))
         try:
             with self._quiet_while_stopping():
-                result = self.train_step.run_steps([np.concatenate(column) for column in xs], np.concatenate(ys),
+                stacked: Labels = (np.concatenate(ys) if isinstance(ys[0], np.ndarray)
+                                   else [np.concatenate(head) for head in zip(*ys, strict=True)])
+                result = self.train_step.run_steps([np.concatenate(column) for column in xs], stacked,
                                                    self.params, self.state, np.asarray(lrs, dtype=self.dtype),
                                                    {name: np.concatenate(m) for name, m in masks.items()},
                                                    stop_on_nan=self.stop_on_nan)
@@ -390,27 +418,27 @@ class Trainer:
             self.history.record_step(loss)
         return losses
 
-    def epoch_batches(self, inputs: Inputs, labels: np.ndarray) -> Iterator[tuple[Inputs, np.ndarray]]:
+    def epoch_batches(self, inputs: Inputs, labels: Labels) -> Iterator[tuple[Inputs, Labels]]:
         """This epoch's batches: shuffled by ``(seed, epoch)``, last partial batch dropped, every input
         cut by the same rows. A batch's inputs are one array for a model with one input, else a list."""
         # Only cut here: what the labels index is the steps' to check.
         batches = self._epoch_batches(self._input_arrays(inputs, labels, "epoch_batches", classes=False), labels)
         return ((self._one_or_list(x), y) for x, y in batches)
 
-    def _epoch_batches(self, arrays: list[np.ndarray],
-                       labels: np.ndarray) -> Iterator[tuple[list[np.ndarray], np.ndarray]]:
+    def _epoch_batches(self, arrays: list[np.ndarray], labels: Labels) -> Iterator[tuple[list[np.ndarray], Labels]]:
         # The epoch's order is iterate_batches' order of the row numbers, so every input and the
         # labels are cut by the same rows, and a one-input model gets what iterate_batches gives it.
         # (iterate_batches is typed for images, but only indexes what it is given.)
-        row_numbers: Any = np.arange(len(labels))
-        order = iterate_batches(row_numbers, labels, self.batch_size,
+        row_numbers: Any = np.arange(label_rows(labels))
+        order = iterate_batches(row_numbers, row_numbers, self.batch_size,
                                 shuffle_seed=epoch_shuffle_seed(self.seed, self.epoch), drop_last=True)
-        return (([np.ascontiguousarray(array[rows]) for array in arrays], y) for rows, y in order)
+        return (([np.ascontiguousarray(array[rows]) for array in arrays], cut_labels(labels, rows))
+                for rows, _ in order)
 
     def steps_per_epoch(self, num_examples: int) -> int:
         return num_examples // self.batch_size
 
-    def train_epoch(self, inputs: Inputs, labels: np.ndarray, *,
+    def train_epoch(self, inputs: Inputs, labels: Labels, *,
                     on_step: Callable[[int, float], None] | None = None, max_steps: int | None = None,
                     steps_per_call: int = 1, on_chunk: Callable[[list[float]], None] | None = None) -> float:
         """Run one epoch (or its first ``max_steps`` steps); returns the mean batch loss.
@@ -426,14 +454,15 @@ class Trainer:
         if steps_per_call < 1:
             raise ValueError(f"steps_per_call must be >= 1, got {steps_per_call}")
         arrays = self._input_arrays(inputs, labels, "train_epoch")
-        if len(labels) < self.batch_size and max_steps != 0:
+        examples = label_rows(labels)
+        if examples < self.batch_size and max_steps != 0:
             # An epoch takes whole batches only (the compiled step has one batch size), so this
             # epoch would train nothing and report a nan loss that reads like a diverged run.
-            remedy = f"give batch_size <= {len(labels)}" if len(labels) else "give it examples"
-            raise ValueError(f"Trainer.train_epoch: {len(labels)} examples make no whole batch of {self.batch_size} "
+            remedy = f"give batch_size <= {examples}" if examples else "give it examples"
+            raise ValueError(f"Trainer.train_epoch: {examples} examples make no whole batch of {self.batch_size} "
                              f"(an epoch drops the last partial batch); {remedy}")
         losses: list[float] = []
-        chunk: list[tuple[list[np.ndarray], np.ndarray]] = []
+        chunk: list[tuple[list[np.ndarray], Labels]] = []
 
         def flush() -> None:
             first = len(losses) + 1
@@ -458,18 +487,19 @@ class Trainer:
         self.epoch += 1
         return float(np.mean(losses)) if losses else math.nan
 
-    def evaluate(self, inputs: Inputs, labels: np.ndarray) -> tuple[float, float]:
+    def evaluate(self, inputs: Inputs, labels: Labels) -> tuple[float, float]:
         """``(accuracy, mean cross-entropy)`` of the current parameters on the first output, dropout off.
 
         ``inputs`` is one array per model input (a bare array for a model with one input).
         """
         arrays = self._input_arrays(inputs, labels, "evaluate")
-        if not len(labels):
+        first = first_labels(labels)
+        if not len(first):
             raise ValueError("Trainer.evaluate: no examples; accuracy and loss need at least one")
         shape = self.model.outputs[0].shape
-        check_class_labels(labels, len(labels), shape[0] if len(shape) == 1 else None, "Trainer.evaluate")
+        check_class_labels(first, len(first), shape[0] if len(shape) == 1 else None, "Trainer.evaluate")
         logits = self.eval_step.logits(arrays, {**self.params, **self.model.buffers})
-        return accuracy(logits, labels), cross_entropy_numpy(logits, labels)
+        return accuracy(logits, first), cross_entropy_numpy(logits, first)
 
     # ----- checkpoints -----
 
