@@ -26,6 +26,7 @@ __all__ = [
     "COMPILE_IN_PROCESS_VAR",
     "CONV_ALGORITHMS",
     "CONV_ALGORITHM_VAR",
+    "MAX_THREADS",
     "NUM_THREADS_VAR",
     "PLAN_CACHE_VAR",
     "available_cpus",
@@ -46,11 +47,16 @@ CONV_ALGORITHMS = ("auto", "direct", "winograd")
 PLAN_CACHE_VAR = "OPGRAD_PLAN_CACHE"
 
 
+#: Most worker threads a pool runs (the exported C runtime's limit too): thousands of spinning
+#: workers on a few cores would turn a step of milliseconds into minutes.
+MAX_THREADS = 256
+
+
 def num_threads_setting(environ: Mapping[str, str] | None = None) -> int | None:
     """The thread count ``$OPGRAD_NUM_THREADS`` asks for; None when it is unset or empty.
 
     Raises :class:`~opgrad.errors.ConfigError` (a ``ValueError``) naming the variable unless the
-    value is a positive integer.
+    value is a positive integer of at most :data:`MAX_THREADS`.
     """
     text = (os.environ if environ is None else environ).get(NUM_THREADS_VAR, "")
     if not text.strip():
@@ -64,6 +70,9 @@ def num_threads_setting(environ: Mapping[str, str] | None = None) -> int | None:
             f"environment variable {NUM_THREADS_VAR}={text!r}: expected a positive integer (the number of "
             f"worker threads for compiled kernels, e.g. {NUM_THREADS_VAR}=4), or leave it unset to use every CPU"
         )
+    if value > MAX_THREADS:
+        raise ConfigError(f"environment variable {NUM_THREADS_VAR}={text!r}: at most {MAX_THREADS} worker threads; "
+                          "more than the CPUs only slows the kernels down")
     return value
 
 

@@ -45,11 +45,14 @@ def load_any(path: str) -> Any:
 
 
 def run(args: argparse.Namespace) -> int:
+    from opgrad.train import check_output
+
+    check_output(args.save, "--save")
     model = load_any(args.model)
     try:
         model.save(args.save)
     except OSError as exc:
-        raise UserError(f"--save {args.save}: cannot write the checkpoint: {exc}") from None
+        raise UserError(f"--save {args.save}: {exc}") from None
     print(model.summary())
     print(f"wrote {args.save}: {model.num_params:,} parameters from {args.model}")
     return 0

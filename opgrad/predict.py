@@ -115,7 +115,10 @@ def run(args: argparse.Namespace) -> int:
         images = _images_from_npy(args.images, model.input_shape)
         labels = None
         if args.labels:
-            labels = _load_npy(args.labels, "labels").astype(np.int64, copy=False)
+            stored = _load_npy(args.labels, "labels")
+            if stored.dtype == np.bool_ or not np.issubdtype(stored.dtype, np.integer):
+                raise DataError(f"{args.labels}: labels have dtype {stored.dtype}, expected integer class indices")
+            labels = stored.astype(np.int64, copy=False)
             if labels.shape != (len(images),):
                 raise DataError(f"{args.labels}: labels have shape {labels.shape}, expected ({len(images)},) "
                                 f"for the {len(images)} images of {args.images}")

@@ -13,8 +13,10 @@ import os
 import re
 import shlex
 import shutil
+import struct
 import subprocess
 import sys
+import threading
 import zipfile
 from pathlib import Path
 from typing import Any
@@ -311,6 +313,21 @@ def test_c_checkpoint_load_errors_and_round_trip(lib: ctypes.CDLL, host: tuple[P
     with zipfile.ZipFile(tmp_path / "deflated.npz", "w", zipfile.ZIP_DEFLATED) as z:
         z.writestr("a.npy", b"x" * 100)
     assert "compressed (zip method 8)" in load_error(tmp_path / "deflated.npz")[1]
+    # A zip64 size chosen so that offset + size wraps around 2**64: refused, never read.
+    eocd = blob.rfind(b"PK\x05\x06")
+    cd = struct.unpack_from("<I", blob, eocd + 16)[0]
+    nlen = struct.unpack_from("<H", blob, cd + 28)[0]
+    local = struct.unpack_from("<I", blob, cd + 42)[0]
+    data = local + 30 + sum(struct.unpack_from("<HH", blob, local + 26))
+    huge = (1 << 64) - data + 8
+    entry = bytearray(blob[cd:cd + 46 + nlen])
+    struct.pack_into("<II", entry, 20, 0xFFFFFFFF, 0xFFFFFFFF)
+    struct.pack_into("<H", entry, 30, 20)
+    entry += struct.pack("<HHQQ", 1, 16, huge, huge)
+    (tmp_path / "wrapped.npz").write_bytes(blob[:cd] + bytes(entry) + blob[cd + 46 + nlen:])
+    rc, message = load_error(tmp_path / "wrapped.npz")
+    assert rc == ERR_FORMAT and "runs past the end" in message, message
+    assert load_error(tmp_path) == (ERR_IO, f"{tmp_path}: cannot read checkpoint: not a regular file")
     params_only = {k: v for k, v in arrays.items() if "/" not in k}
     save_checkpoint(tmp_path / "params.npz", params_only, meta)  # accepted: the optimizer state is reset
     assert load_error(tmp_path / "params.npz")[0] == OK
@@ -638,3 +655,30 @@ def test_export_of_a_model_the_step_cannot_train_is_one_line(tmp_path: Path,
     err = capsys.readouterr().err
     assert err.startswith("opgrad export: error: model 'model': output 0 has shape (5, 3) per example")
     assert err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_two_models_saving_one_path_from_two_threads_write_apart(lib: ctypes.CDLL, host: tuple[Path, str],
+                                                                  tmp_path: Path) -> None:
+    tmp, _ = host
+    models = [Model(lib, tmp) for _ in range(2)]
+    target = str(tmp_path / "shared.npz").encode()
+    codes: list[int] = []
+
+    def save_many(model: Model) -> None:
+        codes.extend(lib.opgrad_model_save(model.handle, target) for _ in range(15))
+
+    threads = [threading.Thread(target=save_many, args=(model,)) for model in models]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert codes == [OK] * 30
+    load_checkpoint(tmp_path / "shared.npz")  # a whole file, whichever save renamed last
+    assert not list(tmp_path.glob("*.tmp"))
+
+
+def test_models_with_integer_inputs_are_refused(tmp_path: Path) -> None:
+    tokens = nn.Input((5,), dtype="int64", name="tokens")
+    model = nn.Model(tokens, nn.Dense(3)(nn.Flatten()(nn.Embedding(10, 4)(tokens))), name="ids")
+    with pytest.raises(ExportError, match=r"model 'ids': export takes a float input .* input 'tokens' holds int64"):
+        opgrad.export(tmp_path, model=model)

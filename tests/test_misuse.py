@@ -358,6 +358,16 @@ def test_a_good_or_empty_thread_count_is_used(monkeypatch: pytest.MonkeyPatch) -
     assert default_num_threads() >= 1
 
 
+def test_thousands_of_threads_are_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    from opgrad.compiler.threads import default_num_threads
+
+    monkeypatch.setenv("OPGRAD_NUM_THREADS", "4096")
+    with pytest.raises(ValueError, match=r"OPGRAD_NUM_THREADS='4096': at most 256 worker threads"):
+        default_num_threads()
+    monkeypatch.setenv("OPGRAD_NUM_THREADS", "256")
+    assert default_num_threads() == 256
+
+
 def test_a_bad_thread_count_in_a_real_process_is_one_line() -> None:
     result = _run_process(["train", "--epochs", "1"], env={"OPGRAD_NUM_THREADS": "abc"})
     assert result.returncode == 2 and result.stdout == ""

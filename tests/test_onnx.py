@@ -505,6 +505,10 @@ def test_cli_import_export_onnx_and_fine_tune(tmp_path: Path, capsys: pytest.Cap
     (["import", "missing.onnx", "--save", "x.npz"], "missing.onnx: no such file"),
     (["export-onnx", "missing.npz", "out.onnx"], "missing.npz"),
     (["train", "--init", "a.npz", "--model", "mlp"], "leave out --model mlp"),
+    (["export-onnx", "missing.npz", "no-such-dir/out.onnx"], "OUT no-such-dir/out.onnx: directory no-such-dir does "
+                                                              "not exist"),
+    (["import", "missing.onnx", "--save", "no-such-dir/x.npz"], "--save no-such-dir/x.npz: directory no-such-dir "
+                                                                "does not exist"),
 ])
 def test_cli_mistakes_are_one_line_errors(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
     assert cli.main(argv) == 2

@@ -70,6 +70,8 @@ def test_predict_user_errors_are_one_line(trained: tuple[Path, float], tmp_path:
     notes.write_text("not a checkpoint")
     np.save(tmp_path / "wrong.npy", np.zeros((3, 32, 32), np.uint8))
     np.savez(tmp_path / "arrays.npz", images=np.zeros((2, 28, 28), np.float32))
+    np.save(tmp_path / "digits.npy", np.zeros((2, 28, 28), np.float32))
+    np.save(tmp_path / "f.npy", np.array([1.9, 3.9]))
     np.save(tmp_path / "objects.npy", np.array([{"image": 1}], dtype=object), allow_pickle=True)
     cases = [
         (["--checkpoint", str(notes)], "notes.txt: not an .npz checkpoint"),
@@ -83,6 +85,8 @@ def test_predict_user_errors_are_one_line(trained: tuple[Path, float], tmp_path:
         (["--checkpoint", str(path), "--images", str(tmp_path / "objects.npy")],
          "objects.npy: the images array holds Python objects; expected numbers (opgrad loads no pickles)"),
         (["--checkpoint", str(path), "--labels", str(notes)], "--labels goes with --images"),
+        (["--checkpoint", str(path), "--images", str(tmp_path / "digits.npy"), "--labels", str(tmp_path / "f.npy")],
+         "f.npy: labels have dtype float64, expected integer class indices"),
     ]
     for args, message in cases:
         assert cli.main(["predict", *args]) == 2, args

@@ -123,6 +123,11 @@ def test_cli_resume_with_another_optimizer_or_model_says_so(tmp_path: Path,
     assert "missing arrays" not in err and err.count("\n") == 1
     assert cli.main([*SMOKE, "--model", "mlp", "--optimizer", "momentum", "--resume", str(ckpt), "--epochs", "2"]) == 2
     assert "checkpoint is of model 'seed-cnn', not 'mlp'" in capsys.readouterr().err
+    weights = tmp_path / "weights.npz"
+    nn.seed_cnn().save(weights)  # a model's weights, no training run
+    assert cli.main([*SMOKE, "--resume", str(weights), "--epochs", "2"]) == 2
+    assert "holds a model's weights but no optimizer state to resume; start a new run from its weights " \
+           "(opgrad train --init" in capsys.readouterr().err
 
 
 def test_lr_schedule() -> None:

@@ -208,6 +208,11 @@ def export(directory: str | os.PathLike[str], *, model: str | Model = "seed-cnn"
         # The C API streams one image array and one label array per step and returns one logits array.
         raise ExportError(f"model {net.name!r}: export takes single-input, single-output models; this one has "
                           f"{len(net.inputs)} input(s) and {len(net.outputs)} output(s)")
+    if net.inputs[0].dtype != "float":
+        # The C API's input is float32 data; integer ids would need an int64 stream of their own.
+        raise ExportError(f"model {net.name!r}: export takes a float input (images or features); input "
+                          f"{net.inputs[0].name!r} holds {net.inputs[0].dtype} ids (an Embedding's), which the C API "
+                          "does not take")
     out = Path(directory)
     if out.exists() and not out.is_dir():
         raise ExportError(f"{out}: exists and is not a directory")

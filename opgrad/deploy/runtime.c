@@ -21,6 +21,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #define OG_ALIGN 64
@@ -497,6 +498,9 @@ typedef struct {
 static uint16_t og_u16(const unsigned char *p) { return (uint16_t)(p[0] | p[1] << 8); }
 static uint32_t og_u32(const unsigned char *p) { return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24; }
 static uint64_t og_u64(const unsigned char *p) { return (uint64_t)og_u32(p) | (uint64_t)og_u32(p + 4) << 32; }
+/* Whether len bytes from offset off lie inside size: without the wrap-around of off + len that a
+   crafted 64-bit zip64 size or offset would cause. */
+static int og_fits(uint64_t off, uint64_t len, uint64_t size) { return off <= size && len <= size - off; }
 
 /* The shape as Python prints a tuple: "()", "(10,)", "(32, 1, 3, 3)"; the digest hashes it. */
 static void og_shape_text(const int64_t *shape, int ndim, char *out, size_t cap) {
@@ -583,30 +587,34 @@ static int og_read_zip(opgrad_model *m, const char *path, const unsigned char *b
     uint64_t n = og_u16(buf + eocd + 10), cd = og_u32(buf + eocd + 16);
     if ((n == 0xffff || cd == 0xffffffffu) && eocd >= 20 && og_u32(buf + eocd - 20) == 0x07064b50u) {
         uint64_t z = og_u64(buf + eocd - 20 + 8);
-        if (z + 56 > size || og_u32(buf + z) != 0x06064b50u)
+        if (!og_fits(z, 56, size) || og_u32(buf + z) != 0x06064b50u)
             return og_fail(m, OPGRAD_ERR_FORMAT, "%s: corrupt zip64 end record", path);
         n = og_u64(buf + z + 32), cd = og_u64(buf + z + 48);
     }
     if (n > OG_MAX_ENTRIES) return og_fail(m, OPGRAD_ERR_FORMAT, "%s: %llu entries, more than %d", path, (unsigned long long)n, OG_MAX_ENTRIES);
     uint64_t at = cd;
     for (uint64_t i = 0; i < n; i++) {
-        if (at + 46 > size || og_u32(buf + at) != 0x02014b50u)
+        if (!og_fits(at, 46, size) || og_u32(buf + at) != 0x02014b50u)
             return og_fail(m, OPGRAD_ERR_FORMAT, "%s: corrupt zip central directory (entry %llu)", path, (unsigned long long)i);
         const unsigned char *c = buf + at;
         uint16_t flags = og_u16(c + 8), method = og_u16(c + 10), nlen = og_u16(c + 28), xlen = og_u16(c + 30),
                  clen = og_u16(c + 32);
         uint32_t crc = og_u32(c + 16);
         uint64_t csize = og_u32(c + 20), usize = og_u32(c + 24), local = og_u32(c + 42);
-        if (at + 46 + nlen + xlen > size) return og_fail(m, OPGRAD_ERR_FORMAT, "%s: corrupt zip central directory", path);
-        for (const unsigned char *x = c + 46 + nlen; x + 4 <= c + 46 + nlen + xlen;) { /* zip64 sizes/offset */
+        if (!og_fits(at, 46u + nlen + xlen, size))
+            return og_fail(m, OPGRAD_ERR_FORMAT, "%s: corrupt zip central directory", path);
+        const unsigned char *extra_end = c + 46 + nlen + xlen;
+        for (const unsigned char *x = c + 46 + nlen; x + 4 <= extra_end;) { /* zip64 sizes/offset */
             uint16_t id = og_u16(x), len = og_u16(x + 2);
-            const unsigned char *v = x + 4;
+            const unsigned char *v = x + 4, *field_end = v + len;
+            if (field_end > extra_end)
+                return og_fail(m, OPGRAD_ERR_FORMAT, "%s: corrupt zip extra field (entry %llu)", path, (unsigned long long)i);
             if (id == 1) {
-                if (usize == 0xffffffffu) usize = og_u64(v), v += 8;
-                if (csize == 0xffffffffu) csize = og_u64(v), v += 8;
-                if (local == 0xffffffffu) local = og_u64(v);
+                if (usize == 0xffffffffu && v + 8 <= field_end) usize = og_u64(v), v += 8;
+                if (csize == 0xffffffffu && v + 8 <= field_end) csize = og_u64(v), v += 8;
+                if (local == 0xffffffffu && v + 8 <= field_end) local = og_u64(v);
             }
-            x += 4 + len;
+            x = field_end;
         }
         og_entry *e = &entries[i];
         if (nlen < 5 || nlen - 4 >= (int)sizeof e->name || memcmp(c + 46 + nlen - 4, ".npy", 4) != 0)
@@ -618,10 +626,10 @@ static int og_read_zip(opgrad_model *m, const char *path, const unsigned char *b
             return og_fail(m, OPGRAD_ERR_FORMAT,
                            "%s: entry '%s' is compressed (zip method %u); opgrad checkpoints store entries "
                            "uncompressed: re-save it with opgrad.checkpoint.save_checkpoint", path, e->name, method);
-        if (csize != usize || local + 30 > size || og_u32(buf + local) != 0x04034b50u)
+        if (csize != usize || !og_fits(local, 30, size) || og_u32(buf + local) != 0x04034b50u)
             return og_fail(m, OPGRAD_ERR_FORMAT, "%s: entry '%s' has a corrupt local header", path, e->name);
         uint64_t data = local + 30 + og_u16(buf + local + 26) + og_u16(buf + local + 28);
-        if (data + usize > size)
+        if (!og_fits(data, usize, size))
             return og_fail(m, OPGRAD_ERR_FORMAT, "%s: corrupt or truncated checkpoint (entry '%s' runs past the end)",
                            path, e->name);
         if (og_crc32(0, buf + data, usize) != crc)
@@ -702,6 +710,11 @@ int opgrad_model_load(opgrad_model *m, const char *path) {
     if (!path) return og_fail(m, OPGRAD_ERR_NULL, "opgrad_model_load: path is NULL");
     FILE *fp = fopen(path, "rb");
     if (!fp) return og_fail(m, OPGRAD_ERR_IO, "%s: cannot open checkpoint: %s", path, strerror(errno));
+    struct stat info;
+    if (fstat(fileno(fp), &info) != 0 || !S_ISREG(info.st_mode)) { /* a directory opens, then sizes as LONG_MAX */
+        fclose(fp);
+        return og_fail(m, OPGRAD_ERR_IO, "%s: cannot read checkpoint: not a regular file", path);
+    }
     unsigned char *buf = NULL;
     og_entry *entries = NULL;
     og_entry **sorted = NULL;
@@ -965,12 +978,13 @@ int opgrad_model_save(opgrad_model *m, const char *path) {
 
     /* Write next to the target, then rename over it: a reader sees the old file or the new one. */
     size_t plen = strlen(path);
-    char *tmp = (char *)malloc(plen + 32);
+    char *tmp = (char *)malloc(plen + 48);
     if (!tmp) {
         free(meta);
         return og_fail(m, OPGRAD_ERR_NOMEM, "%s: out of memory", path);
     }
-    snprintf(tmp, plen + 32, "%s.%ld.tmp", path, (long)getpid());
+    /* Named by process and model: two models saving to one path from two threads write apart. */
+    snprintf(tmp, plen + 48, "%s.%ld.%p.tmp", path, (long)getpid(), (void *)m);
     og_zip z = {0};
     z.fp = fopen(tmp, "wb");
     if (!z.fp) {

@@ -528,6 +528,9 @@ class Trainer:
         compared, whose names then differ by the dozen."""
         if meta.get("model") != self.model.name:
             raise CheckpointError(f"checkpoint is of model {meta.get('model')!r}, not {self.model.name!r}")
+        if meta.get("optimizer") is None:  # model.save, an import: weights without a training run
+            raise CheckpointError("checkpoint holds a model's weights but no optimizer state to resume; start "
+                                  "a new run from its weights (opgrad train --init, or nn.load and a Trainer)")
         if meta.get("optimizer") != self.optimizer.describe():
             raise CheckpointError(
                 f"checkpoint was trained with {meta.get('optimizer')!r}; resume it with the same optimizer "

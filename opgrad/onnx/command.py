@@ -16,7 +16,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from opgrad.nn import load_model
     from opgrad.onnx import save
+    from opgrad.train import check_output
 
+    check_output(args.output, "OUT")  # a user error (status 2) before the checkpoint is read
     model = load_model(args.checkpoint)
     save(model, args.output)
     print(f"wrote {args.output}: model {model.name!r}, {model.num_params:,} parameters, inputs "
