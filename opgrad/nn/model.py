@@ -482,7 +482,8 @@ class Sequential(Model):
             if layer.name in seen:
                 raise ValueError(f"two layers are named {layer.name!r}; layer names must be unique")
             seen.add(layer.name)
-        inp = Input(tuple(input_shape), dtype=layers[0].input_dtype, name="images")
+        ids = layers[0].input_dtype != "float"  # an Embedding first: the input holds token ids, not images
+        inp = Input(tuple(input_shape), dtype=layers[0].input_dtype, name="tokens" if ids else "images")
         x = inp
         for layer in layers:
             x = layer(x)
