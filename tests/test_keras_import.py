@@ -493,3 +493,21 @@ def test_fixtures_regenerate_identically(tmp_path: Path, monkeypatch: pytest.Mon
         out = fresh.model.predict(nchw(expected[f"{name}.x"]), backend="reference")
         out = softmax(out) if name != "embedding" else out
         np.testing.assert_allclose(out, expected[f"{name}.y"], atol=1e-5, rtol=0, err_msg=filename)
+
+
+def test_hard_sigmoid_follows_the_keras_version_that_wrote_the_file(tmp_path: Path) -> None:
+    # Keras 3's hard_sigmoid is relu6(x + 3) / 6, Keras 2's clip(0.2 x + 0.5, 0, 1).
+    keras3 = _rewrite_keras(FIXTURES / "residual.keras", tmp_path / "hard.keras",
+                            _set("dilated", activation="hard_sigmoid"))
+    _as_keras2_h5(keras3, tmp_path / "hard.h5")
+    x = nchw(EXPECTED["residual.x"])
+    kinds = {}
+    for path in (keras3, tmp_path / "hard.h5"):
+        model = load(path)
+        kinds[path.suffix] = [(layer.kind, layer.get_config()) for layer in model.layers
+                              if "dilated" in str(layer.name)]
+        assert np.isfinite(model.predict(x, backend="reference")).all()
+    assert ("hardsigmoid", {}) in kinds[".keras"]
+    assert ("arithmetic", {"op": "multiply", "operand": 0.2, "reverse": False}) in kinds[".h5"]
+    assert ("arithmetic", {"op": "add", "operand": 0.5, "reverse": False}) in kinds[".h5"]
+    assert ("clip", {"min_value": 0.0, "max_value": 1.0}) in kinds[".h5"]
