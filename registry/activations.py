@@ -255,17 +255,11 @@ def _elu_subgradient(inputs: Sequence[np.ndarray], cotangent: np.ndarray, attrs:
     return [cotangent * np.where(data > 0, 1.0, attrs["alpha"] * np.exp(np.minimum(data, 0.0)))]
 
 
-def _nonnegative_float(value: Any) -> float:
-    number = _finite_float(value)
-    if number < 0:
-        raise ValueError("expected a number >= 0")
-    return number
-
-
 elu = Operator(
     "elu",
     inputs=[Input("data")],
-    attrs=[Attr("alpha", default=1.0, convert=_nonnegative_float, doc="the negative side saturates at -alpha")],
+    attrs=[Attr("alpha", default=1.0, convert=_finite_float,
+                doc="the negative side saturates at -alpha (any finite value, as PyTorch and ONNX)")],
     doc="data if data > 0 else alpha (exp(data) - 1), as torch.nn.functional.elu.",
     kinks=Kink(
         convention="elu'(0) = alpha: at exactly zero the negative side's slope, as PyTorch",
@@ -298,7 +292,7 @@ def _elu_no_alpha(call: Call, grad: Expr) -> list[Expr | None]:
 
 @elu.sampler
 def _elu_cases(d: CaseDraw) -> Case:
-    return Case([d.shape()], {"alpha": d.choice([1.0, 0.5, 2.0])})
+    return Case([d.shape()], {"alpha": d.choice([1.0, 0.5, 2.0, -0.5])})
 
 
 @elu.lowering

@@ -23,6 +23,7 @@ from opgrad import nn, ops  # noqa: E402
 LAYERS: dict[str, tuple[Callable[[], nn.Layer], Callable[[], Any], tuple[int, ...]]] = {
     "silu": (nn.SiLU, lambda: torch.nn.SiLU(), (3, 5, 4)),
     "elu": (lambda: nn.ELU(0.7), lambda: torch.nn.ELU(0.7), (3, 5, 4)),
+    "elu_negative_alpha": (lambda: nn.ELU(-0.5), lambda: torch.nn.ELU(-0.5), (3, 5, 4)),
     "softplus": (lambda: nn.Softplus(2.0, 3.0), lambda: torch.nn.Softplus(2.0, 3.0), (3, 5, 4)),
     "hardsigmoid": (nn.Hardsigmoid, lambda: torch.nn.Hardsigmoid(), (3, 5, 4)),
     "hardswish": (nn.Hardswish, lambda: torch.nn.Hardswish(), (3, 5, 4)),

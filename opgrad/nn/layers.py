@@ -878,8 +878,8 @@ class ELU(Layer):
 
     def __init__(self, alpha: float = 1.0, *, name: str | None = None) -> None:
         super().__init__(name)
-        if not (math.isfinite(float(alpha)) and float(alpha) >= 0):  # the elu operator's domain
-            raise ValueError(f"ELU alpha must be a finite number >= 0, got {alpha!r}")
+        if not math.isfinite(float(alpha)):
+            raise ValueError(f"ELU alpha must be a finite number, got {alpha!r}")
         self.alpha = float(alpha)
 
     def get_config(self) -> dict[str, Any]:
