@@ -428,6 +428,10 @@ def test_export_argument_errors(tmp_path: Path, capsys: pytest.CaptureFixture[st
         opgrad.export(tmp_path, name="My-Net")
     with pytest.raises(ExportError, match="unknown target 'sparc'"):
         opgrad.export(tmp_path, target="sparc")
+    with pytest.raises(ExportError, match=r"features \+nosuchfeature: LLVM does not know them for x86_64"):
+        opgrad.export(tmp_path, target="x86_64-unknown-linux-gnu", features="+nosuchfeature", object_only=True)
+    with pytest.raises(ExportError, match=r"features \+avx512f: LLVM does not know them for aarch64"):
+        opgrad.export(tmp_path, target="aarch64-linux-gnu", features="+avx512f", object_only=True)
     with pytest.raises(ExportError, match="unknown model 'vgg'"):
         opgrad.export(tmp_path, model="vgg")
     two_heads = nn.Input((1, 8, 8))

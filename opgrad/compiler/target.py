@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import re
 import threading
 from collections.abc import Iterator
 from contextvars import ContextVar
@@ -209,35 +210,41 @@ _CPU_PROBE = """
 import sys
 import llvmlite.binding as llvm
 llvm.initialize_all_targets()
-llvm.Target.from_triple(sys.argv[1]).create_target_machine(cpu=sys.argv[2], features="")
+llvm.Target.from_triple(sys.argv[1]).create_target_machine(cpu=sys.argv[2], features=sys.argv[3])
 """
 
 
-def check_cpu(triple: str, cpu: str) -> None:
-    """A ``ValueError`` where LLVM does not know ``cpu`` for ``triple`` (a misspelt ``--cpu``)."""
+def check_cpu(triple: str, cpu: str, features: str = "") -> None:
+    """A ``ValueError`` where LLVM does not know ``cpu`` or one of ``features`` for ``triple`` (a
+    misspelt ``--cpu`` or ``--features``, or another architecture's feature), which it would
+    only warn about on stderr and ignore. The probe runs in a child process, whose stderr says."""
     import subprocess
     import sys
 
     try:
-        probe = subprocess.run([sys.executable, "-c", _CPU_PROBE, triple, cpu], capture_output=True, text=True,
-                               timeout=120)
+        probe = subprocess.run([sys.executable, "-c", _CPU_PROBE, triple, cpu, features], capture_output=True,
+                               text=True, timeout=120)
     except (OSError, subprocess.TimeoutExpired):
         return  # no verdict: the compile itself still runs with the name
     if "not a recognized processor" in probe.stderr:
         raise ValueError(f"cpu {cpu!r}: LLVM does not know this processor for {triple} (it would ignore the name); "
                          f"use an LLVM CPU name such as {host_target().cpu!r} (this host's) or 'generic'")
+    unknown = re.findall(r"'([^']+)' is not a recognized feature", probe.stderr)
+    if unknown:
+        raise ValueError(f"features {', '.join(unknown)}: LLVM does not know them for {triple} (it would ignore "
+                         "them); give +name or -name of features of that architecture, e.g. +avx2 or +neon")
 
 
 def resolve_target(name: str = "host", cpu: str | None = None, features: str | None = None) -> Target:
     """The target called ``name`` (``host``, a key of :data:`NAMED_TARGETS`, or an LLVM triple).
 
     ``cpu``/``features`` override the named target's; a bare triple needs no override (it gets
-    the ``generic`` CPU) but is checked against LLVM's list of targets. A ``cpu`` given is
-    checked against LLVM's processors for the triple (:func:`check_cpu`).
+    the ``generic`` CPU) but is checked against LLVM's list of targets. A ``cpu`` or ``features``
+    given is checked against LLVM's processors and features for the triple (:func:`check_cpu`).
     """
     target = _resolved_target(name, cpu, features)
-    if cpu is not None:
-        check_cpu(target.triple, cpu)
+    if cpu is not None or features:
+        check_cpu(target.triple, target.cpu, features or "")
     return target
 
 
