@@ -218,7 +218,8 @@ def test_a_multi_head_trainer_says_what_its_labels_are() -> None:
     with pytest.raises(TypeError, match="labels must be one integer array, which serves every output, or a list "
                                         "of 2"):
         trainer.train_batch(x, [digits])
-    with pytest.raises(ValueError, match=r"labels must lie in 0..1 for output 'parity' \(Dense\(2\)\)"):
+    with pytest.raises(ValueError, match=r"\(output 'parity' \(Dense\(2\)\)\): labels must lie in 0..1 for 2 "
+                                         r"classes, got values in 3..8"):
         trainer.train_batch(x, digits)
     with pytest.raises(ValueError, match=r"\(output 'parity' \(Dense\(2\)\)\): labels have shape \(3,\), expected"):
         trainer.train_batch(x, [digits, digits[:3] % 2])

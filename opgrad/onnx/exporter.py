@@ -18,6 +18,7 @@ import numpy as np
 
 from opgrad.nn.layers import Layer
 from opgrad.nn.model import Model
+from opgrad.onnx.converters.activations import UNARY_NODES
 from opgrad.onnx.table import OnnxError, require_onnx
 
 __all__ = ["EMITTERS", "GELU_OPSET", "OPSET", "OPSETS", "emitter", "save", "to_onnx", "uses_gelu"]
@@ -280,7 +281,7 @@ def _prelu(b: GraphBuilder, layer: Any, x: list[str], shapes: list[Shape], out: 
     b.node("PRelu", [x[0], slopes], out, layer.name)
 
 
-_ONNX_UNARY = {"abs": "Abs", "erf": "Erf", "exp": "Exp", "log": "Log", "negative": "Neg", "sqrt": "Sqrt"}
+_ONNX_UNARY = {op: node for node, op in UNARY_NODES.items()}
 
 
 @emitter("unary")

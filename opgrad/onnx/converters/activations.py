@@ -26,10 +26,12 @@ from opgrad.nn.ops_layers import Arithmetic, Clip, Elementwise, LogSoftmax, Unar
 from opgrad.nn.reshaping import Reshape
 from opgrad.onnx.table import NodeContext, StaticValue, Value, converter
 
-__all__: list[str] = []
+__all__ = ["UNARY_NODES"]
 
 _SIMPLE = {"Relu": ReLU, "Sigmoid": Sigmoid, "Tanh": Tanh, "Softplus": Softplus, "HardSwish": Hardswish}
-_UNARY = {"Abs": "abs", "Erf": "erf", "Exp": "exp", "Log": "log", "Neg": "negative", "Sqrt": "sqrt"}
+#: ONNX's one-input math nodes and the opgrad operator of each (:class:`~opgrad.nn.Unary`'s op),
+#: read by the importer and written back by the exporter.
+UNARY_NODES = {"Abs": "abs", "Erf": "erf", "Exp": "exp", "Log": "log", "Neg": "negative", "Sqrt": "sqrt"}
 _FLOAT_CASTS = {1: "FLOAT", 10: "FLOAT16", 11: "DOUBLE", 16: "BFLOAT16"}
 
 
@@ -42,10 +44,10 @@ for _op_type in _SIMPLE:
 
 
 def unary(ctx: NodeContext) -> list[Value]:
-    return [ctx.layer(ctx.new(Unary, _UNARY[ctx.op_type]), ctx.tensor(0, "X"))]
+    return [ctx.layer(ctx.new(Unary, UNARY_NODES[ctx.op_type]), ctx.tensor(0, "X"))]
 
 
-for _op_type in _UNARY:
+for _op_type in UNARY_NODES:
     converter(_op_type, since=6)(unary)
 
 
@@ -69,7 +71,7 @@ def power(ctx: NodeContext) -> list[Value]:
     if value == 1.0:
         return [x]
     if value == -1.0:
-        return [ctx.layer(ctx.new(Arithmetic, "divide", operand=1.0, reverse=True), x)]
+        return list(reciprocal(ctx))
     if value not in _POWERS:
         raise ctx.error(f"exponent {value:g} is not supported; supported: constant exponents 1, -1, 2, 0.5, -0.5")
     return [ctx.layer(ctx.new(Unary, _POWERS[value]), x)]
@@ -107,7 +109,7 @@ def prelu(ctx: NodeContext) -> list[Value]:
     per_channel = (channels, *([1] * (len(x.shape) - 1)))
     if slope.size == 1:
         count = 1
-    elif slope.shape == per_channel or (len(x.shape) > 1 and slope.shape == (channels, *per_channel[1:])):
+    elif slope.shape == per_channel:
         count = channels
     else:
         raise ctx.error(f"slope has shape {list(slope.shape)}; supported: one slope, or one per channel of axis 1 "
