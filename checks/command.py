@@ -75,28 +75,6 @@ def import_user_modules(names: list[str]) -> None:
             raise ConfigError(f"--import {name}: cannot import it: {type(exc).__name__}: {exc}{at}") from None
 
 
-def loaded_modules() -> list[str]:
-    """The names of every module this process has imported (for :func:`import_modules`)."""
-    return sorted(name for name in list(sys.modules) if name not in ("__main__", "__mp_main__"))
-
-
-def import_modules(names: list[str]) -> None:
-    """Import each module of ``names`` not yet imported here; one that fails is left out.
-
-    Why a worker needs the parent's modules: Hypothesis mixes literal constants from every
-    *local* module in ``sys.modules`` (an editable install of opgrad, the user's own code) into
-    what it generates, so the examples of a seed depend on which modules are loaded. A worker
-    that has imported the same modules as the parent generates the same examples, and so gives
-    the same table and the same failure reports as the serial run.
-    """
-    for name in names:
-        if name not in sys.modules:
-            try:
-                importlib.import_module(name)
-            except Exception:  # a module that only imports in the parent's context
-                continue
-
-
 def _check_one(job: tuple[str, dict[str, Any]]) -> Any:
     from opgrad.checks.backends import resolve_backend
     from opgrad.checks.runner import check_op
@@ -125,16 +103,13 @@ def run(args: argparse.Namespace) -> int:
     jobs = [(n, dict(options)) for n in names]
     start = time.perf_counter()
     print(f"checking {len(names)} operator(s), {args.examples} examples each, backend {args.backend}", flush=True)
-    # Everything a check imports on first use is imported now, so that every operator's examples
-    # are generated with the same modules loaded whichever runs first (see import_modules).
-    from opgrad.checks import runner  # noqa: F401
-    if args.backend == "llvm":
-        import opgrad.compiler  # noqa: F401
     if args.jobs > 1 and len(jobs) > 1:
         import multiprocessing
 
-        with multiprocessing.get_context("spawn").Pool(args.jobs, initializer=import_modules,
-                                                       initargs=(loaded_modules(),)) as pool:
+        # A worker registers the user's operators as this process did; the examples it draws do not
+        # depend on what else either process imported (profiles.draws_independent_of_loaded_modules).
+        with multiprocessing.get_context("spawn").Pool(args.jobs, initializer=import_user_modules,
+                                                       initargs=(args.imports,)) as pool:
             # Slowest first (conv, pools) so the two workers finish together.
             order = sorted(range(len(jobs)), key=lambda i: not names[i].startswith(("conv", "max_pool", "avg_pool")))
             results = dict(zip(order, pool.map(_check_one, [jobs[i] for i in order], chunksize=1)))

@@ -41,6 +41,7 @@ from opgrad.ir import Expr, Function, var
 from opgrad.op import Case, Operator
 
 from .command import add_import_option, import_user_modules
+from .profiles import draws_independent_of_loaded_modules
 from .strategies import CaseDraw, make_inputs, op_cases
 
 #: Sizes that break code generators: 1, primes, vector widths and their neighbours, rows of
@@ -287,7 +288,8 @@ def run(graphs: int = 200, seed: int = 0, op_names: Sequence[str] | None = None,
         compare(graph)
 
     try:
-        one()
+        with draws_independent_of_loaded_modules():
+            one()
     except Exception as exc:  # hypothesis re-raises the shrunk failure
         return FuzzResult(count, time.perf_counter() - start, covered,
                           f"{type(exc).__name__}: {exc}\n  minimal graph: {last[0] if last else '?'}")

@@ -10,6 +10,9 @@ The names carry the ``opgrad-`` prefix so they never collide with a user's own `
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
 
 from hypothesis import settings
 from hypothesis.errors import InvalidArgument
@@ -48,3 +51,36 @@ def load_profile_from_env() -> str | None:
         settings.load_profile(name)
         return name
     return None
+
+
+@contextmanager
+def draws_independent_of_loaded_modules() -> Iterator[None]:
+    """While active, hypothesis draws none of the literal constants it collects from the *local*
+    modules in ``sys.modules`` (the user's code, an editable install of opgrad).
+
+    Why: hypothesis mixes those constants into what it generates, so the examples of one seed
+    would depend on what the process happened to import, and a repro line run in a fresh
+    process (``opgrad check OP --seed N``) would see other examples than the pytest run, script
+    or worker that printed it. The hook is hypothesis's own provider function; on a version
+    without it nothing changes (and the tests that compare the runs say so).
+    """
+    providers: Any
+    try:
+        from hypothesis.internal.conjecture import providers
+    except ImportError:  # pragma: no cover - another hypothesis layout
+        yield
+        return
+    original = getattr(providers, "_get_local_constants", None)
+    constants = getattr(providers, "Constants", None)
+    cache = getattr(getattr(providers, "CONSTANTS_CACHE", None), "cache", None)
+    if original is None or constants is None or cache is None:  # pragma: no cover
+        yield
+        return
+    none_loaded = constants()
+    cache.clear()  # permitted constants cached with the modules' ones
+    providers._get_local_constants = lambda: none_loaded
+    try:
+        yield
+    finally:
+        providers._get_local_constants = original
+        cache.clear()

@@ -26,6 +26,7 @@ from .checks import (
     check_f_kinks,
     check_g_backend,
 )
+from .profiles import draws_independent_of_loaded_modules
 from .report import CHECK_NAMES, Failure, OpReport
 from .strategies import Example, op_examples, resolve_op
 from .tolerances import tolerance
@@ -220,7 +221,8 @@ def check_op(name: str | Operator, *, gradient: GradientRule | None = None, max_
         report_multiple_bugs=shrink, print_blob=False, verbosity=Verbosity.quiet,
     )(hypothesis_seed(run_seed)(given(op_examples(op))(one)))
     try:
-        runner()
+        with draws_independent_of_loaded_modules():
+            runner()
     except CheckFailure as exc:
         report.passed, report.failure = False, exc.failure
     except (FailedHealthCheck, Unsatisfiable) as exc:

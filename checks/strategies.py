@@ -112,6 +112,15 @@ class CaseDraw:
         drop = self.int(0, len(shape))
         return tuple(1 if self.bool() else d for d in tuple(shape)[drop:])
 
+    def broadcast_part(self, shape: Sequence[builtins.int]) -> tuple[builtins.int, ...]:
+        """A shape that numpy broadcasts to ``shape`` (of rank >= 2) without being it, keeping at
+        least one of its axes: an operand of several elements stretched along the others."""
+        rank = len(shape)
+        keep = self.int(0, rank - 1)
+        squeeze = (keep + self.int(1, rank - 1)) % rank
+        sizes = tuple(d if j == keep else 1 if j == squeeze or self.bool() else d for j, d in enumerate(shape))
+        return sizes[self.int(0, keep):]
+
     def broadcast_target(self, shape: Sequence[builtins.int], max_new: builtins.int = 2) -> tuple[builtins.int, ...]:
         """A shape ``shape`` broadcasts to: new leading axes, and size-1 axes stretched."""
         lead = tuple(self.size() for _ in range(self.int(0, max_new)))
@@ -177,7 +186,15 @@ def _default_case(op: Operator, d: CaseDraw) -> Case:
                 shape.append(sizes[dim])
         shapes.append(tuple(shape))
     free = [i for i, s in enumerate(shapes) if s is None]
-    if free:
+    if free and op.broadcast and len(free) > 1 and d.max_rank >= 2 and d.max_side >= 2 and d.bool():
+        # Half the cases stretch an operand of several elements along some axes of another's shape:
+        # a gradient summed over the wrong axes shows only there, scalars and equal shapes hide it.
+        full = d.shape(min_rank=2, min_side=2)
+        stretched = d.choice(free)
+        widest = d.choice([i for i in free if i != stretched])
+        for i in free:
+            shapes[i] = d.broadcast_part(full) if i == stretched else full if i == widest else d.broadcastable_to(full)
+    elif free:
         full = d.shape()
         for i in free:
             # Broadcasting ops get a different compatible shape per input; others share one shape.

@@ -122,6 +122,15 @@ def _multiply_own_value(call: Call, grad: Expr) -> list[Expr | None]:
     return [ops.multiply(grad, call.args[0]), ops.multiply(grad, call.args[1])]
 
 
+@multiply.mutant("a stretched d_rhs summed over every axis, not only those it was stretched along")
+def _multiply_sums_every_axis(call: Call, grad: Expr) -> list[Expr | None]:
+    lhs, rhs = call.args
+    d_rhs = ops.multiply(grad, lhs)
+    if rhs.shape != call.shape:
+        d_rhs = ops.broadcast_to(ops.sum(d_rhs), shape=rhs.shape)
+    return [ops.multiply(grad, rhs), d_rhs]
+
+
 @multiply.lowering
 def _multiply_lowering(kb: KernelBuilder, call: Call, out: View, lhs: View, rhs: View) -> None:
     """out = lhs * rhs, one loop over the broadcast views"""

@@ -198,3 +198,21 @@ def test_fuzz_names_unknown_ops_on_one_line(capsys: pytest.CaptureFixture[str]) 
 def test_fuzz_imports_a_users_module(user_module: str, capsys: pytest.CaptureFixture[str]) -> None:
     assert fuzz_main(["--graphs", "3", "--quiet", "--import", user_module, "--ops", "user_softsign"]) == 0
     assert "3 graphs" in capsys.readouterr().out
+
+
+def test_a_seed_draws_the_same_examples_whatever_other_modules_are_loaded(tmp_path: Path,
+                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    # Hypothesis mixes the literal constants of local modules in sys.modules into its draws: a
+    # repro line run in a fresh process (other modules loaded) must still see the same examples.
+    lines = [f"C{i} = {v!r}" for i, v in enumerate((0.8125, -1.4375, 2.71875, 1e-3, 3.5, -0.3125, 17.0, 0.0625))]
+    (tmp_path / "probe_constants_lib.py").write_text("\n".join(lines) + "\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+
+    def seen() -> tuple[int, float]:
+        report = check_op("tanh", seed=11, max_examples=40, checks="b")
+        return report.examples, report.worst_rel_error
+
+    before = seen()
+    import probe_constants_lib  # noqa: F401
+
+    assert seen() == before

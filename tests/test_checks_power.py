@@ -214,3 +214,13 @@ def test_a_rule_returning_one_expression_instead_of_a_list_is_named() -> None:
     report = check_op("relu", gradient=lambda call, grad: opgrad.ops.multiply(grad, 1.0), seed=0, max_examples=5)
     assert not report.passed and report.failure is not None and report.failure.check == "a"
     assert "gradient of 'relu' returned the expression" in report.failure.problem
+
+
+def test_a_gradient_wrong_only_for_stretched_operands_is_flagged_within_a_few_examples() -> None:
+    # Summing a stretched operand's gradient over every axis is right for scalars and for equal
+    # shapes; only an operand of several elements stretched along another axis shows it. Half the
+    # cases of a broadcasting op are such, so 20 examples find it under almost every seed.
+    mutant = _mistake("multiply", "stretched d_rhs")
+    flagged = sum(not check_op("multiply", gradient=mutant.rule, checks="ab", max_examples=20, seed=seed,
+                               shrink=False).passed for seed in range(20))
+    assert flagged >= 18, f"flagged under {flagged} of 20 seeds"
