@@ -320,10 +320,14 @@ def float_array(draw: Callable[[st.SearchStrategy[Any]], Any], spec: Input, shap
         return np.array([draw(element) for _ in range(size)], dtype=np.float64).reshape(shape)
     pattern = np.random.default_rng(size).random(size) - 0.5
     if elements is not None:
-        # Values from a user's strategy: a drawn centre and spread, folded into the range drawn.
+        # Values from a user's strategy: a drawn centre and spread, folded into the range drawn
+        # (a constant where the strategy drew a NaN or an infinity; drawn values are placed below).
         a, b = draw(element), draw(element)
         low, high = min(a, b), max(a, b)
-        values = _fold((low + high) / 2 + (high - low) * pattern, low, high)
+        if np.isfinite(low) and np.isfinite(high):
+            values = _fold((low + high) / 2 + (high - low) * pattern, low, high)
+        else:
+            values = np.full(size, a)
     else:
         which = np.random.default_rng(size + 1).integers(len(spec.domain), size=size)
         values = np.empty(size)
@@ -439,7 +443,9 @@ def _examples(draw: Callable[[st.SearchStrategy[Any]], Any], op: Operator, dtype
         else:
             chosen = elements.get(spec.name.split("[")[0]) if isinstance(elements, Mapping) else elements
             arrays.append(draw(float_array(spec, tuple(shape), chosen)))
-    settled = _off_kinks(op, case, arrays)
+    # Values from a user's strategies are kept as drawn (on a kink, NaN, outside the domain): a
+    # property test asks for exactly those; the checker's own draws keep off the kinks.
+    settled = _off_kinks(op, case, arrays) if elements is None else arrays
     assume(settled is not None)
     assert settled is not None
     cast = [a.astype(dtype) if spec.kind == "float" else a for spec, a in zip(op.specs(len(case.shapes)), settled)]
@@ -454,7 +460,9 @@ def inputs(op: Operator | str, *, dtype: str = "float64", max_rank: int = MAX_RA
     Float values come from each input's declared ``domain``, kept ``KINK_MARGIN`` away from the
     op's kinks, in ``dtype``; integer inputs (labels) from their ``int_range``. ``elements``
     replaces the domain: one strategy of floats for every float input, or a mapping from input
-    name to strategy (inputs it does not name keep their domain). Values shrink like shapes do.
+    name to strategy (inputs it does not name keep their domain); the values are then exactly
+    what the strategies draw, on a kink, NaN or infinite included (nothing is moved off kinks).
+    Values shrink like shapes do.
     """
     resolved = resolve_op(op)
     _check_dtype(dtype)

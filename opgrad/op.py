@@ -27,6 +27,7 @@ compiler, the checker, ``opgrad ops``, the operator reference in the docs) reads
 from __future__ import annotations
 
 import inspect
+import keyword
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -182,6 +183,9 @@ class Operator:
         kinks: Kink | None = None,
         broadcast: bool = False,
     ) -> None:
+        if not isinstance(name, str) or not name.isidentifier() or keyword.iskeyword(name) or name.startswith("_"):
+            raise ValueError(f"operator name {name!r} must be a Python identifier not starting with '_' "
+                             "(the operator becomes opgrad.ops.<name> and `opgrad check <name>`)")
         self.name = name
         self.inputs: tuple[Input, ...] = tuple(inputs)
         self.attrs: tuple[Attr, ...] = tuple(attrs)
@@ -218,7 +222,7 @@ class Operator:
 
             self.module = declared_in
             self._declared_outside_registry = True
-            registry.register(self)
+            registry.register(self, module_run(inspect.currentframe(), declared_in))
 
     def _check_attrs(self, input_names: Sequence[str]) -> None:
         """Refuse attribute declarations that calls would trip over later, with errors that could
@@ -578,6 +582,19 @@ def declaring_module(frame: Any) -> str:
             break
         outer = outer.f_back
     return str(caller.f_globals.get("__name__", ""))
+
+
+def module_run(frame: Any, module: str) -> Any:
+    """The frame running the top level of ``module`` (its import, a script, a notebook cell) above
+    ``frame``, or None where the declaration runs after it (a function called later, a test).
+    Two declarations under one such frame are two statements of one run of the module; a later
+    run (a re-import, a cell run again) gets a new frame."""
+    outer = frame.f_back if frame is not None else None
+    while outer is not None:
+        if outer.f_code.co_name == "<module>":
+            return outer if outer.f_globals.get("__name__") == module else None
+        outer = outer.f_back
+    return None
 
 
 def whole(value: Any) -> int:

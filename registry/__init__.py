@@ -16,12 +16,15 @@ from __future__ import annotations
 import importlib
 import pkgutil
 import threading
+from typing import Any
 
 from opgrad.errors import RegistryError
 from opgrad.op import Composite, Operator
 
 _ops: dict[str, Operator] = {}
 _composites: dict[str, Composite] = {}
+#: Per user module, the frame of its latest top-level run and the names (with their lines) it declared.
+_runs: dict[str, tuple[Any, dict[str, int | None]]] = {}
 _loaded = False
 _lock = threading.RLock()
 
@@ -70,17 +73,26 @@ def get(name: str) -> Operator:
         raise RegistryError(f"no operator named {name!r} is registered{hint}") from None
 
 
-def register(op: Operator) -> None:
+def register(op: Operator, run: Any = None) -> None:
     """Add an operator declared outside this package (a user's module); its name must be new.
 
-    Called by ``Operator`` itself when the declaring module is not part of opgrad's registry.
+    Called by ``Operator`` itself when the declaring module is not part of opgrad's registry, with
+    ``run``, the frame running the module's top level (:func:`opgrad.op.module_run`) where there is
+    one. A module imported again (a notebook cell run twice) replaces its operators; one run that
+    declares a name twice (a copy-paste slip) is an error.
     """
     with _lock:
         _load()
         existing = _ops.get(op.name)
+        line = run.f_lineno if run is not None else None
         if existing is not None and existing is not op:
             if existing.user_defined and existing.module == op.module:
-                _ops[op.name] = op  # the same module re-imported (a notebook cell run twice)
+                earlier = _runs.get(op.module)
+                if run is not None and earlier is not None and earlier[0] is run and op.name in earlier[1]:
+                    raise RegistryError(f"operator {op.name!r} is declared twice in module {op.module} (lines "
+                                        f"{earlier[1][op.name]} and {line}); choose another name for one of them")
+                _ops[op.name] = op
+                _note_run(op, run, line)
                 return
             raise RegistryError(f"operator {op.name!r} declared in {op.source} is already declared in "
                                 f"{existing.source}; choose another name")
@@ -88,6 +100,18 @@ def register(op: Operator) -> None:
             raise RegistryError(f"operator {op.name!r} declared in {op.source} clashes with the composite "
                                 f"{op.name!r} in registry/{_composites[op.name].module}.py")
         _ops[op.name] = op
+        _note_run(op, run, line)
+
+
+def _note_run(op: Operator, run: Any, line: int | None) -> None:
+    """Remember that ``run`` (a module's top-level frame) declared ``op``; a new run of the
+    module starts afresh, so only the latest frame of each module is kept."""
+    if run is None:
+        return
+    earlier = _runs.get(op.module)
+    if earlier is None or earlier[0] is not run:
+        earlier = _runs[op.module] = (run, {})
+    earlier[1][op.name] = line
 
 
 def unregister(name: str) -> None:

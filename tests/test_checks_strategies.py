@@ -39,6 +39,33 @@ def test_elements_by_input_name_keep_the_others_domain(example: Example) -> None
 
 
 @settings(max_examples=40, database=None)
+@given(inputs("clip", elements=st.floats(0.5, 1.0)))
+def test_elements_of_a_kinked_op_stay_in_the_users_range(example: Example) -> None:
+    # clip's kinks are at its bounds; the checker's own draws are moved off them, a user's are not.
+    (x,) = example.arrays
+    assert np.all((x >= 0.5) & (x <= 1.0))
+
+
+@settings(max_examples=20, database=None)
+@given(inputs("relu", elements=st.just(0.0), max_side=9))
+def test_elements_on_a_kink_are_kept(example: Example) -> None:
+    (x,) = example.arrays
+    assert not np.any(x)
+
+
+def test_elements_that_draw_nan_reach_a_kinked_op() -> None:
+    seen = []
+
+    @settings(max_examples=200, database=None, derandomize=True)
+    @given(inputs("maximum", elements=st.floats(allow_nan=True, allow_infinity=True)))
+    def collect(example: Example) -> None:
+        seen.append(any(np.isnan(a).any() for a in example.arrays))
+
+    collect()
+    assert any(seen), "no example held a NaN"
+
+
+@settings(max_examples=40, database=None)
 @given(cases("dense", max_side=7), cases("exp", max_rank=5, max_side=2))
 def test_cases_honour_the_limits(dense: Case, exp: Case) -> None:
     (n, k), (u, k2) = dense.shapes

@@ -128,3 +128,50 @@ def test_only_user_ops_can_be_unregistered() -> None:
 
     with pytest.raises(RegistryError, match=r"operator 'relu' is declared in registry/relu\.py and cannot be"):
         registry.unregister("relu")
+
+
+def test_a_module_that_declares_a_name_twice_is_refused_and_one_imported_again_replaces_its_op(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # One run of a module declaring a name twice is a slip (the second op would silently replace
+    # the first); the module run again (importlib.reload, a notebook cell) replaces its ops.
+    helper = textwrap.dedent('''
+        import numpy as np
+        from opgrad import ops
+        from opgrad.op import Input, Operator
+
+        def scaled(name, k):
+            op = Operator(name, inputs=[Input("data")], doc=f"{k} * data")
+            op.shape_rule(lambda data, attrs: data)
+            op.reference(lambda data: k * data)
+            op.gradient(lambda call, grad: [ops.multiply(grad, float(k))])
+            return op
+    ''')
+    (tmp_path / "my_scaled_helper.py").write_text(helper)
+    (tmp_path / "my_scaled_ops.py").write_text("from my_scaled_helper import scaled\n\n"
+                                               "double = scaled('user_double', 2)\n")
+    (tmp_path / "my_slip_ops.py").write_text("from my_scaled_helper import scaled\n\n"
+                                             "double = scaled('user_double2', 2)\ntriple = scaled('user_double2', 3)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    from opgrad import registry
+
+    try:
+        module = importlib.import_module("my_scaled_ops")
+        first = registry.get("user_double")
+        assert importlib.reload(module).double is registry.get("user_double") is not first
+        with pytest.raises(RegistryError, match=r"operator 'user_double2' is declared twice in module my_slip_ops "
+                                                r"\(lines 3 and 4\)"):
+            importlib.import_module("my_slip_ops")
+    finally:
+        for name in ("user_double", "user_double2"):
+            if name in registry.names():
+                registry.unregister(name)
+        for name in ("my_scaled_helper", "my_scaled_ops", "my_slip_ops"):
+            sys.modules.pop(name, None)
+
+
+@pytest.mark.parametrize("name", ["", "my-op", "with space", "__class__", "_private", "lambda", 3])
+def test_an_operator_name_must_be_a_public_identifier(name: object) -> None:
+    from opgrad.op import Input, Operator
+
+    with pytest.raises(ValueError, match="must be a Python identifier"):
+        Operator(name, inputs=[Input("data")])  # type: ignore[arg-type]
