@@ -318,12 +318,23 @@ def check_b_vjp(ctx: Context) -> float:
         if not full and m.index:
             m.index = tuple(int(i) for i in np.unravel_index(int(picked[m.index[0]]), ctx.arrays[k].shape))
         if m.ratio > 1:
-            raise ctx.fail("b", f"VJP for {name!r} disagrees with finite differences", m, input=name, step=h,
-                           rtol=tol.fd_rtol)
+            raise ctx.fail("b", f"VJP for {name!r} disagrees with finite differences{_undefined_hint(ctx, k, m)}", m,
+                           input=name, step=h, rtol=tol.fd_rtol)
         worst = max(worst, m.rel_error)
         if full and 1 < out_size <= FULL_JACOBIAN_LIMIT:
             worst = max(worst, _full_jacobian(ctx, k, columns.T, out_shape, h))
     return max(worst, _directional(ctx, c, grads, rng))
+
+
+def _undefined_hint(ctx: Context, k: int, m: Mismatch) -> str:
+    """Why the differences are not finite where they are not: the forward is undefined (NaN or
+    infinite) within a step of inputs drawn from the declared domain, which is then too wide."""
+    if np.isfinite(m.expected):
+        return ""
+    spec = ctx.specs[k]
+    domain = " or ".join(f"[{i.low:g}, {i.high:g}]" for i in spec.domain)
+    return (f": the forward itself is not finite there (differences {m.expected}) though {spec.name!r} lies in "
+            f"its declared domain {domain}; narrow domain= to where the op is defined")
 
 
 def _full_jacobian(ctx: Context, k: int, numeric: np.ndarray, out_shape: tuple[int, ...], h: float) -> float:

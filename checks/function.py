@@ -88,7 +88,8 @@ def check_function(fn: Function, arrays: Sequence[np.ndarray] | None = None, *,
     except Exception as exc:
         report.passed = False
         report.failure = Failure(op=name, check="a", problem=f"differentiating raised {type(exc).__name__}: {exc}",
-                                 seed=run_seed)
+                                 seed=run_seed, rerun=_rerun_text(arrays is not None, wrt is not None, max_examples,
+                                                                  directions, name, order, run_seed))
         return report
     vjp_fn = Function([*f64.params, cot], grads)
     points = [given] if given is not None else [None] * max_examples
@@ -109,7 +110,22 @@ def check_function(fn: Function, arrays: Sequence[np.ndarray] | None = None, *,
         report.examples += 1
         report.worst_rel_error = max(report.worst_rel_error, worst)
     report.seconds = time.perf_counter() - start
+    if report.failure is not None:
+        report.failure.rerun = _rerun_text(arrays is not None, wrt is not None, max_examples, directions, name, order,
+                                           run_seed)
     return report
+
+
+def _rerun_text(arrays: bool, wrt: bool, max_examples: int, directions: int, name: str, order: int,
+                seed: int) -> str:
+    """The ``check_function`` call that reruns a failed one, with placeholders for what only the caller has."""
+    args = ["<your function>"] + (["<your arrays>"] if arrays else [])
+    args += ["wrt=<yours>"] if wrt else []
+    args += [f"max_examples={max_examples}"] if max_examples != 5 and not arrays else []
+    args += [f"directions={directions}"] if directions != 3 else []
+    args += [f"name={name!r}"] if name != "function" else []
+    args += ["order=2"] if order == 2 else []
+    return f"opgrad.checks.check_function({', '.join(args)}, seed={seed})"
 
 
 def _check_arrays(fn: Function, arrays: Sequence[np.ndarray]) -> list[np.ndarray]:
@@ -199,6 +215,14 @@ def _check_point(fn: Function, vjp_fn: Function, targets: list[Var], point: list
         out = evaluate(vjp_fn, *point, c)
         return list(out) if isinstance(out, tuple) else [out]
 
+    with np.errstate(invalid="ignore", divide="ignore", over="ignore"):  # reported below, not warned
+        at = value(point)
+    if not np.all(np.isfinite(at)):
+        where = tuple(int(i) for i in np.argwhere(~np.isfinite(at))[0]) if at.ndim else ()
+        element = f" (output{list(where)})" if where else ""
+        raise fail("b", f"the function's value is {at[where]} at this point{element}, so finite differences "
+                        "cannot check its gradient there; pass arrays= inside its domain (without them, points "
+                        "are drawn from [-2, 2])")
     c = random_cotangent(rng, fn.output.shape)
     grads = vjp(c)
     for t, g in zip(targets, grads):

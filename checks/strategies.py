@@ -38,7 +38,7 @@ from hypothesis import strategies as st
 
 from opgrad.dtypes import FLOAT_DTYPES
 from opgrad.errors import OpgradError
-from opgrad.op import Case, Input, Operator
+from opgrad.op import Attr, Case, Input, Operator
 
 from .tolerances import KINK_MARGIN
 
@@ -199,8 +199,19 @@ def _default_case(op: Operator, d: CaseDraw) -> Case:
         for i in free:
             # Broadcasting ops get a different compatible shape per input; others share one shape.
             shapes[i] = d.broadcastable_to(full) if op.broadcast else full
-    attrs = {a.name: d.draw(a.sample()) for a in op.attrs if a.sample is not None}
+    attrs = {a.name: d.draw(attr_strategy(op, a)) for a in op.attrs if a.sample is not None}
     return Case([s for s in shapes if s is not None], attrs)
+
+
+def attr_strategy(op: Operator, attr: Attr) -> st.SearchStrategy[Any]:
+    """The strategy of ``attr.sample``: a hypothesis strategy, or a function returning one."""
+    sample = attr.sample
+    strategy = sample if isinstance(sample, st.SearchStrategy) else sample() if callable(sample) else sample
+    if not isinstance(strategy, st.SearchStrategy):
+        raise SamplerError(f"{op.name}: attribute {attr.name!r}: sample= must be a hypothesis strategy or a "
+                           f"function returning one (sample=st.floats(0.1, 2) or sample=lambda: "
+                           f"st.floats(0.1, 2)); it gave {type(strategy).__name__} {strategy!r:.60}")
+    return strategy
 
 
 def validate_case(op: Operator, case: Case, dtype: str = "float64") -> dict[str, Any]:

@@ -119,7 +119,8 @@ class Attr:
     that it can resolve values that depend on the inputs' ranks or on attributes declared before
     it (negative axes, ``None`` meaning all axes, a ``-1`` in a shape, strides defaulting to the
     pool size); the call then stores the resolved, canonical value.
-    ``sample`` optionally returns a hypothesis strategy of values for the checker.
+    ``sample`` is a hypothesis strategy of values for the checker, or a function returning one
+    (registry files use the function, so that they need not import hypothesis).
 
     ``Operator`` refuses, where it is declared, an attribute whose name repeats another
     attribute's or an input's (the reference takes both as arguments of one call) and a default
@@ -132,7 +133,7 @@ class Attr:
     default: Any = _NO_DEFAULT
     convert: Callable[..., Any] | None = None
     doc: str = ""
-    sample: Callable[[], Any] | None = None
+    sample: Any = None
     uses_types: bool = False
 
     @property

@@ -178,6 +178,34 @@ def test_check_function_on_the_seed_cnn_loss(monkeypatch: pytest.MonkeyPatch) ->
     monkeypatch.setattr(dense, "_gradient", _mutant("dense", "scaled by 2"))
     report = check_function(fn, arrays, seed=0, name="seed-cnn loss")
     assert not report.passed and report.failure is not None and report.failure.check == "b"
+    assert ("repro:    seed 0: opgrad.checks.check_function(<your function>, <your arrays>, name='seed-cnn loss', "
+            "seed=0)") in str(report.failure)
+
+
+def test_check_function_says_where_the_function_itself_is_undefined() -> None:
+    x = opgrad.var("x", (3, 4), "float64")
+    report = check_function(opgrad.function([x], ops.sum(ops.log(x))), seed=0)
+    assert report.failure is not None
+    assert report.failure.problem.startswith("the function's value is nan at this point, so finite differences "
+                                             "cannot check its gradient there; pass arrays= inside its domain")
+    assert report.failure.rerun == "opgrad.checks.check_function(<your function>, seed=0)"
+
+
+def test_a_forward_undefined_inside_the_declared_domain_is_named() -> None:
+    # log's own rule is right; its domain widened to [-2, 2] puts inputs where log is NaN.
+    from opgrad.op import Input, Interval, Operator
+
+    op = Operator("api_wide_log", inputs=[Input("data", domain=(Interval(-2.0, 2.0),))], doc="log over [-2, 2]")
+    op.shape_rule(lambda data, attrs: data)
+    op.reference(lambda data: np.log(data))
+    op.gradient(lambda call, grad: [ops.divide(grad, call.args[0])])
+    try:
+        report = check_op("api_wide_log", seed=0, max_examples=30)
+    finally:
+        opgrad.registry.unregister("api_wide_log")
+    assert report.failure is not None and report.failure.check == "b"
+    assert "the forward itself is not finite there (differences nan) though 'data' lies in its declared domain " \
+           "[-2, 2]; narrow domain= to where the op is defined" in report.failure.problem, report.failure.problem
 
 
 # ----- CLI -----

@@ -175,3 +175,26 @@ def test_an_operator_name_must_be_a_public_identifier(name: object) -> None:
 
     with pytest.raises(ValueError, match="must be a Python identifier"):
         Operator(name, inputs=[Input("data")])  # type: ignore[arg-type]
+
+
+def test_ir_that_llvm_rejects_from_a_users_lowering_names_that_lowering(tmp_path: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    # sin takes one operand; the lowering passes two, which LLVM's verifier rejects.
+    bad = CUBE.replace("user_cube", "user_bad_lowering").replace(
+        "kb.elementwise(out, [data], lambda s, v: s.mul(s.mul(v[0], v[0]), v[0]))",
+        'kb.elementwise(out, [data], lambda s, v: s.call("sin", v[0], v[0]))')
+    (tmp_path / "my_bad_lowering_ops.py").write_text(bad)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("OPGRAD_CACHE_DIR", str(tmp_path / "cache"))
+    importlib.import_module("my_bad_lowering_ops")
+    try:
+        x = opgrad.var("x", (3,), "float64")
+        with pytest.raises(opgrad.errors.CompileError,
+                           match=r"LLVM rejected the IR of kernel \S+ \(user_bad_lowering\) of function .*, which "
+                                 r"@user_bad_lowering\.lowering in module my_bad_lowering_ops emitted"):
+            opgrad.compile(opgrad.function([x], ops.user_bad_lowering(x)))
+    finally:
+        from opgrad import registry
+
+        registry.unregister("user_bad_lowering")
+        sys.modules.pop("my_bad_lowering_ops", None)

@@ -86,6 +86,22 @@ def test_required_attribute_with_a_sample_is_drawn(declared: list[str]) -> None:
     assert check_op("decl_sampled_attr", seed=0, max_examples=5).passed
 
 
+def test_a_sample_may_be_the_strategy_itself(declared: list[str]) -> None:
+    declared.append("decl_strategy_attr")
+    doubling_op("decl_strategy_attr", [Attr("k", convert=non_negative, sample=st.integers(0, 3))])
+    report = check_op("decl_strategy_attr", seed=0, max_examples=5)
+    assert report.passed, report
+
+
+def test_a_sample_that_gives_no_strategy_is_named(declared: list[str]) -> None:
+    declared.append("decl_list_sample")
+    doubling_op("decl_list_sample", [Attr("k", convert=non_negative, sample=lambda: [0, 1, 2])])
+    report = check_op("decl_list_sample", seed=0, max_examples=5)
+    assert report.failure is not None
+    assert ("decl_list_sample: attribute 'k': sample= must be a hypothesis strategy or a function returning one"
+            in report.failure.problem), report.failure.problem
+
+
 def test_every_required_registry_attribute_can_be_drawn() -> None:
     undrawable = [f"{op.name}.{attr.name}" for op in registry.all_ops(include_user=False) for attr in op.attrs
                   if attr.required and attr.sample is None and op.sampler_fn is None]

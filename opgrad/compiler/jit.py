@@ -492,6 +492,37 @@ def _describe_kernels(names: list[str], labels: Mapping[str, str]) -> str:
     return ", ".join(described) or "unknown"
 
 
+def rejected_kernels(ir_text: str) -> list[str]:
+    """The functions of a module LLVM rejects whose own IR fails to parse or verify, each alone
+    (in this process: the parser and the verifier report bad IR, they do not crash on it)."""
+    ensure_native_initialized()
+    found = []
+    for name in _defined_functions(ir_text):
+        try:
+            llvm.parse_assembly(_keep_only(ir_text, {name})).verify()
+        except RuntimeError:
+            found.append(name)
+    return found
+
+
+def _rejection_message(ir_text: str, said: str, what: str, labels: Mapping[str, str]) -> str:
+    """What to say when LLVM rejects a module: the kernel and the ops it comes from, and whose code
+    is at fault: an operator's lowering declared in a user's module, else opgrad's."""
+    from opgrad import registry  # here: the registry's lowerings import the compiler
+
+    kernels = rejected_kernels(ir_text)
+    ops = {op for name in kernels for key, label in labels.items() if name == key or name.startswith(key + ".")
+           for op in label.split("+") if op}
+    users = sorted({f"@{op}.lowering in module {registry.get(op).module}" for op in ops
+                    if op in registry.names() and registry.get(op).user_defined})
+    detail = said.partition("): ")[2] or said
+    where = f"kernel {_describe_kernels(kernels, labels)} of {what or 'a module'}"
+    if users:
+        return (f"opgrad.compile: LLVM rejected the IR of {where}, which {', '.join(users)} emitted: {detail} "
+                "(check the arguments that lowering passes to the kernel builder)")
+    return f"opgrad.compile: LLVM rejected the generated IR of {where} (an opgrad bug; please report it): {detail}"
+
+
 def build_object(ir_text: str, what: str = "", kernel_labels: Mapping[str, str] | None = None,
                  codegen: Codegen | None = None) -> bytes:
     """Optimize and emit ``ir_text`` (for the host's JIT unless ``codegen`` says otherwise), in the
@@ -509,6 +540,8 @@ def build_object(ir_text: str, what: str = "", kernel_labels: Mapping[str, str] 
                                           **_object_options(codegen))
     try:
         return _isolated_object(ir_text, True, codegen)
+    except CompileError as rejected:
+        raise CompileError(_rejection_message(ir_text, str(rejected), what, kernel_labels or {})) from None
     except WorkerDied as crash:
         kernels = _describe_kernels(find_crashing_kernels(ir_text, True, codegen), kernel_labels or {})
         cpu_role = "host CPU" if codegen.target == host_target() else f"target CPU ({codegen.target.name})"
