@@ -508,13 +508,13 @@ def rejected_kernels(ir_text: str) -> list[str]:
 def _rejection_message(ir_text: str, said: str, what: str, labels: Mapping[str, str]) -> str:
     """What to say when LLVM rejects a module: the kernel and the ops it comes from, and whose code
     is at fault: an operator's lowering declared in a user's module, else opgrad's."""
-    from opgrad import registry  # here: the registry's lowerings import the compiler
+    from opgrad.registry import get, names  # here: the registry's lowerings import the compiler
 
     kernels = rejected_kernels(ir_text)
     ops = {op for name in kernels for key, label in labels.items() if name == key or name.startswith(key + ".")
            for op in label.split("+") if op}
-    users = sorted({f"@{op}.lowering in module {registry.get(op).module}" for op in ops
-                    if op in registry.names() and registry.get(op).user_defined})
+    known = set(names())
+    users = sorted({f"@{op}.lowering in module {get(op).module}" for op in ops if op in known and get(op).user_defined})
     detail = said.partition("): ")[2] or said
     where = f"kernel {_describe_kernels(kernels, labels)} of {what or 'a module'}"
     if users:
