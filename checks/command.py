@@ -126,6 +126,12 @@ def run(args: argparse.Namespace) -> int:
     skipped = [r for r in reports if r.passed and not r.checks]
     for r in skipped:
         print(f"\n{r.op}: skipped, nothing to check on this backend: {'; '.join(r.notes)}")
+    noted = [r for r in reports if r.passed and r.checks and r.notes]
+    if noted:  # what a passing op was not checked for (no gradient, no kernel, skipped comparisons)
+        print()
+        for r in noted:
+            for note in r.notes:
+                print(f"{r.op}: {note}")
     unchecked = f", {len(skipped)} skipped" if skipped else ""
     print(f"\n{len(reports) - len(failed) - len(skipped)}/{len(reports)} operators passed{unchecked} in {total:.1f}s"
           f" (sum of per-op times {sum(r.seconds for r in reports):.1f}s)")

@@ -276,3 +276,9 @@ def test_a_backend_without_the_ops_kernel_says_what_it_skipped(capsys: pytest.Ca
     assert "skipped" in next(line for line in out.splitlines() if line.startswith("nms "))
     assert "1/2 operators passed, 1 skipped" in out
 
+
+
+def test_the_command_line_prints_what_a_passing_op_was_not_checked_for(capsys: pytest.CaptureFixture[str]) -> None:
+    # argmax passes its forward and backend checks; that no gradient was checked is said, not hidden.
+    assert cli.main(["check", "argmax", "--examples", "3", "--seed", "0"]) == 0
+    assert "argmax: gradient checks skipped: no differentiable inputs" in capsys.readouterr().out.splitlines()
