@@ -686,3 +686,20 @@ def test_models_with_integer_inputs_are_refused(tmp_path: Path) -> None:
     model = nn.Model(tokens, nn.Dense(3)(nn.Flatten()(nn.Embedding(10, 4)(tokens))), name="ids")
     with pytest.raises(ExportError, match=r"model 'ids': export takes a float input .* input 'tokens' holds int64"):
         opgrad.export(tmp_path, model=model)
+
+
+def test_an_export_over_an_earlier_one_leaves_none_of_its_libraries(tmp_path: Path) -> None:
+    # Libraries built for batch 4 beside a header for batch 6 would run the old graphs with the
+    # new sizes; an object-only export, or one whose C build fails, must not leave them there.
+    _require("cc")
+    model = nn.Sequential([nn.Dense(3)], (6,), name="tiny")
+    first = opgrad.export(tmp_path, model=model, batch_size=4)
+    built = [first.files[k] for k in ("object", "static", "shared")]
+    assert all(path.exists() for path in built)
+    opgrad.export(tmp_path, model=model, batch_size=6, object_only=True)
+    assert "#define OPGRAD_BATCH_SIZE 6" in (tmp_path / "opgrad.h").read_text()
+    assert not any(path.exists() for path in built)
+    opgrad.export(tmp_path, model=model, batch_size=4)
+    with pytest.raises(ExportError):
+        opgrad.export(tmp_path, model=model, batch_size=6, cc="false")
+    assert not any(path.exists() for path in built)

@@ -247,6 +247,13 @@ def export(directory: str | os.PathLike[str], *, model: str | Model = "seed-cnn"
                              kernel_labels=labels)
 
     out.mkdir(parents=True, exist_ok=True)
+    for stale in built_files(out, name).values():
+        # A library from an earlier export beside this one's header would run the old graphs with the new
+        # sizes; it goes before anything is written, so a failed or object-only export leaves none.
+        try:
+            stale.unlink(missing_ok=True)
+        except OSError as exc:
+            raise ExportError(f"{stale}: cannot remove the library of an earlier export: {exc.strerror}") from None
     files = {"header": out / f"{name}.h", "runtime": out / f"{name}_runtime.c", "kernels": out / f"{name}_kernels.o",
              "init": out / f"{name}_init.npz"}
     _write(files["header"], render_header(tables).encode())
@@ -265,11 +272,16 @@ def export(directory: str | os.PathLike[str], *, model: str | Model = "seed-cnn"
     return ExportResult(out, tgt, files, time.perf_counter() - t0, times.cache_hit, None if object_only else cc)
 
 
+def built_files(out: Path, name: str) -> dict[str, Path]:
+    """What the C compiler builds from an export: the runtime and kernels as one object, and the libraries."""
+    return {"object": out / f"{name}.o", "static": out / f"lib{name}.a", "shared": out / f"lib{name}.so"}
+
+
 def _build(cc: str, out: Path, name: str, files: dict[str, Path], threads: int) -> dict[str, Path]:
     """Compile the runtime, then link ``<name>.o``, ``lib<name>.a`` and ``lib<name>.so`` into ``out``."""
     ar = _archiver(cc)
     pthread = [] if threads == 1 else ["-pthread"]
-    built = {"object": out / f"{name}.o", "static": out / f"lib{name}.a", "shared": out / f"lib{name}.so"}
+    built = built_files(out, name)
     with tempfile.TemporaryDirectory(dir=out, prefix=".build-") as tmp:
         runtime_o = Path(tmp) / f"{name}_runtime.o"
         _run([cc, "-std=c11", "-O2", "-fPIC", "-Wall", *pthread, "-I", str(out), "-c",
