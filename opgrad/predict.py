@@ -102,7 +102,8 @@ def run(args: argparse.Namespace) -> int:
     from opgrad.nn import load_model
     from opgrad.train import check_output, resolve_backend
 
-    check_output(args.output, "--output")
+    check_output(args.output, "--output", {"--checkpoint": args.checkpoint, "--images": args.images,
+                                           "--labels": args.labels})
     if args.labels and not args.images:
         raise ConfigError("--labels goes with --images (--data and the embedded digits bring their own labels)")
     model = load_model(args.checkpoint)

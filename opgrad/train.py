@@ -19,6 +19,7 @@ import importlib.util
 import io
 import os
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -157,8 +158,9 @@ def _load_data(directory: str | None) -> Any:
     return load_mnist_dir(directory) if directory else load_embedded_mnist()
 
 
-def check_output(path: str | None, option: str) -> None:
-    """Refuse, before any training, an output path that cannot be written (``ConfigError``)."""
+def check_output(path: str | None, option: str, inputs: dict[str, str | None] | None = None) -> None:
+    """Refuse, before any work, an output path that cannot be written or that is one of the
+    command's ``inputs`` (option -> path), which writing it would destroy (``ConfigError``)."""
     if path is None:
         return
     target = Path(path)
@@ -169,24 +171,27 @@ def check_output(path: str | None, option: str) -> None:
         raise ConfigError(f"{option} {path}: directory {directory} does not exist")
     if not directory.is_dir():
         raise ConfigError(f"{option} {path}: {directory} is not a directory")
-    if not os.access(directory, os.W_OK | os.X_OK):
-        raise ConfigError(f"{option} {path}: directory {directory} is not writable")
+    for other, given in (inputs or {}).items():
+        if given and (os.path.abspath(given) == os.path.abspath(path)
+                      or (target.exists() and os.path.exists(given) and os.path.samefile(given, path))):
+            raise ConfigError(f"{option} {path}: is also the {other} file, which writing it would destroy; "
+                              "give the output its own path")
+    try:  # what the write will do; permissions alone do not tell (root, read-only or virtual file systems)
+        with tempfile.NamedTemporaryFile(dir=directory, prefix=".opgrad-probe-"):
+            pass
+    except OSError as exc:
+        raise ConfigError(f"{option} {path}: cannot write in directory {directory}: {exc.strerror}") from None
 
 
 def _preflight(args: argparse.Namespace) -> None:
     """Checks that need no data or model, so that a typo fails in a second, not after an epoch."""
     check_output(args.save, "--save")
-    check_output(args.plot, "--plot")
     given = [option for option, value in (("--lr-step-size", args.lr_step_size), ("--lr-gamma", args.lr_gamma))
              if value is not None]
     if given and args.lr_schedule != "step":
         raise ConfigError(f"{' and '.join(given)}: only the step schedule decays by steps; this run's schedule "
                           f"is {args.lr_schedule}: add --lr-schedule step, or leave {' and '.join(given)} out")
-    if args.plot:
-        for option, other in (("--save", args.save), ("--resume", args.resume)):
-            if other and os.path.abspath(other) == os.path.abspath(args.plot):
-                raise ConfigError(f"--plot {args.plot}: is also the {option} checkpoint; the plot would "
-                                  "overwrite it, so give the plot its own file (e.g. curves.png)")
+    check_output(args.plot, "--plot", {"--save": args.save, "--resume": args.resume, "--init": args.init})
     if args.plot and importlib.util.find_spec("matplotlib") is None:
         raise ConfigError(f"--plot {args.plot}: plotting needs matplotlib, which is not installed: run "
                           '`pip install "opgrad[train]"` (or `pip install matplotlib`), or train without --plot')

@@ -457,6 +457,9 @@ def test_export_argument_errors(tmp_path: Path, capsys: pytest.CaptureFixture[st
     assert err.startswith("opgrad export: error: cpu 'skylake-avx51': LLVM does not know this processor")
     assert err.count("\n") == 1
     assert not (tmp_path / "out").exists()
+    assert cli.main(["export", "/proc/opgrad-export"]) == 2  # /proc takes no new entries, even from root
+    assert capsys.readouterr().err == ("opgrad export: error: /proc/opgrad-export: cannot write the export there: "
+                                       "No such file or directory\n")
 
 
 def test_ci_installs_the_cross_tools_before_the_readme_command() -> None:

@@ -399,8 +399,36 @@ def test_a_plot_that_would_overwrite_the_checkpoint_is_refused(tmp_path: Path,
     path = str(tmp_path / "run.npz")
     code, out, err = _cli([*SMOKE, "--save", path, "--plot", path], capsys)
     assert code == 2 and "epoch" not in out
-    assert err == (f"opgrad train: error: --plot {path}: is also the --save checkpoint; the plot would overwrite "
-                   "it, so give the plot its own file (e.g. curves.png)\n")
+    assert err == (f"opgrad train: error: --plot {path}: is also the --save file, which writing it would destroy; "
+                   "give the output its own path\n")
+
+
+def test_an_output_over_one_of_the_commands_inputs_is_refused(tmp_path: Path,
+                                                              capsys: pytest.CaptureFixture[str]) -> None:
+    checkpoint = tmp_path / "run.npz"
+    assert cli.main([*SMOKE, "--save", str(checkpoint)]) == 0
+    images = tmp_path / "images.npy"
+    np.save(images, np.zeros((2, 1, 28, 28), np.float32))
+    before = checkpoint.read_bytes(), images.read_bytes()
+    for argv, option, other in (
+            (["predict", "--checkpoint", str(checkpoint), "--images", str(images), "--output", str(checkpoint)],
+             "--output", "--checkpoint"),
+            (["predict", "--checkpoint", str(checkpoint), "--images", str(images), "--output", str(images)],
+             "--output", "--images"),
+            (["export-onnx", str(checkpoint), str(checkpoint)], "OUT", "CKPT")):
+        code, _, err = _cli(argv, capsys)
+        written = checkpoint if other != "--images" else images
+        assert code == 2 and err.endswith(f"error: {option} {written}: is also the {other} file, which writing it "
+                                          "would destroy; give the output its own path\n"), err
+    assert (checkpoint.read_bytes(), images.read_bytes()) == before
+
+
+def test_an_output_directory_that_cannot_be_written_is_refused_before_training(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    # Root may write anywhere by permission bits; /proc still refuses new files.
+    code, out, err = _cli([*SMOKE, "--save", "/proc/run.npz"], capsys)
+    assert code == 2 and "epoch" not in out
+    assert err.startswith("opgrad train: error: --save /proc/run.npz: cannot write in directory /proc: "), err
 
 
 def test_resume_errors_name_the_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -216,6 +216,12 @@ def export(directory: str | os.PathLike[str], *, model: str | Model = "seed-cnn"
     out = Path(directory)
     if out.exists() and not out.is_dir():
         raise ExportError(f"{out}: exists and is not a directory")
+    try:  # before the compile, so a path that cannot be written fails in a second
+        out.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=out, prefix=".opgrad-probe-"):
+            pass
+    except OSError as exc:
+        raise ExportError(f"{out}: cannot write the export there: {exc.strerror}") from None
     if cc is None and not object_only:
         cc = default_c_compiler(tgt)
         if cc is None:
@@ -246,7 +252,6 @@ def export(directory: str | os.PathLike[str], *, model: str | Model = "seed-cnn"
     obj, times = object_code(ir, Codegen(tgt, jit=False), what=f"the exported {net.name} steps ({name})",
                              kernel_labels=labels)
 
-    out.mkdir(parents=True, exist_ok=True)
     for stale in built_files(out, name).values():
         # A library from an earlier export beside this one's header would run the old graphs with the new
         # sizes; it goes before anything is written, so a failed or object-only export leaves none.
