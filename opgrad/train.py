@@ -67,19 +67,19 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--epochs", type=positive_int, default=None,
                         help="total epochs; a resumed run continues up to this number (default: "
                              + ", ".join(f"{n} for {m}" for m, n in MODEL_EPOCHS.items()) + ")")
-    parser.add_argument("--batch-size", type=positive_int, default=DEFAULT_BATCH_SIZE,
+    parser.add_argument("--batch-size", type=positive_int, default=None,
                         help=f"training batch size (default {DEFAULT_BATCH_SIZE})")
     parser.add_argument("--lr", type=positive_float, default=None,
                         help="peak learning rate (default: 1e-3 for adam, 1e-2 for the SGD variants)")
-    parser.add_argument("--lr-schedule", choices=("cosine", "constant", "step"), default="cosine",
+    parser.add_argument("--lr-schedule", choices=("cosine", "constant", "step"), default=None,
                         help="cosine: decay to 0 over the run (default); constant: keep --lr; step: multiply "
                              "by --lr-gamma every --lr-step-size steps")
     parser.add_argument("--lr-step-size", type=positive_int, default=None, metavar="STEPS",
                         help="with --lr-schedule step: steps between decays (default: one epoch)")
     parser.add_argument("--lr-gamma", type=fraction, default=None, help="with --lr-schedule step: factor (0.1)")
-    parser.add_argument("--warmup-steps", type=non_negative_int, default=0, metavar="STEPS",
+    parser.add_argument("--warmup-steps", type=non_negative_int, default=None, metavar="STEPS",
                         help="ramp the learning rate linearly from 0 over this many steps first (default 0)")
-    parser.add_argument("--optimizer", choices=tuple(DEFAULT_LR), default=DEFAULT_OPTIMIZER,
+    parser.add_argument("--optimizer", choices=tuple(DEFAULT_LR), default=None,
                         help="adam (default), adamw, rmsprop, sgd, momentum (0.9) or nesterov (0.9)")
     parser.add_argument("--weight-decay", type=non_negative_float, default=None,
                         help="L2 weight decay (decoupled for adamw; default 0, and 0.01 for adamw)")
@@ -90,7 +90,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     shift = int_range(0, 27, "a larger shift moves every digit out of the 28x28 image")
     degrees = float_range(0.0, 180.0, "degrees")
     scale_range = float_range(0.0, 0.99, "a fraction")
-    parser.add_argument("--augment-shift", type=shift, default=DEFAULT_SHIFT, metavar="PIXELS",
+    parser.add_argument("--augment-shift", type=shift, default=None, metavar="PIXELS",
                         help=f"shift training images randomly by up to this many pixels (default "
                              f"{DEFAULT_SHIFT}; 0 turns augmentation off)")
     parser.add_argument("--augment-rotate", type=degrees, default=None, metavar="DEGREES",
@@ -102,12 +102,14 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--backend", choices=("llvm", "reference"), default="llvm",
                         help="llvm: compiled step (default; falls back to reference with a warning if the "
                              "compiler is unavailable); reference: the numpy backend, for debugging")
-    parser.add_argument("--seed", type=non_negative_int, default=0,
+    parser.add_argument("--seed", type=non_negative_int, default=None,
                         help="seeds weights, batch order, dropout (default 0)")
     parser.add_argument("--save", metavar="PATH", default=None,
                         help="write a checkpoint (.npz) after every epoch, atomically")
     parser.add_argument("--resume", metavar="PATH", default=None,
-                        help="continue from a checkpoint (its architecture, unless --model is given)")
+                        help="continue the run a --save checkpoint holds: its architecture (unless --model is "
+                             "given), weights, optimizer state and the settings it was trained with (batch "
+                             "size, learning rate and schedule, optimizer, augmentation, seed)")
     parser.add_argument("--init", metavar="PATH", default=None,
                         help="fine-tune: start from this checkpoint's architecture and weights (opgrad import, "
                              "model.save or --save), with a fresh optimizer")
@@ -183,14 +185,37 @@ def check_output(path: str | None, option: str, inputs: dict[str, str | None] | 
         raise ConfigError(f"{option} {path}: cannot write in directory {directory}: {exc.strerror}") from None
 
 
+#: The options that shape a training run, with their defaults: a --save checkpoint records them and
+#: --resume continues with them, so that a resumed run is the run it saved.
+RUN_SETTINGS: dict[str, Any] = {
+    "optimizer": DEFAULT_OPTIMIZER, "weight_decay": None, "clip_norm": None, "clip_value": None,
+    "batch_size": DEFAULT_BATCH_SIZE, "lr": None, "lr_schedule": "cosine", "lr_step_size": None, "lr_gamma": None,
+    "warmup_steps": 0, "augment_shift": DEFAULT_SHIFT, "augment_rotate": None, "augment_scale": None, "seed": 0,
+    "max_steps": None,
+}
+
+
+def settle_run_settings(args: argparse.Namespace, recorded: dict[str, Any] | None, source: str | None) -> None:
+    """Fill the options of :data:`RUN_SETTINGS` not given on the command line: from the checkpoint's
+    ``recorded`` settings when resuming (an option given with another value is a ``ConfigError``:
+    the run would silently change its batch size or schedule part way), else from the defaults."""
+    for name, default in RUN_SETTINGS.items():
+        given = getattr(args, name)
+        if recorded is not None and name in recorded:
+            kept = recorded[name]
+            if given is not None and given != kept:
+                flag = "--" + name.replace("_", "-")
+                raise ConfigError(f"{flag} {given}: the checkpoint {source} was trained with {flag} {kept}; a "
+                                  f"resumed run continues with its own settings: leave {flag} out (or start a new "
+                                  "run from its weights with --init)")
+            setattr(args, name, kept)
+        elif given is None:
+            setattr(args, name, default)
+
+
 def _preflight(args: argparse.Namespace) -> None:
     """Checks that need no data or model, so that a typo fails in a second, not after an epoch."""
     check_output(args.save, "--save")
-    given = [option for option, value in (("--lr-step-size", args.lr_step_size), ("--lr-gamma", args.lr_gamma))
-             if value is not None]
-    if given and args.lr_schedule != "step":
-        raise ConfigError(f"{' and '.join(given)}: only the step schedule decays by steps; this run's schedule "
-                          f"is {args.lr_schedule}: add --lr-schedule step, or leave {' and '.join(given)} out")
     check_output(args.plot, "--plot", {"--save": args.save, "--resume": args.resume, "--init": args.init})
     if args.plot and importlib.util.find_spec("matplotlib") is None:
         raise ConfigError(f"--plot {args.plot}: plotting needs matplotlib, which is not installed: run "
@@ -241,15 +266,26 @@ def _train(args: argparse.Namespace, comm: Communicator | None) -> int:
     from opgrad.nn import Trainer, make_optimizer
     from opgrad.nn.schedules import LRSchedule, Schedule, StepLR, WarmupLR
 
+    if comm is not None:
+        from opgrad.distributed import agree, check_same_everywhere
     root = comm is None or comm.is_root
     say = print if root else _quiet
     _preflight(args)
     model = _initial_model(args)
+    saved: tuple[dict[str, Any], dict[str, Any]] | None = None
+    if args.resume:
+        resume_path = args.resume
+        saved = (agree(comm, f"loading the checkpoint {resume_path}", lambda: load_checkpoint(resume_path))
+                 if comm is not None else load_checkpoint(resume_path))
+    settle_run_settings(args, saved[1].get("run_settings") if saved is not None else None, args.resume)
+    given = [option for option, value in (("--lr-step-size", args.lr_step_size), ("--lr-gamma", args.lr_gamma))
+             if value is not None]
+    if given and args.lr_schedule != "step":
+        raise ConfigError(f"{' and '.join(given)}: only the step schedule decays by steps; this run's schedule "
+                          f"is {args.lr_schedule}: add --lr-schedule step, or leave {' and '.join(given)} out")
     if args.epochs is None:
         args.epochs = MODEL_EPOCHS.get(args.model or model.name, DEFAULT_EPOCHS)
     if comm is not None:
-        from opgrad.distributed import agree, check_same_everywhere
-
         data = agree(comm, "loading the data", lambda: _load_data(args.data))
         check_same_everywhere(comm, {"train images": data.train_images, "train labels": data.train_labels,
                                      "test images": data.test_images, "test labels": data.test_labels},
@@ -289,7 +325,8 @@ def _train(args: argparse.Namespace, comm: Communicator | None) -> int:
     trainer = parallel if parallel is not None else Trainer(model, optimizer, **options)
 
     def resume() -> None:
-        arrays, meta = load_checkpoint(args.resume)
+        assert saved is not None
+        arrays, meta = saved
         try:
             trainer.check_resumable(meta)  # another model or optimizer: said before its arrays differ
         except CheckpointError as exc:
@@ -369,7 +406,8 @@ def _train(args: argparse.Namespace, comm: Communicator | None) -> int:
         if args.save:
             extra = {"lr": lr, "lr_schedule": args.lr_schedule, "epochs": args.epochs,
                      "augment_shift": args.augment_shift, "augment_rotate": args.augment_rotate,
-                     "augment_scale": args.augment_scale, "data": data.source}
+                     "augment_scale": args.augment_scale, "data": data.source,
+                     "run_settings": {**{name: getattr(args, name) for name in RUN_SETTINGS}, "lr": lr}}
             if parallel is not None:
                 parallel.save(args.save, extra)
             else:

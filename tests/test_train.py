@@ -112,15 +112,23 @@ def test_restore_rejects_other_model_or_optimizer(mnist: Dataset) -> None:
 
 def test_cli_resume_with_another_optimizer_or_model_says_so(tmp_path: Path,
                                                              capsys: pytest.CaptureFixture[str]) -> None:
-    """A checkpoint of momentum SGD resumed under the default Adam, or as another model, names the
-    optimizer or model first: their arrays differ by the dozen, which says less."""
+    """A checkpoint of momentum SGD resumed under Adam, or as another model, names the optimizer or
+    model first: their arrays differ by the dozen, which says less."""
     ckpt = tmp_path / "momentum.npz"
     assert cli.main([*SMOKE, "--optimizer", "momentum", "--save", str(ckpt)]) == 0
     capsys.readouterr()
-    assert cli.main([*SMOKE, "--resume", str(ckpt), "--epochs", "2"]) == 2
+    assert cli.main([*SMOKE, "--resume", str(ckpt), "--epochs", "2", "--optimizer", "adam"]) == 2
     err = capsys.readouterr().err
-    assert "checkpoint was trained with 'sgd(momentum=0.9)'; resume it with the same optimizer" in err
+    assert f"--optimizer adam: the checkpoint {ckpt} was trained with --optimizer momentum; a resumed run " \
+           "continues with its own settings" in err
     assert "missing arrays" not in err and err.count("\n") == 1
+    _, meta = load_checkpoint(ckpt)
+    del meta["run_settings"]  # a checkpoint that does not record its settings: the optimizer is still compared
+    arrays, _ = load_checkpoint(ckpt)
+    save_checkpoint(ckpt, arrays, meta)
+    assert cli.main([*SMOKE, "--resume", str(ckpt), "--epochs", "2"]) == 2
+    assert "checkpoint was trained with 'sgd(momentum=0.9)'; resume it with the same optimizer" \
+           in capsys.readouterr().err
     assert cli.main([*SMOKE, "--model", "mlp", "--optimizer", "momentum", "--resume", str(ckpt), "--epochs", "2"]) == 2
     assert "checkpoint is of model 'seed-cnn', not 'mlp'" in capsys.readouterr().err
     weights = tmp_path / "weights.npz"
@@ -150,6 +158,32 @@ def test_evaluate_pads_the_last_batch(mnist: Dataset) -> None:
 # ----- the CLI -----
 
 SMOKE = ["train", "--backend", "reference", "--batch-size", "8", "--max-steps", "2", "--test-limit", "40"]
+
+
+def test_cli_resume_continues_with_the_settings_the_run_was_saved_with(tmp_path: Path,
+                                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    # Two epochs in one run, and one epoch then a resume that repeats none of the options: the same
+    # batches, schedule and updates, so the same weights to the bit.
+    settings = ["--model", "mlp", "--optimizer", "sgd", "--lr", "0.05", "--batch-size", "16", "--lr-schedule", "step",
+                "--lr-step-size", "2", "--lr-gamma", "0.5", "--warmup-steps", "1", "--augment-shift", "1",
+                "--seed", "3", "--max-steps", "3", "--test-limit", "40", "--backend", "reference"]
+    straight, first, resumed = tmp_path / "straight.npz", tmp_path / "first.npz", tmp_path / "resumed.npz"
+    assert cli.main(["train", *settings, "--epochs", "2", "--save", str(straight)]) == 0
+    assert cli.main(["train", *settings, "--epochs", "1", "--save", str(first)]) == 0
+    capsys.readouterr()
+    assert cli.main(["train", "--epochs", "2", "--resume", str(first), "--save", str(resumed),
+                     "--test-limit", "40", "--backend", "reference"]) == 0
+    said = capsys.readouterr().out
+    assert "optimizer sgd, lr" in said and "batch 16, augment shift 1" in said and "seed 3" in said
+    want, _ = load_checkpoint(straight)
+    got, meta = load_checkpoint(resumed)
+    assert meta["step"] == 6 and sorted(got) == sorted(want)
+    for name in want:
+        np.testing.assert_array_equal(got[name], want[name], err_msg=name)
+    assert cli.main(["train", "--epochs", "2", "--resume", str(first), "--lr", "0.01"]) == 2
+    assert capsys.readouterr().err.endswith(
+        f"--lr 0.01: the checkpoint {first} was trained with --lr 0.05; a resumed run continues with its own "
+        "settings: leave --lr out (or start a new run from its weights with --init)\n")
 
 
 def test_cli_smoke_save_resume_plot(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
