@@ -72,6 +72,10 @@ def _images_from_npy(path: str, shape: tuple[int, ...]) -> np.ndarray:
         return np.asarray(images.astype(np.float32) / np.float32(255.0), dtype=np.float32)
     if not np.issubdtype(images.dtype, np.floating):
         raise DataError(f"{path}: images have dtype {images.dtype}, expected uint8 (0..255) or floats in [0, 1]")
+    bad = np.flatnonzero(~np.isfinite(images.reshape(len(images), -1)).all(axis=1))
+    if bad.size:  # a NaN would come out as class 0 (argmax of NaN scores), a prediction of nothing
+        raise DataError(f"{path}: image {bad[0]} holds NaN or infinite values ({bad.size} such image(s)); "
+                        "expected finite pixels (floats in [0, 1] or uint8)")
     return images.astype(np.float32)
 
 
@@ -138,6 +142,11 @@ def run(args: argparse.Namespace) -> int:
           f"{len(images)} images from {source}; backend {backend}")
     logits = model.predict(images, batch_size=args.batch_size, backend=backend)
     assert isinstance(logits, np.ndarray)
+    undefined = np.flatnonzero(~np.isfinite(logits).all(axis=1))
+    if undefined.size:
+        raise DataError(f"{args.checkpoint}: the model's scores for image {undefined[0]} of {source} are NaN or "
+                        f"infinite ({undefined.size} image(s)), so it predicts no class there; its weights may "
+                        "have diverged")
     predictions = np.argmax(logits, axis=1).astype(np.int64)
     if labels is not None:
         num_classes = int(logits.shape[1])

@@ -73,7 +73,17 @@ def test_predict_user_errors_are_one_line(trained: tuple[Path, float], tmp_path:
     np.save(tmp_path / "digits.npy", np.zeros((2, 28, 28), np.float32))
     np.save(tmp_path / "f.npy", np.array([1.9, 3.9]))
     np.save(tmp_path / "objects.npy", np.array([{"image": 1}], dtype=object), allow_pickle=True)
+    holes = np.zeros((4, 28, 28), np.float32)
+    holes[2, 14, 14] = np.nan
+    np.save(tmp_path / "holes.npy", holes)
+    diverged = nn.load(path)
+    diverged.params = {name: np.full_like(value, np.nan) for name, value in diverged.params.items()}
+    diverged.save(tmp_path / "diverged.npz")
     cases = [
+        (["--checkpoint", str(path), "--images", str(tmp_path / "holes.npy")],
+         "holes.npy: image 2 holds NaN or infinite values (1 such image(s)); expected finite pixels"),
+        (["--checkpoint", str(tmp_path / "diverged.npz"), "--images", str(tmp_path / "digits.npy")],
+         "diverged.npz: the model's scores for image 0 of "),
         (["--checkpoint", str(notes)], "notes.txt: not an .npz checkpoint"),
         (["--checkpoint", str(tmp_path / "missing.npz")], "missing.npz: checkpoint file not found"),
         (["--checkpoint", str(path), "--images", str(tmp_path / "wrong.npy")],
