@@ -42,7 +42,8 @@ from typing import Any
 
 import numpy as np
 
-from opgrad.argtypes import int_range, positive_int
+from opgrad.argtypes import int_range, non_negative_int, positive_int
+from opgrad.env import MAX_THREADS
 from opgrad.errors import ConfigError
 
 #: A benchmark subject: (params, images, labels, lr) -> a function running one step, returning its loss.
@@ -124,13 +125,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="the update every engine applies (default sgd): opgrad's and torch.optim's, step for "
                              "step the same (momentum and nesterov 0.9, adamw weight decay 0.01, as opgrad train)")
     parser.add_argument("--steps", type=positive_int, default=20, help="timed steps per engine (median; default 20)")
-    parser.add_argument("--warmup", type=positive_int, default=3, help="untimed steps first (default 3)")
+    parser.add_argument("--warmup", type=non_negative_int, default=3, help="untimed steps first (default 3)")
     parser.add_argument("--batch-size", type=positive_int, default=32, help="batch size (default 32, as opgrad train)")
     parser.add_argument("--skip", action="append", default=[], choices=("llvm", "reference", "torch", "jax"),
                         help="leave an engine out (repeatable)")
-    parser.add_argument("--threads", type=positive_int, default=None,
-                        help="threads for opgrad and PyTorch (default: $OPGRAD_NUM_THREADS, else the CPUs this "
-                             "process may use, honouring affinity and the cgroup CPU quota)")
+    parser.add_argument("--threads", type=int_range(1, MAX_THREADS, "opgrad's most worker threads"), default=None,
+                        help=f"threads for opgrad and PyTorch, 1 to {MAX_THREADS} (default: $OPGRAD_NUM_THREADS, "
+                             "else the CPUs this process may use, honouring affinity and the cgroup CPU quota)")
     parser.add_argument("--peak", action="store_true",
                         help="print the host, its measured fp32 FMA peak (1 thread and all used) and copy bandwidth")
     parser.add_argument("--kernels", action="store_true",
@@ -140,7 +141,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="cold (empty caches) and warm compile time of the step (children)")
     parser.add_argument("--memory", action="store_true",
                         help="peak resident memory of a process running the step, opgrad vs PyTorch (children)")
-    parser.add_argument("--simulate-threads", type=int_range(2, 1024, "threads to simulate"), nargs="+",
+    parser.add_argument("--simulate-threads", type=int_range(2, MAX_THREADS, "threads to simulate"), nargs="+",
                         default=[], metavar="N",
                         help="how the step splits over N threads, simulated with one core: every parallel job's "
                              "N shares timed one after another (children; e.g. --simulate-threads 16 "
@@ -454,6 +455,9 @@ def run(args: argparse.Namespace) -> int:
     from opgrad import nn
     from opgrad.nn.step import llvm_unavailable_reason
 
+    if {"llvm", "reference"} <= set(args.skip):
+        raise ConfigError("--skip llvm --skip reference: the table compares opgrad's step with its peers; keep "
+                          "at least one of opgrad's engines")
     for section in ("peak", "kernels", "scaling", "compile_times", "memory"):
         setattr(args, section, getattr(args, section, False) or getattr(args, "all", False))
     if getattr(args, "checkpoint", None):

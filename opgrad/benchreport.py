@@ -157,6 +157,8 @@ def run_child(engine: str, model_name: str, batch: int, threads: int, steps: int
               cache_dir: str | None = None, optimizer: str = "sgd") -> dict[str, Any]:
     """Run :func:`_child` in a fresh interpreter with ``threads`` threads; its JSON result, or
     ``{"error": ...}`` when it failed."""
+    if engine in ("torch", "pair") and importlib.util.find_spec("torch") is None:
+        return {"error": "PyTorch is not installed", "missing": True}
     env = {**os.environ, "OPGRAD_NUM_THREADS": str(threads), "OMP_NUM_THREADS": str(threads)}
     if cache_dir is not None:
         env["OPGRAD_CACHE_DIR"] = cache_dir
@@ -176,6 +178,11 @@ def run_child(engine: str, model_name: str, batch: int, threads: int, steps: int
 
 
 # ----- reports -----
+
+
+def failure(result: dict[str, Any]) -> str:
+    """What a child that timed nothing says in a table: an engine not installed, or how it failed."""
+    return str(result["error"]) if result.get("missing") else f"failed: {result['error']}"
 
 def thread_counts(available: int) -> list[int]:
     """1, 2, 4, ... up to ``available``, and ``available`` itself."""
@@ -202,7 +209,7 @@ def scaling_report(model_name: str, batch: int, available: int, flops: int, step
         peak = measure_peak(t)
         ours = run_child("pair" if with_torch else "opgrad", model_name, batch, t, steps, optimizer=optimizer)
         if "error" in ours:
-            print(f"{t:>7} {peak:>13.1f}  failed: {ours['error']}")
+            print(f"{t:>7} {peak:>13.1f}  {failure(ours)}")
             continue
         base = base or ours["ms"]
         rate = flops / ours["ms"] / 1e6
@@ -233,7 +240,7 @@ def decomposition_report(model_name: str, batch: int, counts: list[int], flops: 
     for t in counts:
         r = run_child("shares", model_name, batch, t, runs, optimizer=optimizer)
         if "error" in r:
-            print(f"{t:>7}  failed: {r['error']}")
+            print(f"{t:>7}  {failure(r)}")
             continue
         if r["threads"] != t:  # a platform whose pool runs every share on the caller (no futex)
             print(f"{t:>7}  not simulated: the child's pool has {r['threads']} thread(s)")
@@ -269,7 +276,7 @@ def compile_report(model_name: str, batch: int, threads: int, optimizer: str = "
     print("\ncompile time of the training step (fresh processes):")
     for name, r in (("cold (empty caches)", cold), ("warm (stored plan, object)", warm)):
         if "error" in r:
-            print(f"  {name:<27} failed: {r['error']}")
+            print(f"  {name:<27} {failure(r)}")
             continue
         expected = name.startswith("warm")
         surprise = "".join(f"  (unexpected {what} {'hit' if r[field] else 'miss'})"
@@ -289,7 +296,7 @@ def memory_report(model_name: str, batch: int, threads: int, with_torch: bool, o
     for engine in engines:
         r = run_child(engine, model_name, batch, threads, 20, optimizer=optimizer)
         if "error" in r:
-            print(f"  {engine:<22} failed: {r['error']}")
+            print(f"  {engine:<22} {failure(r)}")
             continue
         name = "opgrad llvm" if engine == "opgrad" else "PyTorch"
         print(f"  {name:<22} {r['rss_after_imports_mib']:>10.0f} MiB {r['rss_mib']:>6.0f} MiB "

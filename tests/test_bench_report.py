@@ -279,8 +279,27 @@ def test_decomposition_simulates_more_threads_than_cores(capsys: pytest.CaptureF
     assert 1.0 < float(speedup.rstrip("x")) <= 4.0 and float(parallel) < float(serial)
 
 
-@pytest.mark.parametrize("value", ["1", "0", "many"])
+@pytest.mark.parametrize("value", ["1", "0", "many", "257"])
 def test_simulated_thread_counts_are_checked(value: str, capsys: pytest.CaptureFixture[str]) -> None:
     assert cli.main(["bench", "--simulate-threads", value]) == 2
-    assert f"argument --simulate-threads: expected an integer from 2 to 1024 (threads to simulate), got '{value}'" \
+    assert f"argument --simulate-threads: expected an integer from 2 to 256 (threads to simulate), got '{value}'" \
         in capsys.readouterr().err
+
+
+def test_bench_arguments_name_the_option(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["bench", "--threads", "300"]) == 2
+    assert capsys.readouterr().err.endswith("argument --threads: expected an integer from 1 to 256 (opgrad's most "
+                                            "worker threads), got '300'\n")
+    assert cli.main(["bench", "--skip", "llvm", "--skip", "reference"]) == 2
+    assert capsys.readouterr().err == ("opgrad bench: error: --skip llvm --skip reference: the table compares "
+                                       "opgrad's step with its peers; keep at least one of opgrad's engines\n")
+
+
+def test_memory_without_pytorch_says_it_is_not_installed(monkeypatch: pytest.MonkeyPatch,
+                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *args: None if name == "torch" else real_find_spec(name, *args))
+    benchreport.memory_report("mlp", 8, 1, with_torch=True)
+    out = capsys.readouterr().out
+    assert "PyTorch is not installed" in out and "failed" not in out
