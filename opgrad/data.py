@@ -200,7 +200,10 @@ def _parse_idx(p: Path, data: bytes, kind: Literal["images", "labels"] | None) -
     (magic,) = struct.unpack(">I", data[:4])
     expected_magic = {"images": _MAGIC_IMAGES, "labels": _MAGIC_LABELS}.get(kind or "")
     if magic >> 16 != 0 or (magic >> 8) & 0xFF != 0x08 or (magic & 0xFF) not in (1, 3):
-        hint = " (the name ends in .gz but the data is not gzip-compressed)" if p.suffix == ".gz" else ""
+        with open(p, "rb") as raw:
+            gzipped = raw.read(2) == b"\x1f\x8b"
+        hint = (" (in its gzip-decompressed data)" if gzipped else
+                " (the name ends in .gz but the data is not gzip-compressed)" if p.suffix == ".gz" else "")
         raise DataError(
             f"{p}: bad magic number 0x{magic:08x}, not an MNIST IDX file "
             f"(expected 0x00000803 for images or 0x00000801 for labels){hint}"
@@ -269,6 +272,27 @@ def _to_float_images(images: npt.NDArray[np.uint8]) -> FloatArray:
     return out
 
 
+def load_mnist_split(directory: str | os.PathLike[str],
+                     split: Literal["train", "test"]) -> tuple[FloatArray, IntArray]:
+    """The images (float32 in [0, 1], ``(n, 1, 28, 28)``) and labels of one split of the MNIST IDX
+    files in ``directory`` (see :func:`load_mnist_dir`); the other split's files are not read."""
+    d = Path(directory)
+    if not d.exists():
+        raise DataError(f"{d}: directory not found")
+    if not d.is_dir():
+        raise DataError(f"{d}: not a directory (expected a folder holding the MNIST IDX files)")
+    image_stem, label_stem = _SPLIT_FILES[split]
+    image_path = _find_split_file(d, image_stem)
+    label_path = _find_split_file(d, label_stem)
+    images = load_idx(image_path, "images")
+    labels = load_idx(label_path, "labels")
+    if len(images) != len(labels):
+        raise DataError(f"{image_path}: has {len(images)} images but {label_path.name} has {len(labels)} labels")
+    if len(images) == 0:  # a test split of none would report a NaN loss and 0 % of 0 digits
+        raise DataError(f"{image_path}: holds no images; the {split} split needs at least one")
+    return _to_float_images(images), labels.astype(np.int64)
+
+
 def load_mnist_dir(directory: str | os.PathLike[str]) -> Dataset:
     """Load the standard MNIST train/test IDX files from ``directory``.
 
@@ -277,23 +301,7 @@ def load_mnist_dir(directory: str | os.PathLike[str]) -> Dataset:
     ``train-images.idx3-ubyte``. Checks that each split has as many labels as images, and some.
     """
     d = Path(directory)
-    if not d.exists():
-        raise DataError(f"{d}: directory not found")
-    if not d.is_dir():
-        raise DataError(f"{d}: not a directory (expected a folder holding the MNIST IDX files)")
-    splits: dict[str, tuple[FloatArray, IntArray]] = {}
-    for split, (image_stem, label_stem) in _SPLIT_FILES.items():
-        image_path = _find_split_file(d, image_stem)
-        label_path = _find_split_file(d, label_stem)
-        images = load_idx(image_path, "images")
-        labels = load_idx(label_path, "labels")
-        if len(images) != len(labels):
-            raise DataError(
-                f"{image_path}: has {len(images)} images but {label_path.name} has {len(labels)} labels"
-            )
-        if len(images) == 0:  # a test split of none would report a NaN loss and 0 % of 0 digits
-            raise DataError(f"{image_path}: holds no images; the {split} split needs at least one")
-        splits[split] = (_to_float_images(images), labels.astype(np.int64))
+    splits = {split: load_mnist_split(d, split) for split in ("train", "test")}
     return Dataset(
         train_images=splits["train"][0],
         train_labels=splits["train"][1],

@@ -93,6 +93,11 @@ def render_nnvm() -> str:
 
 
 if __name__ == "__main__":
-    import sys
+    import argparse
 
-    print(render_nnvm() if sys.argv[1:] == ["nnvm"] else render(), end="")
+    parser = argparse.ArgumentParser(prog="python -m opgrad.docgen",
+                                     description="print the operator reference (docs/operators.md) in Markdown")
+    parser.add_argument("page", nargs="?", choices=("operators", "nnvm"), default="operators",
+                        help="operators: every registered operator (default); nnvm: how opgrad answers each "
+                             "operator NNVM registered without a gradient (docs/nnvm.md)")
+    print(render_nnvm() if parser.parse_args().page == "nnvm" else render(), end="")

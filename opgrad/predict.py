@@ -26,7 +26,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="a checkpoint written by opgrad train --save or model.save")
     source = parser.add_mutually_exclusive_group()
     source.add_argument("--data", metavar="DIR", default=None,
-                        help="directory with the four MNIST IDX files; predicts its test split")
+                        help="directory with the MNIST IDX files; predicts its test split (t10k-images and "
+                             "t10k-labels; the train files are not read)")
     source.add_argument("--images", metavar="FILE.npy", default=None,
                         help="images as a .npy array (N, 28, 28) or (N, 1, 28, 28); uint8 is scaled to [0, 1]")
     parser.add_argument("--labels", metavar="FILE.npy", default=None,
@@ -102,7 +103,7 @@ def format_confusion(matrix: np.ndarray) -> str:
 def run(args: argparse.Namespace) -> int:
     """Predict; returns 0. User errors raise :class:`~opgrad.errors.UserError` (printed as one line)."""
     from opgrad.checkpoint import CheckpointError
-    from opgrad.data import load_embedded_mnist, load_mnist_dir
+    from opgrad.data import load_embedded_mnist, load_mnist_split
     from opgrad.nn import load_model
     from opgrad.train import check_output, resolve_backend
 
@@ -128,8 +129,11 @@ def run(args: argparse.Namespace) -> int:
                 raise DataError(f"{args.labels}: labels have shape {labels.shape}, expected ({len(images)},) "
                                 f"for the {len(images)} images of {args.images}")
         source = args.images
+    elif args.data:
+        images, labels = load_mnist_split(args.data, "test")
+        source = f"the test split of the MNIST IDX files in {args.data}"
     else:
-        data = load_mnist_dir(args.data) if args.data else load_embedded_mnist()
+        data = load_embedded_mnist()
         images, labels = data.test_images, data.test_labels
         source = f"the test split of {data.source}"
         if tuple(images.shape[1:]) != model.input_shape:

@@ -133,6 +133,16 @@ def test_not_gzip_despite_name(tmp_path: Path) -> None:
         load_idx(p, "labels")
 
 
+def test_gzip_of_something_else_is_not_called_uncompressed(tmp_path: Path) -> None:
+    import gzip
+
+    p = tmp_path / "t10k-labels-idx1-ubyte.gz"
+    p.write_bytes(gzip.compress(b"hello world, this is text"))
+    with pytest.raises(DataError, match=r"bad magic number 0x68656c6c, not an MNIST IDX file .* \(in its "
+                                        r"gzip-decompressed data\)$"):
+        load_idx(p, "labels")
+
+
 def test_wrong_image_dims(tmp_path: Path) -> None:
     p = tmp_path / "img"
     p.write_bytes(struct.pack(">IIII", 0x00000803, 2, 32, 32) + bytes(2 * 32 * 32))

@@ -350,7 +350,7 @@ def test_distributed_without_mpi4py_is_a_one_line_error(monkeypatch: pytest.Monk
     assert cli.main(["train", "--distributed", "--model", "mlp", "--epochs", "1", "--max-steps", "1"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("opgrad train: error: distributed training needs mpi4py")
-    assert 'pip install "opgrad[distributed]"' in err and "\n" not in err
+    assert 'pip install -e ".[distributed]"' in err and "\n" not in err
 
 
 def test_a_global_batch_smaller_than_the_world_is_refused() -> None:

@@ -133,3 +133,17 @@ def test_predict_refuses_inputs_it_would_pad_or_truncate(backend: str) -> None:
         text.predict(np.array([[2.7, 5.9, 0.0]]), backend=backend)
     ids = [[2, 5, 0], [1, 1, 9]]
     np.testing.assert_array_equal(text.predict(ids, backend=backend), text.predict(np.array(ids), backend=backend))
+
+
+def test_predict_data_reads_only_the_test_split(trained: tuple[Path, float], tmp_path: Path,
+                                                capsys: pytest.CaptureFixture[str]) -> None:
+    from mnist_files import idx_images, idx_labels
+
+    digits = load_embedded_mnist()
+    images = np.round(digits.test_images[:20, 0] * 255).astype(np.uint8)
+    (tmp_path / "t10k-images-idx3-ubyte").write_bytes(idx_images(images))
+    (tmp_path / "t10k-labels-idx1-ubyte").write_bytes(idx_labels(digits.test_labels[:20]))
+    (tmp_path / "train-labels-idx1-ubyte").write_bytes(b"not read")  # no train images beside it either
+    path, _ = trained
+    assert cli.main(["predict", "--checkpoint", str(path), "--data", str(tmp_path)]) == 0
+    assert "20 images from the test split of the MNIST IDX files in" in capsys.readouterr().out
