@@ -6,6 +6,7 @@ import random
 import sys
 import time
 from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
 
 import numpy as np
 from hypothesis import HealthCheck, Phase, Verbosity, given, settings
@@ -327,6 +328,24 @@ def backend_name(backend: Backend | None) -> str | None:
     return None
 
 
+def module_search_path(module: str) -> str | None:
+    """The folder (relative to the working directory where it lies below it) that a fresh
+    ``python -m`` process started here needs on its path to import ``module`` as this process did,
+    or None where it needs none: the working directory itself, or a folder already on the default
+    path (an installed package)."""
+    loaded = sys.modules.get(module)
+    file = getattr(loaded, "__file__", None)
+    if not file:
+        return None
+    root = Path(file).resolve().parent
+    for _ in range(module.count(".") + (Path(file).name == "__init__.py")):
+        root = root.parent
+    cwd = Path.cwd().resolve()
+    if root == cwd or "site-packages" in root.parts or "dist-packages" in root.parts:
+        return None
+    return str(root.relative_to(cwd)) if root.is_relative_to(cwd) else str(root)
+
+
 def rerun_text(op: str, seed: int, *, custom_rule: bool, checks: str, backend: Backend | None,
                max_examples: int, shrink: bool, user_module: str | None = None) -> str:
     """The command that reruns a failed ``check_op`` call: the CLI form when it can, else the Python call.
@@ -342,6 +361,11 @@ def rerun_text(op: str, seed: int, *, custom_rule: bool, checks: str, backend: B
     importable = user_module is None or user_module not in SCRIPT_MODULES
     if not custom_rule and checks == ALL_CHECKS and shrink and named_backend is not None and importable:
         flags = f" --import {user_module}" if user_module is not None else ""
+        path = module_search_path(user_module) if user_module is not None else None
+        if path is not None:  # a module pytest imported from tests/, say: a fresh process needs its folder
+            return f"PYTHONPATH={path} opgrad check {op}{flags} --seed {seed}" + (
+                f" --examples {max_examples}" if max_examples != 100 else "") + (
+                f" --backend {named_backend}" if named_backend != "reference" else "")
         flags += f" --seed {seed}"
         flags += f" --examples {max_examples}" if max_examples != 100 else ""
         flags += f" --backend {named_backend}" if named_backend != "reference" else ""

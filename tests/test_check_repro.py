@@ -123,6 +123,24 @@ def test_repro_line_of_a_user_op_imports_its_module() -> None:
     assert rerun_text("my_op", 5, user_module="__main__", **common) == "opgrad.checks.check_op('my_op', seed=5)"
 
 
+def test_repro_line_of_a_module_imported_from_a_subfolder_puts_the_folder_on_the_path(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # pytest imports a test module's helpers from tests/ (its rootdir insertion); a fresh
+    # `opgrad check` started in the project root needs that folder on its path.
+    (tmp_path / "tests").mkdir()
+    (tmp_path / "tests" / "my_inline_ops.py").write_text("OPS = []\n")
+    monkeypatch.syspath_prepend(str(tmp_path / "tests"))
+    monkeypatch.chdir(tmp_path)
+    import my_inline_ops  # noqa: F401
+
+    try:
+        common = {"custom_rule": False, "checks": "abcdefg", "max_examples": 100, "shrink": True, "backend": None}
+        assert rerun_text("my_op", 5, user_module="my_inline_ops", **common) == \
+            "PYTHONPATH=tests opgrad check my_op --import my_inline_ops --seed 5"
+    finally:
+        sys.modules.pop("my_inline_ops", None)
+
+
 def test_user_op_failure_repro_runs_as_printed(tmp_path: Path) -> None:
     lib = tmp_path / "lib"
     lib.mkdir()
