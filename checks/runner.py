@@ -311,8 +311,9 @@ def summary_line(exc: BaseException) -> str:
     if isinstance(exc, CheckFailure):
         f = exc.failure
         shapes = ", ".join(f"{k}={list(v)}" for k, v in f.shapes.items())
-        return f"check {f.check} ({f.check_name}): {f.problem}" + (f" [shapes {shapes}]" if shapes else "")
-    return f"error: {type(exc).__name__}: {exc}"
+        return " ".join(f"check {f.check} ({f.check_name}): {f.problem}".split()) + (
+            f" [shapes {shapes}]" if shapes else "")
+    return " ".join(f"error: {type(exc).__name__}: {exc}".split())  # messages with line breaks stay one line
 
 
 #: Names a module run as a script has; such a module cannot be imported by name in another process.

@@ -84,6 +84,13 @@ def test_several_distinct_failures_report_the_earliest_check_and_mention_the_oth
     assert "  also:     check g (backend agrees with the reference): backend off [shapes data=[1, 2]]" in str(failure)
 
 
+def test_another_failure_with_a_message_of_several_lines_is_mentioned_on_one() -> None:
+    b = _raised("b", "VJP off")
+    group = ExceptionGroup("distinct failures", [b, ValueError("the sampler's case:\n  inputs: x\n  problem: y")])
+    failure = first_of(group, b, "dense", 5)
+    assert failure.others == ["error: ValueError: the sampler's case: inputs: x problem: y"]
+
+
 def test_errors_alone_in_a_group_are_reported_as_errors() -> None:
     group = ExceptionGroup("distinct failures", [ValueError("bad sampler"), KeyError("x")])
     failure = first_of(group, None, "dense", 5)
