@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from opgrad import registry
+from opgrad.checks.command import add_import_option, import_user_modules
 from opgrad.errors import RegistryError
 from opgrad.op import Operator
 
@@ -185,6 +186,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="NNVM's 34 operators without a gradient, and how opgrad answers each")
     parser.add_argument("--matrix", action="store_true",
                         help="per operator: forward, gradient, second order, lowering, sampler, mutants, last check")
+    add_import_option(parser)
 
 
 def markdown_table(table: Sequence[tuple[str, ...]], header: tuple[str, ...]) -> str:
@@ -197,6 +199,7 @@ NNVM_HEADER = ("NNVM op", "opgrad", "gradient")
 
 
 def run(args: argparse.Namespace) -> int:
+    import_user_modules(args.imports)
     if args.nnvm or args.matrix:
         chosen: tuple[str, ...] = NNVM_HEADER if args.nnvm else MATRIX_HEADER
         special: Sequence[tuple[str, ...]] = nnvm_rows() if args.nnvm else matrix_rows()

@@ -198,3 +198,18 @@ def test_ir_that_llvm_rejects_from_a_users_lowering_names_that_lowering(tmp_path
 
         registry.unregister("user_bad_lowering")
         sys.modules.pop("my_bad_lowering_ops", None)
+
+
+def test_opgrad_ops_lists_the_operators_of_an_imported_module(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                              capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "my_listed_ops.py").write_text(CUBE.replace("user_cube", "user_listed_cube"))
+    monkeypatch.chdir(tmp_path)
+    from opgrad import cli, registry
+
+    try:
+        assert cli.main(["ops", "--import", "my_listed_ops"]) == 0
+        assert any(line.startswith("user_listed_cube ") for line in capsys.readouterr().out.splitlines())
+    finally:
+        if "user_listed_cube" in registry.names():
+            registry.unregister("user_listed_cube")
+        sys.modules.pop("my_listed_ops", None)
