@@ -245,7 +245,7 @@ def _run_process(args: list[str], env: dict[str, str] | None = None) -> subproce
     (["train", "--augment-shift", "28"], "--augment-shift", "an integer from 0 to 27", "'28'"),
     (["train", "--seed", "-1"], "--seed", "a non-negative integer", "'-1'"),
     (["bench", "--steps", "0"], "--steps", "a positive integer", "'0'"),
-    (["bench", "--warmup", "-1"], "--warmup", "a positive integer", "'-1'"),
+    (["bench", "--warmup", "-1"], "--warmup", "a non-negative integer", "'-1'"),
     (["bench", "--batch-size", "0"], "--batch-size", "a positive integer", "'0'"),
     (["check", "relu", "--examples", "0"], "--examples", "a positive integer", "'0'"),
     (["check", "relu", "--examples", "1e3"], "--examples", "a positive integer", "'1e3'"),

@@ -139,6 +139,11 @@ def is_int(value: Any) -> bool:
     return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
 
 
+def _is_number(value: Any) -> bool:
+    """Whether ``value`` is a real number (a Python or numpy int or float, not a bool or a string)."""
+    return isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, (bool, np.bool_))
+
+
 def as_int(value: Any, what: str) -> int:
     """``value`` as an int, or a ValueError naming ``what``: a size of 2.5 is refused, as Keras
     and PyTorch refuse it, rather than truncated to 2."""
@@ -289,6 +294,15 @@ def Input(shape: Sequence[int], *, dtype: str = "float", name: str | None = None
     return SymbolicTensor(dims, dtype, name=name)
 
 
+def _class_path(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def _same_definition(a: type, b: type) -> bool:
+    """Whether ``a`` and ``b`` are one class, or the same definition run again (module and qualname)."""
+    return a is b or _class_path(a) == _class_path(b)
+
+
 class Layer:
     """Base class. Subclasses set ``kind`` and implement ``output_shape_for`` and ``apply``.
 
@@ -299,7 +313,9 @@ class Layer:
     A layer with several inputs (``Add``, ``Concatenate``) sets ``multi_input`` and takes lists in
     ``build`` and ``apply``. A layer with non-trainable state declares ``buffer_specs`` and
     overrides :meth:`call`. A subclass with a new ``kind`` is registered in :data:`LAYERS`, so a
-    checkpoint of a model using it loads wherever the subclass is defined.
+    checkpoint of a model using it loads wherever the subclass is defined. A kind belongs to one
+    class: declaring one another class has is an error, and saving or exporting a subclass that
+    inherits its parent's kind is refused (:meth:`registered_kind`).
     """
 
     kind: ClassVar[str] = "layer"
@@ -310,6 +326,13 @@ class Layer:
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
         if "kind" in cls.__dict__:
+            owner = LAYERS.get(cls.kind)
+            # A checkpoint names a layer by kind alone, so a second class with the kind would make
+            # every model using the first load as the second. The same class defined again (a
+            # notebook cell run twice, importlib.reload) replaces itself.
+            if owner is not None and not _same_definition(owner, cls):
+                raise TypeError(f"layer class {_class_path(cls)} declares kind {cls.kind!r}, which "
+                                f"{_class_path(owner)} already has; give {cls.__name__} a kind of its own")
             LAYERS[cls.kind] = cls
 
     def __init__(self, name: str | None = None) -> None:
@@ -382,6 +405,22 @@ class Layer:
         return self.apply(x, params, ctx), dict(buffers)
 
     # ----- description and serialization -----
+
+    def registered_kind(self) -> str:
+        """``kind``, checked to be registered in :data:`LAYERS` to this layer's own class.
+
+        Saving, loading and exporting find a layer's class by its kind alone, so a subclass that
+        inherits its parent's kind (``class Scaled(nn.Dense)`` overriding ``apply``) would come back
+        as the parent, without what it changed: it is refused here instead.
+        """
+        cls = type(self)
+        owner = LAYERS.get(cls.kind)
+        if owner is not None and _same_definition(owner, cls):
+            return cls.kind
+        held = "names no layer class" if owner is None else f"is {owner.__name__}'s"
+        raise TypeError(f"layer {self.describe()}: its class {cls.__name__} has no kind of its own (kind "
+                        f"{cls.kind!r} {held}), so a checkpoint or an ONNX file could not rebuild it; give "
+                        f"{cls.__name__} its own kind (kind = \"...\") and a get_config for any new arguments")
 
     def get_config(self) -> dict[str, Any]:
         """Constructor keyword arguments as plain JSON values (``name`` excluded)."""
@@ -559,7 +598,7 @@ class Conv2DTranspose(Conv2D):
     (output ``(in - 1) * stride + dilation * (KH - 1) + 1``), ``"same"`` (Keras: output
     ``in * stride``, cropping the odd pixel at the bottom/right, the adjoint of ``Conv2D``'s
     "same") or explicit pixels cropped per side (PyTorch's ``padding``); ``output_padding`` adds
-    rows/columns at the bottom/right (each smaller than its stride), as PyTorch's.
+    rows/columns at the bottom/right (each smaller than its stride or its dilation), as PyTorch's.
     """
 
     kind = "convtranspose"
@@ -573,24 +612,37 @@ class Conv2DTranspose(Conv2D):
                          groups=groups, activation=activation, use_bias=use_bias,
                          kernel_initializer=kernel_initializer, bias_initializer=bias_initializer, name=name)
         self.output_padding = _pair(output_padding, f"{type(self).__name__} output_padding", minimum=0)
-        if any(o >= s for o, s in zip(self.output_padding, self.strides)):
-            raise ValueError(f"Conv2DTranspose output_padding {self.output_padding} must be smaller than the "
-                             f"strides {self.strides}")
+        if any(o >= max(s, d) for o, s, d in zip(self.output_padding, self.strides, self.dilation_rate)):
+            raise ValueError(f"Conv2DTranspose output_padding {self.output_padding} must be smaller than the stride "
+                             f"or the dilation of its axis (PyTorch's rule); strides {self.strides}, dilation_rate "
+                             f"{self.dilation_rate}")
 
     def get_config(self) -> dict[str, Any]:
         return {**super().get_config(), "output_padding": list(self.output_padding)}
 
-    def crops(self) -> tuple[tuple[int, int, int, int], tuple[int, int]]:
-        """``((top, left, bottom, right) cropped, output_padding)`` for the op."""
+    def crops(self) -> tuple[tuple[int, int, int, int], tuple[int, int], tuple[int, int]]:
+        """``((top, left, bottom, right) cropped, output_padding, (rows, columns) of zeros after)``:
+        what the op takes, and the zeros to append to its output.
+
+        The op takes output_padding below the stride; PyTorch takes it below the stride or the
+        dilation. Such extra rows first take back rows the crop drops, then are rows no input
+        reaches: zeros, which the op adds up to its limit and a padding after it.
+        """
         if self.padding == "same":
             pads, extra = [], []
             for k, s, d in zip(self.kernel_size, self.strides, self.dilation_rate):
                 total = d * (k - 1) + 1 - s
                 pads.append((total // 2, total - total // 2) if total >= 0 else (0, 0))
                 extra.append(max(-total, 0))
-            return (pads[0][0], pads[1][0], pads[0][1], pads[1][1]), (extra[0], extra[1])
+            return (pads[0][0], pads[1][0], pads[0][1], pads[1][1]), (extra[0], extra[1]), (0, 0)
         (top, bottom), (left, right) = self.pads(1, 1)
-        return (top, left, bottom, right), self.output_padding
+        after, below_stride, zeros = [bottom, right], [0, 0], [0, 0]
+        for i, (more, stride) in enumerate(zip(self.output_padding, self.strides)):
+            uncropped = min(more, after[i]) if more >= stride else 0
+            after[i] -= uncropped
+            below_stride[i] = min(more - uncropped, stride - 1)
+            zeros[i] = more - uncropped - below_stride[i]
+        return (top, left, after[0], after[1]), (below_stride[0], below_stride[1]), (zeros[0], zeros[1])
 
     def output_shape_for(self, input_shape: Shape) -> Shape:
         if len(input_shape) != 3:
@@ -598,11 +650,11 @@ class Conv2DTranspose(Conv2D):
         c, h, w = input_shape
         if c % self.groups:
             raise self._shape_error(input_shape, f"{c} input channels do not split into {self.groups} groups")
-        (top, left, bottom, right), extra = self.crops()
+        (top, left, bottom, right), extra, zeros = self.crops()
         size = []
-        for extent, k, s, d, crop, more in zip((h, w), self.kernel_size, self.strides, self.dilation_rate,
-                                               (top + bottom, left + right), extra):
-            out = transpose_output_size(extent, k, s, crop, d, more)
+        for extent, k, s, d, crop, more, appended in zip((h, w), self.kernel_size, self.strides, self.dilation_rate,
+                                                         (top + bottom, left + right), extra, zeros):
+            out = transpose_output_size(extent, k, s, crop, d, more) + appended
             if out < 1:
                 raise self._shape_error(input_shape, f"padding {self.padding} crops the whole output")
             size.append(out)
@@ -617,9 +669,11 @@ class Conv2DTranspose(Conv2D):
         return specs
 
     def apply(self, x: Expr, params: Mapping[str, Expr], ctx: ForwardContext) -> Expr:
-        crop, extra = self.crops()
+        crop, extra, (rows, columns) = self.crops()
         y = ops.conv2d_transpose(x, params["weight"], strides=self.strides, padding=crop, output_padding=extra,
                                  dilation=self.dilation_rate, groups=self.groups)
+        if rows or columns:
+            y = ops.pad(y, pad_width=((0, 0), (0, 0), (0, rows), (0, columns)))
         if self.use_bias:
             y = ops.bias_add(y, params["bias"], axis=1)
         return _activate(y, self.activation)
@@ -812,8 +866,9 @@ class LeakyReLU(Layer):
 
     def __init__(self, negative_slope: float = 0.01, *, name: str | None = None) -> None:
         super().__init__(name)
-        if not (math.isfinite(float(negative_slope)) and float(negative_slope) >= 0):
-            raise ValueError(f"LeakyReLU negative_slope must be a finite number >= 0, got {negative_slope!r}")
+        if not (_is_number(negative_slope) and math.isfinite(float(negative_slope))):
+            raise ValueError(f"LeakyReLU negative_slope must be a finite number (PyTorch's takes a negative one "
+                             f"too), got {negative_slope!r}")
         self.negative_slope = float(negative_slope)
 
     def get_config(self) -> dict[str, Any]:
@@ -1094,20 +1149,24 @@ class BatchNorm2D(Layer):
     biased variance and updates ``running = (1 - momentum) * running + momentum * batch_stat``,
     with the *unbiased* batch variance for ``running_var``; at evaluation it normalizes with the
     running statistics. (Keras' ``momentum=0.99`` means the opposite weighting; here 0.1 is
-    PyTorch's.) Parameters ``weight`` (ones) and ``bias`` (zeros); buffers ``running_mean``
+    PyTorch's.) ``momentum=None`` is PyTorch's cumulative moving average: the running statistics
+    are the plain mean over every batch so far (``momentum = 1 / num_batches_tracked``, a buffer it
+    then has). Parameters ``weight`` (ones) and ``bias`` (zeros); buffers ``running_mean``
     (zeros) and ``running_var`` (ones). The running statistics are extra outputs of the
     training step, so they are updated inside the compiled function.
     """
 
     kind = "batchnorm"
 
-    def __init__(self, momentum: float = 0.1, epsilon: float = 1e-5, *, name: str | None = None) -> None:
+    def __init__(self, momentum: float | None = 0.1, epsilon: float = 1e-5, *, name: str | None = None) -> None:
         super().__init__(name)
-        if not 0.0 <= float(momentum) <= 1.0:
-            raise ValueError(f"BatchNorm2D momentum must be in [0, 1] (PyTorch's convention), got {momentum!r}")
-        if not (math.isfinite(float(epsilon)) and float(epsilon) > 0):
+        if momentum is not None and not (_is_number(momentum) and 0.0 <= float(momentum) <= 1.0):
+            raise ValueError(f"BatchNorm2D momentum must be a number in [0, 1] (PyTorch's convention) or None (a "
+                             f"cumulative average), got {momentum!r}")
+        if not (_is_number(epsilon) and math.isfinite(float(epsilon)) and float(epsilon) > 0):
             raise ValueError(f"BatchNorm2D epsilon must be a finite number > 0, got {epsilon!r}")
-        self.momentum, self.epsilon = float(momentum), float(epsilon)
+        self.momentum = None if momentum is None else float(momentum)
+        self.epsilon = float(epsilon)
 
     def get_config(self) -> dict[str, Any]:
         return {"momentum": self.momentum, "epsilon": self.epsilon}
@@ -1128,7 +1187,26 @@ class BatchNorm2D(Layer):
     def buffer_specs(self) -> dict[str, BufferSpec]:
         assert self.input_shape is not None, "build() first"
         c = (self.input_shape[0],)
-        return {"running_mean": BufferSpec(c, 0.0), "running_var": BufferSpec(c, 1.0)}
+        specs = {"running_mean": BufferSpec(c, 0.0), "running_var": BufferSpec(c, 1.0)}
+        if self.momentum is None:  # a float count, as every buffer is, exact up to 2**24 batches in float32
+            specs["num_batches_tracked"] = BufferSpec((), 0.0)
+        return specs
+
+    def running_statistics(self, buffers: Mapping[str, Expr], batch_mean: Expr,
+                           unbiased_var: Expr) -> dict[str, Expr]:
+        """The buffers after one training batch: ``(1 - m) * running + m * batch`` for each statistic,
+        with ``m`` the momentum, or ``1 / num_batches_tracked`` (counting this batch) for ``None``."""
+        mean, var = buffers["running_mean"], buffers["running_var"]
+        if self.momentum is not None:
+            m = self.momentum
+            return {"running_mean": ops.add(ops.multiply(mean, 1.0 - m), ops.multiply(batch_mean, m)),
+                    "running_var": ops.add(ops.multiply(var, 1.0 - m), ops.multiply(unbiased_var, m))}
+        count = ops.add(buffers["num_batches_tracked"], 1.0)
+        weight = ops.divide(1.0, count)
+        keep = ops.subtract(1.0, weight)
+        return {"running_mean": ops.add(ops.multiply(mean, keep), ops.multiply(batch_mean, weight)),
+                "running_var": ops.add(ops.multiply(var, keep), ops.multiply(unbiased_var, weight)),
+                "num_batches_tracked": count}
 
     def call(self, x: Expr, params: Mapping[str, Expr], buffers: Mapping[str, Expr],
              ctx: ForwardContext) -> tuple[Expr, dict[str, Expr]]:
@@ -1146,10 +1224,7 @@ class BatchNorm2D(Layer):
         y = ops.batch_norm(x, weight, bias, axis=1, epsilon=self.epsilon)
         batch_mean, _, squares = batch_statistics(x, axes)  # as batch_norm's gradient builds them
         unbiased = ops.multiply(ops.reshape(squares, shape=var.shape), 1.0 / (count - 1))
-        m = self.momentum
-        new_mean = ops.add(ops.multiply(mean, 1.0 - m), ops.multiply(ops.reshape(batch_mean, shape=mean.shape), m))
-        new_var = ops.add(ops.multiply(var, 1.0 - m), ops.multiply(unbiased, m))
-        return y, {"running_mean": new_mean, "running_var": new_var}
+        return y, self.running_statistics(buffers, ops.reshape(batch_mean, shape=mean.shape), unbiased)
 
     def synchronized(self, x: Expr, params: Mapping[str, Expr],
                      buffers: Mapping[str, Expr]) -> tuple[Expr, dict[str, Expr]]:
@@ -1174,10 +1249,7 @@ class BatchNorm2D(Layer):
         scale = ops.divide(params["weight"], ops.sqrt(ops.add(batch_var, self.epsilon)))
         y = ops.add(ops.multiply(centered, ops.reshape(scale, shape=kept)), ops.reshape(params["bias"], shape=kept))
         unbiased = ops.divide(squares, ops.subtract(count, 1.0))
-        m = self.momentum
-        new_mean = ops.add(ops.multiply(buffers["running_mean"], 1.0 - m), ops.multiply(batch_mean, m))
-        new_var = ops.add(ops.multiply(buffers["running_var"], 1.0 - m), ops.multiply(unbiased, m))
-        return y, {"running_mean": new_mean, "running_var": new_var}
+        return y, self.running_statistics(buffers, batch_mean, unbiased)
 
 
 class LayerNorm(Layer):

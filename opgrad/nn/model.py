@@ -21,13 +21,17 @@ checkpoints store them. Parameters are seeded by name, so the same architecture 
 same weights.
 
 A model also carries one current set of weights (``model.params``, ``model.buffers``), the
-Keras habit: ``Trainer`` trains them, ``model.predict`` and ``model.save`` use them. The graph
-functions themselves (``forward``, ``call``) take any weights as expressions.
+Keras habit: ``Trainer`` trains them, ``model.predict`` and ``model.save`` use them. A layer
+object that several models use has one set of weights, as a Keras layer has: each model reads
+the arrays last assigned through any of them (an encoder sub-model sees what training the full
+model made). The graph functions themselves (``forward``, ``call``) take any weights as expressions.
 """
 
 from __future__ import annotations
 
+import itertools
 import os
+import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -73,6 +77,33 @@ def _file_names(names: Sequence[str] | None, count: int, what: str, model: str) 
     return listed
 
 
+class _HeldArrays:
+    """A model's parameters or buffers, and for each layer when its arrays were assigned: of the
+    models that share a layer, the one assigned last holds its current arrays."""
+
+    def __init__(self) -> None:
+        self.arrays: dict[str, np.ndarray] | None = None
+        self.stamps: dict[int, int] = {}  # id(layer) -> assignment number; absent: drawn, never assigned
+
+    def stamp(self, layer: Layer) -> int:
+        return self.stamps.get(id(layer), 0)
+
+    def assign(self, arrays: dict[str, np.ndarray], layers: Sequence[Layer]) -> None:
+        self.arrays = arrays
+        number = next(_ASSIGNMENTS)
+        self.stamps = {id(layer): number for layer in layers}
+
+
+#: The live models using each layer object, for the weights of layers several models share.
+_MODELS_USING: weakref.WeakKeyDictionary[Layer, weakref.WeakSet[Model]] = weakref.WeakKeyDictionary()
+_ASSIGNMENTS = itertools.count(1)
+
+
+def _layer_entry(layer: Layer) -> dict[str, Any]:
+    """A layer as its model's description lists it; a class without a kind of its own is refused."""
+    return {"kind": layer.registered_kind(), "name": layer.name, "config": layer.get_config()}
+
+
 def _count(shape: Shape) -> int:
     return int(np.prod(shape, dtype=np.int64))
 
@@ -104,11 +135,12 @@ class Model:
         self._name_inputs()
         self.layers: tuple[Layer, ...] = tuple(dict.fromkeys(node.layer for node in self.nodes))
         self._name_layers()
-        self._params: dict[str, np.ndarray] | None = None
-        #: Whether the model holds weights: assigned (set, loaded, imported or trained) or handed
-        #: out by ``params``; a Trainer keeps them, else it draws its own from its seed.
-        self.weights_assigned = False
-        self._buffers: dict[str, np.ndarray] | None = None
+        for layer in self.layers:
+            _MODELS_USING.setdefault(layer, weakref.WeakSet()).add(self)
+        self._dtype = "float32"
+        self._held_params = _HeldArrays()
+        self._held_buffers = _HeldArrays()
+        self._weights_assigned = False
         self._predict_steps: dict[tuple[int, str, str], Any] = {}
         #: The metadata of the checkpoint the model was loaded from (step, optimizer, ...), else empty.
         self.checkpoint_meta: dict[str, Any] = {}
@@ -246,32 +278,65 @@ class Model:
     # ----- current weights (Keras' model.weights) -----
 
     @property
+    def dtype(self) -> str:
+        """The float type of the model's weights: float32 unless they were assigned (or trained by a
+        Trainer) all in float64. ``predict`` computes in it."""
+        return self._dtype
+
+    @property
+    def weights_assigned(self) -> bool:
+        """Whether the model holds weights: assigned (set, loaded, imported or trained), handed out by
+        ``params``, or held by another model for a layer the two share. A Trainer keeps them where
+        it does, else it draws its own from its seed."""
+        return self._weights_assigned or any(
+            other._held_params.arrays is not None for _, others in self._sharing() for other in others)
+
+    @property
     def params(self) -> dict[str, np.ndarray]:
         """The model's current parameters (initialized from seed 0 on first use, unless set).
 
         Once handed out they are the model's weights (:attr:`weights_assigned`): whoever read,
-        changed in place or predicted with them finds the same ones in a Trainer."""
-        if self._params is None:
-            self._params = self.init_params(seed=0)
-            self.weights_assigned = True
-        return self._params
+        changed in place or predicted with them finds the same ones in a Trainer. A layer object
+        that several models use has one set of weights: each model reads the ones last assigned
+        through any of them (Keras' shared layers)."""
+        drawn = self._held_params.arrays is None
+        if drawn:
+            self._held_params.arrays = self.init_params(seed=0, dtype=self._dtype)
+            self._weights_assigned = True
+        self._take_shared("params", drawn=drawn)
+        assert self._held_params.arrays is not None
+        return self._held_params.arrays
 
     @params.setter
     def params(self, values: Mapping[str, np.ndarray]) -> None:
-        self._params = self._checked(values, self.param_shapes(), "parameter")
-        self.weights_assigned = True
+        arrays = self._checked(values, self.param_shapes(), "parameter")
+        # One float type for every array, as the compiled functions take them: the type of a
+        # complete set given in one (a checkpoint, a float64 Trainer), else the model's own,
+        # into which PyTorch's load_state_dict copies too.
+        given = {a.dtype for a in arrays.values()}
+        if len(given) == 1 and given <= {np.dtype(np.float32), np.dtype(np.float64)}:
+            self._dtype = given.pop().name
+        self._held_params.assign({k: a.astype(self._dtype, copy=False) for k, a in arrays.items()}, self.layers)
+        if self._held_buffers.arrays is not None:
+            self._held_buffers.arrays = {k: a.astype(self._dtype, copy=False)
+                                         for k, a in self._held_buffers.arrays.items()}
+        self._weights_assigned = True
 
     @property
     def buffers(self) -> dict[str, np.ndarray]:
-        """The model's current buffers (running statistics), as initialized unless set or trained."""
-        if self._buffers is None:
-            self._buffers = self.init_buffers(next(iter(self.params.values())).dtype.name if self.params
-                                              else "float32")
-        return self._buffers
+        """The model's current buffers (running statistics), as initialized unless set or trained;
+        shared layers' as :attr:`params` are."""
+        drawn = self._held_buffers.arrays is None
+        if drawn:
+            self._held_buffers.arrays = self.init_buffers(self._dtype)
+        self._take_shared("buffers", drawn=drawn)
+        assert self._held_buffers.arrays is not None
+        return self._held_buffers.arrays
 
     @buffers.setter
     def buffers(self, values: Mapping[str, np.ndarray]) -> None:
-        self._buffers = self._checked(values, self.buffer_shapes(), "buffer")
+        arrays = self._checked(values, self.buffer_shapes(), "buffer")
+        self._held_buffers.assign({k: a.astype(self._dtype, copy=False) for k, a in arrays.items()}, self.layers)
 
     def _checked(self, values: Mapping[str, np.ndarray], shapes: Mapping[str, Shape],
                  what: str) -> dict[str, np.ndarray]:
@@ -283,11 +348,43 @@ class Model:
                                                        f"unknown {', '.join(extra)}" if extra else ""])))
         out = {}
         for name, shape in shapes.items():
-            value = values[name]
+            value = np.asarray(values[name])
+            if value.dtype.kind != "f":
+                raise TypeError(f"model {self.name!r}: {what} {name} has dtype {value.dtype}; {what}s are float "
+                                f"arrays (float32 or float64): convert it with .astype(np.float32)")
             if tuple(value.shape) != shape:
                 raise ShapeError(f"model {self.name!r}: {what} {name} has shape {value.shape}, expected {shape}")
             out[name] = value
         return out
+
+    # ----- layers shared with other models -----
+
+    def _sharing(self) -> list[tuple[Layer, list[Model]]]:
+        """Each of this model's layers that other live models use too, with those models."""
+        shared = []
+        for layer in self.layers:
+            users = _MODELS_USING.get(layer)
+            if users is not None and len(users) > 1:
+                shared.append((layer, [m for m in users if m is not self]))
+        return shared
+
+    def _take_shared(self, which: str, *, drawn: bool = False) -> None:
+        """Bring in, for each shared layer, the arrays another model was assigned after this one's;
+        just ``drawn`` (from seed 0), any other model's, so that all use the same arrays."""
+        mine = self._held_params if which == "params" else self._held_buffers
+        assert mine.arrays is not None
+        for layer, others in self._sharing():
+            held = [m._held_params if which == "params" else m._held_buffers for m in others]
+            newest = max((h for h in held if h.arrays is not None), key=lambda h: h.stamp(layer), default=None)
+            if newest is None or newest.stamp(layer) < mine.stamp(layer) + (0 if drawn else 1):
+                continue
+            assert newest.arrays is not None
+            names = layer.param_specs() if which == "params" else layer.buffer_specs()
+            for local in names:
+                key = f"{layer.name}.{local}"
+                mine.arrays[key] = newest.arrays[key].astype(self._dtype, copy=False)
+            if newest.stamp(layer):
+                mine.stamps[id(layer)] = newest.stamp(layer)
 
     # ----- dropout masks -----
 
@@ -374,12 +471,14 @@ class Model:
             if tuple(array.shape[1:]) != tensor.shape:
                 raise ShapeError(f"predict: input {tensor.name!r} has shape {array.shape}, model {self.name!r} "
                                  f"expects (N, {', '.join(map(str, tensor.shape))})")
-        dtype = next(iter(self.params.values())).dtype.name if self.params else "float32"
+        weights = {**self.params, **self.buffers}
+        dtype = self.dtype
         key = (int(batch_size), dtype, backend)
         step = self._predict_steps.get(key)
         if step is None:
             step = self._predict_steps[key] = EvalStep(self, batch_size=int(batch_size), dtype=dtype, backend=backend)
-        outputs = step.outputs(arrays, {**self.params, **self.buffers})
+        # An array put into the dicts in place (not through the setters) is brought to the model's type here.
+        outputs = step.outputs(arrays, {k: np.asarray(v).astype(dtype, copy=False) for k, v in weights.items()})
         return outputs[0] if len(outputs) == 1 else outputs
 
     # ----- description -----
@@ -443,7 +542,7 @@ class Model:
             "class": "Model",
             "name": self.name,
             "inputs": [{"name": t.name, "shape": list(t.shape), "dtype": t.dtype} for t in self.inputs],
-            "layers": [{"kind": layer.kind, "name": layer.name, "config": layer.get_config()} for layer in self.layers],
+            "layers": [_layer_entry(layer) for layer in self.layers],
             "nodes": [{"layer": node.layer.name, "inputs": [index[id(t)] for t in node.inputs]} for node in self.nodes],
             "outputs": [index[id(t)] for t in self.outputs],
             **({"input_names": self.input_names} if self.input_names is not None else {}),
@@ -495,7 +594,7 @@ class Sequential(Model):
             "class": "Sequential",
             "name": self.name,
             "input_shape": list(self.input_shape),
-            "layers": [{"kind": layer.kind, "name": layer.name, "config": layer.get_config()} for layer in self.layers],
+            "layers": [_layer_entry(layer) for layer in self.layers],
         }
 
 

@@ -17,7 +17,18 @@ import math
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
+import numpy as np
+
 __all__ = ["LRSchedule", "Schedule", "StepLR", "WarmupLR", "constant_lr", "cosine_lr"]
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+
+
+def _is_finite(value: object) -> bool:
+    return (isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool)
+            and math.isfinite(value))
 
 
 @runtime_checkable
@@ -44,6 +55,14 @@ class LRSchedule:
     total_steps: int = 0
     final: float = 0.0
 
+    def __post_init__(self) -> None:
+        # ``base`` is the trainer's to check, with the message it gives any learning rate.
+        if not _is_int(self.total_steps) or self.total_steps < 0:
+            raise ValueError(f"LRSchedule: total_steps must be an integer >= 0 (0: a constant rate), "
+                             f"got {self.total_steps!r}")
+        if not _is_finite(self.final):
+            raise ValueError(f"LRSchedule: final must be a finite number, got {self.final!r}")
+
     def __call__(self, step: int) -> float:
         if self.total_steps <= 0:
             return self.base
@@ -65,9 +84,9 @@ class StepLR:
     gamma: float = 0.1
 
     def __post_init__(self) -> None:
-        if self.step_size < 1:
+        if not _is_int(self.step_size) or self.step_size < 1:
             raise ValueError(f"StepLR: step_size must be a positive integer, got {self.step_size!r}")
-        if not 0.0 < self.gamma <= 1.0:
+        if not (_is_finite(self.gamma) and 0.0 < self.gamma <= 1.0):
             raise ValueError(f"StepLR: gamma must be in (0, 1], got {self.gamma!r}")
 
     def __call__(self, step: int) -> float:
@@ -86,9 +105,12 @@ class WarmupLR:
     start_factor: float = 0.0
 
     def __post_init__(self) -> None:
-        if self.warmup_steps < 0:
-            raise ValueError(f"WarmupLR: warmup_steps must be >= 0, got {self.warmup_steps!r}")
-        if not 0.0 <= self.start_factor <= 1.0:
+        if not isinstance(self.after, Schedule):
+            raise TypeError(f"WarmupLR: after must be a schedule (base, a call per step, describe), "
+                            f"got {self.after!r}")
+        if not _is_int(self.warmup_steps) or self.warmup_steps < 0:
+            raise ValueError(f"WarmupLR: warmup_steps must be an integer >= 0, got {self.warmup_steps!r}")
+        if not (_is_finite(self.start_factor) and 0.0 <= self.start_factor <= 1.0):
             raise ValueError(f"WarmupLR: start_factor must be in [0, 1], got {self.start_factor!r}")
 
     @property
@@ -110,4 +132,8 @@ def constant_lr(lr: float) -> LRSchedule:
 
 
 def cosine_lr(lr: float, total_steps: int, final: float = 0.0) -> LRSchedule:
+    """``lr`` decayed by a cosine to ``final`` over ``total_steps`` (at least one) steps."""
+    if not _is_int(total_steps) or total_steps < 1:
+        raise ValueError(f"cosine_lr: total_steps must be a positive integer (the steps the decay lasts), "
+                         f"got {total_steps!r}")
     return LRSchedule(lr, total_steps, final)

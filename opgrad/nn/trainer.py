@@ -341,11 +341,25 @@ class Trainer:
     def train_batch(self, inputs: Inputs, labels: Labels) -> float:
         """One optimizer step on one batch; returns its loss (before the update).
 
-        ``inputs`` is one array per model input (a bare array for a model with one input).
+        ``inputs`` is one array per model input (a bare array for a model with one input), each of
+        ``batch_size`` rows, the one batch size of the compiled step.
         Raises :class:`~opgrad.errors.NonFiniteLossError` for a nan or infinite loss when
         ``stop_on_nan`` is set, without applying the step.
         """
-        return self._train_batch(self._input_arrays(inputs, labels, "train_batch"), labels, epoch_step=None)
+        arrays = self._input_arrays(inputs, labels, "train_batch")
+        self._check_batch_rows(labels, "train_batch")
+        return self._train_batch(arrays, labels, epoch_step=None)
+
+    def _check_batch_rows(self, labels: Labels, who: str) -> None:
+        """A ValueError unless the batch (already checked to have one row per label in every input)
+        has ``batch_size`` rows: the compiled step has that one batch size."""
+        rows = label_rows(labels)
+        if rows != self.batch_size:
+            first = self.model.inputs[0].name
+            raise ValueError(f"Trainer.{who}: input {first!r} has {rows} rows; this trainer steps batches of "
+                             f"batch_size={self.batch_size} (its compiled step has that one size): give batches "
+                             f"of {self.batch_size} rows and leave out a smaller last one (train_epoch drops it, "
+                             f"as PyTorch's drop_last=True)")
 
     def _train_batch(self, inputs: list[np.ndarray], labels: Labels, *, epoch_step: int | None) -> float:
         arrays = self._step_inputs(inputs, self.step)
@@ -370,8 +384,10 @@ class Trainer:
         ``stop_on_nan`` the native loop stops at a NaN loss: the steps before it are kept and
         :class:`~opgrad.errors.NonFiniteLossError` names the step.
         """
-        checked = [(self._input_arrays(inputs, labels, f"train_batches (batch {i})"), labels)
-                   for i, (inputs, labels) in enumerate(batches)]
+        checked = []
+        for i, (inputs, labels) in enumerate(batches):
+            checked.append((self._input_arrays(inputs, labels, f"train_batches (batch {i})"), labels))
+            self._check_batch_rows(labels, f"train_batches (batch {i})")
         return self._train_batches(checked, epoch_step=None)
 
     def _train_batches(self, batches: Sequence[tuple[list[np.ndarray], Labels]], *,

@@ -169,11 +169,20 @@ def _conv(b: GraphBuilder, layer: Any, x: list[str], shapes: list[Shape], out: s
 
 @emitter("convtranspose")
 def _conv_transpose(b: GraphBuilder, layer: Any, x: list[str], shapes: list[Shape], out: str) -> None:
-    (top, left, bottom, right), extra = layer.crops()
-    inputs = [x[0], b.weight(layer, "weight")] + ([b.weight(layer, "bias")] if layer.use_bias else [])
-    y = b.node("ConvTranspose", inputs, None if layer.activation else out, layer.name,
+    (top, left, bottom, right), extra, (rows, columns) = layer.crops()
+    # Zero rows appended (an output_padding past the stride, which ConvTranspose does not take) get
+    # the bias too, as in PyTorch, so it is added after the Pad.
+    bias = layer.use_bias and bool(rows or columns)
+    inputs = [x[0], b.weight(layer, "weight")] + ([b.weight(layer, "bias")] if layer.use_bias and not bias else [])
+    final = None if layer.activation else out
+    y = b.node("ConvTranspose", inputs, None if rows or columns else final, layer.name,
                kernel_shape=list(layer.kernel_size), strides=list(layer.strides), dilations=list(layer.dilation_rate),
                group=layer.groups, pads=[top, left, bottom, right], output_padding=list(extra))
+    if rows or columns:
+        pads = b.constant([0, 0, 0, 0, 0, 0, rows, columns], f"{layer.name}.pads", np.int64)
+        y = b.node("Pad", [y, pads], None if bias else final, layer.name, mode="constant")
+    if bias:
+        y = b.node("Add", [y, b.weight(layer, "bias", lambda v: v.reshape(-1, 1, 1))], final, layer.name)
     if layer.activation:
         _activation(b, y, layer.activation, out, layer.name)
 
@@ -302,7 +311,9 @@ def _dropout(b: GraphBuilder, layer: Any, x: list[str], shapes: list[Shape], out
 @emitter("batchnorm")
 def _batch_norm(b: GraphBuilder, layer: Any, x: list[str], shapes: list[Shape], out: str) -> None:
     inputs = [x[0], *(b.weight(layer, k) for k in ("weight", "bias", "running_mean", "running_var"))]
-    b.node("BatchNormalization", inputs, out, layer.name, epsilon=layer.epsilon, momentum=1.0 - layer.momentum)
+    # ONNX has no cumulative average (momentum=None); the attribute only matters in training mode.
+    momentum = {} if layer.momentum is None else {"momentum": 1.0 - layer.momentum}
+    b.node("BatchNormalization", inputs, out, layer.name, epsilon=layer.epsilon, **momentum)
 
 
 @emitter("layernorm")
@@ -452,12 +463,18 @@ def to_onnx(model: Model, *, opset: int | None = None) -> Any:
     output_names = [n for n in model.output_names or default_names if n not in names.values()]
     if len(output_names) != len(model.outputs):  # an output named as an input: the default names
         output_names = default_names
-    final = {id(t): output_names[i] for i, t in enumerate(model.outputs)}
-    for name in final.values():
+    # A tensor listed as several outputs is computed under its first output's name; each later
+    # position gets an Identity of it, so that every graph output has a name of its own.
+    final: dict[int, str] = {}
+    for tensor, name in zip(model.outputs, output_names):
+        final.setdefault(id(tensor), name)
         b.taken.add(name)
     for node in model.nodes:
         layer = node.layer
-        fn = EMITTERS.get(layer.kind)
+        try:
+            fn = EMITTERS.get(layer.registered_kind())
+        except TypeError as exc:  # a subclass would be written as its parent
+            raise OnnxError(f"model {model.name!r}: {exc}") from None
         if fn is None:
             raise OnnxError(f"model {model.name!r}: layer {layer.describe()} (kind {layer.kind!r}) has no ONNX "
                             f"export; exportable kinds: {', '.join(sorted(EMITTERS))}")
@@ -465,9 +482,8 @@ def to_onnx(model: Model, *, opset: int | None = None) -> Any:
         fn(b, layer, [names[id(t)] for t in node.inputs], [t.shape for t in node.inputs], out)
         names[id(node.output)] = out
     outputs = []
-    for tensor in model.outputs:
-        name = final[id(tensor)]
-        if names[id(tensor)] != name:  # an output that is an input or reused: copy it under the output's name
+    for tensor, name in zip(model.outputs, output_names):
+        if names[id(tensor)] != name:  # an input, or a tensor listed again: copied under this output's name
             b.node("Identity", [names[id(tensor)]], name, "output")
         outputs.append(onnx.helper.make_tensor_value_info(name, elem, ["N", *tensor.shape]))
     graph = onnx.helper.make_graph(b.nodes, model.name, graph_inputs, outputs, list(b.initializers.values()))

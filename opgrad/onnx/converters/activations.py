@@ -121,8 +121,8 @@ def prelu(ctx: NodeContext) -> list[Value]:
 @converter("LeakyRelu", since=6, attributes=("alpha",))
 def leaky_relu(ctx: NodeContext) -> list[Value]:
     alpha = float(ctx.attr("alpha", 0.01))
-    if not (math.isfinite(alpha) and alpha >= 0):
-        raise ctx.unsupported("alpha", alpha, "a finite slope >= 0")
+    if not math.isfinite(alpha):
+        raise ctx.unsupported("alpha", alpha, "a finite slope")
     return [ctx.layer(ctx.new(LeakyReLU, alpha), ctx.tensor(0, "X"))]
 
 
