@@ -25,7 +25,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+import lzma
 import os
+import struct
+import tokenize
 import zipfile
 import zlib
 from collections.abc import Mapping
@@ -56,6 +59,19 @@ _META_KEY = "__meta__"
 _HASH_KEY = "__sha256__"
 _FORMAT_KEY = "__opgrad_format__"
 _RESERVED = frozenset({_META_KEY, _HASH_KEY, _FORMAT_KEY})
+#: How much of a zip member is read at a time while its CRC-32 is checked.
+_CRC_CHUNK_BYTES = 1 << 20
+#: What zipfile, its decompressors and numpy's ``.npy`` reader raise for damaged bytes. A bit flip
+#: can break the zip structure (BadZipFile, EOFError, struct.error, OSError for a seek before the
+#: start), invent a zip version or compression method (NotImplementedError), mark a member
+#: encrypted (RuntimeError), break a decompressor (zlib.error, lzma.LZMAError) or a member name
+#: (UnicodeDecodeError, a ValueError); a damaged ``.npy`` header fails in numpy's parser
+#: (ValueError, SyntaxError, tokenize.TokenError) and an absurd declared size in the allocation
+#: (MemoryError, OverflowError).
+_DAMAGED_FILE_ERRORS = (
+    zipfile.BadZipFile, zipfile.LargeZipFile, EOFError, struct.error, OSError, NotImplementedError, RuntimeError,
+    zlib.error, lzma.LZMAError, ValueError, SyntaxError, tokenize.TokenError, MemoryError, OverflowError,
+)
 
 #: ``expected`` spec for :func:`load_checkpoint`: name -> (shape, dtype).
 ExpectedSpec = Mapping[str, tuple[tuple[int, ...], npt.DTypeLike]]
@@ -174,8 +190,9 @@ def load_checkpoint(path: str | os.PathLike[str], expected: ExpectedSpec | None 
     if head != b"PK\x03\x04":
         raise CheckpointError(f"{source}: not an .npz checkpoint (the file does not start with a zip header)")
     try:
-        with np.load(source, allow_pickle=False) as npz:
-            contents = {name: npz[name] for name in npz.files}
+        contents = _read_members(source)
+    except CheckpointError:
+        raise
     except zipfile.BadZipFile as exc:
         if "not a zip file" in str(exc):  # starts like a zip but its end-of-file index is gone
             raise CheckpointError(
@@ -183,9 +200,7 @@ def load_checkpoint(path: str | os.PathLike[str], expected: ExpectedSpec | None 
                 f"missing; {source.stat().st_size} bytes on disk)"
             ) from None
         raise CheckpointError(f"{source}: corrupt or truncated checkpoint ({exc})") from None
-    except (EOFError, zlib.error, ValueError, OSError, KeyError) as exc:
-        # A truncated zip loses its central directory (BadZipFile); a damaged member gives
-        # EOFError/zlib.error/ValueError; a member needing pickle gives ValueError.
+    except _DAMAGED_FILE_ERRORS as exc:
         raise CheckpointError(
             f"{source}: corrupt or truncated checkpoint ({type(exc).__name__}: {exc})"
         ) from None
@@ -197,13 +212,16 @@ def load_checkpoint(path: str | os.PathLike[str], expected: ExpectedSpec | None 
         version = int(contents.pop(_FORMAT_KEY))
         meta_json = str(contents.pop(_META_KEY).item())
         stored_hash = str(contents.pop(_HASH_KEY).item())
-    except (TypeError, ValueError) as exc:
+    except (TypeError, ValueError, OverflowError) as exc:
         raise CheckpointError(f"{source}: malformed checkpoint header entries ({exc})") from None
     if version != FORMAT_VERSION:
         raise CheckpointError(
             f"{source}: checkpoint format version {version}, this opgrad reads version {FORMAT_VERSION}"
         )
-    actual_hash = _digest(contents, meta_json, version)
+    try:
+        actual_hash = _digest(contents, meta_json, version)
+    except UnicodeEncodeError:  # a lone surrogate in the metadata, which save_checkpoint never writes
+        raise CheckpointError(f"{source}: the metadata is not valid Unicode text") from None
     if actual_hash != stored_hash:
         raise CheckpointError(
             f"{source}: checksum mismatch: contents were modified or corrupted after saving "
@@ -216,6 +234,34 @@ def load_checkpoint(path: str | os.PathLike[str], expected: ExpectedSpec | None 
     if expected is not None:
         check_arrays(source, contents, expected)
     return Checkpoint(arrays=contents, meta=meta)
+
+
+def _read_members(source: Path) -> dict[str, np.ndarray]:
+    """Every ``<name>.npy`` member of the zip ``source`` as ``{name: array}``, each member's CRC-32
+    checked before numpy parses it.
+
+    numpy parses a member's header before it reads the data, and zipfile checks the CRC-32 only
+    when a member has been read to its end, so without the first pass a bit flip in a header
+    reaches numpy's parser and fails there with whatever the damage provokes. Reading each member
+    to its end first turns any damage inside a member into one ``BadZipFile: Bad CRC-32``.
+    """
+    with zipfile.ZipFile(source) as archive:
+        members = archive.infolist()
+        for info in members:
+            with archive.open(info) as member:
+                while member.read(_CRC_CHUNK_BYTES):
+                    pass
+        contents: dict[str, np.ndarray] = {}
+        for info in members:
+            name = info.filename.removesuffix(".npy")
+            if name == info.filename:
+                raise CheckpointError(f"{source}: not an opgrad checkpoint (it holds {info.filename!r}, which is "
+                                      "not a .npy array)")
+            if name in contents:
+                raise CheckpointError(f"{source}: corrupt checkpoint (it holds two entries named {info.filename!r})")
+            with archive.open(info) as member:
+                contents[name] = np.lib.format.read_array(member, allow_pickle=False)
+    return contents
 
 
 def check_arrays(source: str | os.PathLike[str], arrays: Mapping[str, np.ndarray], expected: ExpectedSpec) -> None:

@@ -28,6 +28,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 def load_any(path: str) -> Any:
     """The ``opgrad.nn.Model`` in ``path``, read by the importer its suffix names."""
+    # Checked before the suffix, which a directory may have (d.onnx) or lack (/tmp).
+    if Path(path).is_dir():
+        raise ConfigError(f"{path}: is a directory, expected a model file ({', '.join(IMPORTERS)})")
     suffix = Path(path).suffix.lower()
     module_name = IMPORTERS.get(suffix)
     if module_name is None:

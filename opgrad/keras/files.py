@@ -19,10 +19,14 @@ from __future__ import annotations
 import io
 import itertools
 import json
+import lzma
 import os
 import re
+import struct
 import zipfile
-from collections.abc import Mapping
+import zlib
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,10 +39,40 @@ __all__ = ["KerasImportError", "LayerSpec", "ModelSpec", "TensorRef", "WeightSto
 #: A config.json larger than this is not a model description (it would be read into memory whole).
 MAX_CONFIG_BYTES = 64 << 20
 MODEL_CLASSES = ("Sequential", "Functional", "Model")
+#: What zipfile and its decompressors raise for a damaged archive: a bit flip can break the zip
+#: structure (BadZipFile, EOFError, struct.error, OSError), invent a zip version or compression
+#: method (NotImplementedError), mark a member encrypted (RuntimeError), break the compressed data
+#: (zlib.error, lzma.LZMAError), a member name (UnicodeDecodeError, a ValueError) or a declared
+#: size (MemoryError, OverflowError).
+_DAMAGED_ZIP_ERRORS = (
+    zipfile.BadZipFile, zipfile.LargeZipFile, EOFError, struct.error, OSError, NotImplementedError, RuntimeError,
+    zlib.error, lzma.LZMAError, ValueError, MemoryError, OverflowError,
+)
+#: What h5py raises for a damaged HDF5 file: the HDF5 library's errors arrive as OSError,
+#: RuntimeError or KeyError ("bad heap free list", "addr overflow"), a damaged datatype as
+#: ValueError ("Insufficient precision") or TypeError (no NumPy equivalent), a name that is not
+#: UTF-8 as a UnicodeError (a ValueError).
+_DAMAGED_HDF5_ERRORS = (OSError, RuntimeError, KeyError, ValueError, TypeError)
 
 
 class KerasImportError(UserError, ValueError):
     """A Keras file cannot be imported; the message names the file, the layer and what is supported."""
+
+
+@contextmanager
+def _hdf5_damage_reported(path: str, what: str) -> Iterator[None]:
+    """Turn h5py's errors for damaged bytes into one :class:`KerasImportError` naming ``path``.
+
+    The HDF5 library reads a file's structure lazily, so damage surfaces on whichever group,
+    attribute or dataset is first touched, each time as another exception type.
+    """
+    try:
+        yield
+    except KerasImportError:
+        raise
+    except _DAMAGED_HDF5_ERRORS as exc:
+        raise KerasImportError(f"{path}: the file is corrupt: {what} cannot be read "
+                               f"({type(exc).__name__}: {exc})") from None
 
 
 @dataclass(frozen=True)
@@ -100,6 +134,10 @@ class WeightStore:
 
     def variables(self, layer: str) -> list[tuple[str, np.ndarray]]:
         """``(label, array)`` for each variable of ``layer``, in the layer's order; [] if it has none."""
+        with _hdf5_damage_reported(self.path, f"the weights of layer {layer!r}"):
+            return self._read_variables(layer)
+
+    def _read_variables(self, layer: str) -> list[tuple[str, np.ndarray]]:
         h5py = _h5py(self.path)
         if self.layout == "keras":
             stored = self.groups.get(layer, layer)
@@ -184,10 +222,15 @@ def read_model_file(path: str | os.PathLike[str]) -> tuple[ModelSpec, WeightStor
     The caller closes ``store.file``. Every problem is a :class:`KerasImportError` naming the file.
     """
     name = os.fspath(path)
+    if os.path.isdir(name):
+        raise KerasImportError(f"{name}: is a directory, expected a Keras model file (.keras or .h5)")
     if not os.path.isfile(name):
         raise KerasImportError(f"{name}: no such file")
-    with open(name, "rb") as handle:
-        magic = handle.read(8)
+    try:
+        with open(name, "rb") as handle:
+            magic = handle.read(8)
+    except OSError as exc:
+        raise KerasImportError(f"{name}: cannot read the file: {exc.strerror or exc}") from None
     if magic.startswith(b"PK"):
         return _read_keras_zip(name)
     if magic == b"\x89HDF\r\n\x1a\n":
@@ -213,13 +256,16 @@ def _read_keras_zip(path: str) -> tuple[ModelSpec, WeightStore, dict[str, str]]:
             if "model.weights.h5" not in entries:
                 raise KerasImportError(f"{path}: the .keras archive has no model.weights.h5")
             weights = archive.read("model.weights.h5")
-    except (zipfile.BadZipFile, zipfile.LargeZipFile, OSError, EOFError, NotImplementedError) as exc:
-        raise KerasImportError(f"{path}: not a readable .keras archive ({exc})") from None
+    except KerasImportError:
+        raise
+    except _DAMAGED_ZIP_ERRORS as exc:
+        raise KerasImportError(f"{path}: not a readable .keras archive: it is corrupt or truncated "
+                               f"({type(exc).__name__}: {exc})") from None
     try:
         h5file = h5py.File(io.BytesIO(weights), "r")
-    except (OSError, ValueError) as exc:
-        raise KerasImportError(f"{path}: model.weights.h5 inside the archive is not a readable HDF5 file "
-                               f"({exc})") from None
+    except _DAMAGED_HDF5_ERRORS as exc:
+        raise KerasImportError(f"{path}: model.weights.h5 inside the archive is not a readable HDF5 file: it is "
+                               f"corrupt ({type(exc).__name__}: {exc})") from None
     spec = _model_spec(path, config)
     version = str(metadata.get("keras_version", "")) if isinstance(metadata, Mapping) else ""
     return spec, WeightStore(path, h5file, "keras", spec), {"format": ".keras", "keras_version": version}
@@ -229,24 +275,31 @@ def _read_legacy_h5(path: str) -> tuple[ModelSpec, WeightStore, dict[str, str]]:
     h5py = _h5py(path)
     try:
         h5file = h5py.File(path, "r")
-    except (OSError, ValueError) as exc:
-        raise KerasImportError(f"{path}: not a readable HDF5 file ({exc})") from None
+    except _DAMAGED_HDF5_ERRORS as exc:
+        raise KerasImportError(f"{path}: not a readable HDF5 file: it is corrupt or truncated "
+                               f"({type(exc).__name__}: {exc})") from None
     try:
-        raw = h5file.attrs.get("model_config")
-        if raw is None:
-            what = "weights only (saved with save_weights)" if "layer_names" in h5file.attrs \
-                or "layers" in h5file or "model_weights" in h5file else "no Keras model"
-            raise KerasImportError(f"{path}: the file holds {what}: it has no model_config attribute, so the "
-                                   "architecture is unknown; save the whole model with model.save(...)")
-        config = _json(path, _text(raw), "the model_config attribute")
-        if "model_weights" not in h5file:
-            raise KerasImportError(f"{path}: the file has no model_weights group")
+        with _hdf5_damage_reported(path, "the model description"):
+            config, version = _legacy_h5_config(path, h5file)
         spec = _model_spec(path, config)
-        version = _text(h5file.attrs.get("keras_version", ""))
     except BaseException:
         h5file.close()
         raise
     return spec, WeightStore(path, h5file, "h5", spec), {"format": ".h5", "keras_version": version}
+
+
+def _legacy_h5_config(path: str, h5file: Any) -> tuple[Any, str]:
+    """The architecture (the parsed ``model_config`` attribute) and ``keras_version`` of a legacy ``.h5``."""
+    raw = h5file.attrs.get("model_config")
+    if raw is None:
+        what = "weights only (saved with save_weights)" if "layer_names" in h5file.attrs \
+            or "layers" in h5file or "model_weights" in h5file else "no Keras model"
+        raise KerasImportError(f"{path}: the file holds {what}: it has no model_config attribute, so the "
+                               "architecture is unknown; save the whole model with model.save(...)")
+    config = _json(path, _text(raw), "the model_config attribute")
+    if "model_weights" not in h5file:
+        raise KerasImportError(f"{path}: the file has no model_weights group")
+    return config, _text(h5file.attrs.get("keras_version", ""))
 
 
 # ----- the architecture -----

@@ -69,6 +69,28 @@ def _safe_name(name: str, fallback: str) -> str:
     return cleaned or fallback
 
 
+def _undecodable_text(message: Any, where: str) -> tuple[str, bytes] | None:
+    """The first text field in ``message`` (or a message inside it) that is not valid UTF-8, as
+    ``(field path, raw bytes)``, or None.
+
+    protobuf hands out such a field of a proto2 message, which ONNX's are, as bytes instead of
+    failing to parse it.
+    """
+    for field, value in message.ListFields():
+        if field.type not in (field.TYPE_STRING, field.TYPE_MESSAGE):
+            continue
+        single = isinstance(value, (str, bytes)) or hasattr(value, "ListFields")
+        for index, item in enumerate([value] if single else value):
+            label = f"{where}.{field.name}" if single else f"{where}.{field.name}[{index}]"
+            if isinstance(item, bytes):
+                return label, item
+            if field.type == field.TYPE_MESSAGE:
+                found = _undecodable_text(item, label)
+                if found is not None:
+                    return found
+    return None
+
+
 def _attributes(onnx: Any, node: Any) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for attr in node.attribute:
@@ -247,8 +269,14 @@ class _Reader:
         """Evaluate a node whose inputs are all known now (``onnx.reference``; shapes holding the batch by hand)."""
         inputs = [self.values[name].array if name else None for name in node.input]  # type: ignore[union-attr]
         if any(a is not None and a.dtype == object for a in inputs):
-            shapes = [np.asarray(a, dtype=object) for a in fold_batch_shape(node, attributes, inputs, self.opset,
-                                                                           where)]
+            try:
+                shapes = [np.asarray(a, dtype=object) for a in fold_batch_shape(node, attributes, inputs, self.opset,
+                                                                               where)]
+            except OnnxError:
+                raise
+            except (IndexError, ValueError, TypeError, OverflowError) as exc:  # an index or axis out of range
+                raise OnnxError(f"{where}: cannot evaluate it on its constant inputs: {type(exc).__name__}: "
+                                f"{exc}") from None
             return [StaticValue(a if any(v is BATCH for v in a.ravel()) else a.astype(np.int64)) for a in shapes]
         if _folded_size(node.op_type, inputs) > MAX_ELEMENTS:
             raise OnnxError(f"{where}: computes a constant larger than {MAX_ELEMENTS:,} elements")
@@ -350,6 +378,14 @@ def parse(data: bytes, source: str) -> Any:
                         "download or another file type") from None
     if model.ir_version < 3 or not model.HasField("graph") or not len(model.graph.output):
         raise OnnxError(f"{source}: not an ONNX model (no IR version, graph or outputs)")
+    # Refused rather than decoded with replacement characters: names are how the graph wires
+    # tensors together, and two different damaged names could decode to one and silently rewire
+    # the model. ONNX text is UTF-8, so text that is not means the file is damaged.
+    undecodable = _undecodable_text(model, "model")
+    if undecodable is not None:
+        field, raw = undecodable
+        raise OnnxError(f"{source}: corrupt ONNX file: {field} is not valid UTF-8 text ({raw[:40]!r}); ONNX "
+                        "stores names and text as UTF-8")
     return model
 
 
