@@ -308,6 +308,14 @@ CASES: dict[str, tuple[list[Any], tuple[int, ...], dict[str, Any]] | tuple[Any, 
          node("Unsqueeze", ["n", "ax"], ["n1"]), node("Concat", ["n1", "rest"], ["target"], axis=0),
          node("Reshape", ["x", "target"])], (2, 3, 4), {"zero": np.array(0, np.int64), "ax": _i64(0),
                                                        "rest": _i64(4, 6)}),
+    "comparisons, logic, where and bool casts": (
+        [node("Greater", ["x", "zero"], ["g"]), node("Sigmoid", ["x"], ["h"]), node("Less", ["x", "h"], ["l"]),
+         node("Not", ["g"], ["ng"]), node("And", ["ng", "l"], ["a"]), node("Or", ["a", "g"], ["o"]),
+         node("Where", ["o", "x", "minus_inf"], ["w"]), node("Cast", ["h"], ["hb"], to=TensorProto.BOOL),
+         node("Where", ["hb", "w", "zero"], ["v"], suffix="2"),
+         node("Cast", ["g"], ["gf"], suffix="2", to=TensorProto.FLOAT),
+         node("Greater", ["half", "h"], ["lower"], suffix="2"), node("Where", ["lower", "gf", "v"], suffix="3")],
+        (2, 3, 4), {"zero": np.float32(0.0), "minus_inf": np.float32(-np.inf), "half": np.float32(0.5)}),
 }
 
 
@@ -336,6 +344,30 @@ def test_a_softplus_threshold_is_exported_as_its_linear_region(tmp_path: Path) -
         model = nn.Sequential([nn.Softplus(beta, threshold)], input_shape=(5,))
         opgrad_onnx.save(model, tmp_path / "softplus.onnx")
         np.testing.assert_allclose(run_onnxruntime(tmp_path / "softplus.onnx", x)[0], model.predict(x), rtol=1e-6)
+        # The Greater and Where it is written with read back as opgrad layers.
+        np.testing.assert_allclose(opgrad_onnx.load(tmp_path / "softplus.onnx").predict(x), model.predict(x),
+                                   rtol=1e-6)
+
+
+def test_where_and_comparison_layers_export_and_read_back(tmp_path: Path) -> None:
+    # masked_fill(x <= 0, -inf) then a comparison between tensors: float 0/1 masks in opgrad.
+    inp = nn.Input((4,))
+    other = nn.Arithmetic("multiply", operand=0.5)(inp)
+    positive = nn.Arithmetic("greater", operand=0.0)(inp)
+    filled = nn.Where(false_value="-inf")([positive, inp])
+    larger = nn.Elementwise("greater")([inp, other])
+    model = nn.Model(inp, [filled, nn.Elementwise("add")([larger, other])], name="masks")
+    x = np.array([[-1.0, 0.0, 0.5, 3.0], [2.0, -0.25, 1.0, -4.0]], np.float32)
+    want = model.predict(x)
+    assert np.isneginf(want[0][0, 0]) and want[0][0, 3] == 3.0
+    opgrad_onnx.save(model, tmp_path / "masks.onnx")
+    for theirs, mine in zip(run_onnxruntime(tmp_path / "masks.onnx", x), want):
+        np.testing.assert_array_equal(theirs, mine)
+    for again, mine in zip(opgrad_onnx.load(tmp_path / "masks.onnx").predict(x), want):
+        np.testing.assert_array_equal(again, mine)
+    model.save(tmp_path / "masks.npz")
+    for again, mine in zip(nn.load(tmp_path / "masks.npz").predict(x), want):
+        np.testing.assert_array_equal(again, mine)
 
 
 def test_output_names_survive_import_and_export(tmp_path: Path) -> None:

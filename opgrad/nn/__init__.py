@@ -62,6 +62,7 @@ from opgrad.nn.ops_layers import (
     Resize,
     Slice,
     Unary,
+    Where,
 )
 from opgrad.nn.optim import OPTIMIZERS, SGD, Adam, AdamW, Optimizer, RMSprop, make_optimizer
 from opgrad.nn.reshaping import Permute, Reshape, ZeroPadding2D
@@ -148,6 +149,7 @@ __all__ = [
     "Unary",
     "UpSampling2D",
     "WarmupLR",
+    "Where",
     "ZeroPadding2D",
     "accuracy",
     "build_model",

@@ -37,11 +37,13 @@ __all__ = [
     "Resize",
     "Slice",
     "Unary",
+    "Where",
 ]
 
 Shape = tuple[int, ...]
-#: The binary operations of :class:`Elementwise` and :class:`Arithmetic`.
-ARITHMETIC = ("add", "subtract", "multiply", "divide", "maximum", "minimum")
+#: The binary operations of :class:`Elementwise` and :class:`Arithmetic`; ``greater`` gives a float
+#: 0/1 mask (what an imported graph's comparisons become, for :class:`Where` and arithmetic).
+ARITHMETIC = ("add", "subtract", "multiply", "divide", "maximum", "minimum", "greater")
 #: The registered one-input operators :class:`Unary` applies.
 UNARY = ("abs", "erf", "exp", "log", "negative", "rsqrt", "sqrt", "square")
 
@@ -100,6 +102,68 @@ class Elementwise(Layer):
         for other in x[1:]:
             out = _binary(self.op, out, other)
         return out
+
+
+def _fixed_value(value: float | str | None, what: str) -> float | None:
+    """A fixed branch of :class:`Where`: a number, infinities included (as JSON keeps them, "inf")."""
+    if value is None:
+        return None
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"Where {what} must be a number (or None for an input), got {value!r}") from None
+    if math.isnan(number):
+        raise ValueError(f"Where {what} must not be NaN")
+    return number
+
+
+class Where(Layer):
+    """``on_true where condition != 0 else on_false`` (numpy.where with a float 0/1 mask, numpy
+    broadcasting of the per-example shapes). The inputs are ``[condition, on_true, on_false]``
+    less a branch given as a fixed number: ``true_value`` or ``false_value``, infinities allowed
+    (PyTorch's ``masked_fill(mask, -inf)``, an imported ONNX ``Where``).
+    """
+
+    kind = "where"
+    multi_input = True
+
+    def __init__(self, true_value: float | str | None = None, false_value: float | str | None = None, *,
+                 name: str | None = None) -> None:
+        super().__init__(name)
+        self.true_value = _fixed_value(true_value, "true_value")
+        self.false_value = _fixed_value(false_value, "false_value")
+
+    @property
+    def input_count(self) -> int:
+        return 1 + (self.true_value is None) + (self.false_value is None)
+
+    def get_config(self) -> dict[str, Any]:
+        # JSON has no infinity: an infinite branch is stored as the string "inf" or "-inf".
+        def stored(value: float | None) -> float | str | None:
+            return value if value is None or math.isfinite(value) else str(value)
+
+        return {"true_value": stored(self.true_value), "false_value": stored(self.false_value)}
+
+    def config(self) -> str:
+        return f"{'x' if self.true_value is None else f'{self.true_value:g}'}, " \
+               f"{'y' if self.false_value is None else f'{self.false_value:g}'}"
+
+    def output_shape_for(self, input_shape: list[Shape]) -> Shape:
+        if len(input_shape) != self.input_count:
+            given = " and the branches not given as numbers" if self.input_count > 1 else ""
+            raise self._shape_error(input_shape, f"Where takes {self.input_count} input(s) (the condition{given})")
+        if len({len(s) for s in input_shape}) != 1:
+            raise self._shape_error(input_shape, "Where needs inputs of one rank (the batch axes align)")
+        shape = _broadcast(input_shape)
+        if shape is None:
+            raise self._shape_error(input_shape, "the shapes do not broadcast together")
+        return shape
+
+    def apply(self, x: list[Expr], params: Mapping[str, Expr], ctx: ForwardContext) -> Expr:
+        condition, branches = x[0], iter(x[1:])
+        on_true = next(branches) if self.true_value is None else Const(np.asarray(self.true_value, x[0].dtype))
+        on_false = next(branches) if self.false_value is None else Const(np.asarray(self.false_value, x[0].dtype))
+        return ops.where(condition, on_true, on_false)
 
 
 class Unary(Layer):

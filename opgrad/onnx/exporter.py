@@ -39,6 +39,8 @@ class GraphBuilder:
 
     def __init__(self, onnx: Any, dtype: np.dtype, opset: int) -> None:
         self.onnx, self.dtype, self.opset = onnx, dtype, opset
+        #: The ONNX element type of the model's float data.
+        self.float_type = onnx.TensorProto.DOUBLE if dtype == np.float64 else onnx.TensorProto.FLOAT
         self.nodes: list[Any] = []
         self.initializers: dict[str, Any] = {}
         self.taken: set[str] = set()
@@ -328,32 +330,49 @@ def _embedding(b: GraphBuilder, layer: Any, x: list[str], shapes: list[Shape], o
     b.node("Gather", [b.weight(layer, "weight"), x[0]], out, layer.name, axis=0)
 
 
-def _fold(b: GraphBuilder, op_type: str, x: list[str], out: str, hint: str) -> None:
-    total = x[0]
-    for i, other in enumerate(x[1:], start=2):
-        total = b.node(op_type, [total, other], out if i == len(x) else None, hint)
-
-
 @emitter("add")
 def _add(b: GraphBuilder, layer: Any, x: list[str], shapes: list[Shape], out: str) -> None:
-    _fold(b, "Add", x, out, layer.name)
+    _fold(b, "add", x, out, layer.name)
 
 
 _ONNX_ARITHMETIC = {"add": "Add", "subtract": "Sub", "multiply": "Mul", "divide": "Div", "maximum": "Max",
-                    "minimum": "Min"}
+                    "minimum": "Min", "greater": "Greater"}
+
+
+def _binary(b: GraphBuilder, op: str, pair: list[str], out: str | None, hint: str) -> str:
+    """One binary operation; a comparison's boolean result is cast to the model's float type, the
+    0/1 mask opgrad computes."""
+    if op != "greater":
+        return b.node(_ONNX_ARITHMETIC[op], pair, out, hint)
+    return b.node("Cast", [b.node("Greater", pair, hint=hint)], out, hint, to=b.float_type)
+
+
+def _fold(b: GraphBuilder, op: str, x: list[str], out: str, hint: str) -> None:
+    """``op`` (an opgrad name) of several inputs, from the left."""
+    total = x[0]
+    for i, other in enumerate(x[1:], start=2):
+        total = _binary(b, op, [total, other], out if i == len(x) else None, hint)
 
 
 @emitter("elementwise")
 def _elementwise(b: GraphBuilder, layer: Any, x: list[str], shapes: list[Shape], out: str) -> None:
-    _fold(b, _ONNX_ARITHMETIC[layer.op], x, out, layer.name)
+    _fold(b, layer.op, x, out, layer.name)
 
 
 @emitter("arithmetic")
 def _arithmetic(b: GraphBuilder, layer: Any, x: list[str], shapes: list[Shape], out: str) -> None:
     operand = b.weight(layer, "operand") if layer.operand is None else b.constant(layer.operand,
                                                                                  f"{layer.name}.operand")
-    pair = [operand, x[0]] if layer.reverse else [x[0], operand]
-    b.node(_ONNX_ARITHMETIC[layer.op], pair, out, layer.name)
+    _binary(b, layer.op, [operand, x[0]] if layer.reverse else [x[0], operand], out, layer.name)
+
+
+@emitter("where")
+def _where(b: GraphBuilder, layer: Any, x: list[str], shapes: list[Shape], out: str) -> None:
+    condition = b.node("Cast", [x[0]], hint=layer.name, to=b.onnx.TensorProto.BOOL)  # nonzero (and NaN): true
+    branches = iter(x[1:])
+    on_true = next(branches) if layer.true_value is None else b.constant(layer.true_value, f"{layer.name}.true")
+    on_false = next(branches) if layer.false_value is None else b.constant(layer.false_value, f"{layer.name}.false")
+    b.node("Where", [condition, on_true, on_false], out, layer.name)
 
 
 @emitter("concat")

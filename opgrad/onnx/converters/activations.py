@@ -24,6 +24,7 @@ from opgrad.nn.layers import (
 )
 from opgrad.nn.ops_layers import Arithmetic, Clip, Elementwise, LogSoftmax, Unary
 from opgrad.nn.reshaping import Reshape
+from opgrad.onnx.converters.logical import as_mask
 from opgrad.onnx.table import NodeContext, StaticValue, Value, converter
 
 __all__ = ["UNARY_NODES"]
@@ -33,6 +34,7 @@ _SIMPLE = {"Relu": ReLU, "Sigmoid": Sigmoid, "Tanh": Tanh, "Softplus": Softplus,
 #: read by the importer and written back by the exporter.
 UNARY_NODES = {"Abs": "abs", "Erf": "erf", "Exp": "exp", "Log": "log", "Neg": "negative", "Sqrt": "sqrt"}
 _FLOAT_CASTS = {1: "FLOAT", 10: "FLOAT16", 11: "DOUBLE", 16: "BFLOAT16"}
+_BOOL_CAST = 9  # TensorProto.BOOL
 
 
 def simple(ctx: NodeContext) -> list[Value]:
@@ -199,7 +201,9 @@ def identity(ctx: NodeContext) -> list[Value]:
 def cast(ctx: NodeContext) -> list[Value]:
     value = ctx.value(0)
     to = int(ctx.attr("to", 0))
+    if to == _BOOL_CAST:
+        return [as_mask(ctx, value)]
     if to not in _FLOAT_CASTS and not isinstance(value, StaticValue):
         raise ctx.unsupported("to", to, "float types (FLOAT, DOUBLE, FLOAT16: the model computes in its own float "
-                                        "type) for data computed from the input")
+                                        "type) and BOOL (a 0/1 mask) for data computed from the input")
     return [value]

@@ -8,7 +8,7 @@ from opgrad.nn.layers import Add
 from opgrad.nn.ops_layers import Arithmetic, Elementwise
 from opgrad.onnx.table import NodeContext, StaticValue, Value, converter
 
-__all__ = ["FIXED_OPERAND_LIMIT"]
+__all__ = ["FIXED_OPERAND_LIMIT", "operation"]
 
 #: A constant operand that is no initializer is kept in the model description up to this many
 #: elements (a scale, a mean); a larger one becomes a parameter so the description stays small.
@@ -17,20 +17,28 @@ _OPS = {"Add": "add", "Sub": "subtract", "Mul": "multiply", "Div": "divide", "Ma
 
 
 def binary(ctx: NodeContext) -> list[Value]:
-    op = _OPS[ctx.op_type]
-    a, b = ctx.value(0), ctx.value(1)
+    return [operation(ctx, _OPS[ctx.op_type], 0, 1)]
+
+
+def operation(ctx: NodeContext, op: str, first: int, second: int) -> Value:
+    """``op`` (one of :data:`opgrad.nn.ops_layers.ARITHMETIC`) of the node's inputs ``first`` and
+    ``second``, in that order: an :class:`Elementwise` layer of two tensors, or an
+    :class:`Arithmetic` one of a tensor and a constant."""
+    a, b = ctx.value(first), ctx.value(second)
     if not isinstance(a, StaticValue) and not isinstance(b, StaticValue):
         if op == "add" and a.shape == b.shape:
-            return [ctx.layer(ctx.new(Add), [a, b])]
+            return ctx.layer(ctx.new(Add), [a, b])
         if len(a.shape) != len(b.shape):
             raise ctx.error(f"inputs (N, {', '.join(map(str, a.shape))}) and (N, {', '.join(map(str, b.shape))}) "
                             "differ in rank; supported: tensors of one rank (their batch axes align), or a "
                             "constant operand of any rank")
-        return [ctx.layer(ctx.new(Elementwise, op), [a, b])]
+        return ctx.layer(ctx.new(Elementwise, op), [a, b])
+    if isinstance(a, StaticValue) and isinstance(b, StaticValue):
+        raise ctx.error("both operands are constants; supported: at least one computed from the input")
     reverse = isinstance(a, StaticValue)
     constant, tensor = (a, b) if reverse else (b, a)
     assert isinstance(constant, StaticValue) and not isinstance(tensor, StaticValue)
-    index = 0 if reverse else 1
+    index = first if reverse else second
     array = ctx.static_floats(index, "operand")
     rank = len(tensor.shape) + 1
     if array.ndim > rank:
@@ -43,8 +51,8 @@ def binary(ctx: NodeContext) -> list[Value]:
         array = array[0]
     if constant.initializer is not None or array.size > FIXED_OPERAND_LIMIT:
         layer = ctx.new(Arithmetic, op, operand_shape=array.shape, reverse=reverse)
-        return [ctx.layer(layer, tensor, {"operand": np.asarray(array, dtype=np.float32)})]
-    return [ctx.layer(ctx.new(Arithmetic, op, operand=array.tolist(), reverse=reverse), tensor)]
+        return ctx.layer(layer, tensor, {"operand": np.asarray(array, dtype=np.float32)})
+    return ctx.layer(ctx.new(Arithmetic, op, operand=array.tolist(), reverse=reverse), tensor)
 
 
 def extremum(ctx: NodeContext) -> list[Value]:
