@@ -50,7 +50,7 @@ def load_any(path: str) -> Any:
 def run(args: argparse.Namespace) -> int:
     from opgrad.train import check_output
 
-    check_output(args.save, "--save")
+    check_output(args.save, "--save", {"MODEL": args.model})
     model = load_any(args.model)
     try:
         model.save(args.save)

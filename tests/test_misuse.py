@@ -415,7 +415,8 @@ def test_an_output_over_one_of_the_commands_inputs_is_refused(tmp_path: Path,
              "--output", "--checkpoint"),
             (["predict", "--checkpoint", str(checkpoint), "--images", str(images), "--output", str(images)],
              "--output", "--images"),
-            (["export-onnx", str(checkpoint), str(checkpoint)], "OUT", "CKPT")):
+            (["export-onnx", str(checkpoint), str(checkpoint)], "OUT", "CKPT"),
+            (["import", str(checkpoint), "--save", str(checkpoint)], "--save", "MODEL")):
         code, _, err = _cli(argv, capsys)
         written = checkpoint if other != "--images" else images
         assert code == 2 and err.endswith(f"error: {option} {written}: is also the {other} file, which writing it "
