@@ -28,6 +28,7 @@ __all__ = [
     "ARITHMETIC",
     "UNARY",
     "Arithmetic",
+    "BroadcastingLayer",
     "Clip",
     "Elementwise",
     "GlobalPool2D",
@@ -68,14 +69,29 @@ def _broadcast(shapes: Sequence[Shape]) -> Shape | None:
 
 
 
-class Elementwise(Layer):
+class BroadcastingLayer(Layer):
+    """A layer of several inputs that numpy broadcasting combines (their batch axes align)."""
+
+    multi_input = True
+
+    def broadcast_shape(self, input_shape: list[Shape]) -> Shape:
+        """The shape the inputs broadcast to: of one rank, numpy's rules."""
+        if len({len(s) for s in input_shape}) != 1:
+            raise self._shape_error(input_shape, f"{type(self).__name__} needs inputs of one rank (the batch axes "
+                                                 "align)")
+        shape = _broadcast(input_shape)
+        if shape is None:
+            raise self._shape_error(input_shape, "the shapes do not broadcast together")
+        return shape
+
+
+class Elementwise(BroadcastingLayer):
     """``op`` of two or more inputs with numpy broadcasting of their per-example shapes (equal ranks).
 
     ``op`` is one of :data:`ARITHMETIC`; several inputs fold from the left (``(a - b) - c``).
     """
 
     kind = "elementwise"
-    multi_input = True
 
     def __init__(self, op: str, *, name: str | None = None) -> None:
         super().__init__(name)
@@ -90,12 +106,7 @@ class Elementwise(Layer):
         return self.op
 
     def output_shape_for(self, input_shape: list[Shape]) -> Shape:
-        if len({len(s) for s in input_shape}) != 1:
-            raise self._shape_error(input_shape, "Elementwise needs inputs of one rank (the batch axes align)")
-        shape = _broadcast(input_shape)
-        if shape is None:
-            raise self._shape_error(input_shape, "the shapes do not broadcast together")
-        return shape
+        return self.broadcast_shape(input_shape)
 
     def apply(self, x: list[Expr], params: Mapping[str, Expr], ctx: ForwardContext) -> Expr:
         out = x[0]
@@ -117,7 +128,7 @@ def _fixed_value(value: float | str | None, what: str) -> float | None:
     return number
 
 
-class Where(Layer):
+class Where(BroadcastingLayer):
     """``on_true where condition != 0 else on_false`` (numpy.where with a float 0/1 mask, numpy
     broadcasting of the per-example shapes). The inputs are ``[condition, on_true, on_false]``
     less a branch given as a fixed number: ``true_value`` or ``false_value``, infinities allowed
@@ -125,7 +136,6 @@ class Where(Layer):
     """
 
     kind = "where"
-    multi_input = True
 
     def __init__(self, true_value: float | str | None = None, false_value: float | str | None = None, *,
                  name: str | None = None) -> None:
@@ -152,12 +162,7 @@ class Where(Layer):
         if len(input_shape) != self.input_count:
             given = " and the branches not given as numbers" if self.input_count > 1 else ""
             raise self._shape_error(input_shape, f"Where takes {self.input_count} input(s) (the condition{given})")
-        if len({len(s) for s in input_shape}) != 1:
-            raise self._shape_error(input_shape, "Where needs inputs of one rank (the batch axes align)")
-        shape = _broadcast(input_shape)
-        if shape is None:
-            raise self._shape_error(input_shape, "the shapes do not broadcast together")
-        return shape
+        return self.broadcast_shape(input_shape)
 
     def apply(self, x: list[Expr], params: Mapping[str, Expr], ctx: ForwardContext) -> Expr:
         condition, branches = x[0], iter(x[1:])
