@@ -458,8 +458,8 @@ def test_export_argument_errors(tmp_path: Path, capsys: pytest.CaptureFixture[st
     assert err.count("\n") == 1
     assert not (tmp_path / "out").exists()
     assert cli.main(["export", "/proc/opgrad-export"]) == 2  # /proc takes no new entries, even from root
-    assert capsys.readouterr().err == ("opgrad export: error: /proc/opgrad-export: cannot write the export there: "
-                                       "No such file or directory\n")
+    assert capsys.readouterr().err == ("opgrad export: error: /proc/opgrad-export: cannot write the export there "
+                                       "(/proc: No such file or directory)\n")
 
 
 def test_ci_installs_the_cross_tools_before_the_readme_command() -> None:

@@ -11,6 +11,7 @@ pointer tables, runs the thread pool behind ``opgrad_parallel_for`` and reads/wr
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
@@ -216,12 +217,16 @@ def export(directory: str | os.PathLike[str], *, model: str | Model = "seed-cnn"
     out = Path(directory)
     if out.exists() and not out.is_dir():
         raise ExportError(f"{out}: exists and is not a directory")
-    try:  # before the compile, so a path that cannot be written fails in a second
-        out.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=out, prefix=".opgrad-probe-"):
+    # Before the compile, so a path that cannot be written fails in a second; the folder itself is
+    # made only once there is something to write, so a refused export leaves none behind.
+    existing = next(p for p in (out, *out.absolute().parents) if p.exists())
+    try:
+        if not existing.is_dir():
+            raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR))
+        with tempfile.NamedTemporaryFile(dir=existing, prefix=".opgrad-probe-"):
             pass
     except OSError as exc:
-        raise ExportError(f"{out}: cannot write the export there: {exc.strerror}") from None
+        raise ExportError(f"{out}: cannot write the export there ({existing}: {exc.strerror})") from None
     if cc is None and not object_only:
         cc = default_c_compiler(tgt)
         if cc is None:
@@ -252,6 +257,10 @@ def export(directory: str | os.PathLike[str], *, model: str | Model = "seed-cnn"
     obj, times = object_code(ir, Codegen(tgt, jit=False), what=f"the exported {net.name} steps ({name})",
                              kernel_labels=labels)
 
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ExportError(f"{out}: cannot create the export folder: {exc.strerror}") from None
     for stale in built_files(out, name).values():
         # A library from an earlier export beside this one's header would run the old graphs with the new
         # sizes; it goes before anything is written, so a failed or object-only export leaves none.
