@@ -44,6 +44,7 @@ import os
 import sys
 import time
 import traceback
+import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any, TypeVar
@@ -299,7 +300,16 @@ def share_cores(comm: Communicator) -> None:
         cores = len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
         cores = os.cpu_count() or 1
-    os.environ[NUM_THREADS_VAR] = str(max(1, cores // max(1, local)))
+    share = max(1, cores // max(1, local))
+    from opgrad.compiler.threads import pool_size, pool_started
+
+    if pool_started() and pool_size() > share:
+        warnings.warn(f"opgrad: this rank's compiled kernels already run {pool_size()} worker threads, started "
+                      f"before the ranks shared this machine's {cores} cores ({share} each for {local} ranks): set "
+                      f"{NUM_THREADS_VAR}={share}, or build the DistributedTrainer before compiling anything else",
+                      stacklevel=3)
+        return
+    os.environ[NUM_THREADS_VAR] = str(share)
 
 
 def check_same_everywhere(comm: Communicator, arrays: Mapping[str, np.ndarray], what: str,
@@ -324,6 +334,23 @@ def check_same_everywhere(comm: Communicator, arrays: Mapping[str, np.ndarray], 
     if low[0] != high[0]:
         raise _collective(RankFailedError(
             f"{what} differ between the ranks (rank {comm.rank} of {comm.size}); {remedy}"))
+
+
+def check_settings_everywhere(comm: Communicator, settings: Mapping[str, Any], what: str, remedy: str) -> None:
+    """Raise on every rank, naming the settings that differ, unless each of ``settings`` (name ->
+    a value with a stable ``repr``) is the same on every rank. Collective: one min and one max
+    all-reduce of a digest per setting."""
+    names = sorted(settings)
+    mine = np.array([int.from_bytes(hashlib.sha256(repr(settings[name]).encode()).digest()[:8], "little")
+                     for name in names], np.uint64)
+    low, high = mine.copy(), mine.copy()
+    comm.comm.Allreduce(comm.mpi.IN_PLACE, low, op=comm.mpi.MIN)
+    comm.comm.Allreduce(comm.mpi.IN_PLACE, high, op=comm.mpi.MAX)
+    differ = [name for name, a, b in zip(names, low, high, strict=True) if a != b]
+    if differ:
+        shown = ", ".join(f"{name} (here {settings[name]!r})" for name in differ)
+        raise _collective(RankFailedError(f"{what} differ between the ranks: {shown} on rank {comm.rank} of "
+                                          f"{comm.size}; {remedy}"))
 
 
 def _collective(exc: BaseException) -> BaseException:
@@ -404,10 +431,15 @@ class DistributedTrainer(Trainer):
         if batch_size < self.comm.size:
             raise ConfigError(f"the global batch size {batch_size} is smaller than the number of ranks "
                               f"({self.comm.size}); every rank needs at least one example per step")
+        share_cores(self.comm)  # before the first kernel starts the pool
         self.rows = shard_bounds(batch_size, self.comm.rank, self.comm.size)
         if self.comm.size > 1:
-            # The ranks average their gradients into one model: replicas that start apart (a model
-            # holding other weights, another seed) would train apart without a word.
+            # Every rank takes its rows of one global batch drawn from the seed, and the ranks
+            # average their gradients into one model: another batch size, seed or schedule would
+            # use rows twice or never and train apart; so would replicas that start apart.
+            check_settings_everywhere(self.comm, self.run_settings(), "the training settings",
+                                      "every rank must be given the same options (opgrad train's flags, "
+                                      "DistributedTrainer's arguments)")
             check_same_everywhere(self.comm, {**self.params, **self.state}, "the starting parameters and state",
                                   "every rank must start from the same weights: the same --seed (seed), "
                                   "checkpoint or params")
@@ -426,6 +458,49 @@ class DistributedTrainer(Trainer):
         self.times: dict[str, float] = {}
         self.timed_steps = 0
         self.reset_times()
+
+    def run_settings(self) -> dict[str, Any]:
+        """What every rank must agree on: the step's batch and update, and how batches are drawn."""
+        return {"batch_size": self.batch_size, "seed": self.seed, "dtype": self.dtype,
+                "optimizer": self.optimizer.describe(), "lr": self.schedule.describe(), "step": self.step,
+                "epoch": self.epoch, "eval_batch_size": self.eval_batch_size, "augment": (
+                    self.augment_shift, self.augment_rotate, self.augment_scale),
+                "sync_batchnorm": bool(getattr(self, "sync_batchnorm", False)), "model": self.model.name}
+
+    def _check_agreement(self, inputs: Inputs, labels: Labels, who: str, weights: bool = False) -> None:
+        """Before ``who`` runs, every rank must stand at the same step and epoch (a checkpoint restored
+        on some ranks only moves them) and pass the same whole data set, each taking its own rows of
+        every batch; with ``weights``, hold the same parameters and state too (once an epoch: a
+        digest of every weight). Collective: every rank calls the same method."""
+        if self.comm.size == 1:
+            return
+        check_settings_everywhere(self.comm, {"step": self.step, "epoch": self.epoch},
+                                  f"the training position at {who}", "every rank must restore the same checkpoint "
+                                  "(call restore on every rank)")
+        arrays = self._input_arrays(inputs, labels, who, classes=False)
+        named = {f"input {i}": a for i, a in enumerate(arrays)}
+        named.update({f"labels {i}": np.asarray(y) for i, y in enumerate(
+            labels if isinstance(labels, (list, tuple)) else [labels])})
+        check_same_everywhere(self.comm, named, f"the data given to {who}", "every rank passes the same whole "
+                              "data set (each takes its own rows of every batch), not a shard of its own")
+        if weights:
+            check_same_everywhere(self.comm, {**self.params, **self.state}, f"the parameters and state at {who}",
+                                  "every rank must restore the same checkpoint (call restore on every rank)")
+
+    def train_epoch(self, inputs: Inputs, labels: Labels, **options: Any) -> float:
+        """The Trainer's epoch, once every rank is found at the same position, with the same data and
+        weights (one digest each)."""
+        self._check_agreement(inputs, labels, "DistributedTrainer.train_epoch", weights=True)
+        return super().train_epoch(inputs, labels, **options)
+
+    def train_batch(self, inputs: Inputs, labels: Labels) -> float:
+        self._check_agreement(inputs, labels, "DistributedTrainer.train_batch")
+        return super().train_batch(inputs, labels)
+
+    def train_batches(self, batches: Sequence[tuple[Inputs, Labels]]) -> list[float]:
+        for i, (inputs, labels) in enumerate(batches):
+            self._check_agreement(inputs, labels, f"DistributedTrainer.train_batches (batch {i})")
+        return super().train_batches(batches)
 
     def reset_times(self) -> None:
         """Start :attr:`times` and :attr:`timed_steps` from zero (per epoch, say)."""
@@ -567,6 +642,9 @@ class DistributedTrainer(Trainer):
 
     def evaluate(self, inputs: Inputs, labels: Labels) -> tuple[float, float]:
         """``(accuracy, mean cross-entropy)`` of the first output over every example, the same on every rank."""
+        self._check_agreement(inputs, labels, "DistributedTrainer.evaluate")
+        if not label_rows(labels):
+            raise ValueError("DistributedTrainer.evaluate: no examples; accuracy and loss need at least one")
         start, stop = shard_bounds(label_rows(labels), self.comm.rank, self.comm.size)
         totals = np.zeros(self.comm.size + 2, np.float64)  # failure flags, correct, summed loss
         error: Exception | None = None

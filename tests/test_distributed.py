@@ -292,8 +292,8 @@ def test_cli_a_rank_with_bad_data_or_other_weights_stops_every_rank(tmp_path: Pa
     done = run_mpi(["-n", "1", opgrad_cli(), *common, ":", "-n", "1", opgrad_cli(), *common, "--seed", "1"],
                    tmp_path, timeout=60)
     assert done.returncode != 0
-    assert "the starting parameters and state differ between the ranks" in done.stderr
-    assert "every rank must start from the same weights: the same --seed" in done.stderr
+    assert "the training settings differ between the ranks: seed (here 0)" in done.stderr
+    assert "every rank must be given the same options (opgrad train's flags" in done.stderr
     # Other data on one rank (here of another size) would run other numbers of steps until the
     # all-reduces no longer match: refused before the first step, on both ranks.
     other = tmp_path / "other"
@@ -395,3 +395,66 @@ def test_ranks_holding_other_weights_are_refused(tmp_path: Path, weights: str) -
         assert all("refused: the starting parameters and state differ between the ranks" in line for line in lines)
     else:
         assert lines == ["built", "built"]
+
+
+RANKS_APART = """
+import sys
+import numpy as np
+from opgrad import nn
+from opgrad.checkpoint import load_checkpoint, save_checkpoint
+from opgrad.distributed import DistributedTrainer, RankFailedError, world
+
+comm = world()
+case = sys.argv[1]
+inp = nn.Input((6,))
+model = nn.Model(inp, nn.Dense(3)(inp))
+rng = np.random.default_rng(0)
+x, y = rng.standard_normal((64, 6)).astype(np.float32), rng.integers(0, 3, 64)
+options = {"lr": 0.1, "batch_size": 16, "seed": 0, "backend": "reference"}
+if case == "batch":
+    options["batch_size"] = 16 if comm.rank == 0 else 13
+if case == "seed":
+    options["seed"] = comm.rank
+if case == "shard":  # PyTorch's DistributedSampler habit: each rank passes a data set of its own
+    x, y = (x[:32], y[:32]) if comm.rank == 0 else (x[32:], y[32:])
+try:
+    trainer = DistributedTrainer(model, nn.SGD(), comm=comm, **options)
+    if case == "restore":
+        trainer.train_epoch(x, y)
+        arrays, meta = trainer.checkpoint()
+        later = DistributedTrainer(model, nn.SGD(), comm=comm, **options)
+        if comm.rank == 0:  # PyTorch's habit of loading on rank 0 alone
+            later.restore(arrays, meta)
+        later.train_epoch(x, y)
+    elif case == "empty":
+        trainer.evaluate(x[:0], y[:0])
+    else:
+        trainer.train_epoch(x, y)
+except (RankFailedError, ValueError) as exc:
+    outcome = f"refused: {type(exc).__name__}: {exc}"
+else:
+    outcome = "trained"
+with open(f"rank{comm.rank}.txt", "w") as handle:
+    handle.write(outcome)
+"""
+
+
+@pytest.mark.parametrize(("case", "says"), [
+    ("batch", "the training settings differ between the ranks: batch_size (here "),
+    ("seed", "the training settings differ between the ranks: seed (here "),
+    ("shard", "the data given to DistributedTrainer.train_epoch differ between the ranks"),
+    ("restore", "the training position at DistributedTrainer.train_epoch differ between the ranks: epoch (here "),
+    ("empty", "DistributedTrainer.evaluate: no examples"),
+    ("same", None),
+])
+def test_ranks_that_would_train_apart_stop_on_every_rank(tmp_path: Path, case: str, says: str | None) -> None:
+    # Another batch size, seed, data set or restored checkpoint on one rank used rows twice or
+    # never, hung in an all-reduce, or trained replicas apart; each is an error on every rank.
+    script = write_script(tmp_path, "apart.py", RANKS_APART)
+    done = run_mpi(["-n", "2", sys.executable, str(script), case], tmp_path, timeout=120)
+    assert done.returncode == 0, done.stderr
+    lines = [(tmp_path / f"rank{rank}.txt").read_text() for rank in range(2)]
+    if says is None:
+        assert lines == ["trained", "trained"]
+    else:
+        assert all(line.startswith("refused: ") and says in line for line in lines), lines

@@ -384,6 +384,12 @@ def pool() -> ThreadPool:
         return _pool
 
 
+def pool_started() -> bool:
+    """Whether the process-wide pool exists; its size is then fixed for the process's life."""
+    with _pool_lock:
+        return _pool is not None
+
+
 def pool_size() -> int:
     """Threads of the process-wide pool: its size, or the size it takes when first used."""
     with _pool_lock:
