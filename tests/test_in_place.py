@@ -201,3 +201,14 @@ def test_the_plan_cache_keeps_the_pairs_and_keys_by_them(tmp_path: object, monke
     assert again.in_place == first.in_place == list(PAIRS) and other.in_place == []
     for g, e in zip(again(*arrays), other(*arrays), strict=True):
         np.testing.assert_array_equal(g, e)
+
+
+@pytest.mark.parametrize("donate", ["no", 0, None])
+def test_donate_takes_only_a_bool(donate: object) -> None:
+    # "no" is truthy: taken as True it would give the caller's arrays up.
+    fn, arrays = _sgd(4, features=64)
+    compiled = opgrad.compile(fn, in_place=PAIRS)
+    before = arrays[3].copy()
+    with pytest.raises(TypeError, match=f"donate must be True or False, got {donate!r}"):
+        compiled(*arrays, donate=donate)  # type: ignore[arg-type]
+    np.testing.assert_array_equal(arrays[3], before)

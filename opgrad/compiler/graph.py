@@ -605,6 +605,8 @@ class CompiledFunction:
         caller gives it up, as with JAX's donated buffers), unless it is read-only or overlaps
         another argument; otherwise in a copy of it, so the arrays passed are never modified.
         """
+        if donate is not False and donate is not True:  # "no" would be truthy and give the arrays up
+            raise TypeError(f"opgrad.compile(...): donate must be True or False, got {donate!r}")
         checked = list(arrays)
         if len(arrays) != len(self._param_types) or not all(
             type(a) is np.ndarray and a.shape == shape and a.dtype == dtype and a.flags.c_contiguous
