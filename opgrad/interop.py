@@ -26,8 +26,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--save", metavar="PATH", required=True, help="the opgrad checkpoint (.npz) to write")
 
 
-def load_any(path: str) -> Any:
-    """The ``opgrad.nn.Model`` in ``path``, read by the importer its suffix names."""
+def load_any(path: str, notes: list[str] | None = None) -> Any:
+    """The ``opgrad.nn.Model`` in ``path``, read by the importer its suffix names; what the Keras
+    importer notes on the conversion (a final softmax left out, ...) is added to ``notes``."""
     # Checked before the suffix, which a directory may have (d.onnx) or lack (/tmp).
     if Path(path).is_dir():
         raise ConfigError(f"{path}: is a directory, expected a model file ({', '.join(IMPORTERS)})")
@@ -44,6 +45,10 @@ def load_any(path: str) -> Any:
         raise ConfigError(f"{path}: reading {suffix} files needs {exc.name}: pip install 'opgrad[interop]'") from None
     if not Path(path).is_file():
         raise ConfigError(f"{path}: no such file")
+    if notes is not None and hasattr(module, "read"):
+        imported = module.read(path)
+        notes.extend(imported.notes)
+        return imported.model
     return module.load(path)
 
 
@@ -51,11 +56,17 @@ def run(args: argparse.Namespace) -> int:
     from opgrad.train import check_output
 
     check_output(args.save, "--save", {"MODEL": args.model})
-    model = load_any(args.model)
+    if Path(args.save).suffix.lower() in IMPORTERS:
+        raise ConfigError(f"--save {args.save}: writes an opgrad checkpoint, not a {Path(args.save).suffix} file; "
+                          "name it .npz (opgrad export-onnx writes ONNX from a checkpoint)")
+    notes: list[str] = []
+    model = load_any(args.model, notes)
     try:
         model.save(args.save)
     except OSError as exc:
         raise UserError(f"--save {args.save}: {exc}") from None
     print(model.summary())
+    for note in notes:
+        print(f"note: {note}")
     print(f"wrote {args.save}: {model.num_params:,} parameters from {args.model}")
     return 0

@@ -245,6 +245,18 @@ def _rename_class(layer: str, class_name: str) -> Callable[[dict[str, Any]], Non
     return edit
 
 
+def _call_twice_over(layer: str, class_name: str | None = None) -> Callable[[dict[str, Any]], None]:
+    """The layer called with its input twice and a keyword (MultiHeadAttention's query, value, mask)."""
+    def edit(config: dict[str, Any]) -> None:
+        entry = _layer(config, layer)
+        node = entry["inbound_nodes"][0]
+        node["args"] = node["args"] * 2
+        node["kwargs"] = {**(node.get("kwargs") or {}), "attention_mask": node["args"][0]}
+        if class_name is not None:
+            entry["class_name"] = class_name
+    return edit
+
+
 def _nest(config: dict[str, Any]) -> None:
     entry = _layer(config, "dense")
     entry["class_name"] = "Sequential"
@@ -312,6 +324,8 @@ EDITS: dict[str, tuple[str, Callable[[dict[str, Any]], None]]] = {
     "bad_input_shape": ("residual.keras", _set("image", batch_shape=[None, "9", 9, 3])),
     "dynamic_input": ("residual.keras", _set("image", batch_shape=[None, None, None, 3])),
     "bad_wiring": ("residual.keras", lambda config: config["config"].update(input_layers=[["image", "x", 0]])),
+    "two_arguments": ("residual.keras", _call_twice_over("stem_relu")),
+    "unknown_layer_two_arguments": ("residual.keras", _call_twice_over("stem_relu", "MultiHeadAttention")),
 }
 
 ERRORS = [
@@ -340,6 +354,9 @@ ERRORS = [
     ("dynamic_input", "image", "has an unknown dimension"),
     ("bad_wiring", None, "malformed Functional config"),
     ("deep_json.keras", None, "nested too deeply"),
+    ("two_arguments", "stem_relu", "is called with 2 positional argument(s) and keyword arguments attention_mask; "
+                                   "the importer reads calls on one tensor or one list of tensors"),
+    ("unknown_layer_two_arguments", "stem_relu", "class 'MultiHeadAttention', which the importer does not support"),
 ]
 
 
@@ -511,3 +528,15 @@ def test_hard_sigmoid_follows_the_keras_version_that_wrote_the_file(tmp_path: Pa
     assert ("arithmetic", {"op": "multiply", "operand": 0.2, "reverse": False}) in kinds[".h5"]
     assert ("arithmetic", {"op": "add", "operand": 0.5, "reverse": False}) in kinds[".h5"]
     assert ("clip", {"min_value": 0.0, "max_value": 1.0}) in kinds[".h5"]
+
+
+def test_the_import_command_prints_the_notes_and_writes_only_checkpoints(tmp_path: Path,
+                                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    from opgrad import cli
+
+    assert cli.main(["import", str(FIXTURES / "mnist_cnn.keras"), "--save", str(tmp_path / "cnn.npz")]) == 0
+    assert "note: layer 'dense_1': the final softmax is left out" in capsys.readouterr().out
+    assert cli.main(["import", str(FIXTURES / "mnist_cnn.keras"), "--save", str(tmp_path / "cnn.onnx")]) == 2
+    assert capsys.readouterr().err.endswith("writes an opgrad checkpoint, not a .onnx file; name it .npz (opgrad "
+                                            "export-onnx writes ONNX from a checkpoint)\n")
+    assert not (tmp_path / "cnn.onnx").exists()

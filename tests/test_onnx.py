@@ -316,6 +316,16 @@ CASES: dict[str, tuple[list[Any], tuple[int, ...], dict[str, Any]] | tuple[Any, 
          node("Cast", ["g"], ["gf"], suffix="2", to=TensorProto.FLOAT),
          node("Greater", ["half", "h"], ["lower"], suffix="2"), node("Where", ["lower", "gf", "v"], suffix="3")],
         (2, 3, 4), {"zero": np.float32(0.0), "minus_inf": np.float32(-np.inf), "half": np.float32(0.5)}),
+    "where between two numbers (torch.where(x > 0, 1.0, -0.5))": (
+        [node("Greater", ["x", "zero"], ["g"]), node("Where", ["g", "one", "minus_half"], ["s"]),
+         node("Mul", ["x", "s"])], (3, 4), {"zero": np.float32(0.0), "one": np.float32(1.0),
+                                            "minus_half": np.float32(-0.5)}),
+    "softmax of a constant at opset 11 (over the flattened axes)": (
+        [node("Softmax", ["c"], ["s"], axis=1), node("Add", ["x", "s"])], (2, 3),
+        {"c": _rand(1, 2, 3, seed=5)}, 11),
+    "dropout with a BOOL training_mode": (
+        [node("Dropout", ["x", "ratio", "training"])], (3, 4), {"ratio": np.float32(0.3), "training": np.array(False)},
+        13),
 }
 
 
@@ -336,6 +346,24 @@ def test_node_kinds_match_onnxruntime_and_round_trip(case: str, tmp_path: Path) 
     opgrad_onnx.save(model, tmp_path / "back.onnx")
     for theirs, again in zip(reference, run_onnxruntime(tmp_path / "back.onnx", x)):
         np.testing.assert_allclose(again, theirs, rtol=1e-5, atol=1e-5)
+
+
+def test_constants_fold_by_the_files_opset(tmp_path: Path) -> None:
+    # x.view(x.size(0), x.size(1), -1) at opset 11: Unsqueeze takes its axes as an attribute there,
+    # and the channel count it unsqueezes is a constant folded while reading.
+    nodes = [node("Shape", ["x"], ["sh"]), node("Gather", ["sh", "zero"], ["n"], axis=0),
+             node("Gather", ["sh", "one"], ["c"], suffix="2", axis=0),
+             node("Unsqueeze", ["n"], ["n1"], axes=[0]), node("Unsqueeze", ["c"], ["c1"], suffix="2", axes=[0]),
+             node("Concat", ["n1", "c1", "rest"], ["target"], axis=0), node("Reshape", ["x", "target"])]
+    graph = helper.make_graph(
+        nodes, "view", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 3, 4, 5])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 3, 20])],
+        [numpy_helper.from_array(np.asarray(v), k) for k, v in
+         {"zero": np.array(0, np.int64), "one": np.array(1, np.int64), "rest": _i64(-1)}.items()])
+    path = tmp_path / "view11.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 11)], ir_version=8), path)
+    x = _rand(2, 3, 4, 5)
+    np.testing.assert_array_equal(opgrad_onnx.load(path).predict(x, backend="reference"), x.reshape(2, 3, 20))
 
 
 def test_a_softplus_threshold_is_exported_as_its_linear_region(tmp_path: Path) -> None:
@@ -451,6 +479,11 @@ REFUSED: dict[str, tuple[Any, str]] = {
                                         r"permutations that keep the batch axis first"),
     "gemm transA": (build([node("Gemm", ["x", "w"], transA=1)], (3,), {"w": _rand(3, 3)}),
                     r"\(Gemm\): attribute transA=1 is not supported"),
+    "arithmetic with the batch size": (
+        build([node("Shape", ["x"], ["sh"]), node("Gather", ["sh", "zero"], ["n"], axis=0),
+               node("Cast", ["n"], ["nf"], to=TensorProto.FLOAT), node("Div", ["x", "nf"])], (3,),
+              {"zero": np.array(0, np.int64)}),
+        r"\(Div\): input 1 \(operand\) computes with the batch size \(from Shape of the data\)"),
     "infinite leaky slope": (build([node("LeakyRelu", ["x"], alpha=float("inf"))], (3,)),
                              r"\(LeakyRelu\): attribute alpha=inf is not supported; supported: a finite slope"),
     "1-D convolution": (build([node("Conv", ["x", "w"])], (2, 5), {"w": _rand(3, 2, 3)}),

@@ -92,6 +92,8 @@ class LayerSpec:
     class_name: str
     config: dict[str, Any]
     calls: list[list[TensorRef]] = field(default_factory=list)
+    #: Why its calls cannot be read, said once the class is known to be one the importer reads.
+    call_error: str | None = None
 
 
 @dataclass
@@ -372,8 +374,10 @@ def _call_inputs(path: str, layer: str, node: Any) -> list[TensorRef]:
         args, kwargs = node.get("args", []), node.get("kwargs", {}) or {}
         extra = {k: v for k, v in kwargs.items() if v is not None and k != "training"}
         if len(args) != 1 or extra:
-            raise KerasImportError(f"{path}: layer {layer!r} is called with arguments {str(args)[:120]} "
-                                   f"{extra or ''}; the importer reads calls on one tensor or one list of tensors")
+            given = f"{len(args)} positional argument(s)" + (f" and keyword arguments {', '.join(extra)}" if extra
+                                                               else "")
+            raise KerasImportError(f"{path}: layer {layer!r} is called with {given}; the importer reads calls on "
+                                   "one tensor or one list of tensors")
         first = args[0]
         items = first if isinstance(first, list) else [first]
         return [_keras3_tensor(path, layer, item) for item in items]
@@ -390,7 +394,10 @@ def _functional(path: str, body: Any) -> ModelSpec:
     layers = []
     for entry in body["layers"]:
         layer = _layer(entry)
-        layer.calls = [_call_inputs(path, layer.name, node) for node in entry.get("inbound_nodes") or []]
+        try:
+            layer.calls = [_call_inputs(path, layer.name, node) for node in entry.get("inbound_nodes") or []]
+        except KerasImportError as exc:  # a class the importer does not read is the first thing to say
+            layer.call_error = str(exc)
         layers.append(layer)
     return ModelSpec(name=str(body.get("name", "model")), layers=layers, inputs=_refs(body["input_layers"]),
                      outputs=_refs(body["output_layers"]))

@@ -288,6 +288,8 @@ def build_model(spec: ModelSpec, builder: Builder, converters: Mapping[str, Conv
         if layer.class_name not in converters:
             raise KerasImportError(f"{builder.path}: layer {layer.name!r} has class {layer.class_name!r}, which the "
                                    f"importer does not support; supported: {', '.join(sorted(converters))}")
+        if layer.call_error is not None:
+            raise KerasImportError(layer.call_error)
         if len(layer.calls) > 1:
             raise KerasImportError(f"{builder.path}: layer {layer.name!r} ({layer.class_name}) is called "
                                    f"{len(layer.calls)} times (a shared layer); the importer supports layers "

@@ -147,6 +147,10 @@ class Where(BroadcastingLayer):
     def input_count(self) -> int:
         return 1 + (self.true_value is None) + (self.false_value is None)
 
+    @property
+    def multi_input(self) -> bool:  # type: ignore[override]  # both branches fixed: the condition alone
+        return self.input_count > 1
+
     def get_config(self) -> dict[str, Any]:
         # JSON has no infinity: an infinite branch is stored as the string "inf" or "-inf".
         def stored(value: float | None) -> float | str | None:
@@ -158,13 +162,17 @@ class Where(BroadcastingLayer):
         return f"{'x' if self.true_value is None else f'{self.true_value:g}'}, " \
                f"{'y' if self.false_value is None else f'{self.false_value:g}'}"
 
-    def output_shape_for(self, input_shape: list[Shape]) -> Shape:
+    def output_shape_for(self, input_shape: list[Shape] | Shape) -> Shape:
+        if not self.multi_input:
+            return tuple(input_shape)  # type: ignore[arg-type]
+        assert isinstance(input_shape, list)
         if len(input_shape) != self.input_count:
             given = " and the branches not given as numbers" if self.input_count > 1 else ""
             raise self._shape_error(input_shape, f"Where takes {self.input_count} input(s) (the condition{given})")
         return self.broadcast_shape(input_shape)
 
-    def apply(self, x: list[Expr], params: Mapping[str, Expr], ctx: ForwardContext) -> Expr:
+    def apply(self, x: list[Expr] | Expr, params: Mapping[str, Expr], ctx: ForwardContext) -> Expr:
+        x = x if isinstance(x, list) else [x]
         condition, branches = x[0], iter(x[1:])
         on_true = next(branches) if self.true_value is None else Const(np.asarray(self.true_value, x[0].dtype))
         on_false = next(branches) if self.false_value is None else Const(np.asarray(self.false_value, x[0].dtype))

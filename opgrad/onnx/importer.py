@@ -69,6 +69,24 @@ def _safe_name(name: str, fallback: str) -> str:
     return cleaned or fallback
 
 
+#: Ops whose rule before opset 13 works on the input flattened to 2-D at ``axis``.
+_FLATTENED_BEFORE_13 = ("Softmax", "LogSoftmax", "Hardmax")
+
+
+def _flattened_softmax(op_type: str, x: np.ndarray, axis: int) -> np.ndarray:
+    """``op_type`` by its rule before opset 13: over all the axes from ``axis`` on, taken together."""
+    axis %= max(x.ndim, 1)
+    flat = np.asarray(x, dtype=np.float64).reshape(int(np.prod(x.shape[:axis], dtype=np.int64)), -1)
+    if op_type == "Hardmax":
+        out = np.zeros_like(flat)
+        out[np.arange(len(flat)), np.argmax(flat, axis=1)] = 1.0
+    else:
+        shifted = flat - flat.max(axis=1, keepdims=True)
+        log_sum = np.log(np.exp(shifted).sum(axis=1, keepdims=True))
+        out = shifted - log_sum if op_type == "LogSoftmax" else np.exp(shifted - log_sum)
+    return out.reshape(x.shape).astype(x.dtype)
+
+
 def _undecodable_text(message: Any, where: str) -> tuple[str, bytes] | None:
     """The first text field in ``message`` (or a message inside it) that is not valid UTF-8, as
     ``(field path, raw bytes)``, or None.
@@ -280,10 +298,23 @@ class _Reader:
             return [StaticValue(a if any(v is BATCH for v in a.ravel()) else a.astype(np.int64)) for a in shapes]
         if _folded_size(node.op_type, inputs) > MAX_ELEMENTS:
             raise OnnxError(f"{where}: computes a constant larger than {MAX_ELEMENTS:,} elements")
+        if node.op_type in _FLATTENED_BEFORE_13 and self.opset < 13 and inputs[0] is not None:
+            # onnx.reference knows only opset 13's rule (along one axis), whatever the opset.
+            return [StaticValue(_flattened_softmax(node.op_type, inputs[0], int(attributes.get("axis", 1))))]
         try:
             from onnx.reference import ReferenceEvaluator
 
-            evaluator = ReferenceEvaluator(node, opsets={"": self.opset})
+            # A bare node is evaluated by each op's newest version whatever opsets= says (Softmax's
+            # per-axis rule for an opset-11 file, Unsqueeze reading axes from an input): the node goes
+            # into a one-node model that imports the file's opset.
+            helper = self.onnx.helper
+            graph = helper.make_graph(
+                [node], "fold",
+                [helper.make_tensor_value_info(name, helper.np_dtype_to_tensor_dtype(a.dtype), None)
+                 for name, a in zip(node.input, inputs) if name and a is not None],
+                [helper.make_tensor_value_info(name, 0, None) for name in node.output if name])
+            opsets = [helper.make_opsetid("", self.opset)]
+            evaluator = ReferenceEvaluator(helper.make_model(graph, opset_imports=opsets))
             feeds = {name: a for name, a in zip(node.input, inputs) if name}
             results = evaluator.run(None, feeds)
         except Exception as exc:

@@ -20,6 +20,7 @@ from opgrad.nn.layers import Layer, SymbolicTensor
 
 __all__ = [
     "BATCH",
+    "BATCH_ARITHMETIC",
     "CONVERTERS",
     "Converter",
     "NodeContext",
@@ -55,6 +56,9 @@ class _Batch:
 
 #: The batch entry of a shape value taken from data (object arrays hold it among plain ints).
 BATCH = _Batch()
+#: What a node computing with the batch size is told.
+BATCH_ARITHMETIC = ("computes with the batch size (from Shape of the data); supported: the batch size passed through "
+                    "Gather, Unsqueeze, Squeeze, Concat, Slice or Cast into a Reshape")
 
 
 @dataclass
@@ -188,7 +192,9 @@ class NodeContext:
 
     def static_floats(self, index: int, what: str) -> np.ndarray:
         value = self.static(index, what)
-        if value.has_batch or value.array.dtype.kind not in "fiu":
+        if value.has_batch:
+            raise self.error(f"input {index} ({what}) {BATCH_ARITHMETIC}")
+        if value.array.dtype.kind not in "fiu":
             raise self.error(f"input {index} ({what}) holds {value.array.dtype} values; supported: numbers")
         return np.asarray(value.array, dtype=np.float64)
 

@@ -186,7 +186,8 @@ def dropout_10(ctx: NodeContext) -> list[Value]:
 
 @converter("Dropout", since=12, attributes=("seed",))
 def dropout_12(ctx: NodeContext) -> list[Value]:
-    if ctx.has_input(2) and ctx.static_ints(2, "training_mode") != [0]:
+    # training_mode is a BOOL tensor in the spec (some writers store an integer).
+    if ctx.has_input(2) and np.asarray(ctx.static(2, "training_mode").array).astype(bool).any():
         raise ctx.error("input training_mode is true; supported: an inference graph (training_mode false)")
     ratio = float(ctx.static_floats(1, "ratio").reshape(())) if ctx.has_input(1) else 0.5
     return _dropout(ctx, ratio)

@@ -17,7 +17,7 @@ import numpy as np
 from opgrad.nn.layers import Concatenate, Flatten, SymbolicTensor
 from opgrad.nn.ops_layers import Pad, Reduce, Slice
 from opgrad.nn.reshaping import Permute, Reshape
-from opgrad.onnx.table import BATCH, NodeContext, OnnxError, StaticValue, Value, converter
+from opgrad.onnx.table import BATCH, BATCH_ARITHMETIC, NodeContext, OnnxError, StaticValue, Value, converter
 
 __all__ = ["INT_MAX", "fold_batch_shape"]
 
@@ -113,8 +113,7 @@ def fold_batch_shape(node: Any, attributes: dict[str, Any], inputs: list[np.ndar
         for s, e, a, st in zip(starts, ends, axes, steps):
             index[a] = slice(s, e, st)
         return [data[tuple(index)]]
-    raise OnnxError(f"{where}: computes with the batch size (from Shape of the data); supported: the batch size "
-                    "passed through Gather, Unsqueeze, Squeeze, Concat, Slice or Cast into a Reshape")
+    raise OnnxError(f"{where}: {BATCH_ARITHMETIC}")
 
 
 # ----- reshaping -----
