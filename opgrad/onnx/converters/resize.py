@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 
 from opgrad.nn.ops_layers import Resize
 from opgrad.onnx.table import BATCH, NodeContext, Value, converter
@@ -18,7 +19,7 @@ def _output_size(ctx: NodeContext, shape: tuple[int, ...]) -> tuple[int, int]:
         raise ctx.unsupported("axes", list(axes), "distinct axes")
     full = (BATCH, *shape)
     if ctx.has_input(3):
-        given = [v if v is BATCH else int(v) for v in ctx.static(3, "sizes").array.ravel()]  # printed as plain ints
+        given: list[Any] = [v if v is BATCH else int(v) for v in ctx.static(3, "sizes").array.ravel()]  # plain ints
         sizes = {a % 4: v for a, v in zip(axes, given)}
         for axis in (0, 1):
             if axis in sizes and not (sizes[axis] is BATCH or int(sizes[axis]) == full[axis]
