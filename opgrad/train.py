@@ -195,6 +195,15 @@ RUN_SETTINGS: dict[str, Any] = {
 }
 
 
+def recorded_settings(meta: dict[str, Any]) -> dict[str, Any]:
+    """The run settings a checkpoint records: all of :data:`RUN_SETTINGS` where ``opgrad train
+    --save`` wrote it, else what every trainer's checkpoint holds (a Python Trainer's, or the
+    exported C runtime's): its batch size and seed."""
+    if isinstance(meta.get("run_settings"), dict):
+        return dict(meta["run_settings"])
+    return {name: meta[name] for name in ("batch_size", "seed") if meta.get(name) is not None}
+
+
 def settle_run_settings(args: argparse.Namespace, recorded: dict[str, Any] | None, source: str | None) -> None:
     """Fill the options of :data:`RUN_SETTINGS` not given on the command line: from the checkpoint's
     ``recorded`` settings when resuming (an option given with another value is a ``ConfigError``:
@@ -277,7 +286,7 @@ def _train(args: argparse.Namespace, comm: Communicator | None) -> int:
         resume_path = args.resume
         saved = (agree(comm, f"loading the checkpoint {resume_path}", lambda: load_checkpoint(resume_path))
                  if comm is not None else load_checkpoint(resume_path))
-    settle_run_settings(args, saved[1].get("run_settings") if saved is not None else None, args.resume)
+    settle_run_settings(args, recorded_settings(saved[1]) if saved is not None else None, args.resume)
     given = [option for option, value in (("--lr-step-size", args.lr_step_size), ("--lr-gamma", args.lr_gamma))
              if value is not None]
     if given and args.lr_schedule != "step":
@@ -302,7 +311,11 @@ def _train(args: argparse.Namespace, comm: Communicator | None) -> int:
                           f"({len(data.train_labels)} images in {data.source})")
     if args.max_steps is not None:
         steps_per_epoch = min(steps_per_epoch, args.max_steps)
-    decay_steps = max(1, steps_per_epoch * args.epochs - args.warmup_steps)
+    # The run's last step: a resumed run continues from the checkpoint's step, which a checkpoint the
+    # exported C runtime wrote counts without epochs (it trains from the caller's own batches).
+    start_step, start_epoch = (int(saved[1].get("step", 0)), int(saved[1].get("epoch", 0))) if saved else (0, 0)
+    last_step = start_step + steps_per_epoch * max(0, args.epochs - start_epoch)
+    decay_steps = max(1, last_step - args.warmup_steps)
     gamma = 0.1 if args.lr_gamma is None else args.lr_gamma
     schedule: Schedule = (LRSchedule(lr, decay_steps) if args.lr_schedule == "cosine" else
                           StepLR(lr, args.lr_step_size or steps_per_epoch, gamma)

@@ -706,3 +706,22 @@ def test_an_export_over_an_earlier_one_leaves_none_of_its_libraries(tmp_path: Pa
     with pytest.raises(ExportError):
         opgrad.export(tmp_path, model=model, batch_size=6, cc="false")
     assert not any(path.exists() for path in built)
+
+
+def test_a_name_that_would_shadow_a_standard_header_is_refused(tmp_path: Path) -> None:
+    # string.h in the export folder would stand in for <string.h>: strerror undeclared, a crash.
+    for name in ("string", "stdio", "math"):
+        with pytest.raises(ExportError, match=rf"name \(--name\) '{name}': {name}\.h would stand in for the C "
+                                              rf"library's <{name}\.h>"):
+            opgrad.export(tmp_path / name, name=name, object_only=True)
+
+
+def test_a_failed_c_build_shows_the_compilers_errors(tmp_path: Path) -> None:
+    _require("cc")
+    fake_cc = tmp_path / "fake-cc"
+    fake_cc.write_text("#!/bin/sh\necho 'x.c:1: warning: unused thing' >&2\necho 'x.c:9: error: unknown type "
+                       "name FILE' >&2\nfor i in 1 2 3 4 5 6 7; do echo 'x.c: warning: noise' >&2; done\nexit 1\n")
+    fake_cc.chmod(0o755)
+    model = nn.Sequential([nn.Dense(3)], (6,), name="tiny")
+    with pytest.raises(ExportError, match=r"failed \(.*\): x\.c:9: error: unknown type name FILE$"):
+        opgrad.export(tmp_path / "out", model=model, batch_size=2, cc=str(fake_cc))

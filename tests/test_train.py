@@ -250,3 +250,26 @@ def test_cli_optimizer_schedule_and_clipping_options(capsys: pytest.CaptureFixtu
 
 def test_train_lists_every_built_in_model() -> None:
     assert tuple(nn.MODELS) == train.MODEL_NAMES and set(train.MODEL_EPOCHS) == set(nn.MODELS)
+
+
+def test_cli_resumes_a_checkpoint_that_records_only_a_trainers_metadata(tmp_path: Path,
+                                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    # The exported C runtime's checkpoints (and a Trainer's own) hold batch_size, seed and a step
+    # counted without epochs, not the command line's settings: the batch size is the checkpoint's,
+    # and the schedule runs on from its step (it stood at lr 0 past a horizon counted from 0).
+    common = ["--model", "mlp", "--backend", "reference", "--test-limit", "40", "--max-steps", "3"]
+    first = tmp_path / "first.npz"
+    assert cli.main(["train", *common, "--epochs", "1", "--batch-size", "8", "--save", str(first)]) == 0
+    arrays, meta = load_checkpoint(first)
+    del meta["run_settings"]
+    meta.update(step=20, epoch=0)
+    save_checkpoint(first, arrays, meta)
+    capsys.readouterr()
+    assert cli.main(["train", *common, "--epochs", "1", "--resume", str(first), "--batch-size", "16"]) == 2
+    assert "--batch-size 16: the checkpoint" in capsys.readouterr().err
+    resumed = tmp_path / "resumed.npz"
+    assert cli.main(["train", *common, "--epochs", "1", "--resume", str(first), "--save", str(resumed)]) == 0
+    assert "cosine-decayed to 0 over 23 steps, batch 8," in capsys.readouterr().out
+    after, meta = load_checkpoint(resumed)
+    assert meta["step"] == 23 and meta["batch_size"] == 8
+    assert any(not np.array_equal(after[name], arrays[name]) for name in arrays)

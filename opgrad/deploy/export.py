@@ -39,6 +39,14 @@ from .cgen import ArrayInfo, ModelTables, Stream, render_header, render_runtime
 __all__ = ["ExportError", "ExportResult", "default_c_compiler", "export"]
 
 _NAME = re.compile(r"^[a-z_][a-z0-9_]{0,31}$")
+#: Names whose ``<name>.h`` would stand in for a standard header: the runtime (and a program built
+#: with ``-I`` on the export folder) would include the export's header in its place.
+RESERVED_NAMES = frozenset({
+    "assert", "complex", "ctype", "errno", "fenv", "float", "inttypes", "iso646", "limits", "locale", "math",
+    "setjmp", "signal", "stdalign", "stdarg", "stdatomic", "stdbool", "stddef", "stdint", "stdio", "stdlib",
+    "stdnoreturn", "string", "tgmath", "threads", "time", "uchar", "wchar", "wctype", "pthread", "sched",
+    "unistd", "fcntl", "strings", "alloca", "malloc", "memory", "dlfcn", "omp",
+})
 _DEFINE = re.compile(r"^define (?!internal )(?P<rest>[^@]*)@(?P<name>[^(]+)\(")
 
 
@@ -85,7 +93,9 @@ def _run(cmd: list[str], what: str) -> None:
     result = subprocess.run(cmd, capture_output=True, text=True)
     if result.returncode != 0:
         said = (result.stderr or result.stdout).strip().splitlines()
-        raise ExportError(f"{what} failed ({' '.join(cmd)}): " + " | ".join(said[-6:]))
+        # The errors, not the warnings around them, say why; the last lines where none is marked.
+        errors = [line.strip() for line in said if "error" in line.lower()] or [line.strip() for line in said[-6:]]
+        raise ExportError(f"{what} failed ({' '.join(cmd)}): " + " ;; ".join(errors[:4]))
 
 
 def _write(path: Path, data: bytes) -> None:
@@ -190,6 +200,9 @@ def export(directory: str | os.PathLike[str], *, model: str | Model = "seed-cnn"
     if not isinstance(name, str) or not _NAME.match(name):
         raise ExportError(f"name (--name) {name!r}: expected a lowercase C identifier of at most 32 characters "
                           "(it prefixes every exported symbol)")
+    if name in RESERVED_NAMES:
+        raise ExportError(f"name (--name) {name!r}: {name}.h would stand in for the C library's <{name}.h> in "
+                          "every build that includes the export folder; choose another name")
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise ExportError(f"batch_size (--batch-size) must be an int >= 1, got {batch_size!r}")
     eval_batch_size = batch_size if eval_batch_size is None else eval_batch_size
