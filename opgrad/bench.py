@@ -43,7 +43,7 @@ from typing import Any
 import numpy as np
 
 from opgrad.argtypes import int_range, non_negative_int, positive_int
-from opgrad.env import MAX_THREADS
+from opgrad.env import MAX_THREADS, available_cpus
 from opgrad.errors import ConfigError
 
 #: A benchmark subject: (params, images, labels, lr) -> a function running one step, returning its loss.
@@ -72,6 +72,8 @@ OPTIMIZER_NAMES = ("sgd", "momentum", "nesterov", "adam", "adamw", "rmsprop")
 def checkpoint_argument(text: str) -> str:
     """``--checkpoint``'s type: an existing file, as an absolute path (so that no file is taken
     for a built-in model's name by :func:`bench_model`, here or in a child process)."""
+    if os.path.isdir(text):
+        raise argparse.ArgumentTypeError(f"{text!r} is a directory, expected a checkpoint file (.npz)")
     if not os.path.isfile(text):
         raise argparse.ArgumentTypeError(f"no such file: {text!r}")
     return os.path.abspath(text)
@@ -187,8 +189,12 @@ def torch_forward(model: Any, params: dict[str, Any], buffers: dict[str, Any], x
     import torch.nn.functional as F
 
     def activate(h: Any, name: str | None) -> Any:
-        table: dict[str, Callable[[Any], Any]] = {"relu": F.relu, "leaky_relu": F.leaky_relu, "gelu": F.gelu,
-                                                  "sigmoid": torch.sigmoid, "tanh": torch.tanh}
+        table: dict[str, Callable[[Any], Any]] = {
+            "relu": F.relu, "leaky_relu": F.leaky_relu, "gelu": F.gelu, "sigmoid": torch.sigmoid, "tanh": torch.tanh,
+            "silu": F.silu, "elu": F.elu, "softplus": F.softplus, "relu6": F.relu6, "hard_sigmoid": F.hardsigmoid,
+            "hard_swish": F.hardswish}
+        if name and name not in table:
+            raise NotImplementedError(f"torch_forward has no translation of the activation {name!r}")
         return table[name](h) if name else h
 
     values = {id(t): x for t in model.inputs}
@@ -203,13 +209,22 @@ def torch_forward(model: Any, params: dict[str, Any], buffers: dict[str, Any], x
                 h = F.pad(h, (left, right, top, bottom))
                 top = left = 0
             h = activate(F.conv2d(h, p["weight"], p.get("bias"), stride=layer.strides, padding=(top, left),
-                                  dilation=layer.dilation_rate), layer.activation)
+                                  dilation=layer.dilation_rate, groups=layer.groups), layer.activation)
         elif kind == "dense":
             h = activate(F.linear(h, p["weight"], p.get("bias")), layer.activation)
         elif kind in ("maxpool", "avgpool") and layer.padding != "same":
-            (top, _), (left, _) = layer.pads(h.shape[2], h.shape[3])
-            pool = F.max_pool2d if kind == "maxpool" else F.avg_pool2d
-            h = pool(h, layer.pool_size, layer.strides, padding=(top, left))
+            (top, bottom), (left, right) = layer.pads(h.shape[2], h.shape[3])
+            if (top, left) != (bottom, right):
+                raise NotImplementedError(f"torch_forward has no translation of layer {layer.describe()} "
+                                          "(uneven padding)")
+            if kind == "maxpool":
+                h = F.max_pool2d(h, layer.pool_size, layer.strides, padding=(top, left), ceil_mode=layer.ceil_mode)
+            else:
+                h = F.avg_pool2d(h, layer.pool_size, layer.strides, padding=(top, left), ceil_mode=layer.ceil_mode,
+                                 count_include_pad=layer.count_include_pad)
+        elif kind == "batchnorm" and layer.momentum is None:  # F.batch_norm's momentum is a number
+            raise NotImplementedError(f"torch_forward has no translation of layer {layer.describe()} "
+                                      "(a cumulative average)")
         elif kind == "batchnorm":
             h = F.batch_norm(h, buffers[f"{layer.name}.running_mean"], buffers[f"{layer.name}.running_var"],
                              p["weight"], p["bias"], training=training, momentum=layer.momentum, eps=layer.epsilon)
@@ -422,9 +437,9 @@ def time_interleaved(rows: dict[str, Row], runs: dict[str, Callable[[], float]],
 
 
 def milliseconds(ms: float) -> str:
-    """``ms`` with a tenth of a millisecond from 10 ms up, else three significant digits: a small
-    model's step is a fraction of a millisecond."""
-    return f"{ms:.1f}" if ms >= 10 else f"{ms:.3g}"
+    """``ms`` with a tenth of a millisecond from 10 ms up, else three significant digits, trailing
+    zeros kept (3.10, not 3.1): a small model's step is a fraction of a millisecond."""
+    return f"{ms:.1f}" if ms >= 10 else f"{ms:#.3g}"
 
 
 def _setup_threads(requested: int | None) -> int:
@@ -474,11 +489,15 @@ def run(args: argparse.Namespace) -> int:
         from opgrad.compiler.peak import host_info, measure_bandwidth, measure_peak
 
         peak = measure_peak(1)
-        peak_all = measure_peak(threads) if threads > 1 else peak
+        # More threads than CPUs share them: each thread's CPU time runs at full speed, so their sum
+        # would overstate what the CPUs can do; the peak is that of the CPUs there are.
+        cores = min(threads, available_cpus())
+        peak_all = measure_peak(cores) if cores > 1 else peak
         print(f"host: {host_info().describe()}")
         if args.peak:
             bandwidth = measure_bandwidth(1)
-            print(f"peak fp32 FMA: {peak:.1f} GFLOP/s on 1 thread, {peak_all:.1f} on {threads} "
+            shared = f" ({threads} threads share them)" if cores < threads else ""
+            print(f"peak fp32 FMA: {peak:.1f} GFLOP/s on 1 thread, {peak_all:.1f} on {cores}{shared} "
                   f"({peak_all / peak:.2f}x; generated loop of independent vector FMAs, best of 10, thread CPU time); "
                   f"copy bandwidth {bandwidth:.1f} GB/s on 1 thread (8 MiB arrays)")
     torch_name = f"PyTorch {_version('torch')}".strip()
@@ -493,7 +512,8 @@ def run(args: argparse.Namespace) -> int:
     update = nn.make_optimizer(args.optimizer).describe()
     print(f"opgrad bench: {args.model} training step (forward + backward + {update}), {model.num_params:,} parameters, "
           f"batch {args.batch_size}, float32, {threads} thread{'s' if threads > 1 else ''}; "
-          f"median of {args.steps} steps after {args.warmup} warm-up; opgrad llvm and its peers take turns "
+          f"median of {args.steps} steps after {max(CHECK_STEP, args.warmup)} warm-up (at least {CHECK_STEP}: the "
+          f"loss check's); opgrad llvm and its peers take turns "
           f"(rounds of 1 untimed + {ROUND_STEPS} timed steps each), the reference runs after them")
     rows: dict[str, Row] = {}
     runs: dict[str, Callable[[], float]] = {}
@@ -502,8 +522,10 @@ def run(args: argparse.Namespace) -> int:
             rows[key] = Row(name, note="skipped")
             continue
         if key == "jax" and (args.model != "seed-cnn" or args.optimizer != "sgd"):
-            rows[key] = Row(name, note=f"skipped (bench's JAX twin is seed-cnn with SGD only, not {args.model} "
-                                       f"with {args.optimizer})")
+            differs = [f"the model is {args.model}" if args.model != "seed-cnn" else "",
+                       f"the update is {args.optimizer}" if args.optimizer != "sgd" else ""]
+            rows[key] = Row(name, note=f"skipped (bench's JAX twin is the seed CNN with SGD; "
+                                       f"{' and '.join(d for d in differs if d)})")
             continue
         if key == "llvm" and llvm_reason is not None:
             rows[key] = Row(name, note=f"unavailable: {llvm_reason}")
@@ -529,8 +551,8 @@ def run(args: argparse.Namespace) -> int:
             print(f"{row.name:<28} {row.note}")
             continue
         ratio = f"{row.ms / base:.2f}x" if base else "-"
-        check = "-"
-        if ref_loss is not None and row.check_loss is not None:
+        check = "-" if row is not rows["reference"] else "(the reference)"
+        if ref_loss is not None and row.check_loss is not None and row is not rows["reference"]:
             rel = abs(row.check_loss - ref_loss) / abs(ref_loss)
             check = f"ok (rel. diff {rel:.1e})" if rel < 1e-4 else f"MISMATCH {row.check_loss:.6f} vs {ref_loss:.6f}"
         setup = f"{row.setup_s:.2f}s" if row.setup_s is not None else "-"
@@ -542,12 +564,14 @@ def run(args: argparse.Namespace) -> int:
     print("ms/step = median wall time, best = fastest step, CPU ms = median CPU time of the process (all its "
           "threads, spinning included) per step, the steadier figure when other jobs share the cores")
     print(f"ratio = ms/step divided by the first row that ran; GFLOP/s = the {flops / 1e9:.2f} GFLOP of the step's "
-          f"conv/dense kernels per second, % of the measured peak on {threads} thread(s); setup = build/compile + "
-          "first step; loss check = loss of step 3 (after two SGD updates) against opgrad's reference backend")
+          f"conv/dense kernels per second, % of the measured peak on {min(threads, available_cpus())} CPU(s); "
+          f"setup = build/compile + first step; loss check = loss of step {CHECK_STEP} (after {CHECK_STEP - 1} "
+          f"{update} updates) against opgrad's reference backend")
     if allocator_note:
         print(allocator_note)
     if llvm_reason is None and peak is not None and peak_all is not None:
-        _sections(args, threads, flops, peak, peak_all, bandwidth, with_torch="torch" not in args.skip)
+        # PyTorch's row timed nothing where it was skipped, is missing or lacks one of the model's layers.
+        _sections(args, threads, flops, peak, peak_all, bandwidth, with_torch=rows["torch"].ms is not None)
     return 0
 
 

@@ -295,10 +295,10 @@ def memory_report(model_name: str, batch: int, threads: int, with_torch: bool, o
     engines = ["opgrad", "torch"] if with_torch else ["opgrad"]
     for engine in engines:
         r = run_child(engine, model_name, batch, threads, 20, optimizer=optimizer)
-        if "error" in r:
-            print(f"  {engine:<22} {failure(r)}")
-            continue
         name = "opgrad llvm" if engine == "opgrad" else "PyTorch"
+        if "error" in r:
+            print(f"  {name:<22} {failure(r)}")
+            continue
         print(f"  {name:<22} {r['rss_after_imports_mib']:>10.0f} MiB {r['rss_mib']:>6.0f} MiB "
               f"{r['rss_mib'] - r['rss_after_imports_mib']:>6.0f} MiB")
 
