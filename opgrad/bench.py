@@ -64,7 +64,7 @@ class Row:
 
 
 #: The models ``--model`` names.
-BUILT_IN_MODELS = ("seed-cnn", "resnet", "mlp")
+BUILT_IN_MODELS = ("seed-cnn", "keras-mnist", "resnet", "mlp")
 #: ``--optimizer``'s choices: ``opgrad train``'s (:func:`opgrad.nn.make_optimizer`).
 OPTIMIZER_NAMES = ("sgd", "momentum", "nesterov", "adam", "adamw", "rmsprop")
 
