@@ -113,8 +113,10 @@ def test_shared_layer_needs_the_same_shape_and_outputs_need_their_inputs() -> No
     with pytest.raises(ShapeError, match=r"already built for input \(3,\).*shared layer"):
         dense(nn.Input((4,)))
     a, b = nn.Input((3,)), nn.Input((3,))
-    with pytest.raises(ValueError, match="not among the model's inputs"):
+    with pytest.raises(ValueError, match=r"depends on an unnamed input of shape \(3,\), which is not among"):
         nn.Model(a, nn.Add()([a, b]))
+    with pytest.raises(ValueError, match=r"depends on input 'extra' of shape \(3,\), which is not among"):
+        nn.Model(a, nn.Add()([a, nn.Input((3,), name="extra")]))
 
 
 # ----- layers against PyTorch -----

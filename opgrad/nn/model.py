@@ -161,7 +161,8 @@ class Model:
                 if node is None:
                     if id(tensor) not in known_inputs:
                         raise ValueError(
-                            f"model {self.name!r}: an output depends on input {tensor.name or tensor.shape!r} "
+                            f"model {self.name!r}: an output depends on "
+                            f"{f'input {tensor.name!r}' if tensor.name else 'an unnamed input'} of shape "
                             f"{tensor.shape}, which is not among the model's inputs; pass it in Model(inputs=[...])"
                         )
                     continue

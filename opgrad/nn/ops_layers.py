@@ -262,7 +262,11 @@ class LogSoftmax(Softmax):
 
 
 class Clip(Layer):
-    """``min(max(x, min_value), max_value)``; either bound may be None."""
+    """``min(max(x, min_value), max_value)``; either bound may be None.
+
+    The gradient is 1 strictly between the bounds and 0 at and beyond them, as PyTorch's
+    ``hardtanh`` and ``relu6`` (which ONNX exports as ``Clip`` too); ``torch.clamp`` passes it at
+    the bounds as well, so the two differ only where an input equals a bound."""
 
     kind = "clip"
 
