@@ -196,6 +196,20 @@ def _require_function(fn: object, what: str) -> None:
         raise TypeError(f"opgrad.{what} takes an opgrad.Function, got {type(fn).__name__}{hint}")
 
 
+def _require_scalar_float(fn: Function, what: str) -> None:
+    """Raise unless ``fn`` returns one float scalar, the only output ``opgrad.<what>`` differentiates."""
+    _require_function(fn, what)
+    if fn.returns_tuple or fn.outputs[0].shape != ():
+        shapes = ", ".join(str(o.type) for o in fn.outputs)
+        raise GradientError(
+            f"opgrad.{what} needs a function returning one scalar, got ({shapes}); reduce it first "
+            "(e.g. opgrad.ops.sum), or use opgrad.jvp or opgrad.gradients with a cotangent"
+        )
+    if not fn.outputs[0].type.is_float:
+        raise GradientError(f"opgrad.{what}: the output is {fn.outputs[0].type}; only a float output has a "
+                            "derivative")
+
+
 def grad(fn: Function, wrt: Sequence[int | str | Var] | int | str | Var | None = None, *,
          with_value: bool = True) -> Function:
     """A function of the same parameters returning ``(value, grad_1, ..., grad_k)``.
@@ -206,13 +220,7 @@ def grad(fn: Function, wrt: Sequence[int | str | Var] | int | str | Var | None =
     (JAX's ``grad``), so derivatives nest: for a scalar ``x``,
     ``grad(grad(f, with_value=False), with_value=False)`` is ``f''(x)``.
     """
-    _require_function(fn, "grad")
-    if fn.returns_tuple or fn.outputs[0].shape != ():
-        shapes = ", ".join(str(o.type) for o in fn.outputs)
-        raise GradientError(
-            f"opgrad.grad needs a function returning one scalar, got ({shapes}); reduce it first "
-            "(e.g. opgrad.ops.sum), use opgrad.hvp / opgrad.jvp, or opgrad.gradients with a cotangent"
-        )
+    _require_scalar_float(fn, "grad")
     targets = chosen_parameters(fn, wrt, "grad")
     value = fn.outputs[0]
     grads = gradients(value, targets)
@@ -228,7 +236,7 @@ def hvp(fn: Function, wrt: Sequence[int | str | Var] | int | str | Var | None = 
     ``sum_i <grad_i f, v_i>`` with respect to the same parameters (reverse over reverse), built
     from registered gradients only, so it compiles like any other function.
     """
-    _require_function(fn, "hvp")
+    _require_scalar_float(fn, "hvp")
     targets = chosen_parameters(fn, wrt, "hvp")
     first = grad(fn, wrt, with_value=False)
     vectors = [var(name, t.shape, t.dtype) for name, t in zip(fresh_names(fn, "v_", targets), targets, strict=True)]

@@ -29,6 +29,9 @@ class Expr:
 
     __slots__ = ("_uid", "type")
     type: TensorType
+    # numpy defers its binary operators to ours (``array + expr`` calls ``__radd__``) instead of
+    # broadcasting over the expression as an object and returning an array of expressions.
+    __array_ufunc__ = None
 
     def __init__(self, type_: TensorType) -> None:
         self.type = type_
@@ -83,6 +86,10 @@ class Expr:
                 "use opgrad.ops.dense or reshape first"
             )
         return ops.dense(self, ops.transpose(other))
+
+    def __rmatmul__(self, other: Any) -> Call:
+        """``a @ b`` with ``a`` an array or scalar: the same as ``as_expr(a) @ b``."""
+        return as_expr(other, like=self, who="'@': left operand") @ self
 
     @property
     def T(self) -> Call:

@@ -503,6 +503,8 @@ class Operator:
         from opgrad.ir import Expr, make_call
 
         n = len(self.inputs)
+        if not self.variadic and any(spec.name in attrs for spec in self.inputs):
+            args = self._keyword_inputs(args, attrs)
         if self.variadic:
             # The list form ops.concatenate([a, b], 1) is the public one; generic callers (autodiff,
             # the checker) pass the tensors flattened, ops.concatenate(a, b, axis=1).
@@ -528,6 +530,26 @@ class Operator:
             attrs = {**dict(zip(names, extra, strict=True)), **attrs}
             args = args[:n]
         return make_call(self, args, attrs)
+
+    def _keyword_inputs(self, args: tuple[Any, ...], attrs: dict[str, Any]) -> tuple[Any, ...]:
+        """``args`` with the inputs given by name (``ops.add(lhs=a, rhs=b)``, as PyTorch's
+        ``torch.add(input=a, other=b)``) moved out of ``attrs`` into their places after the
+        positional ones."""
+        from opgrad.ir import Expr
+
+        named = {spec.name: attrs.pop(spec.name) for spec in self.inputs if spec.name in attrs}
+        positional = list(args[: len(self.inputs)])
+        given = [a.type if isinstance(a, Expr) else type(a).__name__ for a in positional]
+        for i, spec in enumerate(self.inputs):
+            if spec.name in named and i < len(positional):
+                raise self._call_error(given, attrs, f"input {spec.name!r} given by position and by keyword")
+        missing = [spec.name for spec in self.inputs[len(positional):] if spec.name not in named]
+        if missing:
+            raise self._call_error(given, attrs, f"input(s) {', '.join(map(repr, missing))} missing (given by keyword: "
+                                   f"{', '.join(named)}); inputs by keyword follow the positional ones "
+                                   f"({', '.join(s.name for s in self.inputs)})")
+        return (*positional, *(named[spec.name] for spec in self.inputs[len(positional):]),
+                *args[len(self.inputs):])
 
     def __repr__(self) -> str:
         return f"<Operator {self.name}>"

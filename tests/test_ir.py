@@ -95,10 +95,37 @@ def test_unused_parameter_gets_zero_gradient_and_int_params_are_skipped() -> Non
     np.testing.assert_array_equal(d_unused, np.zeros(4))
 
 
+def test_numpy_arrays_on_the_left_build_one_call() -> None:
+    x = opgrad.var("x", (3,))
+    m = opgrad.var("m", (3, 2))
+    b = np.array([1.0, 2.0, 4.0], np.float32)
+    for expr, expected in ((b + x, b + 1), (b - x, b - 1), (b * x, b), (b / x, b), (np.float32(2) * x, 2 + 0 * b)):
+        assert isinstance(expr, opgrad.Call) and expr.type == x.type
+        np.testing.assert_array_equal(opgrad.evaluate(opgrad.function([x], expr), np.ones(3, np.float32)), expected)
+    product = np.ones((2, 3), np.float32) @ m
+    assert isinstance(product, opgrad.Call) and product.shape == (2, 2)
+    with pytest.raises(TypeError):
+        np.exp(x)  # a ufunc on an expression is an error, not an array of expressions
+
+
+def test_inputs_by_keyword_as_pytorch() -> None:
+    x, y = opgrad.var("x", (3,)), opgrad.var("y", (3,))
+    assert ops.subtract(lhs=x, rhs=y).args == (x, y)
+    assert ops.subtract(x, rhs=y).args == (x, y)
+    with pytest.raises(opgrad.OpCallError, match="input 'lhs' given by position and by keyword"):
+        ops.subtract(x, lhs=y)
+    with pytest.raises(opgrad.OpCallError, match="input\\(s\\) 'lhs' missing"):
+        ops.subtract(rhs=y)
+
+
 def test_grad_requires_scalar_output() -> None:
     x = opgrad.var("x", (2,))
     with pytest.raises(opgrad.GradientError, match="one scalar"):
         opgrad.grad(opgrad.function([x], ops.exp(x)))
+    with pytest.raises(opgrad.GradientError, match=r"opgrad\.hvp needs a function returning one scalar"):
+        opgrad.hvp(opgrad.function([x], ops.exp(x)))
+    with pytest.raises(opgrad.GradientError, match=r"opgrad\.grad: the output is int64\[\]; only a float"):
+        opgrad.grad(opgrad.function([x], ops.argmax(x)))
 
 
 def test_function_rejects_free_variables_and_duplicate_names() -> None:
