@@ -1,5 +1,5 @@
 """Activation functions as PyTorch defines them: gelu (erf and tanh forms), softplus, elu,
-log_sigmoid, and erf, which gelu's exact gradient is built from.
+log_sigmoid, and erf and erfc, which gelu and its exact gradient are built from.
 
 Each forward matches ``torch.nn.functional`` of the same name (and its defaults); the gradients
 follow PyTorch's backward formulas, including its choice at elu's kink and softplus's threshold.
@@ -31,6 +31,7 @@ _TANH_SCALE = math.sqrt(2.0 / math.pi)  # gelu's tanh form: tanh(sqrt(2/pi) (x +
 _TANH_CUBIC = 0.044715
 
 _erf_scalar = np.vectorize(math.erf, otypes=[np.float64])
+_erfc_scalar = np.vectorize(math.erfc, otypes=[np.float64])
 
 
 def _finite_float(value: Any) -> float:
@@ -79,6 +80,37 @@ def _erf_lowering(kb: KernelBuilder, call: Call, out: View, data: View) -> None:
     kb.elementwise(out, [data], lambda s, v: s.libm("erf", v[0]))
 
 
+# ----- erfc -----
+
+erfc = Operator("erfc", inputs=[Input("data")], doc="The complementary error function 1 - erf(data) (torch.erfc, "
+                "math.erfc), accurate where erf(data) is close to 1, with no cancellation.")
+erfc.shape_rule(same_as_first)
+
+
+@erfc.reference
+def _erfc_forward(data: np.ndarray) -> np.ndarray:
+    return np.asarray(_erfc_scalar(data).astype(data.dtype, copy=False).reshape(data.shape))
+
+
+@erfc.gradient
+def _erfc_gradient(call: Call, grad: Expr) -> list[Expr | None]:
+    """d_data = -grad * 2/sqrt(pi) * exp(-data^2)"""
+    data = call.args[0]
+    return [ops.multiply(grad, ops.multiply(ops.exp(ops.negative(ops.multiply(data, data))), -_TWO_OVER_SQRT_PI))]
+
+
+@erfc.mutant("the sign of erf's gradient")
+def _erfc_as_erf(call: Call, grad: Expr) -> list[Expr | None]:
+    data = call.args[0]
+    return [ops.multiply(grad, ops.multiply(ops.exp(ops.negative(ops.multiply(data, data))), _TWO_OVER_SQRT_PI))]
+
+
+@erfc.lowering
+def _erfc_lowering(kb: KernelBuilder, call: Call, out: View, data: View) -> None:
+    """out = erfc(data) (libm erfc / erfcf)"""
+    kb.elementwise(out, [data], lambda s, v: s.libm("erfc", v[0]))
+
+
 # ----- gelu -----
 
 
@@ -108,7 +140,7 @@ def _gelu_tanh_inner(data: np.ndarray) -> np.ndarray:
 def _gelu_forward(data: np.ndarray, approximate: str) -> np.ndarray:
     if approximate == "tanh":
         return np.asarray((0.5 * data * (1.0 + np.tanh(_gelu_tanh_inner(data)))).astype(data.dtype, copy=False))
-    cdf = 0.5 * (1.0 + _erf_scalar(data * _SQRT1_2).reshape(data.shape))
+    cdf = 0.5 * _erfc_scalar(-data * _SQRT1_2).reshape(data.shape)
     return np.asarray((data * cdf).astype(data.dtype, copy=False))
 
 
@@ -116,7 +148,8 @@ def _gelu_forward(data: np.ndarray, approximate: str) -> np.ndarray:
 def _gelu_gradient(call: Call, grad: Expr) -> list[Expr | None]:
     """d_data = grad * (Phi(x) + x phi(x)) ('none'); grad * (0.5 (1 + t) + 0.5 x (1 - t^2) u'(x)) ('tanh')
 
-    Phi(x) = (1 + erf(x / sqrt 2)) / 2, phi(x) = exp(-x^2 / 2) / sqrt(2 pi);
+    Phi(x) = erfc(-x / sqrt 2) / 2 (= (1 + erf(x / sqrt 2)) / 2 without its cancellation far below
+    zero, where both terms are tiny), phi(x) = exp(-x^2 / 2) / sqrt(2 pi);
     t = tanh(u), u = sqrt(2/pi) (x + 0.044715 x^3), u'(x) = sqrt(2/pi) (1 + 3 * 0.044715 x^2).
     """
     x = call.args[0]
@@ -127,7 +160,7 @@ def _gelu_gradient(call: Call, grad: Expr) -> list[Expr | None]:
         slope = ops.add(ops.multiply(ops.add(t, 1.0), 0.5),
                         ops.multiply(ops.multiply(x, 0.5), ops.multiply(ops.subtract(1.0, ops.multiply(t, t)), du)))
         return [ops.multiply(grad, slope)]
-    cdf = ops.multiply(ops.add(ops.erf(ops.multiply(x, _SQRT1_2)), 1.0), 0.5)
+    cdf = ops.multiply(ops.erfc(ops.multiply(x, -_SQRT1_2)), 0.5)
     pdf = ops.multiply(ops.exp(ops.multiply(square, -0.5)), _INV_SQRT_2PI)
     return [ops.multiply(grad, ops.add(cdf, ops.multiply(x, pdf)))]
 
@@ -138,7 +171,7 @@ def _gelu_cdf_only(call: Call, grad: Expr) -> list[Expr | None]:
     if call.attrs["approximate"] == "tanh":
         inner = ops.multiply(ops.add(x, ops.multiply(ops.multiply(ops.multiply(x, x), x), _TANH_CUBIC)), _TANH_SCALE)
         return [ops.multiply(grad, ops.multiply(ops.add(ops.tanh(inner), 1.0), 0.5))]
-    return [ops.multiply(grad, ops.multiply(ops.add(ops.erf(ops.multiply(x, _SQRT1_2)), 1.0), 0.5))]
+    return [ops.multiply(grad, ops.multiply(ops.erfc(ops.multiply(x, -_SQRT1_2)), 0.5))]
 
 
 @gelu.sampler
@@ -148,7 +181,7 @@ def _gelu_cases(d: CaseDraw) -> Case:
 
 @gelu.lowering
 def _gelu_lowering(kb: KernelBuilder, call: Call, out: View, data: View) -> None:
-    """out = 0.5 x (1 + erf(x / sqrt 2)) or 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))"""
+    """out = 0.5 x erfc(-x / sqrt 2) or 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))"""
     if call.attrs["approximate"] == "tanh":
         def body(s: Scalar, v: list[str]) -> str:
             x = v[0]
@@ -158,7 +191,7 @@ def _gelu_lowering(kb: KernelBuilder, call: Call, out: View, data: View) -> None
     else:
         def body(s: Scalar, v: list[str]) -> str:
             x = v[0]
-            cdf = s.mul(s.const(0.5), s.add(s.const(1.0), s.libm("erf", s.mul(x, s.const(_SQRT1_2)))))
+            cdf = s.mul(s.const(0.5), s.libm("erfc", s.mul(x, s.const(-_SQRT1_2))))
             return s.mul(x, cdf)
     kb.elementwise(out, [data], body)
 

@@ -7,6 +7,7 @@ dependency: without it this module is skipped locally, and fails under CI=true.
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -117,6 +118,26 @@ def test_gelu(approximate: str) -> None:
 def test_erf() -> None:
     x = np.linspace(-4, 4, 35).reshape(5, 7)
     against_torch(ops.erf, torch.erf, [x])
+
+
+def test_erfc() -> None:
+    x = np.linspace(-4, 9, 35).reshape(5, 7)
+    against_torch(ops.erfc, torch.erfc, [x])
+
+
+def test_gelu_keeps_its_digits_far_below_zero_in_float32() -> None:
+    """Phi(x) as erfc(-x / sqrt 2) / 2: as 1 + erf(x / sqrt 2) it cancels to 0 below x = -5.5 in float32.
+    The tolerance is the tail's conditioning: x / sqrt 2 rounded to float32 moves erfc by about x**2 ulp."""
+    x = np.linspace(-10, -3, 57).astype(np.float32)
+    exact = np.array([v * math.erfc(-v / math.sqrt(2)) / 2 for v in x.astype(np.float64)])
+    slope = np.array([math.erfc(-v / math.sqrt(2)) / 2 + v * math.exp(-v * v / 2) / math.sqrt(2 * math.pi)
+                      for v in x.astype(np.float64)])
+    var = opgrad.var("x", x.shape)
+    value = opgrad.function([var], ops.gelu(var))
+    derivative = opgrad.grad(opgrad.function([var], ops.sum(ops.gelu(var))), with_value=False)
+    for name, run in (("reference", opgrad.evaluate), ("compiled", lambda fn, a: opgrad.compile(fn)(a))):
+        np.testing.assert_allclose(run(value, x), exact, rtol=1e-5, err_msg=f"gelu, {name}")
+        np.testing.assert_allclose(run(derivative, x), slope, rtol=1e-5, err_msg=f"gelu's gradient, {name}")
 
 
 @pytest.mark.parametrize(("beta", "threshold"), [(1.0, 20.0), (2.0, 1.0), (0.5, -1.0), (3.0, 5.0)])

@@ -56,7 +56,7 @@ def register_host_symbols() -> None:
     register_symbol(CALLBACK_SYMBOL, callback_address())
     libm = ctypes.CDLL(ctypes.util.find_library("m") or "libm.so.6")
     for sym in ("expf", "exp", "logf", "log", "tanhf", "tanh", "powf", "pow", "sinf", "sin", "cosf", "cos",
-                "erff", "erf", "log1pf", "log1p", "expm1f", "expm1"):
+                "erff", "erf", "erfcf", "erfc", "log1pf", "log1p", "expm1f", "expm1"):
         fn = getattr(libm, sym, None)
         if fn is not None:
             register_symbol(sym, ctypes.cast(fn, ctypes.c_void_p).value or 0)
