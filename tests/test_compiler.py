@@ -537,6 +537,19 @@ def test_reductions_by_vectors_match_numpy(batch: int, channels: int, run: int, 
     assert reduces_by_vectors(kb.steps[-1])
 
 
+@pytest.mark.parametrize(("shape", "axes"), [((1 << 22,), None), ((512, 8, 1030), (0, 2)), ((3, 1 << 20), 1)])
+def test_long_float32_sums_keep_their_digits(shape: tuple[int, ...], axes: int | tuple[int, ...] | None) -> None:
+    # Summed lane by lane in one sequence, 2**22 copies of 0.1f drifted by 6e-4 of the total;
+    # the accumulators' cascade keeps a long sum (or mean) as close as numpy's pairwise sum.
+    x = opgrad.var("x", shape)
+    compiled = compile_fn(opgrad.function([x], (ops.sum(x, axis=axes), ops.mean(x, axis=axes))))
+    for xs in (np.full(shape, 0.1, np.float32), np.random.default_rng(1).random(shape, dtype=np.float32)):
+        want = xs.astype(np.float64).sum(axis=axes)
+        total, mean = compiled(xs)
+        np.testing.assert_allclose(total, want, rtol=1e-6)
+        np.testing.assert_allclose(mean, want / (xs.size / np.size(want)), rtol=1e-6)
+
+
 def test_each_layer_update_follows_its_output_gradient() -> None:
     # Outputs are walked shallowest first: the last layer's weight gradient and update run as
     # soon as the gradient of its output exists, before the backward pass goes on to the layer

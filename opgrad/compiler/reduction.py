@@ -28,6 +28,13 @@ if TYPE_CHECKING:  # the builder imports this module; the type is all this one n
 VECTOR_RUN_MIN = 8
 #: Vector accumulators of a long run: enough independent adds to hide the add latency.
 VECTOR_ACCUMULATORS = 4
+#: A sum's accumulators take this many rounds (one vector each) before they are added into the
+#: next level's and restart from zero; :data:`CASCADE_LEVELS` levels in all. Each lane then adds
+#: at most about this many terms per level, so the rounding error grows with the levels, not with
+#: the element count (numpy's pairwise sum has the same property): summing 2**24 copies of 0.1f
+#: sequentially per lane drifts by 2.5e-3 of the total.
+CASCADE_ROUNDS = 16
+CASCADE_LEVELS = 5
 
 _INIT = {"sum": 0.0, "max": -math.inf, "min": math.inf}
 
@@ -163,7 +170,9 @@ def _reduce_by_vectors(f: FunctionEmitter, st: Step, ptrs: dict[int, str], reduc
 
     The run's whole vectors go round-robin to up to :data:`VECTOR_ACCUMULATORS` accumulators, its
     last part to the first one (lanes past the run hold the op's identity); the accumulators are
-    then combined in order and their lanes folded by halves. The order depends only on the
+    then combined in order and their lanes folded by halves. A sum of more than
+    :data:`CASCADE_ROUNDS` rounds cascades: every that many rounds the accumulators are added
+    into a second set and cleared, and so on up the levels. The order depends only on the
     shapes, so every thread count gives the same bits."""
     out = st.out
     assert out is not None
@@ -175,9 +184,29 @@ def _reduce_by_vectors(f: FunctionEmitter, st: Step, ptrs: dict[int, str], reduc
     full, rest = divmod(extent, lanes)
     count = max(1, min(VECTOR_ACCUMULATORS, full))
     accs = [f.var(v.t, init, "vacc") for _ in range(count)]
+    rounds_per_run = full // count + (1 if full % count or rest else 0)
+    cascades = st.op == "sum" and math.prod(n for n, _ in reduced[:-1]) * rounds_per_run > CASCADE_ROUNDS
+    # levels[0] is ``accs``; each higher level has its round counter.
+    levels = [accs] + ([[f.var(v.t, init, "vsum") for _ in range(count)] for _ in range(CASCADE_LEVELS - 1)]
+                       if cascades else [])
+    counters = [f.var("i64", "0", "rounds") for _ in levels[:-1]]
 
     def combine(a: str, b: str) -> str:
         return v.accumulate(a, b) if st.op == "sum" else str(getattr(v, st.op)(a, b))
+
+    def counted(level: int) -> None:
+        """One more round into ``levels[level]``: after :data:`CASCADE_ROUNDS` of them, add them
+        into the next level and clear them (the top level takes every round)."""
+        if level + 1 >= len(levels):
+            return
+        n = f.add(f.load("i64", counters[level]), 1)
+        f.store("i64", n, counters[level])
+        with f.if_then(f.icmp("eq", n, CASCADE_ROUNDS), "cascade"):
+            f.store("i64", "0", counters[level])
+            for low, high in zip(levels[level], levels[level + 1], strict=True):
+                f.store(v.t, combine(f.load(v.t, high), f.load(v.t, low)), high)
+                f.store(v.t, init, low)
+            counted(level + 1)
 
     def chunk(row: list[str], start: str, acc: str, valid: int) -> None:
         """Fold ``valid`` elements of the run from element ``start`` into accumulator ``acc``."""
@@ -209,10 +238,13 @@ def _reduce_by_vectors(f: FunctionEmitter, st: Step, ptrs: dict[int, str], reduc
                 first = f.mul(r, count * lanes)
                 for k, acc in enumerate(accs):
                     chunk(row, f.add(first, k * lanes), acc, lanes)
+                counted(0)
         for k in range(extra):
             chunk(row, str((rounds * count + k) * lanes), accs[k], lanes)
         if rest:
             chunk(row, str(full * lanes), accs[0], rest)
+        if extra or rest:
+            counted(0)
 
     def nest(runs: list[tuple[int, list[int]]], row: list[str]) -> None:
         if not runs:
@@ -223,9 +255,16 @@ def _reduce_by_vectors(f: FunctionEmitter, st: Step, ptrs: dict[int, str], reduc
             nest(inner, [f.add(o, f.mul(i, d)) for o, d in zip(row, run_step, strict=True)])
 
     nest(reduced[:-1], offs)
-    total = f.load(v.t, accs[0])
-    for acc in accs[1:]:
-        total = combine(total, f.load(v.t, acc))
+    # Each accumulator's levels from the top down, then the accumulators in order.
+    sums = []
+    for k in range(count):
+        part = f.load(v.t, levels[-1][k])
+        for level in reversed(levels[:-1]):
+            part = combine(part, f.load(v.t, level[k]))
+        sums.append(part)
+    total = sums[0]
+    for part in sums[1:]:
+        total = combine(total, part)
     width = lanes
     while width > 1:
         width //= 2
