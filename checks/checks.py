@@ -156,6 +156,7 @@ class Context:
     diff: list[int] = field(default_factory=list)  # indices of differentiable inputs
     grads: list[Expr] = field(default_factory=list)  # one VJP expression per differentiable input
     vjp_fn: Function | None = None
+    vjp_fn32: Function | None = None  # the same rule built in float32
     #: Comparisons that finite differences cannot decide at this example, and why.
     skipped: list[str] = field(default_factory=list)
 
@@ -206,6 +207,30 @@ class Context:
         return list(out) if isinstance(out, tuple) else [out]
 
 
+def raised_in(exc: BaseException, op: Operator) -> str:
+    """Where in ``op``'s declaration ``exc`` was raised, as `` (in the shape rule of 'op':
+    file:line in function)``, or ``""`` when no part of the declaration is on its traceback."""
+    codes = {fn.__code__: part for part, fn in op.declared_parts().items() if hasattr(fn, "__code__")}
+    frames = []
+    tb = exc.__traceback__
+    while tb is not None:
+        frames.append((tb.tb_frame.f_code, tb.tb_lineno))
+        tb = tb.tb_next
+    declared = [(code, line) for code, line in frames if code in codes]
+    if not declared:
+        # Code the declaration hands on and the compiler runs later (a lowering's elementwise body).
+        files = {code.co_filename for code in codes}
+        inner = [(code, line) for code, line in frames if code.co_filename in files]
+        if not inner:
+            return ""
+        code, line = inner[-1]
+        return f" (in code declared with {op.name!r}: {code.co_filename}:{line} in {code.co_name})"
+    part_code = declared[-1][0]
+    # The innermost line in the part's own file: the raising line, or its call of a helper there.
+    code, line = next((c, n) for c, n in reversed(frames) if c.co_filename == part_code.co_filename)
+    return f" (in the {codes[part_code]} of {op.name!r}: {code.co_filename}:{line} in {code.co_name})"
+
+
 def vjp_exprs(op: Operator, rule: GradientRule, call: Call, cotangent: Expr) -> list[Expr]:
     """The rule applied to ``call``, each entry fitted to its input exactly as autodiff does."""
     raw = gradient_entries(call, rule(call, cotangent))
@@ -235,26 +260,31 @@ def check_a_build(ctx: Context) -> None:
     op, case = ctx.op, ctx.example.case
     ctx.diff = [i for i, spec in enumerate(ctx.specs) if spec.differentiable]
     assert ctx.rule is not None
+    # The declaration first: a forward that breaks its own shape rule would otherwise be blamed on
+    # the gradient, whose calls are built from the shape rule's output type.
+    promised = op(*[var(spec.name, shape, "float64" if spec.kind == "float" else "int64")
+                    for spec, shape in zip(ctx.specs, case.shapes)], **case.attrs).type.shape
+    try:
+        forward = ctx.forward(ctx.arrays)
+    except Exception:  # a raising forward is a finding of the checks that run it, with their own message
+        forward = None
+    if forward is not None and forward.shape != promised:
+        raise ctx.fail("a", f"the reference forward returned shape {list(forward.shape)}, but the shape rule "
+                            f"promises {list(promised)}: the declaration is inconsistent")
     for dtype in ("float32", "float64"):
         try:
             params, call, cot, grads = _build(op, ctx.rule, case.shapes, case.attrs, dtype)
         except Exception as exc:  # a wrong rule fails in many ways; each is a finding, not a crash
-            raise ctx.fail("a", f"building the gradient in {dtype} raised {type(exc).__name__}: {exc}",
-                           dtype=dtype) from None
+            raise ctx.fail("a", f"building the gradient in {dtype} raised {type(exc).__name__}: {exc}"
+                                f"{raised_in(exc, op)}", dtype=dtype) from None
         for k, g in zip(ctx.diff, grads):
             if g.type != params[k].type:
                 raise ctx.fail("a", f"gradient for {ctx.specs[k].name!r} has type {g.type}, expected {params[k].type}",
                                input=ctx.specs[k].name, dtype=dtype)
+        if dtype == "float32":
+            ctx.vjp_fn32 = Function([*params, cot], grads)
     ctx.params, ctx.call, ctx.cotangent, ctx.grads = params, call, cot, grads
     ctx.vjp_fn = Function([*params, cot], grads)
-    # Finite differences of a forward that breaks its own shape rule would blame the gradient.
-    try:
-        forward = ctx.forward(ctx.arrays)
-    except Exception:  # a raising forward is a finding of the checks that run it, with their own message
-        return
-    if forward.shape != call.type.shape:
-        raise ctx.fail("a", f"the reference forward returned shape {list(forward.shape)}, but the shape rule "
-                            f"promises {list(call.type.shape)}: the declaration is inconsistent")
 
 
 def random_cotangent(rng: np.random.Generator, shape: tuple[int, ...]) -> np.ndarray:
@@ -282,7 +312,8 @@ def _evaluated(ctx: Context, check: str, arrays: Sequence[np.ndarray], c: np.nda
     try:
         grads = ctx.vjp(arrays, c)
     except Exception as exc:
-        raise ctx.fail(check, f"evaluating the gradient raised {type(exc).__name__}: {exc}") from None
+        raise ctx.fail(check, f"evaluating the gradient raised {type(exc).__name__}: {exc}"
+                              f"{raised_in(exc, ctx.op)}") from None
     for k, g in zip(ctx.diff, grads):
         spec = ctx.specs[k]
         if g.shape != ctx.arrays[k].shape or g.dtype != ctx.arrays[k].dtype:
@@ -318,20 +349,67 @@ def check_b_vjp(ctx: Context) -> float:
         if not full and m.index:
             m.index = tuple(int(i) for i in np.unravel_index(int(picked[m.index[0]]), ctx.arrays[k].shape))
         if m.ratio > 1:
-            raise ctx.fail("b", f"VJP for {name!r} disagrees with finite differences{_undefined_hint(ctx, k, m)}", m,
+            raise ctx.fail("b", f"VJP for {name!r} disagrees with finite differences{_mismatch_hint(ctx, k, m, c)}", m,
                            input=name, step=h, rtol=tol.fd_rtol)
         worst = max(worst, m.rel_error)
         if full and 1 < out_size <= FULL_JACOBIAN_LIMIT:
             worst = max(worst, _full_jacobian(ctx, k, columns.T, out_shape, h))
+    _finite_in_float32(ctx, c, grads)
     return max(worst, _directional(ctx, c, grads, rng))
 
 
-def _undefined_hint(ctx: Context, k: int, m: Mismatch) -> str:
-    """Why the differences are not finite where they are not: the forward is undefined (NaN or
-    infinite) within a step of inputs drawn from the declared domain, which is then too wide."""
-    if np.isfinite(m.expected):
-        return ""
+#: A float64 gradient below this is in float32's range with room for the float32 rounding of its inputs.
+FLOAT32_SAFE = float(np.finfo(np.float32).max) / 16
+
+
+def _finite_in_float32(ctx: Context, c: np.ndarray, grads: list[np.ndarray]) -> None:
+    """(b) The rule evaluated in float32 (what training runs) is finite wherever the float64 one is
+    finite and well inside float32's range, on inputs where the float32 forward is finite: a rule
+    that overflows or divides inf by inf in float32 ((e^2x - 1) / (e^2x + 1) for tanh at x = 50)
+    passes every float64 comparison."""
+    if ctx.vjp_fn32 is None:
+        return
+    arrays = [a.astype(np.float32) if spec.kind == "float" else a for spec, a in zip(ctx.specs, ctx.arrays)]
+    with np.errstate(all="ignore"):
+        try:
+            forward = np.asarray(ctx.op.reference_fn(*arrays, **ctx.example.case.attrs))
+            if not np.all(np.isfinite(forward)):
+                return
+            out = evaluate(ctx.vjp_fn32, *arrays, c.astype(ctx.vjp_fn32.params[-1].dtype))
+        except Exception as exc:
+            raise ctx.fail("b", f"evaluating the gradient in float32 raised {type(exc).__name__}: {exc}"
+                                f"{raised_in(exc, ctx.op)}", dtype="float32") from None
+    for k, g64, g32 in zip(ctx.diff, grads, list(out) if isinstance(out, tuple) else [out]):
+        bad = np.isfinite(g64) & (np.abs(g64) < FLOAT32_SAFE) & ~np.isfinite(np.asarray(g32))
+        if bad.any():
+            index = tuple(int(i) for i in np.unravel_index(int(np.argmax(bad)), bad.shape))
+            name = ctx.specs[k].name
+            raise ctx.fail("b", f"in float32 the gradient for {name!r} is {np.asarray(g32)[index]} at {index}, where "
+                           f"float64 gives {g64[index]:.6g} and the float32 forward is finite: the rule overflows "
+                           "or divides inf by inf in float32", input=name, dtype="float32")
+
+
+def _mismatch_hint(ctx: Context, k: int, m: Mismatch, c: np.ndarray) -> str:
+    """What else may be wrong where the differences disagree: the forward is undefined (NaN or
+    infinite) within a step of inputs drawn from the declared domain, which is then too wide; or
+    the forward has a kink at that input that the op does not declare."""
     spec = ctx.specs[k]
+    if np.isfinite(m.expected):
+        if ctx.op.kinks is not None or m.index is None or len(m.index) != ctx.arrays[k].ndim:
+            return ""
+        flat = int(np.ravel_multi_index(m.index, ctx.arrays[k].shape)) if ctx.arrays[k].ndim else 0
+
+        def value_at(t: float) -> float:
+            moved = list(ctx.arrays)
+            moved[k] = ctx.arrays[k].copy()
+            moved[k].flat[flat] += t
+            return float(np.sum(ctx.forward(moved) * c))
+
+        if not kinked_along(value_at, ctx.tol.fd_step, ctx.tol.fd_rtol, ctx.tol.fd_atol):
+            return ""
+        return (f": the forward's slope in {spec.name!r} jumps at this input (a kink), which the op does not "
+                "declare; if the kink is the op's, declare it with kinks=Kink(...) (docs/checking.md) so that "
+                "examples keep off it and check f tests your convention there")
     domain = " or ".join(f"[{i.low:g}, {i.high:g}]" for i in spec.domain)
     return (f": the forward itself is not finite there (differences {m.expected}) though {spec.name!r} lies in "
             f"its declared domain {domain}; narrow domain= to where the op is defined")
@@ -527,7 +605,8 @@ def check_g_backend(ctx: Context, backend: Backend | None) -> bool:
         try:
             forward = np.asarray(op.reference_fn(*arrays, **case.attrs))
         except Exception as exc:
-            raise ctx.fail("g", f"the forward in {dtype} raised {type(exc).__name__}: {exc}", dtype=dtype) from None
+            raise ctx.fail("g", f"the forward in {dtype} raised {type(exc).__name__}: {exc}{raised_in(exc, op)}",
+                           dtype=dtype) from None
         if forward.dtype != np.dtype(call.dtype):
             raise ctx.fail("g", f"the forward returns {forward.dtype} for {dtype} inputs; its shape rule promises "
                            f"{call.dtype} (cast the result, e.g. .astype(data.dtype))", input="output", dtype=dtype)
@@ -546,8 +625,8 @@ def check_g_backend(ctx: Context, backend: Backend | None) -> bool:
                 runner = backend(fn) if backend is not None else None
                 got = runner(*args) if runner is not None else expected
             except Exception as exc:
-                raise ctx.fail("g", f"evaluating the {what} in {dtype} raised {type(exc).__name__}: {exc}",
-                               dtype=dtype) from None
+                raise ctx.fail("g", f"evaluating the {what} in {dtype} raised {type(exc).__name__}: {exc}"
+                                    f"{raised_in(exc, op)}", dtype=dtype) from None
             pairs = zip(got, expected) if isinstance(expected, tuple) else [(got, expected)]
             for got_k, exp_k in pairs:
                 got_k = np.asarray(got_k)
@@ -594,9 +673,9 @@ def _compare_nonfinite(ctx: Context, fn: Function, what: str, dtype: str, args: 
                     index = tuple(int(k) for k in np.unravel_index(int(np.argmax(differ)), differ.shape))
                     raise ctx.fail("g", f"with {label}, the backend's {what} in {dtype} has {got_k[index]} at "
                                    f"{index} where the numpy reference has {exp_k[index]} ({name} must agree)",
-                                   input=what, dtype=dtype)
+                                   input=what, dtype=dtype, arrays=changed)
             finite = np.isfinite(exp_k)
             m = worst_mismatch(got_k[finite], exp_k[finite], tol.backend_rtol, tol.backend_atol)
             if m.ratio > 1:
                 raise ctx.fail("g", f"with {label}, the backend's finite {what} values in {dtype} differ from the "
-                               "numpy reference", m, input=what, rtol=tol.backend_rtol, dtype=dtype)
+                               "numpy reference", m, input=what, rtol=tol.backend_rtol, dtype=dtype, arrays=changed)

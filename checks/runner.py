@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, Phase, Verbosity, given, settings
 from hypothesis import seed as hypothesis_seed
 from hypothesis.errors import FailedHealthCheck, Flaky, Unsatisfiable
 
-from opgrad.op import GradientRule, Operator
+from opgrad.op import NO_GRADIENT_DECLARED, GradientRule, Operator
 
 from .backends import BACKENDS, Backend, LLVMBackend, resolve_backend
 from .checks import (
@@ -26,6 +26,8 @@ from .checks import (
     check_e_second_order,
     check_f_kinks,
     check_g_backend,
+    failure_class,
+    raised_in,
 )
 from .profiles import draws_independent_of_loaded_modules
 from .report import CHECK_NAMES, Failure, OpReport
@@ -222,6 +224,13 @@ def check_op(name: str | Operator, *, gradient: GradientRule | None = None, max_
         report_multiple_bugs=shrink, print_blob=False, verbosity=Verbosity.quiet,
     )(hypothesis_seed(run_seed)(given(op_examples(op))(one)))
     try:
+        if rule is None and op.gradient_status.reason == NO_GRADIENT_DECLARED:
+            raise failure_class("a")(Failure(
+                op=op.name, check="a", seed=run_seed,
+                problem=f"{op.name} has differentiable inputs ("
+                        f"{', '.join(spec.name for spec in op.inputs if spec.differentiable)}) and declares no "
+                        f"gradient: register one with @{op.name}.gradient, or declare "
+                        f"{op.name}.gradient_not_implemented(reason) where it has none"))
         with draws_independent_of_loaded_modules():
             runner()
     except CheckFailure as exc:
@@ -235,12 +244,12 @@ def check_op(name: str | Operator, *, gradient: GradientRule | None = None, max_
             raise  # KeyboardInterrupt and the like inside
         report.passed = False
         if isinstance(group, Flaky):  # a failure that did not fail again: not a verdict on one check
-            report.failure = error_failure(group, op.name, run_seed)
+            report.failure = error_failure(group, op, run_seed)
         else:
-            report.failure = first_of(group, first_failure[0] if first_failure else None, op.name, run_seed)
+            report.failure = first_of(group, first_failure[0] if first_failure else None, op, run_seed)
     except Exception as exc:  # a sampler bug or an op's reference raising on a valid case
         report.passed = False
-        report.failure = error_failure(exc, op.name, run_seed)
+        report.failure = error_failure(exc, op, run_seed)
     if report.failure is not None:
         report.failure.rerun = rerun_text(op.name, run_seed, custom_rule=gradient is not None, checks=checks,
                                           backend=backend, max_examples=max_examples, shrink=shrink,
@@ -257,9 +266,10 @@ def check_op(name: str | Operator, *, gradient: GradientRule | None = None, max_
     return report
 
 
-def error_failure(exc: BaseException, op: str, seed: int) -> Failure:
-    """A failure for an exception that is not a check's verdict (a sampler bug, a reference raising)."""
-    return Failure(op=op, check="error", problem=f"{type(exc).__name__}: {exc}", seed=seed)
+def error_failure(exc: BaseException, op: Operator, seed: int) -> Failure:
+    """A failure for an exception that is not a check's verdict (a sampler bug, a shape rule or
+    reference raising), naming the part of the declaration it was raised in."""
+    return Failure(op=op.name, check="error", problem=f"{type(exc).__name__}: {exc}{raised_in(exc, op)}", seed=seed)
 
 
 def raising_line(exc: BaseException) -> tuple[str, int] | None:
@@ -280,7 +290,8 @@ def leaves(group: BaseExceptionGroup[BaseException]) -> list[BaseException]:
     return found
 
 
-def first_of(group: BaseExceptionGroup[BaseException], first: CheckFailure | None, op: str, seed: int) -> Failure:
+def first_of(group: BaseExceptionGroup[BaseException], first: CheckFailure | None, op: Operator,
+             seed: int) -> Failure:
     """The failure to report when hypothesis found several distinct ones, each shrunk on its own.
 
     That is the failure of the first check in a-g order: the checks go from the gradient's shape
@@ -360,17 +371,15 @@ def rerun_text(op: str, seed: int, *, custom_rule: bool, checks: str, backend: B
     """
     named_backend = backend_name(backend)
     importable = user_module is None or user_module not in SCRIPT_MODULES
-    if not custom_rule and checks == ALL_CHECKS and shrink and named_backend is not None and importable:
+    if not custom_rule and checks == ALL_CHECKS and named_backend is not None and importable:
         flags = f" --import {user_module}" if user_module is not None else ""
-        path = module_search_path(user_module) if user_module is not None else None
-        if path is not None:  # a module pytest imported from tests/, say: a fresh process needs its folder
-            return f"PYTHONPATH={path} opgrad check {op}{flags} --seed {seed}" + (
-                f" --examples {max_examples}" if max_examples != 100 else "") + (
-                f" --backend {named_backend}" if named_backend != "reference" else "")
         flags += f" --seed {seed}"
         flags += f" --examples {max_examples}" if max_examples != 100 else ""
         flags += f" --backend {named_backend}" if named_backend != "reference" else ""
-        return f"opgrad check {op}{flags}"
+        flags += "" if shrink else " --no-shrink"
+        path = module_search_path(user_module) if user_module is not None else None
+        # A module pytest imported from tests/, say: a fresh process needs its folder.
+        return f"{f'PYTHONPATH={path} ' if path is not None else ''}opgrad check {op}{flags}"
     args = [repr(op)]
     if custom_rule:
         args.append("gradient=<your rule>")

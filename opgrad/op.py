@@ -157,6 +157,11 @@ class Kink:
     subgradient: Subgradient | None = None
 
 
+#: :attr:`GradientStatus.reason` of an operator with differentiable inputs whose declaration says
+#: nothing about its gradient (neither ``@op.gradient`` nor ``op.gradient_not_implemented``).
+NO_GRADIENT_DECLARED = "no gradient declared"
+
+
 @dataclass(frozen=True)
 class GradientStatus:
     """How ``opgrad ops`` reports an operator's gradient."""
@@ -198,7 +203,7 @@ class Operator:
         self._shape_rule: ShapeRule | None = None
         self._reference: Reference | None = None
         self._gradient: GradientRule | None = None
-        self._gradient_reason = "no gradient declared"
+        self._gradient_reason = NO_GRADIENT_DECLARED
         self._lowering: Lowering | None = None
         self._lowering_reason = ""
         self._sampler: Sampler | None = None
@@ -357,6 +362,14 @@ class Operator:
     @property
     def gradient_rule(self) -> GradientRule | None:
         return self._gradient
+
+    def declared_parts(self) -> dict[str, Callable[..., Any]]:
+        """The functions of the declaration, by the part they play (``"shape rule"``,
+        ``"reference"``, ``"gradient"``, ``"lowering"``, ``"sampler"``): for errors that name the
+        part of a declaration that raised."""
+        parts = {"shape rule": self._shape_rule, "reference": self._reference, "gradient": self._gradient,
+                 "lowering": self._lowering, "sampler": self._sampler}
+        return {part: fn for part, fn in parts.items() if fn is not None}
 
     @property
     def reference_fn(self) -> Reference:

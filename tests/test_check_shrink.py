@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from opgrad import registry
 from opgrad.checks import check_op
 from opgrad.checks.checks import CHECK_FAILURES, CheckFailure, failure_class
 from opgrad.checks.mutants import MUTANTS
@@ -76,7 +77,7 @@ def _raised(check: str, problem: str) -> CheckFailure:
 def test_several_distinct_failures_report_the_earliest_check_and_mention_the_others() -> None:
     e, b, g = _raised("e", "second order off"), _raised("b", "VJP off"), _raised("g", "backend off")
     group = ExceptionGroup("distinct failures", [e, ExceptionGroup("nested", [g, b])])
-    failure = first_of(group, e, "dense", 5)
+    failure = first_of(group, e, registry.get("dense"), 5)
     assert failure.check == "b" and failure.problem == "VJP off"
     assert len(failure.others) == 2
     assert any(line.startswith("check e (second order vs finite differences): second order off")
@@ -87,12 +88,12 @@ def test_several_distinct_failures_report_the_earliest_check_and_mention_the_oth
 def test_another_failure_with_a_message_of_several_lines_is_mentioned_on_one() -> None:
     b = _raised("b", "VJP off")
     group = ExceptionGroup("distinct failures", [b, ValueError("the sampler's case:\n  inputs: x\n  problem: y")])
-    failure = first_of(group, b, "dense", 5)
+    failure = first_of(group, b, registry.get("dense"), 5)
     assert failure.others == ["error: ValueError: the sampler's case: inputs: x problem: y"]
 
 
 def test_errors_alone_in_a_group_are_reported_as_errors() -> None:
     group = ExceptionGroup("distinct failures", [ValueError("bad sampler"), KeyError("x")])
-    failure = first_of(group, None, "dense", 5)
+    failure = first_of(group, None, registry.get("dense"), 5)
     assert failure.check == "error" and "ValueError: bad sampler" in failure.problem
     assert failure.others == ["error: KeyError: 'x'"]

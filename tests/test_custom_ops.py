@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import re
 import subprocess
 import sys
 import textwrap
@@ -213,3 +214,116 @@ def test_opgrad_ops_lists_the_operators_of_an_imported_module(tmp_path: Path, mo
         if "user_listed_cube" in registry.names():
             registry.unregister("user_listed_cube")
         sys.modules.pop("my_listed_ops", None)
+
+
+LOGCOSH = textwrap.dedent('''
+    """log(cosh(x)), whose derivative tanh(x) written as (e^2x - 1) / (e^2x + 1) is NaN in float32 past 44."""
+    import numpy as np
+    from opgrad import ops
+    from opgrad.op import Input, Interval, Operator
+
+    logcosh = Operator("user_logcosh", inputs=[Input("data", domain=(Interval(-60.0, 60.0),))], doc="log(cosh(x))")
+
+    @logcosh.shape_rule
+    def _shape(data, attrs):
+        return data
+
+    @logcosh.reference
+    def _forward(data):
+        return (np.logaddexp(data, -data) - np.log(2.0)).astype(data.dtype)
+
+    @logcosh.gradient
+    def _gradient(call, grad):
+        """d_data = grad * tanh(x)"""
+        return [ops.multiply(grad, ops.tanh(call.args[0]))]
+
+    def overflowing(call, grad):
+        e = ops.exp(ops.multiply(call.args[0], 2.0))
+        return [ops.multiply(grad, ops.divide(ops.subtract(e, 1.0), ops.add(e, 1.0)))]
+''')
+
+
+def _declare(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, name: str, text: str) -> object:
+    (tmp_path / f"{name}.py").write_text(text)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    return importlib.import_module(name)
+
+
+def test_a_gradient_that_overflows_only_in_float32_fails(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    module = _declare(tmp_path, monkeypatch, "my_logcosh_ops", LOGCOSH)
+    try:
+        assert check_op("user_logcosh", max_examples=60, seed=0).passed
+        report = check_op("user_logcosh", gradient=module.overflowing, max_examples=60, seed=0)  # type: ignore[attr-defined]
+        assert not report.passed and report.failure is not None
+        assert report.failure.check == "b" and report.failure.dtype == "float32"
+        assert "the rule overflows or divides inf by inf in float32" in report.failure.problem
+    finally:
+        from opgrad import registry
+
+        registry.unregister("user_logcosh")
+        sys.modules.pop("my_logcosh_ops", None)
+
+
+def test_a_forgotten_gradient_and_a_raising_shape_rule_are_reported_where_they_are(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    forgotten = LOGCOSH.replace("user_logcosh", "user_nograd").split("@logcosh.gradient")[0]
+    broken = LOGCOSH.replace("user_logcosh", "user_badshape").replace("return data\n", "return data.shape[3]\n")
+    _declare(tmp_path, monkeypatch, "my_nograd_ops", forgotten)
+    _declare(tmp_path, monkeypatch, "my_badshape_ops", broken)
+    try:
+        report = check_op("user_nograd", max_examples=5, seed=0)
+        assert not report.passed and report.failure is not None and report.failure.check == "a"
+        assert "declares no gradient: register one with @user_nograd.gradient" in report.failure.problem
+        report = check_op("user_badshape", max_examples=5, seed=0)
+        assert not report.passed and report.failure is not None
+        assert re.search(r"in the shape rule of 'user_badshape': .*my_badshape_ops\.py:\d+ in _shape",
+                         report.failure.problem), report.failure.problem
+    finally:
+        from opgrad import registry
+
+        for name in ("user_nograd", "user_badshape"):
+            registry.unregister(name)
+        sys.modules.pop("my_nograd_ops", None)
+        sys.modules.pop("my_badshape_ops", None)
+
+
+def test_an_unshrunk_failure_of_an_imported_op_quotes_the_command_line() -> None:
+    from opgrad.checks.runner import rerun_text
+
+    text = rerun_text("user_op", 4, custom_rule=False, checks="abcdefg", backend=None, max_examples=30,
+                      shrink=False, user_module="mylib.ops")
+    assert text == "opgrad check user_op --import mylib.ops --seed 4 --examples 30 --no-shrink"
+
+
+def test_a_failure_at_an_undeclared_kink_says_so(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    plain_relu = textwrap.dedent('''
+        import numpy as np
+        from opgrad import ops
+        from opgrad.op import Input, Operator
+
+        relu = Operator("user_plain_relu", inputs=[Input("data")], doc="max(x, 0), its kink at 0 not declared")
+
+        @relu.shape_rule
+        def _shape(data, attrs):
+            return data
+
+        @relu.reference
+        def _forward(data):
+            return np.maximum(data, 0).astype(data.dtype)
+
+        @relu.gradient
+        def _gradient(call, grad):
+            """d_data = grad * (data > 0)"""
+            x = call.args[0]
+            return [ops.multiply(grad, ops.greater(x, ops.zeros_like(x)))]
+    ''')
+    _declare(tmp_path, monkeypatch, "my_plain_relu_ops", plain_relu)
+    try:
+        report = check_op("user_plain_relu", max_examples=100, seed=0)
+        assert not report.passed and report.failure is not None and report.failure.check == "b"
+        assert "jumps at this input (a kink), which the op does not declare" in report.failure.problem
+    finally:
+        from opgrad import registry
+
+        registry.unregister("user_plain_relu")
+        sys.modules.pop("my_plain_relu_ops", None)
