@@ -666,3 +666,37 @@ def test_keras_imports_go_out_as_onnx(name: str, tmp_path: Path) -> None:
     opgrad_onnx.save(model, tmp_path / "keras.onnx")
     for theirs, mine in zip(run_onnxruntime(tmp_path / "keras.onnx", *inputs), ours):
         np.testing.assert_allclose(theirs, mine, rtol=1e-5, atol=1e-5)
+
+
+def test_a_classifiers_final_softmax_is_left_out_unless_kept(tmp_path: Path) -> None:
+    # Exported for deployment, a classifier ends in probabilities; opgrad's training step needs logits
+    # (its loss applies softmax), as the Keras importer already gives.
+    path = tmp_path / "classifier.onnx"
+    onnx.save(build([node("Gemm", ["x", "w", "b"], ["logits"]), node("Softmax", ["logits"], axis=-1)], (5,),
+                    {"w": _rand(5, 3), "b": _rand(3)}, opset=13), path)
+    x = _rand(4, 5, seed=1)
+    (probabilities,) = run_onnxruntime(path, x)
+    imported = opgrad_onnx.read(path)
+    assert len(imported.notes) == 1 and "the final Softmax is left out" in imported.notes[0]
+    logits = imported.model.predict(x, backend="reference")
+    shifted = np.exp(logits - logits.max(axis=1, keepdims=True))
+    np.testing.assert_allclose(shifted / shifted.sum(axis=1, keepdims=True), probabilities, rtol=1e-5, atol=1e-6)
+    kept = opgrad_onnx.read(path, keep_softmax=True)
+    assert kept.notes == []
+    np.testing.assert_allclose(kept.model.predict(x, backend="reference"), probabilities, rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match=r"output 0 is a softmax .* would apply it twice"):
+        nn.TrainStep(kept.model, nn.SGD(), batch_size=4)
+
+
+def test_a_file_exported_without_its_weights_says_so(tmp_path: Path) -> None:
+    graph = helper.make_graph(
+        [node("Gemm", ["x", "fc.weight", "fc.bias"], transB=1)], "no-params",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 5]),
+         helper.make_tensor_value_info("fc.weight", TensorProto.FLOAT, [3, 5]),
+         helper.make_tensor_value_info("fc.bias", TensorProto.FLOAT, [3])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)])
+    path = tmp_path / "no_params.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), path)
+    with pytest.raises(OnnxError, match=r"node 'my_gemm' \(Gemm\) takes its weight 'fc.weight' as a graph input, "
+                                        r"not an initializer: the file holds no weights"):
+        opgrad_onnx.load(path)

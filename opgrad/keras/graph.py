@@ -161,7 +161,9 @@ class LayerCall:
         try:
             sym = layer([t.sym for t in inputs] if isinstance(inputs, list) else inputs.sym)
         except (ShapeError, ValueError, TypeError) as exc:
-            raise self.fail(str(exc)) from None
+            message = str(exc)
+            named = f"layer {layer.describe()}: "  # the opgrad layer's own prefix names the Keras layer too
+            raise self.fail(message[len(named):] if message.startswith(named) else message) from None
         return Tensor(sym, layout, tuple(int(d) for d in keras_shape), chw)
 
     def to_keras_order(self, tensor: Tensor) -> Tensor:

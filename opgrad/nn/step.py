@@ -38,7 +38,7 @@ import numpy as np
 from opgrad import ops
 from opgrad.autodiff import gradients
 from opgrad.errors import OpgradError, ShapeError
-from opgrad.ir import Expr, Function, Var, var
+from opgrad.ir import Call, Expr, Function, Var, var
 from opgrad.nn.layers import ForwardContext
 from opgrad.nn.losses import softmax_cross_entropy
 from opgrad.nn.model import Model
@@ -321,6 +321,11 @@ def classifier_loss(model: Model, outputs: Sequence[Expr], labels: Sequence[Var]
             hint = "; put a Flatten() (or a global pool) before the last Dense" if out.ndim > 2 else ""
             raise ShapeError(f"model {model.name!r}: output {i} has shape {tuple(out.shape[1:])} per example; the "
                              f"training step's softmax cross-entropy needs class logits (classes,){hint}")
+        if isinstance(out, Call) and out.op.name == "softmax":
+            raise ValueError(f"model {model.name!r}: output {i} is a softmax (probabilities), and the training step's "
+                             "softmax cross-entropy applies softmax itself, so it would apply it twice; train a model "
+                             "that outputs logits: leave its final Softmax out (opgrad.onnx.load and opgrad.keras.load "
+                             "do unless keep_softmax=True), and take softmax of predict's logits")
     if len(outputs) == 1 and weights[0] == 1.0:
         return softmax_cross_entropy(outputs[0], labels[0])
     total: Expr | None = None

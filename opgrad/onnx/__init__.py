@@ -14,20 +14,36 @@ See docs/interop.md for the supported nodes and the errors.
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from opgrad.nn.model import Model
     from opgrad.onnx.table import OnnxError
 
-__all__ = ["OnnxError", "load", "save"]
+__all__ = ["ImportedOnnx", "OnnxError", "load", "read", "save"]
 
 
-def load(path: str | os.PathLike[str]) -> Model:
-    """The ONNX model at ``path`` as an ``opgrad.nn.Model`` with its weights; see :func:`opgrad.onnx.importer.load`."""
-    from opgrad.onnx.importer import load as load_model
+@dataclass
+class ImportedOnnx:
+    """An imported model and what the import changed (``notes``: a final softmax left out)."""
 
-    return load_model(path)
+    model: Model
+    notes: list[str] = field(default_factory=list)
+
+
+def load(path: str | os.PathLike[str], *, keep_softmax: bool = False) -> Model:
+    """The ONNX model at ``path`` as an ``opgrad.nn.Model`` with its weights; a final classifier
+    ``Softmax`` is left out unless ``keep_softmax``; see :func:`opgrad.onnx.importer.load`."""
+    return read(path, keep_softmax=keep_softmax).model
+
+
+def read(path: str | os.PathLike[str], *, keep_softmax: bool = False) -> ImportedOnnx:
+    """:func:`load`'s model with the notes on what the import changed."""
+    from opgrad.onnx.importer import read as read_model
+
+    model, notes = read_model(path, keep_softmax=keep_softmax)
+    return ImportedOnnx(model, notes)
 
 
 def save(model: Model, path: str | os.PathLike[str], *, opset: int | None = None) -> None:

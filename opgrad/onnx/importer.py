@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from opgrad.nn.layers import Input, Layer, SymbolicTensor
+from opgrad.nn.layers import Input, Layer, Softmax, SymbolicTensor
 from opgrad.nn.model import Model
 from opgrad.onnx import converters  # noqa: F401  (registers the converters)
 from opgrad.onnx.converters.shape import fold_batch_shape
@@ -62,6 +62,11 @@ def _folded_size(op_type: str, inputs: list[np.ndarray | None]) -> float:
         start, limit, delta = (float(number(i).ravel()[0]) if number(i).size else 0.0 for i in range(3))
         return abs(limit - start) / delta if delta else math.inf
     return 0.0
+
+
+#: Inputs of a node that are its weights (by position), which a file with parameters stores as initializers.
+_WEIGHT_SLOTS = {"Conv": (1, 2), "ConvTranspose": (1, 2), "Gemm": (1,), "BatchNormalization": (1, 2, 3, 4),
+                 "InstanceNormalization": (1, 2), "LayerNormalization": (1, 2), "PRelu": (1,)}
 
 
 def _safe_name(name: str, fallback: str) -> str:
@@ -132,6 +137,8 @@ class _Reader:
         self.layer_names: set[str] = set()
         self.batch: int | None = None
         self.opset = self._opset()
+        #: What the import changed, for the user (a final softmax left out).
+        self.notes: list[str] = []
 
     # ----- checks of the file as a whole -----
 
@@ -172,6 +179,7 @@ class _Reader:
             self.values[tensor.name] = StaticValue(self.tensor_array(tensor, "initializer"), initializer=tensor.name)
 
     def read_inputs(self) -> list[SymbolicTensor]:
+        self.refuse_weights_as_inputs()
         inputs: list[SymbolicTensor] = []
         taken: set[str] = set()
         for info in self.graph.input:
@@ -218,6 +226,19 @@ class _Reader:
         if not inputs:
             raise OnnxError(f"{self.source}: the graph has no data input (every input is an initializer)")
         return inputs
+
+    def refuse_weights_as_inputs(self) -> None:
+        """A weight that is a graph input rather than an initializer: a file exported without its
+        parameters (``torch.onnx.export(..., export_params=False)``), which would otherwise fail on
+        the weight's shape as if it were data."""
+        inputs = {info.name for info in self.graph.input} - set(self.values)
+        for node in self.graph.node:
+            slots = _WEIGHT_SLOTS.get(node.op_type, ())
+            missing = [node.input[i] for i in slots if i < len(node.input) and node.input[i] in inputs]
+            if missing:
+                raise OnnxError(f"{self.source}: node {node.name or node.op_type!r} ({node.op_type}) takes its "
+                                f"weight {missing[0]!r} as a graph input, not an initializer: the file holds no "
+                                "weights (exported with export_params=False?); export it with its parameters")
 
     def node_order(self) -> list[Any]:
         """The nodes in dependency order; a missing producer or a cycle is an error naming the node."""
@@ -363,7 +384,7 @@ class _Reader:
                                 f"{len(results)} output(s)")
             self.values[name] = results[index]
 
-    def build(self, inputs: list[SymbolicTensor], order: list[Any]) -> Model:
+    def build(self, inputs: list[SymbolicTensor], order: list[Any], keep_softmax: bool = False) -> Model:
         for node in order:
             self.convert(node)
         outputs = []
@@ -374,6 +395,15 @@ class _Reader:
             if isinstance(value, StaticValue):
                 raise OnnxError(f"{self.source}: graph output {info.name!r} is a constant; supported: outputs "
                                 "computed from the model input")
+            producer = value.node
+            if (not keep_softmax and producer is not None and type(producer.layer) is Softmax
+                    and len(value.shape) == 1):
+                # A classifier exported for deployment ends in probabilities; training needs logits.
+                self.notes.append(f"node {producer.layer.name!r}: the final Softmax is left out: output "
+                                  f"{info.name!r} gives logits (opgrad trains classifiers with softmax "
+                                  "cross-entropy on logits); their softmax is the file's output. keep_softmax=True "
+                                  "keeps it")
+                value = producer.inputs[0]
             outputs.append(value)
         if not outputs:
             raise OnnxError(f"{self.source}: the graph has no outputs")
@@ -429,13 +459,21 @@ def check(onnx: Any, model: Any, source: str) -> None:
         raise OnnxError(f"{source}: not a valid ONNX model: {message}") from None
 
 
-def load(path: str | os.PathLike[str]) -> Model:
+def load(path: str | os.PathLike[str], *, keep_softmax: bool = False) -> Model:
     """The ONNX model at ``path`` as an ``opgrad.nn.Model`` holding its weights (``model.params``/``buffers``).
 
     Inputs must be float tensors with the batch axis first (symbolic or fixed) and fixed other
     axes. Everything opgrad cannot represent exactly is an :class:`OnnxError` naming the file,
-    the node, its op type and the attribute, with what is supported.
+    the node, its op type and the attribute, with what is supported. A ``Softmax`` that gives a
+    graph output of one axis per example (a classifier's probabilities) is left out unless
+    ``keep_softmax``, as :func:`opgrad.keras.load` does: the model outputs logits, which opgrad's
+    training step needs (:func:`read` says so in its notes).
     """
+    return read(path, keep_softmax=keep_softmax)[0]
+
+
+def read(path: str | os.PathLike[str], *, keep_softmax: bool = False) -> tuple[Model, list[str]]:
+    """:func:`load`'s model and the notes on what the import changed."""
     onnx = require_onnx()
     source = str(path)
     try:
@@ -450,4 +488,5 @@ def load(path: str | os.PathLike[str]) -> Model:
     inputs = reader.read_inputs()
     order = reader.node_order()
     check(onnx, model, source)
-    return reader.build(inputs, order)
+    built = reader.build(inputs, order, keep_softmax=bool(keep_softmax))
+    return built, reader.notes
