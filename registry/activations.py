@@ -64,14 +64,17 @@ def _erf_forward(data: np.ndarray) -> np.ndarray:
 @erf.gradient
 def _erf_gradient(call: Call, grad: Expr) -> list[Expr | None]:
     """d_data = grad * 2/sqrt(pi) * exp(-data^2)"""
-    data = call.args[0]
-    return [ops.multiply(grad, ops.multiply(ops.exp(ops.negative(ops.multiply(data, data))), _TWO_OVER_SQRT_PI))]
+    return [ops.multiply(grad, _gaussian(call.args[0], _TWO_OVER_SQRT_PI))]
+
+
+def _gaussian(data: Expr, scale: float) -> Expr:
+    """scale * exp(-data^2): erf's derivative with scale 2/sqrt(pi), erfc's with -2/sqrt(pi)."""
+    return ops.multiply(ops.exp(ops.negative(ops.multiply(data, data))), scale)
 
 
 @erf.mutant("missing the 2/sqrt(pi) factor")
 def _erf_unscaled(call: Call, grad: Expr) -> list[Expr | None]:
-    data = call.args[0]
-    return [ops.multiply(grad, ops.exp(ops.negative(ops.multiply(data, data))))]
+    return [ops.multiply(grad, _gaussian(call.args[0], 1.0))]
 
 
 @erf.lowering
@@ -95,14 +98,12 @@ def _erfc_forward(data: np.ndarray) -> np.ndarray:
 @erfc.gradient
 def _erfc_gradient(call: Call, grad: Expr) -> list[Expr | None]:
     """d_data = -grad * 2/sqrt(pi) * exp(-data^2)"""
-    data = call.args[0]
-    return [ops.multiply(grad, ops.multiply(ops.exp(ops.negative(ops.multiply(data, data))), -_TWO_OVER_SQRT_PI))]
+    return [ops.multiply(grad, _gaussian(call.args[0], -_TWO_OVER_SQRT_PI))]
 
 
 @erfc.mutant("the sign of erf's gradient")
 def _erfc_as_erf(call: Call, grad: Expr) -> list[Expr | None]:
-    data = call.args[0]
-    return [ops.multiply(grad, ops.multiply(ops.exp(ops.negative(ops.multiply(data, data))), _TWO_OVER_SQRT_PI))]
+    return [ops.multiply(grad, _gaussian(call.args[0], _TWO_OVER_SQRT_PI))]
 
 
 @erfc.lowering
