@@ -700,3 +700,15 @@ def test_a_file_exported_without_its_weights_says_so(tmp_path: Path) -> None:
     with pytest.raises(OnnxError, match=r"node 'my_gemm' \(Gemm\) takes its weight 'fc.weight' as a graph input, "
                                         r"not an initializer: the file holds no weights"):
         opgrad_onnx.load(path)
+
+
+def test_a_bool_cast_of_nan_is_true_as_in_onnxruntime(tmp_path: Path) -> None:
+    path = tmp_path / "bool_cast.onnx"
+    onnx.save(build([node("Cast", ["x"], ["b"], to=TensorProto.BOOL), node("Where", ["b", "one", "zero"])], (6,),
+                    {"one": np.float32(1.0), "zero": np.float32(0.0)}, opset=13), path)
+    x = np.array([[np.nan, 0.0, -0.0, np.inf, -np.inf, -2.5]], np.float32)
+    (expected,) = run_onnxruntime(path, x)
+    np.testing.assert_array_equal(expected, [[1, 0, 0, 1, 1, 1]])
+    model = opgrad_onnx.load(path)
+    for backend in ("reference", "llvm"):
+        np.testing.assert_array_equal(model.predict(x, backend=backend), expected)

@@ -4,8 +4,8 @@ ONNX's boolean tensors become float masks (1.0 true, 0.0 false), as the registry
 gives them: ``Greater``/``Less`` are ``greater`` (operands swapped for ``Less``), ``Not`` is
 ``1 - m``, ``And`` a product and ``Or`` a maximum of masks, and ``Where`` the :class:`Where` layer,
 whose branches may be tensors or scalar constants (infinities included: PyTorch's
-``masked_fill(mask, -inf)``). A ``Cast`` to BOOL of computed data is ``|x| > 0``, exact for every
-value but NaN (ONNX casts NaN to true). ``Equal`` and the ``...OrEqual`` comparisons are not read:
+``masked_fill(mask, -inf)``). A ``Cast`` to BOOL of computed data is true for every value but
++-0, NaN included, as ONNX casts. ``Equal`` and the ``...OrEqual`` comparisons are not read:
 built of ``greater`` they would call NaN equal.
 """
 
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from opgrad.nn.ops_layers import Arithmetic, Unary, Where
+from opgrad.nn.ops_layers import Arithmetic, Elementwise, Unary, Where
 from opgrad.onnx.converters.elementwise import operation
 from opgrad.onnx.table import NodeContext, StaticValue, Value, converter
 
@@ -46,11 +46,15 @@ def logical_or(ctx: NodeContext) -> list[Value]:
 
 
 def as_mask(ctx: NodeContext, value: Value) -> Value:
-    """Computed data cast to BOOL, as a float mask: ``|x| > 0``."""
+    """Computed data cast to BOOL, as a float mask: ``max(|x| > 0, 1 - (|x| > -1))``, true for every
+    value but +-0; the second term is 1 exactly for NaN, which compares false with everything."""
     if isinstance(value, StaticValue):
         return StaticValue(np.asarray(value.array != 0))
     magnitude = ctx.layer(ctx.new(Unary, "abs"), value)
-    return ctx.layer(ctx.new(Arithmetic, "greater", operand=0.0), magnitude)
+    nonzero = ctx.layer(ctx.new(Arithmetic, "greater", operand=0.0), magnitude)
+    ordered = ctx.layer(ctx.new(Arithmetic, "greater", operand=-1.0), magnitude)
+    nan = ctx.layer(ctx.new(Arithmetic, "subtract", operand=1.0, reverse=True), ordered)
+    return ctx.layer(ctx.new(Elementwise, "maximum"), [nonzero, nan])
 
 
 @converter("Where", since=9)
