@@ -40,6 +40,7 @@ printing the error (:func:`abort_on_error`); a rank that dies is cleaned up by `
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import sys
 import time
@@ -258,6 +259,17 @@ def abort_on_error(comm: Communicator, command: str) -> Iterator[None]:
     """
     try:
         yield
+    except SystemExit as exc:
+        # sys.exit(0) is a clean end; another status ends every rank with it, as an error would.
+        if comm.size == 1 or exc.code in (0, None):
+            raise
+        code = exc.code if isinstance(exc.code, int) else 1
+        if not isinstance(exc.code, int):
+            print(f"{command}: [rank {comm.rank}] {exc.code}", file=sys.stderr)
+        sys.stderr.flush()
+        time.sleep(ABORT_GRACE_SECONDS)
+        comm.abort(code)
+        raise
     except BaseException as exc:
         if comm.size == 1:
             raise
@@ -433,6 +445,7 @@ class DistributedTrainer(Trainer):
                               f"({self.comm.size}); every rank needs at least one example per step")
         share_cores(self.comm)  # before the first kernel starts the pool
         self.rows = shard_bounds(batch_size, self.comm.rank, self.comm.size)
+        self.sync_batchnorm = bool(sync_batchnorm)
         if self.comm.size > 1:
             # Every rank takes its rows of one global batch drawn from the seed, and the ranks
             # average their gradients into one model: another batch size, seed or schedule would
@@ -445,13 +458,14 @@ class DistributedTrainer(Trainer):
                                   "checkpoint or params")
         # Alone, nothing is averaged: the single fused step computes the same numbers, faster.
         self.fused = fused_when_alone and self.comm.size == 1
-        self.sync_batchnorm = bool(sync_batchnorm)
         # Alone, the global batch is this rank's: the plain step computes the same statistics.
         self._reducer: ReplicaReducer | None = (ReplicaReducer(self.comm) if self.sync_batchnorm and self.comm.size > 1
                                                 else None)
         self._gradient_step: GradientStep | None = None
         self._update_step: UpdateStep | None = None
         self._buffer: FusedBuffer | None = None
+        #: This rank's buffers after its part of the step, before the all-reduce.
+        self._local_buffers: dict[str, np.ndarray] = {}
         #: Seconds spent in each phase of the steps so far: local forward + backward (with the
         #: batch slicing and packing), the all-reduce (waiting for the slowest rank included),
         #: and the optimizer update; ``timed_steps`` counts the steps.
@@ -465,7 +479,11 @@ class DistributedTrainer(Trainer):
                 "optimizer": self.optimizer.describe(), "lr": self.schedule.describe(), "step": self.step,
                 "epoch": self.epoch, "eval_batch_size": self.eval_batch_size, "augment": (
                     self.augment_shift, self.augment_rotate, self.augment_scale),
-                "sync_batchnorm": bool(getattr(self, "sync_batchnorm", False)), "model": self.model.name}
+                "sync_batchnorm": self.sync_batchnorm, "stop_on_nan": bool(self.stop_on_nan),
+                "backend": self.backend, "model": self.model.name,
+                # Another architecture with the same weight shapes would train apart unseen.
+                "model.get_config()": hashlib.sha256(json.dumps(self.model.get_config(), sort_keys=True,
+                                                          default=str).encode()).hexdigest()[:16]}
 
     def _check_agreement(self, inputs: Inputs, labels: Labels, who: str, weights: bool = False) -> None:
         """Before ``who`` runs, every rank must stand at the same step and epoch (a checkpoint restored
@@ -561,6 +579,7 @@ class DistributedTrainer(Trainer):
             with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
                 result = self.gradient_step(x, y, self.params, self.model.buffers, local_masks)
             self.fused_buffer.pack(result.loss, {**result.grads, **result.buffers}, self.share)
+            self._local_buffers = result.buffers
             return
         step = self.gradient_step
         with np.errstate(over="ignore", invalid="ignore", divide="ignore"), replica_group(self._reducer):
@@ -569,6 +588,7 @@ class DistributedTrainer(Trainer):
         # on every rank, are weighted so that their sum is that value.
         self.fused_buffer.pack(result.loss, {**result.grads, **{name: value * self.share for name, value
                                                                 in result.buffers.items()}}, 1.0)
+        self._local_buffers = result.buffers
 
     def _train_batch(self, inputs: list[np.ndarray], labels: Labels, *, epoch_step: int | None) -> float:
         if self.fused:
@@ -619,7 +639,10 @@ class DistributedTrainer(Trainer):
             params, optimizer_state = self.update_step(self.params, grads, self.state, lr)
         # The views are overwritten by the next step's all-reduce: keep copies of the buffers.
         self.params = params
-        self.state = {**optimizer_state, **{name: buffer.view(name).copy() for name in self.model.buffer_shapes()}}
+        # A counter is the same on every rank: each keeps its own (the float sum of its shares may not be).
+        local = self._local_buffers
+        self.state = {**optimizer_state, **{name: (np.array(local[name]) if spec.counter else buffer.view(name).copy())
+                                            for name, spec in self.model.buffer_specs().items()}}
         self.times["gradients"] += computed - started
         self.times["batchnorm_sums"] += (reducer.seconds - sums_before) if reducer is not None else 0.0
         self.times["allreduce"] += reduced - computed

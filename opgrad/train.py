@@ -250,6 +250,20 @@ def _initial_model(args: argparse.Namespace) -> Any:
     return model
 
 
+#: Environment variables in which MPI launchers give each process the job's size (MPICH's Hydra
+#: and Intel MPI, Open MPI, Slurm's srun).
+MPI_SIZE_VARIABLES = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_SIZE")
+
+
+def mpi_launched_ranks() -> int:
+    """How many processes an MPI launcher started alongside this one (1 when none did)."""
+    for name in MPI_SIZE_VARIABLES:
+        value = os.environ.get(name, "").strip()
+        if value.isdigit():
+            return int(value)
+    return 1
+
+
 def run(args: argparse.Namespace) -> int:
     """Train; returns a process exit code (0 ok).
 
@@ -261,6 +275,10 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError("--sync-batchnorm synchronizes BatchNorm over the ranks of --distributed training; "
                           "add --distributed (and run under mpirun), or leave it out")
     if not args.distributed:
+        launched = mpi_launched_ranks()
+        if launched > 1:
+            raise ConfigError(f"this is one of {launched} processes started by mpirun, and without --distributed "
+                              "each trains the whole model alone and writes the same files; add --distributed")
         return _train(args, None)
     from opgrad.distributed import abort_on_error, share_cores, world
 

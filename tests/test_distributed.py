@@ -417,6 +417,14 @@ if case == "seed":
     options["seed"] = comm.rank
 if case == "shard":  # PyTorch's DistributedSampler habit: each rank passes a data set of its own
     x, y = (x[:32], y[:32]) if comm.rank == 0 else (x[32:], y[32:])
+if case == "stop_on_nan":
+    options["stop_on_nan"] = comm.rank == 0
+if case == "sync_batchnorm":
+    options["sync_batchnorm"] = comm.rank == 0
+if case == "backend":
+    options["backend"] = "reference" if comm.rank == 0 else "llvm"
+if case == "architecture":  # the same weight shapes, another activation
+    model = nn.Model(inp, nn.Dense(3, activation="relu" if comm.rank == 0 else "tanh")(inp))
 try:
     trainer = DistributedTrainer(model, nn.SGD(), comm=comm, **options)
     if case == "restore":
@@ -445,6 +453,10 @@ with open(f"rank{comm.rank}.txt", "w") as handle:
     ("shard", "the data given to DistributedTrainer.train_epoch differ between the ranks"),
     ("restore", "the training position at DistributedTrainer.train_epoch differ between the ranks: epoch (here "),
     ("empty", "DistributedTrainer.evaluate: no examples"),
+    ("stop_on_nan", "the training settings differ between the ranks: stop_on_nan (here "),
+    ("sync_batchnorm", "the training settings differ between the ranks: sync_batchnorm (here "),
+    ("backend", "the training settings differ between the ranks: backend (here "),
+    ("architecture", "the training settings differ between the ranks: model.get_config() (here "),
     ("same", None),
 ])
 def test_ranks_that_would_train_apart_stop_on_every_rank(tmp_path: Path, case: str, says: str | None) -> None:
@@ -458,3 +470,47 @@ def test_ranks_that_would_train_apart_stop_on_every_rank(tmp_path: Path, case: s
         assert lines == ["trained", "trained"]
     else:
         assert all(line.startswith("refused: ") and says in line for line in lines), lines
+
+
+COUNTER = """
+import sys
+import numpy as np
+from opgrad import nn
+from opgrad.distributed import DistributedTrainer, abort_on_error, world
+
+comm = world()
+inp = nn.Input((1, 6, 6))
+hidden = nn.BatchNorm2D(momentum=None)(nn.Conv2D(2, 3)(inp))
+model = nn.Model(inp, nn.Dense(3)(nn.Flatten()(hidden)), name="tiny")
+rng = np.random.default_rng(1)
+x, y = rng.normal(size=(1400, 1, 6, 6)).astype(np.float32), rng.integers(0, 3, 1400)
+with abort_on_error(comm, "counter"):
+    trainer = DistributedTrainer(model, nn.SGD(), comm=comm, sync_batchnorm=sys.argv[1] == "sync", lr=1e-2,
+                                 batch_size=7)
+    trainer.train_epoch(x, y)
+    with open(f"rank{comm.rank}.txt", "w") as handle:
+        handle.write(f"{trainer.step} {float(trainer.state['batchnorm1.num_batches_tracked'])!r}")
+    sys.exit(0)
+"""
+
+
+@pytest.mark.parametrize("mode", ["local", "sync"])
+def test_a_step_counter_stays_an_integer_over_the_ranks(tmp_path: Path, mode: str) -> None:
+    # BatchNorm's cumulative average counts steps in a float buffer; averaged over the ranks as
+    # row-weighted shares (4/7 + 3/7) it drifted off its integer, 200.00012 after 200 steps, and
+    # moved every running statistic's weight. A clean sys.exit(0) inside abort_on_error ends the
+    # job with status 0 (it was taken for a failure and aborted every rank).
+    script = write_script(tmp_path, "counter.py", COUNTER)
+    done = run_mpi(["-n", "2", sys.executable, str(script), mode], tmp_path, timeout=180)
+    assert done.returncode == 0, done.stderr
+    for rank in range(2):
+        assert (tmp_path / f"rank{rank}.txt").read_text() == "200 200.0"
+
+
+def test_train_under_mpirun_without_distributed_is_refused(monkeypatch: pytest.MonkeyPatch,
+                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    from opgrad import cli
+
+    monkeypatch.setenv("PMI_SIZE", "2")
+    assert cli.main(["train", "--model", "mlp", "--epochs", "1", "--max-steps", "1"]) == 2
+    assert "one of 2 processes started by mpirun, and without --distributed" in capsys.readouterr().err

@@ -113,10 +113,15 @@ class ParamSpec:
 
 @dataclass(frozen=True)
 class BufferSpec:
-    """Non-trainable state a layer declares (running statistics): its shape and starting value."""
+    """Non-trainable state a layer declares (running statistics): its shape and starting value.
+
+    ``counter``: a count of steps, the same on every replica of data-parallel training, which
+    keeps its own value where the running statistics are averaged over the replicas (a
+    weighted float sum would move it off its integer)."""
 
     shape: Shape
     value: float
+    counter: bool = False
 
 
 @dataclass(frozen=True)
@@ -1189,7 +1194,7 @@ class BatchNorm2D(Layer):
         c = (self.input_shape[0],)
         specs = {"running_mean": BufferSpec(c, 0.0), "running_var": BufferSpec(c, 1.0)}
         if self.momentum is None:  # a float count, as every buffer is, exact up to 2**24 batches in float32
-            specs["num_batches_tracked"] = BufferSpec((), 0.0)
+            specs["num_batches_tracked"] = BufferSpec((), 0.0, counter=True)
         return specs
 
     def running_statistics(self, buffers: Mapping[str, Expr], batch_mean: Expr,
