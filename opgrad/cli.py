@@ -52,8 +52,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = OneLineErrorParser(prog="opgrad", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=OneLineErrorParser)
     modules = {}
+    parsers = {}
     for name, (module_name, help_text) in SUBCOMMANDS.items():
-        sub_parser = sub.add_parser(name, help=help_text, description=help_text)
+        sub_parser = parsers[name] = sub.add_parser(name, help=help_text, description=help_text)
         try:
             module = importlib.import_module(module_name)
         except ImportError as exc:  # a subcommand whose optional pieces are missing stays listed
@@ -62,7 +63,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         module.configure(sub_parser)
         modules[name] = module
     try:
-        args = parser.parse_args(argv)
+        args, extra = parser.parse_known_args(argv)
+        if extra:  # named by the command they were given to, as its other errors are
+            (parsers.get(args.command) or parser).error(f"unrecognized arguments: {' '.join(extra)}")
     except SystemExit as exc:  # --help (0) or a bad option (2, after argparse's "error:" line)
         return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 2)
     if args.command is None:

@@ -462,6 +462,29 @@ def test_export_argument_errors(tmp_path: Path, capsys: pytest.CaptureFixture[st
                                        "(/proc: No such file or directory)\n")
 
 
+def test_export_mistakes_that_reached_llvm_or_the_step_are_export_errors(tmp_path: Path,
+                                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    # A bare feature name made LLVM assert; a softmax output, a big-endian target (the runtime reads
+    # checkpoints' little-endian floats as they lie) and arguments of the wrong type raised plain
+    # Python errors (tracebacks on the command line).
+    with pytest.raises(ExportError, match=r"features 'avx2': 'avx2' is not \+name or -name"):
+        opgrad.export(tmp_path / "a", features="avx2", object_only=True)
+    with pytest.raises(ExportError, match=r"is not \+name or -name"):
+        opgrad.export(tmp_path / "a", features="+avx2,,+fma", object_only=True)
+    with pytest.raises(ExportError, match=r"target s390x-linux-gnu \(s390x-linux-gnu\) is big-endian"):
+        opgrad.export(tmp_path / "a", model="mlp", target="s390x-linux-gnu", object_only=True)
+    with pytest.raises(ExportError, match="target must be a name or an LLVM triple"):
+        opgrad.export(tmp_path / "a", target=123)  # type: ignore[arg-type]
+    with pytest.raises(ExportError, match=r"model must be a built-in model's name or an opgrad\.nn\.Model"):
+        opgrad.export(tmp_path / "a", model=None)  # type: ignore[arg-type]
+    probabilities = nn.Sequential([nn.Dense(3), nn.Softmax()], input_shape=(6,), name="probs")
+    with pytest.raises(ExportError, match="model 'probs': output 0 is a softmax"):
+        opgrad.export(tmp_path / "a", model=probabilities, object_only=True)
+    assert cli.main(["export", str(tmp_path / "b"), "--bogus"]) == 2
+    assert capsys.readouterr().err == "opgrad export: error: unrecognized arguments: --bogus\n"
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
 def test_ci_installs_the_cross_tools_before_the_readme_command() -> None:
     run = (ROOT / ".ci" / "run").read_text()
     readme = (ROOT / "README.md").read_text()

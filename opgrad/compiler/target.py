@@ -235,6 +235,17 @@ def check_cpu(triple: str, cpu: str, features: str = "") -> None:
                          "them); give +name or -name of features of that architecture, e.g. +avx2 or +neon")
 
 
+def check_feature_syntax(features: str) -> None:
+    """A ``ValueError`` unless ``features`` is a comma-separated list of ``+name`` / ``-name``
+    (LLVM asserts on a bare name and skips empty entries)."""
+    entries = [entry.strip() for entry in features.split(",")]
+    bad = [entry for entry in entries if len(entry) < 2 or entry[0] not in "+-" or not entry[1:].replace("-", "")
+           .replace(".", "").replace("_", "").isalnum()]
+    if bad:
+        raise ValueError(f"features {features!r}: {bad[0]!r} is not +name or -name; give a comma-separated list "
+                         "such as +avx2,+fma or -avx512f")
+
+
 def resolve_target(name: str = "host", cpu: str | None = None, features: str | None = None) -> Target:
     """The target called ``name`` (``host``, a key of :data:`NAMED_TARGETS`, or an LLVM triple).
 
@@ -242,6 +253,10 @@ def resolve_target(name: str = "host", cpu: str | None = None, features: str | N
     the ``generic`` CPU) but is checked against LLVM's list of targets. A ``cpu`` or ``features``
     given is checked against LLVM's processors and features for the triple (:func:`check_cpu`).
     """
+    if not isinstance(name, str):
+        raise ValueError(f"target must be a name or an LLVM triple (a str), got {type(name).__name__} {name!r}")
+    if features is not None:
+        check_feature_syntax(features)
     target = _resolved_target(name, cpu, features)
     if cpu is not None or features:
         check_cpu(target.triple, target.cpu, features or "")

@@ -24,7 +24,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--target", default="host",
                         help=f"host (default), {', '.join(NAMED_TARGETS)}, or an LLVM triple")
     parser.add_argument("--cpu", default=None, help="LLVM CPU name (default: the target's)")
-    parser.add_argument("--features", default=None, help="LLVM feature string, e.g. +avx2,+fma (default: the target's)")
+    parser.add_argument("--features", default=None, help="LLVM feature string, e.g. +avx2,+fma (default: the "
+                        "target's); one that starts with - goes after =, as --features=-avx512f")
     parser.add_argument("--threads", type=int, default=0,
                         help="runtime thread pool size: 0 = one per online CPU (default), 1 = no threads")
     parser.add_argument("--name", default="opgrad", help="prefix of every exported symbol and file (default opgrad)")

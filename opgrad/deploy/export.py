@@ -181,6 +181,11 @@ def _tables(name: str, model: Model, optimizer: Optimizer, step: TrainStep, trai
     )
 
 
+#: First components of LLVM triples of big-endian CPUs.
+BIG_ENDIAN_ARCHES = ("s390x", "sparc", "sparcv9", "sparc64", "mips", "mips64", "powerpc", "powerpc64", "ppc",
+                     "ppc64", "aarch64_be", "armeb", "thumbeb", "bpfeb", "m68k", "lanai")
+
+
 def export(directory: str | os.PathLike[str], *, model: str | Model = "seed-cnn",
            optimizer: str | Optimizer = "adam", batch_size: int = 32, eval_batch_size: int | None = None,
            target: str | Target = "host", cpu: str | None = None, features: str | None = None, threads: int = 0,
@@ -212,12 +217,18 @@ def export(directory: str | os.PathLike[str], *, model: str | Model = "seed-cnn"
         raise ExportError(f"threads (--threads) must be an int in [0, 256] (0: one per CPU), got {threads!r}")
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
         raise ExportError(f"seed (--seed) must be an int >= 0, got {seed!r}")
+    if not isinstance(model, (str, Model)):
+        raise ExportError(f"model must be a built-in model's name or an opgrad.nn.Model, got {type(model).__name__}")
     try:
         net = build_model(model) if isinstance(model, str) else model
         opt = make_optimizer(optimizer) if isinstance(optimizer, str) else optimizer
         tgt = target if isinstance(target, Target) else resolve_target(target, cpu, features)
     except ValueError as exc:
         raise ExportError(str(exc)) from None
+    if tgt.triple.split("-")[0] in BIG_ENDIAN_ARCHES:
+        # The runtime reads and writes checkpoints' little-endian float32 as they lie in memory.
+        raise ExportError(f"target {tgt.name} ({tgt.triple}) is big-endian; the exported runtime runs on "
+                          "little-endian CPUs (x86-64, AArch64, RISC-V, little-endian POWER)")
     if len(net.inputs) != 1 or len(net.outputs) != 1:
         # The C API streams one image array and one label array per step and returns one logits array.
         raise ExportError(f"model {net.name!r}: export takes single-input, single-output models; this one has "
@@ -252,8 +263,11 @@ def export(directory: str | os.PathLike[str], *, model: str | Model = "seed-cnn"
                               "(--cc) or object_only=True (--object-only) to write the object and sources only")
 
     t0 = time.perf_counter()
-    step = TrainStep(net, opt, batch_size=batch_size, backend="reference")
-    evaluation_step = EvalStep(net, batch_size=eval_batch_size, backend="reference")
+    try:
+        step = TrainStep(net, opt, batch_size=batch_size, backend="reference")
+        evaluation_step = EvalStep(net, batch_size=eval_batch_size, backend="reference")
+    except (ValueError, TypeError) as exc:  # ShapeError included: a model the training step refuses
+        raise ExportError(str(exc)) from None
     with use_target(tgt):
         train = plan_graph(step.function, name=f"{name}_train_graph", loop=step.step_loop())
         evaluation = plan_graph(evaluation_step.function, name=f"{name}_eval_graph")
