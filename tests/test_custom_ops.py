@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import re
 import subprocess
 import sys
 import textwrap
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -243,48 +244,45 @@ LOGCOSH = textwrap.dedent('''
 ''')
 
 
-def _declare(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, name: str, text: str) -> object:
-    (tmp_path / f"{name}.py").write_text(text)
+@contextlib.contextmanager
+def declared(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, module: str, text: str,
+             ops: Sequence[str]) -> Iterator[object]:
+    """The user module ``module`` with source ``text``, imported; its ``ops`` unregistered after."""
+    (tmp_path / f"{module}.py").write_text(text)
     monkeypatch.syspath_prepend(str(tmp_path))
-    return importlib.import_module(name)
+    try:
+        yield importlib.import_module(module)
+    finally:
+        from opgrad import registry
+
+        for name in ops:
+            if name in registry.names():
+                registry.unregister(name)
+        sys.modules.pop(module, None)
 
 
 def test_a_gradient_that_overflows_only_in_float32_fails(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    module = _declare(tmp_path, monkeypatch, "my_logcosh_ops", LOGCOSH)
-    try:
+    with declared(tmp_path, monkeypatch, "my_logcosh_ops", LOGCOSH, ["user_logcosh"]) as module:
         assert check_op("user_logcosh", max_examples=60, seed=0).passed
         report = check_op("user_logcosh", gradient=module.overflowing, max_examples=60, seed=0)  # type: ignore[attr-defined]
         assert not report.passed and report.failure is not None
         assert report.failure.check == "b" and report.failure.dtype == "float32"
         assert "the rule overflows or divides inf by inf in float32" in report.failure.problem
-    finally:
-        from opgrad import registry
-
-        registry.unregister("user_logcosh")
-        sys.modules.pop("my_logcosh_ops", None)
 
 
 def test_a_forgotten_gradient_and_a_raising_shape_rule_are_reported_where_they_are(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     forgotten = LOGCOSH.replace("user_logcosh", "user_nograd").split("@logcosh.gradient")[0]
     broken = LOGCOSH.replace("user_logcosh", "user_badshape").replace("return data\n", "return data.shape[3]\n")
-    _declare(tmp_path, monkeypatch, "my_nograd_ops", forgotten)
-    _declare(tmp_path, monkeypatch, "my_badshape_ops", broken)
-    try:
+    with declared(tmp_path, monkeypatch, "my_nograd_ops", forgotten, ["user_nograd"]):
         report = check_op("user_nograd", max_examples=5, seed=0)
         assert not report.passed and report.failure is not None and report.failure.check == "a"
         assert "declares no gradient: register one with @user_nograd.gradient" in report.failure.problem
+    with declared(tmp_path, monkeypatch, "my_badshape_ops", broken, ["user_badshape"]):
         report = check_op("user_badshape", max_examples=5, seed=0)
         assert not report.passed and report.failure is not None
         assert re.search(r"in the shape rule of 'user_badshape': .*my_badshape_ops\.py:\d+ in _shape",
                          report.failure.problem), report.failure.problem
-    finally:
-        from opgrad import registry
-
-        for name in ("user_nograd", "user_badshape"):
-            registry.unregister(name)
-        sys.modules.pop("my_nograd_ops", None)
-        sys.modules.pop("my_badshape_ops", None)
 
 
 def test_an_unshrunk_failure_of_an_imported_op_quotes_the_command_line() -> None:
@@ -317,13 +315,7 @@ def test_a_failure_at_an_undeclared_kink_says_so(tmp_path: Path, monkeypatch: py
             x = call.args[0]
             return [ops.multiply(grad, ops.greater(x, ops.zeros_like(x)))]
     ''')
-    _declare(tmp_path, monkeypatch, "my_plain_relu_ops", plain_relu)
-    try:
+    with declared(tmp_path, monkeypatch, "my_plain_relu_ops", plain_relu, ["user_plain_relu"]):
         report = check_op("user_plain_relu", max_examples=100, seed=0)
         assert not report.passed and report.failure is not None and report.failure.check == "b"
         assert "jumps at this input (a kink), which the op does not declare" in report.failure.problem
-    finally:
-        from opgrad import registry
-
-        registry.unregister("user_plain_relu")
-        sys.modules.pop("my_plain_relu_ops", None)
