@@ -34,7 +34,7 @@ class ImportedOnnx:
 
 def load(path: str | os.PathLike[str], *, keep_softmax: bool = False) -> Model:
     """The ONNX model at ``path`` as an ``opgrad.nn.Model`` with its weights; a final classifier
-    ``Softmax`` is left out unless ``keep_softmax``; see :func:`opgrad.onnx.importer.load`."""
+    ``Softmax`` is left out unless ``keep_softmax``; see :func:`opgrad.onnx.importer.read`."""
     return read(path, keep_softmax=keep_softmax).model
 
 

@@ -34,7 +34,7 @@ from opgrad.onnx.table import (
     supported_op_types,
 )
 
-__all__ = ["MAX_ELEMENTS", "MIN_OPSET", "check", "load", "parse"]
+__all__ = ["MAX_ELEMENTS", "MIN_OPSET", "check", "parse", "read"]
 
 #: The oldest default-domain opset read; older files can be upgraded with ``onnx.version_converter``.
 MIN_OPSET = 11
@@ -459,21 +459,17 @@ def check(onnx: Any, model: Any, source: str) -> None:
         raise OnnxError(f"{source}: not a valid ONNX model: {message}") from None
 
 
-def load(path: str | os.PathLike[str], *, keep_softmax: bool = False) -> Model:
-    """The ONNX model at ``path`` as an ``opgrad.nn.Model`` holding its weights (``model.params``/``buffers``).
+def read(path: str | os.PathLike[str], *, keep_softmax: bool = False) -> tuple[Model, list[str]]:
+    """The ONNX model at ``path`` as an ``opgrad.nn.Model`` holding its weights (``model.params``/``buffers``),
+    and notes on what the import changed.
 
     Inputs must be float tensors with the batch axis first (symbolic or fixed) and fixed other
     axes. Everything opgrad cannot represent exactly is an :class:`OnnxError` naming the file,
     the node, its op type and the attribute, with what is supported. A ``Softmax`` that gives a
     graph output of one axis per example (a classifier's probabilities) is left out unless
     ``keep_softmax``, as :func:`opgrad.keras.load` does: the model outputs logits, which opgrad's
-    training step needs (:func:`read` says so in its notes).
+    training step needs (a note says so).
     """
-    return read(path, keep_softmax=keep_softmax)[0]
-
-
-def read(path: str | os.PathLike[str], *, keep_softmax: bool = False) -> tuple[Model, list[str]]:
-    """:func:`load`'s model and the notes on what the import changed."""
     onnx = require_onnx()
     source = str(path)
     try:
