@@ -329,6 +329,12 @@ def test_c_checkpoint_load_errors_and_round_trip(lib: ctypes.CDLL, host: tuple[P
     assert rc == ERR_FORMAT and "runs past the end" in message, message
     assert load_error(tmp_path) == (ERR_IO, f"{tmp_path}: cannot read checkpoint: not a regular file")
     params_only = {k: v for k, v in arrays.items() if "/" not in k}
+    momentum = {**params_only, **{f"{k}/velocity": np.zeros_like(v) for k, v in params_only.items()}}
+    save_checkpoint(tmp_path / "momentum.npz", momentum, {**meta, "optimizer": "sgd(momentum=0.9)"})
+    assert load_error(tmp_path / "momentum.npz") == (
+        ERR_FORMAT, f"{tmp_path / 'momentum.npz'}: checkpoint was trained with 'sgd(momentum=0.9)'; this library "
+                    "uses 'adam(beta1=0.9, beta2=0.999, eps=1e-08)' (its state has no array conv1.bias/velocity); "
+                    "export it with that optimizer (opgrad export --optimizer)")
     save_checkpoint(tmp_path / "params.npz", params_only, meta)  # accepted: the optimizer state is reset
     assert load_error(tmp_path / "params.npz")[0] == OK
     np.testing.assert_array_equal(back.array("adam/beta1_power"), [1.0])

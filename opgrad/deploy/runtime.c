@@ -814,7 +814,16 @@ int opgrad_model_load(opgrad_model *m, const char *path) {
         int known = 0;
         for (int k = 0; k < OG_NARRAYS; k++) known |= strcmp(sorted[i]->name, og_arrays[k].name) == 0;
         if (!known) {
-            rc = og_fail(m, OPGRAD_ERR_FORMAT, "%s: unexpected array the model does not have: %s", path, sorted[i]->name);
+            /* Another optimizer's state is the likely cause: say so rather than only name the array. */
+            char trained[256];
+            if (og_json_get(meta_json, "optimizer", trained, sizeof trained) && strcmp(trained, OG_META_OPTIMIZER) != 0)
+                rc = og_fail(m, OPGRAD_ERR_FORMAT,
+                             "%s: checkpoint was trained with '%s'; this library uses '%s' (its state has no "
+                             "array %s); export it with that optimizer (opgrad export --optimizer)", path, trained,
+                             OG_META_OPTIMIZER, sorted[i]->name);
+            else
+                rc = og_fail(m, OPGRAD_ERR_FORMAT, "%s: unexpected array the model does not have: %s", path,
+                             sorted[i]->name);
             goto done;
         }
     }
