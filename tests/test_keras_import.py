@@ -66,6 +66,21 @@ def test_outputs_equal_keras(filename: str) -> None:
     assert imported.format == Path(filename).suffix
 
 
+def test_a_mixed_precision_model_imports_as_float32_with_a_note(tmp_path: Path) -> None:
+    def mixed(config: dict[str, Any]) -> None:
+        for layer in config["config"]["layers"]:
+            if isinstance(layer["config"].get("dtype"), dict):
+                layer["config"]["dtype"] = {"module": "keras", "class_name": "DTypePolicy",
+                                            "config": {"name": "mixed_float16"}, "registered_name": None}
+
+    imported = read(_rewrite_keras(FIXTURES / "mnist_cnn.keras", tmp_path / "mixed.keras", mixed))
+    policy_notes = [note for note in imported.notes if "mixed_float16" in note]
+    assert len(policy_notes) == 1, imported.notes
+    assert policy_notes[0].startswith("layers 'conv2d', ") and "computes and trains in float32" in policy_notes[0]
+    plain = read(FIXTURES / "mnist_cnn.keras")
+    assert not any("dtype policy" in note for note in plain.notes)
+
+
 #: Where Keras 3 stores each class's variables in a .keras file: its class name in snake case.
 SNAKE = {"InputLayer": "input_layer", "Conv2D": "conv2d", "BatchNormalization": "batch_normalization",
          "ReLU": "re_lu", "Add": "add", "DepthwiseConv2D": "depthwise_conv2d", "Concatenate": "concatenate",

@@ -112,6 +112,8 @@ class LayerCall:
         policy = dtype.get("config", {}).get("name") if isinstance(dtype, Mapping) else dtype
         if "dtype" not in self.used and policy is not None and policy not in _FLOAT_POLICIES:
             raise self.unsupported("dtype", policy, ", ".join(_FLOAT_POLICIES) + " (computed in float32 here)")
+        if "dtype" not in self.used and policy not in (None, "float32"):
+            self.builder.policies.setdefault(policy, []).append(self.spec.name)
         if self.config.get("trainable") is False:
             self.note("is frozen in Keras (trainable=False); opgrad trains every parameter")
         for key, value in self.config.items():
@@ -214,6 +216,8 @@ class Builder:
         self.read_layers: set[str] = set()
         #: id of a softmax's output tensor -> (its input, the Keras layer's name).
         self.softmax_inputs: dict[int, tuple[Tensor, str]] = {}
+        #: Float dtype policies other than float32 -> the layers that have them (noted once per policy).
+        self.policies: dict[str, list[str]] = {}
 
     def unique(self, name: str) -> str:
         candidate, n = name, 1
@@ -327,6 +331,10 @@ def build_model(spec: ModelSpec, builder: Builder, converters: Mapping[str, Conv
                                 "has none here")
             tensors[layer.name] = out
         pending = [layer for layer in pending if layer not in ready]
+    for policy, names in builder.policies.items():
+        shown = ", ".join(repr(name) for name in names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+        builder.notes.append(f"layers {shown} have the dtype policy {policy!r}; the imported model computes and "
+                             "trains in float32, so its outputs differ from Keras' by that policy's rounding")
     outputs = []
     for ref in spec.outputs:
         tensor = tensors.get(ref.layer)
