@@ -492,6 +492,11 @@ class DistributedTrainer(Trainer):
         digest of every weight). Collective: every rank calls the same method."""
         if self.comm.size == 1:
             return
+        # First, so that ranks in different methods meet in collectives of one size and stop
+        # here, not in the next all-reduce whose buffers differ (MPI's "Message truncated").
+        check_settings_everywhere(self.comm, {"method": who.split(" (", 1)[0]}, "the calls",
+                                  "every rank calls the same DistributedTrainer method at the same point "
+                                  "(train and evaluate on every rank, not on rank 0 alone)")
         check_settings_everywhere(self.comm, {"step": self.step, "epoch": self.epoch},
                                   f"the training position at {who}", "every rank must restore the same checkpoint "
                                   "(call restore on every rank)")
