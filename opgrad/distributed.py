@@ -485,6 +485,14 @@ class DistributedTrainer(Trainer):
                 "model.get_config()": hashlib.sha256(json.dumps(self.model.get_config(), sort_keys=True,
                                                           default=str).encode()).hexdigest()[:16]}
 
+    def _check_same_method(self, method: str) -> None:
+        """Every collective method starts here, so that ranks in different methods meet in
+        collectives of one size and stop with an error, rather than in the next all-reduce whose
+        buffers differ (MPI's "Message truncated") or, worse, have the same size."""
+        check_settings_everywhere(self.comm, {"method": method}, "the calls",
+                                  "every rank calls the same DistributedTrainer method at the same point "
+                                  "(train, evaluate and save on every rank, not on rank 0 alone)")
+
     def _check_agreement(self, inputs: Inputs, labels: Labels, who: str, weights: bool = False) -> None:
         """Before ``who`` runs, every rank must stand at the same step and epoch (a checkpoint restored
         on some ranks only moves them) and pass the same whole data set, each taking its own rows of
@@ -492,11 +500,7 @@ class DistributedTrainer(Trainer):
         digest of every weight). Collective: every rank calls the same method."""
         if self.comm.size == 1:
             return
-        # First, so that ranks in different methods meet in collectives of one size and stop
-        # here, not in the next all-reduce whose buffers differ (MPI's "Message truncated").
-        check_settings_everywhere(self.comm, {"method": who.split(" (", 1)[0]}, "the calls",
-                                  "every rank calls the same DistributedTrainer method at the same point "
-                                  "(train and evaluate on every rank, not on rank 0 alone)")
+        self._check_same_method(who.split(" (", 1)[0])
         check_settings_everywhere(self.comm, {"step": self.step, "epoch": self.epoch},
                                   f"the training position at {who}", "every rank must restore the same checkpoint "
                                   "(call restore on every rank)")
@@ -703,6 +707,9 @@ class DistributedTrainer(Trainer):
     def save(self, path: str | os.PathLike[str], extra_meta: Mapping[str, Any] | None = None) -> None:
         """Rank 0 writes the checkpoint atomically; every rank raises if that failed."""
         from opgrad.checkpoint import save_checkpoint
+
+        if self.comm.size > 1:
+            self._check_same_method("DistributedTrainer.save")
 
         def write() -> None:
             if self.comm.is_root:

@@ -439,6 +439,9 @@ try:
     elif case == "evaluate_alone":  # Keras' habit of scoring on the chief worker only
         trainer.train_epoch(x, y)
         trainer.evaluate(x, y) if comm.rank == 0 else trainer.train_epoch(x, y)
+    elif case == "save_alone":  # PyTorch's habit of saving on rank 0 alone
+        trainer.train_epoch(x, y)
+        trainer.save("alone.npz") if comm.rank == 0 else trainer.train_epoch(x, y)
     else:
         trainer.train_epoch(x, y)
 except (RankFailedError, ValueError) as exc:
@@ -457,6 +460,7 @@ with open(f"rank{comm.rank}.txt", "w") as handle:
     ("restore", "the training position at DistributedTrainer.train_epoch differ between the ranks: epoch (here "),
     ("empty", "DistributedTrainer.evaluate: no examples"),
     ("evaluate_alone", "the calls differ between the ranks: method (here 'DistributedTrainer."),
+    ("save_alone", "the calls differ between the ranks: method (here 'DistributedTrainer."),
     ("stop_on_nan", "the training settings differ between the ranks: stop_on_nan (here "),
     ("sync_batchnorm", "the training settings differ between the ranks: sync_batchnorm (here "),
     ("backend", "the training settings differ between the ranks: backend (here "),
