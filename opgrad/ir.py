@@ -256,7 +256,14 @@ def as_expr(value: Any, *, like: Expr | None = None, who: str = "value") -> Expr
         return value
     arr = _numeric_array(value, who)
     if like is not None and like.dtype in FLOAT_DTYPES and arr.dtype.kind in "fiub":
-        return Const(arr.astype(like.dtype))
+        with np.errstate(over="ignore"):
+            narrowed = arr.astype(like.dtype)
+        overflowed = np.isinf(narrowed) & np.isfinite(arr)
+        if overflowed.any():
+            raise OpCallError(f"{who}: the constant {describe_value(value)} takes the dtype {like.dtype} of the "
+                              f"other inputs, whose range it leaves (|value| up to {np.abs(arr[overflowed]).max():g} "
+                              f"would become inf); use a {arr.dtype} graph or values within {like.dtype}")
+        return Const(narrowed)
     if arr.dtype == np.float64 and not isinstance(value, np.ndarray):
         return Const(arr.astype(np.float32))  # a bare Python float means the default dtype
     if arr.dtype.name not in ALL_DTYPES:

@@ -77,4 +77,12 @@ def evaluate(fn: Function, *arrays: Any) -> np.ndarray | tuple[np.ndarray, ...]:
     checked = check_arguments(fn, arrays)
     env = {p._uid: a for p, a in zip(fn.params, checked)}
     results = evaluate_exprs(fn.outputs, env)
-    return tuple(results) if fn.returns_tuple else results[0]
+    # Each output is an array of its own, as the compiled backend returns: not the caller's
+    # argument, a graph constant, a view of either (a reshape's) or another output.
+    external = [*checked, *(node.value for node in topological_order(fn.outputs) if isinstance(node, Const))]
+    owned: list[np.ndarray] = []
+    for result in results:
+        if any(np.may_share_memory(result, other) for other in (*external, *owned)):
+            result = result.copy()
+        owned.append(result)
+    return tuple(owned) if fn.returns_tuple else owned[0]

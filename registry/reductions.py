@@ -174,8 +174,11 @@ def _split_subgradient(larger: bool) -> Subgradient:
 
 def _extreme_gradient(call: Call, grad: Expr, larger: bool) -> list[Expr | None]:
     """d_data = grad * tie / (number of ties), tie = (data == the slice's max), grad broadcast from
-    kept dims; NaN over a slice whose max is NaN, as PyTorch's amax/amin give"""
+    kept dims; NaN over a slice whose max is NaN, as PyTorch's amax/amin give. Over no axes the
+    op is the identity: d_data = grad, NaN and infinities included."""
     data = call.args[0]
+    if not call.attrs["axis"]:
+        return [ops.reshape(grad, shape=data.shape)]
     kept = _kept(call)
     top = ops.reshape(call, shape=kept)
     beaten = ops.greater(top, data) if larger else ops.greater(data, top)
@@ -478,7 +481,10 @@ def _logsumexp_forward(data: np.ndarray, axis: tuple[int, ...], keepdims: bool) 
 
 @logsumexp.gradient
 def _logsumexp_gradient(call: Call, grad: Expr) -> list[Expr | None]:
-    """d_data = grad * exp(data - logsumexp(data)) (the softmax over axis), grad broadcast from kept dims"""
+    """d_data = grad * exp(data - logsumexp(data)) (the softmax over axis), grad broadcast from kept
+    dims; over no axes the op is the identity: d_data = grad (exp(inf - inf) would be NaN)"""
+    if not call.attrs["axis"]:
+        return [ops.reshape(grad, shape=call.args[0].shape)]
     kept = _kept(call)
     weights = ops.exp(ops.subtract(call.args[0], ops.reshape(call, shape=kept)))
     return [ops.multiply(ops.reshape(grad, shape=kept), weights)]

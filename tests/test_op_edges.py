@@ -96,3 +96,55 @@ def test_padding_a_scalar_returns_it(backend: str) -> None:
     assert y.shape == np.pad(np.float64(2.0), 1).shape == ()
     assert float(_run(opgrad.function([x], y), backend, np.float64(2.0))) == 2.0
     assert float(_gradient(lambda v: ops.pad(v, pad_width=1), (), backend, np.float64(2.0))) == 1.0
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("reduce", [ops.max, ops.min, ops.logsumexp])
+def test_reducing_over_no_axes_is_the_identity_and_so_is_its_gradient(backend: str, reduce: Any) -> None:
+    # numpy's axis=() reduces nothing; the tie mask (NaN == NaN is false) and exp(inf - inf) gave NaN.
+    data = np.array([1.0, np.nan, np.inf, -np.inf])
+    x = opgrad.var("x", data.shape, "float64")
+    np.testing.assert_array_equal(_run(opgrad.function([x], reduce(x, axis=())), backend, data), data)
+    np.testing.assert_array_equal(_gradient(lambda v: reduce(v, axis=()), data.shape, backend, data), np.ones(4))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_float_attributes_beyond_float32_are_infinities_as_numpy_casts_them(backend: str) -> None:
+    x = opgrad.var("x", (3,), "float32")
+    data = np.array([1.0, -1.0, 2e38], np.float32)
+    outputs = [ops.full(shape=(2,), value=1e39, dtype="float32"), ops.pad(x, pad_width=1, value=-1e39),
+               ops.clip(x, lo=-1e39, hi=1e39), ops.leaky_relu(x, alpha=1e39)]
+    got = _run(opgrad.function([x], outputs), backend, data)
+    with np.errstate(over="ignore"):
+        expected = [np.full(2, 1e39, np.float32), np.pad(data, 1, constant_values=np.float32(-1e39)),
+                    data, np.where(data > 0, data, data * np.float32(1e39))]
+    for out, want in zip(got, expected, strict=True):
+        np.testing.assert_array_equal(out, want)
+
+
+def test_a_constant_that_would_overflow_the_graphs_float_type_is_refused() -> None:
+    x = opgrad.var("x", (2,), "float32")
+    with pytest.raises(OpCallError, match=r"opgrad.ops.add: input 'rhs': the constant .* takes the dtype float32 "
+                                          r"of the other inputs, whose range it leaves \(\|value\| up to 1e\+300"):
+        ops.add(x, np.array([1e300, 0.1]))
+    assert ops.add(x, np.array([3e38, 0.1])).dtype == "float32"  # narrowed where it fits, as before
+
+
+@pytest.mark.parametrize("outputs", ["input", "repeated", "constant", "view"])
+def test_reference_outputs_are_arrays_of_their_own(outputs: str) -> None:
+    # As the compiled backend returns: writing into an output changes neither an argument, a
+    # constant of the graph nor another output.
+    x = opgrad.var("x", (2, 3), "float32")
+    table = np.arange(6, dtype=np.float32).reshape(2, 3)
+    relu = ops.relu(x)
+    built = {"input": [x, relu], "repeated": [relu, relu],
+             "constant": [opgrad.const(table), x], "view": [ops.reshape(x, shape=(6,)), x]}[outputs]
+    fn = opgrad.function([x], built)
+    data = np.ones((2, 3), np.float32)
+    first, second = opgrad.evaluate(fn, data)
+    first[...] = 7.0
+    np.testing.assert_array_equal(data, np.ones((2, 3)))
+    np.testing.assert_array_equal(table, np.arange(6).reshape(2, 3))
+    assert not np.shares_memory(second, first)
+    again = opgrad.evaluate(fn, data)[0]
+    np.testing.assert_array_equal(again, table if outputs == "constant" else np.ones(first.shape))

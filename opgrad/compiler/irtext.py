@@ -13,6 +13,8 @@ import struct
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+import numpy as np
+
 from .split import pipeline_attribute
 
 #: LLVM scalar type for each supported numpy dtype name.
@@ -30,7 +32,9 @@ PRECISE = "contract"
 def float_const(value: float, llvm_type: str) -> str:
     """An exact textual constant: LLVM accepts floats only as decimal that round-trips, or hex doubles."""
     if llvm_type == "float":
-        value = struct.unpack("<f", struct.pack("<f", value))[0]
+        # Rounded as numpy casts: a value beyond float32's range is an infinity, as in the reference.
+        with np.errstate(over="ignore"):
+            value = float(np.float32(value))
     elif llvm_type != "double":
         raise ValueError(f"not a float type: {llvm_type}")
     bits = struct.unpack("<Q", struct.pack("<d", value))[0]
