@@ -481,8 +481,9 @@ def _logsumexp_forward(data: np.ndarray, axis: tuple[int, ...], keepdims: bool) 
 
 @logsumexp.gradient
 def _logsumexp_gradient(call: Call, grad: Expr) -> list[Expr | None]:
-    """d_data = grad * exp(data - logsumexp(data)) (the softmax over axis), grad broadcast from kept
-    dims; over no axes the op is the identity: d_data = grad (exp(inf - inf) would be NaN)"""
+    """d_data = grad * exp(data - logsumexp(data)) (the softmax over axis), grad broadcast from kept dims
+
+    Over no axes the op is the identity: d_data = grad (exp(inf - inf) would be NaN)."""
     if not call.attrs["axis"]:
         return [ops.reshape(grad, shape=call.args[0].shape)]
     kept = _kept(call)
