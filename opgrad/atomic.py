@@ -9,6 +9,7 @@ so the next write of the same target removes it (:func:`remove_stale_temporaries
 from __future__ import annotations
 
 import contextlib
+import io
 import os
 import re
 import secrets
@@ -106,8 +107,24 @@ def atomic_writer(path: str | os.PathLike[str], *, what: str = "the file") -> It
     Stale temporaries of ``path`` left by killed writers are removed first. A failure of the
     writer's own file operations (no such directory, permission denied, disk full at fsync) is
     an :class:`~opgrad.errors.OutputFileError` (an ``OSError``) naming ``path`` and ``what``.
+
+    As ``open`` (and ``np.save``, ``torch.save``) would, a symbolic link is written through: its
+    target is replaced, the link stays. A device, FIFO or socket (``/dev/null``, ``/dev/stdout``)
+    is written in place, since there is no file to replace. A hard link to the old file keeps
+    the old contents.
     """
-    target = Path(path)
+    given = Path(path)
+    target = Path(os.path.realpath(given)) if given.is_symlink() else given
+    if target.exists() and not target.is_file() and not target.is_dir():
+        # Composed in memory (writers such as zipfile seek), then written in one piece.
+        buffer = io.BytesIO()
+        yield buffer
+        try:
+            with open(target, "wb") as special:
+                special.write(buffer.getbuffer())
+        except OSError as exc:
+            raise cannot_write_error(given, exc, what) from exc
+        return
     directory = target.parent if str(target.parent) else Path(".")
     remove_stale_temporaries(target)
     # os.open with mode 0o666 lets the umask decide permissions, as for any normal file

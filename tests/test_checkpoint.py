@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import stat
+import threading
 import zipfile
 from pathlib import Path
 
@@ -202,3 +204,35 @@ def test_save_rejects_bad_input(tmp_path: Path) -> None:
 
 def test_errors_are_value_errors() -> None:
     assert issubclass(CheckpointError, ValueError)
+
+
+def test_a_symbolic_link_is_written_through_and_stays_a_link(tmp_path: Path) -> None:
+    # As open(), np.save and torch.save: the link's target gets the new contents.
+    (tmp_path / "runs").mkdir()
+    real = tmp_path / "runs" / "target.npz"
+    save_checkpoint(real, {"w": np.zeros(2, np.float32)}, {"step": 1})
+    link = tmp_path / "latest.npz"
+    link.symlink_to(real)
+    save_checkpoint(link, {"w": np.ones(2, np.float32)}, {"step": 2})
+    assert link.is_symlink() and os.readlink(link) == str(real)
+    arrays, meta = load_checkpoint(real)
+    np.testing.assert_array_equal(arrays["w"], np.ones(2))
+    assert meta["step"] == 2
+    dangling = tmp_path / "dangling.npz"
+    dangling.symlink_to(tmp_path / "runs" / "new.npz")
+    save_checkpoint(dangling, {"w": np.ones(2, np.float32)}, {})
+    assert dangling.is_symlink() and (tmp_path / "runs" / "new.npz").is_file()
+
+
+def test_a_fifo_or_device_is_written_in_place_not_replaced(tmp_path: Path) -> None:
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    received: list[bytes] = []
+    reader = threading.Thread(target=lambda: received.append(fifo.read_bytes()))
+    reader.start()
+    save_checkpoint(fifo, {"w": np.ones(3, np.float32)}, {})
+    reader.join(timeout=30)
+    assert stat.S_ISFIFO(os.stat(fifo).st_mode)
+    assert received and received[0].startswith(b"PK")
+    save_checkpoint("/dev/null", {"w": np.ones(3, np.float32)}, {})
+    assert stat.S_ISCHR(os.stat("/dev/null").st_mode)
