@@ -8,6 +8,7 @@ PyTorch is a test-only dependency: without it this module is skipped locally, an
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -406,3 +407,21 @@ def test_a_negative_leaky_slope_matches_pytorch_and_the_checker_draws_one() -> N
     from opgrad.checks import check_op
 
     assert check_op("leaky_relu", max_examples=30, seed=0).passed
+
+
+def test_a_trainer_seed_that_the_weights_drawn_at_first_use_override_is_warned_about() -> None:
+    x = np.random.default_rng(0).standard_normal((4, 6)).astype(np.float32)
+    model = nn.Sequential([nn.Dense(3)], input_shape=(6,))
+    model.predict(x)  # draws seed 0's weights, which the model then holds
+    assert model.weights_drawn_at_first_use
+    with pytest.warns(UserWarning, match=r"Trainer\(seed=5\): the model already holds weights, seed 0's draw .* "
+                                         r"assign model.params = model.init_params\(5\) first"):
+        trainer = nn.Trainer(model, nn.SGD(), seed=5, batch_size=4)
+    for name, value in model.init_params(0).items():
+        np.testing.assert_array_equal(trainer.params[name], value)
+    model.params = model.init_params(5)
+    assert not model.weights_drawn_at_first_use
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        nn.Trainer(model, nn.SGD(), seed=5, batch_size=4)
+        nn.Trainer(nn.Sequential([nn.Dense(3)], input_shape=(6,)), nn.SGD(), seed=5, batch_size=4)

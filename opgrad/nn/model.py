@@ -141,6 +141,8 @@ class Model:
         self._held_params = _HeldArrays()
         self._held_buffers = _HeldArrays()
         self._weights_assigned = False
+        #: The weights are seed 0's draw, made when they were first used (:attr:`params`, predict).
+        self.weights_drawn_at_first_use = False
         self._predict_steps: dict[tuple[int, str, str], Any] = {}
         #: The metadata of the checkpoint the model was loaded from (step, optimizer, ...), else empty.
         self.checkpoint_meta: dict[str, Any] = {}
@@ -303,7 +305,7 @@ class Model:
         drawn = self._held_params.arrays is None
         if drawn:
             self._held_params.arrays = self.init_params(seed=0, dtype=self._dtype)
-            self._weights_assigned = True
+            self._weights_assigned = self.weights_drawn_at_first_use = True
         self._take_shared("params", drawn=drawn)
         assert self._held_params.arrays is not None
         return self._held_params.arrays
@@ -322,6 +324,7 @@ class Model:
             self._held_buffers.arrays = {k: a.astype(self._dtype, copy=False)
                                          for k, a in self._held_buffers.arrays.items()}
         self._weights_assigned = True
+        self.weights_drawn_at_first_use = False
 
     @property
     def buffers(self) -> dict[str, np.ndarray]:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -213,6 +214,12 @@ class Trainer:
         # Keras' fit and a PyTorch optimizer take them), else a fresh draw from ``seed``.
         keeps_weights = params is not None or model.weights_assigned
         if params is None and model.weights_assigned:
+            if seed != 0 and model.weights_drawn_at_first_use:
+                warnings.warn(f"Trainer(seed={seed}): the model already holds weights, seed 0's draw made when "
+                              "they were first used (predict or params), and trains those; the seed draws the "
+                              f"batch order and random layers only. To start from seed {seed}'s draw, assign "
+                              f"model.params = model.init_params({seed}) first (or pass params=)",
+                              UserWarning, stacklevel=2)
             params = model.params
         # Kept or given weights in the trainer's dtype, as its buffers are (a float32 model trained in float64).
         self.params = ({k: np.asarray(v).astype(dtype, copy=False) for k, v in params.items()} if params is not None
