@@ -48,6 +48,7 @@ __all__ = [
     "ExpectedSpec",
     "atomic_writer",
     "cannot_write_error",
+    "json_default",
     "load_checkpoint",
     "remove_stale_temporaries",
     "save_checkpoint",
@@ -100,7 +101,7 @@ def _digest(arrays: Mapping[str, np.ndarray], meta_json: str, version: int) -> s
     return h.hexdigest()
 
 
-def _json_default(value: object) -> Any:
+def json_default(value: object) -> Any:
     """Let numpy scalars/arrays (a loss as ``np.float32``, say) into the metadata as plain JSON."""
     if isinstance(value, np.generic):
         return value.item()
@@ -135,7 +136,7 @@ def save_checkpoint(
             )
         clean[name] = array
     try:
-        meta_json = json.dumps(dict(meta), sort_keys=True, default=_json_default)
+        meta_json = json.dumps(dict(meta), sort_keys=True, default=json_default)
     except (TypeError, ValueError) as exc:
         raise CheckpointError(f"{target}: metadata is not JSON-serialisable: {exc}") from None
     entries: dict[str, np.ndarray] = dict(clean)

@@ -8,6 +8,7 @@ PyTorch is a test-only dependency: without it this module is skipped locally, an
 
 from __future__ import annotations
 
+import json
 import warnings
 from pathlib import Path
 from typing import Any
@@ -425,3 +426,17 @@ def test_a_trainer_seed_that_the_weights_drawn_at_first_use_override_is_warned_a
         warnings.simplefilter("error")
         nn.Trainer(model, nn.SGD(), seed=5, batch_size=4)
         nn.Trainer(nn.Sequential([nn.Dense(3)], input_shape=(6,)), nn.SGD(), seed=5, batch_size=4)
+
+
+def test_a_checkpoint_restored_into_another_architecture_names_the_difference(tmp_path: Path) -> None:
+    x, y = np.random.default_rng(0).standard_normal((8, 6)).astype(np.float32), np.arange(8) % 3
+    relu = nn.Trainer(nn.Sequential([nn.Dense(3, activation="relu")], input_shape=(6,)), nn.SGD(), batch_size=4)
+    relu.train_epoch(x, y)
+    arrays, meta = relu.checkpoint()
+    tanh = nn.Trainer(nn.Sequential([nn.Dense(3, activation="tanh")], input_shape=(6,)), nn.SGD(), batch_size=4)
+    with pytest.raises(ValueError, match=r"checkpoint is of another architecture than model 'model' "
+                                         r"\(layers\[0\]\.config\.activation: 'relu' in the checkpoint, 'tanh' here\)"):
+        tanh.restore(arrays, meta)
+    same = nn.Trainer(nn.Sequential([nn.Dense(3, activation="relu")], input_shape=(6,)), nn.SGD(), batch_size=4)
+    same.restore(arrays, json.loads(json.dumps(meta)))  # as a checkpoint file gives it back
+    assert same.step == relu.step

@@ -16,6 +16,7 @@ uninterrupted run would have, with nothing but arrays and JSON in the checkpoint
 from __future__ import annotations
 
 import contextlib
+import json
 import math
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -23,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from opgrad.checkpoint import CheckpointError
+from opgrad.checkpoint import CheckpointError, json_default
 from opgrad.data import iterate_batches
 from opgrad.errors import NonFiniteLossError, ShapeError
 from opgrad.history import TrainingHistory
@@ -89,6 +90,20 @@ def _takes_one_image(model: Model) -> bool:
 def _describe_inputs(model: Model) -> str:
     """``model``'s inputs as an error message lists them: ``'a' (4,) float, 'b' (3,) int64``."""
     return ", ".join(f"{t.name!r} {t.shape} {t.dtype}" for t in model.inputs)
+
+
+def _first_difference(saved: Any, mine: Any, where: str = "") -> str:
+    """Where two model configurations first differ, as ``layers[1].config.activation: 'relu' in
+    the checkpoint, 'tanh' here``."""
+    if isinstance(saved, dict) and isinstance(mine, dict):
+        for key in sorted(set(saved) | set(mine)):
+            if saved.get(key) != mine.get(key):
+                return _first_difference(saved.get(key), mine.get(key), f"{where}.{key}" if where else str(key))
+    if isinstance(saved, list) and isinstance(mine, list) and len(saved) == len(mine):
+        for i, (a, b) in enumerate(zip(saved, mine, strict=True)):
+            if a != b:
+                return _first_difference(a, b, f"{where}[{i}]")
+    return f"{where or 'the configuration'}: {saved!r} in the checkpoint, {mine!r} here"
 
 
 def _step_rng(seed: int, tag: int, step: int) -> np.random.Generator:
@@ -545,6 +560,13 @@ class Trainer:
         compared, whose names then differ by the dozen."""
         if meta.get("model") != self.model.name:
             raise CheckpointError(f"checkpoint is of model {meta.get('model')!r}, not {self.model.name!r}")
+        saved = meta.get("architecture")
+        if isinstance(saved, dict):
+            mine = json.loads(json.dumps(self.model.get_config(), default=json_default))
+            if saved != mine:
+                raise CheckpointError(f"checkpoint is of another architecture than model {self.model.name!r} "
+                                      f"({_first_difference(saved, mine)}); rebuild the model it was trained "
+                                      "with (nn.load reads it from the checkpoint)")
         if meta.get("optimizer") is None:  # model.save, an import: weights without a training run
             raise CheckpointError("checkpoint holds a model's weights but no optimizer state to resume; start "
                                   "a new run from its weights (opgrad train --init, or nn.load and a Trainer)")
