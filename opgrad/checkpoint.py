@@ -261,7 +261,13 @@ def _read_members(source: Path) -> dict[str, np.ndarray]:
             if name in contents:
                 raise CheckpointError(f"{source}: corrupt checkpoint (it holds two entries named {info.filename!r})")
             with archive.open(info) as member:
-                contents[name] = np.lib.format.read_array(member, allow_pickle=False)
+                try:
+                    contents[name] = np.lib.format.read_array(member, allow_pickle=False)
+                except ValueError as exc:
+                    if "allow_pickle" not in str(exc):
+                        raise
+                    raise CheckpointError(f"{source}: {name} holds Python objects (an object array, stored as a "
+                                          "pickle); opgrad loads no pickles: save numeric arrays") from None
     return contents
 
 

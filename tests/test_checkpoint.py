@@ -181,6 +181,11 @@ def test_not_a_checkpoint(tmp_path: Path) -> None:
         load_checkpoint(foreign)
     with pytest.raises(CheckpointError, match=r"absent\.npz: checkpoint file not found"):
         load_checkpoint(tmp_path / "absent.npz")
+    objects = tmp_path / "objects.npz"
+    np.savez(objects, w=np.array([{"a": 1}], dtype=object))
+    with pytest.raises(CheckpointError, match=r"objects\.npz: w holds Python objects \(an object array, stored as "
+                                              r"a pickle\); opgrad loads no pickles"):
+        load_checkpoint(objects)
 
 
 def test_garbage_zip_member(tmp_path: Path) -> None:
