@@ -107,6 +107,9 @@ class Communicator:
             from mpi4py import MPI
         except ImportError as exc:
             raise ConfigError(f"distributed training needs mpi4py ({exc}); {INSTALL_HINT}") from None
+        except RuntimeError as exc:  # mpi4py is there, but the MPI library it was built for cannot be loaded
+            raise ConfigError(f"distributed training needs an MPI library that mpi4py can load ({exc}); "
+                              f"{INSTALL_HINT}") from None
         self.mpi = MPI
         self.comm = MPI.COMM_WORLD if comm is None else comm
         self.rank: int = self.comm.Get_rank()

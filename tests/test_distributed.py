@@ -12,7 +12,9 @@ import shutil
 import subprocess
 import sys
 import textwrap
+import types
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -351,6 +353,24 @@ def test_distributed_without_mpi4py_is_a_one_line_error(monkeypatch: pytest.Monk
     err = capsys.readouterr().err.strip()
     assert err.startswith("opgrad train: error: distributed training needs mpi4py")
     assert 'pip install -e ".[distributed]"' in err and "\n" not in err
+
+
+def test_an_mpi_library_that_cannot_be_loaded_is_a_one_line_error(monkeypatch: pytest.MonkeyPatch,
+                                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    from opgrad import cli, distributed
+
+    def unloadable(name: str) -> Any:
+        raise RuntimeError("cannot load MPI library: libmpi.so.40: cannot open shared object file")
+
+    package = types.ModuleType("mpi4py")
+    package.__getattr__ = unloadable  # type: ignore[method-assign]  # what `from mpi4py import MPI` meets
+    monkeypatch.setitem(sys.modules, "mpi4py", package)
+    monkeypatch.delitem(sys.modules, "mpi4py.MPI", raising=False)
+    monkeypatch.setattr(distributed, "_WORLD", None)
+    assert cli.main(["train", "--distributed", "--model", "mlp", "--epochs", "1", "--max-steps", "1"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("opgrad train: error: distributed training needs an MPI library that mpi4py can load "
+                          "(cannot load MPI library: libmpi.so.40") and "\n" not in err
 
 
 def test_a_global_batch_smaller_than_the_world_is_refused() -> None:
