@@ -440,3 +440,17 @@ def test_a_checkpoint_restored_into_another_architecture_names_the_difference(tm
     same = nn.Trainer(nn.Sequential([nn.Dense(3, activation="relu")], input_shape=(6,)), nn.SGD(), batch_size=4)
     same.restore(arrays, json.loads(json.dumps(meta)))  # as a checkpoint file gives it back
     assert same.step == relu.step
+
+
+def test_layers_take_the_leading_arguments_by_position_as_keras_does() -> None:
+    # Keras' order: Dense(units, activation, use_bias), Conv2D(filters, kernel_size, strides, padding),
+    # MaxPooling2D(pool_size, strides, padding).
+    pairs = [(nn.Dense(4, "relu", False), nn.Dense(4, activation="relu", use_bias=False)),
+             (nn.Conv2D(8, 3, 2, "same"), nn.Conv2D(8, 3, strides=2, padding="same")),
+             (nn.Conv2DTranspose(8, 3, 2, "same"), nn.Conv2DTranspose(8, 3, strides=2, padding="same")),
+             (nn.MaxPool2D(3, 2, "same"), nn.MaxPool2D(3, strides=2, padding="same")),
+             (nn.AvgPool2D(3, 1, 1), nn.AvgPool2D(3, strides=1, padding=1))]
+    for positional, keywords in pairs:
+        assert positional.get_config() == keywords.get_config()
+    with pytest.raises(TypeError):
+        nn.Conv2D(8, 3, 2, "same", 2)  # dilation_rate is keyword-only (Keras has data_format there)

@@ -457,7 +457,7 @@ class Dense(Layer):
 
     kind = "dense"
 
-    def __init__(self, units: int, *, activation: str | None = None, use_bias: bool = True,
+    def __init__(self, units: int, activation: str | None = None, use_bias: bool = True, *,
                  kernel_initializer: str | Initializer = "glorot_uniform",
                  bias_initializer: str | Initializer = "zeros", name: str | None = None) -> None:
         super().__init__(name)
@@ -513,8 +513,8 @@ class Conv2D(Layer):
 
     kind = "conv"
 
-    def __init__(self, filters: int, kernel_size: int | Sequence[int], *, strides: int | Sequence[int] = 1,
-                 padding: str | int | Sequence[int] = "valid", dilation_rate: int | Sequence[int] = 1,
+    def __init__(self, filters: int, kernel_size: int | Sequence[int], strides: int | Sequence[int] = 1,
+                 padding: str | int | Sequence[int] = "valid", *, dilation_rate: int | Sequence[int] = 1,
                  groups: int = 1, activation: str | None = None, use_bias: bool = True,
                  kernel_initializer: str | Initializer = "glorot_uniform",
                  bias_initializer: str | Initializer = "zeros", name: str | None = None) -> None:
@@ -608,8 +608,8 @@ class Conv2DTranspose(Conv2D):
 
     kind = "convtranspose"
 
-    def __init__(self, filters: int, kernel_size: int | Sequence[int], *, strides: int | Sequence[int] = 1,
-                 padding: str | int | Sequence[int] = "valid", output_padding: int | Sequence[int] = 0,
+    def __init__(self, filters: int, kernel_size: int | Sequence[int], strides: int | Sequence[int] = 1,
+                 padding: str | int | Sequence[int] = "valid", *, output_padding: int | Sequence[int] = 0,
                  dilation_rate: int | Sequence[int] = 1, groups: int = 1, activation: str | None = None,
                  use_bias: bool = True, kernel_initializer: str | Initializer = "glorot_uniform",
                  bias_initializer: str | Initializer = "zeros", name: str | None = None) -> None:
@@ -715,8 +715,8 @@ class UpSampling2D(Layer):
 
 
 class _Pool2D(Layer):
-    def __init__(self, pool_size: int | Sequence[int] = 2, *, strides: int | Sequence[int] | None = None,
-                 padding: str | int | Sequence[int] = "valid", ceil_mode: bool = False,
+    def __init__(self, pool_size: int | Sequence[int] = 2, strides: int | Sequence[int] | None = None,
+                 padding: str | int | Sequence[int] = "valid", *, ceil_mode: bool = False,
                  name: str | None = None) -> None:
         super().__init__(name)
         cls = type(self).__name__
@@ -794,8 +794,8 @@ class AvgPool2D(_Pool2D):
 
     kind = "avgpool"
 
-    def __init__(self, pool_size: int | Sequence[int] = 2, *, strides: int | Sequence[int] | None = None,
-                 padding: str | int | Sequence[int] = "valid", ceil_mode: bool = False,
+    def __init__(self, pool_size: int | Sequence[int] = 2, strides: int | Sequence[int] | None = None,
+                 padding: str | int | Sequence[int] = "valid", *, ceil_mode: bool = False,
                  count_include_pad: bool | None = None, name: str | None = None) -> None:
         super().__init__(pool_size, strides=strides, padding=padding, ceil_mode=ceil_mode, name=name)
         if count_include_pad is not None and not isinstance(count_include_pad, (bool, np.bool_)):
