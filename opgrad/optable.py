@@ -182,9 +182,10 @@ def matrix_rows() -> list[tuple[str, ...]]:
 
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--markdown", action="store_true", help="print a Markdown table (for the docs)")
-    parser.add_argument("--nnvm", action="store_true",
+    tables = parser.add_mutually_exclusive_group()  # each prints a table of its own
+    tables.add_argument("--nnvm", action="store_true",
                         help="NNVM's 34 operators without a gradient, and how opgrad answers each")
-    parser.add_argument("--matrix", action="store_true",
+    tables.add_argument("--matrix", action="store_true",
                         help="per operator: forward, gradient, second order, lowering, sampler, mutants, last check")
     add_import_option(parser)
 

@@ -341,3 +341,5 @@ def test_check_results_are_recorded_for_the_matrix(tmp_path, monkeypatch, capsys
     row = next(line for line in out.splitlines() if line.startswith("yolo2_reorg "))
     assert "passed reference 3" in row
     assert "never run" in next(line for line in out.splitlines() if line.startswith("resize "))
+    assert cli.main(["ops", "--matrix", "--nnvm"]) == 2  # two tables asked for at once
+    assert "argument --nnvm: not allowed with argument --matrix" in capsys.readouterr().err
