@@ -324,6 +324,39 @@ def test_a_fused_epilogue_runs_on_each_image_of_a_block_across_images(monkeypatc
     np.testing.assert_allclose(results[0], want, rtol=0, atol=2e-5 * np.abs(want).max())
 
 
+@pytest.mark.parametrize(("cout", "chunk_panels"), [(17, 1), (20, 2)])
+def test_output_channels_in_chunks_give_the_same_bits_as_all_at_once(cout: int, chunk_panels: int,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    # The GEMMs and output transform run chunk by chunk of output channels so that M stays in L2;
+    # each output is the same sum wherever its chunk starts, with the epilogue in registers or on
+    # the stored rows, blocks within or across images, a last chunk clipped at the channel count.
+    import opgrad
+    from opgrad import ops
+
+    rng = np.random.default_rng(13)
+    x, w, b = (opgrad.var(name, shape, "float32")
+               for name, shape in (("x", (3, 8, 10, 9)), ("w", (cout, 8, 3, 3)), ("b", (cout,))))
+    fn = opgrad.function([x, w, b], ops.relu(ops.bias_add(ops.conv2d(x, w, padding=1), b)))
+    xs, ws, bs = (rng.standard_normal(v.shape).astype(np.float32) for v in (x, w, b))
+    every = WinogradEmitter.output_chunk_panels
+    for spanning, in_registers in ((3, True), (None, False)):
+        monkeypatch.setattr(WinogradEmitter, "spanning_rows", lambda self, rows=spanning: rows)
+        monkeypatch.setattr("opgrad.compiler.winograd.has_vector_body", lambda *args, keep=in_registers: keep)
+        results, chunks = [], []
+        for panels in (None, chunk_panels):
+            def chosen(self: WinogradEmitter, panels: int | None = panels, seen: list[int] = chunks) -> int:
+                whole = self.cout_pad // self.mr
+                seen.append(whole // (panels or whole))
+                return panels or whole
+
+            monkeypatch.setattr(WinogradEmitter, "output_chunk_panels", chosen)
+            results.append(opgrad.compile(fn)(xs, ws, bs))
+        monkeypatch.setattr(WinogradEmitter, "output_chunk_panels", every)
+        # 17 channels are 3 panels of 8 (the last 7 past the channels), 20 are 4 of 5.
+        assert chunks[0] == 1 and chunks[-1] == {17: 3, 20: 2}[cout]
+        np.testing.assert_array_equal(results[0], results[1])
+
+
 def test_an_epilogue_input_that_varies_along_the_pixels_is_read_pixel_by_pixel(
         monkeypatch: pytest.MonkeyPatch) -> None:
     # The compiler keeps such an epilogue (a relu gradient) in its own pass; where a block is

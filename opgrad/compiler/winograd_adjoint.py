@@ -122,6 +122,10 @@ class AdjointEmitter(WinogradEmitter):
         self.acc_cols = round_up(max(m * (round_up(self.tw, lanes) - lanes) + self.patch_width, 2 + p.dx_w) + self.vl,
                                  64 // self.esize)
 
+    def output_chunk_panels(self) -> int:
+        """Every panel: the overlap-add reads the whole block's M (its patches of every channel)."""
+        return self.cout_pad // self.mr
+
     def block_rows(self) -> int:
         """One whole image: a block's patches overlap no other block's."""
         return self.th
@@ -221,7 +225,11 @@ class AdjointEmitter(WinogradEmitter):
         p, t, m, vl, alpha, lanes = self.q, self.t, self.tiles.m, self.vl, self.alpha, self.row_lanes
         b_matrix = _transpose(self.tiles.bt)
         first_column = f.mul(segment.offset, self.tw)
+        plane_bytes = p.dx_h * p.dx_w * self.esize
         with f.loop(0, p.cout, hint="co") as co:
+            # The next channel's dX plane, into L2 while this one is computed (:meth:`outputs`).
+            self.prefetch_bytes(f, f.gep(t, dx, f.mul(co, p.dx_h * p.dx_w)), plane_bytes, "0", str(plane_bytes),
+                                locality=2)
             f.emit(f"call void @llvm.memset.p0.i64(ptr align 64 {acc}, i8 0, i64 {self.acc_bytes}, i1 false)")
             base = f.add(f.mul(co, self.stride), first_column)
             with f.loop(0, self.packed_runs(f, segment.rows), hint="r") as run:
