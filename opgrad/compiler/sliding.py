@@ -141,8 +141,11 @@ def _forward_task(s: _Sliding, name: str, scratch_stride: int, epilogue_fn: str 
     g, t, vt, vl = s.g, s.t, s.vt, s.vl
     regs = current_target().vector_registers
     pv = 2 if s.vectors > 1 else 1
-    ob = max(1, min(g.o, (regs - pv - 2) // pv))
-    blocks = -(-g.o // ob)
+    # As many channels as the accumulators allow, spread evenly over the blocks that takes: a
+    # last block short of channels would compute copies of the last one (32 channels in blocks
+    # of 14 computed 42).
+    blocks = -(-g.o // max(1, min(g.o, (regs - pv - 2) // pv)))
+    ob = -(-g.o // blocks)
     pairs = -(-s.vectors // pv)
     f, (x, w, y, scratch, *inputs), tid, nt = parallel_task(s.mod, name, 4 + n_inputs)
     lo, hi = thread_share(f, tid, nt, g.n)
