@@ -129,7 +129,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=positive_int, default=20, help="timed steps per engine (median; default 20)")
     parser.add_argument("--warmup", type=non_negative_int, default=3, help="untimed steps first (default 3)")
     parser.add_argument("--batch-size", type=positive_int, default=32, help="batch size (default 32, as opgrad train)")
-    parser.add_argument("--skip", action="append", default=[], choices=("llvm", "reference", "torch", "jax"),
+    parser.add_argument("--skip", action="append", default=[],
+                        choices=("llvm", "reference", "torch", "torch-nhwc", "jax"),
                         help="leave an engine out (repeatable)")
     parser.add_argument("--threads", type=int_range(1, MAX_THREADS, "opgrad's most worker threads"), default=None,
                         help=f"threads for opgrad and PyTorch, 1 to {MAX_THREADS} (default: $OPGRAD_NUM_THREADS, "
@@ -281,6 +282,23 @@ def keep_freed_memory() -> str:
             "in the step before")
 
 
+def host_load_note(cpus: int) -> str:
+    """A warning where other jobs keep this process's CPUs busy (the 1-minute load average above
+    their count), else "". PyTorch's OpenMP threads spin while they wait for one another
+    (``OMP_WAIT_POLICY``); on shared cores that spinning takes the time its working threads need,
+    and its step slowed 3x on two busy cores where opgrad's pool, which sleeps after a short spin,
+    slowed far less: ratios taken on a busy host overstate opgrad's lead."""
+    try:
+        load = os.getloadavg()[0]
+    except (OSError, AttributeError):  # not POSIX
+        return ""
+    if load <= cpus:
+        return ""
+    return (f"note: load average {load:.1f} on {cpus} CPU(s): other jobs share them, and PyTorch's OpenMP threads "
+            "spin while they wait (OMP_WAIT_POLICY), so its times swell more than opgrad's: compare on an idle "
+            "host, or with OMP_WAIT_POLICY=PASSIVE in the environment")
+
+
 def torch_optimizer(name: str, params: list[Any], lr: float) -> Any:
     """The ``torch.optim`` optimizer that updates as :func:`opgrad.nn.make_optimizer` ``(name)`` does
     (the defaults agree: Adam's betas and eps, RMSprop's alpha, AdamW's weight decay 0.01)."""
@@ -293,10 +311,12 @@ def torch_optimizer(name: str, params: list[Any], lr: float) -> Any:
     return table[name](params, lr=lr)
 
 
-def torch_runner(model_name: str, threads: int | None = None, optimizer: str = "sgd") -> Runner:
+def torch_runner(model_name: str, threads: int | None = None, optimizer: str = "sgd",
+                 channels_last: bool = False) -> Runner:
     """PyTorch's training step of ``model_name`` (on ``threads`` intra-op threads if given): plain
     SGD as the update written out (autograd.grad, then ``w -= lr * g``), other optimizers as
-    ``torch.optim``'s."""
+    ``torch.optim``'s. With ``channels_last`` the images and 4-D weights are in PyTorch's NHWC
+    memory format, which its CPU convolutions prefer (PyTorch's performance guide)."""
     def make(params: dict[str, np.ndarray], images: np.ndarray, labels: np.ndarray,
              lr: float) -> Callable[[], float]:
         import torch
@@ -305,9 +325,13 @@ def torch_runner(model_name: str, threads: int | None = None, optimizer: str = "
         model = bench_model(model_name)
         if threads is not None:
             torch.set_num_threads(threads)
-        p = {k: torch.tensor(v, requires_grad=True) for k, v in params.items()}
+        layout = torch.channels_last if channels_last else torch.contiguous_format
+        p = {k: torch.tensor(v).contiguous(memory_format=layout if v.ndim == 4 else torch.contiguous_format)
+             .requires_grad_() for k, v in params.items()}
         buffers = {k: torch.tensor(v) for k, v in model.init_buffers().items()}
         x, y = torch.from_numpy(images), torch.from_numpy(labels)
+        if x.ndim == 4:
+            x = x.contiguous(memory_format=layout)
         masks = {name: torch.from_numpy(mask) for name, mask in bench_masks(model, len(labels)).items()}
 
         opt = None if optimizer == "sgd" else torch_optimizer(optimizer, list(p.values()), lr)
@@ -483,6 +507,7 @@ def run(args: argparse.Namespace) -> int:
     lr = 0.01
     llvm_reason = llvm_unavailable_reason()
     allocator_note = keep_freed_memory()
+    busy_note = host_load_note(available_cpus())
     threads = _setup_threads(getattr(args, "threads", None)) if llvm_reason is None else (args.threads or 1)
     peak = peak_all = bandwidth = None
     if llvm_reason is None:
@@ -507,6 +532,7 @@ def run(args: argparse.Namespace) -> int:
         ("llvm", "opgrad llvm (compiled)", _opgrad_runner("llvm", args.model, llvm_holder, args.optimizer)),
         ("reference", "opgrad reference (numpy)", _opgrad_runner("reference", args.model, optimizer=args.optimizer)),
         ("torch", torch_name, torch_runner(args.model, threads, args.optimizer)),
+        ("torch-nhwc", f"{torch_name} channels_last", torch_runner(args.model, threads, args.optimizer, True)),
         ("jax", f"{jax_name} (jit)", _jax_runner),
     ]
     update = nn.make_optimizer(args.optimizer).describe()
@@ -531,7 +557,7 @@ def run(args: argparse.Namespace) -> int:
             rows[key] = Row(name, note=f"unavailable: {llvm_reason}")
             continue
         rows[key], run_step = _prepare(name, runner, params, images, labels, lr, args.warmup,
-                                       peer=key in ("torch", "jax"))
+                                       peer=key in ("torch", "torch-nhwc", "jax"))
         if run_step is not None:
             runs[key] = run_step
     # The reference backend is timed on its own: its numpy BLAS threads keep spinning for a while
@@ -544,11 +570,12 @@ def run(args: argparse.Namespace) -> int:
     base_key = "llvm" if rows["llvm"].ms is not None else "reference"
     base = rows[base_key].ms
     ref_loss = rows["reference"].check_loss
-    print(f"{'engine':<28} {'ms/step':>9} {'best':>7} {'CPU ms':>7} {'GFLOP/s':>8} {'% peak':>7} "
+    width = max(28, *(len(row.name) + 1 for row in rows.values()))
+    print(f"{'engine':<{width}} {'ms/step':>9} {'best':>7} {'CPU ms':>7} {'GFLOP/s':>8} {'% peak':>7} "
           f"{'vs ' + rows[base_key].name.split(' (')[0]:>20} {'setup':>8}  loss check")
     for row in rows.values():
         if row.ms is None:
-            print(f"{row.name:<28} {row.note}")
+            print(f"{row.name:<{width}} {row.note}")
             continue
         ratio = f"{row.ms / base:.2f}x" if base else "-"
         check = "-" if row is not rows["reference"] else "(the reference)"
@@ -558,7 +585,7 @@ def run(args: argparse.Namespace) -> int:
         setup = f"{row.setup_s:.2f}s" if row.setup_s is not None else "-"
         rate = flops / row.ms / 1e6 if flops else None
         rate_text = f"{rate:>8.1f} {100 * rate / peak_all:>6.1f}%" if rate and peak_all else f"{'-':>8} {'-':>7}"
-        print(f"{row.name:<28} {milliseconds(row.ms):>9} {milliseconds(row.best_ms or 0):>7} "
+        print(f"{row.name:<{width}} {milliseconds(row.ms):>9} {milliseconds(row.best_ms or 0):>7} "
               f"{milliseconds(row.cpu_ms or 0):>7} {rate_text} "
               f"{ratio:>20} {setup:>8}  {check}")
     print("ms/step = median wall time, best = fastest step, CPU ms = median CPU time of the process (all its "
@@ -569,6 +596,8 @@ def run(args: argparse.Namespace) -> int:
           f"{update} updates) against opgrad's reference backend")
     if allocator_note:
         print(allocator_note)
+    if busy_note:
+        print(busy_note)
     if llvm_reason is None and peak is not None and peak_all is not None:
         # PyTorch's row timed nothing where it was skipped, is missing or lacks one of the model's layers.
         _sections(args, threads, flops, peak, peak_all, bandwidth, with_torch=rows["torch"].ms is not None)

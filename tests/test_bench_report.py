@@ -104,6 +104,8 @@ def test_bench_times_a_model_file_against_pytorch(tmp_path: Path, capsys: pytest
     for engine in ("opgrad llvm (compiled)", "PyTorch"):
         row = next(line for line in out.splitlines() if line.startswith(engine))
         assert "ok (rel. diff" in row, row
+    nhwc = next(line for line in out.splitlines() if line.startswith("PyTorch") and "channels_last" in line)
+    assert "ok (rel. diff" in nhwc, nhwc
     assert next(line for line in out.splitlines() if line.startswith("opgrad reference")).endswith("(the reference)")
     assert "conv1 forward" in out.split("kernels of the", 1)[1]
 
@@ -345,3 +347,11 @@ def test_more_threads_than_cpus_measure_the_peak_of_the_cpus(tmp_path: Path) -> 
     assert done.returncode == 0, done.stderr
     line = next(line for line in done.stdout.splitlines() if line.startswith("peak fp32 FMA"))
     assert f" on {cpus} ({cpus + 1} threads share them)" in line or (cpus == 1 and " on 1 (2 threads" in line), line
+
+
+def test_a_busy_host_is_named_under_the_table(monkeypatch: pytest.MonkeyPatch) -> None:
+    # PyTorch's OpenMP threads spin while they wait, so shared cores slow its step more than opgrad's.
+    monkeypatch.setattr(bench.os, "getloadavg", lambda: (5.5, 3.0, 2.0))
+    assert bench.host_load_note(2).startswith("note: load average 5.5 on 2 CPU(s): other jobs share them")
+    assert "OMP_WAIT_POLICY=PASSIVE" in bench.host_load_note(2)
+    assert bench.host_load_note(8) == ""
