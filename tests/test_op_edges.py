@@ -148,3 +148,29 @@ def test_reference_outputs_are_arrays_of_their_own(outputs: str) -> None:
     assert not np.shares_memory(second, first)
     again = opgrad.evaluate(fn, data)[0]
     np.testing.assert_array_equal(again, table if outputs == "constant" else np.ones(first.shape))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize(("pool", "shape"), [((2, 2), (7, 37)), ((3, 3), (12, 12)), ((2, 3), (9, 20)),
+                                             ((1, 2), (5, 33)), ((4, 1), (9, 4))])
+def test_max_pool_gradient_where_windows_tile_the_input_goes_to_each_windows_first_maximum(
+        pool: tuple[int, int], shape: tuple[int, int], dtype: str) -> None:
+    # The compiled kernel compares a row's windows lane by lane: ties (small integers), NaN (the
+    # first wins), windows of -inf only (the first element), rows and columns past the last window
+    # (no gradient) and a row's last, partial group of windows are where it could part from the
+    # reference's np.argmax.
+    rng = np.random.default_rng(sum(pool) + shape[1])
+    (kh, kw), (h, w) = pool, shape
+    g = opgrad.var("g", (2, 3, h // kh, w // kw), dtype)
+    x = opgrad.var("x", (2, 3, h, w), dtype)
+    fn = opgrad.function([g, x], ops.max_pool2d_backward(g, x, pool_size=pool, strides=pool, padding=(0, 0)))
+    compiled = opgrad.compile(fn)
+    grads = rng.standard_normal(g.shape).astype(dtype)
+    for case in ("ties", "nan and -inf", "only -inf and nan"):
+        data = rng.integers(-2, 3, x.shape).astype(dtype)
+        if case != "ties":
+            data[rng.random(x.shape) < 0.15] = -np.inf
+            data[rng.random(x.shape) < 0.1] = np.nan
+        if case == "only -inf and nan":
+            data[np.isfinite(data)] = -np.inf
+        np.testing.assert_array_equal(compiled(grads, data), opgrad.evaluate(fn, grads, data), err_msg=case)
