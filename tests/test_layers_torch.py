@@ -177,7 +177,8 @@ def test_a_float64_trainer_trains_float32_weights_the_model_holds() -> None:
 def test_weights_read_from_a_model_are_the_ones_a_trainer_trains() -> None:
     model = _classifier()
     model.params["fc.bias"][:] = 5.0  # the lazily drawn weights, changed in place
-    trainer = nn.Trainer(model, nn.SGD(), lr=0.0, batch_size=2, seed=7)
+    with pytest.warns(UserWarning, match=r"Trainer\(seed=7\): the model already holds weights"):
+        trainer = nn.Trainer(model, nn.SGD(), lr=0.0, batch_size=2, seed=7)
     np.testing.assert_array_equal(trainer.params["fc.bias"], np.full(3, 5.0, np.float32))
 
 

@@ -21,6 +21,7 @@ torch = require("torch", "the layers are compared with PyTorch's modules")
 
 import opgrad  # noqa: E402
 from opgrad import nn, ops  # noqa: E402
+from opgrad.errors import ShapeError  # noqa: E402
 
 
 def _dense_model(layer: nn.Layer) -> nn.Model:
@@ -454,3 +455,16 @@ def test_layers_take_the_leading_arguments_by_position_as_keras_does() -> None:
         assert positional.get_config() == keywords.get_config()
     with pytest.raises(TypeError):
         nn.Conv2D(8, 3, 2, "same", 2)  # dilation_rate is keyword-only (Keras has data_format there)
+
+
+def test_a_channels_last_image_shape_is_named_as_one() -> None:
+    # Keras' (height, width, channels) read as (channels, height, width): a kernel too wide for a
+    # one-pixel "width", or a 3-pixel strip of 32 channels that builds.
+    with pytest.raises(ShapeError, match=r"the 3-wide kernel does not fit the width 1 \(\+0\+0 padding\); "
+                                         r"\(28, 28, 1\) looks channels-last .* give \(1, 28, 28\)"):
+        nn.Sequential([nn.Conv2D(8, 3)], input_shape=(28, 28, 1))
+    with pytest.warns(UserWarning, match=r"input shape \(32, 32, 3\) looks channels-last .* give \(3, 32, 32\)"):
+        nn.Sequential([nn.Conv2D(8, 3)], input_shape=(32, 32, 3))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert nn.Sequential([nn.Conv2D(8, 3)], input_shape=(3, 32, 32)).output_shape == (8, 30, 30)

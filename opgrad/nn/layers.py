@@ -34,6 +34,7 @@ without the code that built it.
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -565,16 +566,24 @@ class Conv2D(Layer):
         if len(input_shape) != 3:
             raise self._shape_error(input_shape, "Conv2D needs (channels, height, width)")
         c, h, w = input_shape
+        # Keras' default image layout is (height, width, channels); here it would read as 28 or 32
+        # channels of a strip a few pixels wide.
+        looks = (f"{tuple(input_shape)} looks channels-last (height, width, channels), Keras' default: opgrad's "
+                 f"images are (channels, height, width), as PyTorch's: give ({w}, {c}, {h})"
+                 if w <= 4 < c and w < h else "")
+        hint = f"; {looks}" if looks else ""
         if c % self.groups:
-            raise self._shape_error(input_shape, f"{c} input channels do not split into {self.groups} groups")
+            raise self._shape_error(input_shape, f"{c} input channels do not split into {self.groups} groups{hint}")
         size = []
-        for extent, k, s, d, (before, after) in zip((h, w), self.kernel_size, self.strides, self.dilation_rate,
-                                                     self.pads(h, w)):
+        for axis, extent, k, s, d, (before, after) in zip(("height", "width"), (h, w), self.kernel_size,
+                                                           self.strides, self.dilation_rate, self.pads(h, w)):
             out = conv_output_size(extent, k, s, before + after, d)
             if out < 1:
-                raise self._shape_error(input_shape, f"the {k}-wide kernel does not fit {extent} "
-                                                     f"(+{before}+{after} padding)")
+                raise self._shape_error(input_shape, f"the {k}-wide kernel does not fit the {axis} {extent} "
+                                                     f"(+{before}+{after} padding){hint}")
             size.append(out)
+        if looks and c == h:  # a square image: building would go on with a strip of it
+            warnings.warn(f"layer {self.describe()}: input shape {looks}", UserWarning, stacklevel=4)
         return (self.filters, size[0], size[1])
 
     def param_specs(self) -> dict[str, ParamSpec]:
