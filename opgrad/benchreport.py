@@ -283,8 +283,10 @@ def compile_report(model_name: str, batch: int, threads: int, optimizer: str = "
                            for field, what in (("cache_hit", "object cache"), ("plan_cache_hit", "plan cache"))
                            if r[field] != expected)
         plan = "read stored plan" if r["plan_cache_hit"] else "build IR"
-        print(f"  {name:<27} {r['compile_s']:6.3f} s  = {plan} {r['plan_s']:.3f} s + optimize/codegen "
-              f"{r['optimize_s']:.2f} s ({r['parts']} part{'s' if r['parts'] > 1 else ''} in parallel workers) "
+        code = ("object read from the cache" if r["cache_hit"] else
+                f"optimize/codegen {r['optimize_s']:.2f} s ({r['parts']} part{'s' if r['parts'] > 1 else ''} in "
+                "parallel workers)")
+        print(f"  {name:<27} {r['compile_s']:6.3f} s  = {plan} {r['plan_s']:.3f} s + {code} "
               f"+ load {r['load_s']:.3f} s + rest; CPU {r['compile_cpu_s']:.2f} s in all processes{surprise}")
 
 

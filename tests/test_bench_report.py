@@ -355,3 +355,12 @@ def test_a_busy_host_is_named_under_the_table(monkeypatch: pytest.MonkeyPatch) -
     assert bench.host_load_note(2).startswith("note: load average 5.5 on 2 CPU(s): other jobs share them")
     assert "OMP_WAIT_POLICY=PASSIVE" in bench.host_load_note(2)
     assert bench.host_load_note(8) == ""
+
+
+def test_compile_times_show_a_cold_build_and_a_warm_start_from_the_caches(capsys: pytest.CaptureFixture[str]) -> None:
+    benchreport.compile_report("mlp", 8, 1)
+    out = capsys.readouterr().out
+    cold = next(line for line in out.splitlines() if "cold (empty caches)" in line)
+    warm = next(line for line in out.splitlines() if "warm (stored plan, object)" in line)
+    assert "build IR" in cold and "optimize/codegen" in cold and "unexpected" not in cold
+    assert "read stored plan" in warm and "object read from the cache" in warm and "unexpected" not in warm
