@@ -468,3 +468,19 @@ def test_a_channels_last_image_shape_is_named_as_one() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert nn.Sequential([nn.Conv2D(8, 3)], input_shape=(3, 32, 32)).output_shape == (8, 30, 30)
+
+
+def test_a_training_steps_batch_of_the_wrong_shape_names_the_model_and_batch_size() -> None:
+    model = nn.Sequential([nn.Flatten(), nn.Dense(3)], input_shape=(1, 8, 8), name="tiny")
+    step = nn.TrainStep(model, nn.SGD(), batch_size=4)
+    params = model.init_params(0)
+    state = nn.SGD().init_state(params)
+    labels = np.zeros(4, np.int64)
+    with pytest.raises(ShapeError, match=r"TrainStep of model 'tiny': input 'images' has shape \(3, 1, 8, 8\), "
+                                         r"expected \(4, 1, 8, 8\): a batch of 3 where the step was built for "
+                                         r"batch_size=4"):
+        step(np.zeros((3, 1, 8, 8), np.float32), labels, params, state, 0.1)
+    with pytest.raises(ShapeError, match=r"has shape \(4, 1, 9, 8\), expected \(4, 1, 8, 8\): examples of shape"):
+        step(np.zeros((4, 1, 9, 8), np.float32), labels, params, state, 0.1)
+    with pytest.raises(ShapeError, match=r"TrainStep.run_steps of model 'tiny': input 'images' has shape \(8, 64\)"):
+        step.run_steps(np.zeros((8, 64), np.float32), np.zeros(8, np.int64), params, state, 0.1)

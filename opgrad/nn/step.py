@@ -228,8 +228,10 @@ class TrainStep:
         the arrays passed, as PyTorch's optimizers update in place: the returned dicts then hold
         those arrays (the caller gives them up), and the step needs no second copy of the model.
         Without it nothing passed is modified. The reference backend always returns new arrays."""
+        inputs = per_input(images, len(self.model.inputs), "input")
+        self.check_batch(inputs, self.batch_size, "TrainStep")
         arrays = (
-            *per_input(images, len(self.model.inputs), "input"),
+            *inputs,
             *per_output(labels, len(self.model.outputs)),
             *mask_arrays(self.mask_names, masks), np.asarray(lr, dtype=self.dtype),
             *self.named_arrays(params, state),
@@ -241,6 +243,20 @@ class TrainStep:
             params=dict(zip(self.param_names, outputs[1 : 1 + k])),
             state=dict(zip(self.state_names, outputs[1 + k :])),
         )
+
+    def check_batch(self, inputs: Sequence[np.ndarray], rows: int, who: str) -> None:
+        """A ``ShapeError`` naming the model, the input and ``batch_size`` where an input array is
+        not ``rows`` examples of the input's shape (the function's own check names only the
+        argument)."""
+        for tensor, shape, array in zip(self.model.inputs, self.model.input_shapes, inputs, strict=True):
+            want = (rows, *shape)
+            got = np.shape(array)
+            if got != want:
+                cause = (f"a batch of {got[0]} where the step was built for batch_size={self.batch_size} (a last, "
+                         "smaller batch: leave it out, as Trainer.train_epoch does)"
+                         if got[1:] == tuple(shape) else f"examples of shape {tuple(shape)}")
+                raise ShapeError(f"{who} of model {self.model.name!r}: input {tensor.name!r} has shape {got}, expected "
+                                 f"{want}: {cause}")
 
     def run_steps(self, images: np.ndarray | Sequence[np.ndarray], labels: np.ndarray | Sequence[np.ndarray],
                   params: Mapping[str, np.ndarray],
@@ -261,6 +277,7 @@ class TrainStep:
         if rows_given % b:
             raise ValueError(f"run_steps: labels has {rows_given} rows, not a multiple of the batch size {b}")
         steps = rows_given // b
+        self.check_batch(inputs, steps * b, "TrainStep.run_steps")
         lrs = np.asarray(lr, dtype=self.dtype)
         lrs = np.full(steps, lrs, self.dtype) if lrs.ndim == 0 else lrs
         if lrs.shape != (steps,):
