@@ -48,6 +48,7 @@ __all__ = [
     "ExpectedSpec",
     "atomic_writer",
     "cannot_write_error",
+    "foreign_model_hint",
     "json_default",
     "load_checkpoint",
     "remove_stale_temporaries",
@@ -188,8 +189,9 @@ def load_checkpoint(path: str | os.PathLike[str], expected: ExpectedSpec | None 
         raise CheckpointError(f"{source}: cannot read the checkpoint: {exc.strerror or exc}") from None
     if not head:
         raise CheckpointError(f"{source}: empty file (0 bytes): the save that wrote it never finished")
+    foreign = foreign_model_hint(source)
     if head != b"PK\x03\x04":
-        raise CheckpointError(f"{source}: not an .npz checkpoint (the file does not start with a zip header)")
+        raise CheckpointError(f"{source}: not an .npz checkpoint (the file does not start with a zip header){foreign}")
     try:
         contents = _read_members(source)
     except CheckpointError:
@@ -237,6 +239,14 @@ def load_checkpoint(path: str | os.PathLike[str], expected: ExpectedSpec | None 
     return Checkpoint(arrays=contents, meta=meta)
 
 
+def foreign_model_hint(source: Path) -> str:
+    """How a model file of another framework becomes a checkpoint (it is converted, not read as
+    weights), for an error about ``source``; "" for other suffixes."""
+    if source.suffix.lower() not in (".onnx", ".keras", ".h5", ".hdf5"):
+        return ""
+    return f"; a {source.suffix} model becomes a checkpoint with `opgrad import {source} --save MODEL.npz`"
+
+
 def _read_members(source: Path) -> dict[str, np.ndarray]:
     """Every ``<name>.npy`` member of the zip ``source`` as ``{name: array}``, each member's CRC-32
     checked before numpy parses it.
@@ -257,7 +267,7 @@ def _read_members(source: Path) -> dict[str, np.ndarray]:
             name = info.filename.removesuffix(".npy")
             if name == info.filename:
                 raise CheckpointError(f"{source}: not an opgrad checkpoint (it holds {info.filename!r}, which is "
-                                      "not a .npy array)")
+                                      f"not a .npy array){foreign_model_hint(source)}")
             if name in contents:
                 raise CheckpointError(f"{source}: corrupt checkpoint (it holds two entries named {info.filename!r})")
             with archive.open(info) as member:

@@ -166,6 +166,8 @@ def check_output(path: str | None, option: str, inputs: dict[str, str | None] | 
     command's ``inputs`` (option -> path), which writing it would destroy (``ConfigError``)."""
     if path is None:
         return
+    if not path:
+        raise ConfigError(f"{option} '': an empty path; give a file name")
     target = Path(path)
     directory = target.parent if str(target.parent) else Path(".")
     if target.is_dir():

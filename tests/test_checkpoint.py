@@ -181,6 +181,11 @@ def test_not_a_checkpoint(tmp_path: Path) -> None:
         load_checkpoint(foreign)
     with pytest.raises(CheckpointError, match=r"absent\.npz: checkpoint file not found"):
         load_checkpoint(tmp_path / "absent.npz")
+    fixtures = Path(__file__).parent / "fixtures"
+    for model_file in (fixtures / "onnx_mlp.onnx", fixtures / "keras" / "mnist_cnn.keras"):
+        with pytest.raises(CheckpointError, match=rf"a \{model_file.suffix} model becomes a checkpoint with "
+                                                  rf"`opgrad import .*{model_file.name} --save MODEL\.npz`"):
+            load_checkpoint(model_file)
     objects = tmp_path / "objects.npz"
     np.savez(objects, w=np.array([{"a": 1}], dtype=object))
     with pytest.raises(CheckpointError, match=r"objects\.npz: w holds Python objects \(an object array, stored as "

@@ -377,6 +377,45 @@ def test_a_softplus_threshold_is_exported_as_its_linear_region(tmp_path: Path) -
                                    rtol=1e-6)
 
 
+@pytest.mark.parametrize("layer", ["max", "avg without count_include_pad", "avg with count_include_pad"])
+def test_a_pool_whose_ceil_mode_keeps_a_last_window_on_one_axis_exports_with_that_windows_padding(
+        layer: str, tmp_path: Path) -> None:
+    # 5 x 6 input, 3x3 windows, stride 3, padding 1: PyTorch's rule drops the last window of the
+    # height (it would start in the padding) and keeps the width's; ONNX's ceil_mode takes both.
+    pool = (nn.MaxPool2D(3, 3, 1, ceil_mode=True) if layer == "max" else
+            nn.AvgPool2D(3, 3, 1, ceil_mode=True, count_include_pad=layer.endswith("with count_include_pad")))
+    model = nn.Sequential([pool], input_shape=(2, 5, 6))
+    assert model.output_shape == (2, 2, 3)
+    if layer == "avg with count_include_pad":
+        with pytest.raises(OnnxError, match=r"ceil_mode keeps a last window on one axis of the 5x6 input only, "
+                                            r"which ONNX's AveragePool with count_include_pad=1 cannot express"):
+            opgrad_onnx.save(model, tmp_path / "pool.onnx")
+        return
+    x = np.random.default_rng(3).standard_normal((4, 2, 5, 6)).astype(np.float32)
+    opgrad_onnx.save(model, tmp_path / "pool.onnx")
+    np.testing.assert_allclose(run_onnxruntime(tmp_path / "pool.onnx", x)[0], model.predict(x), rtol=1e-6)
+    if layer == "max":  # the importer reads an average without count_include_pad over equal pads only
+        np.testing.assert_allclose(opgrad_onnx.load(tmp_path / "pool.onnx").predict(x), model.predict(x),
+                                   rtol=1e-6)
+
+
+def test_default_output_names_stay_apart_from_an_input_named_like_them(tmp_path: Path) -> None:
+    inp = nn.Input((6,), name="output")
+    model = nn.Model(inp, nn.Dense(3)(inp))
+    opgrad_onnx.save(model, tmp_path / "named.onnx")
+    graph = onnx.load(tmp_path / "named.onnx").graph
+    assert [i.name for i in graph.input] == ["output"] and [o.name for o in graph.output] == ["output_2"]
+    x = np.ones((2, 6), np.float32)
+    np.testing.assert_allclose(run_onnxruntime(tmp_path / "named.onnx", x)[0], model.predict(x), rtol=1e-6)
+
+
+def test_an_opset_20_model_declares_the_ir_version_it_needs(tmp_path: Path) -> None:
+    model = nn.Sequential([nn.GELU()], input_shape=(4,))
+    proto = to_onnx(model)
+    assert [o.version for o in proto.opset_import] == [20] and proto.ir_version == 9
+    assert to_onnx(nn.Sequential([nn.ReLU()], input_shape=(4,))).ir_version == 8
+
+
 def test_where_and_comparison_layers_export_and_read_back(tmp_path: Path) -> None:
     # masked_fill(x <= 0, -inf) then a comparison between tensors: float 0/1 masks in opgrad.
     inp = nn.Input((4,))

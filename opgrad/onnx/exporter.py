@@ -219,16 +219,35 @@ def _pool(b: GraphBuilder, layer: Any, x: list[str], shapes: list[Shape], out: s
     (top, bottom), (left, right) = layer.pads(shapes[0][1], shapes[0][2])
     attrs: dict[str, Any] = {"kernel_shape": list(layer.pool_size), "strides": list(layer.strides),
                              "pads": [top, left, bottom, right]}
+    count_include_pad = getattr(layer, "count_include_pad", True)
     if layer.ceil_mode:
         # Where PyTorch's rule drops a last window that would start in the padding, the size is
         # the floor's, which ONNX's shape inference gives only with ceil_mode 0 (the same windows).
         pads = ((top, bottom), (left, right))
         floor = [(n + a + b - k) // s + 1 for n, (a, b), k, s in zip(shapes[0][1:], pads, layer.pool_size,
                                                                      layer.strides, strict=True)]
-        if list(layer.output_shape_for(shapes[0])[1:]) != floor:
+        sizes = list(layer.output_shape_for(shapes[0])[1:])
+        extra = [size - low for size, low in zip(sizes, floor, strict=True)]
+        if all(extra):
             attrs["ceil_mode"] = 1
+        elif any(extra):
+            # ONNX's ceil_mode takes both axes; where PyTorch's rule keeps the last window of one
+            # axis only, that window is padded out on that axis instead (ceil_mode 0). Padding never
+            # wins a max, and an average without count_include_pad does not count it; one with it
+            # would, which PyTorch does not.
+            if layer.kind == "avgpool" and layer.count_include_pad and not any((top, bottom, left, right)):
+                count_include_pad = False  # no padding to count: the same divisors without it
+            elif layer.kind == "avgpool" and layer.count_include_pad:
+                raise OnnxError(f"layer {layer.describe()}: ceil_mode keeps a last window on one axis of the "
+                                f"{shapes[0][1]}x{shapes[0][2]} input only, which ONNX's AveragePool with "
+                                "count_include_pad=1 cannot express (its ceil_mode takes both axes, and padding "
+                                "it would count); use count_include_pad=False or ceil_mode=False")
+            ends = [(size - 1) * s + k - (n + a + b) if more else 0
+                    for size, more, n, (a, b), k, s in zip(sizes, extra, shapes[0][1:], pads, layer.pool_size,
+                                                           layer.strides, strict=True)]
+            attrs["pads"] = [top, left, bottom + ends[0], right + ends[1]]
     if layer.kind == "avgpool":
-        attrs["count_include_pad"] = int(layer.count_include_pad)
+        attrs["count_include_pad"] = int(count_include_pad)
     b.node("MaxPool" if layer.kind == "maxpool" else "AveragePool", [x[0]], out, layer.name, **attrs)
 
 
@@ -481,7 +500,7 @@ def to_onnx(model: Model, *, opset: int | None = None) -> Any:
     default_names = [f"output{i + 1}" if len(model.outputs) > 1 else "output" for i in range(len(model.outputs))]
     output_names = [n for n in model.output_names or default_names if n not in names.values()]
     if len(output_names) != len(model.outputs):  # an output named as an input: the default names
-        output_names = default_names
+        output_names = [b.fresh(name) for name in default_names]  # made distinct from the inputs' too
     # A tensor listed as several outputs is computed under its first output's name; each later
     # position gets an Identity of it, so that every graph output has a name of its own.
     final: dict[int, str] = {}
@@ -506,8 +525,9 @@ def to_onnx(model: Model, *, opset: int | None = None) -> Any:
             b.node("Identity", [names[id(tensor)]], name, "output")
         outputs.append(onnx.helper.make_tensor_value_info(name, elem, ["N", *tensor.shape]))
     graph = onnx.helper.make_graph(b.nodes, model.name, graph_inputs, outputs, list(b.initializers.values()))
+    # The IR version each opset needs: 8 up to opset 18, 9 for 19 and 20 (onnx.helper.VERSION_TABLE).
     proto = onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", opset)],
-                                   producer_name="opgrad", ir_version=8)
+                                   producer_name="opgrad", ir_version=9 if opset >= 19 else 8)
     try:
         onnx.checker.check_model(proto, full_check=True)
     except Exception as exc:  # a bug in an emitter, reported with the checker's words
