@@ -381,3 +381,16 @@ def not_finite(f: FunctionEmitter, t: str, value: str) -> str:
     it to zero)."""
     difference = f.val(f"fsub {t} {value}, {value}")
     return f.val(f"fcmp uno {t} {difference}, {difference}")
+
+
+def concatenate(f: FunctionEmitter, parts: list[str], width: int, t: str) -> str:
+    """The ``width``-lane vectors ``parts`` side by side in one vector, padded with poison vectors
+    to a power of two of them."""
+    parts = parts + ["poison"] * ((1 << (len(parts) - 1).bit_length()) - len(parts))
+    while len(parts) > 1:
+        ty = f"<{width} x {t}>"
+        order = "<" + ", ".join(f"i32 {i}" for i in range(2 * width)) + ">"
+        parts = [f.val(f"shufflevector {ty} {parts[i]}, {ty} {parts[i + 1]}, <{2 * width} x i32> {order}", "cat")
+                 for i in range(0, len(parts), 2)]
+        width *= 2
+    return parts[0]

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from .gemm import masked_load, masked_store
-from .irtext import BYTES, LLVM_TYPE, FunctionEmitter, prefix_mask
+from .irtext import BYTES, LLVM_TYPE, FunctionEmitter, concatenate, prefix_mask
 from .target import current_target
 from .views import Scalar, VectorScalar, View, elem_type
 
@@ -240,18 +240,6 @@ def _pool_rows_vectorized(p: _Planes, out: View, data: View, win: Window2d, op: 
     return True
 
 
-def _join(f: FunctionEmitter, parts: list[str], lanes: int, t: str) -> str:
-    """The vectors ``parts`` of ``lanes`` each, end to end (padded with poison to a power of two)."""
-    parts = parts + ["poison"] * ((1 << (len(parts) - 1).bit_length()) - len(parts))
-    while len(parts) > 1:
-        ty = f"<{lanes} x {t}>"
-        both = ", ".join(f"i32 {i}" for i in range(2 * lanes))
-        parts = [f.val(f"shufflevector {ty} {a}, {ty} {b}, <{2 * lanes} x i32> <{both}>", "cat")
-                 for a, b in zip(parts[::2], parts[1::2], strict=True)]
-        lanes *= 2
-    return parts[0]
-
-
 def _argmax_scatter_vectorized(p: _Planes, out: View, grad: View, data: View, win: Window2d, pout: str,
                                pgrad: str, pdata: str) -> bool:
     """max_pool2d's gradient where the windows tile the input (strides = pool size, inside it,
@@ -311,7 +299,7 @@ def _argmax_scatter_vectorized(p: _Planes, out: View, grad: View, data: View, wi
         for ki in range(kh):
             parts = [f.val(f"select <{vl} x i1> {f.val(f'icmp eq {it} {index}, {splat_int(ki * kw + kj)}')}, "
                            f"{vt} {g}, {vt} zeroinitializer", "to") for kj in range(kw)]
-            joined = _join(f, parts, vl, t)
+            joined = concatenate(f, parts, vl, t)
             order = ", ".join(f"i32 {(i % kw) * vl + i // kw}" for i in range(kw * vl))
             width = vl * (1 << (kw - 1).bit_length())
             row = f.val(f"shufflevector <{width} x {t}> {joined}, <{width} x {t}> poison, <{kw * vl} x i32> <{order}>",

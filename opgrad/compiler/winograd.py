@@ -48,7 +48,16 @@ from .gemm import (
     round_up,
     tile_row_inputs,
 )
-from .irtext import BYTES, LLVM_TYPE, FunctionEmitter, ModuleEmitter, float_const, prefix_mask, splat_const
+from .irtext import (
+    BYTES,
+    LLVM_TYPE,
+    FunctionEmitter,
+    ModuleEmitter,
+    concatenate,
+    float_const,
+    prefix_mask,
+    splat_const,
+)
 from .target import cache_share, cache_size, current_target, host_target
 from .threads import PARALLEL_FOR, PARALLEL_FOR_DECL, pool_size
 from .views import VectorScalar
@@ -1421,17 +1430,6 @@ def emit_winograd(mod: ModuleEmitter, p: WinogradConv, name: str, tiles: Winogra
     phases = [(e.weight_task(name + ".weights"), ["w", "shared"]),
               (e.block_task(name + ".blocks", scratch_stride), ["x", "shared", "y", "scratch", "flag", *inputs])]
     return emit_guarded_entry(mod, name, ("x", "w", "y", *inputs), u_bytes, scratch_stride, phases, fallback)
-
-
-def concatenate(f: FunctionEmitter, parts: list[str], width: int, t: str) -> str:
-    """The ``width``-lane vectors ``parts`` (a power of two of them) side by side in one vector."""
-    while len(parts) > 1:
-        ty = f"<{width} x {t}>"
-        order = "<" + ", ".join(f"i32 {i}" for i in range(2 * width)) + ">"
-        parts = [f.val(f"shufflevector {ty} {parts[i]}, {ty} {parts[i + 1]}, <{2 * width} x i32> {order}", "cat")
-                 for i in range(0, len(parts), 2)]
-        width *= 2
-    return parts[0]
 
 
 def transpose_lanes(f: FunctionEmitter, regs: list[str], vl: int, t: str) -> list[str]:
