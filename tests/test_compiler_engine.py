@@ -145,6 +145,50 @@ def test_gemm_epilogue_equals_the_separate_elementwise_pass(dtype: str, mnk: tup
     np.testing.assert_array_equal(out, np.maximum(w - np.asarray(0.25, dtype) * (c + bias), 0))
 
 
+@pytest.mark.parametrize("target", ["x86-64-v3", "x86-64-v4"])
+def test_gemm_orientation_follows_what_it_packs(target: str) -> None:
+    # ``x @ w.T`` with a batch of 32 rows and a weight of shape (n, k) runs as ``w @ x.T``: the
+    # weight's rows are read in place and only x is packed, with K summed in groups (9216) or
+    # not (784, the tiles then stored transposed). The data gradient dy @ w and the weight
+    # gradient dy.T @ x pack as much either way (transposed they measured 3-11x slower), and a
+    # 40-row batch would pad to 64 columns. (AArch64's 4-lane tiles read at most 16 rows in place.)
+    from opgrad.compiler.gemm import oriented, packing_cost
+    from opgrad.compiler.target import resolve_target, use_target
+
+    with use_target(resolve_target(target)):
+        for m, n, k in [(32, 128, 9216), (32, 200, 784)]:
+            plain = GemmSpec.dense(m, n, k, trans_b=True)
+            swapped, blk = oriented(plain)
+            assert swapped is not plain, (m, n, k)
+            assert 2 * packing_cost(swapped, blk, c_transposed=k < 4 * n) <= packing_cost(plain, blk)
+        for spec in [GemmSpec.dense(32, 9216, 128),
+                     GemmSpec.dense(128, 9216, 32, trans_a=True), GemmSpec.dense(40, 512, 512, trans_b=True)]:
+            assert oriented(spec)[0] is spec, spec
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("mnk", [(32, 128, 2304), (32, 200, 784), (19, 75, 600), (64, 130, 1000)])
+def test_gemm_transposed_for_a_batch_against_weight_rows_matches_numpy(dtype: str, mnk: tuple[int, int, int]) -> None:
+    # x @ w.T in whichever orientation the host takes (see the test above): K in groups or one
+    # pass, edge tiles both ways. The epilogue still sees each finished element once, so the
+    # fused result is bitwise the plain GEMM's followed by numpy.
+    from opgrad.compiler.gemm import Epilogue, IndexMap, Operand
+
+    m, n, k = mnk
+    rng = np.random.default_rng(n + k)
+    x, w = rng.standard_normal((m, k)).astype(dtype), rng.standard_normal((n, k)).astype(dtype)
+    prev, bias = rng.standard_normal((m, n)).astype(dtype), rng.standard_normal(n).astype(dtype)
+    plain = GemmSpec.dense(m, n, k, dtype, trans_b=True)
+    epilogue = Epilogue(lambda s, v: s.max(s.sub(v[1], s.mul(v[3], s.add(v[0], v[2]))), s.const(0.0)),
+                        (Operand.matrix(m, n, n, 1), Operand(IndexMap.strided(m, 0), IndexMap.strided(n, 1)), 0.25))
+    fused = GemmSpec(m, n, k, plain.a, plain.b, plain.c, dtype, epilogue=epilogue)
+    c, out = np.full((m, n), np.nan, dtype), np.full((m, n), np.nan, dtype)
+    gemm_kernel(plain)(x, w, c)
+    _close(c, x @ w.T, dtype)
+    gemm_kernel(fused)(x, w, out, prev, bias)
+    np.testing.assert_array_equal(out, np.maximum(prev - np.asarray(0.25, dtype) * (c + bias), 0))
+
+
 _STORE_BODIES = {
     # name: (body over [C, W, bias, scale], numpy twin, applied by the tile store)
     "sgd": (lambda s, v: s.sub(v[1], s.mul(v[3], v[0])), lambda c, w, bias, lr: w - lr * c, True),
