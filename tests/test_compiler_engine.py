@@ -167,11 +167,12 @@ def test_gemm_orientation_follows_what_it_packs(target: str) -> None:
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
-@pytest.mark.parametrize("mnk", [(32, 128, 2304), (32, 200, 784), (19, 75, 600), (64, 130, 1000)])
+@pytest.mark.parametrize("mnk", [(32, 128, 2304), (32, 200, 784), (19, 75, 600), (64, 130, 1000), (2, 8, 784)])
 def test_gemm_transposed_for_a_batch_against_weight_rows_matches_numpy(dtype: str, mnk: tuple[int, int, int]) -> None:
     # x @ w.T in whichever orientation the host takes (see the test above): K in groups or one
-    # pass, edge tiles both ways. The epilogue still sees each finished element once, so the
-    # fused result is bitwise the plain GEMM's followed by numpy.
+    # pass, edge tiles both ways; 2 x 8 x 784 is the small GEMM, which reads its operands as
+    # passed and is never transposed. The epilogue still sees each finished element once, so
+    # the fused result is bitwise the plain GEMM's followed by numpy.
     from opgrad.compiler.gemm import Epilogue, IndexMap, Operand
 
     m, n, k = mnk

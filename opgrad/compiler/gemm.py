@@ -822,16 +822,19 @@ def emit_gemm(
     assert spec.c.window is None, "C cannot have a padding window"
     assert min(spec.m, spec.n, spec.k) >= 1
     swapped = False
-    if blocking is None:
+    # The small GEMM reads A, B and C as the caller passes them: it is never transposed.
+    small = blocking is None and is_small(spec)
+    if blocking is not None:
+        blk = blocking
+    elif small:
+        blk = Blocking.for_target(spec.dtype)
+    else:
         oriented_spec, blk = oriented(spec)
         swapped, spec = oriented_spec is not spec, oriented_spec
-    else:
-        blk = blocking
     plan = GemmPlan(spec, blk, operands_swapped=swapped)
     base = m.unique(name or f"gemm_{spec.m}x{spec.n}x{spec.k}")
     m.declare(PARALLEL_FOR, PARALLEL_FOR_DECL)
     t = LLVM_TYPE[spec.dtype]
-    small = blocking is None and is_small(spec)
     if spec.epilogue is not None:
         for op in spec.epilogue.operands:
             op.check()
