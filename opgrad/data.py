@@ -449,8 +449,11 @@ def iterate_batches(
     short batch, which keeps batch shapes constant for compiled kernels. Batches are contiguous
     copies, so mutating one never changes the dataset.
     """
-    if batch_size < 1:
-        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
+        raise ValueError(f"iterate_batches: batch_size must be a positive integer, got {batch_size!r}")
+    if shuffle_seed is not None and (isinstance(shuffle_seed, bool) or not isinstance(shuffle_seed, (int, np.integer))
+                                     or shuffle_seed < 0):
+        raise ValueError(f"iterate_batches: shuffle_seed must be None or a non-negative integer, got {shuffle_seed!r}")
     if len(images) != len(labels):
         raise ValueError(f"{len(images)} images but {len(labels)} labels")
     n = len(labels)

@@ -60,7 +60,16 @@ from opgrad.nn.losses import accuracy, cross_entropy_numpy
 from opgrad.nn.model import Model
 from opgrad.nn.optim import Optimizer
 from opgrad.nn.schedules import Schedule
-from opgrad.nn.trainer import Inputs, Labels, Trainer, cut_labels, first_labels, label_rows, noise_rng
+from opgrad.nn.trainer import (
+    Inputs,
+    Labels,
+    Trainer,
+    cut_labels,
+    first_labels,
+    label_rows,
+    noise_rng,
+    step_labels,
+)
 from opgrad.replicas import replica_group
 
 __all__ = [
@@ -586,7 +595,7 @@ class DistributedTrainer(Trainer):
         local_masks = {name: np.ascontiguousarray(m[start:stop]) for name, m in masks.items()}
         x = self._one_or_list([np.ascontiguousarray(array[start:stop], dtype=dtype)
                                for array, dtype in zip(augmented, self._input_dtypes)])
-        y = cut_labels(labels, slice(start, stop))
+        y = step_labels(cut_labels(labels, slice(start, stop)))
         if self._reducer is None:
             with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
                 result = self.gradient_step(x, y, self.params, self.model.buffers, local_masks)

@@ -38,6 +38,7 @@ from opgrad.progress import ProgressBar, format_duration
 
 if TYPE_CHECKING:
     from opgrad.distributed import Communicator, DistributedTrainer
+    from opgrad.nn.schedules import Schedule
 
 DEFAULT_EPOCHS = 10
 #: The models ``--model`` offers (``opgrad.nn.MODELS``; listed here so the CLI starts without importing nn).
@@ -267,6 +268,17 @@ def mpi_launched_ranks() -> int:
     return 1
 
 
+def _schedule(args: argparse.Namespace, lr: float, last_step: int, steps_per_epoch: int) -> Schedule:
+    """The run's learning-rate schedule, a cosine decaying to zero at ``last_step``."""
+    from opgrad.nn.schedules import LRSchedule, StepLR, WarmupLR
+
+    gamma = 0.1 if args.lr_gamma is None else args.lr_gamma
+    schedule: Schedule = (LRSchedule(lr, max(1, last_step - args.warmup_steps)) if args.lr_schedule == "cosine" else
+                          StepLR(lr, args.lr_step_size or steps_per_epoch, gamma)
+                          if args.lr_schedule == "step" else LRSchedule(lr))
+    return WarmupLR(schedule, args.warmup_steps) if args.warmup_steps else schedule
+
+
 def run(args: argparse.Namespace) -> int:
     """Train; returns a process exit code (0 ok).
 
@@ -294,7 +306,6 @@ def run(args: argparse.Namespace) -> int:
 def _train(args: argparse.Namespace, comm: Communicator | None) -> int:
     from opgrad.checkpoint import CheckpointError, check_arrays, load_checkpoint, save_checkpoint
     from opgrad.nn import Trainer, make_optimizer
-    from opgrad.nn.schedules import LRSchedule, Schedule, StepLR, WarmupLR
 
     if comm is not None:
         from opgrad.distributed import agree, check_same_everywhere
@@ -337,14 +348,17 @@ def _train(args: argparse.Namespace, comm: Communicator | None) -> int:
     # The run's last step: a resumed run continues from the checkpoint's step, which a checkpoint the
     # exported C runtime wrote counts without epochs (it trains from the caller's own batches).
     start_step, start_epoch = (int(saved[1].get("step", 0)), int(saved[1].get("epoch", 0))) if saved else (0, 0)
-    last_step = start_step + steps_per_epoch * max(0, args.epochs - start_epoch)
-    decay_steps = max(1, last_step - args.warmup_steps)
-    gamma = 0.1 if args.lr_gamma is None else args.lr_gamma
-    schedule: Schedule = (LRSchedule(lr, decay_steps) if args.lr_schedule == "cosine" else
-                          StepLR(lr, args.lr_step_size or steps_per_epoch, gamma)
-                          if args.lr_schedule == "step" else LRSchedule(lr))
-    if args.warmup_steps:
-        schedule = WarmupLR(schedule, args.warmup_steps)
+    schedule = _schedule(args, lr, start_step + steps_per_epoch * max(0, args.epochs - start_epoch), steps_per_epoch)
+    saved_epochs = saved[1].get("epochs") if saved is not None else None
+    schedule_note = ""
+    if isinstance(saved_epochs, int) and saved_epochs != args.epochs and args.lr_schedule == "cosine" and start_step:
+        # The cosine decays over the run's whole length, so a run extended (or shortened) on resume
+        # goes on from another point of the curve than the one it stopped at.
+        planned = _schedule(args, lr, start_step + steps_per_epoch * max(0, saved_epochs - start_epoch),
+                            steps_per_epoch)
+        schedule_note = (f"note: --epochs {args.epochs} changes the saved run's {saved_epochs}: the cosine schedule "
+                         f"is planned over the new length, so step {start_step + 1} runs at lr "
+                         f"{schedule(start_step):.3g} where the saved run's schedule had {planned(start_step):.3g}")
     rotate, scale = MODEL_AFFINE.get(args.model or model.name, (0.0, 0.0))
     args.augment_rotate = rotate if args.augment_rotate is None else args.augment_rotate
     args.augment_scale = scale if args.augment_scale is None else args.augment_scale
@@ -395,6 +409,8 @@ def _train(args: argparse.Namespace, comm: Communicator | None) -> int:
             "one all-reduce per step")
     if trainer.epoch:
         say(f"resumed from {args.resume} after epoch {trainer.epoch} (step {trainer.step})")
+    if schedule_note:
+        say(schedule_note)
     if trainer.epoch >= args.epochs:
         say(f"nothing to do: the checkpoint has already trained {trainer.epoch} of {args.epochs} epoch(s)")
 

@@ -214,6 +214,25 @@ def test_cli_resume_of_an_interrupted_run_continues_to_its_own_epochs(tmp_path: 
         np.testing.assert_array_equal(got[name], want[name], err_msg=name)
 
 
+def test_cli_resume_extending_a_cosine_run_says_where_its_learning_rate_goes_on(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # The cosine decays over the run's whole length: extended from 1 to 2 epochs of 4 steps, the
+    # fifth step runs at half the rate (cosine over 8 steps) where the saved run's curve was at 0.
+    saved = tmp_path / "one.npz"
+    settings = ["--model", "mlp", "--batch-size", "16", "--max-steps", "4", "--test-limit", "40",
+                "--backend", "reference", "--lr", "0.002"]
+    assert cli.main(["train", *settings, "--epochs", "1", "--save", str(saved)]) == 0
+    capsys.readouterr()
+    assert cli.main(["train", "--resume", str(saved), "--epochs", "2", "--max-steps", "4", "--test-limit", "40",
+                     "--backend", "reference"]) == 0
+    out = capsys.readouterr().out
+    assert ("note: --epochs 2 changes the saved run's 1: the cosine schedule is planned over the new length, so "
+            "step 5 runs at lr 0.001 where the saved run's schedule had 0\n") in out
+    assert cli.main(["train", "--resume", str(saved), "--epochs", "1", "--test-limit", "40",
+                     "--backend", "reference"]) == 0
+    assert "note:" not in capsys.readouterr().out
+
+
 def test_cli_smoke_save_resume_plot(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     ckpt, png = tmp_path / "run.npz", tmp_path / "curves.png"
     assert cli.main([*SMOKE, "--epochs", "2", "--save", str(ckpt), "--plot", str(png)]) == 0

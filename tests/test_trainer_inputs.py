@@ -12,6 +12,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 
@@ -329,3 +330,69 @@ def test_ids_past_the_embedding_table_name_the_layer(backend: str) -> None:
     bad[3, 2] = -1
     with pytest.raises(ValueError, match=r"got values in -1\.\.29"):
         trainer.evaluate(bad, labels)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_integer_labels_of_any_width_train_as_int64(backend: str) -> None:
+    # Trainer's check takes any integer class indices, so every training method casts them: int32
+    # and uint8 labels failed inside the compiled step, naming only its argument.
+    ids, labels = text_data()
+    results = []
+    for dtype in (np.int64, np.int32, np.uint8):
+        trainer = nn.Trainer(text_classifier(), nn.SGD(), lr=LR, batch_size=BATCH, seed=SEED, backend=backend)
+        y = labels.astype(dtype)
+        results.append((trainer.train_batch(ids[:BATCH], y[:BATCH]),
+                        trainer.train_batches([(ids[:BATCH], y[:BATCH])]),
+                        trainer.train_epoch(ids, y, steps_per_call=2), trainer.evaluate(ids, y)))
+    assert results[0] == results[1] == results[2]
+
+
+def test_integer_images_are_trained_unscaled_with_a_warning_unless_rescaled() -> None:
+    # Raw uint8 pixels are cast as they are (as Keras does): the same numbers as the float32 cast,
+    # with a warning that names the input, unless the input feeds a Rescaling layer.
+    pixels = np.random.default_rng(0).integers(0, 256, (BATCH, 1, 4, 4)).astype(np.uint8)
+    labels = np.arange(BATCH) % 3
+
+    def classifier(*first: nn.Layer) -> nn.Model:
+        return nn.Sequential([*first, nn.Flatten(), nn.Dense(3)], input_shape=(1, 4, 4), name="pixels")
+
+    plain = nn.Trainer(classifier(), nn.SGD(), lr=1e-4, batch_size=BATCH, backend="reference")
+    with pytest.warns(UserWarning, match=r"Trainer.train_batch: input 'images' is uint8, taken as float32 values as "
+                                         r"they are, unscaled; divide it first \(images / 255\)"):
+        loss = plain.train_batch(pixels, labels)
+    cast = nn.Trainer(classifier(), nn.SGD(), lr=1e-4, batch_size=BATCH, backend="reference")
+    assert cast.train_batch(pixels.astype(np.float32), labels) == loss
+    with pytest.warns(UserWarning, match="input 'images' is uint8"):
+        classifier().predict(pixels)
+    rescaled = nn.Trainer(classifier(nn.Rescaling(1 / 255)), nn.SGD(), lr=0.1, batch_size=BATCH, backend="reference")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        rescaled.train_batch(pixels, labels)
+
+
+def test_train_step_takes_a_torch_tensor_and_names_rows_that_disagree() -> None:
+    torch = pytest.importorskip("torch", reason="torch (the dev extra) converts the tensor")
+    model = nn.Sequential([nn.Flatten(), nn.Dense(5)], input_shape=(3, 4, 4), name="flat")
+    optimizer = nn.SGD()
+    params = model.init_params(0)
+    state = {**optimizer.init_state(params), **model.buffers}
+    step = nn.TrainStep(model, optimizer, batch_size=4, backend="reference")
+    images = np.random.default_rng(0).random((8, 3, 4, 4), np.float32)
+    labels = np.arange(8) % 5
+    want = step(images[:4], labels[:4], params, state, lr=0.1).loss
+    assert step(torch.from_numpy(images[:4]), torch.from_numpy(labels[:4]), params, state, lr=0.1).loss == want
+    assert step.run_steps(torch.from_numpy(images), labels, params, state, lr=0.1).losses[0] == want
+    with pytest.raises(ShapeError, match=r"TrainStep.run_steps of model 'flat': input 'images' has 8 rows and the "
+                                         r"labels 4: each holds the K \* batch_size rows of K steps"):
+        step.run_steps(images, labels[:4], params, state, lr=0.1)
+    with pytest.raises(ShapeError, match=r"a batch of 8 where the step was built for batch_size=4$"):
+        step(images, labels, params, state, lr=0.1)
+    with pytest.raises(ShapeError, match=r"a batch of 2 where .* \(a last, smaller batch"):
+        step(images[:2], labels[:2], params, state, lr=0.1)
+
+
+@pytest.mark.parametrize("seed", [-1, 1.5, True])
+def test_iterate_batches_names_a_bad_shuffle_seed(seed: object) -> None:
+    with pytest.raises(ValueError, match=r"iterate_batches: shuffle_seed must be None or a non-negative integer, "
+                                         rf"got {seed!r}"):
+        next(iterate_batches(np.zeros((4, 2)), np.zeros(4, np.int64), 2, shuffle_seed=seed, drop_last=True))  # type: ignore[arg-type]

@@ -83,7 +83,7 @@ class GradientStep:
                  params: Mapping[str, np.ndarray], buffers: Mapping[str, np.ndarray],
                  masks: Mapping[str, np.ndarray] | None = None) -> GradientResult:
         outputs = self._run(
-            *per_input(images, len(self.model.inputs), "input"),
+            *per_input(images, len(self.model.inputs), "input", f"GradientStep: model {self.model.name!r}"),
             *per_output(labels, len(self.model.outputs)),
             *mask_arrays(self.mask_names, masks),
             *(params[n] for n in self.param_names), *(buffers[n] for n in self.buffer_names),

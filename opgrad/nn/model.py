@@ -457,20 +457,13 @@ class Model:
         result is one array (a list for several outputs), logits for a classifier. ``backend``
         ``"llvm"`` falls back to the numpy reference when the compiler cannot be imported.
         """
-        from opgrad.nn.step import EvalStep, llvm_unavailable_reason
+        from opgrad.nn.step import EvalStep, llvm_unavailable_reason, per_input
 
         if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
             raise ValueError(f"predict: batch_size must be a positive integer, got {batch_size!r}")
         if backend == "llvm" and llvm_unavailable_reason() is not None:
             backend = "reference"
-        if isinstance(inputs, np.ndarray):
-            arrays = [inputs]
-        elif len(self.inputs) == 1 and not (len(inputs) == 1 and isinstance(inputs[0], np.ndarray)):
-            arrays = [np.asarray(inputs)]  # nested lists of one input's values, as Keras takes them
-        else:
-            arrays = [np.asarray(a) for a in inputs]
-        if len(arrays) != len(self.inputs):
-            raise ValueError(f"predict: model {self.name!r} takes {len(self.inputs)} input(s), got {len(arrays)}")
+        arrays = per_input(inputs, len(self.inputs), "input", f"predict: model {self.name!r}")
         for array, tensor in zip(arrays, self.inputs):
             if tuple(array.shape[1:]) != tensor.shape:
                 raise ShapeError(f"predict: input {tensor.name!r} has shape {array.shape}, model {self.name!r} "

@@ -29,6 +29,7 @@ without leaving native code. The losses and weights equal K single steps bitwise
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -228,7 +229,7 @@ class TrainStep:
         the arrays passed, as PyTorch's optimizers update in place: the returned dicts then hold
         those arrays (the caller gives them up), and the step needs no second copy of the model.
         Without it nothing passed is modified. The reference backend always returns new arrays."""
-        inputs = per_input(images, len(self.model.inputs), "input")
+        inputs = per_input(images, len(self.model.inputs), "input", f"TrainStep: model {self.model.name!r}")
         self.check_batch(inputs, self.batch_size, "TrainStep")
         arrays = (
             *inputs,
@@ -252,8 +253,9 @@ class TrainStep:
             want = (rows, *shape)
             got = np.shape(array)
             if got != want:
-                cause = (f"a batch of {got[0]} where the step was built for batch_size={self.batch_size} (a last, "
-                         "smaller batch: leave it out, as Trainer.train_epoch does)"
+                smaller = (" (a last, smaller batch: leave it out, as Trainer.train_epoch does)"
+                           if got and got[0] < rows else "")
+                cause = (f"a batch of {got[0]} where the step was built for batch_size={self.batch_size}{smaller}"
                          if got[1:] == tuple(shape) else f"examples of shape {tuple(shape)}")
                 raise ShapeError(f"{who} of model {self.model.name!r}: input {tensor.name!r} has shape {got}, expected "
                                  f"{want}: {cause}")
@@ -271,11 +273,18 @@ class TrainStep:
         model with several inputs or outputs takes lists, as :meth:`__call__` does.
         """
         b = self.batch_size
-        inputs = per_input(images, len(self.model.inputs), "input")
+        inputs = per_input(images, len(self.model.inputs), "input", f"TrainStep.run_steps: model {self.model.name!r}")
         label_arrays = per_output(labels, len(self.model.outputs))
         rows_given = len(label_arrays[0])
         if rows_given % b:
             raise ValueError(f"run_steps: labels has {rows_given} rows, not a multiple of the batch size {b}")
+        named = [*((f"input {t.name!r}", a) for t, a in zip(self.model.inputs, inputs, strict=True)),
+                 *((f"labels {i}", y) for i, y in enumerate(label_arrays))]
+        for what, array in named:
+            if np.ndim(array) and len(array) != rows_given:
+                raise ShapeError(f"TrainStep.run_steps of model {self.model.name!r}: {what} has {len(array)} rows "
+                                 f"and the labels {rows_given}: each holds the K * batch_size rows of K steps "
+                                 f"(step i trains on rows i*{b} .. i*{b}+{b - 1})")
         steps = rows_given // b
         self.check_batch(inputs, steps * b, "TrainStep.run_steps")
         lrs = np.asarray(lr, dtype=self.dtype)
@@ -385,6 +394,13 @@ def check_batch_inputs(model: Model, arrays: Sequence[np.ndarray], dtypes: Seque
                                                                  or array.dtype == np.bool_):
             raise ValueError(f"{who}: input {tensor.name!r} takes integer ids ({dtype}), got an array of "
                              f"{array.dtype}; convert it with .astype(np.{dtype}) if its values are whole")
+        if np.issubdtype(np.dtype(dtype), np.floating) and np.issubdtype(array.dtype, np.integer) and not any(
+                node.layer.kind == "rescaling" and any(t is tensor for t in node.inputs) for node in model.nodes):
+            # Keras casts such pixels silently and PyTorch refuses them; a model trained on 0..255
+            # where it was meant for 0..1 only shows as a large loss.
+            warnings.warn(f"{who}: input {tensor.name!r} is {array.dtype}, taken as {dtype} values as they are, "
+                          f"unscaled; divide it first (images / 255) if the model expects 0..1, or give the model "
+                          f"a Rescaling layer", stacklevel=4)
         # Ids past an Embedding's table: named here with the layer, not later by its gather.
         for node in model.nodes:
             size = getattr(node.layer, "input_dim", None)
@@ -394,18 +410,31 @@ def check_batch_inputs(model: Model, arrays: Sequence[np.ndarray], dtypes: Seque
                                  f"0..{size - 1}; got values in {array.min()}..{array.max()}")
 
 
-def per_input(arrays: np.ndarray | Sequence[np.ndarray], count: int, what: str) -> list[np.ndarray]:
-    """``arrays`` as a list of ``count`` arrays (one array alone when ``count`` is 1)."""
-    items = [arrays] if isinstance(arrays, np.ndarray) else list(arrays)
+def per_input(arrays: Any, count: int, what: str, who: str = "the model") -> list[np.ndarray]:
+    """``arrays`` as ``count`` numpy arrays. For one input: one array-like (a numpy array, a torch
+    tensor, nested lists of values as Keras takes them) or a list holding one array; for several,
+    a list or tuple of ``count`` array-likes. A ValueError starting with ``who`` names the count."""
+    if isinstance(arrays, np.ndarray):
+        items = [arrays]
+    elif count == 1 and not (isinstance(arrays, (list, tuple)) and len(arrays) == 1 and is_array_like(arrays[0])):
+        items = [np.asarray(arrays)]
+    else:
+        items = [np.asarray(a) for a in arrays]
     if len(items) != count:
-        raise ValueError(f"the model takes {count} {what} array(s), got {len(items)}")
+        raise ValueError(f"{who} takes {count} {what} array(s), got {len(items)}")
     return items
 
 
-def per_output(labels: np.ndarray | Sequence[np.ndarray], count: int) -> list[np.ndarray]:
-    """One label array per output; a single array serves every output."""
-    if isinstance(labels, np.ndarray):
-        return [labels] * count
+def is_array_like(value: object) -> bool:
+    """Whether ``value`` is one array (numpy's, or another library's tensor that converts to one),
+    not a nested list of values."""
+    return isinstance(value, np.ndarray) or (hasattr(value, "__array__") and not isinstance(value, (list, tuple)))
+
+
+def per_output(labels: Any, count: int) -> list[np.ndarray]:
+    """One label array per output; a single array (or tensor) serves every output."""
+    if is_array_like(labels):
+        return [np.asarray(labels)] * count
     return per_input(labels, count, "label")
 
 
@@ -435,7 +464,7 @@ class EvalStep:
 
     def outputs(self, inputs: np.ndarray | Sequence[np.ndarray], params: Mapping[str, np.ndarray]) -> list[np.ndarray]:
         """Every output for every example, in the model's output order."""
-        arrays = [np.asarray(a) for a in per_input(inputs, len(self.input_dtypes), "input")]
+        arrays = per_input(inputs, len(self.input_dtypes), "input", f"model {self.model.name!r}")
         check_batch_inputs(self.model, arrays, self.input_dtypes, f"model {self.model.name!r}")
         absent = [n for n in self.param_names if n not in params]
         if absent:

@@ -180,6 +180,14 @@ def affine_images(images: np.ndarray, rng: np.random.Generator, max_degrees: flo
     return out
 
 
+def step_labels(labels: Labels) -> Labels:
+    """Labels as the training step takes them, int64: any integer class indices (int32, uint8, as
+    :func:`check_class_labels` accepts them) are cast, as the float inputs are to the dtype."""
+    if isinstance(labels, np.ndarray):
+        return labels.astype(np.int64, copy=False)
+    return [y.astype(np.int64, copy=False) for y in labels]
+
+
 class Trainer:
     """Trains ``model`` with ``optimizer`` on fixed-size batches with the chosen backend.
 
@@ -388,7 +396,7 @@ class Trainer:
         masks = self.model.sample_noise(noise_rng(self.seed, self.step), label_rows(labels), self.dtype)
         lr = self.schedule(self.step)
         with self._quiet_while_stopping():
-            result = self.train_step(arrays, labels, self.params, self.state, lr, masks)
+            result = self.train_step(arrays, step_labels(labels), self.params, self.state, lr, masks)
         if self.stop_on_nan and not math.isfinite(result.loss):
             raise NonFiniteLossError(float(result.loss), epoch=self.epoch + 1, step=self.step + 1, lr=lr,
                                      epoch_step=epoch_step)
@@ -427,7 +435,7 @@ class Trainer:
             for name, mask in self.model.sample_noise(noise_rng(self.seed, step), label_rows(labels),
                                                       self.dtype).items():
                 masks.setdefault(name, []).append(mask)
-            ys.append(labels)
+            ys.append(step_labels(labels))
             lrs.append(self.schedule(step))
         try:
             with self._quiet_while_stopping():
