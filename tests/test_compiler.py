@@ -16,6 +16,7 @@ import sys
 import textwrap
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -23,7 +24,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import opgrad
-from opgrad import ops, registry
+from opgrad import nn, ops, registry
 from opgrad.checks import op_examples
 from opgrad.compiler import compile as compile_fn
 from opgrad.compiler.graph import plan_arena
@@ -835,3 +836,47 @@ def test_whole_input_convolutions_take_the_matmul_path_and_match(dtype: str) -> 
     compiled = compare(fn, [rng.standard_normal((3, 4, 5, 6)).astype(dtype),
                             rng.standard_normal((7, 4, 5, 6)).astype(dtype)], GRAPH_TOL[dtype])
     assert "@opgrad_graph.conv" not in compiled.ir and "@opgrad_graph.gemm" in compiled.ir
+
+
+def test_planning_a_deep_models_step_does_work_in_proportion_to_its_depth(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The fusion and in-place passes once went back to the first step after every change and
+    # walked every step for every weight: 4x the blocks cost 14x the searches, and a 120-block
+    # residual chain's Adam step took a minute to plan and compile. Counted, not timed: the
+    # searches and renames must grow with the depth, not its square. The entry, straight-line
+    # glue of megabytes of IR in such a model, asks for the lean pipeline (O3 took longer on it
+    # than on every kernel).
+    from opgrad.compiler import builder, inplace
+    from opgrad.compiler.graph import plan_graph
+    from opgrad.compiler.split import pipeline_attribute
+
+    counts = {"reduction": 0, "merge": 0, "rename": 0}
+
+    def counted(name: str, fn: Any) -> Any:
+        def wrapper(*args: Any) -> Any:
+            counts[name] += 1
+            return fn(*args)
+        return wrapper
+
+    monkeypatch.setattr(builder.KernelBuilder, "_reduction_producer",
+                        counted("reduction", builder.KernelBuilder._reduction_producer))
+    monkeypatch.setattr(builder.KernelBuilder, "_merge_output", counted("merge", builder.KernelBuilder._merge_output))
+    monkeypatch.setattr(inplace, "_rename", counted("rename", inplace._rename))
+
+    def planned(depth: int) -> tuple[dict[str, int], str]:
+        counts.update(dict.fromkeys(counts, 0))
+        images = nn.Input((8, 12, 12))
+        x = images
+        for _ in range(depth):
+            h = nn.BatchNorm2D()(nn.Conv2D(8, 3, padding="same", use_bias=False)(x))
+            x = nn.ReLU()(nn.Add()([h, x]))
+        model = nn.Model(images, nn.Dense(10)(nn.GlobalAvgPool2D()(x)))
+        step = nn.TrainStep(model, nn.Adam(), batch_size=16, backend="reference")
+        plan = plan_graph(step.function, loop=step.step_loop(), in_place=step.step_loop().carry)
+        return dict(counts), plan.ir
+
+    shallow, _ = planned(10)
+    deep, ir = planned(40)
+    for name in counts:
+        assert shallow[name] > 0 and deep[name] <= 5 * shallow[name], (name, shallow, deep)
+    entry = next(line for line in ir.splitlines() if line.startswith("define void @opgrad_graph("))
+    assert pipeline_attribute("lean") in entry, entry

@@ -530,14 +530,19 @@ class KernelBuilder:
         the same dense run of memory and its other inputs are not written in between.
         """
         fused = 0
+        # A join changes steps from its producer on, so the search goes on from there: the
+        # reductions before it saw the same steps when they found no producer.
+        start = 0
         while True:
             writers = Counter(b for st in self.steps for b in st.writes)
-            for j, red in enumerate(self.steps):
+            for j in range(start, len(self.steps)):
+                red = self.steps[j]
                 if red.kind != "red" or red.out is None or not red.axes:
                     continue
                 found = self._reduction_producer(j, writers)
                 if found is not None:
-                    self._join_reduction(j, *found)
+                    producer, slices, start = found
+                    self._join_reduction(j, producer, slices)
                     fused += 1
                     break
             else:
@@ -557,16 +562,26 @@ class KernelBuilder:
         nothing the consumer writes, and both compute in the same type.
         """
         merged = 0
+        # A merge removes its producer and changes steps after it only, so the search goes on
+        # from the producer's place: the consumers before it saw the same steps when none merged.
+        start = 0
         while True:
-            writers = Counter(b for st in self.steps for b in st.writes)
-            writer_at = {b: i for i, st in enumerate(self.steps) for b in st.writes}
-            for j, consumer in enumerate(self.steps):
+            writer_at: dict[int, int] = {}  # buffer -> its last writer
+            rewritten: set[int] = set()  # buffers more than one step writes
+            for i, st in enumerate(self.steps):
+                for b in st.writes:
+                    if b in writer_at:
+                        rewritten.add(b)
+                    writer_at[b] = i
+            for j in range(start, len(self.steps)):
+                consumer = self.steps[j]
                 if consumer.kind != "ew" or consumer.out is None or consumer.reductions:
                     continue
                 for k, v in enumerate(consumer.inputs):
                     i = writer_at.get(v.buffer, j)
-                    if writers[v.buffer] == 1 and i < j and self._merge_output(i, j, k):
+                    if v.buffer not in rewritten and i < j and self._merge_output(i, j, k):
                         merged += 1
+                        start = i
                         break
                 else:
                     continue
@@ -701,9 +716,10 @@ class KernelBuilder:
         producer.reads = [*producer.reads, *reads]
         producer.label = "+".join(x for x in (producer.label, red.label) if x)
 
-    def _reduction_producer(self, j: int, writers: Counter[int]) -> tuple[Step, int] | None:
-        """The elementwise step that reduction ``j`` can join (:meth:`fuse_reductions`) and its
-        number of slices; None where there is none."""
+    def _reduction_producer(self, j: int, writers: Counter[int]) -> tuple[Step, int, int] | None:
+        """The elementwise step that reduction ``j`` can join (:meth:`fuse_reductions`), its
+        number of slices and the first index of the steps that the join changes (the producer's,
+        before writers are hoisted ahead of it); None where there is none."""
         red = self.steps[j]
         assert red.out is not None
         shape = red.inputs[0].shape
@@ -711,8 +727,15 @@ class KernelBuilder:
             return None
         if 0 in red.axes and (set(red.axes) == {0} or self._allocate is None):
             return None  # the partials would be the slices themselves, or there is no scratch
+        # The producer writes one of the buffers the reduction reads, and is their only writer:
+        # the search ends at the earliest of their writers (a long step list is not walked to
+        # its start for every reduction).
+        unwritten = {b for b in red.reads if writers[b]}
         for i in range(j - 1, -1, -1):
+            if not unwritten:
+                return None
             producer = self.steps[i]
+            unwritten.difference_update(producer.writes)
             out = producer.out
             if producer.kind != "ew" or out is None or out.dtype in INT_TYPE or out.buffer not in red.reads:
                 continue
@@ -737,7 +760,7 @@ class KernelBuilder:
                 return None
             if late and not self._hoist_writers(i, j, late):
                 return None
-            return producer, shape[0]
+            return producer, shape[0], i
         return None
 
     def _hoist_writers(self, i: int, j: int, buffers: set[int]) -> bool:
@@ -915,7 +938,11 @@ class KernelBuilder:
 
     def _emit_entry(self, name: str, calls: list[tuple[str, list[int]]],
                     guard: tuple[int, int, str] | None = None) -> None:
-        f = FunctionEmitter(self.m, name, [("ptr", "bufs"), ("ptr", "ws")], ret="i32" if guard else "void")
+        # The entry is straight-line glue, one call per step with its pointers: the lean pipeline
+        # is all it needs, where O3 on the entry of a deep model's step (a function of megabytes
+        # of IR, which no worker can split) took longer than all its kernels.
+        f = FunctionEmitter(self.m, name, [("ptr", "bufs"), ("ptr", "ws")], ret="i32" if guard else "void",
+                            pipeline="lean")
 
         def finished() -> None:
             if guard is None:

@@ -22,6 +22,7 @@ reads that slot too; the result's own slot is not used. Other pairs are left as 
 
 from __future__ import annotations
 
+from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import replace
 
@@ -36,19 +37,23 @@ def update_in_place(steps: list[Step], pairs: Sequence[tuple[int, int]], after: 
     """Make each ``(parameter slot, result slot)`` pair's writer write the parameter's slot where
     the plan allows it (see the module docstring); reorders and edits ``steps``. ``after``: a slot
     whose writer must come before every honoured writer. Returns the indices of the pairs honoured."""
+    # Which steps touch each slot, kept up to date as pairs are honoured: a model's pairs (one per
+    # weight and optimizer moment) times its steps would otherwise be walked pair by pair.
+    index = _SlotIndex(steps)
+    position = {id(st): i for i, st in enumerate(steps)}
     honoured = []
     for n, (param, result) in enumerate(pairs):
-        writers = [i for i, st in enumerate(steps) if result in st.writes]
-        if len(writers) != 1 or any(param in st.writes for st in steps):
+        writers = list(index.writes[result].values())
+        if len(writers) != 1 or index.writes[param]:
             continue
-        w = writers[0]
-        writer = steps[w]
+        writer = writers[0]
+        w = position[id(writer)]
         if not _reads_where_it_writes(writer, param, result):
             continue
-        before = [i for i, st in enumerate(steps) if i != w and param in st.reads]
+        before = [position[k] for k in index.reads[param] if k != id(writer)]
         if after is not None:
-            before += [i for i, st in enumerate(steps) if after in st.writes and i != w]
-        if any(result in st.reads or result in st.call_buffers for st in steps[:w]):
+            before += [position[k] for k in index.writes[after] if k != id(writer)]
+        if any(position[k] < w for k in (*index.reads[result], *index.calls[result])):
             continue
         last = max(before, default=-1)
         if last > w:
@@ -56,11 +61,42 @@ def update_in_place(steps: list[Step], pairs: Sequence[tuple[int, int]], after: 
             if any(set(st.reads) & set(writer.writes) or set(st.writes) & touched for st in steps[w + 1 : last + 1]):
                 continue
             steps.insert(last, steps.pop(w))
-            w = last
-        for st in steps[w:]:
+            position = {id(st): i for i, st in enumerate(steps)}
+        for st in list(index.mentions[result].values()):
+            index.forget(st, result)
             _rename(st, result, param)
+            index.add(st)
         honoured.append(n)
     return honoured
+
+
+class _SlotIndex:
+    """For each slot, the steps that read it (``reads``), write it, pass it to a call, or touch
+    it in any way, a reduction they compute included (``mentions``); keyed by ``id``."""
+
+    def __init__(self, steps: Sequence[Step]) -> None:
+        self.reads: defaultdict[int, dict[int, Step]] = defaultdict(dict)
+        self.writes: defaultdict[int, dict[int, Step]] = defaultdict(dict)
+        self.calls: defaultdict[int, dict[int, Step]] = defaultdict(dict)
+        self.mentions: defaultdict[int, dict[int, Step]] = defaultdict(dict)
+        for st in steps:
+            self.add(st)
+
+    def add(self, st: Step) -> None:
+        for table, slots in ((self.reads, st.reads), (self.writes, st.writes), (self.calls, st.call_buffers),
+                             (self.mentions, _slots(st))):
+            for slot in slots:
+                table[slot][id(st)] = st
+
+    def forget(self, st: Step, slot: int) -> None:
+        """``st`` no longer touches ``slot``."""
+        for table in (self.reads, self.writes, self.calls, self.mentions):
+            table[slot].pop(id(st), None)
+
+
+def _slots(st: Step) -> set[int]:
+    """Every slot ``st`` or a reduction it computes reads or writes."""
+    return {*st.reads, *st.writes, *st.call_buffers, *(b for red in st.reductions for b in _slots(red))}
 
 
 def _reads_where_it_writes(st: Step, param: int, result: int) -> bool:
