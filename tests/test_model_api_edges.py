@@ -484,3 +484,108 @@ def test_a_training_steps_batch_of_the_wrong_shape_names_the_model_and_batch_siz
         step(np.zeros((4, 1, 9, 8), np.float32), labels, params, state, 0.1)
     with pytest.raises(ShapeError, match=r"TrainStep.run_steps of model 'tiny': input 'images' has shape \(8, 64\)"):
         step.run_steps(np.zeros((8, 64), np.float32), np.zeros(8, np.int64), params, state, 0.1)
+
+
+# ----- Keras and PyTorch habits that must not pass silently -----
+
+
+def test_a_custom_layer_whose_config_leaves_out_a_constructor_argument_is_not_saved(tmp_path: Path) -> None:
+    # Rebuilt from the description, the layer would take the argument's default: alpha 3 came
+    # back as 1 and predict moved by 2.9.
+    class ScaledBy(nn.Layer):
+        kind = "test_scaled_by"
+
+        def __init__(self, alpha: float = 1.0, *, name: str | None = None) -> None:
+            super().__init__(name)
+            self.alpha = float(alpha)
+
+        def apply(self, x: Any, params: Any, ctx: Any) -> Any:
+            return ops.multiply(x, self.alpha)
+
+    class ScaledByWithConfig(ScaledBy):
+        kind = "test_scaled_by_config"
+
+        def get_config(self) -> dict[str, Any]:
+            return {"alpha": self.alpha}
+
+    inp = nn.Input((4,))
+    model = nn.Model(inp, nn.Dense(3)(ScaledBy(3.0, name="scale")(inp)))
+    with pytest.raises(TypeError, match=r"layer 'scale' \(ScaledBy\): ScaledBy.get_config returns no 'alpha', which "
+                                         r"its constructor takes, so a saved model would rebuild it with the default"):
+        model.save(tmp_path / "m.npz")
+    inp = nn.Input((4,))
+    model = nn.Model(inp, nn.Dense(3)(ScaledByWithConfig(3.0, name="scale")(inp)))
+    model.save(tmp_path / "m.npz")
+    x = np.ones((2, 4), np.float32)
+    np.testing.assert_array_equal(nn.load(tmp_path / "m.npz").predict(x), model.predict(x))
+
+
+def test_freezing_a_layer_is_refused_not_ignored() -> None:
+    layer = nn.Dense(4, name="backbone")
+    assert layer.trainable
+    layer.trainable = True
+    with pytest.raises(NotImplementedError, match=r"layer 'backbone' \(Dense\(4\)\): opgrad trains every parameter "
+                                                  r"of a model and cannot freeze a layer; .*backbone.predict"):
+        layer.trainable = False
+
+
+def test_a_model_called_as_a_layer_says_how_to_reuse_it() -> None:
+    encoder = nn.Sequential([nn.Flatten(), nn.Dense(4)], input_shape=(1, 3, 3), name="encoder")
+    with pytest.raises(TypeError, match=r"model 'encoder': a model is not a layer, .*call its layers on your tensors"):
+        encoder(nn.Input((1, 3, 3)))  # type: ignore[operator]
+    with pytest.raises(TypeError, match=r"Sequential takes Layer objects, got model 'encoder': a model is not a layer"):
+        nn.Sequential([encoder, nn.Dense(2)], input_shape=(1, 3, 3))  # type: ignore[list-item]
+
+
+def test_a_sequential_numbers_new_layers_past_the_names_of_layers_it_reuses() -> None:
+    # Keras' transfer-learning habit: the backbone's layers with a new head. The new Dense was
+    # numbered 'dense1' like the reused one, and the model refused names the user never gave.
+    base = nn.Sequential([nn.Flatten(), nn.Dense(16, "relu"), nn.Dense(10)], input_shape=(1, 8, 8))
+    assert [layer.name for layer in base.layers] == ["flatten1", "dense1", "dense2"]
+    tuned = nn.Sequential([*base.layers[:-1], nn.Dense(3)], input_shape=(1, 8, 8))
+    assert [layer.name for layer in tuned.layers] == ["flatten1", "dense1", "dense2"]
+    assert tuned.layers[1] is base.layers[1] and tuned.layers[2] is not base.layers[2]
+    renamed = nn.Sequential([nn.Flatten(), base.layers[1], nn.Dense(3)], input_shape=(1, 8, 8))
+    assert [layer.name for layer in renamed.layers] == ["flatten1", "dense1", "dense2"]
+
+
+@pytest.mark.parametrize("weights", [[float("nan"), 1.0], [-1.0, 1.0], [True, 2.0], ["2", 1.0]])
+def test_loss_weights_must_be_finite_and_not_negative(weights: list[Any]) -> None:
+    inp = nn.Input((4,))
+    model = nn.Model(inp, [nn.Dense(2)(inp), nn.Dense(3)(inp)], name="two")
+    with pytest.raises(ValueError, match=r"model 'two': loss_weights must be finite numbers >= 0 \(one per output\)"):
+        nn.TrainStep(model, nn.SGD(), batch_size=2, loss_weights=weights)
+
+
+def test_fans_of_weights_with_any_kernel_rank_follow_pytorch() -> None:
+    from opgrad.nn.init import compute_fans
+
+    assert compute_fans((8, 3, 5)) == (15, 40)  # a 1-D convolution's (out, in, k)
+    assert compute_fans((8, 3, 2, 3, 4)) == (72, 192)  # a 3-D convolution's
+    assert compute_fans((8, 3, 3, 3)) == (27, 72)
+    with pytest.raises(ValueError, match="a scalar weight has none"):
+        compute_fans(())
+
+
+def test_layer_arguments_keras_users_pass_are_named_or_taken() -> None:
+    assert nn.Dense(4, activation="linear").activation is None  # Keras' name for no activation
+    for bad in ("a", None, True):
+        with pytest.raises(ValueError, match=rf"Dropout rate must be a number in \[0, 1\), got {bad!r}"):
+            nn.Dropout(bad)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"Activation takes one of \('relu', .*got 'relux'"):
+        nn.Activation("relux")
+    model = nn.Sequential([nn.Flatten(), nn.Dense(2)], input_shape=(1, 2, 2))
+    with pytest.raises(TypeError, match=r"Trainer: optimizer is the class Adam; pass an optimizer object, Adam\(\)"):
+        nn.Trainer(model, nn.Adam)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"TrainStep: optimizer must be an optimizer object"):
+        nn.TrainStep(model, "adam", batch_size=2)  # type: ignore[arg-type]
+
+
+def test_a_keras_convention_batchnorm_momentum_is_warned_about() -> None:
+    with pytest.warns(UserWarning, match=r"BatchNorm2D\(momentum=0.99\) follows PyTorch's convention.*Keras' "
+                                         r"momentum=0.99 is momentum=0.01 here"):
+        nn.BatchNorm2D(momentum=0.99)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        nn.BatchNorm2D(momentum=0.1)
+        nn.BatchNorm2D(momentum=None)

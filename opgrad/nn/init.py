@@ -8,8 +8,9 @@ generator consumed in order would do).
 
 Fans follow Keras: a 2-D weight shaped ``(units, in)`` has ``fan_in = in`` and
 ``fan_out = units``; a 4-D OIHW convolution weight has ``fan_in = I*KH*KW`` and
-``fan_out = O*KH*KW``. (Keras stores kernels transposed, ``(in, units)`` / HWIO, but the fans
-and therefore the distributions are the same.)
+``fan_out = O*KH*KW``, and any weight ``(out, in, *kernel)`` of 3 or more axes likewise.
+(Keras stores kernels transposed, ``(in, units)`` / HWIO, but the fans and therefore the
+distributions are the same.)
 """
 
 from __future__ import annotations
@@ -50,13 +51,15 @@ def compute_fans(shape: tuple[int, ...]) -> tuple[int, int]:
     if len(shape) == 2:
         units, inputs = shape
         return int(inputs), int(units)
-    if len(shape) == 4:
-        out_ch, in_ch, kh, kw = shape
-        receptive = int(kh) * int(kw)
-        return int(in_ch) * receptive, int(out_ch) * receptive
+    if len(shape) >= 3:
+        # (out, in, *kernel), PyTorch's rule for every kernel rank: each input and output
+        # channel meets the whole receptive field.
+        receptive = int(np.prod(shape[2:], dtype=np.int64))
+        return int(shape[1]) * receptive, int(shape[0]) * receptive
     if len(shape) == 1:
         return int(shape[0]), int(shape[0])
-    raise ValueError(f"cannot compute fans of a weight with shape {shape}: expected 1-D, 2-D or 4-D (OIHW)")
+    raise ValueError(f"cannot compute fans of a weight with shape {shape}: a scalar weight has none; give it "
+                     "an initializer that needs no fans (zeros, ones, uniform)")
 
 
 def glorot_uniform(shape: tuple[int, ...], rng: np.random.Generator, dtype: str = "float32") -> np.ndarray:

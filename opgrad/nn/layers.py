@@ -204,8 +204,11 @@ def _same_pads(extent: int, k: int, s: int, d: int = 1) -> tuple[int, int]:
 
 
 def _check_activation(activation: str | None) -> str | None:
+    """``activation`` checked against :data:`ACTIVATIONS`; Keras' ``"linear"`` is None (none)."""
+    if activation == "linear":
+        return None
     if activation not in ACTIVATIONS:
-        raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
+        raise ValueError(f"activation must be one of {ACTIVATIONS} ('linear' is None), got {activation!r}")
     return activation
 
 
@@ -309,6 +312,13 @@ def _same_definition(a: type, b: type) -> bool:
     return a is b or _class_path(a) == _class_path(b)
 
 
+#: Why a layer cannot be frozen, and how to train a new head on a fixed backbone instead.
+NO_FROZEN_LAYERS = ("opgrad trains every parameter of a model and cannot freeze a layer; to train a new "
+                    "head on a fixed backbone, compute the backbone's features once (backbone = "
+                    "nn.Model(model.inputs, feature_tensor); features = backbone.predict(images)) and train a "
+                    "model of the head alone on them")
+
+
 class Layer:
     """Base class. Subclasses set ``kind`` and implement ``output_shape_for`` and ``apply``.
 
@@ -347,6 +357,17 @@ class Layer:
         self.name = name
         self.input_shape: Any = None
         self.output_shape: Shape | None = None
+
+    @property
+    def trainable(self) -> bool:
+        """True: opgrad trains every parameter of a model. Setting it to False (Keras' way of
+        freezing a layer) is refused rather than ignored (:data:`NO_FROZEN_LAYERS` says what to do)."""
+        return True
+
+    @trainable.setter
+    def trainable(self, value: bool) -> None:
+        if not value:
+            raise NotImplementedError(f"layer {self.describe()}: {NO_FROZEN_LAYERS}")
 
     # ----- wiring -----
 
@@ -1098,8 +1119,8 @@ class Activation(Layer):
 
     def __init__(self, activation: str, *, name: str | None = None) -> None:
         super().__init__(name)
-        if activation is None or _check_activation(activation) is None:
-            raise ValueError(f"activation must be one of {ACTIVATIONS[1:]}, got {activation!r}")
+        if activation not in ACTIVATIONS[1:]:
+            raise ValueError(f"Activation takes one of {ACTIVATIONS[1:]}, got {activation!r}")
         self.activation = activation
 
     def get_config(self) -> dict[str, Any]:
@@ -1128,8 +1149,9 @@ class Dropout(Layer):
 
     def __init__(self, rate: float, *, name: str | None = None) -> None:
         super().__init__(name)
-        if not 0.0 <= float(rate) < 1.0:
-            raise ValueError(f"Dropout rate must be in [0, 1), got {rate}")
+        if isinstance(rate, bool) or not isinstance(rate, (int, float, np.integer, np.floating)) \
+                or not 0.0 <= float(rate) < 1.0:
+            raise ValueError(f"Dropout rate must be a number in [0, 1), got {rate!r}")
         self.rate = float(rate)
 
     def get_config(self) -> dict[str, Any]:
@@ -1156,6 +1178,11 @@ class Dropout(Layer):
         return ops.multiply(x, mask)
 
 
+#: A BatchNorm2D momentum above this is taken for Keras' convention (which weighs the old
+#: running value), and warned about: PyTorch's default is 0.1, Keras' 0.99.
+KERAS_LIKE_MOMENTUM = 0.5
+
+
 class BatchNorm2D(Layer):
     """Batch normalization over the channel axis (axis 1) of ``(C, H, W)`` or ``(C,)`` inputs.
 
@@ -1180,6 +1207,12 @@ class BatchNorm2D(Layer):
         if not (_is_number(epsilon) and math.isfinite(float(epsilon)) and float(epsilon) > 0):
             raise ValueError(f"BatchNorm2D epsilon must be a finite number > 0, got {epsilon!r}")
         self.momentum = None if momentum is None else float(momentum)
+        if self.momentum is not None and self.momentum > KERAS_LIKE_MOMENTUM:
+            # Keras' momentum weighs the old running value: its 0.99 is this convention's 0.01,
+            # and taken as it is the running statistics become almost the last batch's alone.
+            warnings.warn(f"BatchNorm2D(momentum={self.momentum:g}) follows PyTorch's convention, the weight of "
+                          f"each new batch in the running statistics; Keras' momentum={self.momentum:g} is "
+                          f"momentum={1 - self.momentum:.3g} here", stacklevel=2)
         self.epsilon = float(epsilon)
 
     def get_config(self) -> dict[str, Any]:

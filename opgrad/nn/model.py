@@ -29,11 +29,12 @@ model made). The graph functions themselves (``forward``, ``call``) take any wei
 
 from __future__ import annotations
 
+import inspect
 import itertools
 import os
 import weakref
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 
@@ -94,14 +95,30 @@ class _HeldArrays:
         self.stamps = {id(layer): number for layer in layers}
 
 
+#: Why a model cannot be used as a layer, and what to do instead.
+NOT_A_LAYER = ("a model is not a layer, so it cannot be called inside another model (nesting is not "
+               "supported); call its layers on your tensors in order (they share their weights), or "
+               "extend it from its own tensors: nn.Model(model.inputs, new_layer(model.outputs[0]))")
+
+
 #: The live models using each layer object, for the weights of layers several models share.
 _MODELS_USING: weakref.WeakKeyDictionary[Layer, weakref.WeakSet[Model]] = weakref.WeakKeyDictionary()
 _ASSIGNMENTS = itertools.count(1)
 
 
 def _layer_entry(layer: Layer) -> dict[str, Any]:
-    """A layer as its model's description lists it; a class without a kind of its own is refused."""
-    return {"kind": layer.registered_kind(), "name": layer.name, "config": layer.get_config()}
+    """A layer as its model's description lists it; a class without a kind of its own is refused,
+    and so is one whose ``get_config`` leaves out an argument of its constructor: rebuilt from the
+    description, the layer would silently take that argument's default."""
+    kind, config = layer.registered_kind(), layer.get_config()
+    signature = inspect.signature(type(layer).__init__)
+    missing = [p.name for p in signature.parameters.values()
+               if p.name not in ("self", "name", *config) and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    if missing:
+        raise TypeError(f"layer {layer.describe()}: {type(layer).__name__}.get_config returns no "
+                        f"{', '.join(map(repr, missing))}, which its constructor takes, so a saved model would "
+                        f"rebuild it with the default; return every constructor argument from get_config")
+    return {"kind": kind, "name": layer.name, "config": config}
 
 
 def _count(shape: Shape) -> int:
@@ -520,6 +537,9 @@ class Model:
                      + f", input{'s' if len(self.inputs) > 1 else ''} {shapes}")
         return f"model {self.name!r}\n" + "\n".join(lines)
 
+    def __call__(self, *args: Any, **kwargs: Any) -> NoReturn:
+        raise TypeError(f"model {self.name!r}: {NOT_A_LAYER}")
+
     def __str__(self) -> str:
         return self.summary()
 
@@ -565,15 +585,23 @@ class Sequential(Model):
     def __init__(self, layers: Sequence[Layer], input_shape: Sequence[int], *, name: str = "model") -> None:
         if not layers:
             raise ValueError("Sequential needs at least one layer")
-        counts: dict[str, int] = {}
-        seen: set[str] = set()
         for layer in layers:
+            if isinstance(layer, Model):
+                raise TypeError(f"Sequential takes Layer objects, got model {layer.name!r}: {NOT_A_LAYER}")
             if not isinstance(layer, Layer):
                 raise TypeError(f"Sequential takes Layer objects, got {layer!r}")
             if layer.multi_input:
                 raise TypeError(f"Sequential: layer {layer.describe()} takes several inputs; use nn.Model")
+        counts: dict[str, int] = {}
+        seen: set[str] = set()
+        # Layers reused from another model keep their names; new ones are numbered past them.
+        taken = {layer.name for layer in layers if layer.name is not None}
+        for layer in layers:
             if layer.name is None:
-                counts[layer.kind] = counts.get(layer.kind, 0) + 1
+                while True:
+                    counts[layer.kind] = counts.get(layer.kind, 0) + 1
+                    if f"{layer.kind}{counts[layer.kind]}" not in taken:
+                        break
                 layer.name = f"{layer.kind}{counts[layer.kind]}"
             if layer.name in seen:
                 raise ValueError(f"two layers are named {layer.name!r}; layer names must be unique")

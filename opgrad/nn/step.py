@@ -29,6 +29,7 @@ without leaving native code. The losses and weights equal K single steps bitwise
 
 from __future__ import annotations
 
+import math
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -143,6 +144,7 @@ class TrainStep:
                  backend: str = "reference", loss_weights: Sequence[float] | None = None) -> None:
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        check_optimizer(optimizer, "TrainStep")
         self.model, self.optimizer = model, optimizer
         self.batch_size, self.dtype, self.backend = batch_size, dtype, backend
         inputs, labels, masks = batch_vars(model, batch_size, dtype)
@@ -334,9 +336,26 @@ class TrainStep:
         return StepsResult(losses, cur_params, cur_state)
 
 
+def check_optimizer(optimizer: object, who: str) -> None:
+    """A TypeError naming ``who`` where ``optimizer`` is not an optimizer object (the class itself,
+    ``nn.Adam`` for ``nn.Adam()``, included)."""
+    if isinstance(optimizer, type) and issubclass(optimizer, Optimizer):
+        raise TypeError(f"{who}: optimizer is the class {optimizer.__name__}; pass an optimizer object, "
+                        f"{optimizer.__name__}() (with its settings, if any)")
+    if not isinstance(optimizer, Optimizer):
+        raise TypeError(f"{who}: optimizer must be an optimizer object such as nn.SGD() or nn.Adam() "
+                        f"(nn.make_optimizer(name) builds one by name), got {optimizer!r}")
+
+
 def classifier_loss(model: Model, outputs: Sequence[Expr], labels: Sequence[Var],
                      loss_weights: Sequence[float] | None) -> Expr:
     """Softmax cross-entropy of each output against its labels, weighted and summed."""
+    if loss_weights is not None:
+        for w in loss_weights:
+            if isinstance(w, bool) or not isinstance(w, (int, float, np.integer, np.floating)) \
+                    or not math.isfinite(w) or w < 0:
+                raise ValueError(f"model {model.name!r}: loss_weights must be finite numbers >= 0 (one per "
+                                 f"output), got {list(loss_weights)!r}")
     weights = [1.0] * len(outputs) if loss_weights is None else [float(w) for w in loss_weights]
     if len(weights) != len(outputs):
         raise ValueError(f"loss_weights has {len(weights)} entries but model {model.name!r} has {len(outputs)} outputs")

@@ -32,7 +32,7 @@ from opgrad.nn.losses import accuracy, check_class_labels, cross_entropy_numpy
 from opgrad.nn.model import Model
 from opgrad.nn.optim import Optimizer
 from opgrad.nn.schedules import LRSchedule, Schedule, constant_lr, cosine_lr
-from opgrad.nn.step import BACKENDS, EvalStep, NanLossError, TrainStep, check_batch_inputs
+from opgrad.nn.step import BACKENDS, EvalStep, NanLossError, TrainStep, check_batch_inputs, check_optimizer
 
 __all__ = ["Inputs", "LRSchedule", "Labels", "Trainer", "affine_images", "constant_lr", "cosine_lr", "cut_labels",
            "first_labels", "label_rows", "noise_rng", "shift_images", "shift_rng"]
@@ -218,6 +218,7 @@ class Trainer:
             raise ValueError(f"Trainer: augment_scale must be a fraction in [0, 1), got {augment_scale!r}")
         if backend not in BACKENDS:
             raise ValueError(f"Trainer: unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
+        check_optimizer(optimizer, "Trainer")
         augments = bool(augment_shift or augment_rotate or augment_scale)
         if augments and not _takes_one_image(model):
             raise ValueError(f"Trainer: augment_shift, augment_rotate and augment_scale move the pixels of one image "
