@@ -694,7 +694,7 @@ def test_the_forward_pass_takes_larger_tiles_where_they_pay_for_exact_zeros(targ
     # F(3,3)'s 25 products per tile against F(2,3)'s 4 x 16 pay for the transforms and the mask,
     # with 16 vector registers (AVX2) and with 32 (AVX-512, twice the lanes per transform).
     # F(6,3) is not weighed for the forward pass (FORWARD_MAX_TILE): its float32 error moved a
-    # 20-step SGD run 4e-5 off the reference's losses; the weight gradient takes it.
+    # 20-step SGD run 4e-5 off the reference's losses; its backward passes take it.
     with use_target(resolve_target(target)):
         seed = _problem((32, 32, 26, 26), 64, 0)
         assert choose_tiles(seed, "forward") is F3X3

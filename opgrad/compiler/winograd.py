@@ -70,6 +70,7 @@ __all__ = [
     "F4X3",
     "F6X3",
     "FORWARD_MAX_TILE",
+    "LEAN_TASK_ALPHA",
     "TILE_CHOICES",
     "WEIGHT_PARTIAL_BYTES",
     "LinearPlan",
@@ -314,6 +315,15 @@ def keeps_exact_zeros(pass_: str) -> bool:
     the forward pass, whose outputs relu and max pooling decide on."""
     return pass_ == "forward"
 
+
+#: Tiles this large or larger compile the tasks that transform, multiply and transform back in
+#: one function with the lean pipeline (:meth:`WinogradEmitter.block_pipeline`): register-tiled
+#: code that no compile worker can split, by F(6,3) 567-696 KB of IR for the seed CNN's conv2
+#: backward passes (F(3,3), F(4,3): 190-310 KB). Under O2 they took 0.41-0.51 s each to compile
+#: and made the step's cold compile 1.3-1.6 s, where it must stay under 1.5; lean, 0.28 s each,
+#: and they ran as fast (AMD EPYC Zen 4, 2 threads, builds taking turns: backward-data 1.11-1.33
+#: ms either way, weight gradient 1.22-1.39 against 1.29-1.39).
+LEAN_TASK_ALPHA = 8
 
 #: The largest output tile of the forward pass. Its outputs are the activations that relu and
 #: max pooling decide on and the loss is computed from, and F(6,3)'s float32 error (about ten
@@ -816,6 +826,11 @@ class WinogradEmitter:
         columns = [self.product(f, left, [row[j] for row in x], lanes) for j in range(len(x[0]))]
         rows = [[column[a] for column in columns] for a in range(len(left))]
         return [self.product(f, right, row, lanes) for row in rows]
+
+    def block_pipeline(self) -> str:
+        """The pipeline of a task that transforms, multiplies and transforms back in one function:
+        ``explicit``, or ``lean`` for tiles of :data:`LEAN_TASK_ALPHA` or more."""
+        return "lean" if self.tiles.alpha >= LEAN_TASK_ALPHA else "explicit"
 
     def task(self, name: str, nctx: int, pipeline: str = "explicit") -> tuple[FunctionEmitter, list[str], str, str]:
         """:func:`parallel_task` in this kernel's module."""

@@ -66,7 +66,7 @@ from .winograd import (
     winograd_conv,
 )
 
-__all__ = ["ADJOINT_MAX_TILE", "AdjointConv", "AdjointEmitter", "adjoint_conv", "adjoint_estimated_cycles",
+__all__ = ["AdjointConv", "AdjointEmitter", "adjoint_conv", "adjoint_estimated_cycles",
            "choose_adjoint_tiles", "emit_winograd_adjoint", "prefers_adjoint"]
 
 
@@ -169,7 +169,8 @@ class AdjointEmitter(WinogradEmitter):
         """Task over blocks of whole images: ``Hh`` for every dY channel, the GEMMs, then each dX
         channel's patches overlap-added and copied out."""
         p, t, m = self.q, self.t, self.tiles.m
-        f, (dy, u, dx, scratch, flag, *inputs), tid, nt = self.task(name, 5 + self.epilogue_inputs)
+        f, (dy, u, dx, scratch, flag, *inputs), tid, nt = self.task(name, 5 + self.epilogue_inputs,
+                                                                  self.block_pipeline())
         tasks = self.blocks if self.spans else p.n * self.blocks
         lo, hi = self.share(f, tid, nt, tasks)
         plane = f.gep("i8", scratch, f.mul(tid, scratch_stride))
@@ -358,19 +359,11 @@ def adjoint_estimated_cycles(p: AdjointConv, tiles: WinogradTiles) -> float | No
     return GEMM_FMA_CYCLES * fmas + transform_op_cycles() * ops
 
 
-#: The adjoint form's largest output tile. Its block task transforms, multiplies and overlap-adds
-#: in one function, register-tiled code that no compile worker can split: by F(6,3) the seed CNN's
-#: conv2 made it 616 KB of IR (143 KB by F(3,3)) and the step's cold compile 0.3-0.4 s longer
-#: (1.3-1.6 s, where it must stay under 1.5), for 0.29 ms a step (AMD EPYC Zen 4, 2 threads).
-ADJOINT_MAX_TILE = 4
-
-
 def choose_adjoint_tiles(p: AdjointConv) -> tuple[WinogradTiles, float] | None:
-    """The adjoint form's tiles (up to F(:data:`ADJOINT_MAX_TILE`, 3)) and their estimate, as
-    :func:`.winograd.choose_tiles` chooses (a more accurate tile within
-    :data:`.winograd.ACCURACY_MARGIN` wins); None where no tile fits."""
+    """The adjoint form's tiles and their estimate, as :func:`.winograd.choose_tiles` chooses (a
+    more accurate tile within :data:`.winograd.ACCURACY_MARGIN` wins); None where no tile fits."""
     best: tuple[WinogradTiles, float] | None = None
-    for tiles in (t for t in TILE_CHOICES if t.m <= ADJOINT_MAX_TILE):
+    for tiles in TILE_CHOICES:
         cost = adjoint_estimated_cycles(p, tiles)
         if cost is not None and (best is None or cost < (1 - ACCURACY_MARGIN) * best[1]):
             best = (tiles, cost)

@@ -155,7 +155,7 @@ class WeightGradEmitter(WinogradEmitter):
         """Task over groups (and their parts, :meth:`group_parts`): ``What_g = sum over the group's
         blocks of Hh^T Dh`` per position."""
         p, t, m = self.p, self.t, self.tiles.m
-        f, (x, dy, partial, scratch), tid, nt = self.task(name, 4)
+        f, (x, dy, partial, scratch), tid, nt = self.task(name, 4, self.block_pipeline())
         lo, hi = self.share(f, tid, nt, self.groups * self.parts)
         own = f.gep("i8", scratch, f.mul(tid, scratch_stride))
         x_plane = own
