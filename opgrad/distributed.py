@@ -446,11 +446,12 @@ class DistributedTrainer(Trainer):
                  backend: str = "reference", eval_batch_size: int = 100, augment_shift: int = 0,
                  augment_rotate: float = 0.0, augment_scale: float = 0.0,
                  params: Mapping[str, np.ndarray] | None = None, stop_on_nan: bool = True,
-                 fused_when_alone: bool = True, sync_batchnorm: bool = False) -> None:
+                 fused_when_alone: bool = True, sync_batchnorm: bool = False,
+                 loss_weights: Sequence[float] | None = None) -> None:
         super().__init__(model, optimizer, lr=lr, batch_size=batch_size, seed=seed, dtype=dtype, backend=backend,
                          eval_batch_size=eval_batch_size, augment_shift=augment_shift,
                          augment_rotate=augment_rotate, augment_scale=augment_scale, params=params,
-                         stop_on_nan=stop_on_nan)
+                         stop_on_nan=stop_on_nan, loss_weights=loss_weights)
         self.comm = comm if comm is not None else world()
         if batch_size < self.comm.size:
             raise ConfigError(f"the global batch size {batch_size} is smaller than the number of ranks "
@@ -563,7 +564,8 @@ class DistributedTrainer(Trainer):
             # mean loss, and the fused all-reduce adds the shares unweighted (see _local_gradients).
             sync = self._reducer is not None
             step = GradientStep(self.model, batch_size=self.local_batch_size, dtype=self.dtype, backend=self.backend,
-                                sync_batchnorm=sync, loss_scale=self.share if sync else 1.0)
+                                loss_weights=self.loss_weights, sync_batchnorm=sync,
+                                loss_scale=self.share if sync else 1.0)
             if self._reducer is not None:
                 self._reducer.expect(step.function.outputs)
             self._gradient_step = step

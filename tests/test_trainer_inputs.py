@@ -396,3 +396,41 @@ def test_iterate_batches_names_a_bad_shuffle_seed(seed: object) -> None:
     with pytest.raises(ValueError, match=r"iterate_batches: shuffle_seed must be None or a non-negative integer, "
                                          rf"got {seed!r}"):
         next(iterate_batches(np.zeros((4, 2)), np.zeros(4, np.int64), 2, shuffle_seed=seed, drop_last=True))  # type: ignore[arg-type]
+
+
+def two_head_model() -> nn.Model:
+    """One image input, a digit head and a parity head."""
+    images = nn.Input((1, 4, 4))
+    features = nn.Dense(8, activation="tanh", name="features")(nn.Flatten(name="flat")(images))
+    return nn.Model(images, [nn.Dense(3, name="digit")(features), nn.Dense(2, name="parity")(features)], name="heads")
+
+
+def test_trainer_weights_each_outputs_loss_as_train_step_does() -> None:
+    # Trainer(loss_weights=...) is TrainStep's: the heads' cross-entropies weighted and summed.
+    images = np.random.default_rng(2).random((BATCH, 1, 4, 4), np.float32)
+    labels = [np.arange(BATCH) % 3, np.arange(BATCH) % 2]
+    weights = [0.7, 2.5]
+    trainer = nn.Trainer(two_head_model(), nn.SGD(), lr=LR, batch_size=BATCH, seed=SEED, backend="reference",
+                         loss_weights=weights)
+    model = two_head_model()
+    step = nn.TrainStep(model, nn.SGD(), batch_size=BATCH, backend="reference", loss_weights=weights)
+    want = step(images, labels, trainer.params, {**nn.SGD().init_state(trainer.params), **model.buffers}, LR).loss
+    assert trainer.train_batch(images, labels) == want
+    plain = nn.Trainer(two_head_model(), nn.SGD(), lr=LR, batch_size=BATCH, seed=SEED, backend="reference")
+    assert plain.train_batch(images, labels) != want
+    with pytest.raises(ValueError, match=r"model 'heads': loss_weights must be finite numbers >= 0"):
+        nn.Trainer(two_head_model(), nn.SGD(), loss_weights=[1.0, -1.0])
+    with pytest.raises(ValueError, match=r"loss_weights has 1 entries but model 'heads' has 2 outputs"):
+        nn.Trainer(two_head_model(), nn.SGD(), loss_weights=[1.0])
+
+
+def test_one_rank_split_step_weights_the_heads_as_the_plain_trainer() -> None:
+    pytest.importorskip("mpi4py", reason="distributed training runs on MPI through mpi4py (the `distributed` extra)")
+    from opgrad.distributed import DistributedTrainer
+
+    images = np.random.default_rng(3).random((2 * BATCH, 1, 4, 4), np.float32)
+    labels = [np.arange(2 * BATCH) % 3, np.arange(2 * BATCH) % 2]
+    options = dict(lr=LR, batch_size=BATCH, seed=SEED, backend="reference", loss_weights=[0.7, 2.5])
+    plain = nn.Trainer(two_head_model(), nn.Adam(), **options)  # type: ignore[arg-type]
+    split = DistributedTrainer(two_head_model(), nn.Adam(), **options, fused_when_alone=False)  # type: ignore[arg-type]
+    assert_split_trains_as_plain(plain, split, images, labels)

@@ -347,18 +347,26 @@ def check_optimizer(optimizer: object, who: str) -> None:
                         f"(nn.make_optimizer(name) builds one by name), got {optimizer!r}")
 
 
+def check_loss_weights(model: Model, loss_weights: Sequence[float] | None) -> None:
+    """A ValueError naming ``model`` unless ``loss_weights`` is None or one finite number >= 0 per
+    output."""
+    if loss_weights is None:
+        return
+    for w in loss_weights:
+        if isinstance(w, bool) or not isinstance(w, (int, float, np.integer, np.floating)) \
+                or not math.isfinite(w) or w < 0:
+            raise ValueError(f"model {model.name!r}: loss_weights must be finite numbers >= 0 (one per "
+                             f"output), got {list(loss_weights)!r}")
+    if len(loss_weights) != len(model.outputs):
+        raise ValueError(f"loss_weights has {len(loss_weights)} entries but model {model.name!r} has "
+                         f"{len(model.outputs)} outputs")
+
+
 def classifier_loss(model: Model, outputs: Sequence[Expr], labels: Sequence[Var],
                      loss_weights: Sequence[float] | None) -> Expr:
     """Softmax cross-entropy of each output against its labels, weighted and summed."""
-    if loss_weights is not None:
-        for w in loss_weights:
-            if isinstance(w, bool) or not isinstance(w, (int, float, np.integer, np.floating)) \
-                    or not math.isfinite(w) or w < 0:
-                raise ValueError(f"model {model.name!r}: loss_weights must be finite numbers >= 0 (one per "
-                                 f"output), got {list(loss_weights)!r}")
+    check_loss_weights(model, loss_weights)
     weights = [1.0] * len(outputs) if loss_weights is None else [float(w) for w in loss_weights]
-    if len(weights) != len(outputs):
-        raise ValueError(f"loss_weights has {len(weights)} entries but model {model.name!r} has {len(outputs)} outputs")
     for i, out in enumerate(outputs):
         if out.ndim != 2:
             # A Dense runs over the last axis of each example (PyTorch's Linear), so one on an

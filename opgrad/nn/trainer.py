@@ -32,7 +32,15 @@ from opgrad.nn.losses import accuracy, check_class_labels, cross_entropy_numpy
 from opgrad.nn.model import Model
 from opgrad.nn.optim import Optimizer
 from opgrad.nn.schedules import LRSchedule, Schedule, constant_lr, cosine_lr
-from opgrad.nn.step import BACKENDS, EvalStep, NanLossError, TrainStep, check_batch_inputs, check_optimizer
+from opgrad.nn.step import (
+    BACKENDS,
+    EvalStep,
+    NanLossError,
+    TrainStep,
+    check_batch_inputs,
+    check_loss_weights,
+    check_optimizer,
+)
 
 __all__ = ["Inputs", "LRSchedule", "Labels", "Trainer", "affine_images", "constant_lr", "cosine_lr", "cut_labels",
            "first_labels", "label_rows", "noise_rng", "shift_images", "shift_rng"]
@@ -207,7 +215,7 @@ class Trainer:
                  batch_size: int = 32, seed: int = 0, dtype: str = "float32", backend: str = "reference",
                  eval_batch_size: int = 100, augment_shift: int = 0, augment_rotate: float = 0.0,
                  augment_scale: float = 0.0, params: Mapping[str, np.ndarray] | None = None,
-                 stop_on_nan: bool = True) -> None:
+                 stop_on_nan: bool = True, loss_weights: Sequence[float] | None = None) -> None:
         _check_positive_int("batch_size", batch_size)
         _check_positive_int("eval_batch_size", eval_batch_size)
         if isinstance(augment_shift, bool) or not isinstance(augment_shift, (int, np.integer)) or augment_shift < 0:
@@ -219,6 +227,9 @@ class Trainer:
         if backend not in BACKENDS:
             raise ValueError(f"Trainer: unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
         check_optimizer(optimizer, "Trainer")
+        check_loss_weights(model, loss_weights)
+        #: Each output's weight in the loss (one softmax cross-entropy per output), None for 1 each.
+        self.loss_weights = None if loss_weights is None else [float(w) for w in loss_weights]
         augments = bool(augment_shift or augment_rotate or augment_scale)
         if augments and not _takes_one_image(model):
             raise ValueError(f"Trainer: augment_shift, augment_rotate and augment_scale move the pixels of one image "
@@ -286,7 +297,7 @@ class Trainer:
     def train_step(self) -> TrainStep:
         if self._train_step is None:
             self._train_step = TrainStep(self.model, self.optimizer, batch_size=self.batch_size,
-                                         dtype=self.dtype, backend=self.backend)
+                                         dtype=self.dtype, backend=self.backend, loss_weights=self.loss_weights)
         return self._train_step
 
     @property
