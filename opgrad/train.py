@@ -348,14 +348,17 @@ def _train(args: argparse.Namespace, comm: Communicator | None) -> int:
     # The run's last step: a resumed run continues from the checkpoint's step, which a checkpoint the
     # exported C runtime wrote counts without epochs (it trains from the caller's own batches).
     start_step, start_epoch = (int(saved[1].get("step", 0)), int(saved[1].get("epoch", 0))) if saved else (0, 0)
-    schedule = _schedule(args, lr, start_step + steps_per_epoch * max(0, args.epochs - start_epoch), steps_per_epoch)
+
+    def schedule_until(epochs: int) -> Schedule:
+        return _schedule(args, lr, start_step + steps_per_epoch * max(0, epochs - start_epoch), steps_per_epoch)
+
+    schedule = schedule_until(args.epochs)
     saved_epochs = saved[1].get("epochs") if saved is not None else None
     schedule_note = ""
     if isinstance(saved_epochs, int) and saved_epochs != args.epochs and args.lr_schedule == "cosine" and start_step:
         # The cosine decays over the run's whole length, so a run extended (or shortened) on resume
         # goes on from another point of the curve than the one it stopped at.
-        planned = _schedule(args, lr, start_step + steps_per_epoch * max(0, saved_epochs - start_epoch),
-                            steps_per_epoch)
+        planned = schedule_until(saved_epochs)
         schedule_note = (f"note: --epochs {args.epochs} changes the saved run's {saved_epochs}: the cosine schedule "
                          f"is planned over the new length, so step {start_step + 1} runs at lr "
                          f"{schedule(start_step):.3g} where the saved run's schedule had {planned(start_step):.3g}")

@@ -145,7 +145,7 @@ def is_int(value: Any) -> bool:
     return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
 
 
-def _is_number(value: Any) -> bool:
+def is_number(value: Any) -> bool:
     """Whether ``value`` is a real number (a Python or numpy int or float, not a bool or a string)."""
     return isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, (bool, np.bool_))
 
@@ -901,7 +901,7 @@ class LeakyReLU(Layer):
 
     def __init__(self, negative_slope: float = 0.01, *, name: str | None = None) -> None:
         super().__init__(name)
-        if not (_is_number(negative_slope) and math.isfinite(float(negative_slope))):
+        if not (is_number(negative_slope) and math.isfinite(float(negative_slope))):
             raise ValueError(f"LeakyReLU negative_slope must be a finite number (PyTorch's takes a negative one "
                              f"too), got {negative_slope!r}")
         self.negative_slope = float(negative_slope)
@@ -1149,8 +1149,7 @@ class Dropout(Layer):
 
     def __init__(self, rate: float, *, name: str | None = None) -> None:
         super().__init__(name)
-        if isinstance(rate, bool) or not isinstance(rate, (int, float, np.integer, np.floating)) \
-                or not 0.0 <= float(rate) < 1.0:
+        if not (is_number(rate) and 0.0 <= float(rate) < 1.0):
             raise ValueError(f"Dropout rate must be a number in [0, 1), got {rate!r}")
         self.rate = float(rate)
 
@@ -1201,10 +1200,10 @@ class BatchNorm2D(Layer):
 
     def __init__(self, momentum: float | None = 0.1, epsilon: float = 1e-5, *, name: str | None = None) -> None:
         super().__init__(name)
-        if momentum is not None and not (_is_number(momentum) and 0.0 <= float(momentum) <= 1.0):
+        if momentum is not None and not (is_number(momentum) and 0.0 <= float(momentum) <= 1.0):
             raise ValueError(f"BatchNorm2D momentum must be a number in [0, 1] (PyTorch's convention) or None (a "
                              f"cumulative average), got {momentum!r}")
-        if not (_is_number(epsilon) and math.isfinite(float(epsilon)) and float(epsilon) > 0):
+        if not (is_number(epsilon) and math.isfinite(float(epsilon)) and float(epsilon) > 0):
             raise ValueError(f"BatchNorm2D epsilon must be a finite number > 0, got {epsilon!r}")
         self.momentum = None if momentum is None else float(momentum)
         if self.momentum is not None and self.momentum > KERAS_LIKE_MOMENTUM:

@@ -41,7 +41,7 @@ from opgrad import ops
 from opgrad.autodiff import gradients
 from opgrad.errors import OpgradError, ShapeError
 from opgrad.ir import Call, Expr, Function, Var, var
-from opgrad.nn.layers import ForwardContext
+from opgrad.nn.layers import ForwardContext, is_number
 from opgrad.nn.losses import softmax_cross_entropy
 from opgrad.nn.model import Model
 from opgrad.nn.optim import Optimizer
@@ -353,8 +353,7 @@ def check_loss_weights(model: Model, loss_weights: Sequence[float] | None) -> No
     if loss_weights is None:
         return
     for w in loss_weights:
-        if isinstance(w, bool) or not isinstance(w, (int, float, np.integer, np.floating)) \
-                or not math.isfinite(w) or w < 0:
+        if not (is_number(w) and math.isfinite(w) and w >= 0):
             raise ValueError(f"model {model.name!r}: loss_weights must be finite numbers >= 0 (one per "
                              f"output), got {list(loss_weights)!r}")
     if len(loss_weights) != len(model.outputs):
