@@ -38,6 +38,12 @@ from opgrad.reference import evaluate
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
+    # The lazily imported names (``__getattr__`` below), as type checkers and editors see them.
+    from opgrad import checks as checks
+    from opgrad import registry as registry
+    from opgrad.compiler import compile as compile
+    from opgrad.deploy.export import export as export
+
 __version__ = "0.1.0"
 
 
@@ -57,9 +63,9 @@ def __getattr__(name: str) -> Any:
 
         return compile_fn
     if name == "export":
-        from opgrad.deploy import export
+        from opgrad.deploy import export as export_fn
 
-        return export
+        return export_fn
     if name == "checks":
         import importlib
 

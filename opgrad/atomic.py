@@ -13,12 +13,12 @@ import io
 import os
 import re
 import secrets
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import IO
 
 from opgrad.errors import OutputFileError
+from opgrad.locks import ForkSafeLock
 
 __all__ = ["atomic_writer", "cannot_write_error", "remove_stale_temporaries", "temporary_target"]
 
@@ -28,7 +28,7 @@ __all__ = ["atomic_writer", "cannot_write_error", "remove_stale_temporaries", "t
 #: writer still runs.
 _TEMP_RE = re.compile(r"^\.(?P<target>.+)\.tmp-(?P<pid>[0-9]+)-[0-9a-f]{12}$")
 _writing: set[str] = set()  # temporaries this process is writing now (absolute paths)
-_writing_lock = threading.Lock()
+_writing_lock = ForkSafeLock()
 
 
 def temporary_target(path: str | os.PathLike[str]) -> Path | None:

@@ -1,6 +1,6 @@
 """Data-parallel training over MPI: every rank runs the same compiled step on its shard of the batch.
 
-The design is Horovod's and PyTorch DDP's, on ``mpi4py`` (``pip install -e ".[distributed]"``
+The design is Horovod's and PyTorch DDP's, on ``mpi4py`` (``pip install 'opgrad[distributed]'``
 brings ``mpi4py`` and MPICH's ``mpirun``; a cluster's own MPI works the same under ``mpirun`` or
 ``srun``):
 
@@ -90,8 +90,8 @@ __all__ = [
 T = TypeVar("T")
 #: Seconds a failing rank waits after printing its error before MPI_Abort (see abort_on_error).
 ABORT_GRACE_SECONDS = 0.2
-INSTALL_HINT = ('install it with `pip install -e ".[distributed]"` in the opgrad checkout (or `pip install mpi4py '
-                'mpich`: mpi4py and MPICH\'s mpirun)')
+INSTALL_HINT = ("install it with `pip install 'opgrad[distributed]'` (in a checkout: "
+                "`pip install -e \".[distributed]\"`; either brings mpi4py and MPICH's mpirun)")
 
 
 class RankFailedError(UserError, RuntimeError):

@@ -3,7 +3,8 @@
 ``OPGRAD_NUM_THREADS`` sets the number of worker threads of compiled kernels (default: the CPUs
 this process may run on). It is read when the first kernel is compiled; the ``opgrad`` command
 checks every variable here up front, so a typo fails before any work, as one line.
-``OPGRAD_CACHE_DIR`` is the compiled-object cache directory (default ``~/.cache/opgrad``).
+``OPGRAD_CACHE_DIR`` is the compiled-object cache directory (default ``$XDG_CACHE_HOME/opgrad`` or
+``~/.cache/opgrad``).
 ``OPGRAD_COMPILE_IN_PROCESS=1`` runs LLVM in the calling process instead of a worker process.
 ``OPGRAD_CONV_ALGORITHM`` picks how stride-1 convolutions run: ``auto`` (the default: Winograd for
 3x3 kernels where it pays, a sliding window for few input taps), ``direct`` (always the im2col
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -61,10 +63,8 @@ def num_threads_setting(environ: Mapping[str, str] | None = None) -> int | None:
     text = (os.environ if environ is None else environ).get(NUM_THREADS_VAR, "")
     if not text.strip():
         return None
-    try:
-        value = int(text.strip(), 10)
-    except ValueError:
-        value = 0
+    # Plain ASCII digits: int() would also take "1_6", "+2" and other scripts' digits.
+    value = int(text.strip()) if re.fullmatch(r"[0-9]+", text.strip()) else 0
     if value < 1:
         raise ConfigError(
             f"environment variable {NUM_THREADS_VAR}={text!r}: expected a positive integer (the number of "
@@ -77,13 +77,16 @@ def num_threads_setting(environ: Mapping[str, str] | None = None) -> int | None:
 
 
 def cache_dir_setting(environ: Mapping[str, str] | None = None) -> Path:
-    """The object-cache directory: ``$OPGRAD_CACHE_DIR`` or ``~/.cache/opgrad``.
+    """The object-cache directory: ``$OPGRAD_CACHE_DIR``, else ``opgrad`` in ``$XDG_CACHE_HOME``
+    (the XDG base directory rule: an absolute path, or it is ignored), else ``~/.cache/opgrad``.
 
     Raises :class:`~opgrad.errors.ConfigError` when the variable names an existing non-directory.
     """
-    text = (os.environ if environ is None else environ).get(CACHE_DIR_VAR, "")
+    env = os.environ if environ is None else environ
+    text = env.get(CACHE_DIR_VAR, "")
     if not text.strip():
-        return Path.home() / ".cache" / "opgrad"
+        xdg = env.get("XDG_CACHE_HOME", "")
+        return (Path(xdg) if os.path.isabs(xdg) else Path.home() / ".cache") / "opgrad"
     path = Path(text)
     if path.exists() and not path.is_dir():
         raise ConfigError(f"environment variable {CACHE_DIR_VAR}={text!r}: is a file, expected a directory for "

@@ -13,6 +13,8 @@ exception keeps its traceback, because it is a bug worth reporting.
 
 from __future__ import annotations
 
+import sys
+
 
 class OpgradError(Exception):
     """Base class of every error opgrad raises on purpose."""
@@ -101,3 +103,16 @@ class CompileError(OpgradError, RuntimeError):
 
 class CompileWarning(UserWarning):
     """Compilation succeeded only by working around a problem (e.g. an LLVM crash) that was found."""
+
+
+def user_stacklevel() -> int:
+    """The ``stacklevel`` that makes a :func:`warnings.warn` in the calling function name the
+    first frame outside opgrad: the user's line that led to it, wherever inside opgrad the
+    warning arises (the outermost frame where opgrad itself was run, as a command)."""
+    level, frame = 1, sys._getframe(1)
+    while frame.f_back is not None:
+        module = str(frame.f_globals.get("__name__", ""))
+        if module != "opgrad" and not module.startswith("opgrad."):
+            break
+        level, frame = level + 1, frame.f_back
+    return level

@@ -127,7 +127,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--distributed", action="store_true",
                         help="data-parallel training over the ranks of an MPI job (run under `mpirun -n N`); "
                              "--batch-size is the global batch, split over the ranks; rank 0 prints and saves. "
-                             'Needs `pip install -e ".[distributed]"` in the opgrad checkout')
+                             "Needs `pip install 'opgrad[distributed]'`")
     parser.add_argument("--sync-batchnorm", action="store_true",
                         help="with --distributed: BatchNorm normalizes with the statistics of the global batch "
                              "(PyTorch's SyncBatchNorm; two small all-reduces per BatchNorm layer in the forward "

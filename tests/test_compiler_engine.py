@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import subprocess
@@ -554,6 +555,57 @@ def _run(script: str, env: dict[str, str]) -> str:
     return res.stdout
 
 
+_FORK_SCRIPT = textwrap.dedent("""
+    import os, signal, threading, time
+    import numpy as np
+    import opgrad
+    from opgrad import ops
+
+    x = opgrad.var("x", (48, 48), "float32")
+    fn = opgrad.compile(opgrad.function([x], ops.tanh(ops.matmul(x, x))))
+    a = np.random.default_rng(0).standard_normal((48, 48)).astype(np.float32)
+    expected = fn(a)
+    stop = threading.Event()
+
+    def calling():  # holds the compiled function's lock, over and over
+        while not stop.is_set():
+            fn(a)
+
+    def compiling():  # holds the compile worker's lock for most of each compile
+        k = 0
+        while not stop.is_set():
+            k += 1
+            opgrad.compile(opgrad.function([x], ops.multiply(x, opgrad.const(np.float32(k)))))
+
+    threads = [threading.Thread(target=calling), threading.Thread(target=compiling)]
+    for t in threads:
+        t.start()
+    statuses = []
+    for i in range(6):
+        time.sleep(0.05 + 0.03 * i)
+        pid = os.fork()
+        if pid == 0:  # the child: only this thread exists; the locks the others held must not be
+            signal.alarm(30)
+            ok = np.array_equal(fn(a), expected)
+            g = opgrad.compile(opgrad.function([x], ops.multiply(x, opgrad.const(np.float32(-1.0 - i)))))
+            ok = ok and np.array_equal(g(a), a * np.float32(-1.0 - i))
+            os._exit(0 if ok else 1)
+        statuses.append(os.waitpid(pid, 0)[1])
+    stop.set()
+    for t in threads:
+        t.join()
+    print(statuses)
+""")
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="os.fork is POSIX only")
+def test_a_child_forked_while_other_threads_run_and_compile_runs_and_compiles(tmp_path: Path) -> None:
+    # A multiprocessing pool or data loader forked mid-training: a lock another thread held at the
+    # fork stays held in the child, where no thread will release it (each child would hang until
+    # its alarm killed it: status 14 = SIGALRM).
+    assert _run(_FORK_SCRIPT, {"OPGRAD_CACHE_DIR": str(tmp_path)}).strip() == str([0] * 6)
+
+
 def test_results_identical_for_any_thread_count(tmp_path: Path) -> None:
     cache = {"OPGRAD_CACHE_DIR": str(tmp_path)}
     digests = {_run(_DETERMINISM_SCRIPT, {**cache, "OPGRAD_NUM_THREADS": str(n)}).strip() for n in (1, 2, 3, 9)}
@@ -603,6 +655,59 @@ def test_corrupt_cache_entry_is_reported_deleted_and_rebuilt(tmp_path: Path, dam
     assert not m.times.cache_hit
     assert ObjectCache.check(entry.read_bytes(), m.key) is None  # rebuilt entry is whole again
     assert NativeModule(_IR, cache=store).times.cache_hit
+
+
+def test_a_cache_entry_that_is_no_regular_file_is_rebuilt_without_reading_it(tmp_path: Path) -> None:
+    store = ObjectCache(tmp_path)
+    NativeModule(_IR, cache=store)
+    (entry,) = tmp_path.glob("*.o")
+    entry.unlink()
+    entry.symlink_to("/dev/zero")  # read to its end, it would fill the memory
+    with pytest.warns(UserWarning, match="is not a regular file; deleting and rebuilding"):
+        m = NativeModule(_IR, cache=store)
+    assert m.cfunc("f", ctypes.c_double, ctypes.c_double)(2.0) == 6.0
+    assert entry.is_file() and NativeModule(_IR, cache=store).times.cache_hit
+
+
+def test_a_compile_interrupted_mid_exchange_never_hands_its_object_to_the_next(tmp_path: Path,
+                                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    # A KeyboardInterrupt (or a timeout's signal handler) while the worker compiles: the worker's
+    # answer to that request must not become the next request's object (another model's code,
+    # cached under its key).
+    from opgrad.compiler import llvm_worker
+
+    monkeypatch.delenv("OPGRAD_COMPILE_IN_PROCESS", raising=False)
+    read_exact, interrupted = llvm_worker.read_exact, []
+
+    def interrupt_once(stream: object, count: int) -> bytes | None:
+        if not interrupted:
+            interrupted.append(count)
+            raise KeyboardInterrupt
+        return read_exact(stream, count)
+
+    monkeypatch.setattr(llvm_worker, "read_exact", interrupt_once)
+    with pytest.raises(KeyboardInterrupt):
+        NativeModule(_IR, cache=ObjectCache(tmp_path))
+    other = NativeModule(_IR.replace("@f", "@g").replace("0x4008", "0x4010"), cache=ObjectCache(tmp_path))
+    assert other.cfunc("g", ctypes.c_double, ctypes.c_double)(2.0) == 8.0
+    assert NativeModule(_IR, cache=ObjectCache(tmp_path)).cfunc("f", ctypes.c_double, ctypes.c_double)(2.0) == 6.0
+
+
+def test_a_cache_that_cannot_be_written_warns_at_the_callers_line(tmp_path: Path) -> None:
+    not_a_directory = tmp_path / "file"
+    not_a_directory.write_text("")
+    with pytest.warns(UserWarning, match="cannot write the object cache") as warned:
+        NativeModule(_IR, cache=ObjectCache(not_a_directory / "cache"))
+    assert {w.filename for w in warned} == {__file__}  # this line, not a frame inside opgrad
+
+
+def test_the_cache_directory_follows_xdg_cache_home() -> None:
+    from opgrad.env import cache_dir_setting
+
+    assert cache_dir_setting({"XDG_CACHE_HOME": "/var/cache/me"}) == Path("/var/cache/me/opgrad")
+    assert cache_dir_setting({"XDG_CACHE_HOME": "relative"}) == Path.home() / ".cache" / "opgrad"  # ignored, per XDG
+    assert cache_dir_setting({}) == Path.home() / ".cache" / "opgrad"
+    assert cache_dir_setting({"XDG_CACHE_HOME": "/var/cache/me", "OPGRAD_CACHE_DIR": "/srv/o"}) == Path("/srv/o")
 
 
 def test_gemm_kernel_is_memoized_in_process() -> None:

@@ -10,6 +10,7 @@ import os
 import re
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import numpy as np
@@ -323,7 +324,7 @@ def test_trainer_arguments_are_validated(kwargs: dict, words: str) -> None:
     assert str(info.value) == f"Trainer: {words}"
 
 
-@pytest.mark.parametrize("value", ["abc", "0", "-2", "2.5"])
+@pytest.mark.parametrize("value", ["abc", "0", "-2", "2.5", "1_6", "+2", "\u0663"])  # int() takes the last three
 def test_a_bad_thread_count_names_the_variable(value: str, monkeypatch: pytest.MonkeyPatch,
                                                capsys: pytest.CaptureFixture[str]) -> None:
     from opgrad.compiler.threads import default_num_threads
@@ -347,6 +348,29 @@ def test_a_bad_conv_algorithm_is_one_line_naming_the_variable(monkeypatch: pytes
     assert code == 2 and err.count("\n") == 1
     assert err.startswith("opgrad ops: error: environment variable OPGRAD_CONV_ALGORITHM='fft': expected one of "
                           "auto, direct, winograd")
+
+
+def test_a_thread_count_set_after_the_pool_started_is_warned_about_once(tmp_path: Path) -> None:
+    script = textwrap.dedent("""
+        import os, warnings
+        import opgrad
+        from opgrad import ops
+        x = opgrad.var("x", (4,), "float32")
+        opgrad.compile(opgrad.function([x], ops.relu(x)))
+        os.environ["OPGRAD_NUM_THREADS"] = "7"
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            opgrad.compile(opgrad.function([x], ops.tanh(x)))
+            opgrad.compile(opgrad.function([x], ops.exp(x)))
+        from opgrad.compiler.threads import pool_size
+        print(pool_size(), [str(w.message) for w in caught])
+    """)
+    env = {**os.environ, "OPGRAD_NUM_THREADS": "2", "OPGRAD_CACHE_DIR": str(tmp_path)}
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == ("2 [\"OPGRAD_NUM_THREADS='7' takes no effect in this process: it is read when the "
+                                     "first kernel is compiled, and the worker pool keeps its 2 thread(s); set it "
+                                     "before that (or start a new process)\"]")
 
 
 def test_a_good_or_empty_thread_count_is_used(monkeypatch: pytest.MonkeyPatch) -> None:

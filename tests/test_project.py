@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import importlib
 import shutil
 import subprocess
 import sys
@@ -56,9 +57,41 @@ def test_mypy_is_clean(tmp_path: Path) -> None:
     shutil.copytree(ROOT / "registry", tmp_path / "opgrad" / "registry", ignore=shutil.ignore_patterns("__pycache__"))
     shutil.copytree(ROOT / "checks", tmp_path / "opgrad" / "checks", ignore=shutil.ignore_patterns("__pycache__"))
     shutil.copy(ROOT / "pyproject.toml", tmp_path)
-    result = subprocess.run([mypy, "--cache-dir", str(tmp_path / ".mypy_cache"), "opgrad"], capture_output=True,
-                            text=True, cwd=tmp_path)
-    assert result.returncode == 0, result.stdout + result.stderr
+    # A user's code against the installed package: the lazily loaded names (opgrad.compile,
+    # opgrad.checks.*) are typed, so a misspelt keyword is caught before it runs.
+    (tmp_path / "users_code.py").write_text(
+        "import opgrad\n"
+        "from opgrad.checks import check_op\n"
+        "passed: bool = check_op('relu', max_exampels=5).passed\n"
+        "compiled = opgrad.compile(opgrad.function([], opgrad.const(1.0)), inplace=True)\n")
+    result = subprocess.run([mypy, "--cache-dir", str(tmp_path / ".mypy_cache"), "opgrad", "users_code.py"],
+                            capture_output=True, text=True, cwd=tmp_path)
+    errors = [line for line in result.stdout.splitlines() if ": error:" in line]
+    assert [line.split(": error:")[0] for line in errors] == ["users_code.py:3", "users_code.py:4"], result.stdout
+    assert all('Unexpected keyword argument "' in line for line in errors), result.stdout
+
+
+def test_the_pytest_plugin_imports_from_the_source_tree_alone() -> None:
+    # pytest run in a checkout or unpacked sdist imports `opgrad` from that tree, where checks/
+    # is not yet opgrad.checks: the plugin's entry point must lie in opgrad/ itself.
+    import tomllib
+
+    entry = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["entry-points"]["pytest11"]["opgrad"]
+    package, _, module = entry.partition(".")
+    assert package == "opgrad" and "." not in module, entry
+    assert (ROOT / "opgrad" / f"{module}.py").exists(), entry
+
+
+def test_every_lazily_loaded_name_of_the_checks_package_is_visible_to_type_checkers() -> None:
+    import opgrad.checks
+
+    tree = ast.parse(Path(opgrad.checks.__file__).read_text())
+    guarded = next(node for node in tree.body if isinstance(node, ast.If) and ast.unparse(node.test) == "TYPE_CHECKING")
+    typed = {alias.asname: node.module for node in guarded.body if isinstance(node, ast.ImportFrom)
+             for alias in node.names}
+    assert sorted(typed) == opgrad.checks.__all__
+    for name, module in typed.items():
+        assert getattr(importlib.import_module(f"opgrad.checks.{module}"), name) is getattr(opgrad.checks, name)
 
 
 def test_readme_example_runs_and_compiled_matches_reference(capsys) -> None:

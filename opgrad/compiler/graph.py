@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import ctypes
 import math
-import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -33,6 +32,7 @@ import numpy as np
 from opgrad.env import plan_cache_setting
 from opgrad.errors import ArgumentError
 from opgrad.ir import Call, Const, Expr, Function, Var, children, topological_order
+from opgrad.locks import ForkSafeLock
 from opgrad.reference import check_arguments
 from opgrad.replicas import raise_pending
 
@@ -552,7 +552,7 @@ class CompiledFunction:
         #: The ``(parameter, result)`` pairs computed in place (see :meth:`__call__`).
         self.in_place: list[tuple[int, int]] = list(plan.in_place)
         self._ws_addr = _aligned(self._ws)
-        self._lock = threading.Lock()
+        self._lock = ForkSafeLock()
         self._calls_host = bool(plan.host_calls)
         self._profile: list[list[float]] | None = None
         self._profile_clock: Callable[[], float] = time.perf_counter

@@ -43,7 +43,8 @@ import llvmlite.binding as llvm
 
 from opgrad.atomic import atomic_writer
 from opgrad.env import available_cpus, cache_dir_setting, compile_in_process_setting
-from opgrad.errors import CompileError, CompileWarning
+from opgrad.errors import CompileError, CompileWarning, user_stacklevel
+from opgrad.locks import ForkSafeLock
 
 from . import llvm_worker
 from .merge import merge_identical_functions
@@ -143,11 +144,14 @@ class ObjectCache:
         """Return the payload, or None if absent; a damaged entry is warned about and deleted."""
         path = self.path(key)
         try:
+            if path.exists() and not path.is_file():  # a device, fifo or folder: reading may never end
+                self.discard(key, "not a regular file")
+                return None
             blob = path.read_bytes()
         except FileNotFoundError:
             return None
         except OSError as exc:
-            warnings.warn(f"opgrad: cannot read cached {self.what} {path}: {exc}", stacklevel=3)
+            warnings.warn(f"opgrad: cannot read cached {self.what} {path}: {exc}", stacklevel=user_stacklevel())
             return None
         problem = self.check(blob, key)
         if problem is None:
@@ -158,7 +162,8 @@ class ObjectCache:
     def discard(self, key: str, problem: str) -> None:
         """Warn that the entry under ``key`` is ``problem`` (damaged), and delete it."""
         path = self.path(key)
-        warnings.warn(f"opgrad: cached {self.what} {path} is {problem}; deleting and rebuilding", stacklevel=4)
+        warnings.warn(f"opgrad: cached {self.what} {path} is {problem}; deleting and rebuilding",
+                      stacklevel=user_stacklevel())
         with contextlib.suppress(OSError):
             path.unlink()
 
@@ -192,7 +197,8 @@ class ObjectCache:
                 f.write(header)
                 f.write(payload)
         except OSError as exc:  # a read-only home must not break compilation
-            warnings.warn(f"opgrad: cannot write the {self.what} cache in {self.directory}: {exc}", stacklevel=3)
+            warnings.warn(f"opgrad: cannot write the {self.what} cache in {self.directory}: {exc}",
+                          stacklevel=user_stacklevel())
 
 
 # ----- Symbols shared between modules -----
@@ -267,18 +273,27 @@ class CompileWorker:
         proc = self._proc
         assert proc.stdin is not None and proc.stdout is not None
         try:
-            proc.stdin.write(llvm_worker.REQUEST_HEADER.pack(len(options)) + options
-                             + b"".join(llvm_worker.PAYLOAD_LENGTH.pack(len(t)) + t for t in texts))
-            proc.stdin.flush()
-        except (BrokenPipeError, OSError):
-            raise self._died() from None
-        head = llvm_worker.read_exact(proc.stdout, 1 + llvm_worker.PAYLOAD_LENGTH.size)
-        if head is None:
-            raise self._died()
-        (length,) = llvm_worker.PAYLOAD_LENGTH.unpack(head[1:])
-        payload = llvm_worker.read_exact(proc.stdout, length)
-        if payload is None:
-            raise self._died()
+            try:
+                proc.stdin.write(llvm_worker.REQUEST_HEADER.pack(len(options)) + options
+                                 + b"".join(llvm_worker.PAYLOAD_LENGTH.pack(len(t)) + t for t in texts))
+                proc.stdin.flush()
+            except (BrokenPipeError, OSError):
+                raise self._died() from None
+            head = llvm_worker.read_exact(proc.stdout, 1 + llvm_worker.PAYLOAD_LENGTH.size)
+            if head is None:
+                raise self._died()
+            (length,) = llvm_worker.PAYLOAD_LENGTH.unpack(head[1:])
+            payload = llvm_worker.read_exact(proc.stdout, length)
+            if payload is None:
+                raise self._died()
+        except WorkerDied:
+            raise
+        except BaseException:
+            # Interrupted mid-exchange (Ctrl-C, a timeout's signal handler): the worker may still
+            # answer this request, and its answer would be read as the next request's object,
+            # another model's code, and cached under that model's key. The worker is ended.
+            self.abandon()
+            raise
         if head[0] == llvm_worker.STATUS_ERROR:
             raise CompileError(f"opgrad: LLVM rejected the generated IR (an opgrad bug; please report it): "
                                f"{payload.decode(errors='replace')}")
@@ -296,6 +311,12 @@ class CompileWorker:
     @property
     def alive(self) -> bool:
         return self._proc.poll() is None
+
+    def abandon(self) -> None:
+        """End the worker now, whatever it is doing (its pipes then read as closed)."""
+        with contextlib.suppress(OSError):
+            self._proc.kill()
+        self.close()
 
     def close(self) -> None:
         """End the worker: closing its input makes it exit; one that does not is killed."""
@@ -330,8 +351,25 @@ def close_worker() -> None:
         _workers.clear()
 
 
+def _hold_llvm_across_fork() -> None:
+    """Fork only while no thread is inside LLVM: llvmlite serializes its calls with one lock, which a
+    thread parsing or linking a module at the moment of a fork would leave held in the child, and
+    the child's first compile would wait for it forever. The forking thread takes it first (waiting
+    for the call in progress to end) and both processes release it after the fork."""
+    lock: Any = getattr(getattr(llvm.ffi, "lib", None), "_lock", None)  # llvmlite's lock (not public)
+    if lock is None or not hasattr(lock, "__enter__") or not hasattr(os, "register_at_fork"):
+        return
+
+    def release() -> None:
+        lock.__exit__(None, None, None)
+
+    os.register_at_fork(before=lock.__enter__, after_in_parent=release, after_in_child=release)
+
+
+_hold_llvm_across_fork()
+
 _workers: list[CompileWorker] = []  # this process's workers; the first also builds modules that are not cut
-_worker_lock = threading.Lock()
+_worker_lock = ForkSafeLock()
 atexit.register(close_worker)
 
 
@@ -398,8 +436,17 @@ def _split_objects(ir_text: str) -> list[bytes] | None:
         threads = [threading.Thread(target=run, args=(i,)) for i in range(len(texts))]
         for t in threads:
             t.start()
-        for t in threads:
-            t.join()
+        try:
+            for t in threads:
+                t.join()
+        except BaseException:
+            # Interrupted while the workers compile: they are ended before the lock is released,
+            # or the next compile would share them with threads still reading their answers.
+            for worker in workers:
+                worker.abandon()
+            for t in threads:
+                t.join()
+            raise
         if any(isinstance(r, WorkerDied) for r in results):
             return None  # _live_workers replaces the dead ones
     for r in results:

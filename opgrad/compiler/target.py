@@ -22,13 +22,14 @@ from __future__ import annotations
 import contextlib
 import functools
 import re
-import threading
 from collections.abc import Iterator
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import llvmlite.binding as llvm
+
+from opgrad.locks import ForkSafeLock
 
 __all__ = [
     "NAMED_TARGETS",
@@ -41,7 +42,7 @@ __all__ = [
     "use_target",
 ]
 
-_init_lock = threading.Lock()
+_init_lock = ForkSafeLock()
 _initialized = False
 
 
@@ -282,7 +283,7 @@ def _resolved_target(name: str, cpu: str | None, features: str | None) -> Target
     return Target(name, cpu or "generic", features or "", name)
 
 
-_all_lock = threading.Lock()
+_all_lock = ForkSafeLock()
 _all_initialized = False
 
 

@@ -25,12 +25,16 @@ from __future__ import annotations
 import atexit
 import ctypes
 import ctypes.util
+import os
 import platform
 import sys
 import threading
+import warnings
 from dataclasses import dataclass
 
-from opgrad.env import available_cpus, num_threads_setting
+from opgrad.env import NUM_THREADS_VAR, available_cpus, num_threads_setting
+from opgrad.errors import user_stacklevel
+from opgrad.locks import ForkSafeLock
 
 from .irtext import FunctionEmitter, ModuleEmitter
 from .jit import NativeModule, host_target, provide_symbol, register_symbol
@@ -371,16 +375,26 @@ class ThreadPool:
 
 
 _pool: ThreadPool | None = None
-_pool_lock = threading.Lock()
+_pool_lock = ForkSafeLock()
+_pool_setting = ""  # the OPGRAD_NUM_THREADS text the pool was sized by
+_settings_warned: set[str] = set()
 
 
 def pool() -> ThreadPool:
     """The process-wide pool, created on first use: at the latest by the first module that declares
-    :data:`PARALLEL_FOR`, before it loads."""
-    global _pool
+    :data:`PARALLEL_FOR`, before it loads. ``OPGRAD_NUM_THREADS`` set to another value later is
+    warned about (once per value), not silently ignored: the pool keeps its size."""
+    global _pool, _pool_setting
     with _pool_lock:
+        setting = os.environ.get(NUM_THREADS_VAR, "").strip()
         if _pool is None:
             _pool = ThreadPool(default_num_threads())
+            _pool_setting = setting
+        elif setting != _pool_setting and setting not in _settings_warned:
+            _settings_warned.add(setting)
+            warnings.warn(f"{NUM_THREADS_VAR}={setting!r} takes no effect in this process: it is read when the first "
+                          f"kernel is compiled, and the worker pool keeps its {_pool.nthreads} thread(s); set it "
+                          "before that (or start a new process)", stacklevel=user_stacklevel())
         return _pool
 
 

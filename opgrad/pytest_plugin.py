@@ -1,7 +1,10 @@
 """pytest plugin (entry point ``opgrad``): hypothesis profiles, and an ``opgrad_check`` fixture.
 
 It loads in every pytest run of anyone who installs opgrad, so it imports only hypothesis'
-settings and never fails a run: anything else is imported when a check is actually used.
+settings and never fails a run: anything else is imported when a check is actually used. It
+lives in ``opgrad/`` itself, not in ``opgrad.checks``: where pytest runs in a directory holding
+an ``opgrad/`` source tree (a checkout, an unpacked sdist), that tree shadows the installed
+package, and ``checks/`` becomes ``opgrad.checks`` only when installed.
 
 In a user's suite, one line checks an operator::
 
