@@ -38,9 +38,8 @@ from opgrad.reference import evaluate
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
-    # The lazily imported names (``__getattr__`` below), as type checkers and editors see them.
-    from opgrad import checks as checks
-    from opgrad import registry as registry
+    # The lazily imported functions (``__getattr__`` below), as type checkers and editors see them
+    # (the subpackages are typed where imported: ``from opgrad.checks import check_op``).
     from opgrad.compiler import compile as compile
     from opgrad.deploy.export import export as export
 
