@@ -380,6 +380,12 @@ def _random_geometries(count: int) -> list[tuple]:
     # A dilated 7-wide kernel: the forward packs its taps a kernel row at a time (7 taps two
     # elements apart), the weight gradient its strided output rows, under uneven padding.
     out.append(((4, 8, 33, 33), (16, 0, 7, 7), (2, 2), (2, 3, 1, 4), (2, 2), "float32"))
+    # With 512-bit vectors the forward packs output pixels a row of lanes at a time where they are
+    # no run of memory: rows longer than a vector (43 pixels of a valid conv, 35 two elements
+    # apart), pieces of 7 pixels five elements apart, float64's 8-lane vectors, rows across panel ends.
+    out.append(((4, 8, 12, 45), (16, 0, 3, 3), (1, 1), (0, 0, 0, 0), (1, 1), "float32"))
+    out.append(((4, 8, 9, 70), (16, 0, 3, 3), (2, 2), (1, 1, 1, 1), (1, 1), "float64"))
+    out.append(((4, 8, 20, 45), (16, 0, 3, 3), (1, 5), (0, 2, 0, 1), (1, 1), "float32"))
     return out
 
 
