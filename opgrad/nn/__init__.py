@@ -48,7 +48,15 @@ from opgrad.nn.layers import (
     Tanh,
     UpSampling2D,
 )
-from opgrad.nn.losses import accuracy, softmax_cross_entropy
+from opgrad.nn.losses import (
+    LOSSES,
+    accuracy,
+    binary_cross_entropy_with_logits,
+    huber_loss,
+    l1_loss,
+    mse_loss,
+    softmax_cross_entropy,
+)
 from opgrad.nn.model import Model, Sequential, load_model, model_from_config
 from opgrad.nn.models import MODELS, build_model, keras_mnist, mlp, resnet, seed_cnn
 from opgrad.nn.ops_layers import (
@@ -87,6 +95,7 @@ __all__ = [
     "ELU",
     "GELU",
     "LAYERS",
+    "LOSSES",
     "MODELS",
     "OPTIMIZERS",
     "SGD",
@@ -152,6 +161,7 @@ __all__ = [
     "Where",
     "ZeroPadding2D",
     "accuracy",
+    "binary_cross_entropy_with_logits",
     "build_model",
     "compile_function",
     "compute_fans",
@@ -160,13 +170,16 @@ __all__ = [
     "get_initializer",
     "glorot_uniform",
     "he_uniform",
+    "huber_loss",
     "keras_mnist",
+    "l1_loss",
     "llvm_unavailable_reason",
     "load",
     "load_model",
     "make_optimizer",
     "mlp",
     "model_from_config",
+    "mse_loss",
     "param_generator",
     "resnet",
     "seed_cnn",

@@ -29,9 +29,19 @@ from opgrad import ops
 from opgrad.autodiff import gradients
 from opgrad.ir import Function, var
 from opgrad.nn.layers import ForwardContext
+from opgrad.nn.losses import CLASS_LABEL_LOSS
 from opgrad.nn.model import Model
 from opgrad.nn.optim import Optimizer
-from opgrad.nn.step import batch_vars, classifier_loss, compile_function, mask_arrays, per_input, per_output
+from opgrad.nn.step import (
+    batch_vars,
+    compile_function,
+    label_vars,
+    mask_arrays,
+    model_loss,
+    per_input,
+    per_output,
+    resolve_losses,
+)
 
 __all__ = ["GradientResult", "GradientStep", "UpdateStep"]
 
@@ -55,27 +65,29 @@ class GradientStep:
     """
 
     def __init__(self, model: Model, *, batch_size: int, dtype: str = "float32", backend: str = "reference",
-                 loss_weights: Sequence[float] | None = None, sync_batchnorm: bool = False,
-                 loss_scale: float = 1.0) -> None:
+                 loss: str | Sequence[str] = CLASS_LABEL_LOSS, loss_weights: Sequence[float] | None = None,
+                 sync_batchnorm: bool = False, loss_scale: float = 1.0) -> None:
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         self.model, self.batch_size, self.dtype, self.backend = model, batch_size, dtype, backend
         self.sync_batchnorm, self.loss_scale = sync_batchnorm, float(loss_scale)
-        inputs, labels, masks = batch_vars(model, batch_size, dtype)
+        self.losses = resolve_losses(model, loss, "GradientStep")
+        inputs, masks = batch_vars(model, batch_size, dtype)
         params = model.param_vars(dtype)
         buffers = model.buffer_vars(dtype)
         outputs, new_buffers = model.call(inputs, {**params, **buffers},
                                           ForwardContext(training=True, noise=masks, sync_batchnorm=sync_batchnorm))
-        loss = classifier_loss(model, outputs, labels, loss_weights)
+        labels = label_vars(outputs, self.losses, dtype)
+        objective = model_loss(model, outputs, labels, self.losses, loss_weights)
         if self.loss_scale != 1.0:
-            loss = ops.multiply(loss, self.loss_scale)
-        grads = gradients(loss, list(params.values()))
+            objective = ops.multiply(objective, self.loss_scale)
+        grads = gradients(objective, list(params.values()))
         self.param_names: tuple[str, ...] = tuple(params)
         self.buffer_names: tuple[str, ...] = tuple(buffers)
         self.mask_names: tuple[str, ...] = tuple(masks)
         self.function = Function(
             [*inputs, *labels, *masks.values(), *params.values(), *buffers.values()],
-            [loss, *grads, *(new_buffers[n] for n in self.buffer_names)],
+            [objective, *grads, *(new_buffers[n] for n in self.buffer_names)],
         )
         self._run = compile_function(self.function, backend)
 

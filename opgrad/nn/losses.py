@@ -1,23 +1,93 @@
-"""Losses (graph) and metrics (numpy) for classification.
+"""Losses (graph) and metrics (numpy).
 
-The loss is a graph expression so it is differentiated and compiled with the model; metrics
+A loss is a graph expression so it is differentiated and compiled with the model; metrics
 are numpy on the logits the evaluation step returns, because argmax has no gradient and no
 reason to be an operator.
+
+A training step takes a loss by name (:data:`LOSSES`, PyTorch's and Keras' names): softmax
+cross-entropy against integer class labels, or a regression loss against float targets of the
+output's shape. Each is the mean over the batch (and over every element of the output), as
+PyTorch's ``reduction="mean"``.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import numpy as np
 
 from opgrad import ops
 from opgrad.ir import Expr
 
-__all__ = ["accuracy", "check_class_labels", "cross_entropy_numpy", "softmax_cross_entropy"]
+__all__ = ["CLASS_LABEL_LOSS", "LOSSES", "accuracy", "binary_cross_entropy_with_logits", "check_class_labels",
+           "cross_entropy_numpy", "huber_loss", "l1_loss", "loss_name", "mse_loss", "softmax_cross_entropy"]
 
 
 def softmax_cross_entropy(logits: Expr, labels: Expr) -> Expr:
     """Mean over the batch of ``-log softmax(logits)[label]`` (fused and stable); a scalar."""
     return ops.softmax_cross_entropy(logits, labels)
+
+
+def mse_loss(prediction: Expr, target: Expr) -> Expr:
+    """Mean of ``(prediction - target)**2`` over every element (torch's ``mse_loss``)."""
+    return ops.mean(ops.square(ops.subtract(prediction, target)))
+
+
+def l1_loss(prediction: Expr, target: Expr) -> Expr:
+    """Mean of ``|prediction - target|`` over every element (torch's ``l1_loss``, Keras' ``mae``)."""
+    return ops.mean(ops.abs(ops.subtract(prediction, target)))
+
+
+def huber_loss(prediction: Expr, target: Expr, delta: float = 1.0) -> Expr:
+    """Mean over every element of ``d**2 / 2`` where ``d = |prediction - target| <= delta``, else
+    ``delta * (d - delta / 2)`` (torch's ``huber_loss``): written as ``q**2 / 2 + delta * (d - q)``
+    with ``q = min(d, delta)``, one expression with no branch to select."""
+    d = ops.abs(ops.subtract(prediction, target))
+    q = ops.minimum(d, delta)
+    return ops.mean(ops.add(ops.multiply(ops.square(q), 0.5), ops.multiply(ops.subtract(d, q), delta)))
+
+
+def binary_cross_entropy_with_logits(logits: Expr, target: Expr) -> Expr:
+    """Mean over every element of ``-(t log sigmoid(x) + (1 - t) log(1 - sigmoid(x)))`` for logits
+    ``x`` and targets ``t`` in [0, 1] (torch's ``binary_cross_entropy_with_logits``), computed as
+    ``relu(x) - x t + log(1 + exp(-|x|))``, which never takes the log of a rounded zero."""
+    stable = ops.softplus(ops.negative(ops.abs(logits)))
+    return ops.mean(ops.add(ops.subtract(ops.relu(logits), ops.multiply(logits, target)), stable))
+
+
+#: The loss that takes integer class labels; every other one takes float targets shaped as the output.
+CLASS_LABEL_LOSS = "cross_entropy"
+
+#: The losses a training step takes by name, each ``loss(output, labels or targets)``.
+LOSSES: dict[str, Callable[[Expr, Expr], Expr]] = {
+    CLASS_LABEL_LOSS: softmax_cross_entropy,
+    "mse": mse_loss,
+    "l1": l1_loss,
+    "huber": huber_loss,
+    "bce_with_logits": binary_cross_entropy_with_logits,
+}
+
+#: Other names users bring for the same losses (PyTorch's class names, Keras' strings).
+_ALIASES = {
+    "softmax_cross_entropy": CLASS_LABEL_LOSS, "crossentropy": CLASS_LABEL_LOSS, "crossentropyloss": CLASS_LABEL_LOSS,
+    "sparse_categorical_crossentropy": CLASS_LABEL_LOSS,
+    "mean_squared_error": "mse", "mseloss": "mse",
+    "mae": "l1", "mean_absolute_error": "l1", "l1loss": "l1",
+    "huberloss": "huber", "smooth_l1": "huber",
+    "binary_crossentropy": "bce_with_logits", "bcewithlogitsloss": "bce_with_logits",
+}
+
+
+def loss_name(name: object, who: str) -> str:
+    """The :data:`LOSSES` key ``name`` means (case and ``_``/spaces aside); a ValueError naming ``who``
+    and the choices otherwise. Keras' ``binary_crossentropy`` is taken on logits (its
+    ``from_logits=True``): train a model without its final sigmoid."""
+    key = str(name).strip().lower().replace(" ", "_").replace("-", "_") if isinstance(name, str) else ""
+    key = _ALIASES.get(key, _ALIASES.get(key.replace("_", ""), key))
+    if key not in LOSSES:
+        raise ValueError(f"{who}: unknown loss {name!r}; expected one of {', '.join(LOSSES)} (or a list of them, one "
+                         f"per output)")
+    return key
 
 
 def check_class_labels(labels: np.ndarray, rows: int, num_classes: int | None, who: str) -> None:

@@ -13,8 +13,10 @@ Signature of the training function (all arrays, fixed shapes)::
 ``state`` is the optimizer's state followed by the model's buffers (``BatchNorm2D``'s running
 statistics), so buffers are updated inside the compiled step like the optimizer's moments. A
 model with several inputs takes one array per input in place of ``images``; one with several
-outputs takes one label array per output (softmax cross-entropy each, summed with
-``loss_weights``).
+outputs takes one label array per output (each output's loss, summed with ``loss_weights``).
+``loss`` picks the losses (:data:`~opgrad.nn.losses.LOSSES`): softmax cross-entropy against int64
+class labels by default, or a regression loss against float targets of the output's shape
+(``labels[B, ...]``, the step's dtype).
 
 The backend is a name: ``"reference"`` (``opgrad.evaluate``) or ``"llvm"``
 (``opgrad.compile(fn)``); switching is that one argument.
@@ -42,7 +44,7 @@ from opgrad.autodiff import gradients
 from opgrad.errors import OpgradError, ShapeError
 from opgrad.ir import Call, Expr, Function, Var, var
 from opgrad.nn.layers import ForwardContext, is_number
-from opgrad.nn.losses import softmax_cross_entropy
+from opgrad.nn.losses import CLASS_LABEL_LOSS, LOSSES, loss_name
 from opgrad.nn.model import Model
 from opgrad.nn.optim import Optimizer
 from opgrad.reference import evaluate
@@ -56,12 +58,14 @@ __all__ = [
     "StepsResult",
     "TrainStep",
     "batch_vars",
-    "classifier_loss",
     "compile_function",
+    "label_vars",
     "llvm_unavailable_reason",
     "mask_arrays",
+    "model_loss",
     "per_input",
     "per_output",
+    "resolve_losses",
 ]
 
 #: A function's runnable form: arrays in, a tuple of arrays out (as ``opgrad.evaluate`` returns).
@@ -141,13 +145,16 @@ class TrainStep:
     (``__call__``) or K batches per call (:meth:`run_steps`)."""
 
     def __init__(self, model: Model, optimizer: Optimizer, *, batch_size: int, dtype: str = "float32",
-                 backend: str = "reference", loss_weights: Sequence[float] | None = None) -> None:
+                 backend: str = "reference", loss: str | Sequence[str] = CLASS_LABEL_LOSS,
+                 loss_weights: Sequence[float] | None = None) -> None:
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         check_optimizer(optimizer, "TrainStep")
         self.model, self.optimizer = model, optimizer
         self.batch_size, self.dtype, self.backend = batch_size, dtype, backend
-        inputs, labels, masks = batch_vars(model, batch_size, dtype)
+        #: Each output's loss (a :data:`~opgrad.nn.losses.LOSSES` name).
+        self.losses = resolve_losses(model, loss, "TrainStep")
+        inputs, masks = batch_vars(model, batch_size, dtype)
         lr = var("lr", (), dtype)
         params = model.param_vars(dtype)
         opt_state = {name: var(name, shape, dtype)
@@ -155,8 +162,9 @@ class TrainStep:
         buffers = model.buffer_vars(dtype)
         outputs, new_buffers = model.call(inputs, {**params, **buffers},
                                           ForwardContext(training=True, noise=masks))
-        loss = classifier_loss(model, outputs, labels, loss_weights)
-        grads = dict(zip(params, gradients(loss, list(params.values()))))
+        labels = label_vars(outputs, self.losses, dtype)
+        objective = model_loss(model, outputs, labels, self.losses, loss_weights)
+        grads = dict(zip(params, gradients(objective, list(params.values()))))
         new_params, new_state = optimizer.update(params, grads, opt_state, lr)
         missing = sorted(set(opt_state) - set(new_state))
         if missing:
@@ -168,7 +176,7 @@ class TrainStep:
         self.mask_names: tuple[str, ...] = tuple(masks)
         self.function = Function(
             [*inputs, *labels, *masks.values(), lr, *params.values(), *state.values()],
-            [loss, *(new_params[n] for n in self.param_names), *(new_state[n] for n in self.state_names)],
+            [objective, *(new_params[n] for n in self.param_names), *(new_state[n] for n in self.state_names)],
         )
         # The llvm backend compiles on first use, one plan per way of calling (see ``compiled``).
         self._compiled: Any = None
@@ -361,41 +369,68 @@ def check_loss_weights(model: Model, loss_weights: Sequence[float] | None) -> No
                          f"{len(model.outputs)} outputs")
 
 
-def classifier_loss(model: Model, outputs: Sequence[Expr], labels: Sequence[Var],
-                     loss_weights: Sequence[float] | None) -> Expr:
-    """Softmax cross-entropy of each output against its labels, weighted and summed."""
+def resolve_losses(model: Model, loss: str | Sequence[str], who: str) -> list[str]:
+    """One :data:`~opgrad.nn.losses.LOSSES` name per output of ``model``: ``loss`` names one for
+    every output, or is a list of one per output; a ValueError naming ``who`` otherwise."""
+    names = [loss] * len(model.outputs) if isinstance(loss, str) else list(loss)
+    if len(names) != len(model.outputs):
+        raise ValueError(f"{who}: loss names {len(names)} loss(es) but model {model.name!r} has "
+                         f"{len(model.outputs)} output(s); give one name, or one per output")
+    return [loss_name(name, who) for name in names]
+
+
+def model_loss(model: Model, outputs: Sequence[Expr], labels: Sequence[Var], losses: Sequence[str],
+               loss_weights: Sequence[float] | None) -> Expr:
+    """Each output's loss against its labels (or targets), weighted and summed."""
     check_loss_weights(model, loss_weights)
     weights = [1.0] * len(outputs) if loss_weights is None else [float(w) for w in loss_weights]
-    for i, out in enumerate(outputs):
+    for i, (out, loss) in enumerate(zip(outputs, losses, strict=True)):
+        if loss != CLASS_LABEL_LOSS:
+            continue
         if out.ndim != 2:
             # A Dense runs over the last axis of each example (PyTorch's Linear), so one on an
             # image gives a score per row of pixels rather than per image.
-            hint = "; put a Flatten() (or a global pool) before the last Dense" if out.ndim > 2 else ""
+            hint = "; for class scores, put a Flatten() (or a global pool) before the last Dense" \
+                if out.ndim > 2 else ""
             raise ShapeError(f"model {model.name!r}: output {i} has shape {tuple(out.shape[1:])} per example; the "
-                             f"training step's softmax cross-entropy needs class logits (classes,){hint}")
+                             f"training step's softmax cross-entropy needs class logits (classes,){hint}; an output "
+                             f"of values (an image, a regression) takes a loss against targets of its shape: "
+                             f"loss='mse' (or 'l1', 'huber', 'bce_with_logits')")
         if isinstance(out, Call) and out.op.name == "softmax":
             raise ValueError(f"model {model.name!r}: output {i} is a softmax (probabilities), and the training step's "
                              "softmax cross-entropy applies softmax itself, so it would apply it twice; train a model "
                              "that outputs logits: leave its final Softmax out (opgrad.onnx.load and opgrad.keras.load "
                              "do unless keep_softmax=True), and take softmax of predict's logits")
-    if len(outputs) == 1 and weights[0] == 1.0:
-        return softmax_cross_entropy(outputs[0], labels[0])
+    terms = [LOSSES[loss](out, y) for out, y, loss in zip(outputs, labels, losses, strict=True)]
+    if len(terms) == 1 and weights[0] == 1.0:
+        return terms[0]
     total: Expr | None = None
-    for out, y, w in zip(outputs, labels, weights):
-        term = ops.multiply(softmax_cross_entropy(out, y), w)
-        total = term if total is None else ops.add(total, term)
+    for term, w in zip(terms, weights):
+        weighted = ops.multiply(term, w)
+        total = weighted if total is None else ops.add(total, weighted)
     assert total is not None
     return total
 
 
-def batch_vars(model: Model, batch_size: int, dtype: str) -> tuple[list[Var], list[Var], dict[str, Var]]:
-    """A training batch's variables: the inputs, one label array per output, and a dropout mask per
-    noise layer (keyed by layer name), in the order the step functions take them."""
-    single = len(model.outputs) == 1
-    labels = [var("labels" if single else f"labels:{i}", (batch_size,), "int64") for i in range(len(model.outputs))]
+def batch_vars(model: Model, batch_size: int, dtype: str) -> tuple[list[Var], dict[str, Var]]:
+    """A training batch's variables: the inputs, and a dropout mask per noise layer (keyed by layer
+    name), in the order the step functions take them (the labels, after the inputs, come from
+    :func:`label_vars`)."""
     masks = {layer.name: var(f"mask:{layer.name}", (batch_size, *(layer.noise_shape() or ())), dtype)
              for layer in model.noise_layers() if layer.name is not None}
-    return model.input_vars(batch_size, dtype), labels, masks
+    return model.input_vars(batch_size, dtype), masks
+
+
+def label_vars(outputs: Sequence[Expr], losses: Sequence[str], dtype: str) -> list[Var]:
+    """One label variable per output: int64 class indices, one per example, for cross-entropy;
+    float targets of the output's shape for the other losses."""
+    single = len(outputs) == 1
+    out = []
+    for i, (output, loss) in enumerate(zip(outputs, losses, strict=True)):
+        name = "labels" if single else f"labels:{i}"
+        batch = output.shape[0]
+        out.append(var(name, (batch,), "int64") if loss == CLASS_LABEL_LOSS else var(name, tuple(output.shape), dtype))
+    return out
 
 
 def mask_arrays(names: Sequence[str], masks: Mapping[str, np.ndarray] | None) -> list[np.ndarray]:
