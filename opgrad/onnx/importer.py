@@ -385,8 +385,19 @@ class _Reader:
             self.values[name] = results[index]
 
     def build(self, inputs: list[SymbolicTensor], order: list[Any], keep_softmax: bool = False) -> Model:
-        for node in order:
-            self.convert(node)
+        for position, node in enumerate(order):
+            try:
+                self.convert(node)
+            except OnnxError as exc:
+                # The first refusal may be a detail of a model whose real obstacle comes later
+                # (a Transpose feeding a GRU): name every op type the rest of it has no converter for.
+                missing = sorted({later.op_type for later in order[position + 1:]
+                                  if later.domain in ("", "ai.onnx") and later.op_type != node.op_type
+                                  and find_converter(later.op_type, self.opset) is None})
+                if not missing:
+                    raise
+                raise OnnxError(f"{exc}; the model also has op type(s) {', '.join(missing)}, which this importer "
+                                f"does not convert") from None
         outputs = []
         for info in self.graph.output:
             value = self.values.get(info.name)
