@@ -39,6 +39,14 @@ LAYERS: dict[str, tuple[Callable[[], nn.Layer], Callable[[], Any], tuple[int, ..
                                lambda: torch.nn.AvgPool2d((2, 3), 1, (1, 1), count_include_pad=False), (2, 5, 6)),
     "avgpool_ceil_counting_pads": (lambda: nn.AvgPool2D(2, padding=1, ceil_mode=True),
                                    lambda: torch.nn.AvgPool2d(2, 2, 1, ceil_mode=True), (1, 6, 5)),
+    # Sequences (channels, length): text and time-series models.
+    "conv1d_strided_dilated": (lambda: nn.Conv1D(6, 3, strides=2, padding=2, dilation_rate=2),
+                               lambda: torch.nn.Conv1d(4, 6, 3, stride=2, padding=2, dilation=2), (4, 17)),
+    "conv1d_grouped_same_even_kernel": (lambda: nn.Conv1D(6, 4, padding="same", groups=2),
+                                        lambda: torch.nn.Conv1d(4, 6, 4, padding="same", groups=2), (4, 11)),
+    "maxpool1d": (lambda: nn.MaxPool1D(3, strides=2, padding=1), lambda: torch.nn.MaxPool1d(3, 2, 1), (3, 10)),
+    "avgpool1d_ceil": (lambda: nn.AvgPool1D(2, ceil_mode=True), lambda: torch.nn.AvgPool1d(2, ceil_mode=True),
+                       (3, 9)),
 }
 
 
@@ -226,3 +234,48 @@ def test_a_multi_head_trainer_says_what_its_labels_are() -> None:
         trainer.train_batch(x, [digits, digits[:3] % 2])
     with pytest.raises(ValueError, match=r"Trainer\.evaluate: no examples"):
         trainer.evaluate(np.zeros((0, 6), np.float32), np.zeros(0, np.int64))
+
+
+@pytest.mark.parametrize("backend", ["reference", "llvm"])
+def test_a_sequence_model_trains_as_torchs(backend: str) -> None:
+    # A text/time-series CNN: Conv1d, BatchNorm1d over (channels, length) in training mode (its
+    # running statistics too), MaxPool1d, a strided Conv1d, a linear head; loss and every gradient.
+    from opgrad.nn.gradstep import GradientStep
+
+    model = nn.Sequential([nn.Conv1D(8, 5, padding="same", use_bias=False, name="c1"), nn.BatchNorm2D(name="bn"),
+                           nn.ReLU(), nn.MaxPool1D(2, name="pool"), nn.Conv1D(6, 3, strides=2, name="c2"),
+                           nn.Flatten(), nn.Dense(4, name="head")], input_shape=(3, 20))
+    params = model.init_params(0, "float64")
+    step = GradientStep(model, batch_size=5, dtype="float64", backend=backend)
+    rng = np.random.default_rng(8)
+    x, labels = rng.standard_normal((5, 3, 20)), np.array([0, 3, 1, 2, 3])
+    result = step(x, labels, params, model.init_buffers("float64"))
+    t = {k: torch.tensor(v, requires_grad=True) for k, v in params.items()}
+    bn = torch.nn.BatchNorm1d(8).double()
+    bn.weight, bn.bias = torch.nn.Parameter(t["bn.weight"]), torch.nn.Parameter(t["bn.bias"])
+    h = torch.relu(bn(torch.nn.functional.conv1d(torch.tensor(x), t["c1.weight"], padding="same")))
+    h = torch.nn.functional.conv1d(torch.nn.functional.max_pool1d(h, 2), t["c2.weight"], t["c2.bias"], stride=2)
+    logits = h.flatten(1) @ t["head.weight"].T + t["head.bias"]
+    loss = torch.nn.functional.cross_entropy(logits, torch.tensor(labels))
+    loss.backward()
+    np.testing.assert_allclose(result.loss, loss.item(), rtol=1e-12)
+    for name, tensor in t.items():
+        grad = bn.weight.grad if name == "bn.weight" else bn.bias.grad if name == "bn.bias" else tensor.grad
+        np.testing.assert_allclose(result.grads[name], grad.numpy(), rtol=1e-9, atol=1e-12, err_msg=name)
+    np.testing.assert_allclose(result.buffers["bn.running_mean"], bn.running_mean.numpy(), rtol=1e-12)
+    np.testing.assert_allclose(result.buffers["bn.running_var"], bn.running_var.numpy(), rtol=1e-12)
+
+
+def test_sequence_layers_save_describe_and_refuse_channels_last(tmp_path: Path) -> None:
+    model = nn.Sequential([nn.Conv1D(4, (3,), strides=2, padding=1), nn.MaxPool1D(2), nn.AvgPool1D(2, padding=1)],
+                          input_shape=(2, 30))
+    assert "Conv1D" in str(model) and "4, 3, stride 2, pad 1" in str(model)
+    path = tmp_path / "seq.npz"
+    model.save(path)
+    again = nn.load_model(path)
+    x = np.random.default_rng(9).standard_normal((2, 2, 30)).astype(np.float32)
+    np.testing.assert_array_equal(again.predict(x, backend="reference"), model.predict(x, backend="reference"))
+    with pytest.raises(opgrad.ShapeError, match=r"\(100, 3\) looks channels-last \(steps, channels\), Keras' "
+                                                r"default: .* give \(3, 100\)"):
+        nn.Sequential([nn.Conv1D(4, 5)], input_shape=(100, 3))
+

@@ -56,10 +56,12 @@ __all__ = [
     "LAYERS",
     "Activation",
     "Add",
+    "AvgPool1D",
     "AvgPool2D",
     "BatchNorm2D",
     "BufferSpec",
     "Concatenate",
+    "Conv1D",
     "Conv2D",
     "Conv2DTranspose",
     "Dense",
@@ -74,6 +76,7 @@ __all__ = [
     "Layer",
     "LayerNorm",
     "LeakyReLU",
+    "MaxPool1D",
     "MaxPool2D",
     "Node",
     "PReLU",
@@ -172,6 +175,15 @@ def _pair(value: Any, what: str, minimum: int = 1) -> tuple[int, int]:
     if min(pair) < minimum:
         raise ValueError(f"{what} must be >= {minimum}, got {value!r}")
     return pair
+
+
+def _single(value: Any, what: str, minimum: int = 1) -> int:
+    """A 1-D layer's size: an int or a one-element tuple (Keras and PyTorch take both)."""
+    items = value if isinstance(value, (tuple, list)) and len(value) == 1 else (value,)
+    number = as_int(items[0], what)
+    if number < minimum:
+        raise ValueError(f"{what} must be >= {minimum}, got {value!r}")
+    return number
 
 
 def _padding_arg(padding: str | int | Sequence[int], layer: str) -> str | tuple[int, int]:
@@ -626,6 +638,73 @@ class Conv2D(Layer):
         return _activate(y, self.activation)
 
 
+class Conv1D(Conv2D):
+    """1-D convolution over ``(channels, length)`` (PyTorch's ``Conv1d``; Keras' ``Conv1D`` with
+    ``channels_first``) plus a per-channel bias; optional activation.
+
+    The weight is PyTorch's ``(filters, channels / groups, kernel_size)``. ``padding`` is
+    ``"valid"``, ``"same"`` (output ``ceil(length / stride)``, the odd zero at the end) or zeros
+    on each side (PyTorch's ``padding``). It runs as a ``Conv2D`` over a ``(channels, 1, length)``
+    view, so it takes the same kernels, and its gradients, compiled.
+    """
+
+    kind = "conv1d"
+
+    def __init__(self, filters: int, kernel_size: int | Sequence[int], strides: int | Sequence[int] = 1,
+                 padding: str | int | Sequence[int] = "valid", *, dilation_rate: int | Sequence[int] = 1,
+                 groups: int = 1, activation: str | None = None, use_bias: bool = True,
+                 kernel_initializer: str | Initializer = "glorot_uniform",
+                 bias_initializer: str | Initializer = "zeros", name: str | None = None) -> None:
+        k, s, d = (_single(kernel_size, "Conv1D kernel_size"), _single(strides, "Conv1D strides"),
+                   _single(dilation_rate, "Conv1D dilation_rate"))
+        pad: str | tuple[int, int] = padding if isinstance(padding, str) else (0, _single(padding, "Conv1D padding", 0))
+        super().__init__(filters, (1, k), (1, s), pad, dilation_rate=(1, d), groups=groups, activation=activation,
+                         use_bias=use_bias, kernel_initializer=kernel_initializer,
+                         bias_initializer=bias_initializer, name=name)
+
+    def get_config(self) -> dict[str, Any]:
+        return {**super().get_config(), "kernel_size": self.kernel_size[1], "strides": self.strides[1],
+                "padding": self.padding if isinstance(self.padding, str) else self.padding[1],
+                "dilation_rate": self.dilation_rate[1]}
+
+    def config(self) -> str:
+        extras = [f"stride {self.strides[1]}" if self.strides[1] != 1 else "",
+                  f"dilation {self.dilation_rate[1]}" if self.dilation_rate[1] != 1 else "",
+                  f"groups {self.groups}" if self.groups != 1 else "",
+                  self.padding if self.padding == "same" else f"pad {self.padding[1]}" if
+                  not isinstance(self.padding, str) and self.padding[1] else "", self.activation or ""]
+        return ", ".join([f"{self.filters}", f"{self.kernel_size[1]}", *(e for e in extras if e)])
+
+    def output_shape_for(self, input_shape: Shape) -> Shape:
+        if len(input_shape) != 2:
+            raise self._shape_error(input_shape, "Conv1D needs (channels, length)")
+        c, length = input_shape
+        try:
+            filters, _, out = super().output_shape_for((c, 1, length))
+        except ShapeError:
+            if length < c and length < self.kernel_size[1] * 2:
+                raise self._shape_error(input_shape, f"{tuple(input_shape)} looks channels-last (steps, channels), "
+                                                     f"Keras' default: opgrad's sequences are (channels, length), as "
+                                                     f"PyTorch's Conv1d: give ({length}, {c})") from None
+            raise
+        return (filters, out)
+
+    def param_specs(self) -> dict[str, ParamSpec]:
+        assert self.input_shape is not None, "build() first"
+        specs = {"weight": ParamSpec((self.filters, self.input_shape[0] // self.groups, self.kernel_size[1]),
+                                     self.kernel_init)}
+        if self.use_bias:
+            specs["bias"] = ParamSpec((self.filters,), self.bias_init)
+        return specs
+
+    def apply(self, x: Expr, params: Mapping[str, Expr], ctx: ForwardContext) -> Expr:
+        n, c, length = x.shape
+        weight = params["weight"]
+        as_2d = {**params, "weight": ops.reshape(weight, shape=(weight.shape[0], weight.shape[1], 1, weight.shape[2]))}
+        y = super().apply(ops.reshape(x, shape=(n, c, 1, length)), as_2d, ctx)
+        return ops.reshape(y, shape=(n, y.shape[1], y.shape[3]))
+
+
 class Conv2DTranspose(Conv2D):
     """Transposed convolution (PyTorch's ``ConvTranspose2d``, Keras' ``Conv2DTranspose``), NCHW.
 
@@ -854,6 +933,51 @@ class AvgPool2D(_Pool2D):
         real = ops.avg_pool2d(ops.pad(ops.ones_like(x), pad_width=widths), pool_size=self.pool_size,
                               strides=self.strides)
         return ops.divide(summed, real)
+
+
+class _Pool1D(_Pool2D):
+    """A pool over ``(channels, length)``: the 2-D pool over a ``(channels, 1, length)`` view."""
+
+    def __init__(self, pool_size: int | Sequence[int] = 2, strides: int | Sequence[int] | None = None,
+                 padding: str | int | Sequence[int] = "valid", *, ceil_mode: bool = False,
+                 name: str | None = None, **more: Any) -> None:
+        cls = type(self).__name__
+        size = _single(pool_size, f"{cls} pool_size")
+        stride = size if strides is None else _single(strides, f"{cls} strides")
+        pad: str | tuple[int, int] = padding if isinstance(padding, str) else (0, _single(padding, f"{cls} padding", 0))
+        super().__init__((1, size), (1, stride), pad, ceil_mode=ceil_mode, name=name, **more)
+
+    def get_config(self) -> dict[str, Any]:
+        return {**super().get_config(), "pool_size": self.pool_size[1], "strides": self.strides[1],
+                "padding": self.padding if isinstance(self.padding, str) else self.padding[1]}
+
+    def config(self) -> str:
+        return str(self.pool_size[1]) + super().config().partition(f"{self.pool_size[0]}x{self.pool_size[1]}")[2]
+
+    def output_shape_for(self, input_shape: Shape) -> Shape:
+        if len(input_shape) != 2:
+            raise self._shape_error(input_shape, f"{type(self).__name__} needs (channels, length)")
+        c, _, out = super().output_shape_for((input_shape[0], 1, input_shape[1]))
+        return (c, out)
+
+    def apply(self, x: Expr, params: Mapping[str, Expr], ctx: ForwardContext) -> Expr:
+        n, c, length = x.shape
+        y = super().apply(ops.reshape(x, shape=(n, c, 1, length)), params, ctx)
+        return ops.reshape(y, shape=(n, c, y.shape[3]))
+
+
+class MaxPool1D(_Pool1D, MaxPool2D):
+    """Maximum over each window of ``(channels, length)`` (PyTorch's ``MaxPool1d``, Keras' ``MaxPooling1D``
+    with ``channels_first``); strides default to the pool size."""
+
+    kind = "maxpool1d"
+
+
+class AvgPool1D(_Pool1D, AvgPool2D):
+    """Mean over each window of ``(channels, length)`` (PyTorch's ``AvgPool1d``, Keras' ``AveragePooling1D``
+    with ``channels_first``); ``count_include_pad`` and ``ceil_mode`` as :class:`AvgPool2D`'s."""
+
+    kind = "avgpool1d"
 
 
 class GlobalAvgPool2D(Layer):
@@ -1183,7 +1307,8 @@ KERAS_LIKE_MOMENTUM = 0.5
 
 
 class BatchNorm2D(Layer):
-    """Batch normalization over the channel axis (axis 1) of ``(C, H, W)`` or ``(C,)`` inputs.
+    """Batch normalization over the channel axis (axis 1) of ``(C, H, W)``, ``(C, L)`` or ``(C,)``
+    inputs (PyTorch's ``BatchNorm2d``, and ``BatchNorm1d`` for the other two).
 
     Semantics are PyTorch's ``BatchNorm2d``: while training it normalizes with the batch mean and
     biased variance and updates ``running = (1 - momentum) * running + momentum * batch_stat``,
@@ -1221,8 +1346,9 @@ class BatchNorm2D(Layer):
         return ""
 
     def output_shape_for(self, input_shape: Shape) -> Shape:
-        if len(input_shape) not in (1, 3):
-            raise self._shape_error(input_shape, "BatchNorm2D needs (channels, height, width) or (features,)")
+        if len(input_shape) not in (1, 2, 3):
+            raise self._shape_error(input_shape, "BatchNorm2D needs (channels, height, width), (channels, length) or "
+                                                 "(features,)")
         return input_shape
 
     def param_specs(self) -> dict[str, ParamSpec]:
