@@ -130,6 +130,23 @@ def test_builtin_models_round_trip_through_onnxruntime(name: str, tmp_path: Path
     np.testing.assert_allclose(back.predict(x, batch_size=3, backend="reference"), ours, rtol=1e-6, atol=1e-6)
 
 
+def test_a_sequence_model_goes_out_as_onnx_and_back(tmp_path: Path) -> None:
+    inp = nn.Input((3, 40))
+    x = nn.Conv1D(8, 5, strides=2, padding="same", activation="relu")(inp)
+    x = nn.BatchNorm2D()(nn.Conv1D(8, 3, padding=2, dilation_rate=2, groups=2)(x))
+    x = nn.AvgPool1D(3, strides=2, padding=1, ceil_mode=True)(nn.MaxPool1D(2, padding=1)(x))
+    model = _perturbed(nn.Model(inp, nn.Dense(4)(nn.Flatten()(x))))
+    path = tmp_path / "sequence.onnx"
+    opgrad_onnx.save(model, path)
+    x = np.random.default_rng(2).standard_normal((3, 3, 40)).astype(np.float32)
+    ours = model.predict(x, batch_size=3, backend="reference")
+    np.testing.assert_allclose(run_onnxruntime(path, x)[0], ours, rtol=1e-5, atol=1e-5)
+    back = opgrad_onnx.load(path)
+    assert [type(layer).__name__ for layer in back.layers][:2] == ["Conv1D", "BatchNorm2D"] or any(
+        type(layer).__name__ == "Conv1D" for layer in back.layers)
+    np.testing.assert_allclose(back.predict(x, batch_size=3, backend="reference"), ours, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("name", TORCH_MODELS)
 def test_imported_models_go_back_out_as_onnx(name: str, tmp_path: Path) -> None:
     model = opgrad_onnx.load(FIXTURES / f"{name}.onnx")
@@ -210,6 +227,19 @@ def _i64(*values: int) -> np.ndarray:
 
 
 CASES: dict[str, tuple[list[Any], tuple[int, ...], dict[str, Any]] | tuple[Any, ...]] = {
+    # Sequences (N, C, L): torch's Conv1d, MaxPool1d, AvgPool1d and BatchNorm1d export these.
+    "1-D convolutions: strided, dilated, grouped, padded unevenly, SAME_UPPER": (
+        [node("Conv", ["x", "w", "b"], ["a"], strides=[2], dilations=[2], pads=[2, 2]),
+         node("Conv", ["a", "v"], ["c"], suffix="2", group=2, pads=[1, 2]),
+         node("Conv", ["c", "u"], suffix="3", auto_pad="SAME_UPPER", kernel_shape=[4])],
+        (4, 17), {"w": _rand(6, 4, 3), "b": _rand(6), "v": _rand(4, 3, 3, seed=1), "u": _rand(3, 4, 4, seed=2)}),
+    "1-D pools and batch normalization": (
+        [node("MaxPool", ["x"], ["m"], kernel_shape=[3], strides=[2], pads=[1, 1]),
+         node("AveragePool", ["m"], ["a"], kernel_shape=[2], pads=[1, 1], count_include_pad=1),
+         node("AveragePool", ["a"], ["p"], suffix="2", kernel_shape=[2], pads=[1, 1], ceil_mode=1),
+         node("BatchNormalization", ["p", "g", "b", "mu", "var"])],
+        (3, 19), {"g": _rand(3), "b": _rand(3, seed=1), "mu": _rand(3, seed=2),
+                  "var": np.abs(_rand(3, seed=3)) + 0.5}),
     "conv groups, dilations, asymmetric pads": (
         [node("Conv", ["x", "w", "b"], group=2, dilations=[2, 1], strides=[2, 1], pads=[1, 2, 0, 1])],
         (4, 9, 9), {"w": _rand(6, 2, 3, 3), "b": _rand(6)}),
@@ -532,8 +562,8 @@ REFUSED: dict[str, tuple[Any, str]] = {
         r"\(Div\): input 1 \(operand\) computes with the batch size \(from Shape of the data\)"),
     "infinite leaky slope": (build([node("LeakyRelu", ["x"], alpha=float("inf"))], (3,)),
                              r"\(LeakyRelu\): attribute alpha=inf is not supported; supported: a finite slope"),
-    "1-D convolution": (build([node("Conv", ["x", "w"])], (2, 5), {"w": _rand(3, 2, 3)}),
-                        r"\(Conv\): input 0 \(X\) has shape \(N, 2, 5\); supported: rank 4"),
+    "3-D convolution": (build([node("Conv", ["x", "w"])], (2, 4, 4, 4), {"w": _rand(3, 2, 2, 2, 2)}),
+                        r"\(Conv\): input 0 \(X\) has shape \(N, 2, 4, 4, 4\); supported: rank 4"),
     "reshape that changes the batch": (build([node("Reshape", ["x", "s"])], (2, 3), {"s": _i64(-1, 3)}),
                                        r"\(Reshape\): shape \[-1, 3\] changes the batch axis"),
     "cast to an integer": (build([node("Cast", ["x"], ["i"], to=TensorProto.INT64),

@@ -169,6 +169,16 @@ def _conv(b: GraphBuilder, layer: Any, x: list[str], shapes: list[Shape], out: s
         _activation(b, y, layer.activation, out, layer.name)
 
 
+@emitter("conv1d")
+def _conv1d(b: GraphBuilder, layer: Any, x: list[str], shapes: list[Shape], out: str) -> None:
+    _, (left, right) = layer.pads(1, shapes[0][1])
+    inputs = [x[0], b.weight(layer, "weight")] + ([b.weight(layer, "bias")] if layer.use_bias else [])
+    y = b.node("Conv", inputs, None if layer.activation else out, layer.name, kernel_shape=[layer.kernel_size[1]],
+               strides=[layer.strides[1]], dilations=[layer.dilation_rate[1]], group=layer.groups, pads=[left, right])
+    if layer.activation:
+        _activation(b, y, layer.activation, out, layer.name)
+
+
 @emitter("convtranspose")
 def _conv_transpose(b: GraphBuilder, layer: Any, x: list[str], shapes: list[Shape], out: str) -> None:
     (top, left, bottom, right), extra, (rows, columns) = layer.crops()
@@ -214,8 +224,26 @@ def _resize_layer(b: GraphBuilder, layer: Any, x: list[str], shapes: list[Shape]
     _resize(b, layer.name, x[0], layer.size, layer.method, layer.align_corners, out)
 
 
+@emitter("maxpool1d", "avgpool1d")
+def _pool1d(b: GraphBuilder, layer: Any, x: list[str], shapes: list[Shape], out: str) -> None:
+    # The 2-D pool's attributes for a (channels, 1, length) view, its width entries kept.
+    attrs = _pool_attributes(layer, (shapes[0][0], 1, shapes[0][1]))
+    attrs.update(kernel_shape=attrs["kernel_shape"][1:], strides=attrs["strides"][1:],
+                 pads=[attrs["pads"][1], attrs["pads"][3]])
+    b.node("MaxPool" if layer.kind == "maxpool1d" else "AveragePool", [x[0]], out, layer.name, **attrs)
+
+
 @emitter("maxpool", "avgpool")
 def _pool(b: GraphBuilder, layer: Any, x: list[str], shapes: list[Shape], out: str) -> None:
+    attrs = _pool_attributes(layer, shapes[0])
+    b.node("MaxPool" if layer.kind == "maxpool" else "AveragePool", [x[0]], out, layer.name, **attrs)
+
+
+def _pool_attributes(layer: Any, shape: Shape) -> dict[str, Any]:
+    """MaxPool's or AveragePool's attributes for a 2-D pool ``layer`` on a ``(C, H, W)`` input."""
+    averages = hasattr(layer, "count_include_pad")
+    one_d = layer.kind.endswith("1d")  # its (channels, 1, length) view: the height never pools
+    shapes = [shape]
     (top, bottom), (left, right) = layer.pads(shapes[0][1], shapes[0][2])
     attrs: dict[str, Any] = {"kernel_shape": list(layer.pool_size), "strides": list(layer.strides),
                              "pads": [top, left, bottom, right]}
@@ -226,18 +254,19 @@ def _pool(b: GraphBuilder, layer: Any, x: list[str], shapes: list[Shape], out: s
         pads = ((top, bottom), (left, right))
         floor = [(n + a + b - k) // s + 1 for n, (a, b), k, s in zip(shapes[0][1:], pads, layer.pool_size,
                                                                      layer.strides, strict=True)]
-        sizes = list(layer.output_shape_for(shapes[0])[1:])
+        sizes = ([1, layer.output_shape_for((shape[0], shape[2]))[1]] if one_d
+                 else list(layer.output_shape_for(shape)[1:]))
         extra = [size - low for size, low in zip(sizes, floor, strict=True)]
-        if all(extra):
+        if all(extra[1:] if one_d else extra):
             attrs["ceil_mode"] = 1
         elif any(extra):
             # ONNX's ceil_mode takes both axes; where PyTorch's rule keeps the last window of one
             # axis only, that window is padded out on that axis instead (ceil_mode 0). Padding never
             # wins a max, and an average without count_include_pad does not count it; one with it
             # would, which PyTorch does not.
-            if layer.kind == "avgpool" and layer.count_include_pad and not any((top, bottom, left, right)):
+            if averages and layer.count_include_pad and not any((top, bottom, left, right)):
                 count_include_pad = False  # no padding to count: the same divisors without it
-            elif layer.kind == "avgpool" and layer.count_include_pad:
+            elif averages and layer.count_include_pad:
                 raise OnnxError(f"layer {layer.describe()}: ceil_mode keeps a last window on one axis of the "
                                 f"{shapes[0][1]}x{shapes[0][2]} input only, which ONNX's AveragePool with "
                                 "count_include_pad=1 cannot express (its ceil_mode takes both axes, and padding "
@@ -246,9 +275,9 @@ def _pool(b: GraphBuilder, layer: Any, x: list[str], shapes: list[Shape], out: s
                     for size, more, n, (a, b), k, s in zip(sizes, extra, shapes[0][1:], pads, layer.pool_size,
                                                            layer.strides, strict=True)]
             attrs["pads"] = [top, left, bottom + ends[0], right + ends[1]]
-    if layer.kind == "avgpool":
+    if averages:
         attrs["count_include_pad"] = int(count_include_pad)
-    b.node("MaxPool" if layer.kind == "maxpool" else "AveragePool", [x[0]], out, layer.name, **attrs)
+    return attrs
 
 
 @emitter("globalavgpool")

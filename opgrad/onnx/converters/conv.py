@@ -1,14 +1,15 @@
-"""Conv and ConvTranspose (2-D, NCHW, OIHW weights: ONNX's layout is opgrad's)."""
+"""Conv (1-D over (N, C, L) and 2-D over NCHW) and ConvTranspose (2-D); ONNX's weight layouts are
+opgrad's (OIHW, and OIL for 1-D)."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-from opgrad.nn.layers import Conv2D, Conv2DTranspose, SymbolicTensor
+from opgrad.nn.layers import Conv1D, Conv2D, Conv2DTranspose, SymbolicTensor
 from opgrad.nn.ops_layers import Pad, Slice
 from opgrad.onnx.table import NodeContext, Value, converter
 
-__all__ = ["AUTO_PADS", "same_pads", "spatial_pads", "symmetric_or_padded"]
+__all__ = ["AUTO_PADS", "line_padding", "line_pads", "same_pads", "spatial_pads", "symmetric_or_padded"]
 
 AUTO_PADS = "NOTSET, VALID, SAME_UPPER, SAME_LOWER"
 Pads = tuple[int, int, int, int]
@@ -78,8 +79,65 @@ def _weights(ctx: NodeContext, rank_what: str) -> tuple:  # type: ignore[type-ar
     return w, b
 
 
+def line_pads(ctx: NodeContext, length: int, kernel: int, stride: int, dilation: int) -> tuple[int, int]:
+    """``(left, right)`` from ``auto_pad`` and ``pads`` for a 1-D input of ``length``."""
+    auto = ctx.attr("auto_pad", "NOTSET")
+    if auto == "NOTSET":
+        pads = ctx.ints("pads", (0, 0))
+        if len(pads) != 2 or min(pads) < 0:
+            raise ctx.unsupported("pads", list(pads), "two non-negative ints (begin, end)")
+        return pads[0], pads[1]
+    if auto == "VALID":
+        return 0, 0
+    if auto in ("SAME_UPPER", "SAME_LOWER"):
+        return same_pads(length, kernel, stride, dilation, auto == "SAME_UPPER")
+    raise ctx.unsupported("auto_pad", auto, AUTO_PADS)
+
+
+def line_padding(ctx: NodeContext, x: SymbolicTensor, pads: tuple[int, int], same: tuple[int, int],
+                 limit: int | None, value: float) -> tuple[SymbolicTensor, str | int]:
+    """:func:`symmetric_or_padded` for a 1-D layer's ``padding``: equal pads (below ``limit``), the
+    "same" pads, or a :class:`~opgrad.nn.Pad` layer (``value``) first."""
+    left, right = pads
+    if pads == (0, 0):
+        return x, "valid"
+    if left == right and (limit is None or left < limit):
+        return x, left
+    if pads == same:
+        return x, "same"
+    return ctx.layer(ctx.new(Pad, [(0, 0), (left, right)], value=value), x), "valid"
+
+
+def _conv1d(ctx: NodeContext, x: SymbolicTensor) -> list[Value]:
+    w = ctx.static_floats(1, "W")
+    if w.ndim != 3:
+        raise ctx.error(f"weight W has shape {list(w.shape)}; supported for an (N, C, L) input: W (M, C/group, k)")
+    b = ctx.static_floats(2, "B") if ctx.has_input(2) else None
+    kernel = int(w.shape[2])
+    if tuple(ctx.ints("kernel_shape", (kernel,))) != (kernel,):
+        raise ctx.error(f"attribute kernel_shape={list(ctx.ints('kernel_shape', ()))} does not match the weight's "
+                        f"[{kernel}]")
+    strides, dilations = ctx.ints("strides", (1,)), ctx.ints("dilations", (1,))
+    for attribute, value in (("strides", strides), ("dilations", dilations)):
+        if len(value) != 1 or min(value) < 1:
+            raise ctx.unsupported(attribute, list(value), "one positive int (1-D convolution)")
+    group = int(ctx.attr("group", 1))
+    if group < 1 or w.shape[1] * group != x.shape[0] or w.shape[0] % group:
+        raise ctx.error(f"weight W {list(w.shape)} with group={group} does not fit {x.shape[0]} input channels")
+    if b is not None and b.shape != (w.shape[0],):
+        raise ctx.error(f"bias B has shape {list(b.shape)}; expected ({w.shape[0]},)")
+    pads = line_pads(ctx, x.shape[1], kernel, strides[0], dilations[0])
+    x, padding = line_padding(ctx, x, pads, same_pads(x.shape[1], kernel, strides[0], dilations[0]), None, 0.0)
+    layer = ctx.new(Conv1D, w.shape[0], kernel, strides=strides[0], padding=padding, dilation_rate=dilations[0],
+                    groups=group, use_bias=b is not None)
+    weights = {"weight": w} if b is None else {"weight": w, "bias": b}
+    return [ctx.layer(layer, x, weights)]
+
+
 @converter("Conv", since=1, attributes=("auto_pad", "dilations", "group", "kernel_shape", "pads", "strides"))
 def conv(ctx: NodeContext) -> list[Value]:
+    if len(ctx.tensor(0, "X").shape) == 2:  # (N, C, L): torch's Conv1d
+        return _conv1d(ctx, ctx.tensor(0, "X"))
     x = ctx.tensor(0, "X", rank=4)
     w, b = _weights(ctx, "W (M, C/group, kH, kW)")
     kernel, strides, dilations = _geometry(ctx, w.shape[2:])

@@ -15,8 +15,9 @@ __all__: list[str] = []
 
 def _batch_norm(ctx: NodeContext) -> list[Value]:
     x = ctx.tensor(0, "X")
-    if len(x.shape) not in (1, 3):
-        raise ctx.error(f"input X has shape (N, {', '.join(map(str, x.shape))}); supported: (N, C, H, W) or (N, C)")
+    if len(x.shape) not in (1, 2, 3):
+        raise ctx.error(f"input X has shape (N, {', '.join(map(str, x.shape))}); supported: (N, C, H, W), (N, C, L) "
+                        f"or (N, C)")
     if int(ctx.attr("training_mode", 0)):
         raise ctx.unsupported("training_mode", 1, "0 (an inference graph; opgrad's training step updates the "
                                                   "running statistics itself)")

@@ -1,18 +1,47 @@
-"""MaxPool, AveragePool, GlobalAveragePool, GlobalMaxPool (2-D, NCHW)."""
+"""MaxPool, AveragePool (1-D over (N, C, L) and 2-D over NCHW), GlobalAveragePool, GlobalMaxPool (2-D)."""
 
 from __future__ import annotations
 
 import math
 
-from opgrad.nn.layers import AvgPool2D, MaxPool2D
+from opgrad.nn.layers import AvgPool1D, AvgPool2D, MaxPool1D, MaxPool2D, SymbolicTensor
 from opgrad.nn.ops_layers import GlobalPool2D
-from opgrad.onnx.converters.conv import same_pads, spatial_pads, symmetric_or_padded
+from opgrad.onnx.converters.conv import line_padding, line_pads, same_pads, spatial_pads, symmetric_or_padded
 from opgrad.onnx.table import NodeContext, Value, converter
 
 __all__: list[str] = []
 
 
+def _pool1d(ctx: NodeContext, x: SymbolicTensor, kind: str) -> list[Value]:
+    kernel, strides = ctx.ints("kernel_shape", ()), ctx.ints("strides", (1,))
+    if len(kernel) != 1 or min(kernel) < 1:
+        raise ctx.unsupported("kernel_shape", list(kernel), "one positive int (1-D pooling)")
+    if len(strides) != 1 or min(strides) < 1:
+        raise ctx.unsupported("strides", list(strides), "one positive int")
+    if tuple(ctx.ints("dilations", (1,))) != (1,):
+        raise ctx.unsupported("dilations", list(ctx.ints("dilations", ())), "[1]")
+    (k,), (s,) = kernel, strides
+    left, right = line_pads(ctx, x.shape[1], k, s, 1)
+    ceil_mode = bool(int(ctx.attr("ceil_mode", 0))) and bool((x.shape[1] + left + right - k) % s)
+    if ceil_mode and (left != right or left >= k):
+        raise ctx.unsupported("ceil_mode", 1, "0, or 1 with equal pads on both sides below the window")
+    if kind == "max":
+        x, padding = line_padding(ctx, x, (left, right), same_pads(x.shape[1], k, s, 1), k, -math.inf)
+        layer = ctx.new(MaxPool1D, k, strides=s, padding=padding, ceil_mode=ceil_mode)
+    elif int(ctx.attr("count_include_pad", 0)) or (left, right) == (0, 0):
+        x, padding = line_padding(ctx, x, (left, right), (-1, -1), k, 0.0)
+        layer = ctx.new(AvgPool1D, k, strides=s, padding=padding, ceil_mode=ceil_mode)
+    elif left == right and left < k:
+        layer = ctx.new(AvgPool1D, k, strides=s, padding=left, ceil_mode=ceil_mode, count_include_pad=False)
+    else:
+        raise ctx.unsupported("count_include_pad", 0, f"1, or 0 with equal pads on both sides; these pads are "
+                                                      f"{[left, right]}")
+    return [ctx.layer(layer, x)]
+
+
 def _pool(ctx: NodeContext, kind: str) -> list[Value]:
+    if len(ctx.tensor(0, "X").shape) == 2:  # (N, C, L): torch's MaxPool1d, AvgPool1d
+        return _pool1d(ctx, ctx.tensor(0, "X"), kind)
     x = ctx.tensor(0, "X", rank=4)
     kernel = ctx.ints("kernel_shape", ())
     if len(kernel) != 2 or min(kernel) < 1:
