@@ -380,7 +380,11 @@ def test_model_save_and_load_every_layer_kind(tmp_path: Path) -> None:
     out = nn.Dense(2, kernel_initializer="he_uniform")(nn.Concatenate()([flat, emb]))
     up = nn.UpSampling2D(2)(nn.Conv2DTranspose(2, 3, strides=2, padding="same", groups=2)(inp))
     pooled = nn.Dense(2)(nn.GlobalAvgPool2D()(nn.MaxPool2D(2, strides=2, padding=1, ceil_mode=True)(up)))
-    model = nn.Model([inp, tokens], [nn.Add()([out, pooled])], name="every")
+    series = nn.Input((2, 12))
+    line = nn.AvgPool1D(2, padding=1, ceil_mode=True)(nn.MaxPool1D(3, strides=2, padding="same")(
+        nn.Conv1D(3, 3, strides=2, padding=1, dilation_rate=2, groups=1, activation="tanh")(series)))
+    pooled = nn.Add()([pooled, nn.Dense(2)(nn.Flatten()(line))])
+    model = nn.Model([inp, tokens, series], [nn.Add()([out, pooled])], name="every")
     kinds = {layer.kind for layer in model.layers}
     builtin = {kind for kind, cls in nn.LAYERS.items() if cls.__module__ in ("opgrad.nn.layers", "opgrad.nn.reshaping")}
     assert kinds == builtin, f"this test misses {builtin - kinds}"
@@ -390,7 +394,8 @@ def test_model_save_and_load_every_layer_kind(tmp_path: Path) -> None:
     loaded = nn.load(path)
     assert json.dumps(loaded.get_config(), sort_keys=True) == json.dumps(model.get_config(), sort_keys=True)
     rng = np.random.default_rng(0)
-    batch = [rng.random((3, 2, 9, 9)).astype(np.float32), rng.integers(0, 5, (3, 3))]
+    batch = [rng.random((3, 2, 9, 9)).astype(np.float32), rng.integers(0, 5, (3, 3)),
+             rng.random((3, 2, 12)).astype(np.float32)]
     np.testing.assert_array_equal(loaded.predict(batch, backend="reference"), model.predict(batch, backend="reference"))
     seq = nn.mlp()
     seq.save(tmp_path / "mlp.npz")
