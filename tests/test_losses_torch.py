@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 from optional import require
 
+from opgrad import errors as opgrad_errors
 from opgrad import nn
 from opgrad.nn.gradstep import GradientStep
 
@@ -84,12 +85,58 @@ def test_each_output_takes_its_own_loss_and_weight() -> None:
         np.testing.assert_allclose(result.grads[name], tensor.grad.numpy(), rtol=1e-10, atol=1e-13)
 
 
+@pytest.mark.parametrize("backend", ["reference", "llvm"])
+def test_bce_with_logits_at_logits_of_exactly_zero_has_torchs_gradient(backend: str) -> None:
+    # A zero-initialized output layer (or any output whose receptive field is all zeros) starts at
+    # logits of exactly 0, where the gradient is sigmoid(0) - t = 1/2 - t.
+    model = nn.Sequential([nn.Dense(2, kernel_initializer="zeros")], input_shape=(3,))
+    params = model.init_params(0, "float64")
+    t = np.array([[0.0, 1.0], [1.0, 0.0], [0.3, 0.7], [1.0, 1.0]])
+    result = GradientStep(model, batch_size=4, dtype="float64", backend=backend, loss="bce_with_logits")(
+        np.ones((4, 3)), t, params, {})
+    np.testing.assert_allclose(result.grads["dense1.bias"], (0.5 - t).mean(axis=0) / 2, rtol=1e-12)
+    np.testing.assert_allclose(result.loss, np.log(2.0), rtol=1e-12)
+
+
 @pytest.mark.parametrize("name, means", [("MSELoss", "mse"), ("mean_absolute_error", "l1"), ("Huber", "huber"),
                                          ("binary_crossentropy", "bce_with_logits"),
-                                         ("sparse_categorical_crossentropy", "cross_entropy")])
+                                         ("sparse_categorical_crossentropy", "cross_entropy"),
+                                         ("binary_cross_entropy_with_logits", "bce_with_logits"),
+                                         ("SmoothL1Loss", "huber"), ("smooth_l1_loss", "huber"),
+                                         ("MeanSquaredError", "mse"), ("Mean Squared-Error", "mse")])
 def test_pytorch_and_keras_names_of_a_loss_are_taken(name: str, means: str) -> None:
     model = nn.Sequential([nn.Dense(3)], input_shape=(5,))
     assert nn.TrainStep(model, nn.SGD(), batch_size=2, loss=name).losses == [means]
+
+
+def test_targets_are_checked_naming_the_output_and_its_loss() -> None:
+    model = nn.Sequential([nn.Dense(1)], input_shape=(5,))
+    step = nn.TrainStep(model, nn.SGD(), batch_size=4, loss="bce_with_logits")
+    params, x = model.init_params(0), np.zeros((4, 5), np.float32)
+    with pytest.raises(ValueError, match=r"^TrainStep: output 0 of model .* \(loss 'bce_with_logits'\) takes targets "
+                                         r"of shape \(4, 1\) and dtype float32, got shape \(4,\); \(N,\) targets "
+                                         r"become \(N, 1\) with y\[:, None\]$"):
+        step(x, np.zeros(4, np.float32), params, {}, 0.1)
+    with pytest.raises(ValueError, match=r"got dtype int64; targets of a loss other than cross-entropy are floats"):
+        step(x, np.zeros((4, 1), np.int64), params, {}, 0.1)
+    with pytest.raises(ValueError, match=r"in \[0, 1\] \(probabilities\); got values in 255.0..255.0: scale them"):
+        step(x, np.full((4, 1), 255, np.float32), params, {}, 0.1)
+    classifier = nn.TrainStep(nn.Sequential([nn.Dense(3)], input_shape=(5,)), nn.SGD(), batch_size=4)
+    with pytest.raises(ValueError, match=r"takes class labels of shape \(4,\) and dtype int64, got dtype float32; "
+                                         r"class indices are integers: a regression or a reconstruction takes "
+                                         r"loss='mse'"):
+        classifier(x, np.zeros(4, np.float32), model.init_params(0), {}, 0.1)
+    with pytest.raises(ValueError, match=r"^TrainStep.run_steps: output 0 .* takes targets of shape \(8, 1\)"):
+        step.run_steps(np.zeros((8, 5), np.float32), np.zeros((8, 2), np.float32), params, {}, 0.1)
+
+
+def test_graph_losses_refuse_targets_that_would_broadcast() -> None:
+    import opgrad
+
+    prediction, target = opgrad.var("p", (5, 1), "float32"), opgrad.var("t", (5,), "float32")
+    with pytest.raises(opgrad.ShapeError, match=r"^mse_loss: prediction of shape \(5, 1\) and target of shape "
+                                                r"\(5,\) differ"):
+        nn.mse_loss(prediction, target)
 
 
 def test_loss_mistakes_are_named() -> None:
@@ -99,6 +146,25 @@ def test_loss_mistakes_are_named() -> None:
         nn.TrainStep(model, nn.SGD(), batch_size=2, loss="hinge")
     with pytest.raises(ValueError, match=r"^GradientStep: loss names 2 loss\(es\) but model .* has 1 output\(s\)"):
         GradientStep(model, batch_size=2, loss=["mse", "l1"])
+    with pytest.raises(TypeError, match=r"^TrainStep: loss must be a name .* got MSELoss MSELoss\(\)\. A loss object "
+                                        r".* is given by its name: loss='mse'"):
+        nn.TrainStep(model, nn.SGD(), batch_size=2, loss=torch.nn.MSELoss())
+    with pytest.raises(TypeError, match=r"^TrainStep: loss is a dict; give one name for every output, or a list"):
+        nn.TrainStep(model, nn.SGD(), batch_size=2, loss={"dense1": "mse"})
+    with pytest.raises(ValueError, match=r"unknown loss 'BCELoss': it takes probabilities; leave the final sigmoid out "
+                                         r"and use loss='bce_with_logits'"):
+        nn.TrainStep(model, nn.SGD(), batch_size=2, loss="BCELoss")
+    with pytest.raises(ValueError, match=r"output 0 is a sigmoid \(probabilities\), and loss 'bce_with_logits' "
+                                         r"applies the sigmoid itself"):
+        nn.TrainStep(nn.Sequential([nn.Dense(1, activation="sigmoid")], input_shape=(5,)), nn.SGD(), batch_size=2,
+                     loss="binary_crossentropy")
+    with pytest.raises(opgrad_errors.ShapeError, match=r"output 0 has one unit, and softmax cross-entropy over one "
+                                                       r"class is 0 whatever the weights; a binary classifier takes "
+                                                       r"loss='bce_with_logits'"):
+        nn.TrainStep(nn.Sequential([nn.Dense(1)], input_shape=(5,)), nn.SGD(), batch_size=2)
+    with pytest.raises(ValueError, match=r"^Trainer trains classifiers .* got loss='mse'; train with another loss by "
+                                         r"nn\.TrainStep\(model, optimizer, batch_size=\.\.\., loss='mse'\)"):
+        nn.Trainer(model, nn.SGD(), loss="mse")
     image_out = nn.Sequential([nn.Conv2D(2, 3, padding="same")], input_shape=(1, 6, 6))
     with pytest.raises(ValueError, match=r"needs class logits \(classes,\); for class scores, put a Flatten\(\).*"
                                          r"takes a loss against targets of its shape: loss='mse'"):

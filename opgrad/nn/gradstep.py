@@ -9,7 +9,7 @@ function does (up to the rounding of the averaged sum).
 
 Signatures (all arrays, fixed shapes)::
 
-    gradients(images[B,...], labels[B], <dropout masks...>, <params...>, <buffers...>)
+    gradients(images[B,...], labels[B] (or targets[B,...]), <dropout masks...>, <params...>, <buffers...>)
         -> (loss[], <grads...>, <new buffers...>)
     update(lr[], <params...>, <grads...>, <optimizer state...>)
         -> (<new params...>, <new optimizer state...>)
@@ -34,6 +34,7 @@ from opgrad.nn.model import Model
 from opgrad.nn.optim import Optimizer
 from opgrad.nn.step import (
     batch_vars,
+    check_targets,
     compile_function,
     label_vars,
     mask_arrays,
@@ -78,6 +79,7 @@ class GradientStep:
         outputs, new_buffers = model.call(inputs, {**params, **buffers},
                                           ForwardContext(training=True, noise=masks, sync_batchnorm=sync_batchnorm))
         labels = label_vars(outputs, self.losses, dtype)
+        self.label_vars = labels
         objective = model_loss(model, outputs, labels, self.losses, loss_weights)
         if self.loss_scale != 1.0:
             objective = ops.multiply(objective, self.loss_scale)
@@ -94,9 +96,11 @@ class GradientStep:
     def __call__(self, images: np.ndarray | Sequence[np.ndarray], labels: np.ndarray | Sequence[np.ndarray],
                  params: Mapping[str, np.ndarray], buffers: Mapping[str, np.ndarray],
                  masks: Mapping[str, np.ndarray] | None = None) -> GradientResult:
+        label_arrays = per_output(labels, len(self.model.outputs))
+        check_targets(self.model, self.losses, self.label_vars, label_arrays, self.batch_size, "GradientStep")
         outputs = self._run(
             *per_input(images, len(self.model.inputs), "input", f"GradientStep: model {self.model.name!r}"),
-            *per_output(labels, len(self.model.outputs)),
+            *label_arrays,
             *mask_arrays(self.mask_names, masks),
             *(params[n] for n in self.param_names), *(buffers[n] for n in self.buffer_names),
         )

@@ -17,6 +17,7 @@ from collections.abc import Callable
 import numpy as np
 
 from opgrad import ops
+from opgrad.errors import ShapeError
 from opgrad.ir import Expr
 
 __all__ = ["CLASS_LABEL_LOSS", "LOSSES", "accuracy", "binary_cross_entropy_with_logits", "check_class_labels",
@@ -28,13 +29,24 @@ def softmax_cross_entropy(logits: Expr, labels: Expr) -> Expr:
     return ops.softmax_cross_entropy(logits, labels)
 
 
+def _same_shape(prediction: Expr, target: Expr, loss: str) -> None:
+    """A ShapeError unless ``target`` has ``prediction``'s shape: a (N, 1) prediction against (N,)
+    targets would broadcast to (N, N) and average the wrong differences (torch only warns)."""
+    if tuple(prediction.shape) != tuple(target.shape):
+        raise ShapeError(f"{loss}: prediction of shape {tuple(prediction.shape)} and target of shape "
+                         f"{tuple(target.shape)} differ; give targets of the prediction's shape (y[:, None] makes "
+                         f"(N,) targets (N, 1))")
+
+
 def mse_loss(prediction: Expr, target: Expr) -> Expr:
     """Mean of ``(prediction - target)**2`` over every element (torch's ``mse_loss``)."""
+    _same_shape(prediction, target, "mse_loss")
     return ops.mean(ops.square(ops.subtract(prediction, target)))
 
 
 def l1_loss(prediction: Expr, target: Expr) -> Expr:
     """Mean of ``|prediction - target|`` over every element (torch's ``l1_loss``, Keras' ``mae``)."""
+    _same_shape(prediction, target, "l1_loss")
     return ops.mean(ops.abs(ops.subtract(prediction, target)))
 
 
@@ -42,6 +54,7 @@ def huber_loss(prediction: Expr, target: Expr, delta: float = 1.0) -> Expr:
     """Mean over every element of ``d**2 / 2`` where ``d = |prediction - target| <= delta``, else
     ``delta * (d - delta / 2)`` (torch's ``huber_loss``): written as ``q**2 / 2 + delta * (d - q)``
     with ``q = min(d, delta)``, one expression with no branch to select."""
+    _same_shape(prediction, target, "huber_loss")
     d = ops.abs(ops.subtract(prediction, target))
     q = ops.minimum(d, delta)
     return ops.mean(ops.add(ops.multiply(ops.square(q), 0.5), ops.multiply(ops.subtract(d, q), delta)))
@@ -50,9 +63,11 @@ def huber_loss(prediction: Expr, target: Expr, delta: float = 1.0) -> Expr:
 def binary_cross_entropy_with_logits(logits: Expr, target: Expr) -> Expr:
     """Mean over every element of ``-(t log sigmoid(x) + (1 - t) log(1 - sigmoid(x)))`` for logits
     ``x`` and targets ``t`` in [0, 1] (torch's ``binary_cross_entropy_with_logits``), computed as
-    ``relu(x) - x t + log(1 + exp(-|x|))``, which never takes the log of a rounded zero."""
-    stable = ops.softplus(ops.negative(ops.abs(logits)))
-    return ops.mean(ops.add(ops.subtract(ops.relu(logits), ops.multiply(logits, target)), stable))
+    ``softplus(x) - x t``: softplus never takes the log of a rounded zero, and its derivative is
+    ``sigmoid(x)`` everywhere (``relu(x) + log(1 + exp(-|x|))``, the same value, has the kinks of
+    relu and abs at 0, where a zero-initialized output layer starts, and loses its 1/2 there)."""
+    _same_shape(logits, target, "binary_cross_entropy_with_logits")
+    return ops.mean(ops.subtract(ops.softplus(logits), ops.multiply(logits, target)))
 
 
 #: The loss that takes integer class labels; every other one takes float targets shaped as the output.
@@ -67,26 +82,49 @@ LOSSES: dict[str, Callable[[Expr, Expr], Expr]] = {
     "bce_with_logits": binary_cross_entropy_with_logits,
 }
 
-#: Other names users bring for the same losses (PyTorch's class names, Keras' strings).
-_ALIASES = {
-    "softmax_cross_entropy": CLASS_LABEL_LOSS, "crossentropy": CLASS_LABEL_LOSS, "crossentropyloss": CLASS_LABEL_LOSS,
-    "sparse_categorical_crossentropy": CLASS_LABEL_LOSS,
-    "mean_squared_error": "mse", "mseloss": "mse",
-    "mae": "l1", "mean_absolute_error": "l1", "l1loss": "l1",
-    "huberloss": "huber", "smooth_l1": "huber",
-    "binary_crossentropy": "bce_with_logits", "bcewithlogitsloss": "bce_with_logits",
-}
+def _folded(name: str) -> str:
+    """``name`` compared as loss names are: case, spaces, ``_`` and ``-`` aside."""
+    return "".join(c for c in name.lower() if c.isalnum())
+
+
+#: Other names users bring for the same losses: PyTorch's functions and classes, Keras' strings and
+#: classes (compared by :func:`_folded`). Keras' binary cross-entropy is taken on logits (its
+#: ``from_logits=True``); smooth L1 equals Huber at PyTorch's default beta = delta = 1.
+_ALIASES = {_folded(alias): loss for loss, aliases in {
+    CLASS_LABEL_LOSS: ("softmax_cross_entropy", "CrossEntropyLoss", "sparse_categorical_crossentropy",
+                       "SparseCategoricalCrossentropy"),
+    "mse": ("mse_loss", "mean_squared_error", "MSELoss", "MeanSquaredError"),
+    "l1": ("l1_loss", "mae", "mean_absolute_error", "L1Loss", "MeanAbsoluteError"),
+    "huber": ("huber_loss", "HuberLoss", "smooth_l1", "smooth_l1_loss", "SmoothL1Loss"),
+    "bce_with_logits": ("binary_cross_entropy_with_logits", "BCEWithLogitsLoss", "binary_crossentropy",
+                        "BinaryCrossentropy"),
+}.items() for alias in (loss, *aliases)}
+
+#: Losses users ask for that take what the step's outputs are not, and what to use instead.
+_NOT_ON_LOGITS = {
+    _folded(name): hint for names, hint in (
+        (("categorical_crossentropy", "CategoricalCrossentropy"),
+         "it takes one-hot rows; give class indices (labels.argmax(axis=1)) with loss='cross_entropy'"),
+        (("BCELoss", "binary_cross_entropy"),
+         "it takes probabilities; leave the final sigmoid out and use loss='bce_with_logits'"),
+        (("nll_loss", "NLLLoss"), "it takes log-probabilities; leave the final log_softmax out and use "
+                                  "loss='cross_entropy'"),
+    ) for name in names}
 
 
 def loss_name(name: object, who: str) -> str:
-    """The :data:`LOSSES` key ``name`` means (case and ``_``/spaces aside); a ValueError naming ``who``
-    and the choices otherwise. Keras' ``binary_crossentropy`` is taken on logits (its
+    """The :data:`LOSSES` key ``name`` means (case, spaces, ``_`` and ``-`` aside); a ValueError naming
+    ``who`` and the choices otherwise. Keras' ``binary_crossentropy`` is taken on logits (its
     ``from_logits=True``): train a model without its final sigmoid."""
-    key = str(name).strip().lower().replace(" ", "_").replace("-", "_") if isinstance(name, str) else ""
-    key = _ALIASES.get(key, _ALIASES.get(key.replace("_", ""), key))
-    if key not in LOSSES:
-        raise ValueError(f"{who}: unknown loss {name!r}; expected one of {', '.join(LOSSES)} (or a list of them, one "
-                         f"per output)")
+    if not isinstance(name, str):
+        raise TypeError(f"{who}: loss must be a name (one of {', '.join(LOSSES)}) or a list of names, one per "
+                        f"output; got {type(name).__name__} {name!r}. A loss object (torch.nn.MSELoss(), "
+                        f"keras.losses.MeanSquaredError()) is given by its name: loss='mse'")
+    key = _ALIASES.get(_folded(name))
+    if key is None:
+        hint = _NOT_ON_LOGITS.get(_folded(name))
+        raise ValueError(f"{who}: unknown loss {name!r}" + (f": {hint}" if hint else "") +
+                         f"; expected one of {', '.join(LOSSES)} (or a list of them, one per output)")
     return key
 
 

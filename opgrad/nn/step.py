@@ -7,7 +7,7 @@ with numpy, which is what makes backend parity testable step by step.
 
 Signature of the training function (all arrays, fixed shapes)::
 
-    train(images[B,C,H,W], labels[B]:int64, <dropout masks...>, lr[], <params...>, <state...>)
+    train(images[B,C,H,W], labels[B]:int64 (or targets[B,...]), <dropout masks...>, lr[], <params...>, <state...>)
         -> (loss[], <new params...>, <new state...>)
 
 ``state`` is the optimizer's state followed by the model's buffers (``BatchNorm2D``'s running
@@ -163,6 +163,7 @@ class TrainStep:
         outputs, new_buffers = model.call(inputs, {**params, **buffers},
                                           ForwardContext(training=True, noise=masks))
         labels = label_vars(outputs, self.losses, dtype)
+        self.label_vars = labels
         objective = model_loss(model, outputs, labels, self.losses, loss_weights)
         grads = dict(zip(params, gradients(objective, list(params.values()))))
         new_params, new_state = optimizer.update(params, grads, opt_state, lr)
@@ -241,9 +242,11 @@ class TrainStep:
         Without it nothing passed is modified. The reference backend always returns new arrays."""
         inputs = per_input(images, len(self.model.inputs), "input", f"TrainStep: model {self.model.name!r}")
         self.check_batch(inputs, self.batch_size, "TrainStep")
+        label_arrays = per_output(labels, len(self.model.outputs))
+        check_targets(self.model, self.losses, self.label_vars, label_arrays, self.batch_size, "TrainStep")
         arrays = (
             *inputs,
-            *per_output(labels, len(self.model.outputs)),
+            *label_arrays,
             *mask_arrays(self.mask_names, masks), np.asarray(lr, dtype=self.dtype),
             *self.named_arrays(params, state),
         )
@@ -297,6 +300,7 @@ class TrainStep:
                                  f"(step i trains on rows i*{b} .. i*{b}+{b - 1})")
         steps = rows_given // b
         self.check_batch(inputs, steps * b, "TrainStep.run_steps")
+        check_targets(self.model, self.losses, self.label_vars, label_arrays, steps * b, "TrainStep.run_steps")
         lrs = np.asarray(lr, dtype=self.dtype)
         lrs = np.full(steps, lrs, self.dtype) if lrs.ndim == 0 else lrs
         if lrs.shape != (steps,):
@@ -372,7 +376,10 @@ def check_loss_weights(model: Model, loss_weights: Sequence[float] | None) -> No
 def resolve_losses(model: Model, loss: str | Sequence[str], who: str) -> list[str]:
     """One :data:`~opgrad.nn.losses.LOSSES` name per output of ``model``: ``loss`` names one for
     every output, or is a list of one per output; a ValueError naming ``who`` otherwise."""
-    names = [loss] * len(model.outputs) if isinstance(loss, str) else list(loss)
+    if isinstance(loss, Mapping):
+        raise TypeError(f"{who}: loss is a dict; give one name for every output, or a list of names in the order "
+                        f"of model {model.name!r}'s outputs")
+    names = [loss] * len(model.outputs) if isinstance(loss, str) or not isinstance(loss, (list, tuple)) else list(loss)
     if len(names) != len(model.outputs):
         raise ValueError(f"{who}: loss names {len(names)} loss(es) but model {model.name!r} has "
                          f"{len(model.outputs)} output(s); give one name, or one per output")
@@ -385,8 +392,17 @@ def model_loss(model: Model, outputs: Sequence[Expr], labels: Sequence[Var], los
     check_loss_weights(model, loss_weights)
     weights = [1.0] * len(outputs) if loss_weights is None else [float(w) for w in loss_weights]
     for i, (out, loss) in enumerate(zip(outputs, losses, strict=True)):
+        if loss == "bce_with_logits" and isinstance(out, Call) and out.op.name == "sigmoid":
+            raise ValueError(f"model {model.name!r}: output {i} is a sigmoid (probabilities), and loss "
+                             "'bce_with_logits' applies the sigmoid itself, so it would apply it twice (Keras' "
+                             "binary_crossentropy on a sigmoid output is its from_logits=False); train the model "
+                             "without its final sigmoid, and take the sigmoid of predict's logits")
         if loss != CLASS_LABEL_LOSS:
             continue
+        if out.ndim == 2 and out.shape[1] == 1:
+            raise ShapeError(f"model {model.name!r}: output {i} has one unit, and softmax cross-entropy over one class "
+                             "is 0 whatever the weights; a binary classifier takes loss='bce_with_logits' with "
+                             "float 0/1 targets of shape (N, 1), a regression loss='mse' (or 'l1', 'huber')")
         if out.ndim != 2:
             # A Dense runs over the last axis of each example (PyTorch's Linear), so one on an
             # image gives a score per row of pixels rather than per image.
@@ -410,6 +426,32 @@ def model_loss(model: Model, outputs: Sequence[Expr], labels: Sequence[Var], los
         total = weighted if total is None else ops.add(total, weighted)
     assert total is not None
     return total
+
+
+def check_targets(model: Model, losses: Sequence[str], label_vars_: Sequence[Var], arrays: Sequence[np.ndarray],
+                  rows: int, who: str) -> None:
+    """A ValueError naming the output, its loss and what it takes where a label or target array is not
+    ``rows`` examples of the right shape and dtype (the function's own check names only the
+    argument), or where targets of ``bce_with_logits`` leave [0, 1]."""
+    for i, (loss, want, array) in enumerate(zip(losses, label_vars_, arrays, strict=True)):
+        array = np.asarray(array)
+        shape, dtype = (rows, *want.shape[1:]), np.dtype(want.dtype)
+        what = "class labels" if loss == CLASS_LABEL_LOSS else "targets"
+        head = f"{who}: output {i} of model {model.name!r} (loss {loss!r}) takes {what} of shape {shape} and dtype " \
+               f"{dtype}"
+        if array.shape != shape:
+            hint = ("; (N,) targets become (N, 1) with y[:, None]" if array.shape == shape[:1] and shape[1:] == (1,)
+                    else "")
+            raise ValueError(f"{head}, got shape {array.shape}{hint}")
+        if array.dtype != dtype:
+            hint = ("; class indices are integers: a regression or a reconstruction takes loss='mse' (or 'l1', "
+                    "'huber', 'bce_with_logits')" if loss == CLASS_LABEL_LOSS and array.dtype.kind == "f" else
+                    "; targets of a loss other than cross-entropy are floats" if array.dtype.kind in "iub" else "")
+            raise ValueError(f"{head}, got dtype {array.dtype}{hint}" +
+                             ("" if hint else f"; convert it with .astype(np.{dtype})"))
+        if loss == "bce_with_logits" and array.size and not (array.min() >= 0 and array.max() <= 1):
+            raise ValueError(f"{head}, in [0, 1] (probabilities); got values in {array.min()}..{array.max()}: "
+                             "scale them (pixels / 255)")
 
 
 def batch_vars(model: Model, batch_size: int, dtype: str) -> tuple[list[Var], dict[str, Var]]:

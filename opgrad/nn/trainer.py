@@ -28,7 +28,7 @@ from opgrad.checkpoint import CheckpointError, json_default
 from opgrad.data import iterate_batches
 from opgrad.errors import NonFiniteLossError, ShapeError
 from opgrad.history import TrainingHistory
-from opgrad.nn.losses import accuracy, check_class_labels, cross_entropy_numpy
+from opgrad.nn.losses import CLASS_LABEL_LOSS, accuracy, check_class_labels, cross_entropy_numpy
 from opgrad.nn.model import Model
 from opgrad.nn.optim import Optimizer
 from opgrad.nn.schedules import LRSchedule, Schedule, constant_lr, cosine_lr
@@ -40,6 +40,7 @@ from opgrad.nn.step import (
     check_batch_inputs,
     check_loss_weights,
     check_optimizer,
+    resolve_losses,
 )
 
 __all__ = ["Inputs", "LRSchedule", "Labels", "Trainer", "affine_images", "constant_lr", "cosine_lr", "cut_labels",
@@ -215,7 +216,14 @@ class Trainer:
                  batch_size: int = 32, seed: int = 0, dtype: str = "float32", backend: str = "reference",
                  eval_batch_size: int = 100, augment_shift: int = 0, augment_rotate: float = 0.0,
                  augment_scale: float = 0.0, params: Mapping[str, np.ndarray] | None = None,
-                 stop_on_nan: bool = True, loss_weights: Sequence[float] | None = None) -> None:
+                 stop_on_nan: bool = True, loss_weights: Sequence[float] | None = None,
+                 loss: str | Sequence[str] = CLASS_LABEL_LOSS) -> None:
+        losses = resolve_losses(model, loss, "Trainer")
+        if any(name != CLASS_LABEL_LOSS for name in losses):
+            # Its labels are class indices and its evaluation reports accuracy.
+            raise ValueError(f"Trainer trains classifiers (softmax cross-entropy; evaluate reports accuracy), got "
+                             f"loss={loss!r}; train with another loss by nn.TrainStep(model, optimizer, "
+                             f"batch_size=..., loss={loss!r}), called per batch or through run_steps")
         _check_positive_int("batch_size", batch_size)
         _check_positive_int("eval_batch_size", eval_batch_size)
         if isinstance(augment_shift, bool) or not isinstance(augment_shift, (int, np.integer)) or augment_shift < 0:
