@@ -510,6 +510,37 @@ def test_dense_over_a_sequence_predicts_like_keras(tmp_path: Path, monkeypatch: 
         np.testing.assert_allclose(model.predict(x, backend=backend), expected, atol=1e-5, rtol=0)
 
 
+SEQUENCE_VARIANTS = {
+    "conv1d_valid_strided": lambda layers: layers.Conv1D(4, 3, strides=2, activation="relu"),
+    "conv1d_valid_dilated": lambda layers: layers.Conv1D(4, 3, dilation_rate=2),
+    "conv1d_same_even_kernel_grouped": lambda layers: layers.Conv1D(6, 4, padding="same", groups=3, use_bias=False),
+    "conv1d_causal": lambda layers: layers.Conv1D(5, 3, padding="causal", dilation_rate=2, activation="tanh"),
+    "maxpool1d_same": lambda layers: layers.MaxPooling1D(3, strides=2, padding="same"),
+    "avgpool1d_valid": lambda layers: layers.AveragePooling1D(2),
+    "global_average_pooling1d": lambda layers: layers.GlobalAveragePooling1D(),
+    "global_max_pooling1d_keepdims": lambda layers: layers.GlobalMaxPooling1D(keepdims=True),
+}
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # Keras' own numpy 2 deprecations
+@pytest.mark.parametrize("variant", SEQUENCE_VARIANTS)
+def test_sequence_layers_predict_like_keras(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, variant: str) -> None:
+    # Keras' sequences are (steps, channels); the imported model takes them so, and its 1-D layers
+    # run over (channels, length) between transposes.
+    generator = _generator(monkeypatch)
+    import keras
+
+    inp = keras.Input((11, 6))
+    keras_model = keras.Model(inp, keras.layers.Dense(3)(SEQUENCE_VARIANTS[variant](keras.layers)(inp)))
+    generator.randomize(keras_model, seed=5)
+    x = np.random.default_rng(5).standard_normal((2, 11, 6)).astype(np.float32)
+    expected = np.asarray(keras_model.predict(x, verbose=0))
+    keras_model.save(tmp_path / "sequence.keras")
+    model = load(tmp_path / "sequence.keras", keep_softmax=True)
+    for backend in ("reference", "llvm"):
+        np.testing.assert_allclose(model.predict(x, backend=backend), expected, atol=1e-5, rtol=0)
+
+
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")  # Keras' own numpy 2 deprecations
 def test_fixtures_regenerate_identically(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     expected = _generator(monkeypatch).generate(tmp_path)

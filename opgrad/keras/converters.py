@@ -18,9 +18,11 @@ from opgrad.nn.layers import (
     ELU,
     GELU,
     Add,
+    AvgPool1D,
     AvgPool2D,
     BatchNorm2D,
     Concatenate,
+    Conv1D,
     Conv2D,
     Conv2DTranspose,
     Dense,
@@ -32,6 +34,7 @@ from opgrad.nn.layers import (
     Hardswish,
     LayerNorm,
     LeakyReLU,
+    MaxPool1D,
     MaxPool2D,
     ReLU,
     Rescaling,
@@ -42,7 +45,7 @@ from opgrad.nn.layers import (
     Tanh,
     UpSampling2D,
 )
-from opgrad.nn.ops_layers import Arithmetic, Clip, Elementwise
+from opgrad.nn.ops_layers import Arithmetic, Clip, Elementwise, Pad, Reduce
 from opgrad.nn.reshaping import Permute, Reshape, ZeroPadding2D
 
 __all__ = ["ACTIVATIONS", "CONVERTERS"]
@@ -256,6 +259,80 @@ def conv2d_transpose(call: LayerCall, inputs: list[Tensor]) -> Tensor:
     if use_bias:
         call.set_param(layer, "bias", weights["bias"])
     return _activate(call, out, act) if act not in _FUSED else out
+
+
+# ----- sequences: Keras' (steps, channels), opgrad's 1-D layers' (channels, length) -----
+
+
+def _sequence(call: LayerCall, inputs: list[Tensor]) -> Tensor:
+    tensor = call.to_keras_order(_one(call, inputs))
+    if tensor.keras_rank != 2:
+        raise call.fail(f"needs a sequence input (steps, channels), got shape {tensor.keras_shape}")
+    call.channels_last()
+    return tensor
+
+
+def _single(call: LayerCall, key: str, default: Any = None) -> int:
+    value = call.take(key) if default is None else call.take(key, default)
+    items = value if isinstance(value, (list, tuple)) else [value]
+    if len(items) != 1 or not isinstance(items[0], int) or isinstance(items[0], bool) or items[0] < 1:
+        raise call.unsupported(key, value, "one positive int")
+    return int(items[0])
+
+
+def _on_channels(call: LayerCall, tensor: Tensor, layers: list[Any]) -> Tensor:
+    """``layers`` (opgrad's 1-D layers, over ``(channels, length)``) applied to the ``(steps, channels)``
+    ``tensor`` between two transposes; the result is in Keras' order again."""
+    steps, channels = tensor.keras_shape
+    # Between the transposes the opgrad tensor is (channels, length); no other converter sees it.
+    x = call.add(Permute((2, 1)), tensor, "keras", (channels, steps), suffix="to_ncl")
+    for layer in layers:
+        x = call.add(layer, x, "keras", (0,), suffix=layer.kind)
+    out_channels, length = x.sym.shape
+    return call.add(Permute((2, 1)), x, "keras", (length, out_channels), suffix="to_nlc")
+
+
+def conv1d(call: LayerCall, inputs: list[Tensor]) -> Tensor:
+    tensor = _sequence(call, inputs)
+    c = tensor.keras_shape[1]
+    k, stride, dilation = _single(call, "kernel_size"), _single(call, "strides", 1), _single(call, "dilation_rate", 1)
+    padding = call.choose("padding", ("valid", "same", "causal"), "valid")
+    filters, groups = int(call.take("filters")), int(call.take("groups", 1))
+    use_bias, act = _use_bias(call), _activation_name(call)
+    call.choose("lora_rank", (None, 0), None)
+    if groups < 1 or c % groups or filters % groups:
+        raise call.fail(f"groups={groups} does not divide {c} input channels and {filters} filters")
+    weights = call.weights({"kernel": (k, c // groups, filters), **({"bias": (filters,)} if use_bias else {})})
+    layers: list[Any] = []
+    if padding == "causal":  # zeros before the sequence only: output t sees inputs up to t
+        layers.append(Pad([(0, 0), (dilation * (k - 1), 0)]))
+    conv = Conv1D(filters, k, stride, "valid" if padding == "causal" else padding, dilation_rate=dilation,
+                  groups=groups, activation=_fused(act), use_bias=use_bias)
+    layers.append(conv)
+    out = _on_channels(call, tensor, layers)
+    call.set_param(conv, "weight", weights["kernel"].transpose(2, 1, 0))  # (k, in, out) -> (out, in, k)
+    if use_bias:
+        call.set_param(conv, "bias", weights["bias"])
+    return _activate(call, out, act) if act not in _FUSED else out
+
+
+def _pool1d(kind: type[MaxPool1D] | type[AvgPool1D]) -> Converter:
+    def convert(call: LayerCall, inputs: list[Tensor]) -> Tensor:
+        tensor = _sequence(call, inputs)
+        size = _single(call, "pool_size", 2)
+        stride = size if call.take("strides", None) is None else _single(call, "strides")
+        return _on_channels(call, tensor, [kind(size, strides=stride, padding=_padding(call))])
+    return convert
+
+
+def _global_pooling1d(op: str) -> Converter:
+    def convert(call: LayerCall, inputs: list[Tensor]) -> Tensor:
+        tensor = _sequence(call, inputs)
+        keepdims = bool(call.take("keepdims", False))
+        c = tensor.keras_shape[1]
+        # Over Keras' steps axis, which the (steps, channels) tensor holds as its first example axis.
+        return call.add(Reduce(op, [1], keepdims=keepdims), tensor, "keras", (1, c) if keepdims else (c,))
+    return convert
 
 
 # ----- pooling and resizing -----
@@ -525,9 +602,11 @@ def concatenate(call: LayerCall, inputs: list[Tensor]) -> Tensor:
 CONVERTERS: dict[str, Converter] = {
     "Activation": activation,
     "Add": add,
+    "AveragePooling1D": _pool1d(AvgPool1D),
     "AveragePooling2D": _pool(AvgPool2D),
     "BatchNormalization": batch_normalization,
     "Concatenate": concatenate,
+    "Conv1D": conv1d,
     "Conv2D": conv2d,
     "Conv2DTranspose": conv2d_transpose,
     "DepthwiseConv2D": depthwise_conv2d,
@@ -535,9 +614,12 @@ CONVERTERS: dict[str, Converter] = {
     "Dropout": dropout,
     "Embedding": embedding,
     "Flatten": flatten,
+    "GlobalAveragePooling1D": _global_pooling1d("mean"),
     "GlobalAveragePooling2D": global_average_pooling2d,
+    "GlobalMaxPooling1D": _global_pooling1d("max"),
     "LayerNormalization": layer_normalization,
     "LeakyReLU": leaky_relu,
+    "MaxPooling1D": _pool1d(MaxPool1D),
     "MaxPooling2D": _pool(MaxPool2D),
     "Permute": permute,
     "ReLU": relu,
