@@ -383,6 +383,7 @@ def test_model_save_and_load_every_layer_kind(tmp_path: Path) -> None:
     series = nn.Input((2, 12))
     line = nn.AvgPool1D(2, padding=1, ceil_mode=True)(nn.MaxPool1D(3, strides=2, padding="same")(
         nn.Conv1D(3, 3, strides=2, padding=1, dilation_rate=2, groups=1, activation="tanh")(series)))
+    line = nn.MultiHeadAttention(3, causal=True)(nn.Permute((2, 1))(line))
     pooled = nn.Add()([pooled, nn.Dense(2)(nn.Flatten()(line))])
     model = nn.Model([inp, tokens, series], [nn.Add()([out, pooled])], name="every")
     kinds = {layer.kind for layer in model.layers}

@@ -43,7 +43,7 @@ import numpy as np
 
 from opgrad import ops
 from opgrad.errors import ShapeError
-from opgrad.ir import Expr
+from opgrad.ir import Expr, const
 from opgrad.nn.init import Initializer, get_initializer, initializer_name, ones, zeros
 from opgrad.registry._pooling import pool_padding_problem, pooled_hw
 from opgrad.registry.conv2d import conv_output_size, transpose_output_size
@@ -78,6 +78,7 @@ __all__ = [
     "LeakyReLU",
     "MaxPool1D",
     "MaxPool2D",
+    "MultiHeadAttention",
     "Node",
     "PReLU",
     "ParamSpec",
@@ -1498,6 +1499,89 @@ class Embedding(Layer):
 
 
 # ----- merging -----
+
+
+class MultiHeadAttention(Layer):
+    """Multi-head scaled dot-product self-attention over a sequence ``(length, embed)``.
+
+    PyTorch's ``nn.MultiheadAttention(embed, num_heads, batch_first=True)`` called as
+    ``mha(x, x, x)`` (Keras' ``MultiHeadAttention`` on one input with ``key_dim = embed /
+    num_heads``): queries, keys and values are projections of the input, each head attends with
+    ``softmax(q k^T / sqrt(head_dim))``, and the heads' outputs are projected back to ``embed``.
+    ``causal=True`` hides from each position the positions after it (a decoder's mask, PyTorch's
+    ``is_causal``). The parameters are PyTorch's: ``in_proj_weight (3E, E)`` (queries, keys,
+    values stacked), ``in_proj_bias (3E,)``, ``out_proj_weight (E, E)``, ``out_proj_bias (E,)``.
+    It runs on registered ops (``dense``, ``batch_matmul``, ``softmax``), so it is differentiated and
+    compiled as any other layer.
+    """
+
+    kind = "multiheadattention"
+    #: What a hidden score becomes before the softmax: exp of it is 0 in float32 and float64,
+    #: with no infinity in the arithmetic (PyTorch adds -inf).
+    MASKED = -1e30
+
+    def __init__(self, num_heads: int, *, causal: bool = False, use_bias: bool = True,
+                 kernel_initializer: str | Initializer = "glorot_uniform",
+                 bias_initializer: str | Initializer = "zeros", name: str | None = None) -> None:
+        super().__init__(name)
+        if as_int(num_heads, "MultiHeadAttention num_heads") < 1:
+            raise ValueError(f"MultiHeadAttention num_heads must be >= 1, got {num_heads}")
+        if not isinstance(causal, (bool, np.bool_)):
+            raise ValueError(f"MultiHeadAttention causal must be True or False, got {causal!r}")
+        self.num_heads, self.causal, self.use_bias = int(num_heads), bool(causal), bool(use_bias)
+        self.kernel_init = get_initializer(kernel_initializer)
+        self.bias_init = get_initializer(bias_initializer)
+
+    def get_config(self) -> dict[str, Any]:
+        return {"num_heads": self.num_heads, "causal": self.causal, "use_bias": self.use_bias,
+                "kernel_initializer": _init_config(self.kernel_init), "bias_initializer": _init_config(self.bias_init)}
+
+    def config(self) -> str:
+        return f"{self.num_heads} heads" + (", causal" if self.causal else "")
+
+    def output_shape_for(self, input_shape: Shape) -> Shape:
+        if len(input_shape) != 2:
+            raise self._shape_error(input_shape, "MultiHeadAttention needs a sequence (length, embed)")
+        if input_shape[1] % self.num_heads:
+            raise self._shape_error(input_shape, f"embed {input_shape[1]} does not split into {self.num_heads} heads")
+        return tuple(input_shape)
+
+    def param_specs(self) -> dict[str, ParamSpec]:
+        assert self.input_shape is not None, "build() first"
+        e = self.input_shape[1]
+        specs = {"in_proj_weight": ParamSpec((3 * e, e), self.kernel_init),
+                 "out_proj_weight": ParamSpec((e, e), self.kernel_init)}
+        if self.use_bias:
+            specs["in_proj_bias"] = ParamSpec((3 * e,), self.bias_init)
+            specs["out_proj_bias"] = ParamSpec((e,), self.bias_init)
+        return specs
+
+    def apply(self, x: Expr, params: Mapping[str, Expr], ctx: ForwardContext) -> Expr:
+        n, length, e = x.shape
+        heads, d = self.num_heads, e // self.num_heads
+        rows = ops.reshape(x, shape=(n * length, e))
+
+        def projected(part: int) -> Expr:
+            """Queries (0), keys (1) or values (2) as ``(n * heads, length, d)``."""
+            w = ops.strided_slice(params["in_proj_weight"], begin=[part * e, 0], end=[(part + 1) * e, e])
+            y = ops.dense(rows, w)
+            if self.use_bias:
+                y = ops.bias_add(y, ops.strided_slice(params["in_proj_bias"], begin=[part * e], end=[(part + 1) * e]),
+                                 axis=1)
+            heads_first = ops.transpose(ops.reshape(y, shape=(n, length, heads, d)), axes=(0, 2, 1, 3))
+            return ops.reshape(heads_first, shape=(n * heads, length, d))
+
+        q, k, v = projected(0), projected(1), projected(2)
+        scores = ops.multiply(ops.batch_matmul(q, ops.transpose(k, axes=(0, 2, 1))), 1.0 / math.sqrt(d))
+        if self.causal:
+            hidden = np.triu(np.full((length, length), self.MASKED), k=1).astype(x.dtype)
+            scores = ops.add(scores, const(hidden))
+        attended = ops.batch_matmul(ops.softmax(scores, axis=-1), v)
+        merged = ops.transpose(ops.reshape(attended, shape=(n, heads, length, d)), axes=(0, 2, 1, 3))
+        y = ops.dense(ops.reshape(merged, shape=(n * length, e)), params["out_proj_weight"])
+        if self.use_bias:
+            y = ops.bias_add(y, params["out_proj_bias"], axis=1)
+        return ops.reshape(y, shape=(n, length, e))
 
 
 class Add(Layer):

@@ -1,0 +1,116 @@
+"""MultiHeadAttention against torch.nn.MultiheadAttention: outputs and every gradient, both backends,
+and a small transformer encoder block trained a few steps."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+from optional import require
+
+torch = require("torch", "attention is compared with torch.nn.MultiheadAttention (pip install torch==2.13.0)")
+
+import opgrad  # noqa: E402
+from opgrad import nn, ops  # noqa: E402
+
+
+def _torch_attention(params: dict[str, np.ndarray], embed: int, heads: int) -> object:
+    mha = torch.nn.MultiheadAttention(embed, heads, batch_first=True).double()
+    with torch.no_grad():
+        mha.in_proj_weight.copy_(torch.tensor(params["att.in_proj_weight"]))
+        mha.in_proj_bias.copy_(torch.tensor(params["att.in_proj_bias"]))
+        mha.out_proj.weight.copy_(torch.tensor(params["att.out_proj_weight"]))
+        mha.out_proj.bias.copy_(torch.tensor(params["att.out_proj_bias"]))
+    return mha
+
+
+@pytest.mark.parametrize("backend", ["reference", "llvm"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_self_attention_and_its_gradients_equal_torchs(causal: bool, backend: str) -> None:
+    n, length, embed, heads = 3, 5, 8, 2
+    model = nn.Sequential([nn.MultiHeadAttention(heads, causal=causal, name="att")], input_shape=(length, embed))
+    rng = np.random.default_rng(11)
+    params = {k: v + 0.1 * rng.standard_normal(v.shape) for k, v in model.init_params(0, "float64").items()}
+    x, cotangent = rng.standard_normal((n, length, embed)), rng.standard_normal((n, length, embed))
+    mha = _torch_attention(params, embed, heads)
+    xt = torch.tensor(x, requires_grad=True)
+    mask = torch.nn.Transformer.generate_square_subsequent_mask(length, dtype=torch.float64) if causal else None
+    yt, _ = mha(xt, xt, xt, need_weights=False, attn_mask=mask, is_causal=causal)  # type: ignore[operator]
+    yt.backward(torch.tensor(cotangent))
+
+    images = opgrad.var("x", x.shape, "float64")
+    variables = {k: opgrad.var(k, v.shape, "float64") for k, v in params.items()}
+    out = model.forward(images, variables)
+    loss = ops.sum(ops.multiply(out, opgrad.const(cotangent)))
+    fn = opgrad.function([images, *variables.values()], [out, *opgrad.gradients(loss, [images, *variables.values()])])
+    y, dx, *grads = nn.compile_function(fn, backend)(x, *params.values())
+    np.testing.assert_allclose(y, yt.detach().numpy(), rtol=1e-11, atol=1e-12)
+    np.testing.assert_allclose(dx, xt.grad.numpy(), rtol=1e-10, atol=1e-12)
+    expected = {"att.in_proj_weight": mha.in_proj_weight.grad, "att.in_proj_bias": mha.in_proj_bias.grad,
+                "att.out_proj_weight": mha.out_proj.weight.grad, "att.out_proj_bias": mha.out_proj.bias.grad}
+    for name, grad in zip(variables, grads, strict=True):
+        np.testing.assert_allclose(grad, expected[name].numpy(), rtol=1e-10, atol=1e-12, err_msg=name)
+
+
+def _encoder(length: int, embed: int, classes: int) -> nn.Model:
+    tokens = nn.Input((length,), dtype="int64")
+    x = nn.Embedding(20, embed, name="emb")(tokens)
+    x = nn.LayerNorm(name="ln1")(nn.Add()([x, nn.MultiHeadAttention(2, name="att")(x)]))
+    h = nn.Dense(2 * embed, activation="gelu", name="ff1")(x)
+    x = nn.LayerNorm(name="ln2")(nn.Add()([x, nn.Dense(embed, name="ff2")(h)]))
+    return nn.Model(tokens, nn.Dense(classes, name="head")(nn.Reduce("mean", [1], keepdims=False)(x)))
+
+
+@pytest.mark.parametrize("backend", ["reference", "llvm"])
+def test_a_transformer_encoder_block_trains_as_torchs(backend: str) -> None:
+    length, embed, classes = 6, 8, 3
+    model = _encoder(length, embed, classes)
+    params = model.init_params(1)
+    rng = np.random.default_rng(12)
+    tokens, labels = rng.integers(0, 20, (4, length)), rng.integers(0, classes, 4)
+
+    emb = torch.nn.Embedding(20, embed)
+    mha = torch.nn.MultiheadAttention(embed, 2, batch_first=True)
+    ln1, ln2 = torch.nn.LayerNorm(embed), torch.nn.LayerNorm(embed)
+    ff1, ff2, head = torch.nn.Linear(embed, 2 * embed), torch.nn.Linear(2 * embed, embed), torch.nn.Linear(embed, 3)
+    modules = {"emb": emb, "ln1": ln1, "ln2": ln2, "ff1": ff1, "ff2": ff2, "head": head}
+    with torch.no_grad():
+        for name, value in params.items():
+            owner, local = name.split(".", 1)
+            if owner == "att":
+                target = mha.out_proj.weight if local == "out_proj_weight" else mha.out_proj.bias \
+                    if local == "out_proj_bias" else getattr(mha, local)
+            else:
+                target = getattr(modules[owner], local)
+            target.copy_(torch.tensor(value))
+    every = [p for m in (*modules.values(), mha) for p in m.parameters()]
+    opt = torch.optim.Adam(every, lr=0.01)
+    step = nn.TrainStep(model, nn.Adam(), batch_size=4, backend=backend)
+    state = nn.Adam().init_state(params)
+    for _ in range(3):
+        result = step(tokens, labels, params, state, 0.01)
+        params, state = result.params, result.state
+        opt.zero_grad()
+        x = emb(torch.tensor(tokens))
+        x = ln1(x + mha(x, x, x, need_weights=False)[0])
+        x = ln2(x + ff2(torch.nn.functional.gelu(ff1(x))))
+        loss = torch.nn.functional.cross_entropy(head(x.mean(dim=1)), torch.tensor(labels))
+        loss.backward()
+        opt.step()
+        np.testing.assert_allclose(result.loss, loss.item(), rtol=2e-5)
+    np.testing.assert_allclose(params["att.in_proj_weight"], mha.in_proj_weight.detach().numpy(), atol=2e-5)
+    np.testing.assert_allclose(params["head.weight"], head.weight.detach().numpy(), atol=2e-5)
+
+
+def test_attention_saves_describes_and_refuses_what_it_cannot_take(tmp_path: Path) -> None:
+    model = nn.Sequential([nn.MultiHeadAttention(4, causal=True)], input_shape=(7, 8))
+    assert "4 heads, causal" in str(model)
+    model.save(tmp_path / "att.npz")
+    x = np.random.default_rng(13).standard_normal((2, 7, 8)).astype(np.float32)
+    np.testing.assert_array_equal(nn.load_model(tmp_path / "att.npz").predict(x, backend="reference"),
+                                  model.predict(x, backend="reference"))
+    with pytest.raises(opgrad.ShapeError, match=r"embed 8 does not split into 3 heads"):
+        nn.Sequential([nn.MultiHeadAttention(3)], input_shape=(7, 8))
+    with pytest.raises(opgrad.ShapeError, match=r"MultiHeadAttention needs a sequence \(length, embed\)"):
+        nn.Sequential([nn.MultiHeadAttention(2)], input_shape=(8,))
