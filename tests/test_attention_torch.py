@@ -114,3 +114,55 @@ def test_attention_saves_describes_and_refuses_what_it_cannot_take(tmp_path: Pat
         nn.Sequential([nn.MultiHeadAttention(3)], input_shape=(7, 8))
     with pytest.raises(opgrad.ShapeError, match=r"MultiHeadAttention needs a sequence \(length, embed\)"):
         nn.Sequential([nn.MultiHeadAttention(2)], input_shape=(8,))
+
+
+@pytest.mark.parametrize("backend", ["reference", "llvm"])
+def test_next_token_cross_entropy_over_every_position_equals_torchs(backend: str) -> None:
+    # A language model's loss: logits (N, length, vocab) against a token per position, the mean over
+    # every position (PyTorch: cross_entropy(logits.view(-1, vocab), targets.view(-1))).
+    from opgrad.nn.gradstep import GradientStep
+
+    length, embed, vocab = 6, 8, 11
+    tokens = nn.Input((length,), dtype="int64")
+    x = nn.Embedding(vocab, embed, name="emb")(tokens)
+    x = nn.Add()([x, nn.MultiHeadAttention(2, causal=True, name="att")(x)])
+    model = nn.Model(tokens, nn.Dense(vocab, name="head")(x))
+    params = model.init_params(2, "float64")
+    rng = np.random.default_rng(14)
+    sequence = rng.integers(0, vocab, (3, length + 1))
+    result = GradientStep(model, batch_size=3, dtype="float64", backend=backend)(
+        sequence[:, :-1], sequence[:, 1:], params, {})
+    t = {k: torch.tensor(v, requires_grad=True) for k, v in params.items()}
+    mha = _torch_attention({k: v.detach().numpy() for k, v in t.items()}, embed, 2)
+    e = torch.nn.functional.embedding(torch.tensor(sequence[:, :-1]), t["emb.weight"])
+    mask = torch.nn.Transformer.generate_square_subsequent_mask(length, dtype=torch.float64)
+    h = e + mha(e, e, e, need_weights=False, attn_mask=mask, is_causal=True)[0]  # type: ignore[operator]
+    logits = h @ t["head.weight"].T + t["head.bias"]
+    loss = torch.nn.functional.cross_entropy(logits.reshape(-1, vocab), torch.tensor(sequence[:, 1:]).reshape(-1))
+    loss.backward()
+    np.testing.assert_allclose(result.loss, loss.item(), rtol=1e-12)
+    for name in ("emb.weight", "head.weight", "head.bias"):
+        np.testing.assert_allclose(result.grads[name], t[name].grad.numpy(), rtol=1e-9, atol=1e-12, err_msg=name)
+    with pytest.raises(ValueError, match=r"takes class labels of shape \(3, 6\) and dtype int64, got shape \(3,\); the "
+                                         r"output gives classes per position of a sequence: one label per position"):
+        nn.TrainStep(model, nn.SGD(), batch_size=3)(sequence[:, :-1], sequence[:, 0], model.init_params(0), {}, 0.1)
+
+
+def test_run_steps_streams_a_label_per_position_as_single_steps_do() -> None:
+    length, vocab = 5, 7
+    tokens = nn.Input((length,), dtype="int64")
+    x = nn.MultiHeadAttention(2, causal=True)(nn.Embedding(vocab, 4)(tokens))
+    model = nn.Model(tokens, nn.Dense(vocab)(x))
+    step = nn.TrainStep(model, nn.SGD(0.9), batch_size=2, backend="llvm")
+    params = model.init_params(3)
+    state = nn.SGD(0.9).init_state(params)
+    sequence = np.random.default_rng(15).integers(0, vocab, (4, length + 1))
+    together = step.run_steps(sequence[:, :-1], sequence[:, 1:], params, state, 0.1)
+    p, s, losses = params, state, []
+    for rows in (slice(0, 2), slice(2, 4)):
+        one = step(sequence[rows, :-1], sequence[rows, 1:], p, s, 0.1)
+        p, s = one.params, one.state
+        losses.append(one.loss)
+    np.testing.assert_array_equal(together.losses, np.float32(losses))
+    for name in p:
+        np.testing.assert_array_equal(together.params[name], p[name])

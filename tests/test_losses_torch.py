@@ -166,7 +166,8 @@ def test_loss_mistakes_are_named() -> None:
                                          r"nn\.TrainStep\(model, optimizer, batch_size=\.\.\., loss='mse'\)"):
         nn.Trainer(model, nn.SGD(), loss="mse")
     image_out = nn.Sequential([nn.Conv2D(2, 3, padding="same")], input_shape=(1, 6, 6))
-    with pytest.raises(ValueError, match=r"needs class logits \(classes,\); for class scores, put a Flatten\(\).*"
+    with pytest.raises(ValueError, match=r"needs class logits \(classes,\), or \(length, classes\) for a class per "
+                                         r"position; for class scores, put a Flatten\(\).*"
                                          r"takes a loss against targets of its shape: loss='mse'"):
         nn.TrainStep(image_out, nn.SGD(), batch_size=2)
 

@@ -36,12 +36,14 @@ from opgrad.nn.step import (
     batch_vars,
     check_targets,
     compile_function,
+    label_shapes,
     label_vars,
     mask_arrays,
     model_loss,
     per_input,
     per_output,
     resolve_losses,
+    step_label_arrays,
 )
 
 __all__ = ["GradientResult", "GradientStep", "UpdateStep"]
@@ -79,7 +81,7 @@ class GradientStep:
         outputs, new_buffers = model.call(inputs, {**params, **buffers},
                                           ForwardContext(training=True, noise=masks, sync_batchnorm=sync_batchnorm))
         labels = label_vars(outputs, self.losses, dtype)
-        self.label_vars = labels
+        self.label_shapes = label_shapes(outputs, self.losses)
         objective = model_loss(model, outputs, labels, self.losses, loss_weights)
         if self.loss_scale != 1.0:
             objective = ops.multiply(objective, self.loss_scale)
@@ -97,10 +99,11 @@ class GradientStep:
                  params: Mapping[str, np.ndarray], buffers: Mapping[str, np.ndarray],
                  masks: Mapping[str, np.ndarray] | None = None) -> GradientResult:
         label_arrays = per_output(labels, len(self.model.outputs))
-        check_targets(self.model, self.losses, self.label_vars, label_arrays, self.batch_size, "GradientStep")
+        check_targets(self.model, self.losses, self.label_shapes, self.dtype, label_arrays, self.batch_size,
+                      "GradientStep")
         outputs = self._run(
             *per_input(images, len(self.model.inputs), "input", f"GradientStep: model {self.model.name!r}"),
-            *label_arrays,
+            *step_label_arrays(self.losses, label_arrays),
             *mask_arrays(self.mask_names, masks),
             *(params[n] for n in self.param_names), *(buffers[n] for n in self.buffer_names),
         )

@@ -65,7 +65,9 @@ __all__ = [
     "model_loss",
     "per_input",
     "per_output",
+    "per_position",
     "resolve_losses",
+    "step_label_arrays",
 ]
 
 #: A function's runnable form: arrays in, a tuple of arrays out (as ``opgrad.evaluate`` returns).
@@ -163,7 +165,8 @@ class TrainStep:
         outputs, new_buffers = model.call(inputs, {**params, **buffers},
                                           ForwardContext(training=True, noise=masks))
         labels = label_vars(outputs, self.losses, dtype)
-        self.label_vars = labels
+        #: The label (or target) array each output takes, batch axis first (:func:`label_shapes`).
+        self.label_shapes = label_shapes(outputs, self.losses)
         objective = model_loss(model, outputs, labels, self.losses, loss_weights)
         grads = dict(zip(params, gradients(objective, list(params.values()))))
         new_params, new_state = optimizer.update(params, grads, opt_state, lr)
@@ -243,10 +246,11 @@ class TrainStep:
         inputs = per_input(images, len(self.model.inputs), "input", f"TrainStep: model {self.model.name!r}")
         self.check_batch(inputs, self.batch_size, "TrainStep")
         label_arrays = per_output(labels, len(self.model.outputs))
-        check_targets(self.model, self.losses, self.label_vars, label_arrays, self.batch_size, "TrainStep")
+        check_targets(self.model, self.losses, self.label_shapes, self.dtype, label_arrays, self.batch_size,
+                      "TrainStep")
         arrays = (
             *inputs,
-            *label_arrays,
+            *step_label_arrays(self.losses, label_arrays),
             *mask_arrays(self.mask_names, masks), np.asarray(lr, dtype=self.dtype),
             *self.named_arrays(params, state),
         )
@@ -300,7 +304,9 @@ class TrainStep:
                                  f"(step i trains on rows i*{b} .. i*{b}+{b - 1})")
         steps = rows_given // b
         self.check_batch(inputs, steps * b, "TrainStep.run_steps")
-        check_targets(self.model, self.losses, self.label_vars, label_arrays, steps * b, "TrainStep.run_steps")
+        check_targets(self.model, self.losses, self.label_shapes, self.dtype, label_arrays, steps * b,
+                      "TrainStep.run_steps")
+        label_arrays = step_label_arrays(self.losses, label_arrays)
         lrs = np.asarray(lr, dtype=self.dtype)
         lrs = np.full(steps, lrs, self.dtype) if lrs.ndim == 0 else lrs
         if lrs.shape != (steps,):
@@ -373,6 +379,16 @@ def check_loss_weights(model: Model, loss_weights: Sequence[float] | None) -> No
                          f"{len(model.outputs)} outputs")
 
 
+def per_position(output: Expr, labels: Expr, loss: str) -> tuple[Expr, Expr]:
+    """A ``(N, length, classes)`` output under cross-entropy as ``N * length`` rows of one class
+    each, against its labels flattened (:func:`label_vars`): PyTorch's ``logits.view(-1, classes)``,
+    the mean over every position of every example. Other outputs as they are."""
+    if loss != CLASS_LABEL_LOSS or output.ndim != 3:
+        return output, labels
+    n, length, classes = output.shape
+    return ops.reshape(output, shape=(n * length, classes)), labels
+
+
 def resolve_losses(model: Model, loss: str | Sequence[str], who: str) -> list[str]:
     """One :data:`~opgrad.nn.losses.LOSSES` name per output of ``model``: ``loss`` names one for
     every output, or is a list of one per output; a ValueError naming ``who`` otherwise."""
@@ -399,25 +415,26 @@ def model_loss(model: Model, outputs: Sequence[Expr], labels: Sequence[Var], los
                              "without its final sigmoid, and take the sigmoid of predict's logits")
         if loss != CLASS_LABEL_LOSS:
             continue
-        if out.ndim == 2 and out.shape[1] == 1:
+        if out.ndim in (2, 3) and out.shape[-1] == 1:
             raise ShapeError(f"model {model.name!r}: output {i} has one unit, and softmax cross-entropy over one class "
                              "is 0 whatever the weights; a binary classifier takes loss='bce_with_logits' with "
                              "float 0/1 targets of shape (N, 1), a regression loss='mse' (or 'l1', 'huber')")
-        if out.ndim != 2:
+        if out.ndim not in (2, 3):
             # A Dense runs over the last axis of each example (PyTorch's Linear), so one on an
             # image gives a score per row of pixels rather than per image.
             hint = "; for class scores, put a Flatten() (or a global pool) before the last Dense" \
                 if out.ndim > 2 else ""
             raise ShapeError(f"model {model.name!r}: output {i} has shape {tuple(out.shape[1:])} per example; the "
-                             f"training step's softmax cross-entropy needs class logits (classes,){hint}; an output "
-                             f"of values (an image, a regression) takes a loss against targets of its shape: "
-                             f"loss='mse' (or 'l1', 'huber', 'bce_with_logits')")
+                             f"training step's softmax cross-entropy needs class logits (classes,), or (length, "
+                             f"classes) for a class per position{hint}; an output of values (an image, a "
+                             f"regression) takes a loss against targets of its shape: loss='mse' (or 'l1', "
+                             f"'huber', 'bce_with_logits')")
         if isinstance(out, Call) and out.op.name == "softmax":
             raise ValueError(f"model {model.name!r}: output {i} is a softmax (probabilities), and the training step's "
                              "softmax cross-entropy applies softmax itself, so it would apply it twice; train a model "
                              "that outputs logits: leave its final Softmax out (opgrad.onnx.load and opgrad.keras.load "
                              "do unless keep_softmax=True), and take softmax of predict's logits")
-    terms = [LOSSES[loss](out, y) for out, y, loss in zip(outputs, labels, losses, strict=True)]
+    terms = [LOSSES[loss](*per_position(out, y, loss)) for out, y, loss in zip(outputs, labels, losses, strict=True)]
     if len(terms) == 1 and weights[0] == 1.0:
         return terms[0]
     total: Expr | None = None
@@ -428,27 +445,31 @@ def model_loss(model: Model, outputs: Sequence[Expr], labels: Sequence[Var], los
     return total
 
 
-def check_targets(model: Model, losses: Sequence[str], label_vars_: Sequence[Var], arrays: Sequence[np.ndarray],
-                  rows: int, who: str) -> None:
+def check_targets(model: Model, losses: Sequence[str], shapes: Sequence[tuple[int, ...]], dtype: str,
+                  arrays: Sequence[np.ndarray], rows: int, who: str) -> None:
     """A ValueError naming the output, its loss and what it takes where a label or target array is not
-    ``rows`` examples of the right shape and dtype (the function's own check names only the
-    argument), or where targets of ``bce_with_logits`` leave [0, 1]."""
-    for i, (loss, want, array) in enumerate(zip(losses, label_vars_, arrays, strict=True)):
+    ``rows`` examples of the right shape (``shapes``: :func:`label_shapes`) and dtype (int64 class
+    indices, else the step's ``dtype``; the function's own check names only the argument), or where
+    targets of ``bce_with_logits`` leave [0, 1]."""
+    for i, (loss, want, array) in enumerate(zip(losses, shapes, arrays, strict=True)):
         array = np.asarray(array)
-        shape, dtype = (rows, *want.shape[1:]), np.dtype(want.dtype)
+        shape = (rows, *want[1:])
+        dtype_ = np.dtype("int64" if loss == CLASS_LABEL_LOSS else dtype)
         what = "class labels" if loss == CLASS_LABEL_LOSS else "targets"
         head = f"{who}: output {i} of model {model.name!r} (loss {loss!r}) takes {what} of shape {shape} and dtype " \
-               f"{dtype}"
+               f"{dtype_}"
         if array.shape != shape:
             hint = ("; (N,) targets become (N, 1) with y[:, None]" if array.shape == shape[:1] and shape[1:] == (1,)
-                    else "")
+                    else "; the output gives classes per position of a sequence: one label per position (for one "
+                         "class per example, put a Flatten() or a pooling before the last Dense)"
+                    if loss == CLASS_LABEL_LOSS and len(shape) == 2 and array.shape == shape[:1] else "")
             raise ValueError(f"{head}, got shape {array.shape}{hint}")
-        if array.dtype != dtype:
+        if array.dtype != dtype_:
             hint = ("; class indices are integers: a regression or a reconstruction takes loss='mse' (or 'l1', "
                     "'huber', 'bce_with_logits')" if loss == CLASS_LABEL_LOSS and array.dtype.kind == "f" else
                     "; targets of a loss other than cross-entropy are floats" if array.dtype.kind in "iub" else "")
             raise ValueError(f"{head}, got dtype {array.dtype}{hint}" +
-                             ("" if hint else f"; convert it with .astype(np.{dtype})"))
+                             ("" if hint else f"; convert it with .astype(np.{dtype_})"))
         if loss == "bce_with_logits" and array.size and not (array.min() >= 0 and array.max() <= 1):
             raise ValueError(f"{head}, in [0, 1] (probabilities); got values in {array.min()}..{array.max()}: "
                              "scale them (pixels / 255)")
@@ -464,15 +485,33 @@ def batch_vars(model: Model, batch_size: int, dtype: str) -> tuple[list[Var], di
 
 
 def label_vars(outputs: Sequence[Expr], losses: Sequence[str], dtype: str) -> list[Var]:
-    """One label variable per output: int64 class indices, one per example, for cross-entropy;
-    float targets of the output's shape for the other losses."""
+    """One label variable per output: int64 class indices for cross-entropy, one per example (one per
+    position for a ``(length, classes)`` output); float targets of the output's shape for the other
+    losses."""
     single = len(outputs) == 1
     out = []
     for i, (output, loss) in enumerate(zip(outputs, losses, strict=True)):
         name = "labels" if single else f"labels:{i}"
-        batch = output.shape[0]
-        out.append(var(name, (batch,), "int64") if loss == CLASS_LABEL_LOSS else var(name, tuple(output.shape), dtype))
+        if loss != CLASS_LABEL_LOSS:
+            out.append(var(name, tuple(output.shape), dtype))
+        else:  # a class per example, or per position of a (length, classes) output, flattened
+            out.append(var(name, (math.prod(output.shape[:2]) if output.ndim == 3 else output.shape[0],), "int64"))
     return out
+
+
+def label_shapes(outputs: Sequence[Expr], losses: Sequence[str]) -> list[tuple[int, ...]]:
+    """The label (or target) array each output takes from the caller, batch axis first: ``(N,)``
+    class indices, ``(N, length)`` for a class per position, the output's shape for targets."""
+    return [tuple(out.shape[:2]) if loss == CLASS_LABEL_LOSS and out.ndim == 3 else
+            (out.shape[0],) if loss == CLASS_LABEL_LOSS else tuple(out.shape)
+            for out, loss in zip(outputs, losses, strict=True)]
+
+
+def step_label_arrays(losses: Sequence[str], arrays: Sequence[np.ndarray]) -> list[np.ndarray]:
+    """The caller's label arrays as the step function takes them: a class per position flattened
+    batch-major (rows of K steps stay K consecutive runs), the others as they are."""
+    return [np.ascontiguousarray(a).reshape(-1) if loss == CLASS_LABEL_LOSS and np.ndim(a) == 2 else a
+            for loss, a in zip(losses, arrays, strict=True)]
 
 
 def mask_arrays(names: Sequence[str], masks: Mapping[str, np.ndarray] | None) -> list[np.ndarray]:
