@@ -796,11 +796,7 @@ def _pack_by_lane_rows(
                     if window is not None:
                         h32 = f.val(f"trunc i64 {f.add(lane_h, rh)} to i32")
                         w32 = f.val(f"trunc i64 {f.add(lane_w, rw)} to i32")
-                        row_ok = f.val(f"icmp ult i32 {h32}, {window[0]}")
-                        cols = f.val(f"add {it} {f.splat(vl, 'i32', w32)}, {iota_const(vl, start=part * vl)}")
-                        col_ok = f.val(f"icmp ult {it} {cols}, {splat_const(vl, 'i32', str(window[1]))}")
-                        ok = f.val(f"and {mt} {col_ok}, {f.splat(vl, 'i1', row_ok)}")
-                        mask = f.val(f"and {mt} {mask}, {ok}")
+                        mask = f.val(f"and {mt} {mask}, {row_window_mask(f, h32, w32, window, vl, part * vl)}")
                     ptr = f.val(f"getelementptr {t}, ptr {src}, i64 {part * vl}") if part else src
                     loaded.append(f.call(vt, mload, [("ptr", ptr), ("i32", str(esize)), (mt, mask),
                                                      (vt, "zeroinitializer")]))
@@ -826,14 +822,22 @@ def _lane_row_mask(f: FunctionEmitter, terms: tuple[str, str, str, str, str], ch
     ``w + dw + start``: the lane is valid, its row ``h + dh`` and each column inside ``window``
     (``terms``: a chunk's (offsets, h, w, valid lanes, first offset); ``dh``, ``dw`` i32)."""
     _, h, w, lane_ok, _ = terms
-    it, mt = f"<{vl} x i32>", f"<{vl} x i1>"
     ok = f.val(f"extractelement <{chunk} x i1> {lane_ok}, i32 {lane}")
     lh = f.val(f"extractelement <{chunk} x i32> {h}, i32 {lane}")
     lw = f.val(f"extractelement <{chunk} x i32> {w}, i32 {lane}")
-    hok = f.val(f"icmp ult i32 {f.add(lh, dh, 'i32')}, {window[0]}")
-    ww = f.val(f"add {it} {f.splat(vl, 'i32', f.add(lw, dw, 'i32'))}, {iota_const(vl, start=start)}")
-    wok = f.val(f"icmp ult {it} {ww}, {splat_const(vl, 'i32', str(window[1]))}")
-    return f.val(f"and {mt} {f.splat(vl, 'i1', f.val(f'and i1 {ok}, {hok}'))}, {wok}")
+    inside = row_window_mask(f, f.add(lh, dh, "i32"), f.add(lw, dw, "i32"), window, vl, start)
+    return f.val(f"and <{vl} x i1> {f.splat(vl, 'i1', ok)}, {inside}")
+
+
+def row_window_mask(f: FunctionEmitter, row: str, column: str, window: tuple[int, int], vl: int,
+                    start: int = 0) -> str:
+    """Mask of ``vl`` consecutive elements of input row ``row``, the first at column ``column +
+    start`` (both i32): the row and each column inside ``window``, the input's (height, width)."""
+    it, mt = f"<{vl} x i32>", f"<{vl} x i1>"
+    row_ok = f.val(f"icmp ult i32 {row}, {window[0]}")
+    columns = f.val(f"add {it} {f.splat(vl, 'i32', column)}, {iota_const(vl, start=start)}")
+    column_ok = f.val(f"icmp ult {it} {columns}, {splat_const(vl, 'i32', str(window[1]))}")
+    return f.val(f"and {mt} {column_ok}, {f.splat(vl, 'i1', row_ok)}")
 
 
 def _store_transposed(f: FunctionEmitter, vecs: list[str], vl: int, count: int, lanes: int, panel: str, k0: str,
