@@ -146,6 +146,11 @@ def test_next_token_cross_entropy_over_every_position_equals_torchs(backend: str
     with pytest.raises(ValueError, match=r"takes class labels of shape \(3, 6\) and dtype int64, got shape \(3,\); the "
                                          r"output gives classes per position of a sequence: one label per position"):
         nn.TrainStep(model, nn.SGD(), batch_size=3)(sequence[:, :-1], sequence[:, 0], model.init_params(0), {}, 0.1)
+    with pytest.raises(ValueError, match=r"^GradientStep: output 0 of model .* takes class labels of shape "
+                                         r"\(3, 6\) and dtype int64, each in 0..10 \(11 classes\); got values in "
+                                         r"20..30$"):
+        outside = np.full((3, 6), 20) + np.eye(3, 6, dtype=np.int64) * 10
+        nn.GradientStep(model, batch_size=3)(sequence[:, :-1], outside, model.init_params(0), {})
 
 
 def test_run_steps_streams_a_label_per_position_as_single_steps_do() -> None:

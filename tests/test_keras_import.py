@@ -519,6 +519,7 @@ SEQUENCE_VARIANTS = {
     "avgpool1d_valid": lambda layers: layers.AveragePooling1D(2),
     "global_average_pooling1d": lambda layers: layers.GlobalAveragePooling1D(),
     "global_max_pooling1d_keepdims": lambda layers: layers.GlobalMaxPooling1D(keepdims=True),
+    "batch_normalization_of_a_sequence": lambda layers: layers.BatchNormalization(momentum=0.9),
 }
 
 

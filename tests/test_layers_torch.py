@@ -275,6 +275,13 @@ def test_sequence_layers_save_describe_and_refuse_channels_last(tmp_path: Path) 
     again = nn.load_model(path)
     x = np.random.default_rng(9).standard_normal((2, 2, 30)).astype(np.float32)
     np.testing.assert_array_equal(again.predict(x, backend="reference"), model.predict(x, backend="reference"))
+    assert "MaxPool1D(3, stride 1, pad 1, ceil_mode)" in str(nn.Sequential([nn.MaxPool1D(3, 1, 1, ceil_mode=True)],
+                                                                           input_shape=(2, 9)))
+    with pytest.raises(opgrad.ShapeError, match=r"input shape \(3, 2\) \(per example\): the 4 pool does not fit"):
+        nn.Sequential([nn.MaxPool1D(4)], input_shape=(3, 2))
+    with pytest.raises(opgrad.ShapeError, match=r"input shape \(4, 3\) \(per example\): the 5-wide kernel does not fit "
+                                                r"the length 3"):
+        nn.Sequential([nn.Conv1D(2, 5)], input_shape=(4, 3))
     with pytest.raises(opgrad.ShapeError, match=r"\(100, 3\) looks channels-last \(steps, channels\), Keras' "
                                                 r"default: .* give \(3, 100\)"):
         nn.Sequential([nn.Conv1D(4, 5)], input_shape=(100, 3))

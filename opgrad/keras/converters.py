@@ -399,10 +399,12 @@ def _axes(call: LayerCall, tensor: Tensor, default: Any) -> list[int]:
 
 def batch_normalization(call: LayerCall, inputs: list[Tensor]) -> Tensor:
     tensor = call.to_keras_order(_one(call, inputs)) if inputs[0].layout == "flat_chw" else _one(call, inputs)
+    if tensor.keras_rank == 2:  # a sequence (steps, channels): Keras' Conv1D output
+        tensor = call.to_keras_order(tensor)
     axes = _axes(call, tensor, -1)
-    if tensor.keras_rank not in (1, 3) or axes != [tensor.keras_rank]:
+    if tensor.keras_rank not in (1, 2, 3) or axes != [tensor.keras_rank]:
         raise call.fail(f"axis {axes} of input {tensor.keras_shape}: supported: the channel (last) axis of an "
-                        "image or of flat features")
+                        "image, a sequence or flat features")
     momentum, epsilon = float(call.take("momentum", 0.99)), float(call.take("epsilon", 1e-3))
     center, scale = bool(call.take("center", True)), bool(call.take("scale", True))
     call.choose("renorm", (False,), False)
@@ -415,7 +417,10 @@ def batch_normalization(call: LayerCall, inputs: list[Tensor]) -> Tensor:
     weights = call.weights(expected)
     # Keras keeps `momentum` of the old statistic, PyTorch (and opgrad) weights the new batch by it.
     layer = BatchNorm2D(momentum=1.0 - momentum, epsilon=epsilon)
-    out = call.add(layer, tensor, tensor.layout, tensor.keras_shape)
+    if tensor.keras_rank == 2:  # over (channels, length) between two transposes, as the 1-D layers
+        out = _on_channels(call, tensor, [layer])
+    else:
+        out = call.add(layer, tensor, tensor.layout, tensor.keras_shape)
     call.set_param(layer, "weight", weights.get("gamma", np.ones(c)))
     call.set_param(layer, "bias", weights.get("beta", np.zeros(c)))
     call.set_buffer(layer, "running_mean", weights["moving_mean"])

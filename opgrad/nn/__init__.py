@@ -11,6 +11,7 @@ reference backend runs per batch::
     accuracy, test_loss = trainer.evaluate(test_images, test_labels)
 """
 
+from opgrad.nn.gradstep import GradientStep, UpdateStep
 from opgrad.nn.init import compute_fans, get_initializer, glorot_uniform, he_uniform, param_generator, zeros
 from opgrad.nn.layers import (
     ELU,
@@ -125,6 +126,7 @@ __all__ = [
     "ForwardContext",
     "GlobalAvgPool2D",
     "GlobalPool2D",
+    "GradientStep",
     "Hardsigmoid",
     "Hardswish",
     "Input",
@@ -165,6 +167,7 @@ __all__ = [
     "Trainer",
     "Unary",
     "UpSampling2D",
+    "UpdateStep",
     "WarmupLR",
     "Where",
     "ZeroPadding2D",

@@ -82,6 +82,7 @@ class GradientStep:
                                           ForwardContext(training=True, noise=masks, sync_batchnorm=sync_batchnorm))
         labels = label_vars(outputs, self.losses, dtype)
         self.label_shapes = label_shapes(outputs, self.losses)
+        self.class_counts = [int(out.shape[-1]) for out in outputs]
         objective = model_loss(model, outputs, labels, self.losses, loss_weights)
         if self.loss_scale != 1.0:
             objective = ops.multiply(objective, self.loss_scale)
@@ -100,7 +101,7 @@ class GradientStep:
                  masks: Mapping[str, np.ndarray] | None = None) -> GradientResult:
         label_arrays = per_output(labels, len(self.model.outputs))
         check_targets(self.model, self.losses, self.label_shapes, self.dtype, label_arrays, self.batch_size,
-                      "GradientStep")
+                      "GradientStep", self.class_counts)
         outputs = self._run(
             *per_input(images, len(self.model.inputs), "input", f"GradientStep: model {self.model.name!r}"),
             *step_label_arrays(self.losses, label_arrays),

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -639,6 +639,16 @@ class Conv2D(Layer):
         return _activate(y, self.activation)
 
 
+def one_d_shape_errors(layer: Layer, input_shape: Shape, two_d: Callable[[Shape], Shape]) -> Shape:
+    """``two_d`` (a 2-D layer's shape rule) on the ``(channels, 1, length)`` view of a 1-D layer's
+    ``(channels, length)`` input; its errors name the shape the user gave, and the length."""
+    try:
+        return two_d((input_shape[0], 1, input_shape[1]))
+    except ShapeError as exc:
+        problem = str(exc).partition("(per example): ")[2] or str(exc)
+        raise layer._shape_error(input_shape, problem.replace("the width", "the length")) from None
+
+
 class Conv1D(Conv2D):
     """1-D convolution over ``(channels, length)`` (PyTorch's ``Conv1d``; Keras' ``Conv1D`` with
     ``channels_first``) plus a per-channel bias; optional activation.
@@ -681,9 +691,11 @@ class Conv1D(Conv2D):
             raise self._shape_error(input_shape, "Conv1D needs (channels, length)")
         c, length = input_shape
         try:
-            filters, _, out = super().output_shape_for((c, 1, length))
+            filters, _, out = one_d_shape_errors(self, input_shape, super().output_shape_for)
         except ShapeError:
-            if length < c and length < self.kernel_size[1] * 2:
+            # (steps, channels) given for (channels, length): many steps read as channels of a short strip.
+            span = self.dilation_rate[1] * (self.kernel_size[1] - 1) + 1
+            if c >= 4 * length and c >= span:
                 raise self._shape_error(input_shape, f"{tuple(input_shape)} looks channels-last (steps, channels), "
                                                      f"Keras' default: opgrad's sequences are (channels, length), as "
                                                      f"PyTorch's Conv1d: give ({length}, {c})") from None
@@ -953,12 +965,18 @@ class _Pool1D(_Pool2D):
                 "padding": self.padding if isinstance(self.padding, str) else self.padding[1]}
 
     def config(self) -> str:
-        return str(self.pool_size[1]) + super().config().partition(f"{self.pool_size[0]}x{self.pool_size[1]}")[2]
+        padding = self.padding if isinstance(self.padding, str) else self.padding[1]
+        extras = [f"stride {self.strides[1]}" if self.strides[1] != self.pool_size[1] else "",
+                  "same" if padding == "same" else f"pad {padding}" if padding and padding != "valid" else "",
+                  "ceil_mode" if self.ceil_mode else "",
+                  "count_include_pad=False" if not getattr(self, "count_include_pad", True) and not
+                  isinstance(self.padding, str) else ""]
+        return ", ".join([str(self.pool_size[1]), *(e for e in extras if e)])
 
     def output_shape_for(self, input_shape: Shape) -> Shape:
         if len(input_shape) != 2:
             raise self._shape_error(input_shape, f"{type(self).__name__} needs (channels, length)")
-        c, _, out = super().output_shape_for((input_shape[0], 1, input_shape[1]))
+        c, _, out = one_d_shape_errors(self, input_shape, super().output_shape_for)
         return (c, out)
 
     def apply(self, x: Expr, params: Mapping[str, Expr], ctx: ForwardContext) -> Expr:

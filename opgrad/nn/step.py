@@ -167,6 +167,7 @@ class TrainStep:
         labels = label_vars(outputs, self.losses, dtype)
         #: The label (or target) array each output takes, batch axis first (:func:`label_shapes`).
         self.label_shapes = label_shapes(outputs, self.losses)
+        self.class_counts = [int(out.shape[-1]) for out in outputs]
         objective = model_loss(model, outputs, labels, self.losses, loss_weights)
         grads = dict(zip(params, gradients(objective, list(params.values()))))
         new_params, new_state = optimizer.update(params, grads, opt_state, lr)
@@ -247,7 +248,7 @@ class TrainStep:
         self.check_batch(inputs, self.batch_size, "TrainStep")
         label_arrays = per_output(labels, len(self.model.outputs))
         check_targets(self.model, self.losses, self.label_shapes, self.dtype, label_arrays, self.batch_size,
-                      "TrainStep")
+                      "TrainStep", self.class_counts)
         arrays = (
             *inputs,
             *step_label_arrays(self.losses, label_arrays),
@@ -305,7 +306,7 @@ class TrainStep:
         steps = rows_given // b
         self.check_batch(inputs, steps * b, "TrainStep.run_steps")
         check_targets(self.model, self.losses, self.label_shapes, self.dtype, label_arrays, steps * b,
-                      "TrainStep.run_steps")
+                      "TrainStep.run_steps", self.class_counts)
         label_arrays = step_label_arrays(self.losses, label_arrays)
         lrs = np.asarray(lr, dtype=self.dtype)
         lrs = np.full(steps, lrs, self.dtype) if lrs.ndim == 0 else lrs
@@ -446,11 +447,12 @@ def model_loss(model: Model, outputs: Sequence[Expr], labels: Sequence[Var], los
 
 
 def check_targets(model: Model, losses: Sequence[str], shapes: Sequence[tuple[int, ...]], dtype: str,
-                  arrays: Sequence[np.ndarray], rows: int, who: str) -> None:
+                  arrays: Sequence[np.ndarray], rows: int, who: str, classes: Sequence[int] | None = None) -> None:
     """A ValueError naming the output, its loss and what it takes where a label or target array is not
     ``rows`` examples of the right shape (``shapes``: :func:`label_shapes`) and dtype (int64 class
-    indices, else the step's ``dtype``; the function's own check names only the argument), or where
-    targets of ``bce_with_logits`` leave [0, 1]."""
+    indices, else the step's ``dtype``; the function's own check names only the argument), where a
+    class label lies outside ``0 .. classes[i] - 1`` (each output's class count), or where targets of
+    ``bce_with_logits`` leave [0, 1]."""
     for i, (loss, want, array) in enumerate(zip(losses, shapes, arrays, strict=True)):
         array = np.asarray(array)
         shape = (rows, *want[1:])
@@ -470,6 +472,10 @@ def check_targets(model: Model, losses: Sequence[str], shapes: Sequence[tuple[in
                     "; targets of a loss other than cross-entropy are floats" if array.dtype.kind in "iub" else "")
             raise ValueError(f"{head}, got dtype {array.dtype}{hint}" +
                              ("" if hint else f"; convert it with .astype(np.{dtype_})"))
+        if loss == CLASS_LABEL_LOSS and classes is not None and array.size and (
+                array.min() < 0 or array.max() >= classes[i]):
+            raise ValueError(f"{head}, each in 0..{classes[i] - 1} ({classes[i]} classes); got values in "
+                             f"{array.min()}..{array.max()}")
         if loss == "bce_with_logits" and array.size and not (array.min() >= 0 and array.max() <= 1):
             raise ValueError(f"{head}, in [0, 1] (probabilities); got values in {array.min()}..{array.max()}: "
                              "scale them (pixels / 255)")
