@@ -171,3 +171,34 @@ def test_run_steps_streams_a_label_per_position_as_single_steps_do() -> None:
     np.testing.assert_array_equal(together.losses, np.float32(losses))
     for name in p:
         np.testing.assert_array_equal(together.params[name], p[name])
+
+
+@pytest.mark.parametrize("backend", ["reference", "llvm"])
+def test_a_padding_mask_hides_padded_keys_as_torchs_key_padding_mask(backend: str) -> None:
+    n, length, embed, heads = 3, 6, 8, 2
+    x_in, mask_in = nn.Input((length, embed)), nn.Input((length,))
+    model = nn.Model([x_in, mask_in], nn.MultiHeadAttention(heads, causal=True, padding_mask=True, name="att")(
+        [x_in, mask_in]))
+    rng = np.random.default_rng(16)
+    params = {k: v + 0.1 * rng.standard_normal(v.shape) for k, v in model.init_params(0, "float64").items()}
+    x = rng.standard_normal((n, length, embed))
+    mask = np.array([[1, 1, 1, 1, 1, 1], [1, 1, 1, 1, 0, 0], [1, 1, 0, 0, 0, 0]], np.float64)  # right-padded
+    mha = _torch_attention(params, embed, heads)
+    causal = torch.triu(torch.ones(length, length, dtype=torch.bool), diagonal=1)  # True: hidden, as the padding
+    xt = torch.tensor(x, requires_grad=True)
+    yt, _ = mha(xt, xt, xt, need_weights=False, attn_mask=causal,  # type: ignore[operator]
+                key_padding_mask=torch.tensor(mask == 0))
+    cotangent = rng.standard_normal((n, length, embed))
+    yt.backward(torch.tensor(cotangent))
+    xs, ms = opgrad.var("x", x.shape, "float64"), opgrad.var("m", mask.shape, "float64")
+    variables = {k: opgrad.var(k, v.shape, "float64") for k, v in params.items()}
+    out = model.forward([xs, ms], variables)
+    loss = ops.sum(ops.multiply(out, opgrad.const(cotangent)))
+    fn = opgrad.function([xs, ms, *variables.values()], [out, *opgrad.gradients(loss, [xs, *variables.values()])])
+    y, dx, *grads = nn.compile_function(fn, backend)(x, mask, *params.values())
+    np.testing.assert_allclose(y, yt.detach().numpy(), rtol=1e-11, atol=1e-12)
+    np.testing.assert_allclose(dx, xt.grad.numpy(), rtol=1e-10, atol=1e-12)
+    np.testing.assert_allclose(grads[0], mha.in_proj_weight.grad.numpy(), rtol=1e-10, atol=1e-12)
+    with pytest.raises(opgrad.ShapeError, match=r"takes \[x, mask\]: a sequence \(length, embed\) and a mask "
+                                                r"\(length,\)"):
+        nn.MultiHeadAttention(2, padding_mask=True)([x_in, nn.Input((length + 1,))])

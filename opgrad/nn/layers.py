@@ -1527,10 +1527,13 @@ class MultiHeadAttention(Layer):
     num_heads``): queries, keys and values are projections of the input, each head attends with
     ``softmax(q k^T / sqrt(head_dim))``, and the heads' outputs are projected back to ``embed``.
     ``causal=True`` hides from each position the positions after it (a decoder's mask, PyTorch's
-    ``is_causal``). The parameters are PyTorch's: ``in_proj_weight (3E, E)`` (queries, keys,
-    values stacked), ``in_proj_bias (3E,)``, ``out_proj_weight (E, E)``, ``out_proj_bias (E,)``.
-    It runs on registered ops (``dense``, ``batch_matmul``, ``softmax``), so it is differentiated and
-    compiled as any other layer.
+    ``is_causal``). ``padding_mask=True`` makes the layer take ``[x, mask]``: ``mask (length,)`` per
+    example, 1 where a position holds a token and 0 where it is padding, which no query attends to
+    (Keras' ``attention_mask`` rows, Hugging Face's ``attention_mask``; PyTorch's
+    ``key_padding_mask`` is its negation). The parameters are PyTorch's: ``in_proj_weight (3E, E)``
+    (queries, keys, values stacked), ``in_proj_bias (3E,)``, ``out_proj_weight (E, E)``,
+    ``out_proj_bias (E,)``. It runs on registered ops (``dense``, ``batch_matmul``, ``softmax``), so
+    it is differentiated and compiled as any other layer.
     """
 
     kind = "multiheadattention"
@@ -1538,26 +1541,40 @@ class MultiHeadAttention(Layer):
     #: with no infinity in the arithmetic (PyTorch adds -inf).
     MASKED = -1e30
 
-    def __init__(self, num_heads: int, *, causal: bool = False, use_bias: bool = True,
+    def __init__(self, num_heads: int, *, causal: bool = False, padding_mask: bool = False, use_bias: bool = True,
                  kernel_initializer: str | Initializer = "glorot_uniform",
                  bias_initializer: str | Initializer = "zeros", name: str | None = None) -> None:
         super().__init__(name)
         if as_int(num_heads, "MultiHeadAttention num_heads") < 1:
             raise ValueError(f"MultiHeadAttention num_heads must be >= 1, got {num_heads}")
-        if not isinstance(causal, (bool, np.bool_)):
-            raise ValueError(f"MultiHeadAttention causal must be True or False, got {causal!r}")
+        for what, flag in (("causal", causal), ("padding_mask", padding_mask)):
+            if not isinstance(flag, (bool, np.bool_)):
+                raise ValueError(f"MultiHeadAttention {what} must be True or False, got {flag!r}")
         self.num_heads, self.causal, self.use_bias = int(num_heads), bool(causal), bool(use_bias)
+        self.padding_mask = bool(padding_mask)
         self.kernel_init = get_initializer(kernel_initializer)
         self.bias_init = get_initializer(bias_initializer)
 
+    @property
+    def multi_input(self) -> bool:  # type: ignore[override]  # fixed by the config: [x, mask] or x
+        return self.padding_mask
+
     def get_config(self) -> dict[str, Any]:
-        return {"num_heads": self.num_heads, "causal": self.causal, "use_bias": self.use_bias,
-                "kernel_initializer": _init_config(self.kernel_init), "bias_initializer": _init_config(self.bias_init)}
+        return {"num_heads": self.num_heads, "causal": self.causal, "padding_mask": self.padding_mask,
+                "use_bias": self.use_bias, "kernel_initializer": _init_config(self.kernel_init),
+                "bias_initializer": _init_config(self.bias_init)}
 
     def config(self) -> str:
-        return f"{self.num_heads} heads" + (", causal" if self.causal else "")
+        return f"{self.num_heads} heads" + (", causal" if self.causal else "") + (
+            ", padding mask" if self.padding_mask else "")
 
-    def output_shape_for(self, input_shape: Shape) -> Shape:
+    def output_shape_for(self, input_shape: Any) -> Shape:
+        if self.padding_mask:
+            if len(input_shape) != 2 or len(input_shape[0]) != 2 or tuple(input_shape[1]) != (input_shape[0][0],):
+                raise self._shape_error(input_shape, "MultiHeadAttention(padding_mask=True) takes [x, mask]: a "
+                                                     "sequence (length, embed) and a mask (length,) of 1 (a token) "
+                                                     "and 0 (padding)")
+            input_shape = input_shape[0]
         if len(input_shape) != 2:
             raise self._shape_error(input_shape, "MultiHeadAttention needs a sequence (length, embed)")
         if input_shape[1] % self.num_heads:
@@ -1566,7 +1583,7 @@ class MultiHeadAttention(Layer):
 
     def param_specs(self) -> dict[str, ParamSpec]:
         assert self.input_shape is not None, "build() first"
-        e = self.input_shape[1]
+        e = (self.input_shape[0] if self.padding_mask else self.input_shape)[1]
         specs = {"in_proj_weight": ParamSpec((3 * e, e), self.kernel_init),
                  "out_proj_weight": ParamSpec((e, e), self.kernel_init)}
         if self.use_bias:
@@ -1574,7 +1591,8 @@ class MultiHeadAttention(Layer):
             specs["out_proj_bias"] = ParamSpec((e,), self.bias_init)
         return specs
 
-    def apply(self, x: Expr, params: Mapping[str, Expr], ctx: ForwardContext) -> Expr:
+    def apply(self, x: Expr | list[Expr], params: Mapping[str, Expr], ctx: ForwardContext) -> Expr:
+        x, mask = (x[0], x[1]) if isinstance(x, list) else (x, None)
         n, length, e = x.shape
         heads, d = self.num_heads, e // self.num_heads
         rows = ops.reshape(x, shape=(n * length, e))
@@ -1594,6 +1612,11 @@ class MultiHeadAttention(Layer):
         if self.causal:
             hidden = np.triu(np.full((length, length), self.MASKED), k=1).astype(x.dtype)
             scores = ops.add(scores, const(hidden))
+        if mask is not None:
+            # MASKED where a key is padding, per example, the same for every head and every query.
+            padding = ops.multiply(ops.subtract(1.0, mask), self.MASKED)
+            per_head = ops.broadcast_to(ops.reshape(padding, shape=(n, 1, length)), shape=(n, heads, length))
+            scores = ops.add(scores, ops.reshape(per_head, shape=(n * heads, 1, length)))
         attended = ops.batch_matmul(ops.softmax(scores, axis=-1), v)
         merged = ops.transpose(ops.reshape(attended, shape=(n, heads, length, d)), axes=(0, 2, 1, 3))
         y = ops.dense(ops.reshape(merged, shape=(n * length, e)), params["out_proj_weight"])
