@@ -689,7 +689,8 @@ def test_export_of_a_model_the_step_cannot_train_is_one_line(tmp_path: Path,
     model.save(tmp_path / "rows.npz")
     assert cli.main(["export", str(tmp_path / "out"), "--checkpoint", str(tmp_path / "rows.npz")]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("opgrad export: error: model 'model': output 0 has shape (5, 3) per example")
+    assert err.startswith("opgrad export: error: model 'model': output 0 has shape (5, 3) per example, a class per "
+                          "position; export takes classifiers with one class per example")
     assert err.count("\n") == 1 and "Traceback" not in err
 
 
