@@ -493,6 +493,18 @@ def test_layer_variants_predict_like_keras(tmp_path: Path, monkeypatch: pytest.M
     np.testing.assert_allclose(model.predict(x, backend="reference"), expected, atol=1e-5, rtol=0)
 
 
+def _predicts_like_keras(tmp_path: Path, keras_model: Any, generator: Any, shape: tuple[int, ...],
+                         seed: int) -> None:
+    """``keras_model`` saved and imported predicts as Keras does on both backends (Keras' own layout)."""
+    generator.randomize(keras_model, seed=seed)
+    x = np.random.default_rng(seed).standard_normal((2, *shape)).astype(np.float32)
+    expected = np.asarray(keras_model.predict(x, verbose=0))
+    keras_model.save(tmp_path / "sequence.keras")
+    model = load(tmp_path / "sequence.keras", keep_softmax=True)
+    for backend in ("reference", "llvm"):
+        np.testing.assert_allclose(model.predict(x, backend=backend), expected, atol=1e-5, rtol=0)
+
+
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")  # Keras' own numpy 2 deprecations
 def test_dense_over_a_sequence_predicts_like_keras(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     generator = _generator(monkeypatch)
@@ -501,13 +513,7 @@ def test_dense_over_a_sequence_predicts_like_keras(tmp_path: Path, monkeypatch: 
     inp = keras.Input((5, 7))
     hidden = keras.layers.Dense(6, activation="gelu")(inp)
     keras_model = keras.Model(inp, keras.layers.Dense(3)(keras.layers.Flatten()(keras.layers.Dense(4)(hidden))))
-    generator.randomize(keras_model, seed=4)
-    x = np.random.default_rng(4).standard_normal((2, 5, 7)).astype(np.float32)
-    expected = np.asarray(keras_model.predict(x, verbose=0))
-    keras_model.save(tmp_path / "sequence.keras")
-    model = load(tmp_path / "sequence.keras", keep_softmax=True)
-    for backend in ("reference", "llvm"):
-        np.testing.assert_allclose(model.predict(x, backend=backend), expected, atol=1e-5, rtol=0)
+    _predicts_like_keras(tmp_path, keras_model, generator, (5, 7), seed=4)
 
 
 SEQUENCE_VARIANTS = {
@@ -533,13 +539,7 @@ def test_sequence_layers_predict_like_keras(tmp_path: Path, monkeypatch: pytest.
 
     inp = keras.Input((11, 6))
     keras_model = keras.Model(inp, keras.layers.Dense(3)(SEQUENCE_VARIANTS[variant](keras.layers)(inp)))
-    generator.randomize(keras_model, seed=5)
-    x = np.random.default_rng(5).standard_normal((2, 11, 6)).astype(np.float32)
-    expected = np.asarray(keras_model.predict(x, verbose=0))
-    keras_model.save(tmp_path / "sequence.keras")
-    model = load(tmp_path / "sequence.keras", keep_softmax=True)
-    for backend in ("reference", "llvm"):
-        np.testing.assert_allclose(model.predict(x, backend=backend), expected, atol=1e-5, rtol=0)
+    _predicts_like_keras(tmp_path, keras_model, generator, (11, 6), seed=5)
 
 
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")  # Keras' own numpy 2 deprecations
