@@ -268,7 +268,7 @@ def export(directory: str | os.PathLike[str], *, model: str | Model = "seed-cnn"
         evaluation_step = EvalStep(net, batch_size=eval_batch_size, backend="reference")
     except (ValueError, TypeError) as exc:  # ShapeError included: a model the training step refuses
         raise ExportError(str(exc)) from None
-    if step.label_shapes[0] != (batch_size,):
+    if step.labels.shapes[0] != (batch_size,):
         # The C API streams one class index per example; a class per position would be read past it.
         raise ExportError(f"model {net.name!r}: output 0 has shape {tuple(net.output_shapes[0])} per example, a "
                           f"class per position; export takes classifiers with one class per example (class "

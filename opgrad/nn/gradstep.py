@@ -33,17 +33,14 @@ from opgrad.nn.losses import CLASS_LABEL_LOSS
 from opgrad.nn.model import Model
 from opgrad.nn.optim import Optimizer
 from opgrad.nn.step import (
+    StepLabels,
     batch_vars,
-    check_targets,
     compile_function,
-    label_shapes,
-    label_vars,
     mask_arrays,
     model_loss,
     per_input,
     per_output,
     resolve_losses,
-    step_label_arrays,
 )
 
 __all__ = ["GradientResult", "GradientStep", "UpdateStep"]
@@ -80,10 +77,8 @@ class GradientStep:
         buffers = model.buffer_vars(dtype)
         outputs, new_buffers = model.call(inputs, {**params, **buffers},
                                           ForwardContext(training=True, noise=masks, sync_batchnorm=sync_batchnorm))
-        labels = label_vars(outputs, self.losses, dtype)
-        self.label_shapes = label_shapes(outputs, self.losses)
-        self.class_counts = [int(out.shape[-1]) for out in outputs]
-        objective = model_loss(model, outputs, labels, self.losses, loss_weights)
+        self.labels = StepLabels(model, outputs, self.losses, dtype)
+        objective = model_loss(model, outputs, self.labels.vars, self.losses, loss_weights)
         if self.loss_scale != 1.0:
             objective = ops.multiply(objective, self.loss_scale)
         grads = gradients(objective, list(params.values()))
@@ -91,7 +86,7 @@ class GradientStep:
         self.buffer_names: tuple[str, ...] = tuple(buffers)
         self.mask_names: tuple[str, ...] = tuple(masks)
         self.function = Function(
-            [*inputs, *labels, *masks.values(), *params.values(), *buffers.values()],
+            [*inputs, *self.labels.vars, *masks.values(), *params.values(), *buffers.values()],
             [objective, *grads, *(new_buffers[n] for n in self.buffer_names)],
         )
         self._run = compile_function(self.function, backend)
@@ -99,12 +94,9 @@ class GradientStep:
     def __call__(self, images: np.ndarray | Sequence[np.ndarray], labels: np.ndarray | Sequence[np.ndarray],
                  params: Mapping[str, np.ndarray], buffers: Mapping[str, np.ndarray],
                  masks: Mapping[str, np.ndarray] | None = None) -> GradientResult:
-        label_arrays = per_output(labels, len(self.model.outputs))
-        check_targets(self.model, self.losses, self.label_shapes, self.dtype, label_arrays, self.batch_size,
-                      "GradientStep", self.class_counts)
         outputs = self._run(
             *per_input(images, len(self.model.inputs), "input", f"GradientStep: model {self.model.name!r}"),
-            *step_label_arrays(self.losses, label_arrays),
+            *self.labels.arrays(per_output(labels, len(self.model.outputs)), self.batch_size, "GradientStep"),
             *mask_arrays(self.mask_names, masks),
             *(params[n] for n in self.param_names), *(buffers[n] for n in self.buffer_names),
         )

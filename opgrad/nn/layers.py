@@ -703,11 +703,9 @@ class Conv1D(Conv2D):
         return (filters, out)
 
     def param_specs(self) -> dict[str, ParamSpec]:
-        assert self.input_shape is not None, "build() first"
-        specs = {"weight": ParamSpec((self.filters, self.input_shape[0] // self.groups, self.kernel_size[1]),
-                                     self.kernel_init)}
-        if self.use_bias:
-            specs["bias"] = ParamSpec((self.filters,), self.bias_init)
+        specs = super().param_specs()  # the weight of the 2-D view, (filters, channels / groups, 1, k)
+        filters, per_group, _, k = specs["weight"].shape
+        specs["weight"] = ParamSpec((filters, per_group, k), self.kernel_init)
         return specs
 
     def apply(self, x: Expr, params: Mapping[str, Expr], ctx: ForwardContext) -> Expr:

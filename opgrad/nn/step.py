@@ -54,14 +54,12 @@ __all__ = [
     "EvalStep",
     "NanLossError",
     "StepFn",
+    "StepLabels",
     "StepResult",
     "StepsResult",
     "TrainStep",
     "batch_vars",
-    "check_targets",
     "compile_function",
-    "label_shapes",
-    "label_vars",
     "llvm_unavailable_reason",
     "mask_arrays",
     "model_loss",
@@ -69,7 +67,6 @@ __all__ = [
     "per_output",
     "per_position",
     "resolve_losses",
-    "step_label_arrays",
 ]
 
 #: A function's runnable form: arrays in, a tuple of arrays out (as ``opgrad.evaluate`` returns).
@@ -166,11 +163,8 @@ class TrainStep:
         buffers = model.buffer_vars(dtype)
         outputs, new_buffers = model.call(inputs, {**params, **buffers},
                                           ForwardContext(training=True, noise=masks))
-        labels = label_vars(outputs, self.losses, dtype)
-        #: The label (or target) array each output takes, batch axis first (:func:`label_shapes`).
-        self.label_shapes = label_shapes(outputs, self.losses)
-        self.class_counts = [int(out.shape[-1]) for out in outputs]
-        objective = model_loss(model, outputs, labels, self.losses, loss_weights)
+        self.labels = StepLabels(model, outputs, self.losses, dtype)
+        objective = model_loss(model, outputs, self.labels.vars, self.losses, loss_weights)
         grads = dict(zip(params, gradients(objective, list(params.values()))))
         new_params, new_state = optimizer.update(params, grads, opt_state, lr)
         missing = sorted(set(opt_state) - set(new_state))
@@ -182,7 +176,7 @@ class TrainStep:
         self.state_names: tuple[str, ...] = tuple(state)
         self.mask_names: tuple[str, ...] = tuple(masks)
         self.function = Function(
-            [*inputs, *labels, *masks.values(), lr, *params.values(), *state.values()],
+            [*inputs, *self.labels.vars, *masks.values(), lr, *params.values(), *state.values()],
             [objective, *(new_params[n] for n in self.param_names), *(new_state[n] for n in self.state_names)],
         )
         # The llvm backend compiles on first use, one plan per way of calling (see ``compiled``).
@@ -248,12 +242,9 @@ class TrainStep:
         Without it nothing passed is modified. The reference backend always returns new arrays."""
         inputs = per_input(images, len(self.model.inputs), "input", f"TrainStep: model {self.model.name!r}")
         self.check_batch(inputs, self.batch_size, "TrainStep")
-        label_arrays = per_output(labels, len(self.model.outputs))
-        check_targets(self.model, self.losses, self.label_shapes, self.dtype, label_arrays, self.batch_size,
-                      "TrainStep", self.class_counts)
         arrays = (
             *inputs,
-            *step_label_arrays(self.losses, label_arrays),
+            *self.labels.arrays(per_output(labels, len(self.model.outputs)), self.batch_size, "TrainStep"),
             *mask_arrays(self.mask_names, masks), np.asarray(lr, dtype=self.dtype),
             *self.named_arrays(params, state),
         )
@@ -307,9 +298,7 @@ class TrainStep:
                                  f"(step i trains on rows i*{b} .. i*{b}+{b - 1})")
         steps = rows_given // b
         self.check_batch(inputs, steps * b, "TrainStep.run_steps")
-        check_targets(self.model, self.losses, self.label_shapes, self.dtype, label_arrays, steps * b,
-                      "TrainStep.run_steps", self.class_counts)
-        label_arrays = step_label_arrays(self.losses, label_arrays)
+        label_arrays = self.labels.arrays(label_arrays, steps * b, "TrainStep.run_steps")
         lrs = np.asarray(lr, dtype=self.dtype)
         lrs = np.full(steps, lrs, self.dtype) if lrs.ndim == 0 else lrs
         if lrs.shape != (steps,):
@@ -384,7 +373,7 @@ def check_loss_weights(model: Model, loss_weights: Sequence[float] | None) -> No
 
 def per_position(output: Expr, labels: Expr, loss: str) -> tuple[Expr, Expr]:
     """A ``(N, length, classes)`` output under cross-entropy as ``N * length`` rows of one class
-    each, against its labels flattened (:func:`label_vars`): PyTorch's ``logits.view(-1, classes)``,
+    each, against its labels flattened (:class:`StepLabels`): PyTorch's ``logits.view(-1, classes)``,
     the mean over every position of every example. Other outputs as they are."""
     if loss != CLASS_LABEL_LOSS or output.ndim != 3:
         return output, labels
@@ -448,78 +437,75 @@ def model_loss(model: Model, outputs: Sequence[Expr], labels: Sequence[Var], los
     return total
 
 
-def check_targets(model: Model, losses: Sequence[str], shapes: Sequence[tuple[int, ...]], dtype: str,
-                  arrays: Sequence[np.ndarray], rows: int, who: str, classes: Sequence[int] | None = None) -> None:
-    """A ValueError naming the output, its loss and what it takes where a label or target array is not
-    ``rows`` examples of the right shape (``shapes``: :func:`label_shapes`) and dtype (int64 class
-    indices, else the step's ``dtype``; the function's own check names only the argument), where a
-    class label lies outside ``0 .. classes[i] - 1`` (each output's class count), or where targets of
-    ``bce_with_logits`` leave [0, 1]."""
-    for i, (loss, want, array) in enumerate(zip(losses, shapes, arrays, strict=True)):
-        array = np.asarray(array)
-        shape = (rows, *want[1:])
-        dtype_ = np.dtype("int64" if loss == CLASS_LABEL_LOSS else dtype)
-        what = "class labels" if loss == CLASS_LABEL_LOSS else "targets"
-        head = f"{who}: output {i} of model {model.name!r} (loss {loss!r}) takes {what} of shape {shape} and dtype " \
-               f"{dtype_}"
-        if array.shape != shape:
-            hint = ("; (N,) targets become (N, 1) with y[:, None]" if array.shape == shape[:1] and shape[1:] == (1,)
-                    else "; the output gives classes per position of a sequence: one label per position (for one "
-                         "class per example, put a Flatten() or a pooling before the last Dense)"
-                    if loss == CLASS_LABEL_LOSS and len(shape) == 2 and array.shape == shape[:1] else "")
-            raise ValueError(f"{head}, got shape {array.shape}{hint}")
-        if array.dtype != dtype_:
-            hint = ("; class indices are integers: a regression or a reconstruction takes loss='mse' (or 'l1', "
-                    "'huber', 'bce_with_logits')" if loss == CLASS_LABEL_LOSS and array.dtype.kind == "f" else
-                    "; targets of a loss other than cross-entropy are floats" if array.dtype.kind in "iub" else "")
-            raise ValueError(f"{head}, got dtype {array.dtype}{hint}" +
-                             ("" if hint else f"; convert it with .astype(np.{dtype_})"))
-        if loss == CLASS_LABEL_LOSS and classes is not None and array.size and (
-                array.min() < 0 or array.max() >= classes[i]):
-            raise ValueError(f"{head}, each in 0..{classes[i] - 1} ({classes[i]} classes); got values in "
-                             f"{array.min()}..{array.max()}")
-        if loss == "bce_with_logits" and array.size and not (array.min() >= 0 and array.max() <= 1):
-            raise ValueError(f"{head}, in [0, 1] (probabilities); got values in {array.min()}..{array.max()}: "
-                             "scale them (pixels / 255)")
-
-
 def batch_vars(model: Model, batch_size: int, dtype: str) -> tuple[list[Var], dict[str, Var]]:
     """A training batch's variables: the inputs, and a dropout mask per noise layer (keyed by layer
     name), in the order the step functions take them (the labels, after the inputs, come from
-    :func:`label_vars`)."""
+    :class:`StepLabels`)."""
     masks = {layer.name: var(f"mask:{layer.name}", (batch_size, *(layer.noise_shape() or ())), dtype)
              for layer in model.noise_layers() if layer.name is not None}
     return model.input_vars(batch_size, dtype), masks
 
 
-def label_vars(outputs: Sequence[Expr], losses: Sequence[str], dtype: str) -> list[Var]:
-    """One label variable per output: int64 class indices for cross-entropy, one per example (one per
-    position for a ``(length, classes)`` output); float targets of the output's shape for the other
-    losses."""
-    single = len(outputs) == 1
-    out = []
-    for i, (output, loss) in enumerate(zip(outputs, losses, strict=True)):
-        name = "labels" if single else f"labels:{i}"
-        if loss != CLASS_LABEL_LOSS:
-            out.append(var(name, tuple(output.shape), dtype))
-        else:  # a class per example, or per position of a (length, classes) output, flattened
-            out.append(var(name, (math.prod(output.shape[:2]) if output.ndim == 3 else output.shape[0],), "int64"))
-    return out
+class StepLabels:
+    """The labels (or targets) of a training step's outputs: one variable per output in the step
+    function, the array each takes from the caller, and the checks and reshaping in between.
 
+    Cross-entropy takes int64 class indices, one per example, or one per position ``(N, length)``
+    for a ``(length, classes)`` output (flattened for the step, batch-major, so K steps' rows stay
+    K consecutive runs); every other loss takes float targets of the output's shape in the step's
+    dtype."""
 
-def label_shapes(outputs: Sequence[Expr], losses: Sequence[str]) -> list[tuple[int, ...]]:
-    """The label (or target) array each output takes from the caller, batch axis first: ``(N,)``
-    class indices, ``(N, length)`` for a class per position, the output's shape for targets."""
-    return [tuple(out.shape[:2]) if loss == CLASS_LABEL_LOSS and out.ndim == 3 else
-            (out.shape[0],) if loss == CLASS_LABEL_LOSS else tuple(out.shape)
-            for out, loss in zip(outputs, losses, strict=True)]
+    def __init__(self, model: Model, outputs: Sequence[Expr], losses: Sequence[str], dtype: str) -> None:
+        self.model, self.losses, self.dtype = model, list(losses), dtype
+        #: The array each output takes from the caller, batch axis first.
+        self.shapes = [tuple(out.shape[:2]) if loss == CLASS_LABEL_LOSS and out.ndim == 3 else
+                       (out.shape[0],) if loss == CLASS_LABEL_LOSS else tuple(out.shape)
+                       for out, loss in zip(outputs, losses, strict=True)]
+        self.classes = [int(out.shape[-1]) for out in outputs]
+        single = len(outputs) == 1
+        self.vars = [var("labels" if single else f"labels:{i}", (math.prod(shape),), "int64")
+                     if loss == CLASS_LABEL_LOSS else var("labels" if single else f"labels:{i}", shape, dtype)
+                     for i, (shape, loss) in enumerate(zip(self.shapes, losses, strict=True))]
 
+    def arrays(self, given: Sequence[np.ndarray], rows: int, who: str) -> list[np.ndarray]:
+        """``given`` (one array per output, ``rows`` examples) as the step function takes them,
+        after :meth:`check`."""
+        self.check(given, rows, who)
+        return [np.ascontiguousarray(a).reshape(-1) if loss == CLASS_LABEL_LOSS and np.ndim(a) == 2 else a
+                for loss, a in zip(self.losses, given, strict=True)]
 
-def step_label_arrays(losses: Sequence[str], arrays: Sequence[np.ndarray]) -> list[np.ndarray]:
-    """The caller's label arrays as the step function takes them: a class per position flattened
-    batch-major (rows of K steps stay K consecutive runs), the others as they are."""
-    return [np.ascontiguousarray(a).reshape(-1) if loss == CLASS_LABEL_LOSS and np.ndim(a) == 2 else a
-            for loss, a in zip(losses, arrays, strict=True)]
+    def check(self, arrays: Sequence[np.ndarray], rows: int, who: str) -> None:
+        """A ValueError naming the output, its loss and what it takes where a label or target array
+        is not ``rows`` examples of the right shape and dtype (the function's own check names only
+        the argument), where a class label lies outside the output's classes, or where targets of
+        ``bce_with_logits`` leave [0, 1]."""
+        model, dtype, classes = self.model, self.dtype, self.classes
+        for i, (loss, want, array) in enumerate(zip(self.losses, self.shapes, arrays, strict=True)):
+            array = np.asarray(array)
+            shape = (rows, *want[1:])
+            dtype_ = np.dtype("int64" if loss == CLASS_LABEL_LOSS else dtype)
+            what = "class labels" if loss == CLASS_LABEL_LOSS else "targets"
+            head = (f"{who}: output {i} of model {model.name!r} (loss {loss!r}) takes {what} of shape {shape} and "
+                    f"dtype {dtype_}")
+            if array.shape != shape:
+                given_rows = array.shape == shape[:1]
+                hint = ("; (N,) targets become (N, 1) with y[:, None]" if given_rows and shape[1:] == (1,)
+                        else "; the output gives classes per position of a sequence: one label per position (for one "
+                             "class per example, put a Flatten() or a pooling before the last Dense)"
+                        if loss == CLASS_LABEL_LOSS and len(shape) == 2 and given_rows else "")
+                raise ValueError(f"{head}, got shape {array.shape}{hint}")
+            if array.dtype != dtype_:
+                hint = ("; class indices are integers: a regression or a reconstruction takes loss='mse' (or 'l1', "
+                        "'huber', 'bce_with_logits')" if loss == CLASS_LABEL_LOSS and array.dtype.kind == "f" else
+                        "; targets of a loss other than cross-entropy are floats" if array.dtype.kind in "iub" else "")
+                raise ValueError(f"{head}, got dtype {array.dtype}{hint}" +
+                                 ("" if hint else f"; convert it with .astype(np.{dtype_})"))
+            if loss == CLASS_LABEL_LOSS and array.size and (array.min() < 0 or array.max() >= classes[i]):
+                raise ValueError(f"{head}, each in 0..{classes[i] - 1} ({classes[i]} classes); got values in "
+                                 f"{array.min()}..{array.max()}")
+            if loss == "bce_with_logits" and array.size and not (array.min() >= 0 and array.max() <= 1):
+                raise ValueError(f"{head}, in [0, 1] (probabilities); got values in {array.min()}..{array.max()}: "
+                                 "scale them (pixels / 255)")
 
 
 def mask_arrays(names: Sequence[str], masks: Mapping[str, np.ndarray] | None) -> list[np.ndarray]:
