@@ -556,8 +556,13 @@ class DistributedTrainer(Trainer):
         """This rank's fraction of the global batch: its weight in the step's sums."""
         return self.local_batch_size / self.batch_size
 
+    def reset_steps(self) -> None:
+        super().reset_steps()
+        self._gradient_step, self._update_step, self._buffer = None, None, None
+
     @property
     def gradient_step(self) -> GradientStep:
+        self.follow_trainable()
         if self._gradient_step is None:
             # Synchronized, every rank's loss is scaled by its share of the batch before the
             # backward: the sums over ranks in the backward then add gradients of the global
@@ -573,14 +578,16 @@ class DistributedTrainer(Trainer):
 
     @property
     def update_step(self) -> UpdateStep:
+        self.follow_trainable()
         if self._update_step is None:
             self._update_step = UpdateStep(self.model, self.optimizer, dtype=self.dtype, backend=self.backend)
         return self._update_step
 
     @property
     def fused_buffer(self) -> FusedBuffer:
+        self.follow_trainable()
         if self._buffer is None:
-            shapes = {**self.model.param_shapes(), **self.model.buffer_shapes()}
+            shapes = {**self.model.trainable_param_shapes(), **self.model.buffer_shapes()}
             self._buffer = FusedBuffer(self.comm.size, shapes, self.dtype)
         return self._buffer
 
@@ -616,7 +623,7 @@ class DistributedTrainer(Trainer):
     def _train_batch(self, inputs: list[np.ndarray], labels: Labels, *, epoch_step: int | None) -> float:
         if self.fused:
             return super()._train_batch(inputs, labels, epoch_step=epoch_step)
-        buffer = self.fused_buffer
+        buffer = self.fused_buffer  # rebuilt, with the steps, where layers were frozen or unfrozen
         error: Exception | None = None
         started = time.perf_counter()
         reducer = self._reducer
@@ -657,11 +664,11 @@ class DistributedTrainer(Trainer):
         if self.stop_on_nan and not np.isfinite(loss):
             raise _collective(NonFiniteLossError(loss, epoch=self.epoch + 1, step=self.step + 1, lr=lr,
                                                  epoch_step=epoch_step))
-        grads = {name: buffer.view(name) for name in self.model.param_shapes()}
+        grads = {name: buffer.view(name) for name in self.update_step.param_names}
         with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
             params, optimizer_state = self.update_step(self.params, grads, self.state, lr)
         # The views are overwritten by the next step's all-reduce: keep copies of the buffers.
-        self.params = params
+        self.params = {**self.params, **params}
         # A counter is the same on every rank: each keeps its own (the float sum of its shares may not be).
         local = self._local_buffers
         self.state = {**optimizer_state, **{name: (np.array(local[name]) if spec.counter else buffer.view(name).copy())

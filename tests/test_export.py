@@ -755,3 +755,42 @@ def test_a_failed_c_build_shows_the_compilers_errors(tmp_path: Path) -> None:
     model = nn.Sequential([nn.Dense(3)], (6,), name="tiny")
     with pytest.raises(ExportError, match=r"failed \(.*\): x\.c:9: error: unknown type name FILE$"):
         opgrad.export(tmp_path / "out", model=model, batch_size=2, cc=str(fake_cc))
+
+
+def test_export_of_a_partly_frozen_model_keeps_frozen_weights(tmp_path: Path) -> None:
+    """A model with a frozen convolution and BatchNorm exports a training step that leaves them (and
+    the running statistics) as they are and trains the rest as Python's step does."""
+    _require("cc")
+    inp = nn.Input((1, 6, 6))
+    x = nn.BatchNorm2D(name="bn")(nn.Conv2D(3, 3, name="conv")(inp))
+    net = nn.Model(inp, nn.Dense(4, name="head")(nn.Flatten()(nn.ReLU()(x))), name="frozen")
+    net.buffers = {"bn.running_mean": np.array([0.1, -0.2, 0.3]), "bn.running_var": np.array([0.5, 1.5, 2.0])}
+    for name in ("conv", "bn"):
+        net.get_layer(name).trainable = False
+    result = opgrad.export(tmp_path, model=net, optimizer="adam", batch_size=4, threads=1)
+    so = c_library(result.files["shared"])
+    model = so.opgrad_model_create()
+    assert so.opgrad_model_load(model, str(result.files["init"]).encode()) == OK
+    rng = np.random.default_rng(0)
+    steps = 3
+    x_all = rng.random((steps * 4, 1, 6, 6), dtype=np.float32)
+    y_all = rng.integers(0, 4, steps * 4)
+    lrs = np.full(steps, 0.01, np.float32)
+    losses = np.zeros(steps, np.float32)
+    assert so.opgrad_train_steps(model, steps, x_all.ctypes.data, y_all.ctypes.data, lrs.ctypes.data,
+                                 losses.ctypes.data, 0) == OK
+    step = nn.TrainStep(net, nn.Adam(), batch_size=4, backend="reference")
+    start = {**nn.Adam().init_state({n: net.params[n] for n in net.trainable_param_names()}), **net.buffers}
+    want = step.run_steps(x_all, y_all, net.params, start, lrs)
+    np.testing.assert_allclose(losses, want.losses, rtol=1e-4)
+
+    def c_array(name: str) -> np.ndarray:
+        size = ctypes.c_int64()
+        pointer = so.opgrad_model_array(model, name.encode(), ctypes.byref(size))
+        return np.ctypeslib.as_array(pointer, (size.value,)).copy()
+
+    for name in ("conv.weight", "bn.weight"):
+        np.testing.assert_array_equal(c_array(name), net.params[name].reshape(-1))
+    np.testing.assert_array_equal(c_array("bn.running_var"), net.buffers["bn.running_var"].reshape(-1))
+    np.testing.assert_allclose(c_array("head.weight"), want.params["head.weight"].reshape(-1), rtol=1e-4, atol=1e-6)
+    so.opgrad_model_free(model)

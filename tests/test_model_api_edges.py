@@ -520,15 +520,6 @@ def test_a_custom_layer_whose_config_leaves_out_a_constructor_argument_is_not_sa
     np.testing.assert_array_equal(nn.load(tmp_path / "m.npz").predict(x), model.predict(x))
 
 
-def test_freezing_a_layer_is_refused_not_ignored() -> None:
-    layer = nn.Dense(4, name="backbone")
-    assert layer.trainable
-    layer.trainable = True
-    with pytest.raises(NotImplementedError, match=r"layer 'backbone' \(Dense\(4\)\): opgrad trains every parameter "
-                                                  r"of a model and cannot freeze a layer; .*backbone.predict"):
-        layer.trainable = False
-
-
 def test_a_model_called_as_a_layer_says_how_to_reuse_it() -> None:
     encoder = nn.Sequential([nn.Flatten(), nn.Dense(4)], input_shape=(1, 3, 3), name="encoder")
     with pytest.raises(TypeError, match=r"model 'encoder': a model is not a layer, .*call its layers on your tensors"):

@@ -150,7 +150,8 @@ def _tables(name: str, model: Model, optimizer: Optimizer, step: TrainStep, trai
         streams.append(Stream(c_name, train.params[2 + i], "float", 4, fn.params[2 + i].shape,
                               f"float32: dropout mask of layer {layer} (0 or 1/(1-rate))"))
     streams.append(Stream("lrs", train.params[2 + nm], "float", 4, (), "float32"))
-    state0 = optimizer.init_state({n: np.zeros(shape, np.float32) for n, shape in model.param_shapes().items()})
+    trained = model.trainable_param_shapes()
+    state0 = optimizer.init_state({n: np.zeros(shape, np.float32) for n, shape in trained.items()})
     # The model's arrays (parameters, then buffers such as BatchNorm's running statistics) come first:
     # they feed the evaluation graph and are loaded from checkpoints; the optimizer's state follows and
     # is reset when a checkpoint has none. Each keeps its own slots, so the order is the table's only.
@@ -310,7 +311,8 @@ def export(directory: str | os.PathLike[str], *, model: str | Model = "seed-cnn"
     else:
         params = {n: np.asarray(a, np.float32) for n, a in net.params.items()}
         buffers = {n: np.asarray(a, np.float32) for n, a in net.buffers.items()}
-    save_checkpoint(files["init"], {**params, **buffers, **opt.init_state(params)},
+    trained = {n: params[n] for n in net.trainable_param_names()}
+    save_checkpoint(files["init"], {**params, **buffers, **opt.init_state(trained)},
                     {**tables.checkpoint_meta, "step": 0, "epoch": 0, "seed": seed})
     if not object_only:
         assert cc is not None

@@ -33,7 +33,7 @@ class ImportedModel:
     """An imported model and what the import had to say about it.
 
     ``notes`` lists what differs from the Keras model and why (a final softmax left out, a
-    regularizer or a frozen flag that only Keras' training used); ``format`` is ``".keras"`` or
+    regularizer or a constraint that only Keras' training used); ``format`` is ``".keras"`` or
     ``".h5"``; ``keras_version`` is the version that wrote the file, where it says.
     """
 

@@ -33,7 +33,8 @@ __all__ = ["Converter", "LayerCall", "Tensor", "build_model"]
 Shape = tuple[int, ...]
 _MISSING = object()
 #: Config fields that change nothing in the imported model: names, initializers (the weights are
-#: loaded), seeds, the trainable flag (reported as a note when a layer is frozen) and dtype (checked).
+#: loaded), seeds, the trainable flag (each opgrad layer takes it in :meth:`LayerCall.add`) and dtype
+#: (checked).
 _ALWAYS_IGNORED = {"name", "trainable", "dtype", "seed", "build_config", "input_length", "batch_input_shape",
                    "batch_shape"}
 #: Float dtype policies; the imported model computes in float32 whatever the policy.
@@ -114,8 +115,6 @@ class LayerCall:
             raise self.unsupported("dtype", policy, ", ".join(_FLOAT_POLICIES) + " (computed in float32 here)")
         if "dtype" not in self.used and policy not in (None, "float32"):
             self.builder.policies.setdefault(policy, []).append(self.spec.name)
-        if self.config.get("trainable") is False:
-            self.note("is frozen in Keras (trainable=False); opgrad trains every parameter")
         for key, value in self.config.items():
             if key in self.used or key in _ALWAYS_IGNORED or key.endswith("_initializer"):
                 continue
@@ -160,6 +159,8 @@ class LayerCall:
         base = _safe_name(self.spec.name)
         layer.name = self.builder.unique(base if not suffix and self.added == 0 else f"{base}_{suffix or 'op'}")
         self.added += 1
+        # A layer frozen in Keras stays frozen: each opgrad layer it becomes keeps its weights.
+        layer.trainable = self.config.get("trainable") is not False
         try:
             sym = layer([t.sym for t in inputs] if isinstance(inputs, list) else inputs.sym)
         except (ShapeError, ValueError, TypeError) as exc:

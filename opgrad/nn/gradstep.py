@@ -41,6 +41,7 @@ from opgrad.nn.step import (
     per_input,
     per_output,
     resolve_losses,
+    trainable_names,
 )
 
 __all__ = ["GradientResult", "GradientStep", "UpdateStep"]
@@ -48,7 +49,7 @@ __all__ = ["GradientResult", "GradientStep", "UpdateStep"]
 
 @dataclass(frozen=True)
 class GradientResult:
-    """One batch's mean loss, the gradients of the parameters and the model's new buffers."""
+    """One batch's mean loss, the gradients of the trainable parameters and the model's new buffers."""
 
     loss: float
     grads: dict[str, np.ndarray]
@@ -56,7 +57,8 @@ class GradientResult:
 
 
 class GradientStep:
-    """Forward + backward for ``model`` on a fixed batch: the loss, every gradient, new buffers.
+    """Forward + backward for ``model`` on a fixed batch: the loss, the gradient of every trainable
+    parameter, new buffers.
 
     ``sync_batchnorm`` builds BatchNorm with the statistics of every replica's batch (run the step
     inside :func:`opgrad.replicas.replica_group`). ``loss_scale`` multiplies the loss before it is
@@ -81,7 +83,9 @@ class GradientStep:
         objective = model_loss(model, outputs, self.labels.vars, self.losses, loss_weights)
         if self.loss_scale != 1.0:
             objective = ops.multiply(objective, self.loss_scale)
-        grads = gradients(objective, list(params.values()))
+        #: The parameters with a gradient: the trainable ones (a frozen layer's take none).
+        self.grad_names: tuple[str, ...] = tuple(trainable_names(model, "GradientStep"))
+        grads = gradients(objective, [params[name] for name in self.grad_names])
         self.param_names: tuple[str, ...] = tuple(params)
         self.buffer_names: tuple[str, ...] = tuple(buffers)
         self.mask_names: tuple[str, ...] = tuple(masks)
@@ -100,22 +104,24 @@ class GradientStep:
             *mask_arrays(self.mask_names, masks),
             *(params[n] for n in self.param_names), *(buffers[n] for n in self.buffer_names),
         )
-        k = len(self.param_names)
-        return GradientResult(float(outputs[0]), dict(zip(self.param_names, outputs[1 : 1 + k])),
+        k = len(self.grad_names)
+        return GradientResult(float(outputs[0]), dict(zip(self.grad_names, outputs[1 : 1 + k])),
                               dict(zip(self.buffer_names, outputs[1 + k :])))
 
 
 class UpdateStep:
-    """``optimizer``'s update of ``model``'s parameters from given gradients, compiled once."""
+    """``optimizer``'s update of ``model``'s trainable parameters from given gradients, compiled
+    once; the new parameters it returns are the trainable ones (a frozen layer's stay as they are)."""
 
     def __init__(self, model: Model, optimizer: Optimizer, *, dtype: str = "float32",
                  backend: str = "reference") -> None:
         self.model, self.optimizer, self.dtype, self.backend = model, optimizer, dtype, backend
         lr = var("lr", (), dtype)
-        params = model.param_vars(dtype)
+        every = model.param_vars(dtype)
+        params = {name: every[name] for name in trainable_names(model, "UpdateStep")}
         grads = {name: var(f"grad:{name}", p.shape, dtype) for name, p in params.items()}
         state = {name: var(name, shape, dtype)
-                 for name, shape in optimizer.state_shapes(model.param_shapes()).items()}
+                 for name, shape in optimizer.state_shapes(model.trainable_param_shapes()).items()}
         new_params, new_state = optimizer.update(params, grads, state, lr)
         missing = sorted(set(state) - set(new_state))
         if missing:

@@ -325,13 +325,6 @@ def _same_definition(a: type, b: type) -> bool:
     return a is b or _class_path(a) == _class_path(b)
 
 
-#: Why a layer cannot be frozen, and how to train a new head on a fixed backbone instead.
-NO_FROZEN_LAYERS = ("opgrad trains every parameter of a model and cannot freeze a layer; to train a new "
-                    "head on a fixed backbone, compute the backbone's features once (backbone = "
-                    "nn.Model(model.inputs, feature_tensor); features = backbone.predict(images)) and train a "
-                    "model of the head alone on them")
-
-
 class Layer:
     """Base class. Subclasses set ``kind`` and implement ``output_shape_for`` and ``apply``.
 
@@ -371,16 +364,23 @@ class Layer:
         self.input_shape: Any = None
         self.output_shape: Shape | None = None
 
+    #: False for a frozen layer (:attr:`trainable`).
+    _frozen: bool = False
+
     @property
     def trainable(self) -> bool:
-        """True: opgrad trains every parameter of a model. Setting it to False (Keras' way of
-        freezing a layer) is refused rather than ignored (:data:`NO_FROZEN_LAYERS` says what to do)."""
-        return True
+        """Whether training updates this layer's parameters (Keras' ``layer.trainable``, PyTorch's
+        ``requires_grad``). A frozen layer (``layer.trainable = False``) keeps its weights: the
+        training step takes no gradient for them and the optimizer keeps no state for them. A frozen
+        ``BatchNorm2D`` also normalizes with its running statistics and leaves them as they are
+        (Keras' fine-tuning behaviour). The flag is saved with the model's description."""
+        return not self._frozen
 
     @trainable.setter
     def trainable(self, value: bool) -> None:
-        if not value:
-            raise NotImplementedError(f"layer {self.describe()}: {NO_FROZEN_LAYERS}")
+        if not isinstance(value, (bool, np.bool_)):
+            raise TypeError(f"layer {self.describe()}: trainable takes True or False, got {value!r}")
+        self._frozen = not value
 
     # ----- wiring -----
 
@@ -401,7 +401,20 @@ class Layer:
                 raise TypeError(f"layer {self.describe()} takes {self.input_dtype} inputs, got {tensor!r}")
         shape: InputShape = [t.shape for t in tensors] if self.multi_input else tensors[0].shape
         out = self.build(shape)
-        return Node(self, tensors, out).output
+        output = Node(self, tensors, out).output
+        self.__dict__.setdefault("_outputs", []).append(output)
+        return output
+
+    @property
+    def output(self) -> SymbolicTensor:
+        """The tensor the call of this layer made (Keras' ``layer.output``), to build a model on part
+        of another: ``nn.Model(model.inputs, model.get_layer("flatten").output)``."""
+        outputs = self.__dict__.get("_outputs", [])
+        if len(outputs) != 1:
+            raise ValueError(f"layer {self.describe()} has been called {len(outputs)} times, so it has no one "
+                             "output; " + ("call it on a tensor first" if not outputs else
+                                           "keep the tensor each call returns"))
+        return outputs[0]  # type: ignore[no-any-return]
 
     def build(self, input_shape: InputShape) -> Shape:
         if self.multi_input:
@@ -1401,7 +1414,7 @@ class BatchNorm2D(Layer):
              ctx: ForwardContext) -> tuple[Expr, dict[str, Expr]]:
         weight, bias = params["weight"], params["bias"]
         mean, var = buffers["running_mean"], buffers["running_var"]
-        if not ctx.training:
+        if not ctx.training or not self.trainable:  # a frozen BatchNorm runs as at evaluation, as Keras'
             return ops.batch_norm_inference(x, weight, bias, mean, var, axis=1, epsilon=self.epsilon), dict(buffers)
         axes = tuple(a for a in range(x.ndim) if a != 1)
         if ctx.sync_batchnorm:

@@ -120,7 +120,7 @@ def _layer_entry(layer: Layer) -> dict[str, Any]:
         raise TypeError(f"layer {layer.describe()}: {type(layer).__name__}.get_config returns no "
                         f"{', '.join(map(repr, missing))}, which its constructor takes, so a saved model would "
                         f"rebuild it with the default; return every constructor argument from get_config")
-    return {"kind": kind, "name": layer.name, "config": config}
+    return {"kind": kind, "name": layer.name, "config": config, **({} if layer.trainable else {"trainable": False})}
 
 
 def _count(shape: Shape) -> int:
@@ -231,6 +231,14 @@ class Model:
                 raise ValueError(f"two layers are named {layer.name!r}; layer names must be unique")
             seen.add(layer.name)
 
+    def get_layer(self, name: str) -> Layer:
+        """The layer named ``name`` (Keras' ``model.get_layer``); a KeyError lists the names."""
+        for layer in self.layers:
+            if layer.name == name:
+                return layer
+        raise KeyError(f"model {self.name!r} has no layer {name!r}; its layers: "
+                       f"{', '.join(str(layer.name) for layer in self.layers)}")
+
     @property
     def input_shapes(self) -> list[Shape]:
         return [t.shape for t in self.inputs]
@@ -265,6 +273,27 @@ class Model:
 
     def param_shapes(self) -> dict[str, Shape]:
         return {name: spec.shape for name, spec in self.param_specs().items()}
+
+    def trainable_param_names(self) -> list[str]:
+        """The parameters training updates, in :meth:`param_specs` order: those of every layer not
+        frozen (``layer.trainable = False``; Keras' ``model.trainable_weights``)."""
+        return [f"{layer.name}.{local}" for layer in self.layers if layer.trainable for local in layer.param_specs()]
+
+    def trainable_param_shapes(self) -> dict[str, Shape]:
+        """The shapes of :meth:`trainable_param_names`: what the optimizer keeps state for."""
+        shapes = self.param_shapes()
+        return {name: shapes[name] for name in self.trainable_param_names()}
+
+    @property
+    def trainable(self) -> bool:
+        """Whether any layer is trainable. Setting it sets every layer's flag, as Keras'
+        ``model.trainable`` does (``model.trainable = False`` freezes the whole model)."""
+        return any(layer.trainable for layer in self.layers)
+
+    @trainable.setter
+    def trainable(self, value: bool) -> None:
+        for layer in self.layers:
+            layer.trainable = value
 
     def buffer_shapes(self) -> dict[str, Shape]:
         return {name: spec.shape for name, spec in self.buffer_specs().items()}
@@ -523,7 +552,8 @@ class Model:
             count = 0 if shared else sum(_count(s.shape) for s in layer.param_specs().values())
             counted.add(id(layer))
             label = layer.describe() if not shared else f"{labels[id(node.output)]!r} (shared)"
-            rows.append((label, str(node.output.shape), f"{count:,}", ", ".join(labels[id(t)] for t in node.inputs)))
+            count_text = f"{count:,}" + (" frozen" if count and not layer.trainable else "")
+            rows.append((label, str(node.output.shape), count_text, ", ".join(labels[id(t)] for t in node.inputs)))
         columns = 4 if show_wiring else 3
         widths = [max(len(r[i]) for r in rows) for i in range(columns)]
         lines = []
@@ -535,7 +565,10 @@ class Model:
         lines.insert(1, "-" * max(len(line) for line in lines))
         buffers = sum(_count(s.shape) for s in self.buffer_specs().values())
         shapes = ", ".join(str(s) for s in self.input_shapes)
-        lines.append(f"total: {self.num_params:,} parameters" + (f" (+{buffers:,} buffer values)" if buffers else "")
+        shapes_of = self.param_shapes()
+        frozen = self.num_params - sum(_count(shapes_of[name]) for name in self.trainable_param_names())
+        lines.append(f"total: {self.num_params:,} parameters" + (f" ({frozen:,} frozen)" if frozen else "")
+                     + (f" (+{buffers:,} buffer values)" if buffers else "")
                      + f", input{'s' if len(self.inputs) > 1 else ''} {shapes}")
         return f"model {self.name!r}\n" + "\n".join(lines)
 
@@ -633,8 +666,13 @@ def _layer_from_config(entry: Mapping[str, Any], source: str) -> Layer:
             f"{source}: unknown layer kind {kind!r} (layer {name!r}); known kinds: {', '.join(sorted(LAYERS))}. "
             "A custom layer's class must be defined (imported) before the model is loaded"
         )
+    trainable = entry.get("trainable", True)
+    if not isinstance(trainable, bool):
+        raise ValueError(f"{source}: layer {name!r} has trainable {trainable!r}; expected true or false")
     try:
-        return cls.from_config(entry.get("config") or {}, name=name)
+        layer = cls.from_config(entry.get("config") or {}, name=name)
+        layer.trainable = trainable
+        return layer
     except (TypeError, ValueError) as exc:
         raise ValueError(f"{source}: layer {name!r} ({cls.__name__}): cannot rebuild it from {entry.get('config')}: "
                          f"{exc}") from None

@@ -67,6 +67,7 @@ __all__ = [
     "per_output",
     "per_position",
     "resolve_losses",
+    "trainable_names",
 ]
 
 #: A function's runnable form: arrays in, a tuple of arrays out (as ``opgrad.evaluate`` returns).
@@ -158,15 +159,19 @@ class TrainStep:
         inputs, masks = batch_vars(model, batch_size, dtype)
         lr = var("lr", (), dtype)
         params = model.param_vars(dtype)
+        trained = {name: params[name] for name in trainable_names(model, "TrainStep")}
         opt_state = {name: var(name, shape, dtype)
-                     for name, shape in optimizer.state_shapes(model.param_shapes()).items()}
+                     for name, shape in optimizer.state_shapes(model.trainable_param_shapes()).items()}
         buffers = model.buffer_vars(dtype)
         outputs, new_buffers = model.call(inputs, {**params, **buffers},
                                           ForwardContext(training=True, noise=masks))
         self.labels = StepLabels(model, outputs, self.losses, dtype)
         objective = model_loss(model, outputs, self.labels.vars, self.losses, loss_weights)
-        grads = dict(zip(params, gradients(objective, list(params.values()))))
-        new_params, new_state = optimizer.update(params, grads, opt_state, lr)
+        grads = dict(zip(trained, gradients(objective, list(trained.values()))))
+        # A frozen parameter comes out as it went in: the step keeps one signature (every
+        # parameter in and out), which its loop, in-place plan and C export rely on.
+        new_params, new_state = optimizer.update(trained, grads, opt_state, lr)
+        new_params = {name: new_params.get(name, param) for name, param in params.items()}
         missing = sorted(set(opt_state) - set(new_state))
         if missing:
             raise RuntimeError(f"{optimizer.describe()} produced no update for state {missing}")
@@ -344,6 +349,17 @@ class TrainStep:
                                    i, losses[: i + 1], cur_params, cur_state)
             cur_params, cur_state = result.params, result.state
         return StepsResult(losses, cur_params, cur_state)
+
+
+def trainable_names(model: Model, who: str) -> list[str]:
+    """``model``'s trainable parameters (:meth:`~opgrad.nn.Model.trainable_param_names`); a
+    ValueError naming ``who`` where every layer is frozen, which would train nothing."""
+    names = model.trainable_param_names()
+    if not names:
+        what = "has no parameters" if not model.param_shapes() else "has every layer frozen (trainable=False)"
+        raise ValueError(f"{who}: model {model.name!r} {what}, so training would change nothing; set "
+                         "layer.trainable = True on the layers to train")
+    return names
 
 
 def check_optimizer(optimizer: object, who: str) -> None:

@@ -270,7 +270,10 @@ class Trainer:
         # Kept weights come with their running statistics; fresh weights start from fresh statistics.
         buffers = ({k: v.astype(dtype, copy=False) for k, v in model.buffers.items()} if keeps_weights
                    else model.init_buffers(dtype))
-        self.state = {**optimizer.init_state(self.params), **buffers}
+        #: The trainable parameters the training steps were built for (:meth:`follow_trainable`).
+        self._trainable = tuple(model.trainable_param_names())
+        params = self.params
+        self.state = {**optimizer.init_state({name: params[name] for name in self._trainable}), **buffers}
         self.step = 0
         self.epoch = 0
         self.history = TrainingHistory()
@@ -301,8 +304,25 @@ class Trainer:
 
     # ----- the two compiled functions, built once -----
 
+    def follow_trainable(self) -> None:
+        """Rebuild the training step where layers were frozen or unfrozen since it was built (Keras
+        recompiles for this): a layer unfrozen starts with fresh optimizer state, one frozen keeps
+        its state for when it trains again."""
+        trainable = tuple(self.model.trainable_param_names())
+        if trainable == self._trainable:
+            return
+        self._trainable = trainable
+        self.reset_steps()
+        params = self.params
+        self.state = {**self.optimizer.init_state({name: params[name] for name in trainable}), **self.state}
+
+    def reset_steps(self) -> None:
+        """Forget the built training step, so the next use builds it anew."""
+        self._train_step = None
+
     @property
     def train_step(self) -> TrainStep:
+        self.follow_trainable()
         if self._train_step is None:
             self._train_step = TrainStep(self.model, self.optimizer, batch_size=self.batch_size,
                                          dtype=self.dtype, backend=self.backend, loss_weights=self.loss_weights)
