@@ -390,12 +390,18 @@ def pool() -> ThreadPool:
         if _pool is None:
             _pool = ThreadPool(default_num_threads())
             _pool_setting = setting
-        elif setting != _pool_setting and setting not in _settings_warned:
+        elif setting != _pool_setting and setting not in _settings_warned and _asks_other_size(setting, _pool.nthreads):
             _settings_warned.add(setting)
             warnings.warn(f"{NUM_THREADS_VAR}={setting!r} takes no effect in this process: it is read when the first "
                           f"kernel is compiled, and the worker pool keeps its {_pool.nthreads} thread(s); set it "
                           "before that (or start a new process)", stacklevel=user_stacklevel())
         return _pool
+
+
+def _asks_other_size(setting: str, nthreads: int) -> bool:
+    """Whether ``OPGRAD_NUM_THREADS=setting`` asks for another pool size than ``nthreads`` (an
+    unset or invalid value asks for none: it is read, and refused, where a pool starts)."""
+    return setting.isascii() and setting.isdigit() and int(setting) != nthreads
 
 
 def pool_started() -> bool:
