@@ -580,3 +580,26 @@ def test_a_keras_convention_batchnorm_momentum_is_warned_about() -> None:
         warnings.simplefilter("error")
         nn.BatchNorm2D(momentum=0.1)
         nn.BatchNorm2D(momentum=None)
+
+
+def test_step_inputs_name_the_layer_or_input_they_break() -> None:
+    """int32 class labels get the int64 advice (not the float targets'); token ids past an
+    Embedding's table name the layer in the training steps as in predict; complex inputs are refused."""
+    tokens = nn.Input((3,), dtype="int64", name="tok")
+    model = nn.Model(tokens, nn.Dense(2)(nn.Flatten()(nn.Embedding(5, 4, name="emb")(tokens))), name="text")
+    ids = np.array([[0, 1, 4], [2, 3, 1]])
+    step = nn.TrainStep(model, nn.SGD(), batch_size=2)
+    with pytest.raises(ValueError, match=r"takes class labels of shape \(2,\) and dtype int64, got dtype int32; "
+                                         r"convert it with \.astype\(np\.int64\)$"):
+        step(ids, np.array([0, 1], np.int32), model.params, {}, 0.1)
+    bad = ids.copy()
+    bad[1, 2] = 9
+    for call in (lambda: step(bad, np.array([0, 1]), model.params, {}, 0.1),
+                 lambda: step.run_steps(bad, np.array([0, 1]), model.params, {}, 0.1),
+                 lambda: nn.GradientStep(model, batch_size=2)(bad, np.array([0, 1]), model.params, {})):
+        with pytest.raises(ValueError, match=r"of model 'text': input 'tok' feeds layer 'emb' \(Embedding\(5, 4\)\), "
+                                             r"whose ids lie in 0\.\.4; got values in 0\.\.9"):
+            call()
+    images = nn.Sequential([nn.Dense(2)], input_shape=(3,), name="reals")
+    with pytest.raises(ValueError, match=r"model 'reals': input 'images' holds complex numbers \(complex128\)"):
+        images.predict(np.ones((2, 3)) * (1 + 1j))

@@ -59,6 +59,7 @@ __all__ = [
     "StepsResult",
     "TrainStep",
     "batch_vars",
+    "check_input_values",
     "compile_function",
     "llvm_unavailable_reason",
     "mask_arrays",
@@ -247,6 +248,7 @@ class TrainStep:
         Without it nothing passed is modified. The reference backend always returns new arrays."""
         inputs = per_input(images, len(self.model.inputs), "input", f"TrainStep: model {self.model.name!r}")
         self.check_batch(inputs, self.batch_size, "TrainStep")
+        check_input_values(self.model, inputs, f"TrainStep of model {self.model.name!r}")
         arrays = (
             *inputs,
             *self.labels.arrays(per_output(labels, len(self.model.outputs)), self.batch_size, "TrainStep"),
@@ -303,6 +305,7 @@ class TrainStep:
                                  f"(step i trains on rows i*{b} .. i*{b}+{b - 1})")
         steps = rows_given // b
         self.check_batch(inputs, steps * b, "TrainStep.run_steps")
+        check_input_values(self.model, inputs, f"TrainStep.run_steps of model {self.model.name!r}")
         label_arrays = self.labels.arrays(label_arrays, steps * b, "TrainStep.run_steps")
         lrs = np.asarray(lr, dtype=self.dtype)
         lrs = np.full(steps, lrs, self.dtype) if lrs.ndim == 0 else lrs
@@ -513,7 +516,8 @@ class StepLabels:
             if array.dtype != dtype_:
                 hint = ("; class indices are integers: a regression or a reconstruction takes loss='mse' (or 'l1', "
                         "'huber', 'bce_with_logits')" if loss == CLASS_LABEL_LOSS and array.dtype.kind == "f" else
-                        "; targets of a loss other than cross-entropy are floats" if array.dtype.kind in "iub" else "")
+                        "; targets of a loss other than cross-entropy are floats"
+                        if array.dtype.kind in "iub" and loss != CLASS_LABEL_LOSS else "")
                 raise ValueError(f"{head}, got dtype {array.dtype}{hint}" +
                                  ("" if hint else f"; convert it with .astype(np.{dtype_})"))
             if loss == CLASS_LABEL_LOSS and array.size and (array.min() < 0 or array.max() >= classes[i]):
@@ -553,7 +557,18 @@ def check_batch_inputs(model: Model, arrays: Sequence[np.ndarray], dtypes: Seque
             warnings.warn(f"{who}: input {tensor.name!r} is {array.dtype}, taken as {dtype} values as they are, "
                           f"unscaled; divide it first (images / 255) if the model expects 0..1, or give the model "
                           f"a Rescaling layer", stacklevel=4)
-        # Ids past an Embedding's table: named here with the layer, not later by its gather.
+    check_input_values(model, arrays, who)
+
+
+def check_input_values(model: Model, arrays: Sequence[np.ndarray], who: str) -> None:
+    """A ValueError naming the input where one holds complex numbers (numpy would drop their
+    imaginary parts) or ids past the table of the Embedding it feeds (named here with the layer,
+    not later by its gather)."""
+    for tensor, array in zip(model.inputs, arrays, strict=True):
+        if np.iscomplexobj(array):
+            raise ValueError(f"{who}: input {tensor.name!r} holds complex numbers ({np.asarray(array).dtype}); the "
+                             "model computes with real ones: pass the real part (.real) or the magnitude (abs) "
+                             "explicitly")
         for node in model.nodes:
             size = getattr(node.layer, "input_dim", None)
             if node.layer.kind == "embedding" and size is not None and any(t is tensor for t in node.inputs) \
