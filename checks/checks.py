@@ -354,7 +354,7 @@ def check_b_vjp(ctx: Context) -> float:
         worst = max(worst, m.rel_error)
         if full and 1 < out_size <= FULL_JACOBIAN_LIMIT:
             worst = max(worst, _full_jacobian(ctx, k, columns.T, out_shape, h))
-    _finite_in_float32(ctx, c, grads)
+    _float32_gradient(ctx, c, grads)
     return max(worst, _directional(ctx, c, grads, rng))
 
 
@@ -362,31 +362,60 @@ def check_b_vjp(ctx: Context) -> float:
 FLOAT32_SAFE = float(np.finfo(np.float32).max) / 16
 
 
-def _finite_in_float32(ctx: Context, c: np.ndarray, grads: list[np.ndarray]) -> None:
+def float32_mismatch(got: np.ndarray, want: np.ndarray) -> Mismatch:
+    """``got`` (computed in float32) against ``want`` (float64, from the same float32-rounded
+    inputs), where ``want`` is finite and inside float32's range: they may differ by float32's
+    rounding, :data:`FLOAT32_RTOL` of each value plus that of the largest (a sum that cancels keeps
+    the error of its terms), not by a float32 formula computing something else."""
+    got = np.asarray(got, np.float64)
+    want = np.asarray(want, np.float64)
+    usable = np.isfinite(want) & (np.abs(want) < FLOAT32_SAFE)
+    got, want = np.where(usable, got, 0.0), np.where(usable, want, 0.0)
+    scale = max(1.0, float(np.max(np.abs(want), initial=0.0)))
+    return worst_mismatch(got, want, FLOAT32_RTOL, FLOAT32_RTOL * scale)
+
+
+#: float32 results may differ from float64 ones by this much of their scale (about 800 float32
+#: roundings: sums over thousands of terms stay inside, a formula off by 1e-3 does not).
+FLOAT32_RTOL = 1e-4
+
+
+def _float32_gradient(ctx: Context, c: np.ndarray, grads: list[np.ndarray]) -> None:
     """(b) The rule evaluated in float32 (what training runs) is finite wherever the float64 one is
-    finite and well inside float32's range, on inputs where the float32 forward is finite: a rule
-    that overflows or divides inf by inf in float32 ((e^2x - 1) / (e^2x + 1) for tanh at x = 50)
-    passes every float64 comparison."""
+    finite and well inside float32's range, on inputs where the float32 forward is finite, and
+    equals the float64 rule on those float32 inputs up to float32's rounding: a rule that overflows
+    or divides inf by inf in float32 ((e^2x - 1) / (e^2x + 1) for tanh at x = 50), or one whose
+    float32 form loses the value ((tanh(x) + 1e8) - 1e8), passes every float64 comparison."""
     if ctx.vjp_fn32 is None:
         return
     arrays = [a.astype(np.float32) if spec.kind == "float" else a for spec, a in zip(ctx.specs, ctx.arrays)]
+    c32 = c.astype(ctx.vjp_fn32.params[-1].dtype)
     with np.errstate(all="ignore"):
         try:
             forward = np.asarray(ctx.op.reference_fn(*arrays, **ctx.example.case.attrs))
             if not np.all(np.isfinite(forward)):
                 return
-            out = evaluate(ctx.vjp_fn32, *arrays, c.astype(ctx.vjp_fn32.params[-1].dtype))
+            out = evaluate(ctx.vjp_fn32, *arrays, c32)
         except Exception as exc:
             raise ctx.fail("b", f"evaluating the gradient in float32 raised {type(exc).__name__}: {exc}"
                                 f"{raised_in(exc, ctx.op)}", dtype="float32") from None
-    for k, g64, g32 in zip(ctx.diff, grads, list(out) if isinstance(out, tuple) else [out]):
+        rounded = out if ctx.vjp_fn is None else evaluate(
+            ctx.vjp_fn, *[a.astype(np.float64) if spec.kind == "float" else a for spec, a in zip(ctx.specs, arrays)],
+            c32.astype(np.float64))
+    as_list = (lambda value: list(value) if isinstance(value, tuple) else [value])  # noqa: E731
+    for k, g64, g32, want in zip(ctx.diff, grads, as_list(out), as_list(rounded)):
+        name = ctx.specs[k].name
         bad = np.isfinite(g64) & (np.abs(g64) < FLOAT32_SAFE) & ~np.isfinite(np.asarray(g32))
         if bad.any():
             index = tuple(int(i) for i in np.unravel_index(int(np.argmax(bad)), bad.shape))
-            name = ctx.specs[k].name
             raise ctx.fail("b", f"in float32 the gradient for {name!r} is {np.asarray(g32)[index]} at {index}, where "
                            f"float64 gives {g64[index]:.6g} and the float32 forward is finite: the rule overflows "
                            "or divides inf by inf in float32", input=name, dtype="float32")
+        m = float32_mismatch(g32, want)
+        if m.ratio > 1:
+            raise ctx.fail("b", f"in float32 the gradient for {name!r} differs from the float64 rule on the same "
+                           "float32 inputs by more than float32's rounding: the rule loses precision in float32",
+                           m, input=name, rtol=FLOAT32_RTOL, dtype="float32")
 
 
 def _mismatch_hint(ctx: Context, k: int, m: Mismatch, c: np.ndarray) -> str:
@@ -603,13 +632,26 @@ def check_g_backend(ctx: Context, backend: Backend | None) -> bool:
         # The reference backend casts each forward's result to the promised type, so a forward
         # computing in another precision would pass unseen there, and differ from every backend.
         try:
-            forward = np.asarray(op.reference_fn(*arrays, **case.attrs))
+            result = op.reference_fn(*arrays, **case.attrs)
         except Exception as exc:
             raise ctx.fail("g", f"the forward in {dtype} raised {type(exc).__name__}: {exc}{raised_in(exc, op)}",
                            dtype=dtype) from None
+        if not isinstance(result, (np.ndarray, np.generic)):
+            raise ctx.fail("g", f"the forward returns a {type(result).__name__}, not a numpy array (return "
+                           "np.asarray(...) of the op's dtype)", input="output", dtype=dtype)
+        forward = np.asarray(result)
         if forward.dtype != np.dtype(call.dtype):
             raise ctx.fail("g", f"the forward returns {forward.dtype} for {dtype} inputs; its shape rule promises "
                            f"{call.dtype} (cast the result, e.g. .astype(data.dtype))", input="output", dtype=dtype)
+        if dtype == "float32" and forward.dtype == np.float32:
+            # The float32 forward is what training runs; the reference backend has no other to compare.
+            with np.errstate(all="ignore"):
+                want = np.asarray(op.reference_fn(*[a.astype(np.float64) if spec.kind == "float" else a
+                                                    for spec, a in zip(ctx.specs, arrays)], **case.attrs))
+            m = float32_mismatch(forward, want)
+            if m.ratio > 1:
+                raise ctx.fail("g", "the forward in float32 differs from the float64 forward on the same inputs by "
+                               "more than float32's rounding", m, input="output", rtol=FLOAT32_RTOL, dtype=dtype)
         fns = [("output", Function(params, call))]
         if backend is not None and ctx.vjp_fn is not None and ctx.rule is not None and dtype == "float64":
             fns.append(("gradient", ctx.vjp_fn))

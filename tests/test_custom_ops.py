@@ -270,6 +270,33 @@ def test_a_gradient_that_overflows_only_in_float32_fails(tmp_path: Path, monkeyp
         assert "the rule overflows or divides inf by inf in float32" in report.failure.problem
 
 
+def test_float32_forms_that_lose_the_value_fail(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A gradient or forward right in float64 and wrong in float32 (what training runs) fails, and
+    so does a forward returning a Python value instead of an array."""
+    lossy = LOGCOSH + textwrap.dedent('''
+        def cancelling(call, grad):
+            big = ops.multiply(ops.ones_like(call.args[0]), 1e8)
+            return [ops.multiply(grad, ops.subtract(ops.add(ops.tanh(call.args[0]), big), big))]
+    ''')
+    with declared(tmp_path, monkeypatch, "my_lossy_ops", lossy, ["user_logcosh"]) as module:
+        report = check_op("user_logcosh", gradient=module.cancelling, max_examples=30, seed=0)  # type: ignore[attr-defined]
+        assert not report.passed and report.failure is not None
+        assert report.failure.check == "b" and report.failure.dtype == "float32"
+        assert "differs from the float64 rule on the same float32 inputs" in report.failure.problem
+    scaled = LOGCOSH.replace("user_logcosh", "user_scaled").replace(
+        "- np.log(2.0)).astype(data.dtype)", "- np.log(2.0 if data.dtype == np.float64 else 2.5)).astype(data.dtype)")
+    listed = LOGCOSH.replace("user_logcosh", "user_listed").replace(".astype(data.dtype)", ".tolist()")
+    with declared(tmp_path, monkeypatch, "my_scaled_ops", scaled, ["user_scaled"]):
+        report = check_op("user_scaled", max_examples=30, seed=0)
+        assert not report.passed and report.failure is not None
+        assert report.failure.check == "g" and report.failure.dtype == "float32"
+        assert "the forward in float32 differs from the float64 forward" in report.failure.problem
+    with declared(tmp_path, monkeypatch, "my_listed_ops", listed, ["user_listed"]):
+        report = check_op("user_listed", max_examples=5, seed=0)
+        assert not report.passed and report.failure is not None
+        assert re.search(r"the forward returns a (float|list), not a numpy array", report.failure.problem)
+
+
 def test_a_forgotten_gradient_and_a_raising_shape_rule_are_reported_where_they_are(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     forgotten = LOGCOSH.replace("user_logcosh", "user_nograd").split("@logcosh.gradient")[0]
