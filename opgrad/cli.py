@@ -17,8 +17,9 @@ import argparse
 import importlib
 import os
 import sys
-from collections.abc import Sequence
-from typing import NoReturn
+import warnings
+from collections.abc import Callable, Sequence
+from typing import Any, NoReturn
 
 from opgrad.env import check_environment
 from opgrad.errors import UserError
@@ -43,9 +44,25 @@ class OneLineErrorParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
-def one_line(exc: BaseException) -> str:
+def one_line(exc: BaseException | str) -> str:
     """``exc``'s message on one line (continuation lines joined with "; ")."""
     return "; ".join(line.strip() for line in str(exc).splitlines() if line.strip())
+
+
+def one_line_warnings(prefix: str, fallback: Callable[..., None]) -> Callable[..., None]:
+    """A ``warnings.showwarning`` that prints opgrad's user warnings as ``<prefix>: warning: ...``
+    lines: run as a command there is no user code for the usual ``file:line`` to point at (it
+    named the console script). Other warnings go to ``fallback``."""
+
+    def show(message: Warning | str, category: type[Warning], filename: str, lineno: int, file: Any = None,
+             line: str | None = None) -> None:
+        if not issubclass(category, UserWarning):
+            fallback(message, category, filename, lineno, file, line)
+            return
+        text = one_line(message)
+        print(f"{prefix}: warning: {text.removeprefix('opgrad: ')}", file=sys.stderr if file is None else file)
+
+    return show
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -75,8 +92,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"opgrad {args.command}: error: {args._unavailable}", file=sys.stderr)
         return 2
     try:
-        check_environment()  # a bad setting fails now, not when the first kernel compiles
-        return int(modules[args.command].run(args) or 0)
+        with warnings.catch_warnings():
+            warnings.showwarning = one_line_warnings(f"opgrad {args.command}", warnings.showwarning)
+            check_environment()  # a bad setting fails now, not when the first kernel compiles
+            return int(modules[args.command].run(args) or 0)
     except UserError as exc:
         print(f"opgrad {args.command}: error: {one_line(exc)}", file=sys.stderr)
         return exc.exit_code

@@ -287,9 +287,12 @@ def abort_on_error(comm: Communicator, command: str) -> Iterator[None]:
             raise
         code = exc.exit_code if isinstance(exc, UserError) else 130 if isinstance(exc, KeyboardInterrupt) else 1
         if not getattr(exc, "collective", False):
-            if not isinstance(exc, UserError):
-                print(f"{command}: rank {comm.rank} failed; ending every rank:", file=sys.stderr)
-            _report(exc, comm.rank, command)
+            if isinstance(exc, KeyboardInterrupt):  # Ctrl-C reaches every rank: a line each, as one process prints
+                print(f"{command}: [rank {comm.rank}] interrupted", file=sys.stderr)
+            else:
+                if not isinstance(exc, UserError):
+                    print(f"{command}: rank {comm.rank} failed; ending every rank:", file=sys.stderr)
+                _report(exc, comm.rank, command)
             # mpiexec forwards a rank's stderr through a pipe; MPI_Abort kills the rank before
             # the forwarder has read it, and the message is lost (seen once in about ten runs).
             sys.stderr.flush()

@@ -73,6 +73,8 @@ def _images_from_npy(path: str, shape: tuple[int, ...]) -> np.ndarray:
         return np.asarray(images.astype(np.float32) / np.float32(255.0), dtype=np.float32)
     if not np.issubdtype(images.dtype, np.floating):
         raise DataError(f"{path}: images have dtype {images.dtype}, expected uint8 (0..255) or floats in [0, 1]")
+    if not len(images):
+        raise DataError(f"{path}: holds no images (shape {stored.shape}); expected at least one")
     bad = np.flatnonzero(~np.isfinite(images.reshape(len(images), -1)).all(axis=1))
     if bad.size:  # a NaN would come out as class 0 (argmax of NaN scores), a prediction of nothing
         raise DataError(f"{path}: image {bad[0]} holds NaN or infinite values ({bad.size} such image(s)); "

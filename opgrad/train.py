@@ -355,7 +355,8 @@ def _train(args: argparse.Namespace, comm: Communicator | None) -> int:
     schedule = schedule_until(args.epochs)
     saved_epochs = saved[1].get("epochs") if saved is not None else None
     schedule_note = ""
-    if isinstance(saved_epochs, int) and saved_epochs != args.epochs and args.lr_schedule == "cosine" and start_step:
+    if isinstance(saved_epochs, int) and saved_epochs != args.epochs and args.lr_schedule == "cosine" and start_step \
+            and args.epochs > start_epoch:  # a run already past --epochs trains no step to speak of
         # The cosine decays over the run's whole length, so a run extended (or shortened) on resume
         # goes on from another point of the curve than the one it stopped at.
         planned = schedule_until(saved_epochs)

@@ -228,6 +228,8 @@ FAILING_STEP = """
     with abort_on_error(comm, "script"):
         if where == "setup" and comm.rank == 1:
             raise ValueError("rank 1 could not read its shard")
+        if where == "interrupt" and comm.rank == 1:
+            raise KeyboardInterrupt
         images, labels = tiny_data()
         options = {**settings("adam"), "backend": "reference"}
         trainer = DistributedTrainer(tiny_model(), make_optimizer("adam"), **options)
@@ -278,6 +280,16 @@ def test_a_rank_that_fails_alone_or_dies_ends_the_job(tmp_path: Path, where: str
     if where == "setup":  # raised outside any collective: printed, then MPI_Abort ends rank 0 too
         assert "script: rank 1 failed; ending every rank" in done.stderr
         assert "ValueError: rank 1 could not read its shard" in done.stderr
+
+
+def test_ctrl_c_on_a_rank_ends_the_job_with_one_line(tmp_path: Path) -> None:
+    """Ctrl-C is no failure to report: each interrupted rank says so in a line, as one process
+    does, and the job ends with status 130."""
+    script = write_script(tmp_path, "failing.py", FAILING_STEP)
+    done = run_mpi(["-n", "2", sys.executable, str(script), "interrupt"], tmp_path, timeout=60)
+    assert done.returncode == 130, done.stderr
+    assert "script: [rank 1] interrupted" in done.stderr
+    assert "Traceback" not in done.stderr and "failed" not in done.stderr
 
 
 def opgrad_cli() -> str:

@@ -438,6 +438,9 @@ def test_export_argument_errors(tmp_path: Path, capsys: pytest.CaptureFixture[st
         opgrad.export(tmp_path, target="x86_64-unknown-linux-gnu", features="+nosuchfeature", object_only=True)
     with pytest.raises(ExportError, match=r"features \+avx512f: LLVM does not know them for aarch64"):
         opgrad.export(tmp_path, target="aarch64-linux-gnu", features="+avx512f", object_only=True)
+    with pytest.raises(ExportError, match=r"model 'seed-cnn' at batch_size=100000000000, eval_batch_size=4: a matrix "
+                                          r"product of .* past its kernel's 32-bit offsets: make the batch size"):
+        opgrad.export(tmp_path, batch_size=10**11, eval_batch_size=4, object_only=True)
     with pytest.raises(ExportError, match="unknown model 'vgg'"):
         opgrad.export(tmp_path, model="vgg")
     two_heads = nn.Input((1, 8, 8))

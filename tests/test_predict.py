@@ -79,7 +79,10 @@ def test_predict_user_errors_are_one_line(trained: tuple[Path, float], tmp_path:
     diverged = nn.load(path)
     diverged.params = {name: np.full_like(value, np.nan) for name, value in diverged.params.items()}
     diverged.save(tmp_path / "diverged.npz")
+    np.save(tmp_path / "none.npy", np.zeros((0, 28, 28), np.float32))
     cases = [
+        (["--checkpoint", str(path), "--images", str(tmp_path / "none.npy")],
+         "none.npy: holds no images (shape (0, 28, 28)); expected at least one"),
         (["--checkpoint", str(path), "--images", str(tmp_path / "holes.npy")],
          "holes.npy: image 2 holds NaN or infinite values (1 such image(s)); expected finite pixels"),
         (["--checkpoint", str(tmp_path / "diverged.npz"), "--images", str(tmp_path / "digits.npy")],
@@ -147,3 +150,30 @@ def test_predict_data_reads_only_the_test_split(trained: tuple[Path, float], tmp
     path, _ = trained
     assert cli.main(["predict", "--checkpoint", str(path), "--data", str(tmp_path)]) == 0
     assert "20 images from the test split of the MNIST IDX files in" in capsys.readouterr().out
+
+
+def test_a_batch_size_beyond_the_images_compiles_for_the_images(trained: tuple[Path, float], tmp_path: Path,
+                                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    """predict with a batch size far above the number of images (one too large for the kernels'
+    32-bit offsets) gives the outputs of a fitting batch, and the command line warns without
+    naming its own script."""
+    path, _ = trained
+    model = nn.load(path)
+    images = load_embedded_mnist().test_images[:10]
+    np.testing.assert_array_equal(model.predict(images, batch_size=10**11), model.predict(images, batch_size=32))
+    np.save(tmp_path / "ten.npy", images)
+    assert cli.main(["predict", "--checkpoint", str(path), "--images", str(tmp_path / "ten.npy"),
+                     "--batch-size", str(10**11)]) == 0
+    assert capsys.readouterr().err == ""
+
+
+def test_command_line_warnings_are_one_line(trained: tuple[Path, float], tmp_path: Path,
+                                           monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    path, _ = trained
+    (tmp_path / "file").write_text("")
+    monkeypatch.setenv("OPGRAD_CACHE_DIR", str(tmp_path / "file" / "cache"))  # under a file: cannot be made
+    assert cli.main(["predict", "--checkpoint", str(path), "--batch-size", "7"]) == 0
+    err = capsys.readouterr().err
+    lines = err.splitlines()
+    assert lines and all(line.startswith("opgrad predict: warning: cannot write the ") for line in lines), err
+    assert "object cache" in err

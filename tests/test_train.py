@@ -231,6 +231,14 @@ def test_cli_resume_extending_a_cosine_run_says_where_its_learning_rate_goes_on(
     assert cli.main(["train", "--resume", str(saved), "--epochs", "1", "--test-limit", "40",
                      "--backend", "reference"]) == 0
     assert "note:" not in capsys.readouterr().out
+    two = tmp_path / "two.npz"
+    assert cli.main(["train", *settings, "--epochs", "2", "--save", str(two)]) == 0
+    capsys.readouterr()
+    # Fewer epochs than trained: nothing runs, so no step's rate is worth a note.
+    assert cli.main(["train", "--resume", str(two), "--epochs", "1", "--test-limit", "40",
+                     "--backend", "reference"]) == 0
+    out = capsys.readouterr().out
+    assert "note:" not in out and "nothing to do" in out
 
 
 def test_cli_smoke_save_resume_plot(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

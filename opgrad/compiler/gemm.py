@@ -21,8 +21,10 @@ such chain, and adds the groups in order: the thread count still changes nothing
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+
+from opgrad.errors import CompileError
 
 from .irtext import BYTES, LLVM_TYPE, FunctionEmitter, ModuleEmitter, float_const, iota_const, prefix_mask, splat_const
 from .target import Target, cache_size, current_target, host_target
@@ -121,10 +123,11 @@ class Operand:
         """A plain strided matrix; ``matrix(m, n, 1, m)`` is column-major, i.e. a transpose."""
         return Operand(IndexMap.strided(m, row_stride), IndexMap.strided(n, col_stride))
 
-    def check(self) -> None:
+    def fits_offsets(self) -> bool:
+        """Whether every element's offset fits the kernels' 32-bit offsets."""
         lo = self.rows.offset_range()[0] + self.cols.offset_range()[0]
         hi = self.rows.offset_range()[1] + self.cols.offset_range()[1]
-        assert lo >= -_I32_LIMIT and hi <= _I32_LIMIT, "operand offsets must fit in i32"
+        return lo >= -_I32_LIMIT and hi <= _I32_LIMIT
 
 
 @dataclass(frozen=True)
@@ -928,6 +931,15 @@ def _pack_by_strided_rows(
         per_k(k, "slow")
 
 
+def check_offsets(spec: GemmSpec, operands: Sequence[Operand]) -> None:
+    """A CompileError where an operand of ``spec`` reaches past the 32-bit offsets its kernel
+    computes with (a batch of millions of images), rather than a kernel reading the wrong memory."""
+    if not all(op.fits_offsets() for op in operands):
+        raise CompileError(f"a matrix product of {spec.m} x {spec.n} x {spec.k} ({spec.dtype}) addresses more than "
+                           f"2**31 - 1 elements of one operand, past its kernel's 32-bit offsets: make the batch size "
+                           "(or the layer) smaller")
+
+
 def emit_gemm(
     m: ModuleEmitter, spec: GemmSpec, name: str | None = None, blocking: Blocking | None = None
 ) -> GemmPlan:
@@ -935,8 +947,7 @@ def emit_gemm(
 
     ``ws`` must hold ``plan.workspace_bytes(nthreads)`` bytes, 64-byte aligned, for the pool size.
     """
-    for op in (spec.a, spec.b, spec.c):
-        op.check()
+    check_offsets(spec, (spec.a, spec.b, spec.c))
     assert spec.c.window is None, "C cannot have a padding window"
     assert min(spec.m, spec.n, spec.k) >= 1
     swapped = False
@@ -954,8 +965,7 @@ def emit_gemm(
     m.declare(PARALLEL_FOR, PARALLEL_FOR_DECL)
     t = LLVM_TYPE[spec.dtype]
     if spec.epilogue is not None:
-        for op in spec.epilogue.operands:
-            op.check()
+        check_offsets(spec, spec.epilogue.operands)
         if small:  # applied to each finished row where it waits in the workspace (_emit_small_gemm)
             row = Operand(IndexMap.strided(spec.m, 0), IndexMap.strided(spec.n, 1))
             emit_epilogue(m, base + ".epilogue", row, spec.epilogue, spec.dtype)

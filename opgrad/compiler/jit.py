@@ -148,7 +148,7 @@ class ObjectCache:
                 self.discard(key, "not a regular file")
                 return None
             blob = path.read_bytes()
-        except FileNotFoundError:
+        except (FileNotFoundError, NotADirectoryError):  # no entry (the folder cannot be one: written then)
             return None
         except OSError as exc:
             warnings.warn(f"opgrad: cannot read cached {self.what} {path}: {exc}", stacklevel=user_stacklevel())

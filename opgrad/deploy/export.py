@@ -31,7 +31,7 @@ from opgrad.compiler.graph import GraphPlan, plan_graph
 from opgrad.compiler.irtext import ModuleEmitter
 from opgrad.compiler.jit import Codegen, object_code
 from opgrad.compiler.target import Target, host_target, resolve_target, use_target
-from opgrad.errors import OpgradError
+from opgrad.errors import CompileError, OpgradError
 from opgrad.nn import EvalStep, Model, Optimizer, TrainStep, build_model, make_optimizer
 
 from .cgen import ArrayInfo, ModelTables, Stream, render_header, render_runtime
@@ -275,8 +275,12 @@ def export(directory: str | os.PathLike[str], *, model: str | Model = "seed-cnn"
                           f"class per position; export takes classifiers with one class per example (class "
                           f"logits (classes,)): put a Flatten() or a pooling before the last Dense")
     with use_target(tgt):
-        train = plan_graph(step.function, name=f"{name}_train_graph", loop=step.step_loop())
-        evaluation = plan_graph(evaluation_step.function, name=f"{name}_eval_graph")
+        try:
+            train = plan_graph(step.function, name=f"{name}_train_graph", loop=step.step_loop())
+            evaluation = plan_graph(evaluation_step.function, name=f"{name}_eval_graph")
+        except CompileError as exc:  # a batch too large for the kernels' offsets, say
+            raise ExportError(f"model {net.name!r} at batch_size={batch_size}, eval_batch_size={eval_batch_size}: "
+                              f"{exc}") from None
     for graph, plan in (("training step", train), ("evaluation step", evaluation)):
         if plan.host_calls:
             # The kernels would call back into a Python communicator that a C program does not have.

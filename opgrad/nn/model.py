@@ -503,7 +503,9 @@ class Model:
 
         ``inputs`` is one array ``(N, *input_shape)`` (a list of them for several inputs); the
         result is one array (a list for several outputs), logits for a classifier. ``backend``
-        ``"llvm"`` falls back to the numpy reference when the compiler cannot be imported.
+        ``"llvm"`` falls back to the numpy reference when the compiler cannot be imported. A
+        ``batch_size`` above the number of examples compiles for that number instead (rounded up
+        to a power of two, at least 32): the same outputs, without memory for rows never given.
         """
         from opgrad.nn.step import EvalStep, llvm_unavailable_reason, per_input
 
@@ -518,10 +520,12 @@ class Model:
                                  f"expects (N, {', '.join(map(str, tensor.shape))})")
         weights = {**self.params, **self.buffers}
         dtype = self.dtype
-        key = (int(batch_size), dtype, backend)
+        examples = len(arrays[0]) if arrays[0].ndim else 0
+        batch = min(int(batch_size), max(32, 1 << max(0, examples - 1).bit_length()))
+        key = (batch, dtype, backend)
         step = self._predict_steps.get(key)
         if step is None:
-            step = self._predict_steps[key] = EvalStep(self, batch_size=int(batch_size), dtype=dtype, backend=backend)
+            step = self._predict_steps[key] = EvalStep(self, batch_size=batch, dtype=dtype, backend=backend)
         # An array put into the dicts in place (not through the setters) is brought to the model's type here.
         outputs = step.outputs(arrays, {k: np.asarray(v).astype(dtype, copy=False) for k, v in weights.items()})
         return outputs[0] if len(outputs) == 1 else outputs
