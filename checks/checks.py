@@ -380,6 +380,11 @@ def float32_mismatch(got: np.ndarray, want: np.ndarray) -> Mismatch:
 FLOAT32_RTOL = 1e-4
 
 
+def _as_list(value: Any) -> list[Any]:
+    """An evaluated function's results as a list (a tuple for several, one array for one)."""
+    return list(value) if isinstance(value, tuple) else [value]
+
+
 def _float32_gradient(ctx: Context, c: np.ndarray, grads: list[np.ndarray]) -> None:
     """(b) The rule evaluated in float32 (what training runs) is finite wherever the float64 one is
     finite and well inside float32's range, on inputs where the float32 forward is finite, and
@@ -402,8 +407,7 @@ def _float32_gradient(ctx: Context, c: np.ndarray, grads: list[np.ndarray]) -> N
         rounded = out if ctx.vjp_fn is None else evaluate(
             ctx.vjp_fn, *[a.astype(np.float64) if spec.kind == "float" else a for spec, a in zip(ctx.specs, arrays)],
             c32.astype(np.float64))
-    as_list = (lambda value: list(value) if isinstance(value, tuple) else [value])  # noqa: E731
-    for k, g64, g32, want in zip(ctx.diff, grads, as_list(out), as_list(rounded)):
+    for k, g64, g32, want in zip(ctx.diff, grads, _as_list(out), _as_list(rounded)):
         name = ctx.specs[k].name
         bad = np.isfinite(g64) & (np.abs(g64) < FLOAT32_SAFE) & ~np.isfinite(np.asarray(g32))
         if bad.any():
