@@ -56,7 +56,7 @@ from opgrad.env import NUM_THREADS_VAR
 from opgrad.errors import ConfigError, NonFiniteLossError, UserError
 from opgrad.ir import Call, topological_order
 from opgrad.nn.gradstep import GradientStep, UpdateStep
-from opgrad.nn.losses import accuracy, cross_entropy_numpy
+from opgrad.nn.losses import CLASS_LABEL_LOSS, accuracy, cross_entropy_numpy
 from opgrad.nn.model import Model
 from opgrad.nn.optim import Optimizer
 from opgrad.nn.schedules import Schedule
@@ -68,7 +68,6 @@ from opgrad.nn.trainer import (
     first_labels,
     label_rows,
     noise_rng,
-    step_labels,
 )
 from opgrad.replicas import replica_group
 
@@ -450,11 +449,11 @@ class DistributedTrainer(Trainer):
                  augment_rotate: float = 0.0, augment_scale: float = 0.0,
                  params: Mapping[str, np.ndarray] | None = None, stop_on_nan: bool = True,
                  fused_when_alone: bool = True, sync_batchnorm: bool = False,
-                 loss_weights: Sequence[float] | None = None) -> None:
+                 loss_weights: Sequence[float] | None = None, loss: str | Sequence[str] = CLASS_LABEL_LOSS) -> None:
         super().__init__(model, optimizer, lr=lr, batch_size=batch_size, seed=seed, dtype=dtype, backend=backend,
                          eval_batch_size=eval_batch_size, augment_shift=augment_shift,
                          augment_rotate=augment_rotate, augment_scale=augment_scale, params=params,
-                         stop_on_nan=stop_on_nan, loss_weights=loss_weights)
+                         stop_on_nan=stop_on_nan, loss_weights=loss_weights, loss=loss)
         self.comm = comm if comm is not None else world()
         if batch_size < self.comm.size:
             raise ConfigError(f"the global batch size {batch_size} is smaller than the number of ranks "
@@ -572,7 +571,7 @@ class DistributedTrainer(Trainer):
             # mean loss, and the fused all-reduce adds the shares unweighted (see _local_gradients).
             sync = self._reducer is not None
             step = GradientStep(self.model, batch_size=self.local_batch_size, dtype=self.dtype, backend=self.backend,
-                                loss_weights=self.loss_weights, sync_batchnorm=sync,
+                                loss_weights=self.loss_weights, loss=self.losses, sync_batchnorm=sync,
                                 loss_scale=self.share if sync else 1.0)
             if self._reducer is not None:
                 self._reducer.expect(step.function.outputs)
@@ -607,7 +606,7 @@ class DistributedTrainer(Trainer):
         local_masks = {name: np.ascontiguousarray(m[start:stop]) for name, m in masks.items()}
         x = self._one_or_list([np.ascontiguousarray(array[start:stop], dtype=dtype)
                                for array, dtype in zip(augmented, self._input_dtypes)])
-        y = step_labels(cut_labels(labels, slice(start, stop)))
+        y = self.step_labels(cut_labels(labels, slice(start, stop)))
         if self._reducer is None:
             with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
                 result = self.gradient_step(x, y, self.params, self.model.buffers, local_masks)
@@ -698,6 +697,7 @@ class DistributedTrainer(Trainer):
 
     def evaluate(self, inputs: Inputs, labels: Labels) -> tuple[float, float]:
         """``(accuracy, mean cross-entropy)`` of the first output over every example, the same on every rank."""
+        self.check_classifier("DistributedTrainer.evaluate")
         self._check_agreement(inputs, labels, "DistributedTrainer.evaluate")
         if not label_rows(labels):
             raise ValueError("DistributedTrainer.evaluate: no examples; accuracy and loss need at least one")

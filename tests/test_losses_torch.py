@@ -162,9 +162,6 @@ def test_loss_mistakes_are_named() -> None:
                                                        r"class is 0 whatever the weights; a binary classifier takes "
                                                        r"loss='bce_with_logits'"):
         nn.TrainStep(nn.Sequential([nn.Dense(1)], input_shape=(5,)), nn.SGD(), batch_size=2)
-    with pytest.raises(ValueError, match=r"^Trainer trains classifiers .* got loss='mse'; train with another loss by "
-                                         r"nn\.TrainStep\(model, optimizer, batch_size=\.\.\., loss='mse'\)"):
-        nn.Trainer(model, nn.SGD(), loss="mse")
     image_out = nn.Sequential([nn.Conv2D(2, 3, padding="same")], input_shape=(1, 6, 6))
     with pytest.raises(ValueError, match=r"needs class logits \(classes,\), or \(length, classes\) for a class per "
                                          r"position; for class scores, put a Flatten\(\).*"
@@ -189,3 +186,111 @@ def test_run_steps_streams_float_targets_as_k_single_steps_do() -> None:
     np.testing.assert_array_equal(together.losses, np.float32(losses))
     for name in p:
         np.testing.assert_array_equal(together.params[name], p[name])
+
+
+def two_heads() -> nn.Model:
+    """A classifier head and a regression head on one trunk."""
+    inp = nn.Input((5,))
+    trunk = nn.Dense(8, activation="tanh", name="trunk")(inp)
+    return nn.Model(inp, [nn.Dense(3, name="digit")(trunk), nn.Dense(2, name="value")(trunk)], name="heads")
+
+
+def test_trainer_trains_any_loss_as_its_steps_do() -> None:
+    """Trainer with cross-entropy on one output and huber on the other, weighted: its epoch equals
+    TrainStep over the epoch's batches bitwise, and evaluate_loss equals PyTorch's losses of the
+    predictions."""
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((24, 5))
+    classes, values = rng.integers(0, 3, 24), 3.0 * rng.standard_normal((24, 2))
+    options = {"lr": 0.05, "batch_size": 8, "dtype": "float64", "loss": ["cross_entropy", "huber"],
+               "loss_weights": [1.0, 0.5]}
+    trainer = nn.Trainer(two_heads(), nn.Adam(), **options)
+    twin = nn.Trainer(two_heads(), nn.Adam(), **options)
+    step = nn.TrainStep(twin.model, nn.Adam(), batch_size=8, dtype="float64", loss=["cross_entropy", "huber"],
+                        loss_weights=[1.0, 0.5])
+    params, state = twin.params, twin.state
+    batches = list(trainer.epoch_batches(x, [classes, values]))
+    mean = trainer.train_epoch(x, [classes, values])
+    losses = []
+    for inputs, (c, v) in batches:
+        result = step(inputs, [c, v], params, state, 0.05)
+        losses.append(result.loss)
+        params, state = result.params, result.state
+    assert mean == np.mean(losses)
+    for name, value in params.items():
+        np.testing.assert_array_equal(trainer.params[name], value)
+    digit, value = trainer.model.predict(x, backend="reference")
+    want = (F.cross_entropy(torch.tensor(digit), torch.tensor(classes))
+            + 0.5 * F.huber_loss(torch.tensor(value), torch.tensor(values))).item()
+    assert trainer.evaluate_loss(x, [classes, values]) == pytest.approx(want, rel=1e-12)
+    assert trainer.evaluate(x, [classes, values])[0] == np.mean(digit.argmax(axis=1) == classes)
+
+
+@pytest.mark.parametrize("backend", ["reference", "llvm"])
+def test_trainer_fits_an_autoencoder_and_a_sequence_labeller(backend: str) -> None:
+    """mse against the input itself, integer pixels cast as targets; per-position cross-entropy
+    with (N, length) labels; both lower their loss, and evaluate says what a regression needs."""
+    rng = np.random.default_rng(6)
+    images = rng.random((32, 1, 6, 6)).astype(np.float32)
+    autoencoder = nn.Sequential([nn.Flatten(), nn.Dense(8, activation="relu"), nn.Dense(36),
+                                 nn.Reshape((1, 6, 6))], input_shape=(1, 6, 6), name="ae")
+    trainer = nn.Trainer(autoencoder, nn.Adam(), lr=1e-2, batch_size=8, backend=backend, loss="mse")
+    before = trainer.evaluate_loss(images, images)
+    for _ in range(10):
+        trainer.train_epoch(images, images)
+    assert trainer.evaluate_loss(images, images) < 0.5 * before
+    with pytest.raises(ValueError, match=r"Trainer\.evaluate: accuracy needs a classifier, one class per example; "
+                                         r"model 'ae' trains output 0 \(1, 6, 6\) with 'mse': use evaluate_loss"):
+        trainer.evaluate(images, images)
+    tokens = nn.Input((5,), dtype="int64")
+    tagger = nn.Model(tokens, nn.Dense(4)(nn.Embedding(10, 6)(tokens)), name="tagger")
+    ids = rng.integers(0, 10, (32, 5))
+    tags = ids % 4
+    tag_trainer = nn.Trainer(tagger, nn.Adam(), lr=5e-2, batch_size=8, backend=backend)
+    first = tag_trainer.evaluate_loss(ids, tags)
+    for _ in range(10):
+        tag_trainer.train_epoch(ids, tags)
+    assert tag_trainer.evaluate_loss(ids, tags) < 0.5 * first
+
+
+def test_trainer_targets_are_checked_naming_the_output_and_loss() -> None:
+    model = two_heads()
+    trainer = nn.Trainer(model, nn.SGD(), batch_size=4, loss=["cross_entropy", "bce_with_logits"])
+    x, c = np.zeros((4, 5)), np.zeros(4, np.int64)
+    cases = [
+        (np.zeros((4, 3)), r"targets have shape \(4, 3\), expected \(4, 2\) \(the output's shape, loss "
+                           r"'bce_with_logits'\)"),
+        (np.full((4, 2), np.nan), r"targets hold NaN or infinite values"),
+        (np.full((4, 2), 2.0), r"targets of loss 'bce_with_logits' are probabilities in \[0, 1\]; got values in "
+                               r"2\.0\.\.2\.0"),
+        (np.zeros((4, 2), complex), r"targets have dtype complex128, expected real numbers"),
+    ]
+    for targets, message in cases:
+        with pytest.raises(ValueError, match=r"Trainer\.train_epoch \(output 'value' \(Dense\(2\)\)\): " + message):
+            trainer.train_epoch(x, [c, targets])
+    trainer.train_epoch(x, [c, np.ones((4, 2), np.int64)])  # integer 0/1 targets are cast
+    arrays, meta = trainer.checkpoint()
+    assert meta["losses"] == ["cross_entropy", "bce_with_logits"]
+    other = nn.Trainer(model, nn.SGD(), batch_size=4, loss=["cross_entropy", "mse"])
+    with pytest.raises(ValueError, match=r"checkpoint was trained with loss \['cross_entropy', 'bce_with_logits'\]; "
+                                         r"resume it with the same losses"):
+        other.restore(arrays, meta)
+
+
+def test_one_rank_split_trainer_trains_a_regression_as_the_plain_one() -> None:
+    from opgrad.distributed import DistributedTrainer
+
+    rng = np.random.default_rng(7)
+    x, t = rng.standard_normal((12, 5)), rng.standard_normal((12, 3))
+
+    def regressor() -> nn.Model:
+        return nn.Sequential([nn.Dense(4, activation="tanh"), nn.Dense(3)], input_shape=(5,), name="reg")
+
+    options = {"lr": 0.05, "batch_size": 4, "loss": "l1"}
+    plain = nn.Trainer(regressor(), nn.Adam(), **options)
+    split = DistributedTrainer(regressor(), nn.Adam(), **options, fused_when_alone=False)
+    for _ in range(2):
+        assert plain.train_epoch(x, t) == split.train_epoch(x, t)
+    for name in plain.params:
+        np.testing.assert_array_equal(plain.params[name], split.params[name])
+    assert plain.evaluate_loss(x, t) == split.evaluate_loss(x, t)

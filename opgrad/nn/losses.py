@@ -21,7 +21,8 @@ from opgrad.errors import ShapeError
 from opgrad.ir import Expr
 
 __all__ = ["CLASS_LABEL_LOSS", "LOSSES", "accuracy", "binary_cross_entropy_with_logits", "check_class_labels",
-           "cross_entropy_numpy", "huber_loss", "l1_loss", "loss_name", "mse_loss", "softmax_cross_entropy"]
+           "check_position_labels", "check_targets", "cross_entropy_numpy", "huber_loss", "l1_loss", "loss_name",
+           "mse_loss", "softmax_cross_entropy"]
 
 
 def softmax_cross_entropy(logits: Expr, labels: Expr) -> Expr:
@@ -141,6 +142,36 @@ def check_class_labels(labels: np.ndarray, rows: int, num_classes: int | None, w
     if num_classes is not None and labels.size and (labels.min() < 0 or labels.max() >= num_classes):
         raise ValueError(f"{who}: labels must lie in 0..{num_classes - 1} for {num_classes} classes, got values in "
                          f"{labels.min()}..{labels.max()}")
+
+
+def check_position_labels(labels: np.ndarray, shape: tuple[int, ...], num_classes: int | None, who: str) -> None:
+    """Raise ``ValueError`` unless ``labels`` holds one integer class index per position,
+    ``(rows, length)``, each in ``0 .. num_classes - 1`` (unchecked when None): the labels of a
+    ``(length, classes)`` output under cross-entropy."""
+    labels = np.asarray(labels)
+    if labels.shape != shape:
+        raise ValueError(f"{who}: labels have shape {labels.shape}, expected {shape}: one class index per position "
+                         "of each example's sequence")
+    check_class_labels(labels.reshape(-1), labels.size, num_classes, who)
+
+
+def check_targets(targets: np.ndarray, shape: tuple[int, ...], loss: str, who: str) -> None:
+    """Raise ``ValueError`` unless ``targets`` are finite real numbers of ``shape`` (the output's,
+    per example), in [0, 1] for ``bce_with_logits``: a wrong shape would broadcast against the
+    predictions, and a NaN target makes every loss after it NaN."""
+    targets = np.asarray(targets)
+    if targets.shape != shape:
+        hint = "; (N,) targets become (N, 1) with y[:, None]" if targets.shape == shape[:1] and shape[1:] == (1,) \
+            else ""
+        raise ValueError(f"{who}: targets have shape {targets.shape}, expected {shape} (the output's shape, loss "
+                         f"{loss!r}){hint}")
+    if not (np.issubdtype(targets.dtype, np.floating) or np.issubdtype(targets.dtype, np.integer)):
+        raise ValueError(f"{who}: targets have dtype {targets.dtype}, expected real numbers (loss {loss!r})")
+    if targets.size and not np.isfinite(targets).all():
+        raise ValueError(f"{who}: targets hold NaN or infinite values (loss {loss!r}); expected finite numbers")
+    if loss == "bce_with_logits" and targets.size and not (targets.min() >= 0 and targets.max() <= 1):
+        raise ValueError(f"{who}: targets of loss 'bce_with_logits' are probabilities in [0, 1]; got values in "
+                         f"{targets.min()}..{targets.max()}")
 
 
 def accuracy(logits: np.ndarray, labels: np.ndarray) -> float:

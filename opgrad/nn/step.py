@@ -61,6 +61,7 @@ __all__ = [
     "batch_vars",
     "check_input_values",
     "compile_function",
+    "dataset_loss",
     "llvm_unavailable_reason",
     "mask_arrays",
     "model_loss",
@@ -454,6 +455,23 @@ def model_loss(model: Model, outputs: Sequence[Expr], labels: Sequence[Var], los
         total = weighted if total is None else ops.add(total, weighted)
     assert total is not None
     return total
+
+
+def dataset_loss(model: Model, outputs: Sequence[np.ndarray], labels: Sequence[np.ndarray], losses: Sequence[str],
+                 loss_weights: Sequence[float] | None = None) -> float:
+    """The training objective of ``model`` on whole-dataset ``outputs`` (as predicted) against
+    ``labels`` (one array per output), in float64: each output's loss, the mean over every example
+    (and position), summed with ``loss_weights``, by the same expressions the step differentiates."""
+    rows = len(outputs[0])
+    output_vars = [var(f"output:{i}", (rows, *shape), "float64") for i, shape in enumerate(model.output_shapes)]
+    step_labels = StepLabels(model, output_vars, losses, "float64")
+    given = [np.asarray(y, np.int64 if loss == CLASS_LABEL_LOSS else np.float64)
+             for y, loss in zip(labels, losses, strict=True)]
+    objective = model_loss(model, output_vars, step_labels.vars, losses, loss_weights)
+    values = evaluate(Function([*output_vars, *step_labels.vars], objective),
+                      *(np.asarray(out, np.float64) for out in outputs),
+                      *step_labels.arrays(given, rows, f"the loss of model {model.name!r}"))
+    return float(np.asarray(values))
 
 
 def batch_vars(model: Model, batch_size: int, dtype: str) -> tuple[list[Var], dict[str, Var]]:

@@ -28,7 +28,14 @@ from opgrad.checkpoint import CheckpointError, json_default
 from opgrad.data import iterate_batches
 from opgrad.errors import NonFiniteLossError, ShapeError
 from opgrad.history import TrainingHistory
-from opgrad.nn.losses import CLASS_LABEL_LOSS, accuracy, check_class_labels, cross_entropy_numpy
+from opgrad.nn.losses import (
+    CLASS_LABEL_LOSS,
+    accuracy,
+    check_class_labels,
+    check_position_labels,
+    check_targets,
+    cross_entropy_numpy,
+)
 from opgrad.nn.model import Model
 from opgrad.nn.optim import Optimizer
 from opgrad.nn.schedules import LRSchedule, Schedule, constant_lr, cosine_lr
@@ -40,6 +47,7 @@ from opgrad.nn.step import (
     check_batch_inputs,
     check_loss_weights,
     check_optimizer,
+    dataset_loss,
     resolve_losses,
 )
 
@@ -49,8 +57,9 @@ __all__ = ["Inputs", "LRSchedule", "Labels", "Trainer", "affine_images", "consta
 #: The inputs of a batch or a dataset: one array for a model with one input, else one array per
 #: input in ``model.inputs`` order (as ``TrainStep`` and ``Model.predict`` take them).
 Inputs = np.ndarray | Sequence[np.ndarray]
-#: What Trainer methods take as labels: one integer array serving every output, or a list of one
-#: per output (a model with several heads, each with its own classes).
+#: What Trainer methods take as labels: one array serving every output, or a list of one per
+#: output (a model with several heads): class indices for a cross-entropy output, targets of the
+#: output's shape for another loss.
 Labels = np.ndarray | Sequence[np.ndarray]
 
 
@@ -189,14 +198,6 @@ def affine_images(images: np.ndarray, rng: np.random.Generator, max_degrees: flo
     return out
 
 
-def step_labels(labels: Labels) -> Labels:
-    """Labels as the training step takes them, int64: any integer class indices (int32, uint8, as
-    :func:`check_class_labels` accepts them) are cast, as the float inputs are to the dtype."""
-    if isinstance(labels, np.ndarray):
-        return labels.astype(np.int64, copy=False)
-    return [y.astype(np.int64, copy=False) for y in labels]
-
-
 class Trainer:
     """Trains ``model`` with ``optimizer`` on fixed-size batches with the chosen backend.
 
@@ -218,12 +219,9 @@ class Trainer:
                  augment_scale: float = 0.0, params: Mapping[str, np.ndarray] | None = None,
                  stop_on_nan: bool = True, loss_weights: Sequence[float] | None = None,
                  loss: str | Sequence[str] = CLASS_LABEL_LOSS) -> None:
-        losses = resolve_losses(model, loss, "Trainer")
-        if any(name != CLASS_LABEL_LOSS for name in losses):
-            # Its labels are class indices and its evaluation reports accuracy.
-            raise ValueError(f"Trainer trains classifiers (softmax cross-entropy; evaluate reports accuracy), got "
-                             f"loss={loss!r}; train with another loss by nn.TrainStep(model, optimizer, "
-                             f"batch_size=..., loss={loss!r}), called per batch or through run_steps")
+        #: Each output's loss (a :data:`~opgrad.nn.losses.LOSSES` name): class labels for cross-entropy,
+        #: float targets of the output's shape for the others.
+        self.losses = resolve_losses(model, loss, "Trainer")
         _check_positive_int("batch_size", batch_size)
         _check_positive_int("eval_batch_size", eval_batch_size)
         if isinstance(augment_shift, bool) or not isinstance(augment_shift, (int, np.integer)) or augment_shift < 0:
@@ -325,7 +323,8 @@ class Trainer:
         self.follow_trainable()
         if self._train_step is None:
             self._train_step = TrainStep(self.model, self.optimizer, batch_size=self.batch_size,
-                                         dtype=self.dtype, backend=self.backend, loss_weights=self.loss_weights)
+                                         dtype=self.dtype, backend=self.backend, loss_weights=self.loss_weights,
+                                         loss=self.losses)
         return self._train_step
 
     @property
@@ -340,23 +339,30 @@ class Trainer:
     def _input_arrays(self, inputs: Inputs, labels: Labels, who: str, classes: bool = True) -> list[np.ndarray]:
         """One array per model input, in ``model.inputs`` order, checked against the model: how
         many, their per-example shapes, integers for an integer input (a float id would be
-        truncated), and one row per label; the labels one integer class per row, with
-        ``classes`` within every output's classes.
+        truncated), and one row per label; the labels of a cross-entropy output one integer class
+        per row (per position for a ``(length, classes)`` output), with ``classes`` within the
+        output's classes; the targets of another loss real numbers of the output's shape.
 
         Not cast yet: a dataset is cast batch by batch, so uint8 pixels are never all held as floats.
         """
         outputs = self.model.outputs
         per_output = [labels] * len(outputs) if isinstance(labels, np.ndarray) else list(labels)
         if len(per_output) != len(outputs) or not all(isinstance(y, np.ndarray) for y in per_output):
-            raise TypeError(f"Trainer.{who}: labels must be one integer array, which serves every output, or a list "
+            raise TypeError(f"Trainer.{who}: labels must be one array, which serves every output, or a list "
                             f"of {len(outputs)} (one per output of model {self.model.name!r}); got "
                             f"{type(labels).__name__} of {len(per_output)}")
         rows = label_rows(labels)
-        for tensor, y in zip(outputs, per_output, strict=True):
+        for tensor, y, loss in zip(outputs, per_output, self.losses, strict=True):
             node = tensor.node
             head = f" (output {node.layer.describe()})" if node is not None and len(outputs) > 1 else ""
-            count = tensor.shape[0] if classes and len(tensor.shape) == 1 else None  # each head its own classes
-            check_class_labels(y, rows, count, f"Trainer.{who}{head}")
+            if loss != CLASS_LABEL_LOSS:
+                check_targets(y, (rows, *tensor.shape), loss, f"Trainer.{who}{head}")
+            elif len(tensor.shape) == 2:  # (length, classes): a class per position
+                check_position_labels(y, (rows, tensor.shape[0]), tensor.shape[1] if classes else None,
+                                      f"Trainer.{who}{head}")
+            else:
+                count = tensor.shape[0] if classes and len(tensor.shape) == 1 else None  # each head its own classes
+                check_class_labels(y, rows, count, f"Trainer.{who}{head}")
         tensors = self.model.inputs
         arrays = [inputs] if isinstance(inputs, np.ndarray) else [np.asarray(a) for a in inputs]
         if len(arrays) != len(tensors):
@@ -436,7 +442,7 @@ class Trainer:
         masks = self.model.sample_noise(noise_rng(self.seed, self.step), label_rows(labels), self.dtype)
         lr = self.schedule(self.step)
         with self._quiet_while_stopping():
-            result = self.train_step(arrays, step_labels(labels), self.params, self.state, lr, masks)
+            result = self.train_step(arrays, self.step_labels(labels), self.params, self.state, lr, masks)
         if self.stop_on_nan and not math.isfinite(result.loss):
             raise NonFiniteLossError(float(result.loss), epoch=self.epoch + 1, step=self.step + 1, lr=lr,
                                      epoch_step=epoch_step)
@@ -475,7 +481,7 @@ class Trainer:
             for name, mask in self.model.sample_noise(noise_rng(self.seed, step), label_rows(labels),
                                                       self.dtype).items():
                 masks.setdefault(name, []).append(mask)
-            ys.append(step_labels(labels))
+            ys.append(self.step_labels(labels))
             lrs.append(self.schedule(step))
         try:
             with self._quiet_while_stopping():
@@ -569,17 +575,50 @@ class Trainer:
         self.epoch += 1
         return float(np.mean(losses)) if losses else math.nan
 
+    def step_labels(self, labels: Labels) -> Labels:
+        """Labels as the training step takes them: class indices int64 (int32, uint8 cast, as the
+        float inputs are to the dtype), the targets of other losses in the trainer's dtype."""
+        per_output = [labels] * len(self.losses) if isinstance(labels, np.ndarray) else list(labels)
+        cast = [y.astype(np.int64 if loss == CLASS_LABEL_LOSS else self.dtype, copy=False)
+                for y, loss in zip(per_output, self.losses, strict=True)]
+        if isinstance(labels, np.ndarray) and len({id(y) for y in cast}) == 1:
+            return cast[0]
+        return cast
+
     def evaluate(self, inputs: Inputs, labels: Labels) -> tuple[float, float]:
-        """``(accuracy, mean cross-entropy)`` of the current parameters on the first output, dropout off.
+        """``(accuracy, mean cross-entropy)`` of the current parameters on the first output, dropout off,
+        for a classifier (a first output trained with cross-entropy, one class per example);
+        :meth:`evaluate_loss` scores any model.
 
         ``inputs`` is one array per model input (a bare array for a model with one input).
         """
+        self.check_classifier("Trainer.evaluate")
         arrays = self._input_arrays(inputs, labels, "evaluate")
         first = first_labels(labels)
         if not len(first):
             raise ValueError("Trainer.evaluate: no examples; accuracy and loss need at least one")
         logits = self.eval_step.logits(arrays, {**self.params, **self.model.buffers})
         return accuracy(logits, first), cross_entropy_numpy(logits, first)
+
+    def check_classifier(self, who: str) -> None:
+        """A ValueError naming ``who`` unless the first output is a classifier's (cross-entropy,
+        one class per example), which accuracy needs."""
+        first_output = self.model.outputs[0]
+        if self.losses[0] != CLASS_LABEL_LOSS or len(first_output.shape) != 1:
+            raise ValueError(f"{who}: accuracy needs a classifier, one class per example; model "
+                             f"{self.model.name!r} trains output 0 {tuple(first_output.shape)} with "
+                             f"{self.losses[0]!r}: use evaluate_loss(inputs, targets)")
+
+    def evaluate_loss(self, inputs: Inputs, labels: Labels) -> float:
+        """The training loss of the current parameters over every example, dropout off and
+        BatchNorm on its running statistics (Keras' ``evaluate``): each output's loss, weighted as
+        in training, as the mean over all examples (and positions), computed in float64."""
+        arrays = self._input_arrays(inputs, labels, "evaluate_loss")
+        if not label_rows(labels):
+            raise ValueError("Trainer.evaluate_loss: no examples; a mean loss needs at least one")
+        outputs = self.eval_step.outputs(arrays, {**self.params, **self.model.buffers})
+        per_output = [labels] * len(outputs) if isinstance(labels, np.ndarray) else list(labels)
+        return dataset_loss(self.model, outputs, per_output, self.losses, self.loss_weights)
 
     # ----- checkpoints -----
 
@@ -600,6 +639,8 @@ class Trainer:
             "dtype": self.dtype,
             "history": self.history.to_dict(),
         }
+        if any(loss != CLASS_LABEL_LOSS for loss in self.losses):  # the default is left out, as before
+            meta["losses"] = list(self.losses)
         return {**self.params, **self.state}, meta
 
     def check_resumable(self, meta: Mapping[str, Any]) -> None:
@@ -615,6 +656,10 @@ class Trainer:
                 raise CheckpointError(f"checkpoint is of another architecture than model {self.model.name!r} "
                                       f"({_first_difference(saved, mine)}); rebuild the model it was trained "
                                       "with (nn.load reads it from the checkpoint)")
+        saved_losses = meta.get("losses", [CLASS_LABEL_LOSS] * len(self.losses))
+        if meta.get("optimizer") is not None and saved_losses != list(self.losses):
+            raise CheckpointError(f"checkpoint was trained with loss {saved_losses}; resume it with the same losses "
+                                  f"(this run uses {list(self.losses)})")
         if meta.get("optimizer") is None:  # model.save, an import: weights without a training run
             raise CheckpointError("checkpoint holds a model's weights but no optimizer state to resume; start "
                                   "a new run from its weights (opgrad train --init, or nn.load and a Trainer)")
