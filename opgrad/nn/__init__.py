@@ -78,6 +78,7 @@ from opgrad.nn.ops_layers import (
     Where,
 )
 from opgrad.nn.optim import OPTIMIZERS, SGD, Adam, AdamW, Optimizer, RMSprop, make_optimizer
+from opgrad.nn.recurrent import GRU, LSTM
 from opgrad.nn.reshaping import Permute, Reshape, ZeroPadding2D
 from opgrad.nn.schedules import LRSchedule, Schedule, StepLR, WarmupLR, constant_lr, cosine_lr
 from opgrad.nn.step import (
@@ -99,8 +100,10 @@ __all__ = [
     "BACKENDS",
     "ELU",
     "GELU",
+    "GRU",
     "LAYERS",
     "LOSSES",
+    "LSTM",
     "MODELS",
     "OPTIMIZERS",
     "SGD",

@@ -1,0 +1,160 @@
+"""Recurrent layers: PyTorch's ``nn.LSTM`` and ``nn.GRU`` (one layer, ``batch_first=True``).
+
+A sequence model has a fixed length here, as every compiled shape is fixed, so the recurrence is
+unrolled: one step's expressions per position, each built from registered operators (``dense``,
+``sigmoid``, ``tanh``, slices), so the whole sequence is differentiated (backpropagation through
+time) and compiled like any other layer. The input projection of every position is one GEMM
+ahead of the loop; each step adds the recurrent GEMM of the hidden state.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from opgrad import ops
+from opgrad.ir import Expr
+from opgrad.nn.init import Initializer
+from opgrad.nn.layers import ForwardContext, Layer, ParamSpec, Shape, as_int
+
+__all__ = ["GRU", "LSTM"]
+
+
+def recurrent_uniform(hidden: int) -> Initializer:
+    """PyTorch's initialization of every recurrent weight and bias: uniform in ``[-k, k]``,
+    ``k = 1 / sqrt(hidden)``."""
+    bound = 1.0 / math.sqrt(hidden)
+
+    def init(shape: tuple[int, ...], rng: np.random.Generator, dtype: str = "float32") -> np.ndarray:
+        return rng.uniform(-bound, bound, shape).astype(dtype)
+
+    return init
+
+
+class _Recurrent(Layer):
+    """What LSTM and GRU share: the arguments, shapes, parameters and the unrolled loop; a
+    subclass gives its gate count and one step (:meth:`cell`)."""
+
+    gates = 1
+
+    def __init__(self, units: int, *, return_sequences: bool = False, name: str | None = None) -> None:
+        super().__init__(name)
+        kind = type(self).__name__
+        self.units = as_int(units, f"{kind} units")
+        if self.units < 1:
+            raise ValueError(f"{kind} units must be >= 1, got {units}")
+        if not isinstance(return_sequences, (bool, np.bool_)):
+            raise ValueError(f"{kind} return_sequences must be True or False, got {return_sequences!r}")
+        self.return_sequences = bool(return_sequences)
+
+    def get_config(self) -> dict[str, Any]:
+        return {"units": self.units, "return_sequences": self.return_sequences}
+
+    def config(self) -> str:
+        return f"{self.units}" + (", sequences" if self.return_sequences else "")
+
+    def output_shape_for(self, input_shape: Shape) -> Shape:
+        if len(input_shape) != 2:
+            raise self._shape_error(input_shape, f"{type(self).__name__} needs a sequence (length, features)")
+        return (input_shape[0], self.units) if self.return_sequences else (self.units,)
+
+    def param_specs(self) -> dict[str, ParamSpec]:
+        assert self.input_shape is not None, "build() first"
+        features, width = self.input_shape[1], self.gates * self.units
+        init = recurrent_uniform(self.units)
+        return {"weight_ih": ParamSpec((width, features), init), "weight_hh": ParamSpec((width, self.units), init),
+                "bias_ih": ParamSpec((width,), init), "bias_hh": ParamSpec((width,), init)}
+
+    def gate(self, gates: Expr, index: int) -> Expr:
+        """Gate ``index`` (``(n, units)``) of the stacked ``(n, gates * units)`` pre-activations."""
+        n, h = gates.shape[0], self.units
+        return ops.strided_slice(gates, begin=[0, index * h], end=[n, (index + 1) * h])
+
+    def cell(self, projected: Expr, hidden: Expr | None, state: Expr | None,
+             params: Mapping[str, Expr]) -> tuple[Expr, Expr | None]:
+        """One step: ``(hidden, state)`` after the input's ``projected`` pre-activations, from the
+        previous ``hidden`` and ``state`` (None before the first step: PyTorch's zeros)."""
+        raise NotImplementedError
+
+    def input_bias(self, params: Mapping[str, Expr]) -> Expr:
+        """The bias added to every position's input projection ahead of the loop."""
+        return params["bias_ih"]
+
+    def apply(self, x: Expr, params: Mapping[str, Expr], ctx: ForwardContext) -> Expr:
+        n, length, features = x.shape
+        width = self.gates * self.units
+        rows = ops.dense(ops.reshape(x, shape=(n * length, features)), params["weight_ih"])
+        projected = ops.reshape(ops.bias_add(rows, self.input_bias(params), axis=1), shape=(n, length, width))
+        hidden: Expr | None = None
+        state: Expr | None = None
+        outputs = []
+        for t in range(length):
+            step = ops.reshape(ops.strided_slice(projected, begin=[0, t, 0], end=[n, t + 1, width]), shape=(n, width))
+            hidden, state = self.cell(step, hidden, state, params)
+            if self.return_sequences:
+                outputs.append(ops.reshape(hidden, shape=(n, 1, self.units)))
+        assert hidden is not None
+        if not self.return_sequences:
+            return hidden
+        return outputs[0] if length == 1 else ops.concatenate(outputs, axis=1)
+
+
+class LSTM(_Recurrent):
+    """Long short-term memory over a sequence ``(length, features)``: PyTorch's
+    ``nn.LSTM(features, units, batch_first=True)``, starting from zero hidden and cell states.
+
+    Per position ``i, f, g, o = split(W_ih x + b_ih + W_hh h + b_hh)`` (PyTorch's gate order),
+    ``c = sigmoid(f) * c + sigmoid(i) * tanh(g)``, ``h = sigmoid(o) * tanh(c)``. The output is the
+    last ``h`` ``(units,)`` (Keras' default, PyTorch's ``h_n``), or every ``h`` ``(length, units)``
+    with ``return_sequences=True`` (PyTorch's ``output``). Parameters PyTorch's, without its
+    ``_l0`` suffix: ``weight_ih (4 units, features)``, ``weight_hh (4 units, units)``,
+    ``bias_ih``, ``bias_hh (4 units,)``, drawn as PyTorch draws them.
+    """
+
+    kind = "lstm"
+    gates = 4
+
+    def input_bias(self, params: Mapping[str, Expr]) -> Expr:
+        # Both biases add to every position's gates: one sum ahead of the loop.
+        return ops.add(params["bias_ih"], params["bias_hh"])
+
+    def cell(self, projected: Expr, hidden: Expr | None, state: Expr | None,
+             params: Mapping[str, Expr]) -> tuple[Expr, Expr | None]:
+        gates = projected if hidden is None else ops.add(projected, ops.dense(hidden, params["weight_hh"]))
+        i, f = ops.sigmoid(self.gate(gates, 0)), ops.sigmoid(self.gate(gates, 1))
+        g, o = ops.tanh(self.gate(gates, 2)), ops.sigmoid(self.gate(gates, 3))
+        written = ops.multiply(i, g)
+        cell = written if state is None else ops.add(ops.multiply(f, state), written)
+        return ops.multiply(o, ops.tanh(cell)), cell
+
+
+class GRU(_Recurrent):
+    """Gated recurrent unit over a sequence ``(length, features)``: PyTorch's
+    ``nn.GRU(features, units, batch_first=True)`` (Keras' ``GRU`` with its default
+    ``reset_after=True``), starting from a zero hidden state.
+
+    Per position ``r = sigmoid(W_ir x + b_ir + W_hr h + b_hr)``, ``z`` likewise,
+    ``n = tanh(W_in x + b_in + r * (W_hn h + b_hn))``, ``h = (1 - z) * n + z * h`` (gate order
+    r, z, n as PyTorch's). The output is the last ``h`` or, with ``return_sequences=True``, every
+    ``h``. Parameters ``weight_ih (3 units, features)``, ``weight_hh (3 units, units)``,
+    ``bias_ih``, ``bias_hh (3 units,)``, drawn as PyTorch draws them.
+    """
+
+    kind = "gru"
+    gates = 3
+
+    def cell(self, projected: Expr, hidden: Expr | None, state: Expr | None,
+             params: Mapping[str, Expr]) -> tuple[Expr, Expr | None]:
+        n = projected.shape[0]
+        recurrent: Expr = ops.broadcast_to(ops.reshape(params["bias_hh"], shape=(1, self.gates * self.units)),
+                                           shape=(n, self.gates * self.units))
+        if hidden is not None:
+            recurrent = ops.bias_add(ops.dense(hidden, params["weight_hh"]), params["bias_hh"], axis=1)
+        reset = ops.sigmoid(ops.add(self.gate(projected, 0), self.gate(recurrent, 0)))
+        update = ops.sigmoid(ops.add(self.gate(projected, 1), self.gate(recurrent, 1)))
+        candidate = ops.tanh(ops.add(self.gate(projected, 2), ops.multiply(reset, self.gate(recurrent, 2))))
+        kept = ops.multiply(ops.subtract(1.0, update), candidate)
+        return (kept if hidden is None else ops.add(kept, ops.multiply(update, hidden))), None
