@@ -94,6 +94,12 @@ class LayerCall:
             raise self.unsupported(key, value, "one or two positive ints")
         return int(items[0]), int(items[1])
 
+    def one_input(self, inputs: list[Tensor]) -> Tensor:
+        """The input of a layer that takes one tensor."""
+        if len(inputs) != 1:
+            raise self.fail(f"takes one input, got {len(inputs)}")
+        return inputs[0]
+
     def channels_last(self) -> None:
         self.choose("data_format", ("channels_last", None), None)
 
