@@ -493,16 +493,23 @@ def test_layer_variants_predict_like_keras(tmp_path: Path, monkeypatch: pytest.M
     np.testing.assert_allclose(model.predict(x, backend="reference"), expected, atol=1e-5, rtol=0)
 
 
-def _predicts_like_keras(tmp_path: Path, keras_model: Any, generator: Any, shape: tuple[int, ...],
-                         seed: int) -> None:
-    """``keras_model`` saved and imported predicts as Keras does on both backends (Keras' own layout)."""
+def _predicts_like_keras(tmp_path: Path, keras_model: Any, generator: Any, seed: int, *,
+                         suffixes: tuple[str, ...] = (".keras",), layouts: tuple[str, ...] = ("NCHW",)) -> nn.Model:
+    """``keras_model`` with random weights, saved as each of ``suffixes`` and imported with each of
+    ``layouts``, predicts as Keras does on both backends; returns the last import."""
     generator.randomize(keras_model, seed=seed)
-    x = np.random.default_rng(seed).standard_normal((2, *shape)).astype(np.float32)
+    x = np.random.default_rng(seed).standard_normal((2, *keras_model.inputs[0].shape[1:])).astype(np.float32)
     expected = np.asarray(keras_model.predict(x, verbose=0))
-    keras_model.save(tmp_path / "sequence.keras")
-    model = load(tmp_path / "sequence.keras", keep_softmax=True)
-    for backend in ("reference", "llvm"):
-        np.testing.assert_allclose(model.predict(x, backend=backend), expected, atol=1e-5, rtol=0)
+    for suffix in suffixes:
+        keras_model.save(tmp_path / f"model{suffix}")
+        for layout in layouts:
+            model = load(tmp_path / f"model{suffix}", layout=layout, keep_softmax=True)
+            transpose = layout == "NCHW"  # images in and out as NCHW; anything else as Keras has it
+            for backend in ("reference", "llvm"):
+                out = model.predict(nchw(x) if transpose and x.ndim == 4 else x, backend=backend)
+                out = out.transpose(0, 2, 3, 1) if transpose and out.ndim == 4 else out
+                np.testing.assert_allclose(out, expected, atol=1e-5, rtol=0, err_msg=f"{suffix} {layout} {backend}")
+    return model
 
 
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")  # Keras' own numpy 2 deprecations
@@ -513,7 +520,7 @@ def test_dense_over_a_sequence_predicts_like_keras(tmp_path: Path, monkeypatch: 
     inp = keras.Input((5, 7))
     hidden = keras.layers.Dense(6, activation="gelu")(inp)
     keras_model = keras.Model(inp, keras.layers.Dense(3)(keras.layers.Flatten()(keras.layers.Dense(4)(hidden))))
-    _predicts_like_keras(tmp_path, keras_model, generator, (5, 7), seed=4)
+    _predicts_like_keras(tmp_path, keras_model, generator, seed=4)
 
 
 SEQUENCE_VARIANTS = {
@@ -539,7 +546,156 @@ def test_sequence_layers_predict_like_keras(tmp_path: Path, monkeypatch: pytest.
 
     inp = keras.Input((11, 6))
     keras_model = keras.Model(inp, keras.layers.Dense(3)(SEQUENCE_VARIANTS[variant](keras.layers)(inp)))
-    _predicts_like_keras(tmp_path, keras_model, generator, (11, 6), seed=5)
+    _predicts_like_keras(tmp_path, keras_model, generator, seed=5)
+
+
+def _squeeze_excitation(layers: Any, x: Any) -> Any:
+    gate = layers.GlobalAveragePooling2D(keepdims=True)(x)
+    gate = layers.Conv2D(2, 1, activation="relu")(gate)
+    return layers.Multiply()([x, layers.Conv2D(3, 1, activation="sigmoid")(gate)])
+
+
+#: Merges of a (7, 6, 3) image with what is computed from it; Keras broadcasts a lower rank input
+#: as if it had leading axes of 1.
+MERGE_VARIANTS: dict[str, Callable[[Any, Any], Any]] = {
+    "squeeze_excitation": _squeeze_excitation,
+    "multiply_by_a_channel_vector": lambda layers, x: layers.Multiply()(
+        [x, layers.Dense(3, activation="sigmoid")(layers.GlobalAveragePooling2D()(x))]),
+    "multiply_three": lambda layers, x: layers.Multiply()(
+        [x, layers.Conv2D(3, 1)(x), layers.Conv2D(3, 3, padding="same")(x)]),
+    "subtract": lambda layers, x: layers.Subtract()([x, layers.Conv2D(3, 1)(x)]),
+    "average_three": lambda layers, x: layers.Average()([x, layers.Conv2D(3, 1)(x), layers.Conv2D(3, 1)(x)]),
+    "maximum_with_a_row": lambda layers, x: layers.Maximum()([x, layers.AveragePooling2D((7, 1))(x)]),
+    "minimum": lambda layers, x: layers.Minimum()([x, layers.Conv2D(3, 1)(x)]),
+    "add_a_channel_vector": lambda layers, x: layers.Add()([x, layers.Dense(3)(layers.GlobalAveragePooling2D()(x))]),
+    "multiply_flattened_by_dense": lambda layers, x: layers.Multiply()(
+        [layers.Flatten()(x), layers.Dense(126)(layers.Flatten()(x))]),
+    "multiply_flattened_by_one_value": lambda layers, x: layers.Multiply()(
+        [layers.Flatten()(x), layers.Dense(1)(layers.Flatten()(x))]),
+    "multiply_sequence_by_a_vector": lambda layers, x: layers.Multiply()(
+        [layers.Reshape((42, 3))(x), layers.Dense(3)(layers.GlobalAveragePooling2D()(x))]),
+}
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # Keras' own numpy 2 deprecations
+@pytest.mark.parametrize("variant", MERGE_VARIANTS)
+def test_merges_predict_like_keras(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, variant: str) -> None:
+    generator = _generator(monkeypatch)
+    import keras
+
+    inp = keras.Input((7, 6, 3))
+    keras_model = keras.Model(inp, MERGE_VARIANTS[variant](keras.layers, inp))
+    _predicts_like_keras(tmp_path, keras_model, generator, seed=6, suffixes=(".keras", ".h5"),
+                         layouts=("NCHW", "NHWC"))
+
+
+def _gradient_passes(model: nn.Model, x: np.ndarray, name: str) -> None:
+    """The imported model's gradient, to its input and every parameter, passes the checker."""
+    inputs = opgrad.var("x", x.shape)
+    params, buffers = model.param_vars(), model.buffer_vars()
+    fn = opgrad.function([inputs, *params.values(), *buffers.values()],
+                         model.forward(inputs, {**params, **buffers}))
+    report = check_function(fn, [x, *model.params.values(), *model.buffers.values()], wrt=["x", *params], seed=0,
+                            directions=2, name=name)
+    assert report.passed, str(report)
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # Keras' own numpy 2 deprecations
+def test_squeeze_excitation_gradient_passes_the_checker(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    generator = _generator(monkeypatch)
+    import keras
+
+    inp = keras.Input((5, 4, 3))
+    keras_model = keras.Model(inp, _squeeze_excitation(keras.layers, inp))
+    model = _predicts_like_keras(tmp_path, keras_model, generator, seed=7)
+    x = np.random.default_rng(7).standard_normal((2, 3, 5, 4))
+    _gradient_passes(model, x, "imported squeeze-and-excitation")
+
+
+def _masked_tokens_model(keras: Any, head: Callable[[Any, Any, Any], Any]) -> Any:
+    """Two Embedding(mask_zero=True) of one token input, merged by ``head(layers, e1, e2)`` (its last layer
+    named 'merge')."""
+    tokens = keras.Input((6,), dtype="int32")
+    first = keras.layers.Embedding(10, 4, mask_zero=True, name="first")(tokens)
+    second = keras.layers.Embedding(10, 4, mask_zero=True, name="second")(tokens)
+    return keras.Model(tokens, head(keras.layers, first, second))
+
+
+#: Merges of masked embeddings: those that read Keras' mask are refused (naming what carries it);
+#: a mask that a layer without masking support drops, or that a merge of a masked and an unmasked
+#: input drops, changes nothing.
+MASKED_MERGES: dict[str, tuple[Callable[[Any, Any, Any], Any], str | None]] = {
+    "dense_keeps_the_mask": (
+        lambda layers, a, b: layers.Multiply(name="merge")([layers.Dense(4)(a), b]),
+        "layer 'merge' (Multiply): input 0 carries the mask of Embedding 'first'"),
+    "conv1d_drops_the_mask": (
+        lambda layers, a, b: layers.Multiply(name="merge")([layers.Conv1D(4, 1)(a), layers.Conv1D(4, 1)(b)]),
+        None),
+    "add_keeps_a_mask_of_every_input": (
+        lambda layers, a, b: layers.Maximum(name="merge")([layers.Add()([a, b]), layers.Conv1D(4, 1)(a)]),
+        "layer 'merge' (Maximum): input 0 carries the mask of Embedding 'first'"),
+    "add_drops_a_mask_of_one_input": (
+        lambda layers, a, b: layers.Minimum(name="merge")([layers.Add()([a, layers.Conv1D(4, 1)(b)]),
+                                                           layers.Conv1D(4, 1)(a)]),
+        None),
+    "concatenate_keeps_a_mask_of_any_input": (
+        lambda layers, a, b: layers.Multiply(name="merge")([layers.Conv1D(8, 1)(a),
+                                                            layers.Concatenate()([layers.Conv1D(4, 1)(a), b])]),
+        "layer 'merge' (Multiply): input 1 carries the mask of Embedding 'second'"),
+}
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # Keras' own numpy 2 deprecations
+@pytest.mark.filterwarnings("ignore::UserWarning")  # Keras' "does not support masking" when Conv1D drops it
+@pytest.mark.parametrize("variant", MASKED_MERGES)
+def test_a_merge_that_reads_a_mask_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, variant: str) -> None:
+    generator = _generator(monkeypatch)
+    import keras
+
+    head, refusal = MASKED_MERGES[variant]
+    keras_model = _masked_tokens_model(keras, head)
+    generator.randomize(keras_model, seed=8)
+    tokens = np.array([[1, 2, 0, 0, 3, 0], [4, 5, 6, 7, 8, 9]])
+    keras_model.save(tmp_path / "masked.keras")
+    if refusal is None:
+        imported = read(tmp_path / "masked.keras")
+        np.testing.assert_allclose(imported.model.predict(tokens, backend="reference"),
+                                   keras_model.predict(tokens, verbose=0), atol=1e-6, rtol=0)
+        assert any("mask_zero is ignored: no layer of the model applies the mask" in n for n in imported.notes)
+        return
+    with pytest.raises(KerasImportError) as info:
+        load(tmp_path / "masked.keras")
+    assert refusal in str(info.value) and "rebuild the model with mask_zero=False" in str(info.value), info.value
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # Keras' own numpy 2 deprecations
+def test_a_masked_average_names_the_embedding_not_the_mask_layer(tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    _generator(monkeypatch)
+    import keras
+
+    tokens = keras.Input((6,), dtype="int32")
+    embedded = keras.layers.Embedding(10, 4, mask_zero=True, name="embed")(tokens)
+    pooled = keras.layers.GlobalAveragePooling1D(name="pool")(keras.layers.Dense(3, name="dense")(embedded))
+    keras.Model(tokens, pooled).save(tmp_path / "masked.keras")
+    keras.Model(tokens, pooled).save(tmp_path / "masked.h5")
+    for suffix in (".keras", ".h5"):
+        with pytest.raises(KerasImportError) as info:
+            load(tmp_path / f"masked{suffix}")
+        text = str(info.value)
+        assert "layer 'pool' (GlobalAveragePooling1D) reads the mask of Embedding 'embed' (mask_zero=True), which " \
+               "Keras computes in layer 'not_equal" in text, text
+        assert "rebuild the model with mask_zero=False" in text and "averages over every step" in text, text
+
+    # Keras 2 passed the mask without writing it in the file: the pooling refuses the masked input itself.
+    def implicit_mask(config: dict[str, Any]) -> None:
+        layers = config["config"]["layers"]
+        layers[:] = [entry for entry in layers if entry["class_name"] != "NotEqual"]
+        _layer(config, "pool")["inbound_nodes"][0]["kwargs"] = {}
+
+    path = _rewrite_keras(tmp_path / "masked.keras", tmp_path / "implicit.keras", implicit_mask)
+    with pytest.raises(KerasImportError, match=r"layer 'pool' .*: input 0 carries the mask of Embedding 'embed'"):
+        load(path)
 
 
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")  # Keras' own numpy 2 deprecations

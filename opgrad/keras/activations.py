@@ -114,6 +114,7 @@ def leaky_relu(call: LayerCall, inputs: list[Tensor]) -> Tensor:
 
 
 def softmax(call: LayerCall, inputs: list[Tensor]) -> Tensor:
+    call.refuse_mask(inputs, "it leaves the masked positions out")  # Keras 2 passes it without writing it
     tensor = call.one_input(inputs)
     axis = call.take("axis", -1)
     if not isinstance(axis, int):

@@ -9,13 +9,14 @@ supported, or recorded as a note when it only matters to Keras' own training.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import numpy as np
 
 from opgrad.keras.activations import FUSED, activate, activation, activation_name, fused, leaky_relu, relu, softmax
 from opgrad.keras.graph import Converter, LayerCall, Tensor
-from opgrad.keras.merging import add, concatenate
+from opgrad.keras.merging import add, average, concatenate, maximum, minimum, multiply, subtract
 from opgrad.nn.layers import (
     AvgPool1D,
     AvgPool2D,
@@ -251,6 +252,8 @@ def _pool1d(kind: type[MaxPool1D] | type[AvgPool1D]) -> Converter:
 
 def _global_pooling1d(op: str) -> Converter:
     def convert(call: LayerCall, inputs: list[Tensor]) -> Tensor:
+        if op == "mean":  # Keras 2 passes the mask without writing it in the file
+            call.refuse_mask(inputs, "it averages over the unmasked steps only")
         tensor = _sequence(call, inputs)
         keepdims = bool(call.take("keepdims", False))
         c = tensor.keras_shape[1]
@@ -423,13 +426,17 @@ def embedding(call: LayerCall, inputs: list[Tensor]) -> Tensor:
     if tensor.sym.dtype != "int64":
         raise call.fail("needs integer token ids: give its keras.Input dtype='int32' or 'int64'")
     input_dim, output_dim = int(call.take("input_dim")), int(call.take("output_dim"))
-    if call.take("mask_zero", False):
-        call.note("mask_zero is ignored: no supported layer reads a mask, so the outputs are unchanged")
+    mask_zero = bool(call.take("mask_zero", False))
     weights = call.weights({"embeddings": (input_dim, output_dim)})
     layer = Embedding(input_dim, output_dim)
     out = call.add(layer, tensor, "keras", (*tensor.keras_shape, output_dim))
     call.set_param(layer, "weight", weights["embeddings"])
-    return out
+    if not mask_zero:
+        return out
+    # The layers that would apply the mask refuse a tensor that carries it, so an import that
+    # succeeds computes what Keras does.
+    call.note("mask_zero is ignored: no layer of the model applies the mask, so the outputs are Keras'")
+    return dataclasses.replace(out, keras_mask=call.spec.name)
 
 
 # ----- regularization and rescaling -----
@@ -452,34 +459,48 @@ def rescaling(call: LayerCall, inputs: list[Tensor]) -> Tensor:
     return call.add(Rescaling(scale, offset), tensor, tensor.layout, tensor.keras_shape, chw=tensor.chw)
 
 
+def _keeps_mask(convert: Converter) -> Converter:
+    """``convert`` of a Keras layer that supports masking: its output carries its input's mask."""
+    def keeping(call: LayerCall, inputs: list[Tensor]) -> Tensor:
+        out = convert(call, inputs)
+        mask = inputs[0].keras_mask if inputs else None
+        return out if mask is None else dataclasses.replace(out, keras_mask=mask)
+    return keeping
+
+
 CONVERTERS: dict[str, Converter] = {
-    "Activation": activation,
+    "Activation": _keeps_mask(activation),
     "Add": add,
+    "Average": average,
     "AveragePooling1D": _pool1d(AvgPool1D),
     "AveragePooling2D": _pool(AvgPool2D),
-    "BatchNormalization": batch_normalization,
+    "BatchNormalization": _keeps_mask(batch_normalization),
     "Concatenate": concatenate,
     "Conv1D": conv1d,
     "Conv2D": conv2d,
     "Conv2DTranspose": conv2d_transpose,
     "DepthwiseConv2D": depthwise_conv2d,
-    "Dense": dense,
-    "Dropout": dropout,
+    "Dense": _keeps_mask(dense),
+    "Dropout": _keeps_mask(dropout),
     "Embedding": embedding,
     "Flatten": flatten,
     "GlobalAveragePooling1D": _global_pooling1d("mean"),
     "GlobalAveragePooling2D": global_average_pooling2d,
     "GlobalMaxPooling1D": _global_pooling1d("max"),
-    "LayerNormalization": layer_normalization,
-    "LeakyReLU": leaky_relu,
+    "LayerNormalization": _keeps_mask(layer_normalization),
+    "LeakyReLU": _keeps_mask(leaky_relu),
     "MaxPooling1D": _pool1d(MaxPool1D),
     "MaxPooling2D": _pool(MaxPool2D),
+    "Maximum": maximum,
+    "Minimum": minimum,
+    "Multiply": multiply,
     "Permute": permute,
-    "ReLU": relu,
-    "Rescaling": rescaling,
+    "ReLU": _keeps_mask(relu),
+    "Rescaling": _keeps_mask(rescaling),
     "Reshape": reshape,
     "SeparableConv2D": separable_conv2d,
     "Softmax": softmax,
+    "Subtract": subtract,
     "UpSampling2D": upsampling2d,
     "ZeroPadding2D": zero_padding2d,
 }
