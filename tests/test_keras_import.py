@@ -485,12 +485,7 @@ def test_layer_variants_predict_like_keras(tmp_path: Path, monkeypatch: pytest.M
 
     inp = keras.Input((7, 6, 3))
     keras_model = keras.Model(inp, LAYER_VARIANTS[variant](keras.layers)(inp))
-    generator.randomize(keras_model, seed=3)
-    x = np.random.default_rng(3).standard_normal((2, 7, 6, 3)).astype(np.float32)
-    expected = np.asarray(keras_model.predict(x, verbose=0))
-    keras_model.save(tmp_path / "layer.keras")
-    model = load(tmp_path / "layer.keras", layout="NHWC", keep_softmax=True)
-    np.testing.assert_allclose(model.predict(x, backend="reference"), expected, atol=1e-5, rtol=0)
+    _predicts_like_keras(tmp_path, keras_model, generator, seed=3, layouts=("NCHW", "NHWC"))
 
 
 def _predicts_like_keras(tmp_path: Path, keras_model: Any, generator: Any, seed: int, *,
