@@ -457,6 +457,14 @@ LAYER_VARIANTS = {
     "maxpool_same_strided": lambda layers: layers.MaxPooling2D(3, strides=2, padding="same"),
     "avgpool_valid_strided": lambda layers: layers.AveragePooling2D((2, 3), strides=(1, 2)),
     "gap_keepdims": lambda layers: layers.GlobalAveragePooling2D(keepdims=True),
+    "global_max_pooling": lambda layers: layers.GlobalMaxPooling2D(),
+    "global_max_pooling_keepdims": lambda layers: layers.GlobalMaxPooling2D(keepdims=True),
+    "cropping_int": lambda layers: layers.Cropping2D(1),
+    "cropping_rows_cols": lambda layers: layers.Cropping2D((2, 1)),
+    "cropping_four_sides": lambda layers: layers.Cropping2D(((0, 3), (2, 1))),
+    "upsampling_nearest_2x3": lambda layers: layers.UpSampling2D((2, 3)),
+    "upsampling_bilinear_3x2": lambda layers: layers.UpSampling2D((3, 2), interpolation="bilinear"),
+    "upsampling_bilinear_2x2": lambda layers: layers.UpSampling2D(2, interpolation="bilinear"),
     "relu_negative_slope": lambda layers: layers.ReLU(negative_slope=0.1),
     "relu_max_value": lambda layers: layers.ReLU(max_value=6.0),
     "relu_slope_and_max_value": lambda layers: layers.ReLU(max_value=0.5, negative_slope=0.2),
@@ -605,6 +613,22 @@ def test_squeeze_excitation_gradient_passes_the_checker(tmp_path: Path, monkeypa
     model = _predicts_like_keras(tmp_path, keras_model, generator, seed=7)
     x = np.random.default_rng(7).standard_normal((2, 3, 5, 4))
     _gradient_passes(model, x, "imported squeeze-and-excitation")
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # Keras' own numpy 2 deprecations
+def test_cropping_uneven_upsampling_and_global_max_pooling_from_h5_differentiate(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    generator = _generator(monkeypatch)
+    import keras
+
+    layers = keras.layers
+    inp = keras.Input((6, 5, 2))
+    x = layers.UpSampling2D((1, 2))(layers.Cropping2D(((1, 0), (0, 2)))(layers.Conv2D(3, 2)(inp)))
+    pooled = layers.GlobalMaxPooling2D(keepdims=True)(layers.Conv2D(4, 1)(x))
+    keras_model = keras.Model(inp, layers.Dense(2)(layers.Flatten()(pooled)))
+    model = _predicts_like_keras(tmp_path, keras_model, generator, seed=9, suffixes=(".keras", ".h5"),
+                                 layouts=("NCHW", "NHWC"))
+    _gradient_passes(model, np.random.default_rng(9).standard_normal((2, 6, 5, 2)), "imported crop/upsample/max")
 
 
 def _masked_tokens_model(keras: Any, head: Callable[[Any, Any, Any], Any]) -> Any:

@@ -35,7 +35,7 @@ from opgrad.nn.layers import (
     Rescaling,
     UpSampling2D,
 )
-from opgrad.nn.ops_layers import Pad, Reduce
+from opgrad.nn.ops_layers import GlobalPool2D, Pad, Reduce, Resize, Slice
 from opgrad.nn.reshaping import Permute, Reshape, ZeroPadding2D
 
 __all__ = ["CONVERTERS"]
@@ -287,16 +287,51 @@ def global_average_pooling2d(call: LayerCall, inputs: list[Tensor]) -> Tensor:
     return out
 
 
+def global_max_pooling2d(call: LayerCall, inputs: list[Tensor]) -> Tensor:
+    tensor = _image(call, inputs)
+    call.channels_last()
+    keepdims = bool(call.take("keepdims", False))
+    c = tensor.keras_shape[2]
+    out = call.add(GlobalPool2D("max"), tensor, "channels_first", (1, 1, c))
+    return out if keepdims else call.add(Flatten(), out, "keras", (c,), suffix="drop_axes")
+
+
 def upsampling2d(call: LayerCall, inputs: list[Tensor]) -> Tensor:
     tensor = _image(call, inputs)
     call.channels_last()
-    size = call.pair("size", 2)
-    if size[0] != size[1]:
-        raise call.unsupported("size", list(size), "one factor for both axes, e.g. (2, 2)")
-    interpolation = call.choose("interpolation", ("nearest", "bilinear"), "nearest")
+    (a, b), interpolation = call.pair("size", 2), call.choose("interpolation", ("nearest", "bilinear"), "nearest")
     h, w, c = tensor.keras_shape
-    return call.add(UpSampling2D(size[0], interpolation=interpolation), tensor, "channels_first",
-                    (h * size[0], w * size[0], c))
+    # Keras repeats rows a times and columns b times (nearest), or interpolates to (a h, b w) with
+    # half-pixel centers: PyTorch's interpolate (legacy nearest, bilinear without align_corners).
+    layer = UpSampling2D(a, interpolation=interpolation) if a == b else Resize((h * a, w * b), method=interpolation)
+    return call.add(layer, tensor, "channels_first", (h * a, w * b, c))
+
+
+def _crop_pairs(call: LayerCall) -> tuple[tuple[int, int], tuple[int, int]]:
+    """Keras' ``cropping``: an int, ``(rows, cols)`` or ``((top, bottom), (left, right))``, as the last."""
+    value = call.take("cropping", ((0, 0), (0, 0)))
+
+    def is_count(v: Any) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+    axes = [value, value] if is_count(value) else value
+    if isinstance(axes, (list, tuple)) and len(axes) == 2:
+        pairs = [[a, a] if is_count(a) else a for a in axes]
+        if all(isinstance(p, (list, tuple)) and len(p) == 2 and all(map(is_count, p)) for p in pairs):
+            (top, bottom), (left, right) = pairs
+            return (int(top), int(bottom)), (int(left), int(right))
+    raise call.unsupported("cropping", value, "an int, (rows, cols) or ((top, bottom), (left, right)), all >= 0")
+
+
+def cropping2d(call: LayerCall, inputs: list[Tensor]) -> Tensor:
+    tensor = _image(call, inputs)
+    call.channels_last()
+    (top, bottom), (left, right) = _crop_pairs(call)
+    h, w, c = tensor.keras_shape
+    if top + bottom >= h or left + right >= w:
+        raise call.fail(f"cropping ({top}, {bottom}), ({left}, {right}) leaves nothing of the {h}x{w} image")
+    layer = Slice([None, top, left], [None, h - bottom, w - right])
+    return call.add(layer, tensor, "channels_first", (h - top - bottom, w - left - right, c))
 
 
 def zero_padding2d(call: LayerCall, inputs: list[Tensor]) -> Tensor:
@@ -477,6 +512,7 @@ CONVERTERS: dict[str, Converter] = {
     "BatchNormalization": _keeps_mask(batch_normalization),
     "Concatenate": concatenate,
     "Conv1D": conv1d,
+    "Cropping2D": cropping2d,
     "Conv2D": conv2d,
     "Conv2DTranspose": conv2d_transpose,
     "DepthwiseConv2D": depthwise_conv2d,
@@ -487,6 +523,7 @@ CONVERTERS: dict[str, Converter] = {
     "GlobalAveragePooling1D": _global_pooling1d("mean"),
     "GlobalAveragePooling2D": global_average_pooling2d,
     "GlobalMaxPooling1D": _global_pooling1d("max"),
+    "GlobalMaxPooling2D": global_max_pooling2d,
     "LayerNormalization": _keeps_mask(layer_normalization),
     "LeakyReLU": _keeps_mask(leaky_relu),
     "MaxPooling1D": _pool1d(MaxPool1D),
