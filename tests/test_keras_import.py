@@ -327,14 +327,14 @@ EDITS: dict[str, tuple[str, Callable[[dict[str, Any]], None]]] = {
     "weights_shape": ("mnist_cnn.keras", _set("dense", units=9)),
     "unknown_layer": ("mnist_cnn.keras", _rename_class("dropout", "GaussianNoise")),
     "channels_first": ("mnist_cnn.keras", _set("conv2d", data_format="channels_first")),
-    "activation": ("mnist_cnn.keras", _set("conv2d_1", activation="selu")),
+    "activation": ("mnist_cnn.keras", _set("conv2d_1", activation="celu")),
     "unknown_field": ("mnist_cnn.keras", _set("dense", dot_general="int8")),
     "dtype": ("mnist_cnn.keras", _set("dense", dtype="int8_from_float32")),
     "nested": ("mnist_cnn.keras", _nest),
     "shared": ("residual.keras", _share),
     "batchnorm_axis": ("residual.keras", _set("stem_bn", axis=1)),
     "max_value": ("residual.keras", _set("stem_relu", max_value=-1.0)),
-    "threshold": ("residual.keras", _set("stem_relu", threshold=0.5)),
+    "threshold": ("residual.keras", _set("stem_relu", threshold=-0.5)),
     "bad_value": ("mnist_cnn.keras", _set("dense", units="ten")),
     "bad_input_shape": ("residual.keras", _set("image", batch_shape=[None, "9", 9, 3])),
     "dynamic_input": ("residual.keras", _set("image", batch_shape=[None, None, None, 3])),
@@ -356,14 +356,14 @@ ERRORS = [
     ("weights_shape", "dense", "variable kernel (layers/dense/vars/0) has shape (1152, 8), expected (1152, 9)"),
     ("unknown_layer", "dropout", "class 'GaussianNoise', which the importer does not support; supported: Activation"),
     ("channels_first", "conv2d", "data_format='channels_first' is not supported; supported: 'channels_last'"),
-    ("activation", "conv2d_1", "activation='selu' is not supported; supported: linear, relu"),
+    ("activation", "conv2d_1", "activation='celu' is not supported; supported: linear, relu"),
     ("unknown_field", "dense", "config field dot_general='int8' is not supported"),
     ("dtype", "dense", "dtype='int8_from_float32' is not supported"),
     ("nested", "dense", "is itself a model (Sequential)"),
     ("shared", "stem_relu", "is called 2 times (a shared layer)"),
     ("batchnorm_axis", "stem_bn", "supported: the channel (last) axis"),
     ("max_value", "stem_relu", "max_value=-1.0 is not supported; supported: None or a number >= 0"),
-    ("threshold", "stem_relu", "threshold=0.5 is not supported"),
+    ("threshold", "stem_relu", "threshold=-0.5 is not supported; supported: a number >= 0"),
     ("bad_value", "dense", "malformed config"),
     ("bad_input_shape", "image", "is not a list of positive ints"),
     ("dynamic_input", "image", "has an unknown dimension"),
@@ -477,6 +477,13 @@ LAYER_VARIANTS = {
     "activation_hard_silu": lambda layers: layers.Activation("hard_silu"),
     "activation_hard_sigmoid": lambda layers: layers.Activation("hard_sigmoid"),
     "activation_mish": lambda layers: layers.Activation("mish"),
+    "activation_selu": lambda layers: layers.Activation("selu"),
+    "activation_softsign": lambda layers: layers.Activation("softsign"),
+    "conv_selu": lambda layers: layers.Conv2D(2, 1, activation="selu"),
+    "dense_softsign": lambda layers: layers.Dense(4, activation="softsign"),
+    "relu_threshold": lambda layers: layers.ReLU(threshold=0.3),
+    "relu_threshold_slope": lambda layers: layers.ReLU(threshold=0.5, negative_slope=0.1),
+    "relu_threshold_slope_max_value": lambda layers: layers.ReLU(threshold=0.3, negative_slope=0.2, max_value=1.0),
     "channel_softmax": lambda layers: layers.Softmax(axis=-1),
     "rescaling": lambda layers: layers.Rescaling(1 / 255, offset=-0.5),
     "separable": lambda layers: layers.SeparableConv2D(4, 3, depth_multiplier=2, padding="same", strides=2,
@@ -629,6 +636,22 @@ def test_cropping_uneven_upsampling_and_global_max_pooling_from_h5_differentiate
     model = _predicts_like_keras(tmp_path, keras_model, generator, seed=9, suffixes=(".keras", ".h5"),
                                  layouts=("NCHW", "NHWC"))
     _gradient_passes(model, np.random.default_rng(9).standard_normal((2, 6, 5, 2)), "imported crop/upsample/max")
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # Keras' own numpy 2 deprecations
+def test_selu_softsign_and_thresholded_relu_from_h5_differentiate(tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    generator = _generator(monkeypatch)
+    import keras
+
+    layers = keras.layers
+    inp = keras.Input((5, 4, 3))
+    x = layers.Activation("softsign")(layers.Conv2D(4, 3, padding="same", activation="selu")(inp))
+    x = layers.ReLU(threshold=0.2, negative_slope=0.1, max_value=0.5)(x)
+    x = layers.Dense(3)(layers.Flatten()(x))
+    model = _predicts_like_keras(tmp_path, keras.Model(inp, x), generator, seed=10, suffixes=(".keras", ".h5"),
+                                 layouts=("NCHW", "NHWC"))
+    _gradient_passes(model, np.random.default_rng(10).standard_normal((2, 5, 4, 3)), "imported activations")
 
 
 def _masked_tokens_model(keras: Any, head: Callable[[Any, Any, Any], Any]) -> Any:

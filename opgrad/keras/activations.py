@@ -10,16 +10,34 @@ from __future__ import annotations
 from typing import Any
 
 from opgrad.keras.graph import LayerCall, Tensor
-from opgrad.nn.layers import ELU, GELU, Hardsigmoid, Hardswish, LeakyReLU, ReLU, Sigmoid, SiLU, Softmax, Softplus, Tanh
-from opgrad.nn.ops_layers import Arithmetic, Clip, Elementwise
+from opgrad.nn.layers import (
+    ELU,
+    GELU,
+    Hardsigmoid,
+    Hardswish,
+    LeakyReLU,
+    ReLU,
+    Sigmoid,
+    SiLU,
+    Softmax,
+    Softplus,
+    Tanh,
+)
+from opgrad.nn.ops_layers import Arithmetic, Clip, Elementwise, Unary, Where
 
 __all__ = ["ACTIVATIONS", "FUSED", "activate", "activation", "activation_name", "fused", "leaky_relu", "relu",
            "softmax"]
 
 #: Keras activation names the importer maps; ``relu``/``sigmoid``/``tanh`` fuse into Dense/Conv.
 ACTIVATIONS = ("linear", "relu", "sigmoid", "tanh", "gelu", "leaky_relu", "softmax", "silu", "swish", "elu",
-               "softplus", "relu6", "hard_sigmoid", "hard_silu", "hard_swish", "mish")
+               "softplus", "relu6", "hard_sigmoid", "hard_silu", "hard_swish", "mish", "selu", "softsign")
 FUSED = ("relu", "sigmoid", "tanh")
+#: Activations that :func:`activate` builds from several opgrad layers (hard_sigmoid: Keras 2's).
+_COMPOSITE = ("softmax", "mish", "hard_sigmoid", "selu", "softsign")
+#: selu's constants as PyTorch and JAX (which Keras calls) have them; Keras' docs round them to
+#: 1.67326324 and 1.05070098, the same float32 numbers.
+SELU_ALPHA = 1.6732632423543772848170429916717
+SELU_SCALE = 1.0507009873554804934193349852946
 
 
 def activation_name(call: LayerCall, key: str = "activation") -> str:
@@ -36,6 +54,12 @@ def activation_name(call: LayerCall, key: str = "activation") -> str:
 def fused(name: str) -> str | None:
     """``name`` where opgrad's Dense and Conv layers apply it themselves, else None."""
     return name if name in FUSED else None
+
+
+def _keeping_shape(call: LayerCall, layer: Any, inputs: Tensor | list[Tensor], suffix: str = "") -> Tensor:
+    """``layer`` on ``inputs``; its output has the (first) input's Keras shape and layout."""
+    first = inputs[0] if isinstance(inputs, list) else inputs
+    return call.add(layer, inputs, first.layout, first.keras_shape, suffix=suffix, chw=first.chw)
 
 
 def activate(call: LayerCall, tensor: Tensor, name: str) -> Tensor:
@@ -60,11 +84,18 @@ def activate(call: LayerCall, tensor: Tensor, name: str) -> Tensor:
                         chw=tensor.chw)
         return call.add(Elementwise("multiply"), [tensor, gate], tensor.layout, tensor.keras_shape, suffix=name,
                         chw=tensor.chw)
+    if name == "selu":  # scale * elu(x, alpha), as torch.nn.functional.selu
+        elu = _keeping_shape(call, ELU(SELU_ALPHA), tensor, "elu")
+        return _keeping_shape(call, Arithmetic("multiply", operand=SELU_SCALE), elu, name)
+    if name == "softsign":  # x / (1 + |x|)
+        size = _keeping_shape(call, Unary("abs"), tensor, "abs")
+        denominator = _keeping_shape(call, Arithmetic("add", operand=1.0), size, "plus_one")
+        return _keeping_shape(call, Elementwise("divide"), [tensor, denominator], name)
     return call.add(_activation_layer(name), tensor, tensor.layout, tensor.keras_shape, suffix=name, chw=tensor.chw)
 
 
 def _activation_layer(name: str) -> Any:
-    """The opgrad layer of Keras activation ``name`` (one of :data:`ACTIVATIONS` but linear, softmax, mish)."""
+    """The opgrad layer of Keras activation ``name`` (one of :data:`ACTIVATIONS` but linear and the composites)."""
     simple = {"relu": ReLU, "sigmoid": Sigmoid, "tanh": Tanh, "silu": SiLU, "swish": SiLU, "elu": ELU,
               "softplus": Softplus, "hard_sigmoid": Hardsigmoid, "hard_silu": Hardswish,
               "hard_swish": Hardswish}.get(name)
@@ -85,18 +116,25 @@ def activation(call: LayerCall, inputs: list[Tensor]) -> Tensor:
     name = activation_name(call)
     if name == "linear":
         return tensor
-    if name in ("softmax", "mish", "hard_sigmoid"):
+    if name in _COMPOSITE:
         return activate(call, tensor, name)
     return call.add(_activation_layer(name), tensor, tensor.layout, tensor.keras_shape, chw=tensor.chw)
 
 
+def _number(call: LayerCall, key: str, default: float | None) -> float | None:
+    """Config field ``key``: None or a number >= 0 (Keras' ReLU refuses a negative one)."""
+    value = call.take(key, default)
+    if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0):
+        raise call.unsupported(key, value, "None or a number >= 0" if default is None else "a number >= 0")
+    return None if value is None else float(value)
+
+
 def relu(call: LayerCall, inputs: list[Tensor]) -> Tensor:
     tensor = call.one_input(inputs)
-    ceiling = call.take("max_value", None)
-    if ceiling is not None and (isinstance(ceiling, bool) or not isinstance(ceiling, (int, float)) or ceiling < 0):
-        raise call.unsupported("max_value", ceiling, "None or a number >= 0")
-    call.choose("threshold", (0, 0.0), 0.0)
-    slope = float(call.take("negative_slope", 0.0))
+    ceiling = _number(call, "max_value", None)
+    threshold, slope = _number(call, "threshold", 0.0), _number(call, "negative_slope", 0.0)
+    if threshold:
+        return _thresholded_relu(call, tensor, float(threshold), ceiling, float(slope or 0.0))
     if ceiling is not None and not slope:  # ReLU(max_value=6) is MobileNet's relu6
         return call.add(Clip(0.0, float(ceiling)), tensor, tensor.layout, tensor.keras_shape, chw=tensor.chw)
     layer = LeakyReLU(slope) if slope else ReLU()
@@ -104,6 +142,21 @@ def relu(call: LayerCall, inputs: list[Tensor]) -> Tensor:
     if ceiling is None:
         return out
     return call.add(Clip(None, float(ceiling)), out, out.layout, out.keras_shape, suffix="max", chw=out.chw)
+
+
+def _thresholded_relu(call: LayerCall, x: Tensor, threshold: float, ceiling: float | None, slope: float) -> Tensor:
+    """Keras' ReLU with a threshold t: ``clip(x if x > t else 0, 0, max_value) - slope * relu(t - x)``
+    (the clip only with a max_value, the last term only with a negative_slope)."""
+    above = _keeping_shape(call, Arithmetic("greater", operand=threshold), x, "above")
+    kept = _keeping_shape(call, Where(false_value=0.0), [above, x], "kept")
+    if ceiling is not None:
+        kept = _keeping_shape(call, Clip(0.0, ceiling), kept, "max")
+    if not slope:
+        return kept
+    gap = _keeping_shape(call, Arithmetic("subtract", operand=threshold, reverse=True), x, "below")
+    below = _keeping_shape(call, Arithmetic("multiply", operand=slope), _keeping_shape(call, ReLU(), gap, "relu"),
+                           "slope")
+    return _keeping_shape(call, Elementwise("subtract"), [kept, below], "relu")
 
 
 def leaky_relu(call: LayerCall, inputs: list[Tensor]) -> Tensor:

@@ -14,7 +14,16 @@ from typing import Any
 
 import numpy as np
 
-from opgrad.keras.activations import FUSED, activate, activation, activation_name, fused, leaky_relu, relu, softmax
+from opgrad.keras.activations import (
+    FUSED,
+    activate,
+    activation,
+    activation_name,
+    fused,
+    leaky_relu,
+    relu,
+    softmax,
+)
 from opgrad.keras.graph import Converter, LayerCall, Tensor
 from opgrad.keras.merging import add, average, concatenate, maximum, minimum, multiply, subtract
 from opgrad.nn.layers import (
