@@ -484,6 +484,10 @@ LAYER_VARIANTS = {
     "relu_threshold": lambda layers: layers.ReLU(threshold=0.3),
     "relu_threshold_slope": lambda layers: layers.ReLU(threshold=0.5, negative_slope=0.1),
     "relu_threshold_slope_max_value": lambda layers: layers.ReLU(threshold=0.3, negative_slope=0.2, max_value=1.0),
+    "prelu_per_channel": lambda layers: layers.PReLU(shared_axes=[1, 2]),
+    "prelu_one_slope": lambda layers: layers.PReLU(shared_axes=[1, 2, 3]),
+    "prelu_per_element": lambda layers: layers.PReLU(),
+    "prelu_per_column_and_channel": lambda layers: layers.PReLU(shared_axes=[1]),
     "channel_softmax": lambda layers: layers.Softmax(axis=-1),
     "rescaling": lambda layers: layers.Rescaling(1 / 255, offset=-0.5),
     "separable": lambda layers: layers.SeparableConv2D(4, 3, depth_multiplier=2, padding="same", strides=2,
@@ -543,6 +547,8 @@ SEQUENCE_VARIANTS = {
     "global_average_pooling1d": lambda layers: layers.GlobalAveragePooling1D(),
     "global_max_pooling1d_keepdims": lambda layers: layers.GlobalMaxPooling1D(keepdims=True),
     "batch_normalization_of_a_sequence": lambda layers: layers.BatchNormalization(momentum=0.9),
+    "prelu_per_channel": lambda layers: layers.PReLU(shared_axes=[1]),
+    "prelu_per_step": lambda layers: layers.PReLU(shared_axes=[2]),
 }
 
 
@@ -639,19 +645,33 @@ def test_cropping_uneven_upsampling_and_global_max_pooling_from_h5_differentiate
 
 
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")  # Keras' own numpy 2 deprecations
-def test_selu_softsign_and_thresholded_relu_from_h5_differentiate(tmp_path: Path,
-                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+def test_selu_softsign_thresholded_relu_and_prelu_from_h5_differentiate(tmp_path: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     generator = _generator(monkeypatch)
     import keras
 
     layers = keras.layers
     inp = keras.Input((5, 4, 3))
     x = layers.Activation("softsign")(layers.Conv2D(4, 3, padding="same", activation="selu")(inp))
-    x = layers.ReLU(threshold=0.2, negative_slope=0.1, max_value=0.5)(x)
-    x = layers.Dense(3)(layers.Flatten()(x))
+    x = layers.PReLU(shared_axes=[1, 2])(layers.ReLU(threshold=0.2, negative_slope=0.1, max_value=0.5)(x))
+    x = layers.Dense(3)(layers.PReLU()(layers.Flatten()(layers.PReLU(shared_axes=[3])(x))))
     model = _predicts_like_keras(tmp_path, keras.Model(inp, x), generator, seed=10, suffixes=(".keras", ".h5"),
                                  layouts=("NCHW", "NHWC"))
+    kinds = [layer.kind for layer in model.layers]
+    assert kinds.count("prelu") == 2 and "where" in kinds, kinds  # per channel and per feature; per pixel
     _gradient_passes(model, np.random.default_rng(10).standard_normal((2, 5, 4, 3)), "imported activations")
+
+
+def test_prelu_shared_axes_outside_the_input_are_refused(tmp_path: Path) -> None:
+    def prelu(config: dict[str, Any]) -> None:
+        entry = _layer(config, "stem_relu")
+        entry["class_name"] = "PReLU"
+        entry["config"] = {"name": "stem_relu", "shared_axes": [0, 1]}
+
+    path = _rewrite_keras(FIXTURES / "residual.keras", tmp_path / "prelu.keras", prelu)
+    with pytest.raises(KerasImportError, match=r"layer 'stem_relu' \(PReLU\): shared_axes=\[0, 1\] is not supported; "
+                                               r"supported: None or axes 1..3 of the 4-d input"):
+        load(path)
 
 
 def _masked_tokens_model(keras: Any, head: Callable[[Any, Any, Any], Any]) -> Any:

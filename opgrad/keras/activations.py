@@ -9,13 +9,17 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
+
 from opgrad.keras.graph import LayerCall, Tensor
 from opgrad.nn.layers import (
     ELU,
     GELU,
+    Add,
     Hardsigmoid,
     Hardswish,
     LeakyReLU,
+    PReLU,
     ReLU,
     Sigmoid,
     SiLU,
@@ -25,8 +29,8 @@ from opgrad.nn.layers import (
 )
 from opgrad.nn.ops_layers import Arithmetic, Clip, Elementwise, Unary, Where
 
-__all__ = ["ACTIVATIONS", "FUSED", "activate", "activation", "activation_name", "fused", "leaky_relu", "relu",
-           "softmax"]
+__all__ = ["ACTIVATIONS", "FUSED", "activate", "activation", "activation_name", "fused", "leaky_relu", "prelu",
+           "relu", "softmax"]
 
 #: Keras activation names the importer maps; ``relu``/``sigmoid``/``tanh`` fuse into Dense/Conv.
 ACTIVATIONS = ("linear", "relu", "sigmoid", "tanh", "gelu", "leaky_relu", "softmax", "silu", "swish", "elu",
@@ -164,6 +168,42 @@ def leaky_relu(call: LayerCall, inputs: list[Tensor]) -> Tensor:
     keras2 = "alpha" in call.config and "negative_slope" not in call.config
     slope = float(call.take("alpha", 0.3) if keras2 else call.take("negative_slope", 0.3))
     return call.add(LeakyReLU(slope), tensor, tensor.layout, tensor.keras_shape, chw=tensor.chw)
+
+
+def _opgrad_order(tensor: Tensor, alpha: np.ndarray) -> np.ndarray:
+    """Keras' per-element ``alpha`` (the input's shape, shared axes of size 1) in the opgrad tensor's order."""
+    if tensor.layout == "channels_first":
+        return np.transpose(alpha, (2, 0, 1))  # (H, W, C) -> (C, H, W)
+    if tensor.layout == "flat_chw" and alpha.size > 1:
+        assert tensor.chw is not None
+        c, h, w = tensor.chw
+        return np.transpose(alpha.reshape(h, w, c), (2, 0, 1)).reshape(-1)
+    return alpha
+
+
+def prelu(call: LayerCall, inputs: list[Tensor]) -> Tensor:
+    """``x if x > 0 else alpha * x`` with a learned ``alpha`` of the input's shape, of size 1 on Keras'
+    ``shared_axes``: ``nn.PReLU`` where alpha is one slope or one per channel of the opgrad tensor's
+    first axis, else ``relu(x) + alpha * min(x, 0)`` with alpha broadcast (the same numbers)."""
+    tensor = call.one_input(inputs)
+    rank = tensor.keras_rank
+    shared = call.take("shared_axes", None)
+    axes = [] if shared is None else shared if isinstance(shared, (list, tuple)) else [shared]
+    if not all(isinstance(a, int) and not isinstance(a, bool) and 1 <= a <= rank for a in axes):
+        raise call.unsupported("shared_axes", shared, f"None or axes 1..{rank} of the {rank + 1}-d input")
+    shape = tuple(1 if axis in axes else d for axis, d in enumerate(tensor.keras_shape, start=1))
+    alpha = _opgrad_order(tensor, call.weights({"alpha": shape})["alpha"])
+    if alpha.size == 1 or alpha.size == alpha.shape[0]:  # one slope, or one per channel (axis 1)
+        layer = PReLU(alpha.size)
+        out = _keeping_shape(call, layer, tensor)
+        call.set_param(layer, "weight", alpha.reshape(-1))
+        return out
+    positive = _keeping_shape(call, ReLU(), tensor)
+    negative = _keeping_shape(call, Clip(None, 0.0), tensor, "negative")
+    scale = Arithmetic("multiply", operand_shape=alpha.shape)
+    scaled = _keeping_shape(call, scale, negative, "alpha")
+    call.set_param(scale, "operand", alpha)
+    return _keeping_shape(call, Add(), [positive, scaled], "sum")
 
 
 def softmax(call: LayerCall, inputs: list[Tensor]) -> Tensor:

@@ -21,6 +21,7 @@ from opgrad.keras.activations import (
     activation_name,
     fused,
     leaky_relu,
+    prelu,
     relu,
     softmax,
 )
@@ -540,6 +541,7 @@ CONVERTERS: dict[str, Converter] = {
     "Maximum": maximum,
     "Minimum": minimum,
     "Multiply": multiply,
+    "PReLU": _keeps_mask(prelu),
     "Permute": permute,
     "ReLU": _keeps_mask(relu),
     "Rescaling": _keeps_mask(rescaling),
