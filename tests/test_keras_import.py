@@ -674,6 +674,24 @@ def test_prelu_shared_axes_outside_the_input_are_refused(tmp_path: Path) -> None
         load(path)
 
 
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # Keras' own numpy 2 deprecations
+def test_transpose_same_with_output_padding_0_names_the_size_keras_computes(tmp_path: Path,
+                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    _generator(monkeypatch)
+    import keras
+
+    inp = keras.Input((7, 6, 3))
+    out = keras.layers.Conv2DTranspose(2, 3, strides=2, padding="same", output_padding=0, name="up")(inp)
+    assert tuple(out.shape[1:3]) == (13, 11)  # not the (14, 12) of output_padding=None
+    keras.Model(inp, out).save(tmp_path / "up.keras")
+    with pytest.raises(KerasImportError) as info:
+        load(tmp_path / "up.keras")
+    text = str(info.value)
+    assert "layer 'up' (Conv2DTranspose): output_padding=[0, 0] is not supported with padding='same'" in text, text
+    assert "(13x11 here), where output_padding=None gives in * stride (14x12 here), so 0 is not the same as None" \
+        in text, text
+
+
 def _masked_tokens_model(keras: Any, head: Callable[[Any, Any, Any], Any]) -> Any:
     """Two Embedding(mask_zero=True) of one token input, merged by ``head(layers, e1, e2)`` (its last layer
     named 'merge')."""

@@ -167,6 +167,21 @@ def separable_conv2d(call: LayerCall, inputs: list[Tensor]) -> Tensor:
     return activate(call, out, act) if act not in FUSED else out
 
 
+def _same_padding_output_size(tensor: Tensor, common: dict[str, Any], output_padding: Any) -> str:
+    """Why Conv2DTranspose(padding="same") with an output_padding, even 0, is refused: its output size."""
+    pads = [output_padding] * 2 if isinstance(output_padding, int) else output_padding
+    given = "the size"
+    if isinstance(pads, (list, tuple)) and len(pads) == 2 and all(isinstance(p, int) for p in pads):
+        sizes = [(n - 1) * s + ((k - 1) * d + 1) % 2 + p for n, s, k, d, p in
+                 zip(tensor.keras_shape[:2], common["strides"], common["kernel_size"], common["dilation_rate"], pads)]
+        given = f"{sizes[0]}x{sizes[1]} here"
+    plain = "x".join(str(n * s) for n, s in zip(tensor.keras_shape[:2], common["strides"]))
+    return (f"output_padding={output_padding!r} is not supported with padding='same': Keras then sizes the output "
+            f"(in - 1) * stride + kernel % 2 + output_padding ({given}), where output_padding=None gives "
+            f"in * stride ({plain} here), so 0 is not the same as None; supported: output_padding=None with "
+            "padding='same', any output_padding with padding='valid'")
+
+
 def conv2d_transpose(call: LayerCall, inputs: list[Tensor]) -> Tensor:
     tensor = _image(call, inputs)
     c = tensor.keras_shape[2]
@@ -179,7 +194,7 @@ def conv2d_transpose(call: LayerCall, inputs: list[Tensor]) -> Tensor:
     (sh, sw), (dh, dw) = common["strides"], common["dilation_rate"]
     if output_padding is not None:
         if common["padding"] == "same":
-            raise call.unsupported("output_padding", output_padding, "None with padding='same'")
+            raise call.fail(_same_padding_output_size(tensor, common, output_padding))
         extra = call.pair("output_padding") if output_padding != [0, 0] else (0, 0)
     elif common["padding"] == "valid":
         # Keras' "valid" output is in * stride + max(kernel - stride, 0): a kernel smaller than its
