@@ -397,8 +397,9 @@ def _mask_source(node: Any) -> str | None:
     """The layer whose output a Keras 3 call node passes as ``mask=``, if any."""
     kwargs = node.get("kwargs") if isinstance(node, Mapping) else None
     mask = kwargs.get("mask") if isinstance(kwargs, Mapping) else None
-    if isinstance(mask, Mapping) and mask.get("class_name") == "__keras_tensor__":
-        history = mask.get("config", {}).get("keras_history")
+    config = mask.get("config") if isinstance(mask, Mapping) and mask.get("class_name") == "__keras_tensor__" else None
+    if isinstance(config, Mapping):
+        history = config.get("keras_history")
         if isinstance(history, list) and history:
             return str(history[0])
     return None

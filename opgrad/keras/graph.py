@@ -38,7 +38,7 @@ _ALWAYS_IGNORED = {"name", "trainable", "dtype", "seed", "build_config", "input_
                    "batch_shape"}
 #: Float dtype policies; the imported model computes in float32 whatever the policy.
 _FLOAT_POLICIES = ("float32", "float16", "bfloat16", "float64", "mixed_float16", "mixed_bfloat16")
-#: What a model whose layers read a Keras mask can do instead.
+#: Said of a layer that reads a Keras mask: why it is refused, and how its model imports instead.
 MASKING_ADVICE = ("the importer does not support masking: rebuild the model with mask_zero=False to import it; the "
                   "layers that read the mask then compute over the padding too (a masked GlobalAveragePooling1D "
                   "averages over every step), so their outputs differ from the masked model's until it is retrained")
@@ -307,7 +307,9 @@ def build_model(spec: ModelSpec, builder: Builder, converters: Mapping[str, Conv
         inputs.append(raw)
     pending = [layer for layer in spec.layers if layer.class_name != "InputLayer"]
     for layer in pending:
-        if layer.mask_from is not None:  # before the class check: its mask layer (NotEqual) is no class of the user's
+        # Before the class check, which would name the layer computing the mask (Keras' NotEqual),
+        # a layer the user never wrote.
+        if layer.mask_from is not None:
             raise KerasImportError(_mask_reader_error(builder, spec, layer))
     for layer in pending:
         if layer.class_name in MODEL_CLASSES:
