@@ -327,14 +327,14 @@ EDITS: dict[str, tuple[str, Callable[[dict[str, Any]], None]]] = {
     "weights_shape": ("mnist_cnn.keras", _set("dense", units=9)),
     "unknown_layer": ("mnist_cnn.keras", _rename_class("dropout", "GaussianNoise")),
     "channels_first": ("mnist_cnn.keras", _set("conv2d", data_format="channels_first")),
-    "activation": ("mnist_cnn.keras", _set("conv2d_1", activation="selu")),
+    "activation": ("mnist_cnn.keras", _set("conv2d_1", activation="celu")),
     "unknown_field": ("mnist_cnn.keras", _set("dense", dot_general="int8")),
     "dtype": ("mnist_cnn.keras", _set("dense", dtype="int8_from_float32")),
     "nested": ("mnist_cnn.keras", _nest),
     "shared": ("residual.keras", _share),
     "batchnorm_axis": ("residual.keras", _set("stem_bn", axis=1)),
     "max_value": ("residual.keras", _set("stem_relu", max_value=-1.0)),
-    "threshold": ("residual.keras", _set("stem_relu", threshold=0.5)),
+    "threshold": ("residual.keras", _set("stem_relu", threshold=-0.5)),
     "bad_value": ("mnist_cnn.keras", _set("dense", units="ten")),
     "bad_input_shape": ("residual.keras", _set("image", batch_shape=[None, "9", 9, 3])),
     "dynamic_input": ("residual.keras", _set("image", batch_shape=[None, None, None, 3])),
@@ -356,14 +356,14 @@ ERRORS = [
     ("weights_shape", "dense", "variable kernel (layers/dense/vars/0) has shape (1152, 8), expected (1152, 9)"),
     ("unknown_layer", "dropout", "class 'GaussianNoise', which the importer does not support; supported: Activation"),
     ("channels_first", "conv2d", "data_format='channels_first' is not supported; supported: 'channels_last'"),
-    ("activation", "conv2d_1", "activation='selu' is not supported; supported: linear, relu"),
+    ("activation", "conv2d_1", "activation='celu' is not supported; supported: linear, relu"),
     ("unknown_field", "dense", "config field dot_general='int8' is not supported"),
     ("dtype", "dense", "dtype='int8_from_float32' is not supported"),
     ("nested", "dense", "is itself a model (Sequential)"),
     ("shared", "stem_relu", "is called 2 times (a shared layer)"),
     ("batchnorm_axis", "stem_bn", "supported: the channel (last) axis"),
     ("max_value", "stem_relu", "max_value=-1.0 is not supported; supported: None or a number >= 0"),
-    ("threshold", "stem_relu", "threshold=0.5 is not supported"),
+    ("threshold", "stem_relu", "threshold=-0.5 is not supported; supported: a number >= 0"),
     ("bad_value", "dense", "malformed config"),
     ("bad_input_shape", "image", "is not a list of positive ints"),
     ("dynamic_input", "image", "has an unknown dimension"),
@@ -457,6 +457,14 @@ LAYER_VARIANTS = {
     "maxpool_same_strided": lambda layers: layers.MaxPooling2D(3, strides=2, padding="same"),
     "avgpool_valid_strided": lambda layers: layers.AveragePooling2D((2, 3), strides=(1, 2)),
     "gap_keepdims": lambda layers: layers.GlobalAveragePooling2D(keepdims=True),
+    "global_max_pooling": lambda layers: layers.GlobalMaxPooling2D(),
+    "global_max_pooling_keepdims": lambda layers: layers.GlobalMaxPooling2D(keepdims=True),
+    "cropping_int": lambda layers: layers.Cropping2D(1),
+    "cropping_rows_cols": lambda layers: layers.Cropping2D((2, 1)),
+    "cropping_four_sides": lambda layers: layers.Cropping2D(((0, 3), (2, 1))),
+    "upsampling_nearest_2x3": lambda layers: layers.UpSampling2D((2, 3)),
+    "upsampling_bilinear_3x2": lambda layers: layers.UpSampling2D((3, 2), interpolation="bilinear"),
+    "upsampling_bilinear_2x2": lambda layers: layers.UpSampling2D(2, interpolation="bilinear"),
     "relu_negative_slope": lambda layers: layers.ReLU(negative_slope=0.1),
     "relu_max_value": lambda layers: layers.ReLU(max_value=6.0),
     "relu_slope_and_max_value": lambda layers: layers.ReLU(max_value=0.5, negative_slope=0.2),
@@ -469,6 +477,17 @@ LAYER_VARIANTS = {
     "activation_hard_silu": lambda layers: layers.Activation("hard_silu"),
     "activation_hard_sigmoid": lambda layers: layers.Activation("hard_sigmoid"),
     "activation_mish": lambda layers: layers.Activation("mish"),
+    "activation_selu": lambda layers: layers.Activation("selu"),
+    "activation_softsign": lambda layers: layers.Activation("softsign"),
+    "conv_selu": lambda layers: layers.Conv2D(2, 1, activation="selu"),
+    "dense_softsign": lambda layers: layers.Dense(4, activation="softsign"),
+    "relu_threshold": lambda layers: layers.ReLU(threshold=0.3),
+    "relu_threshold_slope": lambda layers: layers.ReLU(threshold=0.5, negative_slope=0.1),
+    "relu_threshold_slope_max_value": lambda layers: layers.ReLU(threshold=0.3, negative_slope=0.2, max_value=1.0),
+    "prelu_per_channel": lambda layers: layers.PReLU(shared_axes=[1, 2]),
+    "prelu_one_slope": lambda layers: layers.PReLU(shared_axes=[1, 2, 3]),
+    "prelu_per_element": lambda layers: layers.PReLU(),
+    "prelu_per_column_and_channel": lambda layers: layers.PReLU(shared_axes=[1]),
     "channel_softmax": lambda layers: layers.Softmax(axis=-1),
     "rescaling": lambda layers: layers.Rescaling(1 / 255, offset=-0.5),
     "separable": lambda layers: layers.SeparableConv2D(4, 3, depth_multiplier=2, padding="same", strides=2,
@@ -485,24 +504,26 @@ def test_layer_variants_predict_like_keras(tmp_path: Path, monkeypatch: pytest.M
 
     inp = keras.Input((7, 6, 3))
     keras_model = keras.Model(inp, LAYER_VARIANTS[variant](keras.layers)(inp))
-    generator.randomize(keras_model, seed=3)
-    x = np.random.default_rng(3).standard_normal((2, 7, 6, 3)).astype(np.float32)
-    expected = np.asarray(keras_model.predict(x, verbose=0))
-    keras_model.save(tmp_path / "layer.keras")
-    model = load(tmp_path / "layer.keras", layout="NHWC", keep_softmax=True)
-    np.testing.assert_allclose(model.predict(x, backend="reference"), expected, atol=1e-5, rtol=0)
+    _predicts_like_keras(tmp_path, keras_model, generator, seed=3, layouts=("NCHW", "NHWC"))
 
 
-def _predicts_like_keras(tmp_path: Path, keras_model: Any, generator: Any, shape: tuple[int, ...],
-                         seed: int) -> None:
-    """``keras_model`` saved and imported predicts as Keras does on both backends (Keras' own layout)."""
+def _predicts_like_keras(tmp_path: Path, keras_model: Any, generator: Any, seed: int, *,
+                         suffixes: tuple[str, ...] = (".keras",), layouts: tuple[str, ...] = ("NCHW",)) -> nn.Model:
+    """``keras_model`` with random weights, saved as each of ``suffixes`` and imported with each of
+    ``layouts``, predicts as Keras does on both backends; returns the last import."""
     generator.randomize(keras_model, seed=seed)
-    x = np.random.default_rng(seed).standard_normal((2, *shape)).astype(np.float32)
+    x = np.random.default_rng(seed).standard_normal((2, *keras_model.inputs[0].shape[1:])).astype(np.float32)
     expected = np.asarray(keras_model.predict(x, verbose=0))
-    keras_model.save(tmp_path / "sequence.keras")
-    model = load(tmp_path / "sequence.keras", keep_softmax=True)
-    for backend in ("reference", "llvm"):
-        np.testing.assert_allclose(model.predict(x, backend=backend), expected, atol=1e-5, rtol=0)
+    for suffix in suffixes:
+        keras_model.save(tmp_path / f"model{suffix}")
+        for layout in layouts:
+            model = load(tmp_path / f"model{suffix}", layout=layout, keep_softmax=True)
+            transpose = layout == "NCHW"  # images in and out as NCHW; anything else as Keras has it
+            for backend in ("reference", "llvm"):
+                out = model.predict(nchw(x) if transpose and x.ndim == 4 else x, backend=backend)
+                out = out.transpose(0, 2, 3, 1) if transpose and out.ndim == 4 else out
+                np.testing.assert_allclose(out, expected, atol=1e-5, rtol=0, err_msg=f"{suffix} {layout} {backend}")
+    return model
 
 
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")  # Keras' own numpy 2 deprecations
@@ -513,7 +534,7 @@ def test_dense_over_a_sequence_predicts_like_keras(tmp_path: Path, monkeypatch: 
     inp = keras.Input((5, 7))
     hidden = keras.layers.Dense(6, activation="gelu")(inp)
     keras_model = keras.Model(inp, keras.layers.Dense(3)(keras.layers.Flatten()(keras.layers.Dense(4)(hidden))))
-    _predicts_like_keras(tmp_path, keras_model, generator, (5, 7), seed=4)
+    _predicts_like_keras(tmp_path, keras_model, generator, seed=4)
 
 
 SEQUENCE_VARIANTS = {
@@ -526,6 +547,8 @@ SEQUENCE_VARIANTS = {
     "global_average_pooling1d": lambda layers: layers.GlobalAveragePooling1D(),
     "global_max_pooling1d_keepdims": lambda layers: layers.GlobalMaxPooling1D(keepdims=True),
     "batch_normalization_of_a_sequence": lambda layers: layers.BatchNormalization(momentum=0.9),
+    "prelu_per_channel": lambda layers: layers.PReLU(shared_axes=[1]),
+    "prelu_per_step": lambda layers: layers.PReLU(shared_axes=[2]),
 }
 
 
@@ -539,7 +562,220 @@ def test_sequence_layers_predict_like_keras(tmp_path: Path, monkeypatch: pytest.
 
     inp = keras.Input((11, 6))
     keras_model = keras.Model(inp, keras.layers.Dense(3)(SEQUENCE_VARIANTS[variant](keras.layers)(inp)))
-    _predicts_like_keras(tmp_path, keras_model, generator, (11, 6), seed=5)
+    _predicts_like_keras(tmp_path, keras_model, generator, seed=5)
+
+
+def _squeeze_excitation(layers: Any, x: Any) -> Any:
+    gate = layers.GlobalAveragePooling2D(keepdims=True)(x)
+    gate = layers.Conv2D(2, 1, activation="relu")(gate)
+    return layers.Multiply()([x, layers.Conv2D(3, 1, activation="sigmoid")(gate)])
+
+
+#: Merges of a (7, 6, 3) image with what is computed from it; Keras broadcasts a lower rank input
+#: as if it had leading axes of 1.
+MERGE_VARIANTS: dict[str, Callable[[Any, Any], Any]] = {
+    "squeeze_excitation": _squeeze_excitation,
+    "multiply_by_a_channel_vector": lambda layers, x: layers.Multiply()(
+        [x, layers.Dense(3, activation="sigmoid")(layers.GlobalAveragePooling2D()(x))]),
+    "multiply_three": lambda layers, x: layers.Multiply()(
+        [x, layers.Conv2D(3, 1)(x), layers.Conv2D(3, 3, padding="same")(x)]),
+    "subtract": lambda layers, x: layers.Subtract()([x, layers.Conv2D(3, 1)(x)]),
+    "average_three": lambda layers, x: layers.Average()([x, layers.Conv2D(3, 1)(x), layers.Conv2D(3, 1)(x)]),
+    "maximum_with_a_row": lambda layers, x: layers.Maximum()([x, layers.AveragePooling2D((7, 1))(x)]),
+    "minimum": lambda layers, x: layers.Minimum()([x, layers.Conv2D(3, 1)(x)]),
+    "add_a_channel_vector": lambda layers, x: layers.Add()([x, layers.Dense(3)(layers.GlobalAveragePooling2D()(x))]),
+    "multiply_flattened_by_dense": lambda layers, x: layers.Multiply()(
+        [layers.Flatten()(x), layers.Dense(126)(layers.Flatten()(x))]),
+    "multiply_flattened_by_one_value": lambda layers, x: layers.Multiply()(
+        [layers.Flatten()(x), layers.Dense(1)(layers.Flatten()(x))]),
+    "multiply_sequence_by_a_vector": lambda layers, x: layers.Multiply()(
+        [layers.Reshape((42, 3))(x), layers.Dense(3)(layers.GlobalAveragePooling2D()(x))]),
+}
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # Keras' own numpy 2 deprecations
+@pytest.mark.parametrize("variant", MERGE_VARIANTS)
+def test_merges_predict_like_keras(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, variant: str) -> None:
+    generator = _generator(monkeypatch)
+    import keras
+
+    inp = keras.Input((7, 6, 3))
+    keras_model = keras.Model(inp, MERGE_VARIANTS[variant](keras.layers, inp))
+    _predicts_like_keras(tmp_path, keras_model, generator, seed=6, suffixes=(".keras", ".h5"),
+                         layouts=("NCHW", "NHWC"))
+
+
+def _gradient_passes(model: nn.Model, x: np.ndarray, name: str) -> None:
+    """The imported model's gradient, to its input and every parameter, passes the checker."""
+    inputs = opgrad.var("x", x.shape)
+    params, buffers = model.param_vars(), model.buffer_vars()
+    fn = opgrad.function([inputs, *params.values(), *buffers.values()],
+                         model.forward(inputs, {**params, **buffers}))
+    report = check_function(fn, [x, *model.params.values(), *model.buffers.values()], wrt=["x", *params], seed=0,
+                            directions=2, name=name)
+    assert report.passed, str(report)
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # Keras' own numpy 2 deprecations
+def test_squeeze_excitation_gradient_passes_the_checker(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    generator = _generator(monkeypatch)
+    import keras
+
+    inp = keras.Input((5, 4, 3))
+    keras_model = keras.Model(inp, _squeeze_excitation(keras.layers, inp))
+    model = _predicts_like_keras(tmp_path, keras_model, generator, seed=7)
+    x = np.random.default_rng(7).standard_normal((2, 3, 5, 4))
+    _gradient_passes(model, x, "imported squeeze-and-excitation")
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # Keras' own numpy 2 deprecations
+def test_cropping_uneven_upsampling_and_global_max_pooling_from_h5_differentiate(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    generator = _generator(monkeypatch)
+    import keras
+
+    layers = keras.layers
+    inp = keras.Input((6, 5, 2))
+    x = layers.UpSampling2D((1, 2))(layers.Cropping2D(((1, 0), (0, 2)))(layers.Conv2D(3, 2)(inp)))
+    pooled = layers.GlobalMaxPooling2D(keepdims=True)(layers.Conv2D(4, 1)(x))
+    keras_model = keras.Model(inp, layers.Dense(2)(layers.Flatten()(pooled)))
+    model = _predicts_like_keras(tmp_path, keras_model, generator, seed=9, suffixes=(".keras", ".h5"),
+                                 layouts=("NCHW", "NHWC"))
+    _gradient_passes(model, np.random.default_rng(9).standard_normal((2, 6, 5, 2)), "imported crop/upsample/max")
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # Keras' own numpy 2 deprecations
+def test_selu_softsign_thresholded_relu_and_prelu_from_h5_differentiate(tmp_path: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    generator = _generator(monkeypatch)
+    import keras
+
+    layers = keras.layers
+    inp = keras.Input((5, 4, 3))
+    x = layers.Activation("softsign")(layers.Conv2D(4, 3, padding="same", activation="selu")(inp))
+    x = layers.PReLU(shared_axes=[1, 2])(layers.ReLU(threshold=0.2, negative_slope=0.1, max_value=0.5)(x))
+    x = layers.Dense(3)(layers.PReLU()(layers.Flatten()(layers.PReLU(shared_axes=[3])(x))))
+    model = _predicts_like_keras(tmp_path, keras.Model(inp, x), generator, seed=10, suffixes=(".keras", ".h5"),
+                                 layouts=("NCHW", "NHWC"))
+    kinds = [layer.kind for layer in model.layers]
+    assert kinds.count("prelu") == 2 and "where" in kinds, kinds  # per channel and per feature; per pixel
+    _gradient_passes(model, np.random.default_rng(10).standard_normal((2, 5, 4, 3)), "imported activations")
+
+
+def test_prelu_shared_axes_outside_the_input_are_refused(tmp_path: Path) -> None:
+    def prelu(config: dict[str, Any]) -> None:
+        entry = _layer(config, "stem_relu")
+        entry["class_name"] = "PReLU"
+        entry["config"] = {"name": "stem_relu", "shared_axes": [0, 1]}
+
+    path = _rewrite_keras(FIXTURES / "residual.keras", tmp_path / "prelu.keras", prelu)
+    with pytest.raises(KerasImportError, match=r"layer 'stem_relu' \(PReLU\): shared_axes=\[0, 1\] is not supported; "
+                                               r"supported: None or axes 1..3 of the 4-d input"):
+        load(path)
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # Keras' own numpy 2 deprecations
+def test_transpose_same_with_output_padding_0_names_the_size_keras_computes(tmp_path: Path,
+                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    _generator(monkeypatch)
+    import keras
+
+    inp = keras.Input((7, 6, 3))
+    out = keras.layers.Conv2DTranspose(2, 3, strides=2, padding="same", output_padding=0, name="up")(inp)
+    assert tuple(out.shape[1:3]) == (13, 11)  # not the (14, 12) of output_padding=None
+    keras.Model(inp, out).save(tmp_path / "up.keras")
+    with pytest.raises(KerasImportError) as info:
+        load(tmp_path / "up.keras")
+    text = str(info.value)
+    assert "layer 'up' (Conv2DTranspose): output_padding=[0, 0] is not supported with padding='same'" in text, text
+    assert "(13x11 here), where output_padding=None gives in * stride (14x12 here), so 0 is not the same as None" \
+        in text, text
+
+
+def _masked_tokens_model(keras: Any, head: Callable[[Any, Any, Any], Any]) -> Any:
+    """Two Embedding(mask_zero=True) of one token input, merged by ``head(layers, e1, e2)`` (its last layer
+    named 'merge')."""
+    tokens = keras.Input((6,), dtype="int32")
+    first = keras.layers.Embedding(10, 4, mask_zero=True, name="first")(tokens)
+    second = keras.layers.Embedding(10, 4, mask_zero=True, name="second")(tokens)
+    return keras.Model(tokens, head(keras.layers, first, second))
+
+
+#: Merges of masked embeddings: those that read Keras' mask are refused (naming what carries it);
+#: a mask that a layer without masking support drops, or that a merge of a masked and an unmasked
+#: input drops, changes nothing.
+MASKED_MERGES: dict[str, tuple[Callable[[Any, Any, Any], Any], str | None]] = {
+    "dense_keeps_the_mask": (
+        lambda layers, a, b: layers.Multiply(name="merge")([layers.Dense(4)(a), b]),
+        "layer 'merge' (Multiply): input 0 carries the mask of Embedding 'first'"),
+    "conv1d_drops_the_mask": (
+        lambda layers, a, b: layers.Multiply(name="merge")([layers.Conv1D(4, 1)(a), layers.Conv1D(4, 1)(b)]),
+        None),
+    "add_keeps_a_mask_of_every_input": (
+        lambda layers, a, b: layers.Maximum(name="merge")([layers.Add()([a, b]), layers.Conv1D(4, 1)(a)]),
+        "layer 'merge' (Maximum): input 0 carries the mask of Embedding 'first'"),
+    "add_drops_a_mask_of_one_input": (
+        lambda layers, a, b: layers.Minimum(name="merge")([layers.Add()([a, layers.Conv1D(4, 1)(b)]),
+                                                           layers.Conv1D(4, 1)(a)]),
+        None),
+    "concatenate_keeps_a_mask_of_any_input": (
+        lambda layers, a, b: layers.Multiply(name="merge")([layers.Conv1D(8, 1)(a),
+                                                            layers.Concatenate()([layers.Conv1D(4, 1)(a), b])]),
+        "layer 'merge' (Multiply): input 1 carries the mask of Embedding 'second'"),
+}
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # Keras' own numpy 2 deprecations
+@pytest.mark.filterwarnings("ignore::UserWarning")  # Keras' "does not support masking" when Conv1D drops it
+@pytest.mark.parametrize("variant", MASKED_MERGES)
+def test_a_merge_that_reads_a_mask_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, variant: str) -> None:
+    generator = _generator(monkeypatch)
+    import keras
+
+    head, refusal = MASKED_MERGES[variant]
+    keras_model = _masked_tokens_model(keras, head)
+    generator.randomize(keras_model, seed=8)
+    tokens = np.array([[1, 2, 0, 0, 3, 0], [4, 5, 6, 7, 8, 9]])
+    keras_model.save(tmp_path / "masked.keras")
+    if refusal is None:
+        imported = read(tmp_path / "masked.keras")
+        np.testing.assert_allclose(imported.model.predict(tokens, backend="reference"),
+                                   keras_model.predict(tokens, verbose=0), atol=1e-6, rtol=0)
+        assert any("mask_zero is ignored: no layer of the model applies the mask" in n for n in imported.notes)
+        return
+    with pytest.raises(KerasImportError) as info:
+        load(tmp_path / "masked.keras")
+    assert refusal in str(info.value) and "rebuild the model with mask_zero=False" in str(info.value), info.value
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # Keras' own numpy 2 deprecations
+def test_a_masked_average_names_the_embedding_not_the_mask_layer(tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    _generator(monkeypatch)
+    import keras
+
+    tokens = keras.Input((6,), dtype="int32")
+    embedded = keras.layers.Embedding(10, 4, mask_zero=True, name="embed")(tokens)
+    pooled = keras.layers.GlobalAveragePooling1D(name="pool")(keras.layers.Dense(3, name="dense")(embedded))
+    keras.Model(tokens, pooled).save(tmp_path / "masked.keras")
+    keras.Model(tokens, pooled).save(tmp_path / "masked.h5")
+    for suffix in (".keras", ".h5"):
+        with pytest.raises(KerasImportError) as info:
+            load(tmp_path / f"masked{suffix}")
+        text = str(info.value)
+        assert "layer 'pool' (GlobalAveragePooling1D) reads the mask of Embedding 'embed' (mask_zero=True), which " \
+               "Keras computes in layer 'not_equal" in text, text
+        assert "rebuild the model with mask_zero=False" in text and "averages over every step" in text, text
+
+    # Keras 2 passed the mask without writing it in the file: the pooling refuses the masked input itself.
+    def implicit_mask(config: dict[str, Any]) -> None:
+        layers = config["config"]["layers"]
+        layers[:] = [entry for entry in layers if entry["class_name"] != "NotEqual"]
+        _layer(config, "pool")["inbound_nodes"][0]["kwargs"] = {}
+
+    path = _rewrite_keras(tmp_path / "masked.keras", tmp_path / "implicit.keras", implicit_mask)
+    with pytest.raises(KerasImportError, match=r"layer 'pool' .*: input 0 carries the mask of Embedding 'embed'"):
+        load(path)
 
 
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")  # Keras' own numpy 2 deprecations

@@ -16,7 +16,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
-from opgrad.keras.converters import ACTIVATIONS, CONVERTERS
+from opgrad.keras.activations import ACTIVATIONS
+from opgrad.keras.converters import CONVERTERS
 from opgrad.keras.files import KerasImportError, read_model_file
 from opgrad.keras.graph import Builder, build_model
 from opgrad.nn.model import Model

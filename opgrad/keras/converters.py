@@ -9,19 +9,28 @@ supported, or recorded as a note when it only matters to Keras' own training.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import numpy as np
 
+from opgrad.keras.activations import (
+    FUSED,
+    activate,
+    activation,
+    activation_name,
+    fused,
+    leaky_relu,
+    prelu,
+    relu,
+    softmax,
+)
 from opgrad.keras.graph import Converter, LayerCall, Tensor
+from opgrad.keras.merging import add, average, concatenate, maximum, minimum, multiply, subtract
 from opgrad.nn.layers import (
-    ELU,
-    GELU,
-    Add,
     AvgPool1D,
     AvgPool2D,
     BatchNorm2D,
-    Concatenate,
     Conv1D,
     Conv2D,
     Conv2DTranspose,
@@ -30,90 +39,20 @@ from opgrad.nn.layers import (
     Embedding,
     Flatten,
     GlobalAvgPool2D,
-    Hardsigmoid,
-    Hardswish,
     LayerNorm,
-    LeakyReLU,
     MaxPool1D,
     MaxPool2D,
-    ReLU,
     Rescaling,
-    Sigmoid,
-    SiLU,
-    Softmax,
-    Softplus,
-    Tanh,
     UpSampling2D,
 )
-from opgrad.nn.ops_layers import Arithmetic, Clip, Elementwise, Pad, Reduce
+from opgrad.nn.ops_layers import GlobalPool2D, Pad, Reduce, Resize, Slice
 from opgrad.nn.reshaping import Permute, Reshape, ZeroPadding2D
 
-__all__ = ["ACTIVATIONS", "CONVERTERS"]
-
-#: Keras activation names the importer maps; ``relu``/``sigmoid``/``tanh`` fuse into Dense/Conv.
-ACTIVATIONS = ("linear", "relu", "sigmoid", "tanh", "gelu", "leaky_relu", "softmax", "silu", "swish", "elu",
-               "softplus", "relu6", "hard_sigmoid", "hard_silu", "hard_swish", "mish")
-_FUSED = ("relu", "sigmoid", "tanh")
-
-
-def _activation_name(call: LayerCall, key: str = "activation") -> str:
-    value = call.take(key, "linear")
-    if isinstance(value, dict):  # a serialized function: {"class_name": "function", "config": "relu", ...}
-        value = value.get("config")
-    if value is None:
-        value = "linear"
-    if value not in ACTIVATIONS:
-        raise call.unsupported(key, value, ", ".join(ACTIVATIONS))
-    return str(value)
-
-
-def _activate(call: LayerCall, tensor: Tensor, name: str) -> Tensor:
-    """``tensor`` through Keras activation ``name`` as separate opgrad layers (after a fused-free layer)."""
-    if name == "linear":
-        return tensor
-    layer: Any
-    if name == "softmax":
-        layer = Softmax(call.opgrad_axis(tensor, -1))
-        out = call.add(layer, tensor, tensor.layout, tensor.keras_shape, suffix="softmax", chw=tensor.chw)
-        call.builder.softmax_inputs[id(out.sym)] = (tensor, call.spec.name)
-        return out
-    if name == "hard_sigmoid" and call.builder.keras2:  # Keras 2's: clip(0.2 x + 0.5, 0, 1)
-        scaled = call.add(Arithmetic("multiply", operand=0.2), tensor, tensor.layout, tensor.keras_shape,
-                          suffix="scale", chw=tensor.chw)
-        shifted = call.add(Arithmetic("add", operand=0.5), scaled, tensor.layout, tensor.keras_shape, suffix="shift",
-                           chw=tensor.chw)
-        return call.add(Clip(0.0, 1.0), shifted, tensor.layout, tensor.keras_shape, suffix=name, chw=tensor.chw)
-    if name == "mish":  # x * tanh(softplus(x)), as keras.activations.mish
-        gate = call.add(Tanh(), call.add(Softplus(), tensor, tensor.layout, tensor.keras_shape, suffix="softplus",
-                                         chw=tensor.chw), tensor.layout, tensor.keras_shape, suffix="tanh",
-                        chw=tensor.chw)
-        return call.add(Elementwise("multiply"), [tensor, gate], tensor.layout, tensor.keras_shape, suffix=name,
-                        chw=tensor.chw)
-    return call.add(_activation_layer(name), tensor, tensor.layout, tensor.keras_shape, suffix=name, chw=tensor.chw)
-
-
-def _activation_layer(name: str) -> Any:
-    """The opgrad layer of Keras activation ``name`` (one of :data:`ACTIVATIONS` but linear, softmax, mish)."""
-    simple = {"relu": ReLU, "sigmoid": Sigmoid, "tanh": Tanh, "silu": SiLU, "swish": SiLU, "elu": ELU,
-              "softplus": Softplus, "hard_sigmoid": Hardsigmoid, "hard_silu": Hardswish,
-              "hard_swish": Hardswish}.get(name)
-    if simple is not None:
-        return simple()
-    if name == "gelu":
-        return GELU("none")  # keras.activations.gelu's default is the exact (erf) form
-    if name == "relu6":
-        return Clip(0.0, 6.0)
-    return LeakyReLU(0.2)  # keras.activations.leaky_relu's default slope
-
-
-def _one(call: LayerCall, inputs: list[Tensor]) -> Tensor:
-    if len(inputs) != 1:
-        raise call.fail(f"takes one input, got {len(inputs)}")
-    return inputs[0]
+__all__ = ["CONVERTERS"]
 
 
 def _image(call: LayerCall, inputs: list[Tensor]) -> Tensor:
-    tensor = _one(call, inputs)
+    tensor = call.one_input(inputs)
     if tensor.layout != "channels_first":
         raise call.fail(f"needs an image input (height, width, channels), got shape {tensor.keras_shape}")
     return tensor
@@ -137,10 +76,10 @@ def _use_bias(call: LayerCall) -> bool:
 
 
 def dense(call: LayerCall, inputs: list[Tensor]) -> Tensor:
-    tensor = _one(call, inputs)
+    tensor = call.one_input(inputs)
     if tensor.keras_rank > 1:  # Keras' Dense runs over the last axis: take the values in Keras' order
         tensor = call.to_keras_order(tensor)
-    units, use_bias, act = int(call.take("units")), _use_bias(call), _activation_name(call)
+    units, use_bias, act = int(call.take("units")), _use_bias(call), activation_name(call)
     call.choose("lora_rank", (None, 0), None)
     features = tensor.keras_shape[-1]
     expected = {"kernel": (features, units), **({"bias": (units,)} if use_bias else {})}
@@ -153,12 +92,12 @@ def dense(call: LayerCall, inputs: list[Tensor]) -> Tensor:
         weight = kernel.reshape(h, w, c, units).transpose(3, 2, 0, 1).reshape(units, features)
     else:
         weight = kernel.T
-    layer = Dense(units, activation=act if act in _FUSED else None, use_bias=use_bias)
+    layer = Dense(units, activation=act if act in FUSED else None, use_bias=use_bias)
     out = call.add(layer, tensor, "keras", (*tensor.keras_shape[:-1], units))
     call.set_param(layer, "weight", weight)
     if use_bias:
         call.set_param(layer, "bias", weights["bias"])
-    return call.canonical(out if act in _FUSED else _activate(call, out, act))
+    return call.canonical(out if act in FUSED else activate(call, out, act))
 
 
 def _conv_common(call: LayerCall) -> dict[str, Any]:
@@ -167,27 +106,23 @@ def _conv_common(call: LayerCall) -> dict[str, Any]:
             "dilation_rate": call.pair("dilation_rate", 1)}
 
 
-def _fused(act: str) -> str | None:
-    return act if act in _FUSED else None
-
-
 def conv2d(call: LayerCall, inputs: list[Tensor]) -> Tensor:
     tensor = _image(call, inputs)
     c = tensor.keras_shape[2]
     common = _conv_common(call)
     filters, groups = int(call.take("filters")), int(call.take("groups", 1))
-    use_bias, act = _use_bias(call), _activation_name(call)
+    use_bias, act = _use_bias(call), activation_name(call)
     call.choose("lora_rank", (None, 0), None)
     if groups < 1 or c % groups or filters % groups:
         raise call.fail(f"groups={groups} does not divide {c} input channels and {filters} filters")
     kh, kw = common["kernel_size"]
     weights = call.weights({"kernel": (kh, kw, c // groups, filters), **({"bias": (filters,)} if use_bias else {})})
-    layer = Conv2D(filters, **common, groups=groups, activation=_fused(act), use_bias=use_bias)
+    layer = Conv2D(filters, **common, groups=groups, activation=fused(act), use_bias=use_bias)
     out = _image_out(call.add(layer, tensor, "channels_first", (1, 1, filters)))
     call.set_param(layer, "weight", weights["kernel"].transpose(3, 2, 0, 1))  # HWIO -> OIHW
     if use_bias:
         call.set_param(layer, "bias", weights["bias"])
-    return _activate(call, out, act) if act not in _FUSED else out
+    return activate(call, out, act) if act not in FUSED else out
 
 
 def depthwise_conv2d(call: LayerCall, inputs: list[Tensor]) -> Tensor:
@@ -195,18 +130,18 @@ def depthwise_conv2d(call: LayerCall, inputs: list[Tensor]) -> Tensor:
     c = tensor.keras_shape[2]
     common = _conv_common(call)
     multiplier = int(call.take("depth_multiplier", 1))
-    use_bias, act = _use_bias(call), _activation_name(call)
+    use_bias, act = _use_bias(call), activation_name(call)
     kh, kw = common["kernel_size"]
     filters = c * multiplier
     weights = call.weights({"depthwise_kernel": (kh, kw, c, multiplier), **({"bias": (filters,)} if use_bias else {})})
-    layer = Conv2D(filters, **common, groups=c, activation=_fused(act), use_bias=use_bias)
+    layer = Conv2D(filters, **common, groups=c, activation=fused(act), use_bias=use_bias)
     out = _image_out(call.add(layer, tensor, "channels_first", (1, 1, filters)))
     # Keras' output channel c * multiplier + m comes from input channel c: the grouped conv's order.
     weight = weights["depthwise_kernel"].transpose(2, 3, 0, 1).reshape(filters, 1, kh, kw)
     call.set_param(layer, "weight", weight)
     if use_bias:
         call.set_param(layer, "bias", weights["bias"])
-    return _activate(call, out, act) if act not in _FUSED else out
+    return activate(call, out, act) if act not in FUSED else out
 
 
 def separable_conv2d(call: LayerCall, inputs: list[Tensor]) -> Tensor:
@@ -215,7 +150,7 @@ def separable_conv2d(call: LayerCall, inputs: list[Tensor]) -> Tensor:
     c = tensor.keras_shape[2]
     common = _conv_common(call)
     filters, multiplier = int(call.take("filters")), int(call.take("depth_multiplier", 1))
-    use_bias, act = _use_bias(call), _activation_name(call)
+    use_bias, act = _use_bias(call), activation_name(call)
     kh, kw = common["kernel_size"]
     weights = call.weights({"depthwise_kernel": (kh, kw, c, multiplier),
                             "pointwise_kernel": (1, 1, c * multiplier, filters),
@@ -224,12 +159,27 @@ def separable_conv2d(call: LayerCall, inputs: list[Tensor]) -> Tensor:
     mid = _image_out(call.add(depthwise, tensor, "channels_first", (1, 1, c * multiplier)))
     call.set_param(depthwise, "weight",
                    weights["depthwise_kernel"].transpose(2, 3, 0, 1).reshape(c * multiplier, 1, kh, kw))
-    pointwise = Conv2D(filters, 1, activation=_fused(act), use_bias=use_bias)
+    pointwise = Conv2D(filters, 1, activation=fused(act), use_bias=use_bias)
     out = _image_out(call.add(pointwise, mid, "channels_first", (1, 1, filters), suffix="pointwise"))
     call.set_param(pointwise, "weight", weights["pointwise_kernel"].transpose(3, 2, 0, 1))
     if use_bias:
         call.set_param(pointwise, "bias", weights["bias"])
-    return _activate(call, out, act) if act not in _FUSED else out
+    return activate(call, out, act) if act not in FUSED else out
+
+
+def _same_padding_output_size(tensor: Tensor, common: dict[str, Any], output_padding: Any) -> str:
+    """Why Conv2DTranspose(padding="same") with an output_padding, even 0, is refused: its output size."""
+    pads = [output_padding] * 2 if isinstance(output_padding, int) else output_padding
+    given = "the size"
+    if isinstance(pads, (list, tuple)) and len(pads) == 2 and all(isinstance(p, int) for p in pads):
+        sizes = [(n - 1) * s + ((k - 1) * d + 1) % 2 + p for n, s, k, d, p in
+                 zip(tensor.keras_shape[:2], common["strides"], common["kernel_size"], common["dilation_rate"], pads)]
+        given = f"{sizes[0]}x{sizes[1]} here"
+    plain = "x".join(str(n * s) for n, s in zip(tensor.keras_shape[:2], common["strides"]))
+    return (f"output_padding={output_padding!r} is not supported with padding='same': Keras then sizes the output "
+            f"(in - 1) * stride + kernel % 2 + output_padding ({given}), where output_padding=None gives "
+            f"in * stride ({plain} here), so 0 is not the same as None; supported: output_padding=None with "
+            "padding='same', any output_padding with padding='valid'")
 
 
 def conv2d_transpose(call: LayerCall, inputs: list[Tensor]) -> Tensor:
@@ -238,13 +188,13 @@ def conv2d_transpose(call: LayerCall, inputs: list[Tensor]) -> Tensor:
     common = _conv_common(call)
     filters = int(call.take("filters"))
     call.choose("groups", (1, None), 1)
-    use_bias, act = _use_bias(call), _activation_name(call)
+    use_bias, act = _use_bias(call), activation_name(call)
     output_padding = call.take("output_padding", None)
     kh, kw = common["kernel_size"]
     (sh, sw), (dh, dw) = common["strides"], common["dilation_rate"]
     if output_padding is not None:
         if common["padding"] == "same":
-            raise call.unsupported("output_padding", output_padding, "None with padding='same'")
+            raise call.fail(_same_padding_output_size(tensor, common, output_padding))
         extra = call.pair("output_padding") if output_padding != [0, 0] else (0, 0)
     elif common["padding"] == "valid":
         # Keras' "valid" output is in * stride + max(kernel - stride, 0): a kernel smaller than its
@@ -253,19 +203,19 @@ def conv2d_transpose(call: LayerCall, inputs: list[Tensor]) -> Tensor:
     else:
         extra = (0, 0)
     weights = call.weights({"kernel": (kh, kw, filters, c), **({"bias": (filters,)} if use_bias else {})})
-    layer = Conv2DTranspose(filters, **common, output_padding=extra, activation=_fused(act), use_bias=use_bias)
+    layer = Conv2DTranspose(filters, **common, output_padding=extra, activation=fused(act), use_bias=use_bias)
     out = _image_out(call.add(layer, tensor, "channels_first", (1, 1, filters)))
     call.set_param(layer, "weight", weights["kernel"].transpose(3, 2, 0, 1))  # (KH, KW, out, in) -> (in, out, KH, KW)
     if use_bias:
         call.set_param(layer, "bias", weights["bias"])
-    return _activate(call, out, act) if act not in _FUSED else out
+    return activate(call, out, act) if act not in FUSED else out
 
 
 # ----- sequences: Keras' (steps, channels), opgrad's 1-D layers' (channels, length) -----
 
 
 def _sequence(call: LayerCall, inputs: list[Tensor]) -> Tensor:
-    tensor = call.to_keras_order(_one(call, inputs))
+    tensor = call.to_keras_order(call.one_input(inputs))
     if tensor.keras_rank != 2:
         raise call.fail(f"needs a sequence input (steps, channels), got shape {tensor.keras_shape}")
     call.channels_last()
@@ -298,7 +248,7 @@ def conv1d(call: LayerCall, inputs: list[Tensor]) -> Tensor:
     k, stride, dilation = _single(call, "kernel_size"), _single(call, "strides", 1), _single(call, "dilation_rate", 1)
     padding = call.choose("padding", ("valid", "same", "causal"), "valid")
     filters, groups = int(call.take("filters")), int(call.take("groups", 1))
-    use_bias, act = _use_bias(call), _activation_name(call)
+    use_bias, act = _use_bias(call), activation_name(call)
     call.choose("lora_rank", (None, 0), None)
     if groups < 1 or c % groups or filters % groups:
         raise call.fail(f"groups={groups} does not divide {c} input channels and {filters} filters")
@@ -307,13 +257,13 @@ def conv1d(call: LayerCall, inputs: list[Tensor]) -> Tensor:
     if padding == "causal":  # zeros before the sequence only: output t sees inputs up to t
         layers.append(Pad([(0, 0), (dilation * (k - 1), 0)]))
     conv = Conv1D(filters, k, stride, "valid" if padding == "causal" else padding, dilation_rate=dilation,
-                  groups=groups, activation=_fused(act), use_bias=use_bias)
+                  groups=groups, activation=fused(act), use_bias=use_bias)
     layers.append(conv)
     out = _on_channels(call, tensor, layers)
     call.set_param(conv, "weight", weights["kernel"].transpose(2, 1, 0))  # (k, in, out) -> (out, in, k)
     if use_bias:
         call.set_param(conv, "bias", weights["bias"])
-    return _activate(call, out, act) if act not in _FUSED else out
+    return activate(call, out, act) if act not in FUSED else out
 
 
 def _pool1d(kind: type[MaxPool1D] | type[AvgPool1D]) -> Converter:
@@ -327,6 +277,8 @@ def _pool1d(kind: type[MaxPool1D] | type[AvgPool1D]) -> Converter:
 
 def _global_pooling1d(op: str) -> Converter:
     def convert(call: LayerCall, inputs: list[Tensor]) -> Tensor:
+        if op == "mean":  # Keras 2 passes the mask without writing it in the file
+            call.refuse_mask(inputs, "it averages over the unmasked steps only")
         tensor = _sequence(call, inputs)
         keepdims = bool(call.take("keepdims", False))
         c = tensor.keras_shape[1]
@@ -360,16 +312,51 @@ def global_average_pooling2d(call: LayerCall, inputs: list[Tensor]) -> Tensor:
     return out
 
 
+def global_max_pooling2d(call: LayerCall, inputs: list[Tensor]) -> Tensor:
+    tensor = _image(call, inputs)
+    call.channels_last()
+    keepdims = bool(call.take("keepdims", False))
+    c = tensor.keras_shape[2]
+    out = call.add(GlobalPool2D("max"), tensor, "channels_first", (1, 1, c))
+    return out if keepdims else call.add(Flatten(), out, "keras", (c,), suffix="drop_axes")
+
+
 def upsampling2d(call: LayerCall, inputs: list[Tensor]) -> Tensor:
     tensor = _image(call, inputs)
     call.channels_last()
-    size = call.pair("size", 2)
-    if size[0] != size[1]:
-        raise call.unsupported("size", list(size), "one factor for both axes, e.g. (2, 2)")
-    interpolation = call.choose("interpolation", ("nearest", "bilinear"), "nearest")
+    (a, b), interpolation = call.pair("size", 2), call.choose("interpolation", ("nearest", "bilinear"), "nearest")
     h, w, c = tensor.keras_shape
-    return call.add(UpSampling2D(size[0], interpolation=interpolation), tensor, "channels_first",
-                    (h * size[0], w * size[0], c))
+    # Keras repeats rows a times and columns b times (nearest), or interpolates to (a h, b w) with
+    # half-pixel centers: PyTorch's interpolate (legacy nearest, bilinear without align_corners).
+    layer = UpSampling2D(a, interpolation=interpolation) if a == b else Resize((h * a, w * b), method=interpolation)
+    return call.add(layer, tensor, "channels_first", (h * a, w * b, c))
+
+
+def _crop_pairs(call: LayerCall) -> tuple[tuple[int, int], tuple[int, int]]:
+    """Keras' ``cropping``: an int, ``(rows, cols)`` or ``((top, bottom), (left, right))``, as the last."""
+    value = call.take("cropping", ((0, 0), (0, 0)))
+
+    def is_count(v: Any) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+    axes = [value, value] if is_count(value) else value
+    if isinstance(axes, (list, tuple)) and len(axes) == 2:
+        pairs = [[a, a] if is_count(a) else a for a in axes]
+        if all(isinstance(p, (list, tuple)) and len(p) == 2 and all(map(is_count, p)) for p in pairs):
+            (top, bottom), (left, right) = pairs
+            return (int(top), int(bottom)), (int(left), int(right))
+    raise call.unsupported("cropping", value, "an int, (rows, cols) or ((top, bottom), (left, right)), all >= 0")
+
+
+def cropping2d(call: LayerCall, inputs: list[Tensor]) -> Tensor:
+    tensor = _image(call, inputs)
+    call.channels_last()
+    (top, bottom), (left, right) = _crop_pairs(call)
+    h, w, c = tensor.keras_shape
+    if top + bottom >= h or left + right >= w:
+        raise call.fail(f"cropping ({top}, {bottom}), ({left}, {right}) leaves nothing of the {h}x{w} image")
+    layer = Slice([None, top, left], [None, h - bottom, w - right])
+    return call.add(layer, tensor, "channels_first", (h - top - bottom, w - left - right, c))
 
 
 def zero_padding2d(call: LayerCall, inputs: list[Tensor]) -> Tensor:
@@ -398,7 +385,7 @@ def _axes(call: LayerCall, tensor: Tensor, default: Any) -> list[int]:
 
 
 def batch_normalization(call: LayerCall, inputs: list[Tensor]) -> Tensor:
-    tensor = call.to_keras_order(_one(call, inputs)) if inputs[0].layout == "flat_chw" else _one(call, inputs)
+    tensor = call.to_keras_order(call.one_input(inputs)) if inputs[0].layout == "flat_chw" else call.one_input(inputs)
     if tensor.keras_rank == 2:  # a sequence (steps, channels): Keras' Conv1D output
         tensor = call.to_keras_order(tensor)
     axes = _axes(call, tensor, -1)
@@ -432,7 +419,7 @@ def batch_normalization(call: LayerCall, inputs: list[Tensor]) -> Tensor:
 
 
 def layer_normalization(call: LayerCall, inputs: list[Tensor]) -> Tensor:
-    tensor = call.to_keras_order(inputs[0]) if _one(call, inputs).layout == "flat_chw" else inputs[0]
+    tensor = call.to_keras_order(inputs[0]) if call.one_input(inputs).layout == "flat_chw" else inputs[0]
     axes = _axes(call, tensor, -1)
     epsilon = float(call.take("epsilon", 1e-3))
     center, scale = bool(call.take("center", True)), bool(call.take("scale", True))
@@ -462,7 +449,7 @@ def layer_normalization(call: LayerCall, inputs: list[Tensor]) -> Tensor:
 
 
 def flatten(call: LayerCall, inputs: list[Tensor]) -> Tensor:
-    tensor = _one(call, inputs)
+    tensor = call.one_input(inputs)
     call.channels_last()
     size = int(np.prod(tensor.keras_shape))
     if tensor.layout == "channels_first":
@@ -474,7 +461,7 @@ def flatten(call: LayerCall, inputs: list[Tensor]) -> Tensor:
 
 
 def reshape(call: LayerCall, inputs: list[Tensor]) -> Tensor:
-    tensor = call.to_keras_order(_one(call, inputs))
+    tensor = call.to_keras_order(call.one_input(inputs))
     target = call.take("target_shape")
     try:
         layer = Reshape(target)
@@ -485,7 +472,7 @@ def reshape(call: LayerCall, inputs: list[Tensor]) -> Tensor:
 
 
 def permute(call: LayerCall, inputs: list[Tensor]) -> Tensor:
-    tensor = call.to_keras_order(_one(call, inputs))
+    tensor = call.to_keras_order(call.one_input(inputs))
     try:
         layer = Permute(call.take("dims"))
     except (TypeError, ValueError) as exc:
@@ -495,76 +482,36 @@ def permute(call: LayerCall, inputs: list[Tensor]) -> Tensor:
 
 
 def embedding(call: LayerCall, inputs: list[Tensor]) -> Tensor:
-    tensor = _one(call, inputs)
+    tensor = call.one_input(inputs)
     if tensor.sym.dtype != "int64":
         raise call.fail("needs integer token ids: give its keras.Input dtype='int32' or 'int64'")
     input_dim, output_dim = int(call.take("input_dim")), int(call.take("output_dim"))
-    if call.take("mask_zero", False):
-        call.note("mask_zero is ignored: no supported layer reads a mask, so the outputs are unchanged")
+    mask_zero = bool(call.take("mask_zero", False))
     weights = call.weights({"embeddings": (input_dim, output_dim)})
     layer = Embedding(input_dim, output_dim)
     out = call.add(layer, tensor, "keras", (*tensor.keras_shape, output_dim))
     call.set_param(layer, "weight", weights["embeddings"])
-    return out
+    if not mask_zero:
+        return out
+    # The layers that would apply the mask refuse a tensor that carries it, so an import that
+    # succeeds computes what Keras does.
+    call.note("mask_zero is ignored: no layer of the model applies the mask, so the outputs are Keras'")
+    return dataclasses.replace(out, keras_mask=call.spec.name)
 
 
-# ----- activations and regularization -----
+# ----- regularization and rescaling -----
 
 
 def dropout(call: LayerCall, inputs: list[Tensor]) -> Tensor:
-    tensor = _one(call, inputs)
+    tensor = call.one_input(inputs)
     rate = float(call.take("rate"))
     if call.take("noise_shape", None) is not None:
         call.note("noise_shape is ignored: opgrad's Dropout draws one mask value per element while training")
     return call.add(Dropout(rate), tensor, tensor.layout, tensor.keras_shape, chw=tensor.chw)
 
 
-def activation(call: LayerCall, inputs: list[Tensor]) -> Tensor:
-    tensor = _one(call, inputs)
-    name = _activation_name(call)
-    if name == "linear":
-        return tensor
-    if name in ("softmax", "mish", "hard_sigmoid"):
-        return _activate(call, tensor, name)
-    return call.add(_activation_layer(name), tensor, tensor.layout, tensor.keras_shape, chw=tensor.chw)
-
-
-def relu(call: LayerCall, inputs: list[Tensor]) -> Tensor:
-    tensor = _one(call, inputs)
-    ceiling = call.take("max_value", None)
-    if ceiling is not None and (isinstance(ceiling, bool) or not isinstance(ceiling, (int, float)) or ceiling < 0):
-        raise call.unsupported("max_value", ceiling, "None or a number >= 0")
-    call.choose("threshold", (0, 0.0), 0.0)
-    slope = float(call.take("negative_slope", 0.0))
-    if ceiling is not None and not slope:  # ReLU(max_value=6) is MobileNet's relu6
-        return call.add(Clip(0.0, float(ceiling)), tensor, tensor.layout, tensor.keras_shape, chw=tensor.chw)
-    layer = LeakyReLU(slope) if slope else ReLU()
-    out = call.add(layer, tensor, tensor.layout, tensor.keras_shape, chw=tensor.chw)
-    if ceiling is None:
-        return out
-    return call.add(Clip(None, float(ceiling)), out, out.layout, out.keras_shape, suffix="max", chw=out.chw)
-
-
-def leaky_relu(call: LayerCall, inputs: list[Tensor]) -> Tensor:
-    tensor = _one(call, inputs)
-    keras2 = "alpha" in call.config and "negative_slope" not in call.config
-    slope = float(call.take("alpha", 0.3) if keras2 else call.take("negative_slope", 0.3))
-    return call.add(LeakyReLU(slope), tensor, tensor.layout, tensor.keras_shape, chw=tensor.chw)
-
-
-def softmax(call: LayerCall, inputs: list[Tensor]) -> Tensor:
-    tensor = _one(call, inputs)
-    axis = call.take("axis", -1)
-    if not isinstance(axis, int):
-        raise call.unsupported("axis", axis, "one axis")
-    out = call.add(Softmax(call.opgrad_axis(tensor, axis)), tensor, tensor.layout, tensor.keras_shape, chw=tensor.chw)
-    if axis % (tensor.keras_rank + 1) == tensor.keras_rank:
-        call.builder.softmax_inputs[id(out.sym)] = (tensor, call.spec.name)
-    return out
-
-
 def rescaling(call: LayerCall, inputs: list[Tensor]) -> Tensor:
-    tensor = _one(call, inputs)
+    tensor = call.one_input(inputs)
     scale, offset = call.take("scale", 1.0), call.take("offset", 0.0)
     for key, value in (("scale", scale), ("offset", offset)):
         if isinstance(value, bool) or not isinstance(value, (int, float)):
@@ -572,66 +519,51 @@ def rescaling(call: LayerCall, inputs: list[Tensor]) -> Tensor:
     return call.add(Rescaling(scale, offset), tensor, tensor.layout, tensor.keras_shape, chw=tensor.chw)
 
 
-# ----- merging -----
-
-
-def _same_layout(call: LayerCall, inputs: list[Tensor]) -> list[Tensor]:
-    if len(inputs) < 2:
-        raise call.fail(f"takes two or more inputs, got {len(inputs)}")
-    if len({(t.layout, t.chw) for t in inputs}) == 1:
-        return inputs
-    return [call.to_keras_order(t) if t.layout == "flat_chw" else t for t in inputs]
-
-
-def add(call: LayerCall, inputs: list[Tensor]) -> Tensor:
-    tensors = _same_layout(call, inputs)
-    first = tensors[0]
-    return call.add(Add(), tensors, first.layout, first.keras_shape, chw=first.chw)
-
-
-def concatenate(call: LayerCall, inputs: list[Tensor]) -> Tensor:
-    tensors = _same_layout(call, inputs)
-    if tensors[0].layout == "flat_chw":
-        tensors = [call.to_keras_order(t) for t in tensors]
-    axis = call.take("axis", -1)
-    if not isinstance(axis, int):
-        raise call.unsupported("axis", axis, "one axis")
-    layer = Concatenate(call.opgrad_axis(tensors[0], axis))
-    out = call.add(layer, tensors, tensors[0].layout, tensors[0].keras_shape)
-    keras_axis = axis % (tensors[0].keras_rank + 1) - 1
-    shape = list(tensors[0].keras_shape)
-    shape[keras_axis] = sum(t.keras_shape[keras_axis] for t in tensors)
-    return Tensor(out.sym, out.layout, tuple(shape))
+def _keeps_mask(convert: Converter) -> Converter:
+    """``convert`` of a Keras layer that supports masking: its output carries its input's mask."""
+    def keeping(call: LayerCall, inputs: list[Tensor]) -> Tensor:
+        out = convert(call, inputs)
+        mask = inputs[0].keras_mask if inputs else None
+        return out if mask is None else dataclasses.replace(out, keras_mask=mask)
+    return keeping
 
 
 CONVERTERS: dict[str, Converter] = {
-    "Activation": activation,
+    "Activation": _keeps_mask(activation),
     "Add": add,
+    "Average": average,
     "AveragePooling1D": _pool1d(AvgPool1D),
     "AveragePooling2D": _pool(AvgPool2D),
-    "BatchNormalization": batch_normalization,
+    "BatchNormalization": _keeps_mask(batch_normalization),
     "Concatenate": concatenate,
     "Conv1D": conv1d,
+    "Cropping2D": cropping2d,
     "Conv2D": conv2d,
     "Conv2DTranspose": conv2d_transpose,
     "DepthwiseConv2D": depthwise_conv2d,
-    "Dense": dense,
-    "Dropout": dropout,
+    "Dense": _keeps_mask(dense),
+    "Dropout": _keeps_mask(dropout),
     "Embedding": embedding,
     "Flatten": flatten,
     "GlobalAveragePooling1D": _global_pooling1d("mean"),
     "GlobalAveragePooling2D": global_average_pooling2d,
     "GlobalMaxPooling1D": _global_pooling1d("max"),
-    "LayerNormalization": layer_normalization,
-    "LeakyReLU": leaky_relu,
+    "GlobalMaxPooling2D": global_max_pooling2d,
+    "LayerNormalization": _keeps_mask(layer_normalization),
+    "LeakyReLU": _keeps_mask(leaky_relu),
     "MaxPooling1D": _pool1d(MaxPool1D),
     "MaxPooling2D": _pool(MaxPool2D),
+    "Maximum": maximum,
+    "Minimum": minimum,
+    "Multiply": multiply,
+    "PReLU": _keeps_mask(prelu),
     "Permute": permute,
-    "ReLU": relu,
-    "Rescaling": rescaling,
+    "ReLU": _keeps_mask(relu),
+    "Rescaling": _keeps_mask(rescaling),
     "Reshape": reshape,
     "SeparableConv2D": separable_conv2d,
     "Softmax": softmax,
+    "Subtract": subtract,
     "UpSampling2D": upsampling2d,
     "ZeroPadding2D": zero_padding2d,
 }

@@ -94,6 +94,9 @@ class LayerSpec:
     calls: list[list[TensorRef]] = field(default_factory=list)
     #: Why its calls cannot be read, said once the class is known to be one the importer reads.
     call_error: str | None = None
+    #: The layer whose output a call passes as ``mask=``: Keras 3 writes the mask of an
+    #: ``Embedding(mask_zero=True)`` so, for the layers whose ``call`` takes one.
+    mask_from: str | None = None
 
 
 @dataclass
@@ -390,10 +393,23 @@ def _call_inputs(path: str, layer: str, node: Any) -> list[TensorRef]:
     return refs
 
 
+def _mask_source(node: Any) -> str | None:
+    """The layer whose output a Keras 3 call node passes as ``mask=``, if any."""
+    kwargs = node.get("kwargs") if isinstance(node, Mapping) else None
+    mask = kwargs.get("mask") if isinstance(kwargs, Mapping) else None
+    config = mask.get("config") if isinstance(mask, Mapping) and mask.get("class_name") == "__keras_tensor__" else None
+    if isinstance(config, Mapping):
+        history = config.get("keras_history")
+        if isinstance(history, list) and history:
+            return str(history[0])
+    return None
+
+
 def _functional(path: str, body: Any) -> ModelSpec:
     layers = []
     for entry in body["layers"]:
         layer = _layer(entry)
+        layer.mask_from = next(filter(None, map(_mask_source, entry.get("inbound_nodes") or [])), None)
         try:
             layer.calls = [_call_inputs(path, layer.name, node) for node in entry.get("inbound_nodes") or []]
         except KerasImportError as exc:  # a class the importer does not read is the first thing to say

@@ -39,6 +39,10 @@ _ALWAYS_IGNORED = {"name", "trainable", "dtype", "seed", "build_config", "input_
                    "batch_shape"}
 #: Float dtype policies; the imported model computes in float32 whatever the policy.
 _FLOAT_POLICIES = ("float32", "float16", "bfloat16", "float64", "mixed_float16", "mixed_bfloat16")
+#: Said of a layer that reads a Keras mask: why it is refused, and how its model imports instead.
+MASKING_ADVICE = ("the importer does not support masking: rebuild the model with mask_zero=False to import it; the "
+                  "layers that read the mask then compute over the padding too (a masked GlobalAveragePooling1D "
+                  "averages over every step), so their outputs differ from the masked model's until it is retrained")
 
 
 @dataclass(frozen=True)
@@ -50,6 +54,9 @@ class Tensor:
     keras_shape: Shape
     #: For ``flat_chw``: the ``(C, H, W)`` image that was flattened.
     chw: Shape | None = None
+    #: The ``Embedding(mask_zero=True)`` whose mask Keras attaches to this tensor: to the
+    #: embedding's output and to what Keras' layers that support masking compute from it.
+    keras_mask: str | None = None
 
     @property
     def keras_rank(self) -> int:
@@ -95,6 +102,12 @@ class LayerCall:
             raise self.unsupported(key, value, "one or two positive ints")
         return int(items[0]), int(items[1])
 
+    def one_input(self, inputs: list[Tensor]) -> Tensor:
+        """The input of a layer that takes one tensor."""
+        if len(inputs) != 1:
+            raise self.fail(f"takes one input, got {len(inputs)}")
+        return inputs[0]
+
     def channels_last(self) -> None:
         self.choose("data_format", ("channels_last", None), None)
 
@@ -103,6 +116,13 @@ class LayerCall:
 
     def unsupported(self, key: str, value: Any, supported: str) -> KerasImportError:
         return self.fail(f"{key}={value!r} is not supported; supported: {supported}")
+
+    def refuse_mask(self, inputs: list[Tensor], effect: str) -> None:
+        """Refuse an input that carries a Keras mask, which this layer applies (``effect`` says how)."""
+        for index, tensor in enumerate(inputs):
+            if tensor.keras_mask is not None:
+                raise self.fail(f"input {index} carries the mask of Embedding {tensor.keras_mask!r} (mask_zero=True), "
+                                f"which Keras' {self.spec.class_name} applies ({effect}); {MASKING_ADVICE}")
 
     def note(self, text: str) -> None:
         self.builder.notes.append(f"layer {self.spec.name!r} ({self.spec.class_name}): {text}")
@@ -288,6 +308,11 @@ def build_model(spec: ModelSpec, builder: Builder, converters: Mapping[str, Conv
         inputs.append(raw)
     pending = [layer for layer in spec.layers if layer.class_name != "InputLayer"]
     for layer in pending:
+        # Before the class check, which would name the layer computing the mask (Keras' NotEqual),
+        # a layer the user never wrote.
+        if layer.mask_from is not None:
+            raise KerasImportError(_mask_reader_error(builder, spec, layer))
+    for layer in pending:
         if layer.class_name in MODEL_CLASSES:
             raise KerasImportError(f"{builder.path}: layer {layer.name!r} is itself a model ({layer.class_name}); "
                                    "the importer reads flat models: rebuild it in Keras with the inner model's "
@@ -350,6 +375,22 @@ def build_model(spec: ModelSpec, builder: Builder, converters: Mapping[str, Conv
     except (TypeError, ValueError, KeyError) as exc:  # ShapeError included
         raise KerasImportError(f"{builder.path}: the model's wiring does not form an opgrad model: {exc}") from None
     return model
+
+
+def _mask_reader_error(builder: Builder, spec: ModelSpec, reader: LayerSpec) -> str:
+    """Why ``reader``, which Keras calls with ``mask=``, is refused, and what to do instead."""
+    classes = {layer.name: layer.class_name for layer in spec.layers}
+    embeddings = [repr(layer.name) for layer in spec.layers
+                  if layer.class_name == "Embedding" and layer.config.get("mask_zero")]
+    if len(embeddings) == 1:
+        mask = f"the mask of Embedding {embeddings[0]} (mask_zero=True)"
+    elif embeddings:
+        mask = f"the mask of an Embedding with mask_zero=True ({', '.join(embeddings)})"
+    else:
+        mask = "a Keras mask"
+    source = f"{reader.mask_from!r} ({classes.get(str(reader.mask_from), 'no layer of the model')})"
+    return (f"{builder.path}: layer {reader.name!r} ({reader.class_name}) reads {mask}, which Keras computes in "
+            f"layer {source}; {MASKING_ADVICE}")
 
 
 def _output(builder: Builder, spec: LayerSpec, tensor: Tensor, layout: str, keep_softmax: bool) -> Tensor:
