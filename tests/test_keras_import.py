@@ -823,3 +823,28 @@ def test_the_import_command_prints_the_notes_and_writes_only_checkpoints(tmp_pat
     assert capsys.readouterr().err.endswith("writes an opgrad checkpoint, not a .onnx file; name it .npz (opgrad "
                                             "export-onnx writes ONNX from a checkpoint)\n")
     assert not (tmp_path / "cnn.onnx").exists()
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # Keras' own numpy 2 deprecations
+def test_lstm_and_gru_predict_and_fine_tune_like_keras(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Keras' LSTM (every step) into its GRU (the last step): the kernels transposed, GRU's gates
+    reordered; the import predicts as Keras on both backends and files, and one SGD step trains as
+    Keras' fit does."""
+    generator = _generator(monkeypatch)
+    import keras
+
+    inp = keras.Input((6, 3))
+    x = keras.layers.LSTM(5, return_sequences=True, name="lstm")(inp)
+    x = keras.layers.GRU(4, name="gru")(x)
+    keras_model = keras.Model(inp, keras.layers.Dense(3, name="head")(x))
+    model = _predicts_like_keras(tmp_path, keras_model, generator, seed=11, suffixes=(".keras", ".h5"))
+    assert isinstance(model.get_layer("lstm"), nn.LSTM) and isinstance(model.get_layer("gru"), nn.GRU)
+    rng = np.random.default_rng(12)
+    images, labels = rng.standard_normal((4, 6, 3)).astype(np.float32), rng.integers(0, 3, 4)
+    keras_model.compile(optimizer=keras.optimizers.SGD(0.5),
+                        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    keras_model.fit(images, labels, batch_size=4, epochs=1, shuffle=False, verbose=0)
+    trainer = nn.Trainer(model, nn.SGD(), lr=0.5, batch_size=4, backend="llvm")
+    trainer.train_batch(images, labels)
+    np.testing.assert_allclose(model.predict(images), np.asarray(keras_model.predict(images, verbose=0)),
+                               atol=1e-5, rtol=1e-5)

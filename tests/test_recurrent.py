@@ -100,3 +100,27 @@ def test_shapes_and_mistakes_are_named() -> None:
         nn.GRU(0)
     with pytest.raises(ValueError, match=r"LSTM return_sequences must be True or False, got 'yes'"):
         nn.LSTM(3, return_sequences="yes")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("kind", sorted(LAYERS))
+def test_without_recurrent_bias_is_pytorchs_with_a_zero_one(kind: str) -> None:
+    """recurrent_bias=False (Keras' LSTM has one bias per gate): PyTorch's layer with bias_hh = 0,
+    in outputs and in the gradient of the one bias left."""
+    layer_class, torch_name = LAYERS[kind]
+    inp = nn.Input((4, 3))
+    model = nn.Model(inp, layer_class(5, recurrent_bias=False, name="rnn")(inp))
+    assert "rnn.bias_hh" not in model.params
+    model.params = {name: value.astype(np.float64) for name, value in model.params.items()}
+    rnn = getattr(torch.nn, torch_name)(3, 5, batch_first=True).double()
+    with torch.no_grad():
+        for name in ("weight_ih", "weight_hh", "bias_ih"):
+            getattr(rnn, f"{name}_l0").copy_(torch.tensor(model.params[f"rnn.{name}"]))
+        rnn.bias_hh_l0.zero_()
+    x = np.random.default_rng(2).standard_normal((3, 4, 3))
+    _, last = rnn(torch.tensor(x))
+    hidden = (last[0] if isinstance(last, tuple) else last)[0]
+    np.testing.assert_allclose(model.predict(x, backend="reference"), hidden.detach().numpy(), rtol=1e-12, atol=1e-14)
+    targets = np.random.default_rng(3).standard_normal((3, 5))
+    result = nn.GradientStep(model, batch_size=3, dtype="float64", loss="mse")(x, targets, model.params, {})
+    torch.nn.functional.mse_loss(hidden, torch.tensor(targets)).backward()
+    np.testing.assert_allclose(result.grads["rnn.bias_ih"], rnn.bias_ih_l0.grad.numpy(), rtol=1e-11, atol=1e-14)

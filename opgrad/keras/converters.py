@@ -46,6 +46,7 @@ from opgrad.nn.layers import (
     UpSampling2D,
 )
 from opgrad.nn.ops_layers import GlobalPool2D, Pad, Reduce, Resize, Slice
+from opgrad.nn.recurrent import GRU, LSTM
 from opgrad.nn.reshaping import Permute, Reshape, ZeroPadding2D
 
 __all__ = ["CONVERTERS"]
@@ -264,6 +265,47 @@ def conv1d(call: LayerCall, inputs: list[Tensor]) -> Tensor:
     if use_bias:
         call.set_param(conv, "bias", weights["bias"])
     return activate(call, out, act) if act not in FUSED else out
+
+
+def _recurrent(kind: type[LSTM] | type[GRU]) -> Converter:
+    """Keras' ``LSTM`` / ``GRU`` as opgrad's (PyTorch's formulas): the kernels transposed, Keras'
+    GRU gates z, r, h reordered to PyTorch's r, z, n, and Keras' one LSTM bias as ``bias_ih`` of
+    an LSTM without a recurrent bias (a second one would train the sum at twice Keras' rate)."""
+
+    def convert(call: LayerCall, inputs: list[Tensor]) -> Tensor:
+        tensor = _sequence(call, inputs)
+        call.refuse_mask(inputs, "it skips the masked steps")
+        steps, features = tensor.keras_shape
+        units = int(call.take("units"))
+        call.choose("activation", ("tanh",), "tanh")
+        call.choose("recurrent_activation", ("sigmoid",), "sigmoid")
+        call.choose("use_bias", (True,), True)
+        for flag in ("return_state", "go_backwards", "stateful"):
+            call.choose(flag, (False,), False)
+        call.take("unroll", False)  # how Keras runs the loop; opgrad always unrolls it
+        for key in ("dropout", "recurrent_dropout"):
+            if call.take(key, 0.0):
+                call.note(f"{key} is ignored: it only acts while training in Keras")
+        call.take("unit_forget_bias", True)  # an initializer's choice; the weights are loaded
+        sequences = bool(call.take("return_sequences", False))
+        gates = 4 if kind is LSTM else 3
+        reset_after = kind is GRU and bool(call.choose("reset_after", (True,), True))
+        bias_shape = (2, gates * units) if reset_after else (gates * units,)
+        weights = call.weights({"kernel": (features, gates * units), "recurrent_kernel": (units, gates * units),
+                                "bias": bias_shape})
+        layer = kind(units, return_sequences=sequences, recurrent_bias=kind is GRU)
+        out = call.add(layer, tensor, "keras", (steps, units) if sequences else (units,))
+        kernel, recurrent, bias = weights["kernel"].T, weights["recurrent_kernel"].T, weights["bias"]
+        if kind is GRU:  # Keras' blocks z, r, h are PyTorch's 1, 0, 2
+            order = np.concatenate([np.arange(units) + block * units for block in (1, 0, 2)])
+            kernel, recurrent, bias = kernel[order], recurrent[order], bias[:, order]
+            call.set_param(layer, "bias_hh", np.ascontiguousarray(bias[1]))
+            bias = bias[0]
+        for name, value in (("weight_ih", kernel), ("weight_hh", recurrent), ("bias_ih", bias)):
+            call.set_param(layer, name, np.ascontiguousarray(value))
+        return out
+
+    return convert
 
 
 def _pool1d(kind: type[MaxPool1D] | type[AvgPool1D]) -> Converter:
@@ -549,6 +591,8 @@ CONVERTERS: dict[str, Converter] = {
     "GlobalAveragePooling2D": global_average_pooling2d,
     "GlobalMaxPooling1D": _global_pooling1d("max"),
     "GlobalMaxPooling2D": global_max_pooling2d,
+    "GRU": _recurrent(GRU),
+    "LSTM": _recurrent(LSTM),
     "LayerNormalization": _keeps_mask(layer_normalization),
     "LeakyReLU": _keeps_mask(leaky_relu),
     "MaxPooling1D": _pool1d(MaxPool1D),

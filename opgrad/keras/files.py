@@ -147,15 +147,21 @@ class WeightStore:
         if self.layout == "keras":
             stored = self.groups.get(layer, layer)
             layers = self._child(self.file, "layers", "")
-            group = self._child(layers, stored, "layers") if layers is not None else None
-            group = self._child(group, "vars", f"layers/{stored}") if group is not None else None
+            owner = self._child(layers, stored, "layers") if layers is not None else None
+            where = f"layers/{stored}"
+            group = self._child(owner, "vars", where) if owner is not None else None
+            # A recurrent layer keeps its weights in its cell: layers/<name>/cell/vars.
+            cell = self._child(owner, "cell", where) if owner is not None and not (group and len(group)) else None
+            if cell is not None:
+                where = f"{where}/cell"
+                group = self._child(cell, "vars", where)
             if group is None:
                 return []
             keys = sorted(group.keys(), key=lambda k: int(k) if k.isdigit() else -1)
             if any(not k.isdigit() for k in keys) or [int(k) for k in keys] != list(range(len(keys))):
-                raise KerasImportError(f"{self.path}: layers/{stored}/vars holds {keys}; expected variables "
+                raise KerasImportError(f"{self.path}: {where}/vars holds {keys}; expected variables "
                                        "named 0, 1, 2, ...")
-            names = [(k, f"layers/{stored}/vars/{k}") for k in keys]
+            names = [(k, f"{where}/vars/{k}") for k in keys]
             base = group
         else:
             weights = self._child(self.file, "model_weights", "")

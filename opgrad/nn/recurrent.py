@@ -40,7 +40,8 @@ class _Recurrent(Layer):
 
     gates = 1
 
-    def __init__(self, units: int, *, return_sequences: bool = False, name: str | None = None) -> None:
+    def __init__(self, units: int, *, return_sequences: bool = False, recurrent_bias: bool = True,
+                 name: str | None = None) -> None:
         super().__init__(name)
         kind = type(self).__name__
         self.units = as_int(units, f"{kind} units")
@@ -49,9 +50,13 @@ class _Recurrent(Layer):
         if not isinstance(return_sequences, (bool, np.bool_)):
             raise ValueError(f"{kind} return_sequences must be True or False, got {return_sequences!r}")
         self.return_sequences = bool(return_sequences)
+        if not isinstance(recurrent_bias, (bool, np.bool_)):
+            raise ValueError(f"{kind} recurrent_bias must be True or False, got {recurrent_bias!r}")
+        self.recurrent_bias = bool(recurrent_bias)
 
     def get_config(self) -> dict[str, Any]:
-        return {"units": self.units, "return_sequences": self.return_sequences}
+        return {"units": self.units, "return_sequences": self.return_sequences,
+                **({} if self.recurrent_bias else {"recurrent_bias": False})}
 
     def config(self) -> str:
         return f"{self.units}" + (", sequences" if self.return_sequences else "")
@@ -65,8 +70,11 @@ class _Recurrent(Layer):
         assert self.input_shape is not None, "build() first"
         features, width = self.input_shape[1], self.gates * self.units
         init = recurrent_uniform(self.units)
-        return {"weight_ih": ParamSpec((width, features), init), "weight_hh": ParamSpec((width, self.units), init),
-                "bias_ih": ParamSpec((width,), init), "bias_hh": ParamSpec((width,), init)}
+        specs = {"weight_ih": ParamSpec((width, features), init), "weight_hh": ParamSpec((width, self.units), init),
+                 "bias_ih": ParamSpec((width,), init)}
+        if self.recurrent_bias:
+            specs["bias_hh"] = ParamSpec((width,), init)
+        return specs
 
     def gate(self, gates: Expr, index: int) -> Expr:
         """Gate ``index`` (``(n, units)``) of the stacked ``(n, gates * units)`` pre-activations."""
@@ -111,7 +119,9 @@ class LSTM(_Recurrent):
     last ``h`` ``(units,)`` (Keras' default, PyTorch's ``h_n``), or every ``h`` ``(length, units)``
     with ``return_sequences=True`` (PyTorch's ``output``). Parameters PyTorch's, without its
     ``_l0`` suffix: ``weight_ih (4 units, features)``, ``weight_hh (4 units, units)``,
-    ``bias_ih``, ``bias_hh (4 units,)``, drawn as PyTorch draws them.
+    ``bias_ih``, ``bias_hh (4 units,)``, drawn as PyTorch draws them. ``recurrent_bias=False``
+    keeps ``bias_ih`` alone, Keras' one bias per gate (two biases that always add train at twice
+    the rate of one).
     """
 
     kind = "lstm"
@@ -119,7 +129,7 @@ class LSTM(_Recurrent):
 
     def input_bias(self, params: Mapping[str, Expr]) -> Expr:
         # Both biases add to every position's gates: one sum ahead of the loop.
-        return ops.add(params["bias_ih"], params["bias_hh"])
+        return ops.add(params["bias_ih"], params["bias_hh"]) if self.recurrent_bias else params["bias_ih"]
 
     def cell(self, projected: Expr, hidden: Expr | None, state: Expr | None,
              params: Mapping[str, Expr]) -> tuple[Expr, Expr | None]:
@@ -140,7 +150,8 @@ class GRU(_Recurrent):
     ``n = tanh(W_in x + b_in + r * (W_hn h + b_hn))``, ``h = (1 - z) * n + z * h`` (gate order
     r, z, n as PyTorch's). The output is the last ``h`` or, with ``return_sequences=True``, every
     ``h``. Parameters ``weight_ih (3 units, features)``, ``weight_hh (3 units, units)``,
-    ``bias_ih``, ``bias_hh (3 units,)``, drawn as PyTorch draws them.
+    ``bias_ih``, ``bias_hh (3 units,)``, drawn as PyTorch draws them; ``recurrent_bias=False``
+    leaves ``b_hn`` and the other recurrent biases out.
     """
 
     kind = "gru"
@@ -148,13 +159,23 @@ class GRU(_Recurrent):
 
     def cell(self, projected: Expr, hidden: Expr | None, state: Expr | None,
              params: Mapping[str, Expr]) -> tuple[Expr, Expr | None]:
-        n = projected.shape[0]
-        recurrent: Expr = ops.broadcast_to(ops.reshape(params["bias_hh"], shape=(1, self.gates * self.units)),
-                                           shape=(n, self.gates * self.units))
+        n, width = projected.shape[0], self.gates * self.units
+        bias = params.get("bias_hh")
+        recurrent: Expr | None = None  # W_hh h + b_hh; None where it is 0 (no state yet, no bias)
         if hidden is not None:
-            recurrent = ops.bias_add(ops.dense(hidden, params["weight_hh"]), params["bias_hh"], axis=1)
-        reset = ops.sigmoid(ops.add(self.gate(projected, 0), self.gate(recurrent, 0)))
-        update = ops.sigmoid(ops.add(self.gate(projected, 1), self.gate(recurrent, 1)))
-        candidate = ops.tanh(ops.add(self.gate(projected, 2), ops.multiply(reset, self.gate(recurrent, 2))))
+            recurrent = ops.dense(hidden, params["weight_hh"])
+            recurrent = recurrent if bias is None else ops.bias_add(recurrent, bias, axis=1)
+        elif bias is not None:
+            recurrent = ops.broadcast_to(ops.reshape(bias, shape=(1, width)), shape=(n, width))
+
+        def plus_recurrent(index: int, gate: Expr) -> Expr:
+            return gate if recurrent is None else ops.add(gate, self.gate(recurrent, index))
+
+        reset = ops.sigmoid(plus_recurrent(0, self.gate(projected, 0)))
+        update = ops.sigmoid(plus_recurrent(1, self.gate(projected, 1)))
+        candidate = self.gate(projected, 2)
+        if recurrent is not None:
+            candidate = ops.add(candidate, ops.multiply(reset, self.gate(recurrent, 2)))
+        candidate = ops.tanh(candidate)
         kept = ops.multiply(ops.subtract(1.0, update), candidate)
         return (kept if hidden is None else ops.add(kept, ops.multiply(update, hidden))), None
