@@ -848,3 +848,25 @@ def test_lstm_and_gru_predict_and_fine_tune_like_keras(tmp_path: Path, monkeypat
     trainer.train_batch(images, labels)
     np.testing.assert_allclose(model.predict(images), np.asarray(keras_model.predict(images, verbose=0)),
                                atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # Keras' own numpy 2 deprecations
+def test_bidirectional_recurrent_layers_predict_like_keras(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Bidirectional(LSTM, every step) into Bidirectional(GRU, the last step): the backward
+    halves' weights as opgrad's _reverse parameters, in .keras (two weight groups) and .h5."""
+    generator = _generator(monkeypatch)
+    import keras
+
+    inp = keras.Input((5, 3))
+    x = keras.layers.Bidirectional(keras.layers.LSTM(4, return_sequences=True), name="bi_lstm")(inp)
+    x = keras.layers.Bidirectional(keras.layers.GRU(3), name="bi_gru")(x)
+    keras_model = keras.Model(inp, keras.layers.Dense(2, name="head")(x))
+    model = _predicts_like_keras(tmp_path, keras_model, generator, seed=13, suffixes=(".keras", ".h5"))
+    layer = model.get_layer("bi_lstm")
+    assert isinstance(layer, nn.LSTM) and layer.bidirectional and layer.return_sequences
+    assert model.get_layer("bi_gru").output_shape == (6,)
+    inp = keras.Input((5, 3))
+    summed = keras.Model(inp, keras.layers.Bidirectional(keras.layers.LSTM(4), merge_mode="sum")(inp))
+    summed.save(tmp_path / "sum.keras")
+    with pytest.raises(KerasImportError, match=r"merge_mode='sum' is not supported; supported: 'concat'"):
+        load(tmp_path / "sum.keras")

@@ -18,19 +18,21 @@ torch = require("torch", "the recurrent layers are compared with PyTorch's")
 LAYERS = {"LSTM": (nn.LSTM, "LSTM"), "GRU": (nn.GRU, "GRU")}
 
 
-def twins(kind: str, return_sequences: bool, length: int = 5) -> tuple[nn.Model, Any, Any]:
+def twins(kind: str, return_sequences: bool, length: int = 5, bidirectional: bool = False) -> tuple[nn.Model, Any, Any]:
     """An opgrad model (recurrent layer, then a Dense head) in float64, and PyTorch's recurrent
     module and head holding its weights."""
     layer_class, torch_name = LAYERS[kind]
     inp = nn.Input((length, 3))
-    seq = layer_class(4, return_sequences=return_sequences, name="rnn")(inp)
+    seq = layer_class(4, return_sequences=return_sequences, bidirectional=bidirectional, name="rnn")(inp)
     model = nn.Model(inp, nn.Dense(2, name="head")(nn.Flatten()(seq) if return_sequences else seq))
     model.params = {name: value.astype(np.float64) for name, value in model.params.items()}
-    rnn = getattr(torch.nn, torch_name)(3, 4, batch_first=True).double()
-    head = torch.nn.Linear(4 * (length if return_sequences else 1), 2).double()
+    rnn = getattr(torch.nn, torch_name)(3, 4, batch_first=True, bidirectional=bidirectional).double()
+    directions = 2 if bidirectional else 1
+    head = torch.nn.Linear(4 * directions * (length if return_sequences else 1), 2).double()
     with torch.no_grad():
         for name in ("weight_ih", "weight_hh", "bias_ih", "bias_hh"):
-            getattr(rnn, f"{name}_l0").copy_(torch.tensor(model.params[f"rnn.{name}"]))
+            for suffix in ("", "_reverse")[:directions]:
+                getattr(rnn, f"{name}_l0{suffix}").copy_(torch.tensor(model.params[f"rnn.{name}{suffix}"]))
         head.weight.copy_(torch.tensor(model.params["head.weight"]))
         head.bias.copy_(torch.tensor(model.params["head.bias"]))
     return model, rnn, head
@@ -38,8 +40,8 @@ def twins(kind: str, return_sequences: bool, length: int = 5) -> tuple[nn.Model,
 
 def torch_logits(rnn: Any, head: Any, x: np.ndarray, return_sequences: bool) -> Any:
     output, last = rnn(torch.tensor(x))
-    hidden = last[0] if isinstance(last, tuple) else last
-    return head(output.reshape(len(x), -1) if return_sequences else hidden[0])
+    hidden = last[0] if isinstance(last, tuple) else last  # (directions, N, units)
+    return head(output.reshape(len(x), -1) if return_sequences else torch.cat(list(hidden), dim=1))
 
 
 @pytest.mark.parametrize("backend", ["reference", "llvm"])
@@ -59,6 +61,28 @@ def test_outputs_loss_and_gradients_equal_pytorchs(kind: str, return_sequences: 
     for name in ("weight_ih", "weight_hh", "bias_ih", "bias_hh"):
         np.testing.assert_allclose(result.grads[f"rnn.{name}"], getattr(rnn, f"{name}_l0").grad.numpy(),
                                    rtol=1e-11, atol=1e-14, err_msg=name)
+
+
+@pytest.mark.parametrize("return_sequences", [False, True])
+@pytest.mark.parametrize("kind", sorted(LAYERS))
+def test_bidirectional_equals_pytorchs(kind: str, return_sequences: bool) -> None:
+    """bidirectional=True: a second set of parameters (PyTorch's _reverse) runs from the last
+    position back, side by side with the forward one, forward first."""
+    model, rnn, head = twins(kind, return_sequences, bidirectional=True)
+    assert "rnn.weight_hh_reverse" in model.params
+    rng = np.random.default_rng(4)
+    x, y = rng.standard_normal((3, 5, 3)), rng.integers(0, 2, 3)
+    logits = torch_logits(rnn, head, x, return_sequences)
+    torch.nn.functional.cross_entropy(logits, torch.tensor(y)).backward()
+    for backend in ("reference", "llvm"):
+        np.testing.assert_allclose(model.predict(x, backend=backend, batch_size=3), logits.detach().numpy(),
+                                   rtol=1e-12, atol=1e-14)
+        grads = nn.GradientStep(model, batch_size=3, dtype="float64", backend=backend)(x, y, model.params, {}).grads
+        for name in ("weight_ih", "weight_hh", "bias_ih", "bias_hh"):
+            for suffix in ("", "_reverse"):
+                want = getattr(rnn, f"{name}_l0{suffix}").grad.numpy()
+                np.testing.assert_allclose(grads[f"rnn.{name}{suffix}"], want, rtol=1e-11, atol=1e-14,
+                                           err_msg=name + suffix)
 
 
 @pytest.mark.parametrize("kind", sorted(LAYERS))

@@ -10,6 +10,7 @@ supported, or recorded as a note when it only matters to Keras' own training.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -25,7 +26,8 @@ from opgrad.keras.activations import (
     relu,
     softmax,
 )
-from opgrad.keras.graph import Converter, LayerCall, Tensor
+from opgrad.keras.files import LayerSpec
+from opgrad.keras.graph import Converter, LayerCall, Shape, Tensor
 from opgrad.keras.merging import add, average, concatenate, maximum, minimum, multiply, subtract
 from opgrad.nn.layers import (
     AvgPool1D,
@@ -267,45 +269,100 @@ def conv1d(call: LayerCall, inputs: list[Tensor]) -> Tensor:
     return activate(call, out, act) if act not in FUSED else out
 
 
+def _recurrent_options(call: LayerCall, kind: type[LSTM] | type[GRU], go_backwards: bool = False) -> tuple[int, bool]:
+    """``(units, return_sequences)`` of Keras' ``LSTM`` / ``GRU`` config in ``call``, the fields
+    opgrad's layer cannot follow refused (``go_backwards`` is the backward half of a Bidirectional)."""
+    units = int(call.take("units"))
+    call.choose("activation", ("tanh",), "tanh")
+    call.choose("recurrent_activation", ("sigmoid",), "sigmoid")
+    call.choose("use_bias", (True,), True)
+    for flag in ("return_state", "stateful"):
+        call.choose(flag, (False,), False)
+    call.choose("go_backwards", (go_backwards,), False)
+    call.take("unroll", False)  # how Keras runs the loop; opgrad always unrolls it
+    for key in ("dropout", "recurrent_dropout"):
+        if call.take(key, 0.0):
+            call.note(f"{key} is ignored: it only acts while training in Keras")
+    call.take("unit_forget_bias", True)  # an initializer's choice; the weights are loaded
+    call.take("zero_output_for_mask", False)  # what masked steps output; a masked input is refused
+    if kind is GRU:
+        call.choose("reset_after", (True,), True)
+    return units, bool(call.take("return_sequences", False))
+
+
+def _recurrent_weights(kind: type[LSTM] | type[GRU], features: int, units: int, suffix: str = "") -> dict[str, Shape]:
+    """The variables of one Keras recurrent layer, named for ``suffix``'s direction."""
+    gates = 4 if kind is LSTM else 3
+    return {f"kernel{suffix}": (features, gates * units), f"recurrent_kernel{suffix}": (units, gates * units),
+            f"bias{suffix}": (2, gates * units) if kind is GRU else (gates * units,)}
+
+
+def _set_recurrent_weights(call: LayerCall, layer: LSTM | GRU, weights: Mapping[str, np.ndarray],
+                           suffix: str = "") -> None:
+    """Keras' kernels transposed into ``layer``'s ``suffix`` direction: GRU's gate blocks z, r, h
+    reordered to PyTorch's r, z, n with its two bias rows; an LSTM's one bias as ``bias_ih``."""
+    kernel, recurrent, bias = (weights[f"kernel{suffix}"].T, weights[f"recurrent_kernel{suffix}"].T,
+                               weights[f"bias{suffix}"])
+    if isinstance(layer, GRU):
+        units = layer.units
+        order = np.concatenate([np.arange(units) + block * units for block in (1, 0, 2)])
+        kernel, recurrent, bias = kernel[order], recurrent[order], bias[:, order]
+        call.set_param(layer, f"bias_hh{suffix}", np.ascontiguousarray(bias[1]))
+        bias = bias[0]
+    for name, value in (("weight_ih", kernel), ("weight_hh", recurrent), ("bias_ih", bias)):
+        call.set_param(layer, f"{name}{suffix}", np.ascontiguousarray(value))
+
+
 def _recurrent(kind: type[LSTM] | type[GRU]) -> Converter:
-    """Keras' ``LSTM`` / ``GRU`` as opgrad's (PyTorch's formulas): the kernels transposed, Keras'
-    GRU gates z, r, h reordered to PyTorch's r, z, n, and Keras' one LSTM bias as ``bias_ih`` of
-    an LSTM without a recurrent bias (a second one would train the sum at twice Keras' rate)."""
+    """Keras' ``LSTM`` / ``GRU`` as opgrad's (PyTorch's formulas); Keras' LSTM has one bias per
+    gate, so its opgrad twin has no recurrent bias (a second one that always adds to the first
+    would train the sum at twice Keras' rate)."""
 
     def convert(call: LayerCall, inputs: list[Tensor]) -> Tensor:
         tensor = _sequence(call, inputs)
         call.refuse_mask(inputs, "it skips the masked steps")
         steps, features = tensor.keras_shape
-        units = int(call.take("units"))
-        call.choose("activation", ("tanh",), "tanh")
-        call.choose("recurrent_activation", ("sigmoid",), "sigmoid")
-        call.choose("use_bias", (True,), True)
-        for flag in ("return_state", "go_backwards", "stateful"):
-            call.choose(flag, (False,), False)
-        call.take("unroll", False)  # how Keras runs the loop; opgrad always unrolls it
-        for key in ("dropout", "recurrent_dropout"):
-            if call.take(key, 0.0):
-                call.note(f"{key} is ignored: it only acts while training in Keras")
-        call.take("unit_forget_bias", True)  # an initializer's choice; the weights are loaded
-        sequences = bool(call.take("return_sequences", False))
-        gates = 4 if kind is LSTM else 3
-        reset_after = kind is GRU and bool(call.choose("reset_after", (True,), True))
-        bias_shape = (2, gates * units) if reset_after else (gates * units,)
-        weights = call.weights({"kernel": (features, gates * units), "recurrent_kernel": (units, gates * units),
-                                "bias": bias_shape})
+        units, sequences = _recurrent_options(call, kind)
+        weights = call.weights(_recurrent_weights(kind, features, units))
         layer = kind(units, return_sequences=sequences, recurrent_bias=kind is GRU)
         out = call.add(layer, tensor, "keras", (steps, units) if sequences else (units,))
-        kernel, recurrent, bias = weights["kernel"].T, weights["recurrent_kernel"].T, weights["bias"]
-        if kind is GRU:  # Keras' blocks z, r, h are PyTorch's 1, 0, 2
-            order = np.concatenate([np.arange(units) + block * units for block in (1, 0, 2)])
-            kernel, recurrent, bias = kernel[order], recurrent[order], bias[:, order]
-            call.set_param(layer, "bias_hh", np.ascontiguousarray(bias[1]))
-            bias = bias[0]
-        for name, value in (("weight_ih", kernel), ("weight_hh", recurrent), ("bias_ih", bias)):
-            call.set_param(layer, name, np.ascontiguousarray(value))
+        _set_recurrent_weights(call, layer, weights)
         return out
 
     return convert
+
+
+def bidirectional(call: LayerCall, inputs: list[Tensor]) -> Tensor:
+    """``Bidirectional(LSTM(...))`` / ``(GRU(...))`` with ``merge_mode="concat"``: opgrad's layer with
+    ``bidirectional=True``, the forward layer's weights and the backward one's as ``_reverse``."""
+    tensor = _sequence(call, inputs)
+    call.refuse_mask(inputs, "it skips the masked steps")
+    call.choose("merge_mode", ("concat",), "concat")
+    halves = [call.take("layer"), call.take("backward_layer", None)]
+    kinds: dict[str, type[LSTM] | type[GRU]] = {"LSTM": LSTM, "GRU": GRU}
+    options = []
+    for half, backward in zip(halves, (False, True)):
+        if half is None:  # Keras builds the backward half from the forward one's config
+            continue
+        class_name = half.get("class_name") if isinstance(half, Mapping) else None
+        if class_name not in kinds or not isinstance(half.get("config"), Mapping):
+            raise call.unsupported("layer", class_name, "LSTM, GRU")
+        inner = LayerCall(call.builder, LayerSpec(f"{call.spec.name}/{'backward' if backward else 'forward'}",
+                                                  str(class_name), dict(half["config"])))
+        options.append((kinds[str(class_name)], *_recurrent_options(inner, kinds[str(class_name)], backward)))
+        inner.finish()
+    if len(set(options)) != 1:
+        raise call.fail(f"its forward and backward layers differ ({options}); opgrad's bidirectional layer runs "
+                        "one kind and size both ways")
+    kind, units, sequences = options[0]
+    steps, features = tensor.keras_shape
+    weights = call.weights({**_recurrent_weights(kind, features, units),
+                            **_recurrent_weights(kind, features, units, "_reverse")})
+    layer = kind(units, return_sequences=sequences, bidirectional=True, recurrent_bias=kind is GRU)
+    out = call.add(layer, tensor, "keras", (steps, 2 * units) if sequences else (2 * units,))
+    for suffix in ("", "_reverse"):
+        _set_recurrent_weights(call, layer, weights, suffix)
+    return out
 
 
 def _pool1d(kind: type[MaxPool1D] | type[AvgPool1D]) -> Converter:
@@ -577,6 +634,7 @@ CONVERTERS: dict[str, Converter] = {
     "AveragePooling1D": _pool1d(AvgPool1D),
     "AveragePooling2D": _pool(AvgPool2D),
     "BatchNormalization": _keeps_mask(batch_normalization),
+    "Bidirectional": bidirectional,
     "Concatenate": concatenate,
     "Conv1D": conv1d,
     "Cropping2D": cropping2d,

@@ -143,33 +143,49 @@ class WeightStore:
             return self._read_variables(layer)
 
     def _read_variables(self, layer: str) -> list[tuple[str, np.ndarray]]:
-        h5py = _h5py(self.path)
         if self.layout == "keras":
             stored = self.groups.get(layer, layer)
             layers = self._child(self.file, "layers", "")
             owner = self._child(layers, stored, "layers") if layers is not None else None
             where = f"layers/{stored}"
-            group = self._child(owner, "vars", where) if owner is not None else None
-            # A recurrent layer keeps its weights in its cell: layers/<name>/cell/vars.
-            cell = self._child(owner, "cell", where) if owner is not None and not (group and len(group)) else None
-            if cell is not None:
-                where = f"{where}/cell"
-                group = self._child(cell, "vars", where)
-            if group is None:
+            if owner is None:
                 return []
-            keys = sorted(group.keys(), key=lambda k: int(k) if k.isdigit() else -1)
-            if any(not k.isdigit() for k in keys) or [int(k) for k in keys] != list(range(len(keys))):
-                raise KerasImportError(f"{self.path}: {where}/vars holds {keys}; expected variables "
-                                       "named 0, 1, 2, ...")
-            names = [(k, f"{where}/vars/{k}") for k in keys]
-            base = group
-        else:
-            weights = self._child(self.file, "model_weights", "")
-            base = self._child(weights, layer, "model_weights") if weights is not None else None
-            if base is None:
-                return []
-            listed = base.attrs.get("weight_names", [])
-            names = [(_text(n), f"model_weights/{layer}/{_text(n)}") for n in np.asarray(listed).ravel()]
+            # A Bidirectional wrapper keeps its two layers' weights apart, forward first (as a
+            # legacy .h5 lists them).
+            parts = [part for part in ("forward_layer", "backward_layer")
+                     if self._child(owner, part, where) is not None]
+            out = []
+            for part in parts or [""]:
+                group, at = (owner, where) if not part else (self._child(owner, part, where), f"{where}/{part}")
+                out += self._keras_vars(group, at, layer)
+            return out
+        weights = self._child(self.file, "model_weights", "")
+        base = self._child(weights, layer, "model_weights") if weights is not None else None
+        if base is None:
+            return []
+        listed = base.attrs.get("weight_names", [])
+        names = [(_text(n), f"model_weights/{layer}/{_text(n)}") for n in np.asarray(listed).ravel()]
+        return self._datasets(base, names, layer)
+
+    def _keras_vars(self, owner: Any, where: str, layer: str) -> list[tuple[str, np.ndarray]]:
+        """The variables of the .keras layer group ``owner`` (at ``where``): its ``vars``, or for a
+        recurrent layer its cell's (``cell/vars``)."""
+        group = self._child(owner, "vars", where)
+        cell = self._child(owner, "cell", where) if not (group and len(group)) else None
+        if cell is not None:
+            where = f"{where}/cell"
+            group = self._child(cell, "vars", where)
+        if group is None:
+            return []
+        keys = sorted(group.keys(), key=lambda k: int(k) if k.isdigit() else -1)
+        if any(not k.isdigit() for k in keys) or [int(k) for k in keys] != list(range(len(keys))):
+            raise KerasImportError(f"{self.path}: {where}/vars holds {keys}; expected variables "
+                                   "named 0, 1, 2, ...")
+        return self._datasets(group, [(k, f"{where}/vars/{k}") for k in keys], layer)
+
+    def _datasets(self, base: Any, names: list[tuple[str, str]], layer: str) -> list[tuple[str, np.ndarray]]:
+        """The float datasets at ``names`` (``(key under base, label)``), checked."""
+        h5py = _h5py(self.path)
         out = []
         for key, label in names:
             node: Any = base

@@ -40,40 +40,51 @@ class _Recurrent(Layer):
 
     gates = 1
 
-    def __init__(self, units: int, *, return_sequences: bool = False, recurrent_bias: bool = True,
-                 name: str | None = None) -> None:
+    def __init__(self, units: int, *, return_sequences: bool = False, bidirectional: bool = False,
+                 recurrent_bias: bool = True, name: str | None = None) -> None:
         super().__init__(name)
         kind = type(self).__name__
         self.units = as_int(units, f"{kind} units")
         if self.units < 1:
             raise ValueError(f"{kind} units must be >= 1, got {units}")
-        if not isinstance(return_sequences, (bool, np.bool_)):
-            raise ValueError(f"{kind} return_sequences must be True or False, got {return_sequences!r}")
-        self.return_sequences = bool(return_sequences)
-        if not isinstance(recurrent_bias, (bool, np.bool_)):
-            raise ValueError(f"{kind} recurrent_bias must be True or False, got {recurrent_bias!r}")
+        for what, flag in (("return_sequences", return_sequences), ("bidirectional", bidirectional),
+                           ("recurrent_bias", recurrent_bias)):
+            if not isinstance(flag, (bool, np.bool_)):
+                raise ValueError(f"{kind} {what} must be True or False, got {flag!r}")
+        self.return_sequences, self.bidirectional = bool(return_sequences), bool(bidirectional)
         self.recurrent_bias = bool(recurrent_bias)
 
     def get_config(self) -> dict[str, Any]:
         return {"units": self.units, "return_sequences": self.return_sequences,
+                **({"bidirectional": True} if self.bidirectional else {}),
                 **({} if self.recurrent_bias else {"recurrent_bias": False})}
 
     def config(self) -> str:
-        return f"{self.units}" + (", sequences" if self.return_sequences else "")
+        return (f"{self.units}" + (", sequences" if self.return_sequences else "")
+                + (", bidirectional" if self.bidirectional else ""))
+
+    @property
+    def directions(self) -> tuple[str, ...]:
+        """The parameter-name suffix of each direction: PyTorch's ``_reverse`` for the backward one."""
+        return ("", "_reverse") if self.bidirectional else ("",)
 
     def output_shape_for(self, input_shape: Shape) -> Shape:
         if len(input_shape) != 2:
             raise self._shape_error(input_shape, f"{type(self).__name__} needs a sequence (length, features)")
-        return (input_shape[0], self.units) if self.return_sequences else (self.units,)
+        width = self.units * len(self.directions)
+        return (input_shape[0], width) if self.return_sequences else (width,)
 
     def param_specs(self) -> dict[str, ParamSpec]:
         assert self.input_shape is not None, "build() first"
         features, width = self.input_shape[1], self.gates * self.units
         init = recurrent_uniform(self.units)
-        specs = {"weight_ih": ParamSpec((width, features), init), "weight_hh": ParamSpec((width, self.units), init),
-                 "bias_ih": ParamSpec((width,), init)}
-        if self.recurrent_bias:
-            specs["bias_hh"] = ParamSpec((width,), init)
+        specs = {}
+        for suffix in self.directions:
+            specs.update({f"weight_ih{suffix}": ParamSpec((width, features), init),
+                          f"weight_hh{suffix}": ParamSpec((width, self.units), init),
+                          f"bias_ih{suffix}": ParamSpec((width,), init)})
+            if self.recurrent_bias:
+                specs[f"bias_hh{suffix}"] = ParamSpec((width,), init)
         return specs
 
     def gate(self, gates: Expr, index: int) -> Expr:
@@ -91,23 +102,37 @@ class _Recurrent(Layer):
         """The bias added to every position's input projection ahead of the loop."""
         return params["bias_ih"]
 
-    def apply(self, x: Expr, params: Mapping[str, Expr], ctx: ForwardContext) -> Expr:
+    def run(self, x: Expr, params: Mapping[str, Expr], reverse: bool) -> tuple[list[Expr], Expr]:
+        """One direction over ``x``: the hidden state at each position (in position order) and the
+        last one computed (at the last position, or the first going backward)."""
         n, length, features = x.shape
         width = self.gates * self.units
         rows = ops.dense(ops.reshape(x, shape=(n * length, features)), params["weight_ih"])
         projected = ops.reshape(ops.bias_add(rows, self.input_bias(params), axis=1), shape=(n, length, width))
         hidden: Expr | None = None
         state: Expr | None = None
-        outputs = []
-        for t in range(length):
+        hiddens: list[Expr] = [projected] * length
+        for t in (range(length - 1, -1, -1) if reverse else range(length)):
             step = ops.reshape(ops.strided_slice(projected, begin=[0, t, 0], end=[n, t + 1, width]), shape=(n, width))
             hidden, state = self.cell(step, hidden, state, params)
-            if self.return_sequences:
-                outputs.append(ops.reshape(hidden, shape=(n, 1, self.units)))
+            hiddens[t] = hidden
         assert hidden is not None
-        if not self.return_sequences:
-            return hidden
-        return outputs[0] if length == 1 else ops.concatenate(outputs, axis=1)
+        return hiddens, hidden
+
+    def apply(self, x: Expr, params: Mapping[str, Expr], ctx: ForwardContext) -> Expr:
+        n = x.shape[0]
+        outputs = []
+        for suffix in self.directions:
+            local = {name: params[name + suffix] for name in ("weight_ih", "weight_hh", "bias_ih", "bias_hh")
+                     if name + suffix in params}
+            hiddens, last = self.run(x, local, reverse=bool(suffix))
+            if not self.return_sequences:
+                outputs.append(last)
+                continue
+            steps = [ops.reshape(h, shape=(n, 1, self.units)) for h in hiddens]
+            outputs.append(steps[0] if len(steps) == 1 else ops.concatenate(steps, axis=1))
+        # Both directions side by side on the last axis, forward first (PyTorch's and Keras' concat).
+        return outputs[0] if len(outputs) == 1 else ops.concatenate(outputs, axis=-1)
 
 
 class LSTM(_Recurrent):
