@@ -147,6 +147,23 @@ def test_a_sequence_model_goes_out_as_onnx_and_back(tmp_path: Path) -> None:
     np.testing.assert_allclose(back.predict(x, batch_size=3, backend="reference"), ours, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("kind", ["LSTM", "GRU"])
+def test_recurrent_layers_go_out_as_onnx_lstm_and_gru_nodes(kind: str, tmp_path: Path) -> None:
+    """A bidirectional layer over every step into a one-way layer without recurrent bias over the
+    last: onnxruntime's LSTM / GRU give opgrad's outputs."""
+    layer = getattr(nn, kind)
+    inp = nn.Input((6, 3))
+    x = layer(4, return_sequences=True, bidirectional=True)(inp)
+    x = layer(5, recurrent_bias=False)(x)
+    model = _perturbed(nn.Model(inp, nn.Dense(2)(x), name="recurrent"))
+    path = tmp_path / "recurrent.onnx"
+    opgrad_onnx.save(model, path)
+    x = np.random.default_rng(3).standard_normal((3, 6, 3)).astype(np.float32)
+    assert [node.op_type for node in onnx.load(path).graph.node].count(kind) == 2
+    np.testing.assert_allclose(run_onnxruntime(path, x)[0], model.predict(x, batch_size=3, backend="reference"),
+                               rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("name", TORCH_MODELS)
 def test_imported_models_go_back_out_as_onnx(name: str, tmp_path: Path) -> None:
     model = opgrad_onnx.load(FIXTURES / f"{name}.onnx")

@@ -73,6 +73,15 @@ class GraphBuilder:
             self.initializers[name] = self.onnx.numpy_helper.from_array(array, name)
         return name
 
+    def stacked_weight(self, layer: Layer, name: str, parts: list[np.ndarray]) -> str:
+        """An initializer ``<layer>.<name>`` stacking ``parts`` (arrays made from the layer's weights
+        in another layout, as ONNX's LSTM takes its directions)."""
+        full = f"{layer.name}.{name}"
+        self.taken.add(full)
+        array = np.ascontiguousarray(np.stack(parts), dtype=self.dtype)
+        self.initializers[full] = self.onnx.numpy_helper.from_array(array, full)
+        return full
+
     def node(self, op_type: str, inputs: list[str], output: str | None = None, hint: str = "", **attrs: Any) -> str:
         out = output or self.fresh(f"{hint or op_type}_out")
         self.nodes.append(self.onnx.helper.make_node(op_type, inputs, [out], name=self.fresh(hint or op_type),
@@ -167,6 +176,48 @@ def _conv(b: GraphBuilder, layer: Any, x: list[str], shapes: list[Shape], out: s
                pads=[top, left, bottom, right])
     if layer.activation:
         _activation(b, y, layer.activation, out, layer.name)
+
+
+@emitter("lstm", "gru")
+def _recurrent(b: GraphBuilder, layer: Any, x: list[str], shapes: list[Shape], out: str) -> None:
+    """ONNX's LSTM / GRU, sequence first (onnxruntime runs no other layout): the input transposed in
+    and the outputs out; the gate blocks reordered from PyTorch's (i, f, g, o / r, z, n) to ONNX's
+    (i, o, f, c / z, r, h), each direction's input and recurrent biases side by side (a missing
+    recurrent bias as zeros), and GRU with ``linear_before_reset=1``, PyTorch's form."""
+    lstm, units = layer.kind == "lstm", layer.units
+    blocks = (0, 3, 1, 2) if lstm else (1, 0, 2)
+
+    def onnx_order(array: np.ndarray) -> np.ndarray:
+        return np.concatenate([array[k * units:(k + 1) * units] for k in blocks])
+
+    def param(local: str) -> np.ndarray:
+        return np.asarray(b.weights[f"{layer.name}.{local}"])
+
+    weights, recurrent, biases = [], [], []
+    for suffix in layer.directions:
+        weights.append(onnx_order(param(f"weight_ih{suffix}")))
+        recurrent.append(onnx_order(param(f"weight_hh{suffix}")))
+        bias_ih = param(f"bias_ih{suffix}")
+        bias_hh = param(f"bias_hh{suffix}") if layer.recurrent_bias else np.zeros_like(bias_ih)
+        biases.append(np.concatenate([onnx_order(bias_ih), onnx_order(bias_hh)]))
+    length, directions = shapes[0][0], len(layer.directions)
+    sequence_first = b.node("Transpose", [x[0]], None, f"{layer.name}_in", perm=[1, 0, 2])
+    every, last = b.fresh(f"{layer.name}_Y"), b.fresh(f"{layer.name}_Y_h")
+    attrs: dict[str, Any] = {"hidden_size": units, "direction": "bidirectional" if layer.bidirectional else "forward"}
+    if not lstm:
+        attrs["linear_before_reset"] = 1
+    b.nodes.append(b.onnx.helper.make_node(
+        "LSTM" if lstm else "GRU",
+        [sequence_first, b.stacked_weight(layer, "W", weights), b.stacked_weight(layer, "R", recurrent),
+         b.stacked_weight(layer, "B", biases)],
+        [every, last], name=b.fresh(layer.name), **attrs))
+    if layer.return_sequences:  # Y (length, directions, N, units) -> (N, length, directions * units)
+        batch_first = b.node("Transpose", [every], None, f"{layer.name}_out", perm=[2, 0, 1, 3])
+        shape = b.constant([0, length, directions * units], f"{layer.name}.shape", np.int64)
+    else:  # Y_h (directions, N, units) -> (N, directions * units), forward first
+        batch_first = b.node("Transpose", [last], None, f"{layer.name}_out", perm=[1, 0, 2])
+        shape = b.constant([0, directions * units], f"{layer.name}.shape", np.int64)
+    b.node("Reshape", [batch_first, shape], out, layer.name)
 
 
 @emitter("conv1d")
