@@ -673,7 +673,8 @@ class DistributedTrainer(Trainer):
         self.params = {**self.params, **params}
         # A counter is the same on every rank: each keeps its own (the float sum of its shares may not be).
         local = self._local_buffers
-        self.state = {**optimizer_state, **{name: (np.array(local[name]) if spec.counter else buffer.view(name).copy())
+        self.state = {**self.kept_state(optimizer_state),
+                      **{name: (np.array(local[name]) if spec.counter else buffer.view(name).copy())
                                             for name, spec in self.model.buffer_specs().items()}}
         self.times["gradients"] += computed - started
         self.times["batchnorm_sums"] += (reducer.seconds - sums_before) if reducer is not None else 0.0

@@ -287,3 +287,37 @@ def test_models_doc_fine_tuning_example_runs(tmp_path: Path, monkeypatch: pytest
     np.testing.assert_array_equal(model.params["conv1.weight"], saved.params["conv1.weight"])
     assert not np.array_equal(model.params["features.weight"], saved.params["features.weight"])
     assert base.get_layer("conv1") is model.get_layer("conv1")
+
+
+def test_a_layer_frozen_and_unfrozen_keeps_its_momentum_as_pytorch() -> None:
+    """Trainer: two steps, 'hidden' frozen for one, then trained again: its momentum buffer waits
+    through the frozen step, as torch.optim.SGD keeps a parameter's buffer while its grad is None."""
+    model = small_cnn()
+    model.params = {k: v.astype(np.float64) for k, v in model.params.items()}
+    net = torch_twin(with_statistics(model))
+    rng = np.random.default_rng(8)
+    x, y = rng.normal(size=(6, 3, 8, 8)), rng.integers(0, 5, 6)
+    trainer = nn.Trainer(model, nn.SGD(momentum=0.9), lr=0.05, batch_size=6, dtype="float64")
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
+    net.train()
+    for frozen in (False, False, True, False):
+        model.get_layer("hidden").trainable = not frozen
+        for p in net[4].parameters():
+            p.requires_grad_(not frozen)
+        trainer.train_batch(x, y)
+        optimizer.zero_grad()
+        torch.nn.functional.cross_entropy(net(torch.tensor(x)), torch.tensor(y)).backward()
+        optimizer.step()
+    np.testing.assert_allclose(model.params["hidden.weight"], net[4].weight.detach().numpy(), rtol=1e-10, atol=1e-12)
+    np.testing.assert_allclose(model.params["conv.weight"], net[0].weight.detach().numpy(), rtol=1e-10, atol=1e-12)
+
+
+def test_resuming_with_other_frozen_layers_names_the_layer(tmp_path: Path) -> None:
+    model = small_cnn("frozen")
+    model.get_layer("conv").trainable = False
+    trainer = nn.Trainer(model, nn.SGD(), batch_size=2)
+    arrays, meta = trainer.checkpoint()
+    other = nn.Trainer(small_cnn("frozen"), nn.SGD(), batch_size=2)
+    with pytest.raises(ValueError, match=r"checkpoint has layer 'conv' frozen and model 'frozen' has it trainable: set "
+                                         r"layer\.trainable = False to resume"):
+        other.restore(arrays, meta)

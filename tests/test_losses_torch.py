@@ -269,6 +269,7 @@ def test_trainer_targets_are_checked_naming_the_output_and_loss() -> None:
         with pytest.raises(ValueError, match=r"Trainer\.train_epoch \(output 'value' \(Dense\(2\)\)\): " + message):
             trainer.train_epoch(x, [c, targets])
     trainer.train_epoch(x, [c, np.ones((4, 2), np.int64)])  # integer 0/1 targets are cast
+    trainer.train_epoch(x, [c, np.ones((4, 2), bool)])  # and so are booleans (Keras takes them)
     arrays, meta = trainer.checkpoint()
     assert meta["losses"] == ["cross_entropy", "bce_with_logits"]
     other = nn.Trainer(model, nn.SGD(), batch_size=4, loss=["cross_entropy", "mse"])

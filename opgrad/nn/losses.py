@@ -165,7 +165,8 @@ def check_targets(targets: np.ndarray, shape: tuple[int, ...], loss: str, who: s
             else ""
         raise ValueError(f"{who}: targets have shape {targets.shape}, expected {shape} (the output's shape, loss "
                          f"{loss!r}){hint}")
-    if not (np.issubdtype(targets.dtype, np.floating) or np.issubdtype(targets.dtype, np.integer)):
+    if not (np.issubdtype(targets.dtype, np.floating) or np.issubdtype(targets.dtype, np.integer)
+            or targets.dtype == np.bool_):
         raise ValueError(f"{who}: targets have dtype {targets.dtype}, expected real numbers (loss {loss!r})")
     if targets.size and not np.isfinite(targets).all():
         raise ValueError(f"{who}: targets hold NaN or infinite values (loss {loss!r}); expected finite numbers")

@@ -304,8 +304,9 @@ class Trainer:
 
     def follow_trainable(self) -> None:
         """Rebuild the training step where layers were frozen or unfrozen since it was built (Keras
-        recompiles for this): a layer unfrozen starts with fresh optimizer state, one frozen keeps
-        its state for when it trains again."""
+        recompiles for this): a layer unfrozen for the first time starts with zero optimizer slots
+        (moments, momentum), one frozen keeps its slots for when it trains again. Adam's bias
+        correction counts the optimizer's steps, as Keras' does (PyTorch counts each parameter's)."""
         trainable = tuple(self.model.trainable_param_names())
         if trainable == self._trainable:
             return
@@ -313,6 +314,12 @@ class Trainer:
         self.reset_steps()
         params = self.params
         self.state = {**self.optimizer.init_state({name: params[name] for name in trainable}), **self.state}
+
+    def kept_state(self, stepped: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """The state after a step that returned ``stepped``: its entries, and the optimizer state of
+        layers frozen now, which the step does not carry, kept for when they train again (as
+        PyTorch's optimizers keep a frozen parameter's moments)."""
+        return {**self._optimizer_state, **stepped}
 
     def reset_steps(self) -> None:
         """Forget the built training step, so the next use builds it anew."""
@@ -446,7 +453,7 @@ class Trainer:
         if self.stop_on_nan and not math.isfinite(result.loss):
             raise NonFiniteLossError(float(result.loss), epoch=self.epoch + 1, step=self.step + 1, lr=lr,
                                      epoch_step=epoch_step)
-        self.params, self.state = result.params, result.state
+        self.params, self.state = result.params, self.kept_state(result.state)
         self.step += 1
         self.history.record_step(result.loss)
         return result.loss
@@ -492,14 +499,14 @@ class Trainer:
                                                    {name: np.concatenate(m) for name, m in masks.items()},
                                                    stop_on_nan=self.stop_on_nan)
         except NanLossError as stopped:
-            self.params, self.state = stopped.params, stopped.state
+            self.params, self.state = stopped.params, self.kept_state(stopped.state)
             for loss in stopped.losses[: stopped.step]:
                 self.history.record_step(float(loss))
             self.step += stopped.step
             raise NonFiniteLossError(float(stopped.losses[stopped.step]), epoch=self.epoch + 1, step=self.step + 1,
                                      lr=lrs[stopped.step],
                                      epoch_step=None if epoch_step is None else epoch_step + stopped.step) from None
-        self.params, self.state = result.params, result.state
+        self.params, self.state = result.params, self.kept_state(result.state)
         self.step += len(batches)
         losses = [float(loss) for loss in result.losses]
         for loss in losses:
@@ -652,6 +659,14 @@ class Trainer:
         saved = meta.get("architecture")
         if isinstance(saved, dict):
             mine = json.loads(json.dumps(self.model.get_config(), default=json_default))
+            frozen = {str(entry.get("name")): entry.get("trainable", True) is False
+                      for entry in saved.get("layers", []) if isinstance(entry, dict)}
+            for layer in self.model.layers:
+                if layer.name in frozen and frozen[str(layer.name)] == layer.trainable:
+                    raise CheckpointError(
+                        f"checkpoint has layer {layer.name!r} {'frozen' if frozen[str(layer.name)] else 'trainable'} "
+                        f"and model {self.model.name!r} has it {'trainable' if layer.trainable else 'frozen'}: set "
+                        f"layer.trainable = {not frozen[str(layer.name)]} to resume (its optimizer state follows)")
             if saved != mine:
                 raise CheckpointError(f"checkpoint is of another architecture than model {self.model.name!r} "
                                       f"({_first_difference(saved, mine)}); rebuild the model it was trained "
