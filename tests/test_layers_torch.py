@@ -224,7 +224,7 @@ def test_a_trainer_takes_one_label_array_per_head() -> None:
 def test_a_multi_head_trainer_says_what_its_labels_are() -> None:
     trainer = nn.Trainer(_two_heads(), nn.Adam(), batch_size=4)
     x, digits = np.zeros((4, 6), np.float32), np.array([3, 4, 7, 8])
-    with pytest.raises(TypeError, match="labels must be one integer array, which serves every output, or a list "
+    with pytest.raises(TypeError, match="labels must be one array, which serves every output, or a list "
                                         "of 2"):
         trainer.train_batch(x, [digits])
     with pytest.raises(ValueError, match=r"\(output 'parity' \(Dense\(2\)\)\): labels must lie in 0..1 for 2 "
