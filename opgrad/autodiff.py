@@ -12,6 +12,7 @@ Each rule's result is then checked against its input's type, naming the rule if 
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterable, Sequence
 
 import numpy as np
@@ -20,6 +21,7 @@ from opgrad import ops
 from opgrad.dtypes import collapses_to
 from opgrad.errors import GradientError
 from opgrad.ir import Call, Const, Expr, Function, Var, topological_order, var
+from opgrad.registry.strided_slice import resolved_slices
 
 
 def _describe(call: Call) -> str:
@@ -81,6 +83,60 @@ def _depends_on(outputs: Sequence[Expr], wrt: Sequence[Expr]) -> set[int]:
     return active
 
 
+def _slice_block(part: Expr) -> tuple[tuple[int, ...], int, int, int] | None:
+    """``(input_shape, axis, start, stop)`` where ``part`` writes a gradient into one contiguous
+    block of zeros along one axis, whole along the others (the gradient of a gate, a head or one
+    of q, k, v cut from a tensor); None for anything else."""
+    if not (isinstance(part, Call) and part.op.name == "strided_slice_backward"):
+        return None
+    shape = tuple(part.attrs["input_shape"])
+    cut = [(axis, start, step, length) for axis, (start, step, length) in enumerate(resolved_slices(shape, part.attrs))
+           if (start, step, length) != (0, 1, shape[axis])]
+    if len(cut) != 1 or cut[0][2] != 1:
+        return None
+    axis, start, _, length = cut[0]
+    return shape, axis, start, start + length
+
+
+def accumulate(parts: Sequence[Expr]) -> Expr:
+    """The sum of a node's gradient contributions, in order. Contributions that write disjoint
+    blocks of one axis into zeros (:func:`_slice_block`) are joined by one ``concatenate``, zeros
+    between them, rather than added as whole tensors of zeros: the gradient of a tensor cut into
+    gates or heads is one copy, not a zero-fill and an add per part. The values are the sum's."""
+    blocks = [(_slice_block(part), part) for part in parts]
+    groups: dict[tuple[tuple[int, ...], int, str], list[tuple[int, int, Expr]]] = {}
+    for block, part in blocks:
+        if block is not None:
+            shape, axis, start, stop = block
+            groups.setdefault((shape, axis, part.dtype), []).append((start, stop, part))
+    joined: dict[int, Expr] = {}  # the first part of each joined group -> the concatenate
+    for (shape, axis, dtype), members in groups.items():
+        ordered = sorted(members, key=lambda member: member[0])
+        if len(ordered) < 2 or any(a[1] > b[0] for a, b in itertools.pairwise(ordered)):
+            continue  # one block, or overlapping ones: added as they are
+        pieces: list[Expr] = []
+        at = 0
+        for start, stop, part in ordered:
+            if start > at:
+                pieces.append(ops.zeros(shape=(*shape[:axis], start - at, *shape[axis + 1:]), dtype=dtype))
+            assert isinstance(part, Call)
+            pieces.append(part.args[0])
+            at = stop
+        if at < shape[axis]:
+            pieces.append(ops.zeros(shape=(*shape[:axis], shape[axis] - at, *shape[axis + 1:]), dtype=dtype))
+        joined[members[0][2]._uid] = ops.concatenate(pieces, axis=axis)
+        for _, _, part in members[1:]:
+            joined[part._uid] = None  # type: ignore[assignment]  # folded into the first
+    total: Expr | None = None
+    for part in parts:
+        term = joined.get(part._uid, part)
+        if term is None:
+            continue
+        total = term if total is None else ops.add(total, term)
+    assert total is not None
+    return total
+
+
 def gradients(output: Expr, wrt: Sequence[Expr], cotangent: Expr | None = None) -> list[Expr]:
     """Vector-Jacobian products of ``output`` with respect to each of ``wrt``.
 
@@ -98,9 +154,7 @@ def gradients(output: Expr, wrt: Sequence[Expr], cotangent: Expr | None = None) 
         parts = pending.pop(node._uid, None)
         if parts is None or node._uid not in active:
             continue
-        total = parts[0]
-        for extra in parts[1:]:
-            total = ops.add(total, extra)
+        total = accumulate(parts)
         totals[node._uid] = total
         if not isinstance(node, Call):
             continue

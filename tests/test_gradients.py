@@ -93,3 +93,32 @@ def test_max_pool_ties_go_to_first_maximum() -> None:
     g = opgrad.grad(opgrad.function([x], opgrad.ops.sum(opgrad.ops.max_pool2d(x, pool_size=2))))
     _, dx = opgrad.evaluate(g, np.full((1, 1, 2, 2), 3.0))
     np.testing.assert_array_equal(dx[0, 0], [[1.0, 0.0], [0.0, 0.0]])
+
+
+@pytest.mark.parametrize("cuts", [(0, 2, 4, 6, 8), (1, 3, 6), ((0, 4), (2, 6))])
+def test_gradients_of_slices_of_one_tensor_are_joined(cuts: tuple) -> None:
+    """A tensor cut into blocks along one axis (gates, heads): the blocks' gradients are joined by
+    one concatenate, zeros where no block reads, rather than added as whole tensors of zeros;
+    overlapping blocks are added. The values are the finite differences' either way."""
+    from opgrad import ops
+    from opgrad.checks import check_function
+
+    x = opgrad.var("x", (3, 8), "float64")
+    spans = list(cuts) if isinstance(cuts[0], tuple) else list(zip(cuts, cuts[1:]))
+    terms = [ops.sum(ops.multiply(ops.tanh(ops.strided_slice(x, begin=[0, lo], end=[3, hi])), float(i + 1)))
+             for i, (lo, hi) in enumerate(spans)]
+    total = terms[0]
+    for term in terms[1:]:
+        total = ops.add(total, term)
+    fn = opgrad.function([x], total)
+    grad_fn = opgrad.grad(fn, with_value=False)
+    names = {node.op.name for node in opgrad.ir.topological_order(list(grad_fn.outputs)) if hasattr(node, "op")}
+    overlapping = any(a[1] > b[0] for a, b in zip(spans, spans[1:]))
+    assert ("strided_slice_backward" in names) == overlapping, names
+    assert ("concatenate" in names) != overlapping, names
+    assert check_function(fn, max_examples=3, seed=0).passed
+    x0 = rng.uniform(-2, 2, (3, 8))
+    want = np.zeros((3, 8))
+    for i, (lo, hi) in enumerate(spans):
+        want[:, lo:hi] += (i + 1) * (1 - np.tanh(x0[:, lo:hi]) ** 2)
+    np.testing.assert_allclose(opgrad.evaluate(grad_fn, x0), want, rtol=1e-12, atol=1e-14)
