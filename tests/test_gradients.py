@@ -7,6 +7,8 @@ registered op from its declaration (docs/contributing-an-operator.md: one file, 
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
 from fd import analytic_and_numeric
@@ -104,7 +106,7 @@ def test_gradients_of_slices_of_one_tensor_are_joined(cuts: tuple) -> None:
     from opgrad.checks import check_function
 
     x = opgrad.var("x", (3, 8), "float64")
-    spans = list(cuts) if isinstance(cuts[0], tuple) else list(zip(cuts, cuts[1:]))
+    spans = list(cuts) if isinstance(cuts[0], tuple) else list(itertools.pairwise(cuts))
     terms = [ops.sum(ops.multiply(ops.tanh(ops.strided_slice(x, begin=[0, lo], end=[3, hi])), float(i + 1)))
              for i, (lo, hi) in enumerate(spans)]
     total = terms[0]
@@ -113,7 +115,7 @@ def test_gradients_of_slices_of_one_tensor_are_joined(cuts: tuple) -> None:
     fn = opgrad.function([x], total)
     grad_fn = opgrad.grad(fn, with_value=False)
     names = {node.op.name for node in opgrad.ir.topological_order(list(grad_fn.outputs)) if hasattr(node, "op")}
-    overlapping = any(a[1] > b[0] for a, b in zip(spans, spans[1:]))
+    overlapping = any(a[1] > b[0] for a, b in itertools.pairwise(spans))
     assert ("strided_slice_backward" in names) == overlapping, names
     assert ("concatenate" in names) != overlapping, names
     assert check_function(fn, max_examples=3, seed=0).passed

@@ -164,6 +164,24 @@ def test_recurrent_layers_go_out_as_onnx_lstm_and_gru_nodes(kind: str, tmp_path:
                                rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_a_transformer_block_goes_out_as_onnx(causal: bool, tmp_path: Path) -> None:
+    """MultiHeadAttention (with a padding mask; causal or not, with and without biases) in a
+    residual block with LayerNorm and GELU: onnxruntime gives opgrad's outputs."""
+    tokens, mask = nn.Input((6,), dtype="int64", name="tokens"), nn.Input((6,), name="mask")
+    x = nn.Embedding(20, 8)(tokens)
+    x = nn.LayerNorm()(nn.Add()([x, nn.MultiHeadAttention(2, causal=causal, padding_mask=True)([x, mask])]))
+    x = nn.Add()([x, nn.MultiHeadAttention(4, use_bias=False)(x)])
+    model = _perturbed(nn.Model([tokens, mask], nn.Dense(3)(nn.Dense(8, activation="gelu")(x)), name="block"))
+    path = tmp_path / "block.onnx"
+    opgrad_onnx.save(model, path)
+    rng = np.random.default_rng(4)
+    ids, keep = rng.integers(0, 20, (3, 6)), np.ones((3, 6), np.float32)
+    keep[0, 4:] = keep[2, 1:] = 0
+    np.testing.assert_allclose(run_onnxruntime(path, ids, keep)[0],
+                               model.predict([ids, keep], batch_size=3, backend="reference"), rtol=1e-5, atol=2e-6)
+
+
 @pytest.mark.parametrize("name", TORCH_MODELS)
 def test_imported_models_go_back_out_as_onnx(name: str, tmp_path: Path) -> None:
     model = opgrad_onnx.load(FIXTURES / f"{name}.onnx")

@@ -73,13 +73,13 @@ class GraphBuilder:
             self.initializers[name] = self.onnx.numpy_helper.from_array(array, name)
         return name
 
-    def stacked_weight(self, layer: Layer, name: str, parts: list[np.ndarray]) -> str:
-        """An initializer ``<layer>.<name>`` stacking ``parts`` (arrays made from the layer's weights
-        in another layout, as ONNX's LSTM takes its directions)."""
+    def derived_weight(self, layer: Layer, name: str, array: np.ndarray) -> str:
+        """An initializer ``<layer>.<name>`` holding ``array``, made from the layer's weights in
+        another layout (ONNX's LSTM directions stacked, an attention projection cut from its
+        stacked weight)."""
         full = f"{layer.name}.{name}"
         self.taken.add(full)
-        array = np.ascontiguousarray(np.stack(parts), dtype=self.dtype)
-        self.initializers[full] = self.onnx.numpy_helper.from_array(array, full)
+        self.initializers[full] = self.onnx.numpy_helper.from_array(np.ascontiguousarray(array, dtype=self.dtype), full)
         return full
 
     def node(self, op_type: str, inputs: list[str], output: str | None = None, hint: str = "", **attrs: Any) -> str:
@@ -208,8 +208,8 @@ def _recurrent(b: GraphBuilder, layer: Any, x: list[str], shapes: list[Shape], o
         attrs["linear_before_reset"] = 1
     b.nodes.append(b.onnx.helper.make_node(
         "LSTM" if lstm else "GRU",
-        [sequence_first, b.stacked_weight(layer, "W", weights), b.stacked_weight(layer, "R", recurrent),
-         b.stacked_weight(layer, "B", biases)],
+        [sequence_first, b.derived_weight(layer, "W", np.stack(weights)),
+         b.derived_weight(layer, "R", np.stack(recurrent)), b.derived_weight(layer, "B", np.stack(biases))],
         [every, last], name=b.fresh(layer.name), **attrs))
     if layer.return_sequences:  # Y (length, directions, N, units) -> (N, length, directions * units)
         batch_first = b.node("Transpose", [every], None, f"{layer.name}_out", perm=[2, 0, 1, 3])
@@ -218,6 +218,56 @@ def _recurrent(b: GraphBuilder, layer: Any, x: list[str], shapes: list[Shape], o
         batch_first = b.node("Transpose", [last], None, f"{layer.name}_out", perm=[1, 0, 2])
         shape = b.constant([0, directions * units], f"{layer.name}.shape", np.int64)
     b.node("Reshape", [batch_first, shape], out, layer.name)
+
+
+@emitter("multiheadattention")
+def _attention(b: GraphBuilder, layer: Any, x: list[str], shapes: list[Shape], out: str) -> None:
+    """Self-attention as MatMul, Softmax and reshapes: each projection's weight cut from the stacked
+    ``in_proj_weight`` and transposed for MatMul, the heads split into ``(N, heads, length, d)``,
+    the causal mask a constant and the padding mask ``(1 - mask) * MASKED`` added to the scores
+    (the layer's own arithmetic, so onnxruntime computes what opgrad does)."""
+    length, embed = shapes[0]
+    heads, d = layer.num_heads, embed // layer.num_heads
+    weight = np.asarray(b.weights[f"{layer.name}.in_proj_weight"])
+    bias = np.asarray(b.weights[f"{layer.name}.in_proj_bias"]) if layer.use_bias else None
+    split_heads = b.constant([0, length, heads, d], f"{layer.name}.heads", np.int64)
+
+    def projected(part: int, name: str, perm: list[int]) -> str:
+        rows = slice(part * embed, (part + 1) * embed)
+        y = b.node("MatMul", [x[0], b.derived_weight(layer, f"{name}_weight", weight[rows].T)], None,
+                   f"{layer.name}_{name}")
+        if bias is not None:
+            y = b.node("Add", [y, b.derived_weight(layer, f"{name}_bias", bias[rows])], None,
+                       f"{layer.name}_{name}_bias")
+        return b.node("Transpose", [b.node("Reshape", [y, split_heads], None, f"{layer.name}_{name}_heads")], None,
+                      f"{layer.name}_{name}_t", perm=perm)
+
+    q = projected(0, "q", [0, 2, 1, 3])
+    k = projected(1, "k", [0, 2, 3, 1])  # (N, heads, d, length): q @ k is the scores
+    v = projected(2, "v", [0, 2, 1, 3])
+    scores = b.node("Mul", [b.node("MatMul", [q, k], None, f"{layer.name}_scores"),
+                            b.constant(1.0 / math.sqrt(d), f"{layer.name}.scale")], None, f"{layer.name}_scaled")
+    if layer.causal:
+        hidden = np.triu(np.full((length, length), layer.MASKED), k=1)
+        scores = b.node("Add", [scores, b.constant(hidden, f"{layer.name}.causal")], None, f"{layer.name}_causal")
+    if len(x) > 1:  # the padding mask (N, length): 1 for a token, 0 for padding
+        padding = b.node("Mul", [b.node("Sub", [b.constant(1.0, f"{layer.name}.one"), x[1]], None,
+                                        f"{layer.name}_padding"),
+                                 b.constant(layer.MASKED, f"{layer.name}.masked")], None, f"{layer.name}_masked")
+        per_key = b.node("Reshape", [padding, b.constant([0, 1, 1, length], f"{layer.name}.keys", np.int64)], None,
+                         f"{layer.name}_keys")
+        scores = b.node("Add", [scores, per_key], None, f"{layer.name}_padded")
+    attended = b.node("MatMul", [b.node("Softmax", [scores], None, f"{layer.name}_softmax", axis=-1), v], None,
+                      f"{layer.name}_attended")
+    merged = b.node("Reshape", [b.node("Transpose", [attended], None, f"{layer.name}_merge", perm=[0, 2, 1, 3]),
+                                b.constant([0, length, embed], f"{layer.name}.merged", np.int64)], None,
+                    f"{layer.name}_merged")
+    out_weight = b.weight(layer, "out_proj_weight", np.transpose)
+    if layer.use_bias:
+        y = b.node("MatMul", [merged, out_weight], None, f"{layer.name}_out")
+        b.node("Add", [y, b.weight(layer, "out_proj_bias")], out, layer.name)
+    else:
+        b.node("MatMul", [merged, out_weight], out, layer.name)
 
 
 @emitter("conv1d")
