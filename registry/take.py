@@ -98,8 +98,11 @@ def _take_cases(d: CaseDraw) -> Case:
 
 @take.lowering
 def _take_lowering(kb: KernelBuilder, call: Call, out: View, data: View, indices: View) -> None:
-    """out[pre, i, post] = sum over k of (data[pre, k, post] if indices[i] == k else 0): a compare, never an address"""
+    """out[pre, i, post] = data[pre, indices[i], post]: rows by address along axis 0 (kb.gather_rows), else
+    the sum over k of (data[pre, k, post] if indices[i] == k else 0), a compare and no address"""
     axis, size = call.attrs["axis"], call.attrs["axis_size"]
+    if axis == 0 and kb.gather_rows(out, data, indices):  # an embedding lookup: rows copied by address
+        return
     ni = indices.ndim
     pre, post = data.shape[:axis], data.shape[axis + 1:]
     full = (*pre, *indices.shape, *post, size)
@@ -184,6 +187,8 @@ def _take_backward_cases(d: CaseDraw) -> Case:
 def _take_backward_lowering(kb: KernelBuilder, call: Call, out: View, grad: View, indices: View) -> None:
     """out[pre, k, post] = sum over i of (grad[pre, i, post] if indices[i] == k else 0)"""
     axis, size, ni = call.attrs["axis"], call.attrs["axis_size"], indices.ndim
+    if axis == 0 and kb.scatter_add_rows(out, grad, indices):  # rows added by address, picks in order
+        return
     pre, post = out.shape[:axis], out.shape[axis + 1:]
     full = (*pre, size, *post, *indices.shape)
     values = replace(grad, shape=full, strides=(*grad.strides[:axis], 0, *grad.strides[axis + ni:],

@@ -43,6 +43,7 @@ import numpy as np
 from .batched import emit_batched_gemm
 from .conv import Conv2dGeometry
 from .convpass import ConvPass, accepts_prologue, emit_conv2d_pass
+from .gather import gather_rows, rows_addressable, scatter_add_rows
 from .gemm import Epilogue, GemmSpec, IndexMap, Operand, emit_gemm
 from .grouped import conv2d_direct
 from .hostcall import emit_cross_replica_sum, register_host_symbols
@@ -362,6 +363,21 @@ class KernelBuilder:
         """Window max or mean (``op`` = ``max`` | ``avg``) over NCHW ``data``; see :mod:`.windows`."""
         win = Window2d(tuple(pool), tuple(strides), tuple(padding), ceil_mode, count_include_pad)  # type: ignore[arg-type]
         pool2d(self, out, data, win, op)
+
+    def gather_rows(self, out: View, table: View, indices: View) -> bool:
+        """``out[i, ...] = table[indices[i], ...]`` by address (:mod:`.gather`) where the views are
+        rows in memory; False (nothing emitted) where they are not."""
+        if not rows_addressable(out, table, indices):
+            return False
+        gather_rows(self, out, table, indices)
+        return True
+
+    def scatter_add_rows(self, out: View, grad: View, indices: View) -> bool:
+        """The adjoint of :meth:`gather_rows`: each pick's gradient row added into its table row."""
+        if not rows_addressable(out, grad, indices):
+            return False
+        scatter_add_rows(self, out, grad, indices)
+        return True
 
     def pool2d_argmax_gather(self, out: View, values: View, data: View, pool: Sequence[int],
                              strides: Sequence[int], padding: Sequence[int], ceil_mode: bool = False) -> None:
