@@ -126,6 +126,54 @@ def place_on_zero(rng: np.random.Generator, inputs: list[np.ndarray], attrs: Att
     return [data, *inputs[1:]]
 
 
+#: Below this |x|, float32's tanh is its odd Taylor polynomial through x^9 (its error there under
+#: 1e-13 of tanh), where (1 - e) / (1 + e) would lose digits to the cancellation in 1 - e.
+TANH_SERIES_BELOW = 1.0 / 16.0
+
+
+def tanh_scalar(s: Any, x: str) -> str:
+    """tanh(x) from the emitter ``s``. In float32 ``copysign((1 - e) / (1 + e), x)``,
+    ``e = exp(-2 |x|)``, and the Taylor polynomial below :data:`TANH_SERIES_BELOW`: within 3
+    float32 ulps of tanh, +-1 at +-inf, NaN for NaN, and several times faster than the C
+    library's tanhf, a slow call per element (an LSTM's gates spent half its step there).
+    float64 keeps the C library's tanh, the checker's precision."""
+    if s.dtype == "float64":
+        return s.call("tanh", x)  # type: ignore[no-any-return]
+    a = s.call("fabs", x)
+    e = s.call("exp", s.mul(s.const(-2.0), a))
+    ratio = s.call("copysign", s.div(s.sub(s.const(1.0), e), s.add(s.const(1.0), e)), x)
+    x2 = s.mul(x, x)
+    poly = s.const(62.0 / 2835.0)
+    for coefficient in (-17.0 / 315.0, 2.0 / 15.0, -1.0 / 3.0):
+        poly = s.add(s.mul(poly, x2), s.const(coefficient))
+    series = s.add(s.mul(s.mul(poly, x2), x), x)
+    return s.select(s.cmp("olt", a, s.const(TANH_SERIES_BELOW)), series, ratio)  # type: ignore[no-any-return]
+
+
+#: The Chebyshev fit of erfc in Press et al., Numerical Recipes (``erfcc``): ``erfc(z) = t *
+#: exp(-z^2 + P(t))``, ``t = 1 / (1 + z / 2)``, for z >= 0, with a fractional error below 1.2e-7
+#: everywhere; P's coefficients from t^0 up.
+ERFC_FIT = (-1.26551223, 1.00002368, 0.37409196, 0.09678418, -0.18628806, 0.27886807, -1.13520398, 1.48851587,
+            -0.82215223, 0.17087277)
+
+
+def erfc_scalar(s: Any, x: str) -> str:
+    """erfc(x) from the emitter ``s``. In float32 :data:`ERFC_FIT` at |x| (``2 - erfc(|x|)`` for
+    negative x): within 4e-6 of erfc (the float32 rounding of x^2 in the exponent, near erfc's
+    underflow at x = 9; 1e-6 below x = 4), built from exp, which vectorizes where the C
+    library's erfcf is a call per element (exact GELU spent most of a transformer's step there);
+    0 at +inf, 2 at -inf, NaN for NaN. float64 keeps the C library's erfc."""
+    if s.dtype == "float64":
+        return s.libm("erfc", x)  # type: ignore[no-any-return]
+    z = s.call("fabs", x)
+    t = s.div(s.const(1.0), s.add(s.const(1.0), s.mul(s.const(0.5), z)))
+    poly = s.const(ERFC_FIT[-1])
+    for coefficient in reversed(ERFC_FIT[:-1]):
+        poly = s.add(s.mul(poly, t), s.const(coefficient))
+    tail = s.mul(t, s.call("exp", s.sub(poly, s.mul(z, z))))
+    return s.select(s.cmp("oge", x, s.const(0.0)), tail, s.sub(s.const(2.0), tail))  # type: ignore[no-any-return]
+
+
 def smooth_unary(name: str, doc: str, *, forward: Callable[[np.ndarray], np.ndarray],
                  gradient: tuple[str, Callable[[Call, Expr], Expr]], lowering: tuple[str, Body],
                  domain: tuple[Interval, ...] = DEFAULT_DOMAIN, jointly_linear: bool = False) -> Operator:

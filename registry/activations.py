@@ -17,7 +17,7 @@ from opgrad import ops
 from opgrad.ir import Call, Expr
 from opgrad.op import Attr, Attrs, Case, Input, Interval, Kink, Operator
 
-from ._common import distance_to_zero, place_on_zero, same_as_first
+from ._common import distance_to_zero, erfc_scalar, place_on_zero, same_as_first, tanh_scalar
 
 if TYPE_CHECKING:  # types only: the compiler and the checker sit above the registry
     from opgrad.checks.strategies import CaseDraw
@@ -108,8 +108,8 @@ def _erfc_as_erf(call: Call, grad: Expr) -> list[Expr | None]:
 
 @erfc.lowering
 def _erfc_lowering(kb: KernelBuilder, call: Call, out: View, data: View) -> None:
-    """out = erfc(data) (libm erfc / erfcf)"""
-    kb.elementwise(out, [data], lambda s, v: s.libm("erfc", v[0]))
+    """out = erfc(data): float32 from exp and a Chebyshev fit (erfc_scalar), float64 libm erfc"""
+    kb.elementwise(out, [data], lambda s, v: erfc_scalar(s, v[0]))
 
 
 # ----- gelu -----
@@ -188,11 +188,11 @@ def _gelu_lowering(kb: KernelBuilder, call: Call, out: View, data: View) -> None
             x = v[0]
             cube = s.mul(s.mul(x, x), x)
             inner = s.mul(s.const(_TANH_SCALE), s.add(x, s.mul(s.const(_TANH_CUBIC), cube)))
-            return s.mul(s.mul(s.const(0.5), x), s.add(s.const(1.0), s.call("tanh", inner)))
+            return s.mul(s.mul(s.const(0.5), x), s.add(s.const(1.0), tanh_scalar(s, inner)))
     else:
         def body(s: Scalar, v: list[str]) -> str:
             x = v[0]
-            cdf = s.mul(s.const(0.5), s.libm("erfc", s.mul(x, s.const(-_SQRT1_2))))
+            cdf = s.mul(s.const(0.5), erfc_scalar(s, s.mul(x, s.const(-_SQRT1_2))))
             return s.mul(x, cdf)
     kb.elementwise(out, [data], body)
 

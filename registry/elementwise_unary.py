@@ -15,7 +15,7 @@ from opgrad import ops
 from opgrad.ir import Call, Expr
 from opgrad.op import Input, Operator
 
-from ._common import POSITIVE, same_as_first, smooth_unary
+from ._common import POSITIVE, same_as_first, smooth_unary, tanh_scalar
 
 if TYPE_CHECKING:  # types only: the compiler and the checker sit above the registry
     from opgrad.compiler.builder import KernelBuilder
@@ -152,7 +152,7 @@ tanh = smooth_unary(
     "tanh", "Hyperbolic tangent.", forward=np.tanh,
     gradient=("d_data = grad * (1 - t^2), t = tanh(data)",
               lambda call, grad: ops.multiply(grad, ops.subtract(1.0, ops.multiply(call, call)))),
-    lowering=("out = tanh(data)", lambda s, v: s.call("tanh", v[0])),
+    lowering=("out = tanh(data), from exp (tanh_scalar)", lambda s, v: tanh_scalar(s, v[0])),
 )
 
 
