@@ -870,3 +870,80 @@ def test_bidirectional_recurrent_layers_predict_like_keras(tmp_path: Path, monke
     summed.save(tmp_path / "sum.keras")
     with pytest.raises(KerasImportError, match=r"merge_mode='sum' is not supported; supported: 'concat'"):
         load(tmp_path / "sum.keras")
+
+
+def _keras_ops_arithmetic(keras: Any, x: Any) -> Any:
+    """Every form Keras saves for arithmetic on a tensor: operators and keras.ops functions, the
+    number first or second, and two tensors."""
+    from keras import ops
+
+    y = keras.layers.ReLU(6.0)(x + 3.0) * (1.0 / 6.0)  # MobileNetV3's hard sigmoid
+    y = ops.subtract(3.0 - ops.add(y, 2.0), 1.0) / 2.0
+    y = ops.divide(ops.multiply(y, x), 4.0) + y
+    return ops.true_divide(2.0 / (y * y + 1.0), 3.0) - keras.layers.Conv2D(3, 1)(x)
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # Keras' own numpy 2 deprecations
+def test_keras_ops_arithmetic_predicts_like_keras(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    generator = _generator(monkeypatch)
+    import keras
+
+    inp = keras.Input((5, 4, 3))
+    keras_model = keras.Model(inp, _keras_ops_arithmetic(keras, inp))
+    model = _predicts_like_keras(tmp_path, keras_model, generator, seed=14, suffixes=(".keras", ".h5"),
+                                 layouts=("NCHW", "NHWC"))
+    assert "3 subtract x" in {layer.config() for layer in model.layers}  # 3.0 - y: the number first
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # Keras' own numpy 2 deprecations
+def test_other_keras_ops_are_refused_by_name(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    _generator(monkeypatch)
+    import keras
+    from keras import ops
+
+    inp = keras.Input((4,))
+    keras.Model(inp, keras.layers.Dense(2)(ops.abs(inp) + 1.0)).save(tmp_path / "abs.keras")
+    with pytest.raises(KerasImportError, match=r"layer 'absolute' is the keras.ops operation 'Absolute', which the "
+                                               r"importer does not support; supported keras.ops operations: Add, "):
+        load(tmp_path / "abs.keras")
+    short = keras.Input((3,))
+    keras.Model([inp, short], inp + ops.tile(short, 2)[:, :4]).save(tmp_path / "ranks.keras")
+    with pytest.raises(KerasImportError, match=r"keras.ops operation 'Tile'"):
+        load(tmp_path / "ranks.keras")
+    features = keras.Input((2, 4))
+    keras.Model([inp, features], features * inp).save(tmp_path / "ranks.keras")
+    with pytest.raises(KerasImportError, match=r"\(2, 4\) and \(4,\) differ in rank"):
+        load(tmp_path / "ranks.keras")
+
+
+def _scale_depthwise_kernels(keras: Any, keras_model: Any) -> None:
+    """Depthwise kernels at the scale of their 3x3 fan-in: the fixtures' randomize divides them by
+    the channel count too, which leaves a deep MobileNet's output independent of its input."""
+    for layer in keras_model.layers:
+        if isinstance(layer, keras.layers.DepthwiseConv2D):
+            kernel, *rest = layer.get_weights()
+            layer.set_weights([kernel * np.sqrt(kernel.shape[2]), *rest])
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # Keras' own numpy 2 deprecations
+@pytest.mark.parametrize("preprocessing", [True, False])
+def test_mobilenet_v3_small_predicts_like_keras(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                preprocessing: bool) -> None:
+    """keras.applications.MobileNetV3Small: its hard sigmoid and hard swish are keras.ops arithmetic;
+    include_preprocessing adds a Rescaling of [0, 255] images."""
+    generator = _generator(monkeypatch)
+    import keras
+
+    keras_model = keras.applications.MobileNetV3Small(input_shape=(32, 32, 3), weights=None, classes=10,
+                                                      classifier_activation=None,
+                                                      include_preprocessing=preprocessing)
+    generator.randomize(keras_model, seed=15)
+    _scale_depthwise_kernels(keras, keras_model)
+    x = np.random.default_rng(15).standard_normal((2, 32, 32, 3)).astype(np.float32) * (60 if preprocessing else 1)
+    expected = np.asarray(keras_model.predict(x, verbose=0))
+    keras_model.save(tmp_path / "mobilenet.keras")
+    layout, backend = ("NHWC", "llvm") if preprocessing else ("NCHW", "reference")
+    model = load(tmp_path / "mobilenet.keras", layout=layout)
+    out = model.predict(x if layout == "NHWC" else nchw(x), backend=backend)
+    np.testing.assert_allclose(out, expected, atol=1e-5, rtol=0)
+    assert np.abs(expected[0] - expected[1]).max() > 1e-5  # the output depends on the input
