@@ -947,3 +947,30 @@ def test_mobilenet_v3_small_predicts_like_keras(tmp_path: Path, monkeypatch: pyt
     out = model.predict(x if layout == "NHWC" else nchw(x), backend=backend)
     np.testing.assert_allclose(out, expected, atol=1e-5, rtol=0)
     assert np.abs(expected[0] - expected[1]).max() > 1e-5  # the output depends on the input
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # Keras' own numpy 2 deprecations
+def test_dict_inputs_and_outputs_take_keras_flatten_order(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """keras.Model(inputs={...}, outputs={...}): the imported model's inputs and outputs are in the
+    sorted order of the keys (Keras' own flatten order), which input_names and output_names give."""
+    generator = _generator(monkeypatch)
+    import keras
+
+    meta, image = keras.Input((3,), name="meta"), keras.Input((4, 4, 2), name="image")
+    pooled = keras.layers.GlobalAveragePooling2D()(keras.layers.Conv2D(3, 1)(image))
+    joined = keras.layers.Concatenate()([meta, pooled])
+    keras_model = keras.Model(inputs={"meta": meta, "image": image},
+                              outputs={"score": keras.layers.Dense(1)(meta), "classes": keras.layers.Dense(2)(joined)})
+    generator.randomize(keras_model, seed=16)
+    rng = np.random.default_rng(16)
+    x = {"meta": rng.standard_normal((2, 3)).astype(np.float32),
+         "image": rng.standard_normal((2, 4, 4, 2)).astype(np.float32)}
+    expected = keras_model.predict(x, verbose=0)
+    for suffix in (".keras", ".h5"):
+        keras_model.save(tmp_path / f"model{suffix}")
+        model = load(tmp_path / f"model{suffix}")
+        assert model.input_names == ["image", "meta"] and model.output_names == ["classes", "score"]
+        for backend in ("reference", "llvm"):
+            out = model.predict([nchw(x["image"]), x["meta"]], backend=backend)
+            for name, array in zip(model.output_names, out):
+                np.testing.assert_allclose(array, expected[name], atol=1e-5, rtol=0, err_msg=f"{suffix} {backend}")
