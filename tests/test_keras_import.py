@@ -508,10 +508,13 @@ def test_layer_variants_predict_like_keras(tmp_path: Path, monkeypatch: pytest.M
 
 
 def _predicts_like_keras(tmp_path: Path, keras_model: Any, generator: Any, seed: int, *,
-                         suffixes: tuple[str, ...] = (".keras",), layouts: tuple[str, ...] = ("NCHW",)) -> nn.Model:
-    """``keras_model`` with random weights, saved as each of ``suffixes`` and imported with each of
-    ``layouts``, predicts as Keras does on both backends; returns the last import."""
-    generator.randomize(keras_model, seed=seed)
+                         suffixes: tuple[str, ...] = (".keras",), layouts: tuple[str, ...] = ("NCHW",),
+                         randomize: bool = True) -> nn.Model:
+    """``keras_model`` with random weights (unless not ``randomize``: weights set by the caller),
+    saved as each of ``suffixes`` and imported with each of ``layouts``, predicts as Keras does on
+    both backends; returns the last import."""
+    if randomize:
+        generator.randomize(keras_model, seed=seed)
     x = np.random.default_rng(seed).standard_normal((2, *keras_model.inputs[0].shape[1:])).astype(np.float32)
     expected = np.asarray(keras_model.predict(x, verbose=0))
     for suffix in suffixes:
@@ -974,3 +977,99 @@ def test_dict_inputs_and_outputs_take_keras_flatten_order(tmp_path: Path, monkey
             out = model.predict([nchw(x["image"]), x["meta"]], backend=backend)
             for name, array in zip(model.output_names, out):
                 np.testing.assert_allclose(array, expected[name], atol=1e-5, rtol=0, err_msg=f"{suffix} {backend}")
+
+
+#: Layers that change their input only while Keras trains, between two convolutions.
+AUGMENTATIONS = {
+    "RandomFlip": lambda layers: layers.RandomFlip(),
+    "RandomRotation": lambda layers: layers.RandomRotation(0.2, fill_mode="nearest"),
+    "RandomZoom": lambda layers: layers.RandomZoom(0.1, 0.2),
+    "RandomTranslation": lambda layers: layers.RandomTranslation(0.1, 0.1),
+    "RandomContrast": lambda layers: layers.RandomContrast(0.3),
+    "RandomBrightness": lambda layers: layers.RandomBrightness(0.2, value_range=(-3, 3)),
+    "GaussianNoise": lambda layers: layers.GaussianNoise(0.5),
+    "GaussianDropout": lambda layers: layers.GaussianDropout(0.3),
+    "AlphaDropout": lambda layers: layers.AlphaDropout(0.3),
+    "RandomCrop_to_the_input_size": lambda layers: layers.RandomCrop(5, 4),
+}
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # Keras' own numpy 2 deprecations
+@pytest.mark.parametrize("variant", AUGMENTATIONS)
+def test_augmentation_and_noise_layers_are_left_out(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                    variant: str) -> None:
+    generator = _generator(monkeypatch)
+    import keras
+
+    inp = keras.Input((5, 4, 3))
+    x = AUGMENTATIONS[variant](keras.layers)(keras.layers.Conv2D(3, 1)(inp))
+    keras_model = keras.Model(inp, keras.layers.Conv2D(2, 1)(x))
+    # Keras' .h5 writer fails on RandomBrightness (it deep-copies a module the layer holds).
+    suffixes = (".keras",) if variant == "RandomBrightness" else (".keras", ".h5")
+    model = _predicts_like_keras(tmp_path, keras_model, generator, seed=17, suffixes=suffixes,
+                                 layouts=("NCHW", "NHWC"))
+    assert {type(layer).__name__ for layer in model.layers} == {"Conv2D", "Permute"}  # NHWC's transposes
+    notes = read(tmp_path / "model.keras").notes
+    assert len(notes) == 1 and "left out: " in notes[0] and "opgrad does not apply it" in notes[0]
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # Keras' own numpy 2 deprecations
+def test_a_random_crop_to_another_size_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    _generator(monkeypatch)
+    import keras
+
+    inp = keras.Input((6, 5, 3))
+    keras.Model(inp, keras.layers.RandomCrop(4, 3)(inp)).save(tmp_path / "crop.keras")
+    with pytest.raises(KerasImportError, match=r"\(RandomCrop\): crops \(6, 5, 3\) to 4x3; at inference Keras does "
+                                               r"not crop"):
+        load(tmp_path / "crop.keras")
+
+
+#: Normalization of a (5, 4, 3) image or 7 features, adapted to data with other statistics than
+#: the input's, or given its mean and variance.
+NORMALIZATIONS = {
+    "image_channels": ((5, 4, 3), dict(), True),
+    "image_pixels_and_channels": ((5, 4, 3), dict(axis=(2, 3)), True),
+    "image_one_statistic": ((5, 4, 3), dict(axis=None), True),
+    "image_rows_inverted": ((5, 4, 3), dict(axis=1, invert=True), True),
+    "features": ((7,), dict(), True),
+    "features_given": ((7,), dict(mean=np.linspace(-1, 1, 7).tolist(), variance=np.linspace(0, 4, 7).tolist()), False),
+    "image_given_one_number": ((5, 4, 3), dict(mean=0.5, variance=2.0), False),
+}
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # Keras' own numpy 2 deprecations
+@pytest.mark.parametrize("variant", NORMALIZATIONS)
+def test_normalization_predicts_like_keras(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, variant: str) -> None:
+    generator = _generator(monkeypatch)
+    import keras
+
+    shape, options, adapt = NORMALIZATIONS[variant]
+    layer = keras.layers.Normalization(**options)
+    if adapt:
+        rng = np.random.default_rng(18)
+        layer.adapt(rng.normal(2.0, 3.0, (16, *shape)).astype(np.float32) * rng.uniform(0.2, 2.0, shape[-1]))
+    inp = keras.Input(shape)
+    keras_model = keras.Model(inp, layer(inp))
+    suffixes = (".keras", ".h5") if adapt else (".keras",)  # Keras cannot read a given mean back from .h5
+    model = _predicts_like_keras(tmp_path, keras_model, generator, seed=18, suffixes=suffixes,
+                                 layouts=("NCHW", "NHWC") if len(shape) == 3 else ("NCHW",), randomize=False)
+    assert model.num_params == 0  # fixed statistics: Keras does not train them either
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # Keras' own numpy 2 deprecations
+def test_time_distributed_dense_is_a_dense_over_the_last_axis(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    generator = _generator(monkeypatch)
+    import keras
+
+    inp = keras.Input((5, 6))
+    x = keras.layers.TimeDistributed(keras.layers.Dense(4, activation="tanh"), name="per_step")(inp)
+    keras_model = keras.Model(inp, keras.layers.Dense(2)(keras.layers.Flatten()(x)))
+    model = _predicts_like_keras(tmp_path, keras_model, generator, seed=19, suffixes=(".keras", ".h5"))
+    assert isinstance(model.get_layer("per_step"), nn.Dense)
+    image = keras.Input((5, 4, 3))
+    wrapped = keras.layers.TimeDistributed(keras.layers.Conv1D(2, 1))(image)
+    keras.Model(image, wrapped).save(tmp_path / "conv.keras")
+    with pytest.raises(KerasImportError, match=r"\(TimeDistributed\): layer='Conv1D' is not supported; supported: "
+                                               r"Dense"):
+        load(tmp_path / "conv.keras")

@@ -146,12 +146,16 @@ class WeightStore:
                                    "its weights in itself")
         return group[name]
 
-    def variables(self, layer: str) -> list[tuple[str, np.ndarray]]:
-        """``(label, array)`` for each variable of ``layer``, in the layer's order; [] if it has none."""
-        with _hdf5_damage_reported(self.path, f"the weights of layer {layer!r}"):
-            return self._read_variables(layer)
+    def variables(self, layer: str, *, integers: bool = False) -> list[tuple[str, np.ndarray]]:
+        """``(label, array)`` for each variable of ``layer``, in the layer's order; [] if it has none.
 
-    def _read_variables(self, layer: str) -> list[tuple[str, np.ndarray]]:
+        Integer variables are refused (a quantized model) unless ``integers`` (a layer that keeps
+        a count, as ``Normalization``, whose caller checks which one is an integer).
+        """
+        with _hdf5_damage_reported(self.path, f"the weights of layer {layer!r}"):
+            return self._read_variables(layer, integers)
+
+    def _read_variables(self, layer: str, integers: bool) -> list[tuple[str, np.ndarray]]:
         if self.layout == "keras":
             stored = self.groups.get(layer, layer)
             layers = self._child(self.file, "layers", "")
@@ -160,13 +164,13 @@ class WeightStore:
             if owner is None:
                 return []
             # A Bidirectional wrapper keeps its two layers' weights apart, forward first (as a
-            # legacy .h5 lists them).
-            parts = [part for part in ("forward_layer", "backward_layer")
+            # legacy .h5 lists them); a TimeDistributed wrapper its layer's under "layer".
+            parts = [part for part in ("forward_layer", "backward_layer", "layer")
                      if self._child(owner, part, where) is not None]
             out = []
             for part in parts or [""]:
                 group, at = (owner, where) if not part else (self._child(owner, part, where), f"{where}/{part}")
-                out += self._keras_vars(group, at, layer)
+                out += self._keras_vars(group, at, layer, integers)
             return out
         weights = self._child(self.file, "model_weights", "")
         base = self._child(weights, layer, "model_weights") if weights is not None else None
@@ -174,9 +178,9 @@ class WeightStore:
             return []
         listed = base.attrs.get("weight_names", [])
         names = [(_text(n), f"model_weights/{layer}/{_text(n)}") for n in np.asarray(listed).ravel()]
-        return self._datasets(base, names, layer)
+        return self._datasets(base, names, layer, integers)
 
-    def _keras_vars(self, owner: Any, where: str, layer: str) -> list[tuple[str, np.ndarray]]:
+    def _keras_vars(self, owner: Any, where: str, layer: str, integers: bool) -> list[tuple[str, np.ndarray]]:
         """The variables of the .keras layer group ``owner`` (at ``where``): its ``vars``, or for a
         recurrent layer its cell's (``cell/vars``)."""
         group = self._child(owner, "vars", where)
@@ -190,9 +194,10 @@ class WeightStore:
         if any(not k.isdigit() for k in keys) or [int(k) for k in keys] != list(range(len(keys))):
             raise KerasImportError(f"{self.path}: {where}/vars holds {keys}; expected variables "
                                    "named 0, 1, 2, ...")
-        return self._datasets(group, [(k, f"{where}/vars/{k}") for k in keys], layer)
+        return self._datasets(group, [(k, f"{where}/vars/{k}") for k in keys], layer, integers)
 
-    def _datasets(self, base: Any, names: list[tuple[str, str]], layer: str) -> list[tuple[str, np.ndarray]]:
+    def _datasets(self, base: Any, names: list[tuple[str, str]], layer: str,
+                  integers: bool) -> list[tuple[str, np.ndarray]]:
         """The float datasets at ``names`` (``(key under base, label)``), checked."""
         h5py = _h5py(self.path)
         out = []
@@ -205,7 +210,7 @@ class WeightStore:
                                            "file does not hold")
             if not isinstance(node, h5py.Dataset) or node.is_virtual or node.external:
                 raise KerasImportError(f"{self.path}: {label} is not a plain dataset")
-            if node.dtype.kind != "f":
+            if node.dtype.kind != "f" and not (integers and node.dtype.kind in "iu"):
                 raise KerasImportError(f"{self.path}: layer {layer!r} variable {label} has dtype {node.dtype}; "
                                        "supported: float16, float32, float64 weights (a quantized model is not)")
             out.append((label, np.asarray(node[()])))

@@ -148,9 +148,10 @@ class LayerCall:
 
     # ----- weights -----
 
-    def weights(self, expected: Mapping[str, Shape]) -> dict[str, np.ndarray]:
-        """The layer's variables in order, named and shaped as ``expected``, as float32."""
-        found = self.builder.store.variables(self.spec.name)
+    def weights(self, expected: Mapping[str, Shape], *, counts: Sequence[str] = ()) -> dict[str, np.ndarray]:
+        """The layer's variables in order, named and shaped as ``expected``, as float32; those named
+        in ``counts`` may be integers (a count of examples seen), the others must be floats."""
+        found = self.builder.store.variables(self.spec.name, integers=bool(counts))
         self.builder.read_layers.add(self.spec.name)
         if len(found) != len(expected):
             raise self.fail(f"the file holds {len(found)} variable(s) {[label for label, _ in found]}, expected "
@@ -160,6 +161,9 @@ class LayerCall:
             if tuple(array.shape) != tuple(shape):
                 raise self.fail(f"variable {name} ({label}) has shape {tuple(array.shape)}, expected {tuple(shape)} "
                                 "from the layer's config and input")
+            if array.dtype.kind != "f" and name not in counts:
+                raise self.fail(f"variable {name} ({label}) has dtype {array.dtype}; supported: float16, float32, "
+                                "float64 weights (a quantized model is not)")
             if not np.all(np.isfinite(array)):
                 raise self.fail(f"variable {name} ({label}) holds nan or infinite values")
             out[name] = np.ascontiguousarray(array, dtype=np.float32)
