@@ -325,7 +325,7 @@ def _corrupt(tmp_path: Path, name: str) -> Path:
 
 EDITS: dict[str, tuple[str, Callable[[dict[str, Any]], None]]] = {
     "weights_shape": ("mnist_cnn.keras", _set("dense", units=9)),
-    "unknown_layer": ("mnist_cnn.keras", _rename_class("dropout", "GaussianNoise")),
+    "unknown_layer": ("mnist_cnn.keras", _rename_class("dropout", "CenterCrop")),
     "channels_first": ("mnist_cnn.keras", _set("conv2d", data_format="channels_first")),
     "activation": ("mnist_cnn.keras", _set("conv2d_1", activation="celu")),
     "unknown_field": ("mnist_cnn.keras", _set("dense", dot_general="int8")),
@@ -354,7 +354,7 @@ ERRORS = [
     ("nan_weights.h5", "dense_1", "holds nan or infinite values"),
     ("external_link.h5", None, "is a ExternalLink"),
     ("weights_shape", "dense", "variable kernel (layers/dense/vars/0) has shape (1152, 8), expected (1152, 9)"),
-    ("unknown_layer", "dropout", "class 'GaussianNoise', which the importer does not support; supported: Activation"),
+    ("unknown_layer", "dropout", "class 'CenterCrop', which the importer does not support; supported: Activation"),
     ("channels_first", "conv2d", "data_format='channels_first' is not supported; supported: 'channels_last'"),
     ("activation", "conv2d_1", "activation='celu' is not supported; supported: linear, relu"),
     ("unknown_field", "dense", "config field dot_general='int8' is not supported"),
