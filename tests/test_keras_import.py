@@ -325,7 +325,7 @@ def _corrupt(tmp_path: Path, name: str) -> Path:
 
 EDITS: dict[str, tuple[str, Callable[[dict[str, Any]], None]]] = {
     "weights_shape": ("mnist_cnn.keras", _set("dense", units=9)),
-    "unknown_layer": ("mnist_cnn.keras", _rename_class("dropout", "GaussianNoise")),
+    "unknown_layer": ("mnist_cnn.keras", _rename_class("dropout", "CenterCrop")),
     "channels_first": ("mnist_cnn.keras", _set("conv2d", data_format="channels_first")),
     "activation": ("mnist_cnn.keras", _set("conv2d_1", activation="celu")),
     "unknown_field": ("mnist_cnn.keras", _set("dense", dot_general="int8")),
@@ -354,7 +354,7 @@ ERRORS = [
     ("nan_weights.h5", "dense_1", "holds nan or infinite values"),
     ("external_link.h5", None, "is a ExternalLink"),
     ("weights_shape", "dense", "variable kernel (layers/dense/vars/0) has shape (1152, 8), expected (1152, 9)"),
-    ("unknown_layer", "dropout", "class 'GaussianNoise', which the importer does not support; supported: Activation"),
+    ("unknown_layer", "dropout", "class 'CenterCrop', which the importer does not support; supported: Activation"),
     ("channels_first", "conv2d", "data_format='channels_first' is not supported; supported: 'channels_last'"),
     ("activation", "conv2d_1", "activation='celu' is not supported; supported: linear, relu"),
     ("unknown_field", "dense", "config field dot_general='int8' is not supported"),
@@ -508,10 +508,13 @@ def test_layer_variants_predict_like_keras(tmp_path: Path, monkeypatch: pytest.M
 
 
 def _predicts_like_keras(tmp_path: Path, keras_model: Any, generator: Any, seed: int, *,
-                         suffixes: tuple[str, ...] = (".keras",), layouts: tuple[str, ...] = ("NCHW",)) -> nn.Model:
-    """``keras_model`` with random weights, saved as each of ``suffixes`` and imported with each of
-    ``layouts``, predicts as Keras does on both backends; returns the last import."""
-    generator.randomize(keras_model, seed=seed)
+                         suffixes: tuple[str, ...] = (".keras",), layouts: tuple[str, ...] = ("NCHW",),
+                         randomize: bool = True) -> nn.Model:
+    """``keras_model`` with random weights (unless not ``randomize``: weights set by the caller),
+    saved as each of ``suffixes`` and imported with each of ``layouts``, predicts as Keras does on
+    both backends; returns the last import."""
+    if randomize:
+        generator.randomize(keras_model, seed=seed)
     x = np.random.default_rng(seed).standard_normal((2, *keras_model.inputs[0].shape[1:])).astype(np.float32)
     expected = np.asarray(keras_model.predict(x, verbose=0))
     for suffix in suffixes:
@@ -870,3 +873,203 @@ def test_bidirectional_recurrent_layers_predict_like_keras(tmp_path: Path, monke
     summed.save(tmp_path / "sum.keras")
     with pytest.raises(KerasImportError, match=r"merge_mode='sum' is not supported; supported: 'concat'"):
         load(tmp_path / "sum.keras")
+
+
+def _keras_ops_arithmetic(keras: Any, x: Any) -> Any:
+    """Every form Keras saves for arithmetic on a tensor: operators and keras.ops functions, the
+    number first or second, and two tensors."""
+    from keras import ops
+
+    y = keras.layers.ReLU(6.0)(x + 3.0) * (1.0 / 6.0)  # MobileNetV3's hard sigmoid
+    y = ops.subtract(3.0 - ops.add(y, 2.0), 1.0) / 2.0
+    y = ops.divide(ops.multiply(y, x), 4.0) + y
+    return ops.true_divide(2.0 / (y * y + 1.0), 3.0) - keras.layers.Conv2D(3, 1)(x)
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # Keras' own numpy 2 deprecations
+def test_keras_ops_arithmetic_predicts_like_keras(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    generator = _generator(monkeypatch)
+    import keras
+
+    inp = keras.Input((5, 4, 3))
+    keras_model = keras.Model(inp, _keras_ops_arithmetic(keras, inp))
+    model = _predicts_like_keras(tmp_path, keras_model, generator, seed=14, suffixes=(".keras", ".h5"),
+                                 layouts=("NCHW", "NHWC"))
+    assert "3 subtract x" in {layer.config() for layer in model.layers}  # 3.0 - y: the number first
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # Keras' own numpy 2 deprecations
+def test_other_keras_ops_are_refused_by_name(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    _generator(monkeypatch)
+    import keras
+    from keras import ops
+
+    inp = keras.Input((4,))
+    keras.Model(inp, keras.layers.Dense(2)(ops.abs(inp) + 1.0)).save(tmp_path / "abs.keras")
+    with pytest.raises(KerasImportError, match=r"layer 'absolute' is the keras.ops operation 'Absolute', which the "
+                                               r"importer does not support; supported keras.ops operations: Add, "):
+        load(tmp_path / "abs.keras")
+    short = keras.Input((3,))
+    keras.Model([inp, short], inp + ops.tile(short, 2)[:, :4]).save(tmp_path / "ranks.keras")
+    with pytest.raises(KerasImportError, match=r"keras.ops operation 'Tile'"):
+        load(tmp_path / "ranks.keras")
+    features = keras.Input((2, 4))
+    keras.Model([inp, features], features * inp).save(tmp_path / "ranks.keras")
+    with pytest.raises(KerasImportError, match=r"\(2, 4\) and \(4,\) differ in rank"):
+        load(tmp_path / "ranks.keras")
+
+
+def _scale_depthwise_kernels(keras: Any, keras_model: Any) -> None:
+    """Depthwise kernels at the scale of their 3x3 fan-in: the fixtures' randomize divides them by
+    the channel count too, which leaves a deep MobileNet's output independent of its input."""
+    for layer in keras_model.layers:
+        if isinstance(layer, keras.layers.DepthwiseConv2D):
+            kernel, *rest = layer.get_weights()
+            layer.set_weights([kernel * np.sqrt(kernel.shape[2]), *rest])
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # Keras' own numpy 2 deprecations
+@pytest.mark.parametrize("preprocessing", [True, False])
+def test_mobilenet_v3_small_predicts_like_keras(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                preprocessing: bool) -> None:
+    """keras.applications.MobileNetV3Small: its hard sigmoid and hard swish are keras.ops arithmetic;
+    include_preprocessing adds a Rescaling of [0, 255] images."""
+    generator = _generator(monkeypatch)
+    import keras
+
+    keras_model = keras.applications.MobileNetV3Small(input_shape=(32, 32, 3), weights=None, classes=10,
+                                                      classifier_activation=None,
+                                                      include_preprocessing=preprocessing)
+    generator.randomize(keras_model, seed=15)
+    _scale_depthwise_kernels(keras, keras_model)
+    x = np.random.default_rng(15).standard_normal((2, 32, 32, 3)).astype(np.float32) * (60 if preprocessing else 1)
+    expected = np.asarray(keras_model.predict(x, verbose=0))
+    keras_model.save(tmp_path / "mobilenet.keras")
+    layout, backend = ("NHWC", "llvm") if preprocessing else ("NCHW", "reference")
+    model = load(tmp_path / "mobilenet.keras", layout=layout)
+    out = model.predict(x if layout == "NHWC" else nchw(x), backend=backend)
+    np.testing.assert_allclose(out, expected, atol=1e-5, rtol=0)
+    assert np.abs(expected[0] - expected[1]).max() > 1e-5  # the output depends on the input
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # Keras' own numpy 2 deprecations
+def test_dict_inputs_and_outputs_take_keras_flatten_order(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """keras.Model(inputs={...}, outputs={...}): the imported model's inputs and outputs are in the
+    sorted order of the keys (Keras' own flatten order), which input_names and output_names give."""
+    generator = _generator(monkeypatch)
+    import keras
+
+    meta, image = keras.Input((3,), name="meta"), keras.Input((4, 4, 2), name="image")
+    pooled = keras.layers.GlobalAveragePooling2D()(keras.layers.Conv2D(3, 1)(image))
+    joined = keras.layers.Concatenate()([meta, pooled])
+    keras_model = keras.Model(inputs={"meta": meta, "image": image},
+                              outputs={"score": keras.layers.Dense(1)(meta), "classes": keras.layers.Dense(2)(joined)})
+    generator.randomize(keras_model, seed=16)
+    rng = np.random.default_rng(16)
+    x = {"meta": rng.standard_normal((2, 3)).astype(np.float32),
+         "image": rng.standard_normal((2, 4, 4, 2)).astype(np.float32)}
+    expected = keras_model.predict(x, verbose=0)
+    for suffix in (".keras", ".h5"):
+        keras_model.save(tmp_path / f"model{suffix}")
+        model = load(tmp_path / f"model{suffix}")
+        assert model.input_names == ["image", "meta"] and model.output_names == ["classes", "score"]
+        for backend in ("reference", "llvm"):
+            out = model.predict([nchw(x["image"]), x["meta"]], backend=backend)
+            for name, array in zip(model.output_names, out):
+                np.testing.assert_allclose(array, expected[name], atol=1e-5, rtol=0, err_msg=f"{suffix} {backend}")
+
+
+#: Layers that change their input only while Keras trains, between two convolutions.
+AUGMENTATIONS = {
+    "RandomFlip": lambda layers: layers.RandomFlip(),
+    "RandomRotation": lambda layers: layers.RandomRotation(0.2, fill_mode="nearest"),
+    "RandomZoom": lambda layers: layers.RandomZoom(0.1, 0.2),
+    "RandomTranslation": lambda layers: layers.RandomTranslation(0.1, 0.1),
+    "RandomContrast": lambda layers: layers.RandomContrast(0.3),
+    "RandomBrightness": lambda layers: layers.RandomBrightness(0.2, value_range=(-3, 3)),
+    "GaussianNoise": lambda layers: layers.GaussianNoise(0.5),
+    "GaussianDropout": lambda layers: layers.GaussianDropout(0.3),
+    "AlphaDropout": lambda layers: layers.AlphaDropout(0.3),
+    "RandomCrop_to_the_input_size": lambda layers: layers.RandomCrop(5, 4),
+}
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # Keras' own numpy 2 deprecations
+@pytest.mark.parametrize("variant", AUGMENTATIONS)
+def test_augmentation_and_noise_layers_are_left_out(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                    variant: str) -> None:
+    generator = _generator(monkeypatch)
+    import keras
+
+    inp = keras.Input((5, 4, 3))
+    x = AUGMENTATIONS[variant](keras.layers)(keras.layers.Conv2D(3, 1)(inp))
+    keras_model = keras.Model(inp, keras.layers.Conv2D(2, 1)(x))
+    # Keras' .h5 writer fails on RandomBrightness (it deep-copies a module the layer holds).
+    suffixes = (".keras",) if variant == "RandomBrightness" else (".keras", ".h5")
+    model = _predicts_like_keras(tmp_path, keras_model, generator, seed=17, suffixes=suffixes,
+                                 layouts=("NCHW", "NHWC"))
+    assert {type(layer).__name__ for layer in model.layers} == {"Conv2D", "Permute"}  # NHWC's transposes
+    notes = read(tmp_path / "model.keras").notes
+    assert len(notes) == 1 and "left out: " in notes[0] and "opgrad does not apply it" in notes[0]
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # Keras' own numpy 2 deprecations
+def test_a_random_crop_to_another_size_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    _generator(monkeypatch)
+    import keras
+
+    inp = keras.Input((6, 5, 3))
+    keras.Model(inp, keras.layers.RandomCrop(4, 3)(inp)).save(tmp_path / "crop.keras")
+    with pytest.raises(KerasImportError, match=r"\(RandomCrop\): crops \(6, 5, 3\) to 4x3; at inference Keras does "
+                                               r"not crop"):
+        load(tmp_path / "crop.keras")
+
+
+#: Normalization of a (5, 4, 3) image or 7 features, adapted to data with other statistics than
+#: the input's, or given its mean and variance.
+NORMALIZATIONS = {
+    "image_channels": ((5, 4, 3), dict(), True),
+    "image_pixels_and_channels": ((5, 4, 3), dict(axis=(2, 3)), True),
+    "image_one_statistic": ((5, 4, 3), dict(axis=None), True),
+    "image_rows_inverted": ((5, 4, 3), dict(axis=1, invert=True), True),
+    "features": ((7,), dict(), True),
+    "features_given": ((7,), dict(mean=np.linspace(-1, 1, 7).tolist(), variance=np.linspace(0, 4, 7).tolist()), False),
+    "image_given_one_number": ((5, 4, 3), dict(mean=0.5, variance=2.0), False),
+}
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # Keras' own numpy 2 deprecations
+@pytest.mark.parametrize("variant", NORMALIZATIONS)
+def test_normalization_predicts_like_keras(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, variant: str) -> None:
+    generator = _generator(monkeypatch)
+    import keras
+
+    shape, options, adapt = NORMALIZATIONS[variant]
+    layer = keras.layers.Normalization(**options)
+    if adapt:
+        rng = np.random.default_rng(18)
+        layer.adapt(rng.normal(2.0, 3.0, (16, *shape)).astype(np.float32) * rng.uniform(0.2, 2.0, shape[-1]))
+    inp = keras.Input(shape)
+    keras_model = keras.Model(inp, layer(inp))
+    suffixes = (".keras", ".h5") if adapt else (".keras",)  # Keras cannot read a given mean back from .h5
+    model = _predicts_like_keras(tmp_path, keras_model, generator, seed=18, suffixes=suffixes,
+                                 layouts=("NCHW", "NHWC") if len(shape) == 3 else ("NCHW",), randomize=False)
+    assert model.num_params == 0  # fixed statistics: Keras does not train them either
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # Keras' own numpy 2 deprecations
+def test_time_distributed_dense_is_a_dense_over_the_last_axis(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    generator = _generator(monkeypatch)
+    import keras
+
+    inp = keras.Input((5, 6))
+    x = keras.layers.TimeDistributed(keras.layers.Dense(4, activation="tanh"), name="per_step")(inp)
+    keras_model = keras.Model(inp, keras.layers.Dense(2)(keras.layers.Flatten()(x)))
+    model = _predicts_like_keras(tmp_path, keras_model, generator, seed=19, suffixes=(".keras", ".h5"))
+    assert isinstance(model.get_layer("per_step"), nn.Dense)
+    image = keras.Input((5, 4, 3))
+    wrapped = keras.layers.TimeDistributed(keras.layers.Conv1D(2, 1))(image)
+    keras.Model(image, wrapped).save(tmp_path / "conv.keras")
+    with pytest.raises(KerasImportError, match=r"\(TimeDistributed\): layer='Conv1D' is not supported; supported: "
+                                               r"Dense"):
+        load(tmp_path / "conv.keras")

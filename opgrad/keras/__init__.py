@@ -20,6 +20,7 @@ from opgrad.keras.activations import ACTIVATIONS
 from opgrad.keras.converters import CONVERTERS
 from opgrad.keras.files import KerasImportError, read_model_file
 from opgrad.keras.graph import Builder, build_model
+from opgrad.keras.operations import OPERATIONS
 from opgrad.nn.model import Model
 
 __all__ = ["ACTIVATIONS", "SUPPORTED_LAYERS", "ImportedModel", "KerasImportError", "load", "read"]
@@ -64,7 +65,7 @@ def read(path: str | os.PathLike[str], *, layout: str = "NCHW", keep_softmax: bo
     version = str(facts["keras_version"])
     builder = Builder(name, store, keras2=version.startswith("2.") or (not version and facts["format"] == ".h5"))
     try:
-        model = build_model(spec, builder, CONVERTERS, layout=layout, keep_softmax=bool(keep_softmax))
+        model = build_model(spec, builder, CONVERTERS, OPERATIONS, layout=layout, keep_softmax=bool(keep_softmax))
     except OSError as exc:  # h5py's error for damaged data inside an HDF5 file that opened
         raise KerasImportError(f"{name}: the weights cannot be read ({exc})") from None
     finally:

@@ -29,6 +29,7 @@ from opgrad.keras.activations import (
 from opgrad.keras.files import LayerSpec
 from opgrad.keras.graph import Converter, LayerCall, Shape, Tensor
 from opgrad.keras.merging import add, average, concatenate, maximum, minimum, multiply, subtract
+from opgrad.keras.preprocessing import PREPROCESSING
 from opgrad.nn.layers import (
     AvgPool1D,
     AvgPool2D,
@@ -365,6 +366,21 @@ def bidirectional(call: LayerCall, inputs: list[Tensor]) -> Tensor:
     return out
 
 
+def time_distributed(call: LayerCall, inputs: list[Tensor]) -> Tensor:
+    """``TimeDistributed(Dense(...))``: Keras' Dense already runs over the last axis, so it is that
+    Dense (named after the wrapper, whose weight group holds the Dense's variables)."""
+    inner = call.take("layer")
+    class_name = inner.get("class_name") if isinstance(inner, Mapping) else None
+    if class_name != "Dense" or not isinstance(inner.get("config"), Mapping):
+        raise call.unsupported("layer", class_name, "Dense (the importer reads TimeDistributed of a Dense only)")
+    if call.one_input(inputs).keras_rank < 2:
+        raise call.fail(f"needs an input with a time axis, got shape {inputs[0].keras_shape}")
+    dense_call = LayerCall(call.builder, LayerSpec(call.spec.name, "Dense", dict(inner["config"])))
+    out = dense(dense_call, inputs)
+    dense_call.finish()
+    return out
+
+
 def _pool1d(kind: type[MaxPool1D] | type[AvgPool1D]) -> Converter:
     def convert(call: LayerCall, inputs: list[Tensor]) -> Tensor:
         tensor = _sequence(call, inputs)
@@ -666,6 +682,8 @@ CONVERTERS: dict[str, Converter] = {
     "SeparableConv2D": separable_conv2d,
     "Softmax": softmax,
     "Subtract": subtract,
+    "TimeDistributed": _keeps_mask(time_distributed),
     "UpSampling2D": upsampling2d,
     "ZeroPadding2D": zero_padding2d,
+    **PREPROCESSING,
 }

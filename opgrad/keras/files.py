@@ -97,6 +97,11 @@ class LayerSpec:
     #: The layer whose output a call passes as ``mask=``: Keras 3 writes the mask of an
     #: ``Embedding(mask_zero=True)`` so, for the layers whose ``call`` takes one.
     mask_from: str | None = None
+    #: A ``keras.ops`` operation (``x + 3.0``, ``ops.multiply(a, b)``), which Keras saves among the
+    #: layers under its class name (``Add``, as the merge layer) but calls with positional arguments.
+    operation: bool = False
+    #: An operation's positional arguments: the tensors it reads and the numbers it was given.
+    arguments: list[TensorRef | float] = field(default_factory=list)
 
 
 @dataclass
@@ -105,6 +110,10 @@ class ModelSpec:
     layers: list[LayerSpec]
     inputs: list[TensorRef]
     outputs: list[TensorRef]
+    #: The keys of a model built with a dict of inputs (outputs), in the order of ``inputs``
+    #: (``outputs``): Keras' flatten order, the sorted keys.
+    input_names: list[str] | None = None
+    output_names: list[str] | None = None
 
 
 def _h5py(path: str) -> Any:
@@ -137,12 +146,16 @@ class WeightStore:
                                    "its weights in itself")
         return group[name]
 
-    def variables(self, layer: str) -> list[tuple[str, np.ndarray]]:
-        """``(label, array)`` for each variable of ``layer``, in the layer's order; [] if it has none."""
-        with _hdf5_damage_reported(self.path, f"the weights of layer {layer!r}"):
-            return self._read_variables(layer)
+    def variables(self, layer: str, *, integers: bool = False) -> list[tuple[str, np.ndarray]]:
+        """``(label, array)`` for each variable of ``layer``, in the layer's order; [] if it has none.
 
-    def _read_variables(self, layer: str) -> list[tuple[str, np.ndarray]]:
+        Integer variables are refused (a quantized model) unless ``integers`` (a layer that keeps
+        a count, as ``Normalization``, whose caller checks which one is an integer).
+        """
+        with _hdf5_damage_reported(self.path, f"the weights of layer {layer!r}"):
+            return self._read_variables(layer, integers)
+
+    def _read_variables(self, layer: str, integers: bool) -> list[tuple[str, np.ndarray]]:
         if self.layout == "keras":
             stored = self.groups.get(layer, layer)
             layers = self._child(self.file, "layers", "")
@@ -151,13 +164,13 @@ class WeightStore:
             if owner is None:
                 return []
             # A Bidirectional wrapper keeps its two layers' weights apart, forward first (as a
-            # legacy .h5 lists them).
-            parts = [part for part in ("forward_layer", "backward_layer")
+            # legacy .h5 lists them); a TimeDistributed wrapper its layer's under "layer".
+            parts = [part for part in ("forward_layer", "backward_layer", "layer")
                      if self._child(owner, part, where) is not None]
             out = []
             for part in parts or [""]:
                 group, at = (owner, where) if not part else (self._child(owner, part, where), f"{where}/{part}")
-                out += self._keras_vars(group, at, layer)
+                out += self._keras_vars(group, at, layer, integers)
             return out
         weights = self._child(self.file, "model_weights", "")
         base = self._child(weights, layer, "model_weights") if weights is not None else None
@@ -165,9 +178,9 @@ class WeightStore:
             return []
         listed = base.attrs.get("weight_names", [])
         names = [(_text(n), f"model_weights/{layer}/{_text(n)}") for n in np.asarray(listed).ravel()]
-        return self._datasets(base, names, layer)
+        return self._datasets(base, names, layer, integers)
 
-    def _keras_vars(self, owner: Any, where: str, layer: str) -> list[tuple[str, np.ndarray]]:
+    def _keras_vars(self, owner: Any, where: str, layer: str, integers: bool) -> list[tuple[str, np.ndarray]]:
         """The variables of the .keras layer group ``owner`` (at ``where``): its ``vars``, or for a
         recurrent layer its cell's (``cell/vars``)."""
         group = self._child(owner, "vars", where)
@@ -181,9 +194,10 @@ class WeightStore:
         if any(not k.isdigit() for k in keys) or [int(k) for k in keys] != list(range(len(keys))):
             raise KerasImportError(f"{self.path}: {where}/vars holds {keys}; expected variables "
                                    "named 0, 1, 2, ...")
-        return self._datasets(group, [(k, f"{where}/vars/{k}") for k in keys], layer)
+        return self._datasets(group, [(k, f"{where}/vars/{k}") for k in keys], layer, integers)
 
-    def _datasets(self, base: Any, names: list[tuple[str, str]], layer: str) -> list[tuple[str, np.ndarray]]:
+    def _datasets(self, base: Any, names: list[tuple[str, str]], layer: str,
+                  integers: bool) -> list[tuple[str, np.ndarray]]:
         """The float datasets at ``names`` (``(key under base, label)``), checked."""
         h5py = _h5py(self.path)
         out = []
@@ -196,7 +210,7 @@ class WeightStore:
                                            "file does not hold")
             if not isinstance(node, h5py.Dataset) or node.is_virtual or node.external:
                 raise KerasImportError(f"{self.path}: {label} is not a plain dataset")
-            if node.dtype.kind != "f":
+            if node.dtype.kind != "f" and not (integers and node.dtype.kind in "iu"):
                 raise KerasImportError(f"{self.path}: layer {layer!r} variable {label} has dtype {node.dtype}; "
                                        "supported: float16, float32, float64 weights (a quantized model is not)")
             out.append((label, np.asarray(node[()])))
@@ -219,7 +233,8 @@ def _keras3_weight_paths(spec: ModelSpec) -> dict[str, str]:
     """
     used: dict[str, int] = {}
     paths = {}
-    for layer in spec.layers:
+    # keras.ops operations are not in model.layers and hold no variables.
+    for layer in (layer for layer in spec.layers if not layer.operation):
         base = _snake_case(layer.class_name)
         if base in used:
             used[base] += 1
@@ -353,7 +368,23 @@ def _model_spec(path: str, config: Any) -> ModelSpec:
 def _layer(entry: Mapping[str, Any]) -> LayerSpec:
     config = dict(entry.get("config") or {})
     name = str(entry.get("name") or config.get("name") or "")
-    return LayerSpec(name=name, class_name=str(entry["class_name"]), config=config)
+    return LayerSpec(name=name, class_name=str(entry["class_name"]), config=config, operation=_is_operation(entry))
+
+
+def _is_operation(entry: Mapping[str, Any]) -> bool:
+    """Whether a functional model's ``entry`` is a ``keras.ops`` operation rather than a layer.
+
+    A ``.keras`` file names the operation's module (``keras.src.ops.numpy``); a Keras 3 ``.h5``
+    does not, but an operation's config holds its name only, where every Keras layer's also has
+    ``trainable`` and ``dtype``.
+    """
+    module = entry.get("module")
+    if isinstance(module, str):
+        return module.startswith("keras.src.ops")
+    config = entry.get("config")
+    nodes = entry.get("inbound_nodes") or []
+    keras3_calls = bool(nodes) and all(isinstance(node, Mapping) for node in nodes)
+    return keras3_calls and isinstance(config, Mapping) and set(config) <= {"name"}
 
 
 def _sequential(path: str, body: Any) -> ModelSpec:
@@ -379,11 +410,32 @@ def _sequential(path: str, body: Any) -> ModelSpec:
                      outputs=[TensorRef(layers[-1].name)])
 
 
-def _refs(value: Any) -> list[TensorRef]:
-    """``[["conv", 0, 0], ...]`` or one ``["conv", 0, 0]`` (Keras 3 writes a lone input unnested)."""
+def _refs(value: Any) -> tuple[list[TensorRef], list[str] | None]:
+    """``[["conv", 0, 0], ...]`` or one ``["conv", 0, 0]`` (Keras 3 writes a lone input unnested),
+    or Keras 3's dict ``{"image": ["conv", 0, 0], ...}``, with its keys: in Keras' flatten order
+    (``keras.tree.flatten`` sorts a dict's keys), which is the order of ``model.inputs``."""
+    if isinstance(value, Mapping):
+        keys = sorted(str(key) for key in value)
+        return _refs([value[key] for key in keys])[0], keys
     if isinstance(value, list) and value and isinstance(value[0], str):
         value = [value]
-    return [TensorRef(str(v[0]), int(v[1]), int(v[2])) for v in value]
+    return [TensorRef(str(v[0]), int(v[1]), int(v[2])) for v in value], None
+
+
+def _operation_arguments(path: str, layer: str, class_name: str, node: Any) -> list[TensorRef | float]:
+    """The positional arguments of a ``keras.ops`` operation's call: tensors and numbers."""
+    args, kwargs = (node.get("args", []), node.get("kwargs") or {}) if isinstance(node, Mapping) else ([], {})
+    extra = [key for key, value in kwargs.items() if value is not None]
+    if extra:
+        raise KerasImportError(f"{path}: layer {layer!r} is the keras.ops operation {class_name} called with keyword "
+                               f"arguments {', '.join(extra)}; the importer reads it with positional arguments only")
+    out: list[TensorRef | float] = []
+    for value in args:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            out.append(float(value))
+        else:
+            out.append(_keras3_tensor(path, layer, value))
+    return out
 
 
 def _keras3_tensor(path: str, layer: str, value: Any) -> TensorRef:
@@ -431,11 +483,20 @@ def _functional(path: str, body: Any) -> ModelSpec:
     layers = []
     for entry in body["layers"]:
         layer = _layer(entry)
-        layer.mask_from = next(filter(None, map(_mask_source, entry.get("inbound_nodes") or [])), None)
+        nodes = entry.get("inbound_nodes") or []
+        layer.mask_from = next(filter(None, map(_mask_source, nodes)), None)
         try:
-            layer.calls = [_call_inputs(path, layer.name, node) for node in entry.get("inbound_nodes") or []]
+            if layer.operation:
+                # Keras makes an operation per call, so it has one node.
+                layer.arguments = [arg for node in nodes[:1]
+                                   for arg in _operation_arguments(path, layer.name, layer.class_name, node)]
+                layer.calls = [[arg for arg in layer.arguments if isinstance(arg, TensorRef)]] * len(nodes)
+            else:
+                layer.calls = [_call_inputs(path, layer.name, node) for node in nodes]
         except KerasImportError as exc:  # a class the importer does not read is the first thing to say
             layer.call_error = str(exc)
         layers.append(layer)
-    return ModelSpec(name=str(body.get("name", "model")), layers=layers, inputs=_refs(body["input_layers"]),
-                     outputs=_refs(body["output_layers"]))
+    inputs, input_names = _refs(body["input_layers"])
+    outputs, output_names = _refs(body["output_layers"])
+    return ModelSpec(name=str(body.get("name", "model")), layers=layers, inputs=inputs, outputs=outputs,
+                     input_names=input_names, output_names=output_names)

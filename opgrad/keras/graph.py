@@ -148,9 +148,10 @@ class LayerCall:
 
     # ----- weights -----
 
-    def weights(self, expected: Mapping[str, Shape]) -> dict[str, np.ndarray]:
-        """The layer's variables in order, named and shaped as ``expected``, as float32."""
-        found = self.builder.store.variables(self.spec.name)
+    def weights(self, expected: Mapping[str, Shape], *, counts: Sequence[str] = ()) -> dict[str, np.ndarray]:
+        """The layer's variables in order, named and shaped as ``expected``, as float32; those named
+        in ``counts`` may be integers (a count of examples seen), the others must be floats."""
+        found = self.builder.store.variables(self.spec.name, integers=bool(counts))
         self.builder.read_layers.add(self.spec.name)
         if len(found) != len(expected):
             raise self.fail(f"the file holds {len(found)} variable(s) {[label for label, _ in found]}, expected "
@@ -160,6 +161,9 @@ class LayerCall:
             if tuple(array.shape) != tuple(shape):
                 raise self.fail(f"variable {name} ({label}) has shape {tuple(array.shape)}, expected {tuple(shape)} "
                                 "from the layer's config and input")
+            if array.dtype.kind != "f" and name not in counts:
+                raise self.fail(f"variable {name} ({label}) has dtype {array.dtype}; supported: float16, float32, "
+                                "float64 weights (a quantized model is not)")
             if not np.all(np.isfinite(array)):
                 raise self.fail(f"variable {name} ({label}) holds nan or infinite values")
             out[name] = np.ascontiguousarray(array, dtype=np.float32)
@@ -286,9 +290,13 @@ def _input_tensor(builder: Builder, spec: LayerSpec, layout: str) -> tuple[Symbo
     return raw, call.canonical(tensor) if len(dims) == 3 and kind == "float" else tensor
 
 
-def build_model(spec: ModelSpec, builder: Builder, converters: Mapping[str, Converter], *,
-                layout: str, keep_softmax: bool) -> Model:
-    """The opgrad model of ``spec`` with its weights; notes go to ``builder.notes``."""
+def build_model(spec: ModelSpec, builder: Builder, converters: Mapping[str, Converter],
+                operations: Mapping[str, Converter], *, layout: str, keep_softmax: bool) -> Model:
+    """The opgrad model of ``spec`` with its weights; notes go to ``builder.notes``.
+
+    ``converters`` convert Keras layers by class name, ``operations`` the ``keras.ops`` operations
+    (which Keras saves under class names the merge layers share: ``Add``, ``Multiply``).
+    """
     by_name = {layer.name: layer for layer in spec.layers}
     if len(by_name) != len(spec.layers):
         raise KerasImportError(f"{builder.path}: two layers share a name; Keras layer names are unique")
@@ -313,11 +321,13 @@ def build_model(spec: ModelSpec, builder: Builder, converters: Mapping[str, Conv
         if layer.mask_from is not None:
             raise KerasImportError(_mask_reader_error(builder, spec, layer))
     for layer in pending:
+        if layer.operation and layer.class_name not in operations:
+            raise KerasImportError(_operation_error(builder, layer, operations))
         if layer.class_name in MODEL_CLASSES:
             raise KerasImportError(f"{builder.path}: layer {layer.name!r} is itself a model ({layer.class_name}); "
                                    "the importer reads flat models: rebuild it in Keras with the inner model's "
                                    "layers called directly")
-        if layer.class_name not in converters:
+        if not layer.operation and layer.class_name not in converters:
             raise KerasImportError(f"{builder.path}: layer {layer.name!r} has class {layer.class_name!r}, which the "
                                    f"importer does not support; supported: {', '.join(sorted(converters))}")
         if layer.call_error is not None:
@@ -341,8 +351,9 @@ def build_model(spec: ModelSpec, builder: Builder, converters: Mapping[str, Conv
         for layer in ready:
             call = LayerCall(builder, layer)
             args = [tensors[ref.layer] for ref in layer.calls[0]]
+            convert = (operations if layer.operation else converters)[layer.class_name]
             try:
-                out = converters[layer.class_name](call, args)
+                out = convert(call, args)
             except KerasImportError:
                 raise
             except (TypeError, ValueError, KeyError, IndexError, AttributeError) as exc:
@@ -368,13 +379,21 @@ def build_model(spec: ModelSpec, builder: Builder, converters: Mapping[str, Conv
             raise KerasImportError(f"{builder.path}: model output {ref} is not produced by the model's layers")
         outputs.append(_output(builder, by_name[ref.layer], tensor, layout, keep_softmax))
     try:
-        model = Model(inputs, [t.sym for t in outputs], name=_safe_name(spec.name))
+        model = Model(inputs, [t.sym for t in outputs], name=_safe_name(spec.name), input_names=spec.input_names,
+                      output_names=spec.output_names)
         # Layers no output depends on are not in the model; their weights are left behind.
         model.params = {name: builder.params[name] for name in model.param_shapes()}
         model.buffers = {name: builder.buffers[name] for name in model.buffer_shapes()}
     except (TypeError, ValueError, KeyError) as exc:  # ShapeError included
         raise KerasImportError(f"{builder.path}: the model's wiring does not form an opgrad model: {exc}") from None
     return model
+
+
+def _operation_error(builder: Builder, layer: LayerSpec, operations: Mapping[str, Converter]) -> str:
+    """Why the ``keras.ops`` operation ``layer`` is refused: which operation, and which ones import."""
+    return (f"{builder.path}: layer {layer.name!r} is the keras.ops operation {layer.class_name!r}, which the "
+            f"importer does not support; supported keras.ops operations: {', '.join(sorted(operations))} of a "
+            "tensor and a number or of two tensors (x + 3.0, x * y); write the others as Keras layers")
 
 
 def _mask_reader_error(builder: Builder, spec: ModelSpec, reader: LayerSpec) -> str:

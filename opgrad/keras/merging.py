@@ -23,7 +23,7 @@ from opgrad.nn.layers import Add, Concatenate
 from opgrad.nn.ops_layers import Arithmetic, Elementwise
 from opgrad.nn.reshaping import Reshape
 
-__all__ = ["add", "average", "concatenate", "maximum", "minimum", "multiply", "subtract"]
+__all__ = ["add", "average", "concatenate", "elementwise", "maximum", "minimum", "multiply", "subtract"]
 
 
 def _same_layout(call: LayerCall, inputs: list[Tensor]) -> list[Tensor]:
@@ -61,7 +61,7 @@ def _all_masked(inputs: list[Tensor]) -> str | None:
     return inputs[0].keras_mask if all(t.keras_mask is not None for t in inputs) else None
 
 
-def _combine(call: LayerCall, inputs: list[Tensor], op: str) -> Tensor:
+def elementwise(call: LayerCall, inputs: list[Tensor], op: str) -> Tensor:
     """``op`` of the broadcast inputs, folded from the left as Keras does: nn.Add for a sum of one shape."""
     tensors, shape = _broadcastable(call, inputs)
     same = all(t.keras_shape == shape for t in tensors)
@@ -71,18 +71,18 @@ def _combine(call: LayerCall, inputs: list[Tensor], op: str) -> Tensor:
 
 
 def add(call: LayerCall, inputs: list[Tensor]) -> Tensor:
-    return dataclasses.replace(_combine(call, inputs, "add"), keras_mask=_all_masked(inputs))
+    return dataclasses.replace(elementwise(call, inputs, "add"), keras_mask=_all_masked(inputs))
 
 
 def subtract(call: LayerCall, inputs: list[Tensor]) -> Tensor:
     if len(inputs) != 2:
         raise call.fail(f"takes exactly two inputs, got {len(inputs)}")
-    return dataclasses.replace(_combine(call, inputs, "subtract"), keras_mask=_all_masked(inputs))
+    return dataclasses.replace(elementwise(call, inputs, "subtract"), keras_mask=_all_masked(inputs))
 
 
 def average(call: LayerCall, inputs: list[Tensor]) -> Tensor:
     """``(x0 + x1 + ...) / n``, Keras' sum then division (not a mean of n-th parts)."""
-    total = _combine(call, inputs, "add")
+    total = elementwise(call, inputs, "add")
     out = call.add(Arithmetic("divide", operand=float(len(inputs))), total, total.layout, total.keras_shape,
                    suffix="mean", chw=total.chw)
     return dataclasses.replace(out, keras_mask=_all_masked(inputs))
@@ -90,17 +90,17 @@ def average(call: LayerCall, inputs: list[Tensor]) -> Tensor:
 
 def multiply(call: LayerCall, inputs: list[Tensor]) -> Tensor:
     call.refuse_mask(inputs, "a masked step of an input counts as 1, a step masked in every input is 0")
-    return _combine(call, inputs, "multiply")
+    return elementwise(call, inputs, "multiply")
 
 
 def maximum(call: LayerCall, inputs: list[Tensor]) -> Tensor:
     call.refuse_mask(inputs, "a masked step takes the other inputs' value")
-    return _combine(call, inputs, "maximum")
+    return elementwise(call, inputs, "maximum")
 
 
 def minimum(call: LayerCall, inputs: list[Tensor]) -> Tensor:
     call.refuse_mask(inputs, "a masked step takes the other inputs' value")
-    return _combine(call, inputs, "minimum")
+    return elementwise(call, inputs, "minimum")
 
 
 def concatenate(call: LayerCall, inputs: list[Tensor]) -> Tensor:
