@@ -221,9 +221,46 @@ class Scalar:
         return self.f.val(f"fneg {self.t} {a}", "neg")
 
     def call(self, intrinsic: str, *args: str) -> str:
-        """``llvm.<intrinsic>`` on this type: exp, log, sqrt, fabs, maxnum, minnum, tanh, ..."""
-        fn = self.f.module.intrinsic(intrinsic, self.t, [self.t] * len(args), _suffix(self.t))
+        """``llvm.<intrinsic>`` on this type: exp, log, sqrt, fabs, maxnum, minnum, tanh, ...
+        (float32's exp is :meth:`exp`, in instructions that vectorize)."""
+        if intrinsic == "exp" and self.dtype == "float32":
+            return self.exp(args[0])
+        fn = self.f.module.intrinsic(intrinsic, self.t, [self.t] * len(args), self._suffix())
         return self.f.call(self.t, fn, [(self.t, a) for a in args], hint=intrinsic)
+
+    def _suffix(self) -> str:
+        return _suffix(self.t)
+
+    def _int_type(self) -> str:
+        """The i32 type of this type's shape (``i32``, or a vector of them)."""
+        return "i32"
+
+    def exp(self, x: str) -> str:
+        """e^x in float32 as instructions, no call: ``x = n ln2 + r`` (n = rint(x / ln2), ln2 in two
+        parts, so r is exact to float32's rounding), e^r by its Taylor polynomial through r^7
+        (|r| <= ln2 / 2: the next term is under 1e-8 of e^r) and 2^n put in the exponent bits.
+        Within 2 float32 ulps of e^x; 0 below -87.3 (where e^x leaves float32's normal range:
+        its subnormals are 0 here), inf above 88.72, NaN for NaN. The C library's expf is a call
+        per element, which an LLVM vector exp becomes lane by lane."""
+        it = self._int_type()
+        ln2_hi, ln2_lo = 0.693359375, -2.12194440e-4  # ln2_hi has 9 bits: n * ln2_hi is exact
+        # n held to float32's normal exponents (2^n is built from bits below); the ends are selected last.
+        n = self.call("rint", self.mul(x, self.const(1.4426950408889634)))
+        n = self.call("maxnum", self.call("minnum", n, self.const(127.0)), self.const(-126.0))
+        r = self.sub(self.sub(x, self.mul(n, self.const(ln2_hi))), self.mul(n, self.const(ln2_lo)))
+        poly = self.const(1.0 / 5040.0)
+        for coefficient in (1.0 / 720.0, 1.0 / 120.0, 1.0 / 24.0, 1.0 / 6.0, 0.5, 1.0, 1.0):
+            poly = self.add(self.mul(poly, r), self.const(coefficient))
+        biased = self.f.val(f"fptosi {self.t} {self.add(n, self.const(127.0))} to {it}", "exp.n")
+        shifted = self.f.val(f"shl {it} {biased}, {self._int_const(23)}", "exp.bits")
+        scale = self.f.val(f"bitcast {it} {shifted} to {self.t}", "exp.scale")
+        value = self.mul(poly, scale)
+        value = self.select(self.cmp("olt", x, self.const(-87.33654)), self.const(0.0), value)
+        value = self.select(self.cmp("ogt", x, self.const(88.72283)), self.const(float("inf")), value)
+        return self.select(self.cmp("uno", x, x), x, value)
+
+    def _int_const(self, value: int) -> str:
+        return str(value)
 
     def libm(self, name: str, *args: str) -> str:
         """The C math library's ``name`` on this type (``erf``/``erff``, ``log1p``/``log1pf``, ...).
@@ -291,10 +328,14 @@ class VectorScalar(Scalar):
     def const(self, value: float) -> str:
         return splat_const(self.lanes, self.element, float_const(value, self.element))
 
-    def call(self, intrinsic: str, *args: str) -> str:
-        suffix = f"v{self.lanes}{_suffix(self.element)}"
-        fn = self.f.module.intrinsic(intrinsic, self.t, [self.t] * len(args), suffix)
-        return self.f.call(self.t, fn, [(self.t, a) for a in args], hint=intrinsic)
+    def _suffix(self) -> str:
+        return f"v{self.lanes}{_suffix(self.element)}"
+
+    def _int_type(self) -> str:
+        return f"<{self.lanes} x i32>"
+
+    def _int_const(self, value: int) -> str:
+        return splat_const(self.lanes, "i32", str(value))
 
     def libm(self, name: str, *args: str) -> str:
         fn = name + ("f" if self.element == "float" else "")
