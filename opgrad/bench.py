@@ -8,7 +8,8 @@ computing something else. Times are medians (these machines vary 10-15 % run to 
 least 20 steps after warm-up, and ratios are taken within one run, the engines taking turns in
 short rounds so that the machine's drift during the run reaches all of them alike.
 
-``--model`` picks a built-in model (the seed CNN by default, or ``resnet`` / ``mlp``), and
+``--model`` picks a built-in model (the seed CNN by default, or ``keras-mnist`` / ``resnet`` / ``mlp``, or the
+sequence models ``lstm`` / ``transformer``, which read a digit's rows as 28 steps), and
 ``--checkpoint`` the model a file written by ``model.save`` or ``opgrad train --save`` holds (a
 classifier: one image input, one output of class scores), stepped on uniform random images of
 its input shape. PyTorch runs the same
@@ -64,7 +65,7 @@ class Row:
 
 
 #: The models ``--model`` names.
-BUILT_IN_MODELS = ("seed-cnn", "keras-mnist", "resnet", "mlp")
+BUILT_IN_MODELS = ("seed-cnn", "keras-mnist", "resnet", "mlp", "lstm", "transformer")
 #: ``--optimizer``'s choices: ``opgrad train``'s (:func:`opgrad.nn.make_optimizer`).
 OPTIMIZER_NAMES = ("sgd", "momentum", "nesterov", "adam", "adamw", "rmsprop")
 
@@ -237,6 +238,24 @@ def torch_forward(model: Any, params: dict[str, Any], buffers: dict[str, Any], x
             h = sum(args[1:], args[0])
         elif kind in ("relu", "activation"):
             h = activate(h, getattr(layer, "activation", "relu"))
+        elif kind == "reshape":
+            h = h.reshape(h.shape[0], *layer.target_shape)
+        elif kind == "layernorm":
+            h = F.layer_norm(h, h.shape[layer.axis % h.ndim:], p["weight"], p["bias"], layer.epsilon)
+        elif kind == "arithmetic" and layer.op == "add" and layer.operand is None:
+            h = h + p["operand"]
+        elif kind == "reduce" and layer.op == "mean":
+            h = h.mean(dim=layer.axes, keepdim=layer.keepdims)
+        elif kind == "multiheadattention" and not layer.padding_mask:
+            length = h.shape[1]
+            causal = torch.triu(torch.full((length, length), float("-inf")), 1) if layer.causal else None
+            sequence_first = h.transpose(0, 1)
+            h = F.multi_head_attention_forward(
+                sequence_first, sequence_first, sequence_first, h.shape[2], layer.num_heads, p["in_proj_weight"],
+                p.get("in_proj_bias"), None, None, False, 0.0, p["out_proj_weight"], p.get("out_proj_bias"),
+                training=training, need_weights=False, attn_mask=causal)[0].transpose(0, 1)
+        elif kind in ("lstm", "gru"):
+            h = _torch_recurrent(layer, p, h)
         elif kind == "dropout":
             if training and layer.rate > 0.0:
                 if masks is None or layer.name not in masks:
@@ -246,6 +265,32 @@ def torch_forward(model: Any, params: dict[str, Any], buffers: dict[str, Any], x
             raise NotImplementedError(f"torch_forward has no translation of layer {layer.describe()}")
         values[id(node.output)] = h
     return values[id(model.outputs[0])]
+
+
+#: The PyTorch module of each recurrent layer :func:`torch_forward` has run, by the layer's id.
+_TORCH_RNNS: dict[int, Any] = {}
+
+
+def _torch_recurrent(layer: Any, params: dict[str, Any], x: Any) -> Any:
+    """``layer`` (opgrad's LSTM or GRU) as PyTorch's ``nn.LSTM`` / ``nn.GRU`` on ``params``
+    (``torch.func.functional_call``: its own fused kernels, with opgrad's weights)."""
+    import torch
+
+    module = _TORCH_RNNS.get(id(layer))
+    if module is None:
+        module = getattr(torch.nn, layer.kind.upper())(x.shape[2], layer.units, batch_first=True,
+                                                       bidirectional=layer.bidirectional)
+        module = _TORCH_RNNS[id(layer)] = module.requires_grad_(False)
+    weights = {}
+    for suffix in layer.directions:
+        for name in ("weight_ih", "weight_hh", "bias_ih", "bias_hh"):
+            value = params.get(name + suffix)
+            weights[f"{name}_l0{suffix}"] = value if value is not None else torch.zeros_like(params["bias_ih" + suffix])
+    output, last = torch.func.functional_call(module, weights, (x,))
+    if layer.return_sequences:
+        return output
+    hidden = last[0] if isinstance(last, tuple) else last  # (directions, N, units)
+    return torch.cat(list(hidden), dim=1)
 
 
 #: glibc's ``mallopt`` parameters (``malloc.h``) and the values :func:`keep_freed_memory` sets: the
@@ -546,6 +591,9 @@ def run(args: argparse.Namespace) -> int:
     for key, name, runner in subjects:
         if key in args.skip:
             rows[key] = Row(name, note="skipped")
+            continue
+        if key == "torch-nhwc" and not any(layer.kind in ("conv", "convtranspose") for layer in model.layers):
+            rows[key] = Row(name, note="skipped (no image convolution: the memory format changes nothing)")
             continue
         if key == "jax" and (args.model != "seed-cnn" or args.optimizer != "sgd"):
             differs = [f"the model is {args.model}" if args.model != "seed-cnn" else "",

@@ -42,10 +42,10 @@ if TYPE_CHECKING:
 
 DEFAULT_EPOCHS = 10
 #: The models ``--model`` offers (``opgrad.nn.MODELS``; listed here so the CLI starts without importing nn).
-MODEL_NAMES = ("seed-cnn", "keras-mnist", "resnet", "mlp")
+MODEL_NAMES = ("seed-cnn", "keras-mnist", "resnet", "mlp", "lstm", "transformer")
 #: Epochs per model when --epochs is not given (measured; see the README's table).
 MODEL_EPOCHS = {"seed-cnn": DEFAULT_EPOCHS, "keras-mnist": DEFAULT_EPOCHS, "resnet": 20,
-                "mlp": DEFAULT_EPOCHS}
+                "mlp": DEFAULT_EPOCHS, "lstm": DEFAULT_EPOCHS, "transformer": DEFAULT_EPOCHS}
 #: (rotation degrees, scale fraction) of the random affine augmentation when --augment-rotate /
 #: --augment-scale are not given: the ResNet overfits 4,000 digits with shifts alone.
 MODEL_AFFINE = {"resnet": (10.0, 0.1)}

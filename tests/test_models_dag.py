@@ -469,3 +469,31 @@ def test_resnet_training_step_equals_its_torch_twin() -> None:
     x = rng.random((3, 1, 28, 28))
     expected = torch_forward(model, p, buffers, torch.from_numpy(x), training=False).detach().numpy()
     np.testing.assert_allclose(model.predict(x, backend="reference"), expected, rtol=1e-8, atol=1e-10)
+
+
+@pytest.mark.parametrize("name", ["lstm", "transformer"])
+def test_sequence_models_train_as_their_torch_twins(name: str) -> None:
+    """The built-in LSTM and transformer against bench's PyTorch translation (nn.LSTM through
+    functional_call, F.multi_head_attention_forward, F.layer_norm): loss and weights after two SGD
+    steps, float64."""
+    torch = require("torch", "the sequence models are checked against their PyTorch twins")
+    from opgrad.bench import torch_forward
+
+    model = nn.build_model(name)
+    step = nn.TrainStep(model, nn.SGD(), batch_size=3, dtype="float64", backend="reference")
+    params = model.init_params(0, "float64")
+    p = {k: torch.tensor(v, requires_grad=True) for k, v in params.items()}
+    rng = np.random.default_rng(1)
+    for _ in range(2):
+        x, y = rng.random((3, 1, 28, 28)), rng.integers(0, 10, 3)
+        result = step(x, y, params, {}, 0.1)
+        params = result.params
+        loss = torch.nn.functional.cross_entropy(torch_forward(model, p, {}, torch.from_numpy(x), training=True),
+                                                 torch.from_numpy(y))
+        grads = torch.autograd.grad(loss, list(p.values()))
+        with torch.no_grad():
+            for value, grad in zip(p.values(), grads):
+                value -= 0.1 * grad
+        assert result.loss == pytest.approx(float(loss.detach()), rel=1e-10)
+    for key, value in params.items():
+        np.testing.assert_allclose(value, p[key].detach().numpy(), rtol=1e-8, atol=1e-10, err_msg=key)

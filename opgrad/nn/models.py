@@ -1,5 +1,6 @@
 """The models ``opgrad train`` knows: the seed CNN (TVM's autodiff MNIST tutorial), the Keras MNIST example, a small
-CIFAR-style ResNet and an MLP.
+CIFAR-style ResNet, an MLP, and two sequence models reading a digit's rows as 28 steps: an LSTM and a transformer
+encoder.
 
 All take ``(1, 28, 28)`` images (NCHW, pixels in [0, 1]) and return 10 logits; the softmax is
 fused into the loss.
@@ -19,13 +20,18 @@ from opgrad.nn.layers import (
     Flatten,
     GlobalAvgPool2D,
     Input,
+    LayerNorm,
     MaxPool2D,
+    MultiHeadAttention,
     ReLU,
     SymbolicTensor,
 )
 from opgrad.nn.model import Model, Sequential
+from opgrad.nn.ops_layers import Arithmetic, Reduce
+from opgrad.nn.recurrent import LSTM
+from opgrad.nn.reshaping import Reshape
 
-__all__ = ["MODELS", "build_model", "keras_mnist", "mlp", "resnet", "seed_cnn"]
+__all__ = ["MODELS", "build_model", "keras_mnist", "mlp", "resnet", "row_lstm", "row_transformer", "seed_cnn"]
 
 MNIST_SHAPE = (1, 28, 28)
 
@@ -116,8 +122,32 @@ def mlp(num_classes: int = 10, hidden: tuple[int, ...] = (256, 256)) -> Sequenti
                       input_shape=MNIST_SHAPE, name="mlp")
 
 
+def row_lstm(num_classes: int = 10, units: int = 128) -> Sequential:
+    """The image's 28 rows as the steps of an ``LSTM(units)`` whose last hidden state a Dense
+    classifies (the classic sequential-MNIST recurrent net); 82,186 parameters at 128 units."""
+    return Sequential([Reshape(MNIST_SHAPE[1:]), LSTM(units), Dense(num_classes)], input_shape=MNIST_SHAPE,
+                      name="lstm")
+
+
+def row_transformer(num_classes: int = 10, width: int = 64, heads: int = 4, blocks: int = 2) -> Model:
+    """A pre-norm transformer encoder over the image's 28 rows: each row projected to ``width``
+    plus a learned position embedding, ``blocks`` blocks of LayerNorm, self-attention (``heads``
+    heads) and a residual add, then LayerNorm, a GELU MLP of twice the width and a residual add;
+    a final LayerNorm, the mean over the rows and a Dense classifier. 71,370 parameters."""
+    inp = Input(MNIST_SHAPE, name="images")
+    rows = Reshape(MNIST_SHAPE[1:], name="rows")(inp)
+    x = Arithmetic("add", operand_shape=(MNIST_SHAPE[1], width), name="positions")(Dense(width, name="embed")(rows))
+    for block in range(1, blocks + 1):
+        attended = MultiHeadAttention(heads, name=f"b{block}_attention")(LayerNorm(name=f"b{block}_norm1")(x))
+        x = Add(name=f"b{block}_add1")([x, attended])
+        hidden = Dense(2 * width, activation="gelu", name=f"b{block}_mlp1")(LayerNorm(name=f"b{block}_norm2")(x))
+        x = Add(name=f"b{block}_add2")([x, Dense(width, name=f"b{block}_mlp2")(hidden)])
+    pooled = Reduce("mean", [1], keepdims=False, name="pool")(LayerNorm(name="norm")(x))
+    return Model(inp, Dense(num_classes, name="head")(pooled), name="transformer")
+
+
 MODELS: dict[str, Callable[[], Model]] = {"seed-cnn": seed_cnn, "keras-mnist": keras_mnist, "resnet": resnet,
-                                          "mlp": mlp}
+                                          "mlp": mlp, "lstm": row_lstm, "transformer": row_transformer}
 
 
 def build_model(name: str) -> Model:
