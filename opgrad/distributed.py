@@ -297,6 +297,10 @@ def abort_on_error(comm: Communicator, command: str) -> Iterator[None]:
             sys.stderr.flush()
             time.sleep(ABORT_GRACE_SECONDS)
             comm.abort(code)
+            if isinstance(exc, KeyboardInterrupt):
+                # MPICH's abort may return before it ends this rank; Python would then print the
+                # interrupt's traceback on the way out. Said once already: leave at once.
+                os._exit(code)
             raise
         _report(exc, comm.rank, command)
         comm.barrier()
