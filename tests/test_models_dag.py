@@ -8,6 +8,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -435,23 +436,20 @@ def test_models_doc_example_runs() -> None:
     assert isinstance(model, nn.Model) and len(model.outputs) == 2
 
 
-def test_resnet_training_step_equals_its_torch_twin() -> None:
-    """The built-in ResNet (1 block per stage, to stay quick on the reference backend) against
-    bench's PyTorch translation: loss, updated weights and running statistics after two SGD steps,
-    then evaluation logits."""
-    torch = require("torch", "the ResNet is checked against its PyTorch twin")
+def sgd_steps_against_torch_twin(model: nn.Model, batch: int, seed: int) -> tuple[Any, Any, Any, Any, Any]:
+    """Two float64 SGD steps of ``model`` (reference backend) and of bench's PyTorch translation on
+    the same random digits, their losses equal; returns opgrad's params and state, PyTorch's
+    parameters and buffers, and the generator for more data."""
+    torch = require("torch", "the built-in models are checked against their PyTorch twins")
     from opgrad.bench import torch_forward
 
-    model = nn.resnet(blocks_per_stage=1)
-    assert [layer.name for layer in model.layers][:3] == ["stem_conv", "stem_bn", "stem_relu"]
-    step = nn.TrainStep(model, nn.SGD(), batch_size=4, dtype="float64", backend="reference")
-    params = model.init_params(0, "float64")
-    state = model.init_buffers("float64")
+    step = nn.TrainStep(model, nn.SGD(), batch_size=batch, dtype="float64", backend="reference")
+    params, state = model.init_params(0, "float64"), model.init_buffers("float64")
     p = {k: torch.tensor(v, requires_grad=True) for k, v in params.items()}
     buffers = {k: torch.tensor(v) for k, v in state.items()}
-    rng = np.random.default_rng(0)
+    rng = np.random.default_rng(seed)
     for _ in range(2):
-        x, y = rng.random((4, 1, 28, 28)), rng.integers(0, 10, 4)
+        x, y = rng.random((batch, 1, 28, 28)), rng.integers(0, 10, batch)
         result = step(x, y, params, state, 0.1)
         params, state = result.params, result.state
         loss = torch.nn.functional.cross_entropy(torch_forward(model, p, buffers, torch.from_numpy(x), training=True),
@@ -463,6 +461,19 @@ def test_resnet_training_step_equals_its_torch_twin() -> None:
         assert result.loss == pytest.approx(float(loss.detach()), rel=1e-10)
     for name, value in params.items():
         np.testing.assert_allclose(value, p[name].detach().numpy(), rtol=1e-8, atol=1e-10, err_msg=name)
+    return params, state, p, buffers, rng
+
+
+def test_resnet_training_step_equals_its_torch_twin() -> None:
+    """The built-in ResNet (1 block per stage, to stay quick on the reference backend) against
+    bench's PyTorch translation: loss, updated weights and running statistics after two SGD steps,
+    then evaluation logits."""
+    torch = require("torch", "the ResNet is checked against its PyTorch twin")
+    from opgrad.bench import torch_forward
+
+    model = nn.resnet(blocks_per_stage=1)
+    assert [layer.name for layer in model.layers][:3] == ["stem_conv", "stem_bn", "stem_relu"]
+    params, state, p, buffers, rng = sgd_steps_against_torch_twin(model, batch=4, seed=0)
     for name, value in state.items():
         np.testing.assert_allclose(value, buffers[name].numpy(), rtol=1e-10, atol=1e-12, err_msg=name)
     model.params, model.buffers = params, state
@@ -476,24 +487,4 @@ def test_sequence_models_train_as_their_torch_twins(name: str) -> None:
     """The built-in LSTM and transformer against bench's PyTorch translation (nn.LSTM through
     functional_call, F.multi_head_attention_forward, F.layer_norm): loss and weights after two SGD
     steps, float64."""
-    torch = require("torch", "the sequence models are checked against their PyTorch twins")
-    from opgrad.bench import torch_forward
-
-    model = nn.build_model(name)
-    step = nn.TrainStep(model, nn.SGD(), batch_size=3, dtype="float64", backend="reference")
-    params = model.init_params(0, "float64")
-    p = {k: torch.tensor(v, requires_grad=True) for k, v in params.items()}
-    rng = np.random.default_rng(1)
-    for _ in range(2):
-        x, y = rng.random((3, 1, 28, 28)), rng.integers(0, 10, 3)
-        result = step(x, y, params, {}, 0.1)
-        params = result.params
-        loss = torch.nn.functional.cross_entropy(torch_forward(model, p, {}, torch.from_numpy(x), training=True),
-                                                 torch.from_numpy(y))
-        grads = torch.autograd.grad(loss, list(p.values()))
-        with torch.no_grad():
-            for value, grad in zip(p.values(), grads):
-                value -= 0.1 * grad
-        assert result.loss == pytest.approx(float(loss.detach()), rel=1e-10)
-    for key, value in params.items():
-        np.testing.assert_allclose(value, p[key].detach().numpy(), rtol=1e-8, atol=1e-10, err_msg=key)
+    sgd_steps_against_torch_twin(nn.build_model(name), batch=3, seed=1)
