@@ -238,26 +238,37 @@ class Scalar:
     def exp(self, x: str) -> str:
         """e^x in float32 as instructions, no call: ``x = n ln2 + r`` (n = rint(x / ln2), ln2 in two
         parts, so r is exact to float32's rounding), e^r by its Taylor polynomial through r^7
-        (|r| <= ln2 / 2: the next term is under 1e-8 of e^r) and 2^n put in the exponent bits.
-        Within 2 float32 ulps of e^x; 0 below -87.3 (where e^x leaves float32's normal range:
-        its subnormals are 0 here), inf above 88.72, NaN for NaN. The C library's expf is a call
-        per element, which an LLVM vector exp becomes lane by lane."""
+        (|r| <= ln2 / 2: the next term is under 1e-8 of e^r), times 2^n built in exponent bits as
+        two factors, so that n reaches from -150 (subnormal results, rounded once by the last
+        multiply) to 128. Within 1 float32 ulp of e^x for normal results; 0 below -104, inf above
+        88.72, NaN for NaN. The C library's expf is a call per element, which an LLVM vector exp
+        becomes lane by lane."""
         it = self._int_type()
         ln2_hi, ln2_lo = 0.693359375, -2.12194440e-4  # ln2_hi has 9 bits: n * ln2_hi is exact
-        # n held to float32's normal exponents (2^n is built from bits below); the ends are selected last.
         n = self.call("rint", self.mul(x, self.const(1.4426950408889634)))
-        n = self.call("maxnum", self.call("minnum", n, self.const(127.0)), self.const(-126.0))
+        n = self.call("maxnum", self.call("minnum", n, self.const(128.0)), self.const(-150.0))
         r = self.sub(self.sub(x, self.mul(n, self.const(ln2_hi))), self.mul(n, self.const(ln2_lo)))
         poly = self.const(1.0 / 5040.0)
         for coefficient in (1.0 / 720.0, 1.0 / 120.0, 1.0 / 24.0, 1.0 / 6.0, 0.5, 1.0, 1.0):
             poly = self.add(self.mul(poly, r), self.const(coefficient))
-        biased = self.f.val(f"fptosi {self.t} {self.add(n, self.const(127.0))} to {it}", "exp.n")
-        shifted = self.f.val(f"shl {it} {biased}, {self._int_const(23)}", "exp.bits")
-        scale = self.f.val(f"bitcast {it} {shifted} to {self.t}", "exp.scale")
-        value = self.mul(poly, scale)
-        value = self.select(self.cmp("olt", x, self.const(-87.33654)), self.const(0.0), value)
+        whole = self.f.val(f"fptosi {self.t} {n} to {it}", "exp.n")
+        half = self.f.val(f"ashr {it} {whole}, {self._int_const(1)}", "exp.half")
+        value = poly
+        for power in (half, self.f.val(f"sub {it} {whole}, {half}", "exp.rest")):  # each in [-75, 64]
+            biased = self.f.val(f"add {it} {power}, {self._int_const(127)}", "exp.biased")
+            bits = self.f.val(f"shl {it} {biased}, {self._int_const(23)}", "exp.bits")
+            value = self.mul(value, self.f.val(f"bitcast {it} {bits} to {self.t}", "exp.scale"))
+        value = self.select(self.cmp("olt", x, self.const(-104.0)), self.const(0.0), value)
         value = self.select(self.cmp("ogt", x, self.const(88.72283)), self.const(float("inf")), value)
         return self.select(self.cmp("uno", x, x), x, value)
+
+    def high_bits(self, x: str, kept: int) -> str:
+        """float32 ``x`` with all but the top ``kept`` of its 23 mantissa bits cleared: the square
+        of a value kept to 11 (12 significant bits) is exact (``erfc``'s exp(-z^2) splits z so)."""
+        it = self._int_type()
+        bits = self.f.val(f"bitcast {self.t} {x} to {it}", "hi.bits")
+        mask = self._int_const(-(1 << (23 - kept)))
+        return self.f.val(f"bitcast {it} {self.f.val(f'and {it} {bits}, {mask}', 'hi.and')} to {self.t}", "hi")
 
     def _int_const(self, value: int) -> str:
         return str(value)
