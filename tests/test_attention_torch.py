@@ -202,3 +202,51 @@ def test_a_padding_mask_hides_padded_keys_as_torchs_key_padding_mask(backend: st
     with pytest.raises(opgrad.ShapeError, match=r"takes \[x, mask\]: a sequence \(length, embed\) and a mask "
                                                 r"\(length,\)"):
         nn.MultiHeadAttention(2, padding_mask=True)([x_in, nn.Input((length + 1,))])
+
+
+@pytest.mark.parametrize("backend", ["reference", "llvm"])
+@pytest.mark.parametrize("padding", [False, True])
+def test_cross_attention_equals_torchs_on_another_sequence(padding: bool, backend: str) -> None:
+    """key_value=True: queries from a decoder's 4 positions, keys and values from an encoder's 6
+    (some padded): outputs and every gradient, both inputs' included, equal PyTorch's mha(q, kv, kv)."""
+    n, queries, keys, embed, heads = 3, 4, 6, 8, 2
+    q_in, kv_in = nn.Input((queries, embed), name="q"), nn.Input((keys, embed), name="kv")
+    inputs = [q_in, kv_in]
+    if padding:
+        inputs.append(nn.Input((keys,), name="mask"))
+    layer = nn.MultiHeadAttention(heads, key_value=True, padding_mask=padding, name="att")
+    model = nn.Model(inputs, layer(inputs))
+    assert model.output_shape == (queries, embed)
+    rng = np.random.default_rng(12)
+    params = {k: v + 0.1 * rng.standard_normal(v.shape) for k, v in model.init_params(0, "float64").items()}
+    q, kv = rng.standard_normal((n, queries, embed)), rng.standard_normal((n, keys, embed))
+    keep = np.ones((n, keys))
+    keep[0, 4:] = keep[2, 1:] = 0
+    cotangent = rng.standard_normal((n, queries, embed))
+    mha = _torch_attention(params, embed, heads)
+    qt, kvt = torch.tensor(q, requires_grad=True), torch.tensor(kv, requires_grad=True)
+    yt, _ = mha(qt, kvt, kvt, need_weights=False,  # type: ignore[operator]
+                key_padding_mask=torch.tensor(keep == 0) if padding else None)
+    yt.backward(torch.tensor(cotangent))
+
+    arrays = [q, kv, *([keep] if padding else [])]
+    variables = [opgrad.var(f"in{i}", a.shape, "float64") for i, a in enumerate(arrays)]
+    weights = {k: opgrad.var(k, v.shape, "float64") for k, v in params.items()}
+    out = model.call(variables, weights)[0][0]
+    loss = ops.sum(ops.multiply(out, opgrad.const(cotangent)))
+    fn = opgrad.function([*variables, *weights.values()],
+                         [out, *opgrad.gradients(loss, [variables[0], variables[1], *weights.values()])])
+    y, dq, dkv, *grads = nn.compile_function(fn, backend)(*arrays, *params.values())
+    np.testing.assert_allclose(y, yt.detach().numpy(), rtol=1e-11, atol=1e-12)
+    np.testing.assert_allclose(dq, qt.grad.numpy(), rtol=1e-10, atol=1e-12)
+    np.testing.assert_allclose(dkv, kvt.grad.numpy(), rtol=1e-10, atol=1e-12)
+    expected = {"att.in_proj_weight": mha.in_proj_weight.grad, "att.in_proj_bias": mha.in_proj_bias.grad,
+                "att.out_proj_weight": mha.out_proj.weight.grad, "att.out_proj_bias": mha.out_proj.bias.grad}
+    for name, grad in zip(weights, grads, strict=True):
+        np.testing.assert_allclose(grad, expected[name].numpy(), rtol=1e-10, atol=1e-12, err_msg=name)
+    with pytest.raises(ValueError, match=r"cross-attention \(key_value=True\) reads another sequence"):
+        nn.MultiHeadAttention(2, key_value=True, causal=True)
+    with pytest.raises(TypeError, match=r"MultiHeadAttention\(2 heads, cross\) takes a list of two or more"):
+        nn.MultiHeadAttention(2, key_value=True)(q_in)
+    with pytest.raises(opgrad.errors.ShapeError, match=r"takes \[query, key_value\]: sequences \(length, embed\)"):
+        nn.MultiHeadAttention(2, key_value=True)([q_in, nn.Input((keys,))])

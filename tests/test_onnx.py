@@ -182,6 +182,28 @@ def test_a_transformer_block_goes_out_as_onnx(causal: bool, tmp_path: Path) -> N
                                model.predict([ids, keep], batch_size=3, backend="reference"), rtol=1e-5, atol=2e-6)
 
 
+def test_an_encoder_decoder_goes_out_as_onnx_and_its_description_back(tmp_path: Path) -> None:
+    """Cross-attention (queries from a decoder's 4 positions, keys and values from an encoder's 6,
+    padded) in onnxruntime and through nn.save / nn.load."""
+    source, target = nn.Input((6, 8), name="source"), nn.Input((4, 8), name="target")
+    keep = nn.Input((6,), name="keep")
+    memory = nn.LayerNorm()(nn.Add()([source, nn.MultiHeadAttention(2)(source)]))
+    attended = nn.MultiHeadAttention(2, key_value=True, padding_mask=True, name="cross")([target, memory, keep])
+    model = _perturbed(nn.Model([source, target, keep], nn.Dense(5)(nn.Add()([target, attended])), name="seq2seq"))
+    rng = np.random.default_rng(5)
+    src, tgt = rng.standard_normal((3, 6, 8)).astype(np.float32), rng.standard_normal((3, 4, 8)).astype(np.float32)
+    mask = np.ones((3, 6), np.float32)
+    mask[1, 3:] = 0
+    ours = model.predict([src, tgt, mask], batch_size=3, backend="reference")
+    opgrad_onnx.save(model, tmp_path / "seq2seq.onnx")
+    np.testing.assert_allclose(run_onnxruntime(tmp_path / "seq2seq.onnx", src, tgt, mask)[0], ours, rtol=1e-5,
+                               atol=2e-6)
+    model.save(tmp_path / "seq2seq.npz")
+    loaded = nn.load(tmp_path / "seq2seq.npz")
+    assert loaded.get_layer("cross").key_value
+    np.testing.assert_array_equal(loaded.predict([src, tgt, mask], batch_size=3, backend="reference"), ours)
+
+
 @pytest.mark.parametrize("name", TORCH_MODELS)
 def test_imported_models_go_back_out_as_onnx(name: str, tmp_path: Path) -> None:
     model = opgrad_onnx.load(FIXTURES / f"{name}.onnx")

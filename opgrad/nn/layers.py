@@ -1541,7 +1541,11 @@ class MultiHeadAttention(Layer):
     ``is_causal``). ``padding_mask=True`` makes the layer take ``[x, mask]``: ``mask (length,)`` per
     example, 1 where a position holds a token and 0 where it is padding, which no query attends to
     (Keras' ``attention_mask`` rows, Hugging Face's ``attention_mask``; PyTorch's
-    ``key_padding_mask`` is its negation). The parameters are PyTorch's: ``in_proj_weight (3E, E)``
+    ``key_padding_mask`` is its negation). ``key_value=True`` makes it cross-attention, PyTorch's
+    ``mha(q, kv, kv)`` (an encoder-decoder's): it takes ``[query, key_value]`` (and the mask of
+    ``key_value``'s positions after them), queries from the first, keys and values from the
+    second, ``(length_q, E)`` and ``(length_kv, E)``; the output has the query's shape. The
+    parameters are PyTorch's: ``in_proj_weight (3E, E)``
     (queries, keys, values stacked), ``in_proj_bias (3E,)``, ``out_proj_weight (E, E)``,
     ``out_proj_bias (E,)``. It runs on registered ops (``dense``, ``batch_matmul``, ``softmax``), so
     it is differentiated and compiled as any other layer.
@@ -1552,40 +1556,56 @@ class MultiHeadAttention(Layer):
     #: with no infinity in the arithmetic (PyTorch adds -inf).
     MASKED = -1e30
 
-    def __init__(self, num_heads: int, *, causal: bool = False, padding_mask: bool = False, use_bias: bool = True,
-                 kernel_initializer: str | Initializer = "glorot_uniform",
+    def __init__(self, num_heads: int, *, causal: bool = False, padding_mask: bool = False, key_value: bool = False,
+                 use_bias: bool = True, kernel_initializer: str | Initializer = "glorot_uniform",
                  bias_initializer: str | Initializer = "zeros", name: str | None = None) -> None:
         super().__init__(name)
         if as_int(num_heads, "MultiHeadAttention num_heads") < 1:
             raise ValueError(f"MultiHeadAttention num_heads must be >= 1, got {num_heads}")
-        for what, flag in (("causal", causal), ("padding_mask", padding_mask)):
+        for what, flag in (("causal", causal), ("padding_mask", padding_mask), ("key_value", key_value)):
             if not isinstance(flag, (bool, np.bool_)):
                 raise ValueError(f"MultiHeadAttention {what} must be True or False, got {flag!r}")
+        if causal and key_value:
+            raise ValueError("MultiHeadAttention: causal hides later positions of the one sequence a self-attention "
+                             "reads; cross-attention (key_value=True) reads another sequence, where PyTorch's "
+                             "decoder applies no causal mask either")
         self.num_heads, self.causal, self.use_bias = int(num_heads), bool(causal), bool(use_bias)
-        self.padding_mask = bool(padding_mask)
+        self.padding_mask, self.key_value = bool(padding_mask), bool(key_value)
         self.kernel_init = get_initializer(kernel_initializer)
         self.bias_init = get_initializer(bias_initializer)
 
     @property
-    def multi_input(self) -> bool:  # type: ignore[override]  # fixed by the config: [x, mask] or x
-        return self.padding_mask
+    def multi_input(self) -> bool:  # type: ignore[override]  # fixed by the config: x, [x, mask], [q, kv, ...]
+        return self.padding_mask or self.key_value
 
     def get_config(self) -> dict[str, Any]:
         return {"num_heads": self.num_heads, "causal": self.causal, "padding_mask": self.padding_mask,
+                **({"key_value": True} if self.key_value else {}),
                 "use_bias": self.use_bias, "kernel_initializer": _init_config(self.kernel_init),
                 "bias_initializer": _init_config(self.bias_init)}
 
     def config(self) -> str:
         return f"{self.num_heads} heads" + (", causal" if self.causal else "") + (
-            ", padding mask" if self.padding_mask else "")
+            ", cross" if self.key_value else "") + (", padding mask" if self.padding_mask else "")
 
     def output_shape_for(self, input_shape: Any) -> Shape:
-        if self.padding_mask:
-            if len(input_shape) != 2 or len(input_shape[0]) != 2 or tuple(input_shape[1]) != (input_shape[0][0],):
-                raise self._shape_error(input_shape, "MultiHeadAttention(padding_mask=True) takes [x, mask]: a "
-                                                     "sequence (length, embed) and a mask (length,) of 1 (a token) "
-                                                     "and 0 (padding)")
-            input_shape = input_shape[0]
+        if self.multi_input:
+            sequences = 2 if self.key_value else 1
+            parts = [tuple(shape) for shape in input_shape]
+            wanted = ("[query, key_value, mask]" if self.key_value and self.padding_mask else
+                      "[query, key_value]" if self.key_value else "[x, mask]")
+            fits = len(parts) == sequences + self.padding_mask and all(len(p) == 2 for p in parts[:sequences])
+            if fits and self.padding_mask:
+                fits = parts[-1] == (parts[sequences - 1][0],)
+            if not fits:
+                sequences_text = "sequences (length, embed)" if self.key_value else "a sequence (length, embed)"
+                mask_text = (" and a mask (length,) of 1 (a token) and 0 (padding)" + (
+                    " for the key_value's positions" if self.key_value else "")) if self.padding_mask else ""
+                raise self._shape_error(input_shape, f"MultiHeadAttention takes {wanted}: {sequences_text}{mask_text}")
+            if self.key_value and parts[0][1] != parts[1][1]:
+                raise self._shape_error(input_shape, f"the query's embed {parts[0][1]} differs from the key_value's "
+                                                     f"{parts[1][1]}")
+            input_shape = parts[0]
         if len(input_shape) != 2:
             raise self._shape_error(input_shape, "MultiHeadAttention needs a sequence (length, embed)")
         if input_shape[1] % self.num_heads:
@@ -1594,7 +1614,7 @@ class MultiHeadAttention(Layer):
 
     def param_specs(self) -> dict[str, ParamSpec]:
         assert self.input_shape is not None, "build() first"
-        e = (self.input_shape[0] if self.padding_mask else self.input_shape)[1]
+        e = (self.input_shape[0] if self.multi_input else self.input_shape)[1]
         specs = {"in_proj_weight": ParamSpec((3 * e, e), self.kernel_init),
                  "out_proj_weight": ParamSpec((e, e), self.kernel_init)}
         if self.use_bias:
@@ -1603,22 +1623,26 @@ class MultiHeadAttention(Layer):
         return specs
 
     def apply(self, x: Expr | list[Expr], params: Mapping[str, Expr], ctx: ForwardContext) -> Expr:
-        x, mask = (x[0], x[1]) if isinstance(x, list) else (x, None)
+        parts = x if isinstance(x, list) else [x]
+        x = parts[0]
+        source = parts[1] if self.key_value else x  # what the keys and values are projected from
+        mask = parts[-1] if self.padding_mask else None
         n, length, e = x.shape
+        keys = source.shape[1]
         heads, d = self.num_heads, e // self.num_heads
-        rows = ops.reshape(x, shape=(n * length, e))
 
-        def projected(part: int) -> Expr:
-            """Queries (0), keys (1) or values (2) as ``(n * heads, length, d)``."""
+        def projected(part: int, of: Expr) -> Expr:
+            """Queries (0), keys (1) or values (2) of ``of`` as ``(n * heads, its length, d)``."""
+            steps = of.shape[1]
             w = ops.strided_slice(params["in_proj_weight"], begin=[part * e, 0], end=[(part + 1) * e, e])
-            y = ops.dense(rows, w)
+            y = ops.dense(ops.reshape(of, shape=(n * steps, e)), w)
             if self.use_bias:
                 y = ops.bias_add(y, ops.strided_slice(params["in_proj_bias"], begin=[part * e], end=[(part + 1) * e]),
                                  axis=1)
-            heads_first = ops.transpose(ops.reshape(y, shape=(n, length, heads, d)), axes=(0, 2, 1, 3))
-            return ops.reshape(heads_first, shape=(n * heads, length, d))
+            heads_first = ops.transpose(ops.reshape(y, shape=(n, steps, heads, d)), axes=(0, 2, 1, 3))
+            return ops.reshape(heads_first, shape=(n * heads, steps, d))
 
-        q, k, v = projected(0), projected(1), projected(2)
+        q, k, v = projected(0, x), projected(1, source), projected(2, source)
         scores = ops.multiply(ops.batch_matmul(q, ops.transpose(k, axes=(0, 2, 1))), 1.0 / math.sqrt(d))
         if self.causal:
             hidden = np.triu(np.full((length, length), self.MASKED), k=1).astype(x.dtype)
@@ -1626,8 +1650,8 @@ class MultiHeadAttention(Layer):
         if mask is not None:
             # MASKED where a key is padding, per example, the same for every head and every query.
             padding = ops.multiply(ops.subtract(1.0, mask), self.MASKED)
-            per_head = ops.broadcast_to(ops.reshape(padding, shape=(n, 1, length)), shape=(n, heads, length))
-            scores = ops.add(scores, ops.reshape(per_head, shape=(n * heads, 1, length)))
+            per_head = ops.broadcast_to(ops.reshape(padding, shape=(n, 1, keys)), shape=(n, heads, keys))
+            scores = ops.add(scores, ops.reshape(per_head, shape=(n * heads, 1, keys)))
         attended = ops.batch_matmul(ops.softmax(scores, axis=-1), v)
         merged = ops.transpose(ops.reshape(attended, shape=(n, heads, length, d)), axes=(0, 2, 1, 3))
         y = ops.dense(ops.reshape(merged, shape=(n * length, e)), params["out_proj_weight"])

@@ -227,14 +227,16 @@ def _attention(b: GraphBuilder, layer: Any, x: list[str], shapes: list[Shape], o
     the causal mask a constant and the padding mask ``(1 - mask) * MASKED`` added to the scores
     (the layer's own arithmetic, so onnxruntime computes what opgrad does)."""
     length, embed = shapes[0]
+    source, keys = (x[1], shapes[1][0]) if layer.key_value else (x[0], length)  # keys and values read this
     heads, d = layer.num_heads, embed // layer.num_heads
     weight = np.asarray(b.weights[f"{layer.name}.in_proj_weight"])
     bias = np.asarray(b.weights[f"{layer.name}.in_proj_bias"]) if layer.use_bias else None
-    split_heads = b.constant([0, length, heads, d], f"{layer.name}.heads", np.int64)
 
     def projected(part: int, name: str, perm: list[int]) -> str:
         rows = slice(part * embed, (part + 1) * embed)
-        y = b.node("MatMul", [x[0], b.derived_weight(layer, f"{name}_weight", weight[rows].T)], None,
+        of, steps = (x[0], length) if part == 0 else (source, keys)
+        split_heads = b.constant([0, steps, heads, d], f"{layer.name}.{name}_heads", np.int64)
+        y = b.node("MatMul", [of, b.derived_weight(layer, f"{name}_weight", weight[rows].T)], None,
                    f"{layer.name}_{name}")
         if bias is not None:
             y = b.node("Add", [y, b.derived_weight(layer, f"{name}_bias", bias[rows])], None,
@@ -250,11 +252,11 @@ def _attention(b: GraphBuilder, layer: Any, x: list[str], shapes: list[Shape], o
     if layer.causal:
         hidden = np.triu(np.full((length, length), layer.MASKED), k=1)
         scores = b.node("Add", [scores, b.constant(hidden, f"{layer.name}.causal")], None, f"{layer.name}_causal")
-    if len(x) > 1:  # the padding mask (N, length): 1 for a token, 0 for padding
-        padding = b.node("Mul", [b.node("Sub", [b.constant(1.0, f"{layer.name}.one"), x[1]], None,
+    if layer.padding_mask:  # the keys' mask (N, keys): 1 for a token, 0 for padding
+        padding = b.node("Mul", [b.node("Sub", [b.constant(1.0, f"{layer.name}.one"), x[-1]], None,
                                         f"{layer.name}_padding"),
                                  b.constant(layer.MASKED, f"{layer.name}.masked")], None, f"{layer.name}_masked")
-        per_key = b.node("Reshape", [padding, b.constant([0, 1, 1, length], f"{layer.name}.keys", np.int64)], None,
+        per_key = b.node("Reshape", [padding, b.constant([0, 1, 1, keys], f"{layer.name}.keys", np.int64)], None,
                          f"{layer.name}_keys")
         scores = b.node("Add", [scores, per_key], None, f"{layer.name}_padded")
     attended = b.node("MatMul", [b.node("Softmax", [scores], None, f"{layer.name}_softmax", axis=-1), v], None,
