@@ -250,3 +250,84 @@ def test_cross_attention_equals_torchs_on_another_sequence(padding: bool, backen
         nn.MultiHeadAttention(2, key_value=True)(q_in)
     with pytest.raises(opgrad.errors.ShapeError, match=r"takes \[query, key_value\]: sequences \(length, embed\)"):
         nn.MultiHeadAttention(2, key_value=True)([q_in, nn.Input((keys,))])
+
+
+def _tied_language_model(vocab: int, embed: int, length: int) -> tuple[nn.Model, nn.Embedding]:
+    tokens = nn.Input((length,), dtype="int64", name="tokens")
+    table = nn.Embedding(vocab, embed, name="emb")
+    h = table(tokens)
+    h = nn.Add()([h, nn.MultiHeadAttention(2, causal=True, name="att")(h)])
+    head = nn.Dense(vocab, use_bias=False, weight_from=table, name="head")
+    return nn.Model(tokens, head(nn.LayerNorm(name="norm")(h)), name="tied"), table
+
+
+@pytest.mark.parametrize("backend", ["reference", "llvm"])
+def test_a_language_model_with_tied_embedding_trains_as_torchs(backend: str, tmp_path: Path) -> None:
+    """Dense(weight_from=embedding): the output layer scores tokens with the embedding table itself
+    (PyTorch's head.weight = emb.weight), one parameter whose gradient adds both uses: three Adam
+    steps of next-token cross-entropy equal PyTorch's; the tie survives save/load."""
+    vocab, embed, length, n = 11, 8, 5, 3
+    model, _ = _tied_language_model(vocab, embed, length)
+    assert "head.weight" not in model.params and "weight of 'emb'" in str(model)
+    params = {k: v.astype(np.float64) for k, v in model.params.items()}
+    rng = np.random.default_rng(13)
+    ids = rng.integers(0, vocab, (n, length))
+    targets = rng.integers(0, vocab, (n, length))
+
+    emb = torch.nn.Embedding(vocab, embed).double()
+    mha = _torch_attention(params, embed, 2)
+    norm = torch.nn.LayerNorm(embed).double()
+    head = torch.nn.Linear(embed, vocab, bias=False).double()
+    with torch.no_grad():
+        emb.weight.copy_(torch.tensor(params["emb.weight"]))
+        norm.weight.copy_(torch.tensor(params["norm.weight"]))
+        norm.bias.copy_(torch.tensor(params["norm.bias"]))
+    head.weight = emb.weight  # tied
+    modules = torch.nn.ModuleList([emb, mha, norm, head])
+    optimizer = torch.optim.Adam(modules.parameters(), lr=0.01)
+    mask = torch.nn.Transformer.generate_square_subsequent_mask(length, dtype=torch.float64)
+    step = nn.TrainStep(model, nn.Adam(), batch_size=n, dtype="float64", backend=backend)
+    state = nn.Adam().init_state(params)
+    for _ in range(3):
+        result = step(ids, targets, params, state, 0.01)
+        params, state = result.params, result.state
+        optimizer.zero_grad()
+        h = emb(torch.tensor(ids))
+        h = h + mha(h, h, h, need_weights=False, attn_mask=mask, is_causal=True)[0]  # type: ignore[operator]
+        logits = head(norm(h))
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, vocab), torch.tensor(targets).reshape(-1))
+        loss.backward()
+        optimizer.step()
+        assert result.loss == pytest.approx(loss.item(), rel=1e-10)
+    np.testing.assert_allclose(params["emb.weight"], emb.weight.detach().numpy(), rtol=1e-8, atol=1e-10)
+    model.params = params
+    model.save(tmp_path / "tied.npz")
+    loaded = nn.load(tmp_path / "tied.npz")
+    assert loaded.get_layer("head").tied_params()["weight"][0] is loaded.get_layer("emb")
+    np.testing.assert_array_equal(loaded.predict(ids, backend="reference"), model.predict(ids, backend="reference"))
+    if backend == "reference":
+        require("onnx", "the tied model is written to ONNX")
+        ort = require("onnxruntime", "the written ONNX is run")
+        from opgrad import onnx as opgrad_onnx
+
+        model.params = {k: v.astype(np.float32) for k, v in params.items()}
+        opgrad_onnx.save(model, tmp_path / "tied.onnx")
+        session = ort.InferenceSession(str(tmp_path / "tied.onnx"), providers=["CPUExecutionProvider"])
+        got = session.run(None, {session.get_inputs()[0].name: ids})[0]
+        np.testing.assert_allclose(got, model.predict(ids, backend="reference"), rtol=1e-5, atol=2e-6)
+
+
+def test_a_tie_names_what_does_not_fit() -> None:
+    table = nn.Embedding(7, 4, name="table")
+    with pytest.raises(ValueError, match=r"Dense\(9\) weight_from 'table' \(Embedding\(7, 4\)\): its table has 7 "
+                                         r"rows"):
+        nn.Dense(9, weight_from=table)
+    inp = nn.Input((3, 5))
+    with pytest.raises(opgrad.errors.ShapeError,
+                       match=r"its weight is the table of 'table' \(Embedding\(7, 4\)\), rows of 4: the input's "
+                             r"last axis"):
+        nn.Dense(7, weight_from=table)(inp)
+    features = nn.Input((3, 4))
+    with pytest.raises(ValueError, match=r"takes its weight from layer 'table' \(Embedding\(7, 4\)\), which the "
+                                         r"model does not use"):
+        nn.Model(features, nn.Dense(7, weight_from=table)(features))

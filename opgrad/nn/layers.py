@@ -443,6 +443,11 @@ class Layer:
         """Local non-trainable state names (``"running_mean"``) to specs; valid after ``build``."""
         return {}
 
+    def tied_params(self) -> dict[str, tuple[Layer, str]]:
+        """Local parameter names this layer reads from another layer (its ``(layer, local name)``):
+        one parameter, trained by both uses, declared by its owner alone (``Dense(weight_from=...)``)."""
+        return {}
+
     def noise_shape(self) -> Shape | None:
         """Per-example shape of the random mask this layer reads while training (None: no mask)."""
         return None
@@ -507,7 +512,8 @@ class Dense(Layer):
 
     def __init__(self, units: int, activation: str | None = None, use_bias: bool = True, *,
                  kernel_initializer: str | Initializer = "glorot_uniform",
-                 bias_initializer: str | Initializer = "zeros", name: str | None = None) -> None:
+                 bias_initializer: str | Initializer = "zeros", weight_from: Embedding | str | None = None,
+                 name: str | None = None) -> None:
         super().__init__(name)
         if as_int(units, "Dense units") < 1:
             raise ValueError(f"Dense units must be >= 1, got {units}")
@@ -516,25 +522,62 @@ class Dense(Layer):
         self.use_bias = bool(use_bias)
         self.kernel_init = get_initializer(kernel_initializer)
         self.bias_init = get_initializer(bias_initializer)
+        #: The Embedding whose table is this layer's weight (tied: a language model's output layer
+        #: scoring each token by its embedding, PyTorch's ``head.weight = embedding.weight``), or
+        #: its name until a loaded model's layers are linked (:meth:`link_tied`).
+        self.weight_from: Embedding | str | None = None
+        if weight_from is not None:
+            if not isinstance(weight_from, (Embedding, str)):
+                raise TypeError(f"Dense weight_from takes an Embedding layer, got {weight_from!r}")
+            if isinstance(weight_from, Embedding) and weight_from.input_dim != self.units:
+                raise ValueError(f"Dense({units}) weight_from {weight_from.describe()}: its table has "
+                                 f"{weight_from.input_dim} rows, one per unit is needed (units = input_dim)")
+            self.weight_from = weight_from
+
+    def link_tied(self, layers: Mapping[str, Layer]) -> None:
+        """Replace a ``weight_from`` name (a loaded description's) by the layer of that name."""
+        if isinstance(self.weight_from, str):
+            owner = layers.get(self.weight_from)
+            if not isinstance(owner, Embedding):
+                raise ValueError(f"layer {self.describe()} takes its weight from layer {self.weight_from!r}, "
+                                 "which is no Embedding of the model")
+            self.weight_from = owner
 
     def get_config(self) -> dict[str, Any]:
+        tied = self.weight_from if isinstance(self.weight_from, str) or self.weight_from is None else \
+            self.weight_from.name
         return {"units": self.units, "activation": self.activation, "use_bias": self.use_bias,
-                "kernel_initializer": _init_config(self.kernel_init), "bias_initializer": _init_config(self.bias_init)}
+                "kernel_initializer": _init_config(self.kernel_init), "bias_initializer": _init_config(self.bias_init),
+                **({"weight_from": tied} if tied is not None else {})}
 
     def config(self) -> str:
-        return f"{self.units}" + (f", {self.activation}" if self.activation else "")
+        tied = self.weight_from if isinstance(self.weight_from, str) or self.weight_from is None else \
+            self.weight_from.name
+        return f"{self.units}" + (f", {self.activation}" if self.activation else "") + (
+            f", weight of {tied!r}" if tied is not None else "")
 
     def output_shape_for(self, input_shape: Shape) -> Shape:
         if not input_shape:
             raise self._shape_error(input_shape, "Dense needs features (in,) or rows of them (..., in)")
+        if isinstance(self.weight_from, Embedding) and input_shape[-1] != self.weight_from.output_dim:
+            raise self._shape_error(input_shape, f"its weight is the table of {self.weight_from.describe()}, rows of "
+                                                 f"{self.weight_from.output_dim}: the input's last axis must be that")
         return (*input_shape[:-1], self.units)
 
     def param_specs(self) -> dict[str, ParamSpec]:
         assert self.input_shape is not None, "build() first"
-        specs = {"weight": ParamSpec((self.units, self.input_shape[-1]), self.kernel_init)}
+        specs = {} if self.weight_from is not None else {
+            "weight": ParamSpec((self.units, self.input_shape[-1]), self.kernel_init)}
         if self.use_bias:
             specs["bias"] = ParamSpec((self.units,), self.bias_init)
         return specs
+
+    def tied_params(self) -> dict[str, tuple[Layer, str]]:
+        if self.weight_from is None:
+            return {}
+        if isinstance(self.weight_from, str):
+            raise ValueError(f"layer {self.describe()}: its weight_from {self.weight_from!r} is not linked to a layer")
+        return {"weight": (self.weight_from, "weight")}
 
     def apply(self, x: Expr, params: Mapping[str, Expr], ctx: ForwardContext) -> Expr:
         rows = x.shape[:-1]

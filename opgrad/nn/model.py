@@ -116,7 +116,10 @@ def _layer_entry(layer: Layer) -> dict[str, Any]:
     signature = inspect.signature(type(layer).__init__)
     missing = [p.name for p in signature.parameters.values()
                if p.name not in ("self", "name", *config) and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
-    if missing and not type(layer).__module__.startswith("opgrad."):
+    # A subclass that keeps an opgrad layer's constructor and get_config keeps its convention too.
+    owners = {next(c for c in type(layer).__mro__ if method in c.__dict__) for method in ("__init__", "get_config")}
+    inherited = len(owners) == 1 and next(iter(owners)).__module__.startswith("opgrad.")
+    if missing and not type(layer).__module__.startswith("opgrad.") and not inherited:
         raise TypeError(f"layer {layer.describe()}: {type(layer).__name__}.get_config returns no "
                         f"{', '.join(map(repr, missing))}, which its constructor takes, so a saved model would "
                         f"rebuild it with the default; return every constructor argument from get_config")
@@ -154,6 +157,11 @@ class Model:
         self._name_inputs()
         self.layers: tuple[Layer, ...] = tuple(dict.fromkeys(node.layer for node in self.nodes))
         self._name_layers()
+        for layer in self.layers:
+            for local, (owner, _) in layer.tied_params().items():
+                if owner not in self.layers:
+                    raise ValueError(f"model {name!r}: layer {layer.describe()} takes its {local} from layer "
+                                     f"{owner.describe()}, which the model does not use; build the model on both")
         for layer in self.layers:
             _MODELS_USING.setdefault(layer, weakref.WeakSet()).add(self)
         self._dtype = "float32"
@@ -476,6 +484,8 @@ class Model:
         for node in self.nodes:
             layer = node.layer
             params = {local: variables[f"{layer.name}.{local}"] for local in layer.param_specs()}
+            params.update({local: variables[f"{owner.name}.{owned}"]
+                           for local, (owner, owned) in layer.tied_params().items()})
             local_buffers = {local: buffers[f"{layer.name}.{local}"] for local in layer.buffer_specs()}
             args = [values[id(t)] for t in node.inputs]
             out, updated = layer.call(args if layer.multi_input else args[0], params, local_buffers, ctx)
@@ -689,6 +699,11 @@ def model_from_config(config: Mapping[str, Any], *, source: str = "model descrip
                          f"{CONFIG_FORMAT!r}")
     try:
         layers = [_layer_from_config(entry, source) for entry in config["layers"]]
+        named = {layer.name: layer for layer in layers}
+        for layer in layers:  # a layer reading another's parameter names it in the description
+            link = getattr(layer, "link_tied", None)
+            if link is not None:
+                link(named)
         if config.get("class") == "Sequential":
             return Sequential(layers, tuple(config["input_shape"]), name=str(config["name"]))
         if config.get("class") != "Model":

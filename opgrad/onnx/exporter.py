@@ -64,7 +64,14 @@ class GraphBuilder:
         return name
 
     def weight(self, layer: Layer, local: str, arrange: Callable[[np.ndarray], np.ndarray] | None = None) -> str:
-        """The initializer of a layer's weight, as ``arrange`` lays it out where given."""
+        """The initializer of a layer's weight, as ``arrange`` lays it out where given; a weight tied
+        to another layer's (``Dense(weight_from=...)``) is that layer's initializer, or laid out anew."""
+        tied = layer.tied_params().get(local)
+        if tied is not None:
+            owner, owned = tied
+            if arrange is None:
+                return self.weight(owner, owned)
+            return self.derived_weight(layer, local, arrange(np.asarray(self.weights[f"{owner.name}.{owned}"])))
         name = f"{layer.name}.{local}"
         if name not in self.initializers:
             self.taken.add(name)
