@@ -246,7 +246,8 @@ def torch_forward(model: Any, params: dict[str, Any], buffers: dict[str, Any], x
             h = h + p["operand"]
         elif kind == "reduce" and layer.op == "mean":
             h = h.mean(dim=layer.axes, keepdim=layer.keepdims)
-        elif kind == "multiheadattention" and not layer.padding_mask:
+        elif kind == "multiheadattention" and not layer.padding_mask and not layer.key_value and not (
+                training and layer.dropout):
             length = h.shape[1]
             causal = torch.triu(torch.full((length, length), float("-inf")), 1) if layer.causal else None
             sequence_first = h.transpose(0, 1)

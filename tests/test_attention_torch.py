@@ -331,3 +331,50 @@ def test_a_tie_names_what_does_not_fit() -> None:
     with pytest.raises(ValueError, match=r"takes its weight from layer 'table' \(Embedding\(7, 4\)\), which the "
                                          r"model does not use"):
         nn.Model(features, nn.Dense(7, weight_from=table)(features))
+
+
+@pytest.mark.parametrize("backend", ["reference", "llvm"])
+def test_attention_dropout_masks_the_weights_as_pytorchs(backend: str) -> None:
+    """dropout=0.3: while training, the attention weights times a mask drawn as a Dropout layer's
+    (an input of the step, (heads, length_q, length_kv) per example); equal to PyTorch's attention
+    computed with that mask, in output and gradients; off at evaluation."""
+    n, length, embed, heads = 2, 4, 8, 2
+    layer = nn.MultiHeadAttention(heads, causal=True, dropout=0.3, name="att")
+    model = nn.Sequential([layer], input_shape=(length, embed))
+    assert [lay.name for lay in model.noise_layers()] == ["att"] and layer.noise_shape() == (heads, length, length)
+    rng = np.random.default_rng(14)
+    params = {k: v + 0.1 * rng.standard_normal(v.shape) for k, v in model.init_params(0, "float64").items()}
+    mask = model.sample_noise(np.random.default_rng(1), n, "float64")["att"]
+    assert set(np.unique(mask)) <= {0.0, 1 / 0.7} and 0 < (mask == 0).mean() < 0.6
+    x, cotangent = rng.standard_normal((n, length, embed)), rng.standard_normal((n, length, embed))
+
+    xt = torch.tensor(x, requires_grad=True)
+    p = {k: torch.tensor(v, requires_grad=True) for k, v in params.items()}
+    w, b = p["att.in_proj_weight"], p["att.in_proj_bias"]
+    q, k, v = (torch.nn.functional.linear(xt, w[i * embed:(i + 1) * embed], b[i * embed:(i + 1) * embed])
+               .reshape(n, length, heads, embed // heads).transpose(1, 2) for i in range(3))
+    scores = q @ k.transpose(-1, -2) / (embed // heads) ** 0.5
+    scores = scores + torch.triu(torch.full((length, length), float("-inf"), dtype=torch.float64), 1)
+    attended = (torch.softmax(scores, dim=-1) * torch.tensor(mask)) @ v
+    yt = torch.nn.functional.linear(attended.transpose(1, 2).reshape(n, length, embed), p["att.out_proj_weight"],
+                                    p["att.out_proj_bias"])
+    yt.backward(torch.tensor(cotangent))
+
+    images = opgrad.var("x", x.shape, "float64")
+    noise = opgrad.var("mask", mask.shape, "float64")
+    variables = {key: opgrad.var(key, value.shape, "float64") for key, value in params.items()}
+    out = model.forward(images, variables, nn.ForwardContext(training=True, noise={"att": noise}))
+    loss = ops.sum(ops.multiply(out, opgrad.const(cotangent)))
+    fn = opgrad.function([images, noise, *variables.values()],
+                         [out, *opgrad.gradients(loss, [images, *variables.values()])])
+    y, dx, *grads = nn.compile_function(fn, backend)(x, mask, *params.values())
+    np.testing.assert_allclose(y, yt.detach().numpy(), rtol=1e-11, atol=1e-12)
+    np.testing.assert_allclose(dx, xt.grad.numpy(), rtol=1e-10, atol=1e-12)
+    for name, grad in zip(variables, grads, strict=True):
+        np.testing.assert_allclose(grad, p[name].grad.numpy(), rtol=1e-10, atol=1e-12, err_msg=name)
+    model.params = params
+    plain = nn.Sequential([nn.MultiHeadAttention(heads, causal=True, name="att")], input_shape=(length, embed))
+    plain.params = params
+    np.testing.assert_array_equal(model.predict(x, backend=backend), plain.predict(x, backend=backend))
+    trainer = nn.Trainer(model, nn.SGD(), batch_size=n, dtype="float64", loss="mse", backend=backend)
+    trainer.train_batch(x, x)  # the step draws and feeds the mask itself

@@ -452,6 +452,10 @@ class Layer:
         """Per-example shape of the random mask this layer reads while training (None: no mask)."""
         return None
 
+    def sample_mask(self, rng: np.random.Generator, shape: Shape, dtype: str) -> np.ndarray:
+        """A training step's mask of ``shape`` (batch first) for a layer with a :meth:`noise_shape`."""
+        raise NotImplementedError(f"layer {self.describe()} reads no random mask")
+
     # ----- the forward pass -----
 
     def apply(self, x: Any, params: Mapping[str, Expr], ctx: ForwardContext) -> Expr:
@@ -1333,6 +1337,13 @@ class Activation(Layer):
 # ----- regularization and normalization -----
 
 
+def inverted_dropout_mask(rng: np.random.Generator, shape: Shape, rate: float, dtype: str) -> np.ndarray:
+    """A dropout mask: 0 with probability ``rate``, else ``1 / (1 - rate)`` (inverted dropout, so the
+    expected value of ``x * mask`` is ``x``), drawn from ``rng``."""
+    keep = rng.random(size=shape) >= rate
+    return (keep / (1.0 - rate)).astype(dtype)
+
+
 class Dropout(Layer):
     """Inverted dropout: while training, ``x * mask`` with ``mask`` in ``{0, 1/(1-rate)}``.
 
@@ -1358,11 +1369,10 @@ class Dropout(Layer):
 
     def noise_shape(self) -> Shape | None:
         assert self.input_shape is not None, "build() first"
-        return tuple(self.input_shape)
+        return tuple(self.input_shape) if self.rate > 0.0 else None
 
     def sample_mask(self, rng: np.random.Generator, shape: Shape, dtype: str) -> np.ndarray:
-        keep = rng.random(size=shape) >= self.rate
-        return (keep / (1.0 - self.rate)).astype(dtype)
+        return inverted_dropout_mask(rng, shape, self.rate, dtype)
 
     def apply(self, x: Expr, params: Mapping[str, Expr], ctx: ForwardContext) -> Expr:
         if not ctx.training or self.rate == 0.0:
@@ -1600,7 +1610,7 @@ class MultiHeadAttention(Layer):
     MASKED = -1e30
 
     def __init__(self, num_heads: int, *, causal: bool = False, padding_mask: bool = False, key_value: bool = False,
-                 use_bias: bool = True, kernel_initializer: str | Initializer = "glorot_uniform",
+                 dropout: float = 0.0, use_bias: bool = True, kernel_initializer: str | Initializer = "glorot_uniform",
                  bias_initializer: str | Initializer = "zeros", name: str | None = None) -> None:
         super().__init__(name)
         if as_int(num_heads, "MultiHeadAttention num_heads") < 1:
@@ -1614,6 +1624,9 @@ class MultiHeadAttention(Layer):
                              "decoder applies no causal mask either")
         self.num_heads, self.causal, self.use_bias = int(num_heads), bool(causal), bool(use_bias)
         self.padding_mask, self.key_value = bool(padding_mask), bool(key_value)
+        if not (is_number(dropout) and 0.0 <= float(dropout) < 1.0):
+            raise ValueError(f"MultiHeadAttention dropout must be a rate in [0, 1), got {dropout!r}")
+        self.dropout = float(dropout)
         self.kernel_init = get_initializer(kernel_initializer)
         self.bias_init = get_initializer(bias_initializer)
 
@@ -1624,12 +1637,14 @@ class MultiHeadAttention(Layer):
     def get_config(self) -> dict[str, Any]:
         return {"num_heads": self.num_heads, "causal": self.causal, "padding_mask": self.padding_mask,
                 **({"key_value": True} if self.key_value else {}),
+                **({"dropout": self.dropout} if self.dropout else {}),
                 "use_bias": self.use_bias, "kernel_initializer": _init_config(self.kernel_init),
                 "bias_initializer": _init_config(self.bias_init)}
 
     def config(self) -> str:
         return f"{self.num_heads} heads" + (", causal" if self.causal else "") + (
-            ", cross" if self.key_value else "") + (", padding mask" if self.padding_mask else "")
+            ", cross" if self.key_value else "") + (", padding mask" if self.padding_mask else "") + (
+            f", dropout {self.dropout:g}" if self.dropout else "")
 
     def output_shape_for(self, input_shape: Any) -> Shape:
         if self.multi_input:
@@ -1665,6 +1680,19 @@ class MultiHeadAttention(Layer):
             specs["out_proj_bias"] = ParamSpec((e,), self.bias_init)
         return specs
 
+    def noise_shape(self) -> Shape | None:
+        """``(heads, length_q, length_kv)`` per example while ``dropout`` is on: a mask of the
+        attention weights, drawn as a Dropout layer's."""
+        assert self.input_shape is not None, "build() first"
+        if not self.dropout:
+            return None
+        query = self.input_shape[0] if self.multi_input else self.input_shape
+        keys = self.input_shape[1][0] if self.key_value else query[0]
+        return (self.num_heads, query[0], keys)
+
+    def sample_mask(self, rng: np.random.Generator, shape: Shape, dtype: str) -> np.ndarray:
+        return inverted_dropout_mask(rng, shape, self.dropout, dtype)
+
     def apply(self, x: Expr | list[Expr], params: Mapping[str, Expr], ctx: ForwardContext) -> Expr:
         parts = x if isinstance(x, list) else [x]
         x = parts[0]
@@ -1695,7 +1723,13 @@ class MultiHeadAttention(Layer):
             padding = ops.multiply(ops.subtract(1.0, mask), self.MASKED)
             per_head = ops.broadcast_to(ops.reshape(padding, shape=(n, 1, keys)), shape=(n, heads, keys))
             scores = ops.add(scores, ops.reshape(per_head, shape=(n * heads, 1, keys)))
-        attended = ops.batch_matmul(ops.softmax(scores, axis=-1), v)
+        weights = ops.softmax(scores, axis=-1)
+        if ctx.training and self.dropout > 0.0:  # PyTorch's dropout of the attention weights
+            mask = ctx.noise.get(str(self.name))
+            if mask is None:
+                raise ValueError(f"layer {self.describe()} is training with dropout but no mask input was given")
+            weights = ops.multiply(weights, ops.reshape(mask, shape=(n * heads, length, keys)))
+        attended = ops.batch_matmul(weights, v)
         merged = ops.transpose(ops.reshape(attended, shape=(n, heads, length, d)), axes=(0, 2, 1, 3))
         y = ops.dense(ops.reshape(merged, shape=(n * length, e)), params["out_proj_weight"])
         if self.use_bias:

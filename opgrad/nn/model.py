@@ -44,7 +44,6 @@ from opgrad.nn.init import param_generator
 from opgrad.nn.layers import (
     LAYERS,
     BufferSpec,
-    Dropout,
     ForwardContext,
     Input,
     Layer,
@@ -448,16 +447,17 @@ class Model:
 
     # ----- dropout masks -----
 
-    def noise_layers(self) -> list[Dropout]:
-        """Layers that read a random mask while training (dropout), in order."""
-        return [layer for layer in self.layers if isinstance(layer, Dropout) and layer.rate > 0.0]
+    def noise_layers(self) -> list[Layer]:
+        """Layers that read a random mask while training (dropout, attention dropout), in order."""
+        return [layer for layer in self.layers if layer.noise_shape() is not None]
 
     def sample_noise(self, rng: np.random.Generator, batch: int, dtype: str = "float32") -> dict[str, np.ndarray]:
         """One training step's masks, keyed by layer name, drawn in layer order from ``rng``."""
         masks = {}
         for layer in self.noise_layers():
-            assert layer.name is not None and layer.input_shape is not None
-            masks[layer.name] = layer.sample_mask(rng, (batch, *layer.input_shape), dtype)
+            shape = layer.noise_shape()
+            assert layer.name is not None and shape is not None
+            masks[layer.name] = layer.sample_mask(rng, (batch, *shape), dtype)
         return masks
 
     # ----- the forward graph -----
