@@ -3,6 +3,7 @@ and a small transformer encoder block trained a few steps."""
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -378,3 +379,31 @@ def test_attention_dropout_masks_the_weights_as_pytorchs(backend: str) -> None:
     np.testing.assert_array_equal(model.predict(x, backend=backend), plain.predict(x, backend=backend))
     trainer = nn.Trainer(model, nn.SGD(), batch_size=n, dtype="float64", loss="mse", backend=backend)
     trainer.train_batch(x, x)  # the step draws and feeds the mask itself
+
+
+def test_padding_masks_and_token_ids_are_checked_where_they_enter() -> None:
+    """A padding mask holding other than 0 and 1 (PyTorch's additive 0 / -inf mask, say) is refused
+    naming the layer; an int64 0/1 mask (Hugging Face's) takes no image-scaling warning; the steps
+    take token ids of any integer type and name the input of float ones; freezing a tied output
+    layer freezes the table it reads, as requires_grad_(False) on either PyTorch module does."""
+    tokens, keep = nn.Input((5,), dtype="int64", name="tokens"), nn.Input((5,), name="keep")
+    table = nn.Embedding(9, 4, name="emb")
+    h = nn.MultiHeadAttention(2, padding_mask=True, name="att")([table(tokens), keep])
+    head = nn.Dense(9, use_bias=False, weight_from=table, name="head")
+    model = nn.Model([tokens, keep], head(h), name="lm")
+    ids = np.random.default_rng(0).integers(0, 9, (2, 5))
+    additive = np.array([[0, 0, 0, -np.inf, -np.inf]] * 2)
+    with pytest.raises(ValueError, match=r"input 'keep' is the padding mask of layer 'att' \(MultiHeadAttention"
+                                         r"\(2 heads, padding mask\)\): 1 for a token and 0 for padding; got other"):
+        model.predict([ids, additive])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model.predict([ids, np.ones((2, 5), np.int64)])
+    step = nn.TrainStep(model, nn.SGD(), batch_size=2)
+    ones = np.ones((2, 5), np.float32)
+    step([ids.astype(np.int32), ones], ids, model.params, {}, 0.1)
+    with pytest.raises(ValueError, match=r"TrainStep of model 'lm': input 'tokens' takes integer ids \(int64\), got an "
+                                         r"array of float64"):
+        step([ids.astype(np.float64), ones], ids, model.params, {}, 0.1)
+    head.trainable = False
+    assert "emb.weight" not in model.trainable_param_names()

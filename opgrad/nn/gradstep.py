@@ -35,11 +35,10 @@ from opgrad.nn.optim import Optimizer
 from opgrad.nn.step import (
     StepLabels,
     batch_vars,
-    check_input_values,
     compile_function,
     mask_arrays,
+    model_input_arrays,
     model_loss,
-    per_input,
     per_output,
     resolve_losses,
     trainable_names,
@@ -99,8 +98,7 @@ class GradientStep:
     def __call__(self, images: np.ndarray | Sequence[np.ndarray], labels: np.ndarray | Sequence[np.ndarray],
                  params: Mapping[str, np.ndarray], buffers: Mapping[str, np.ndarray],
                  masks: Mapping[str, np.ndarray] | None = None) -> GradientResult:
-        inputs = per_input(images, len(self.model.inputs), "input", f"GradientStep: model {self.model.name!r}")
-        check_input_values(self.model, inputs, f"GradientStep of model {self.model.name!r}")
+        inputs = model_input_arrays(self.model, images, self.dtype, f"GradientStep of model {self.model.name!r}")
         outputs = self._run(
             *inputs,
             *self.labels.arrays(per_output(labels, len(self.model.outputs)), self.batch_size, "GradientStep"),

@@ -283,8 +283,13 @@ class Model:
 
     def trainable_param_names(self) -> list[str]:
         """The parameters training updates, in :meth:`param_specs` order: those of every layer not
-        frozen (``layer.trainable = False``; Keras' ``model.trainable_weights``)."""
-        return [f"{layer.name}.{local}" for layer in self.layers if layer.trainable for local in layer.param_specs()]
+        frozen (``layer.trainable = False``; Keras' ``model.trainable_weights``). A parameter another
+        layer reads too (``Dense(weight_from=...)``) is frozen when either layer is, as PyTorch's
+        ``requires_grad_(False)`` on either module freezes the one shared tensor."""
+        held = {f"{owner.name}.{owned}" for layer in self.layers if not layer.trainable
+                for owner, owned in layer.tied_params().values()}
+        return [name for layer in self.layers if layer.trainable for local in layer.param_specs()
+                if (name := f"{layer.name}.{local}") not in held]
 
     def trainable_param_shapes(self) -> dict[str, Shape]:
         """The shapes of :meth:`trainable_param_names`: what the optimizer keeps state for."""

@@ -64,6 +64,7 @@ __all__ = [
     "dataset_loss",
     "llvm_unavailable_reason",
     "mask_arrays",
+    "model_input_arrays",
     "model_loss",
     "per_input",
     "per_output",
@@ -247,9 +248,8 @@ class TrainStep:
         the arrays passed, as PyTorch's optimizers update in place: the returned dicts then hold
         those arrays (the caller gives them up), and the step needs no second copy of the model.
         Without it nothing passed is modified. The reference backend always returns new arrays."""
-        inputs = per_input(images, len(self.model.inputs), "input", f"TrainStep: model {self.model.name!r}")
+        inputs = self.model_inputs(images, f"TrainStep of model {self.model.name!r}")
         self.check_batch(inputs, self.batch_size, "TrainStep")
-        check_input_values(self.model, inputs, f"TrainStep of model {self.model.name!r}")
         arrays = (
             *inputs,
             *self.labels.arrays(per_output(labels, len(self.model.outputs)), self.batch_size, "TrainStep"),
@@ -263,6 +263,10 @@ class TrainStep:
             params=dict(zip(self.param_names, outputs[1 : 1 + k])),
             state=dict(zip(self.state_names, outputs[1 + k :])),
         )
+
+    def model_inputs(self, given: Any, who: str) -> list[np.ndarray]:
+        """One array per model input, checked (:func:`model_input_arrays`)."""
+        return model_input_arrays(self.model, given, self.dtype, who)
 
     def check_batch(self, inputs: Sequence[np.ndarray], rows: int, who: str) -> None:
         """A ``ShapeError`` naming the model, the input and ``batch_size`` where an input array is
@@ -292,7 +296,7 @@ class TrainStep:
         model with several inputs or outputs takes lists, as :meth:`__call__` does.
         """
         b = self.batch_size
-        inputs = per_input(images, len(self.model.inputs), "input", f"TrainStep.run_steps: model {self.model.name!r}")
+        inputs = self.model_inputs(images, f"TrainStep.run_steps of model {self.model.name!r}")
         label_arrays = per_output(labels, len(self.model.outputs))
         rows_given = len(label_arrays[0])
         if rows_given % b:
@@ -306,7 +310,6 @@ class TrainStep:
                                  f"(step i trains on rows i*{b} .. i*{b}+{b - 1})")
         steps = rows_given // b
         self.check_batch(inputs, steps * b, "TrainStep.run_steps")
-        check_input_values(self.model, inputs, f"TrainStep.run_steps of model {self.model.name!r}")
         label_arrays = self.labels.arrays(label_arrays, steps * b, "TrainStep.run_steps")
         lrs = np.asarray(lr, dtype=self.dtype)
         lrs = np.full(steps, lrs, self.dtype) if lrs.ndim == 0 else lrs
@@ -569,13 +572,23 @@ def check_batch_inputs(model: Model, arrays: Sequence[np.ndarray], dtypes: Seque
             raise ValueError(f"{who}: input {tensor.name!r} takes integer ids ({dtype}), got an array of "
                              f"{array.dtype}; convert it with .astype(np.{dtype}) if its values are whole")
         if np.issubdtype(np.dtype(dtype), np.floating) and np.issubdtype(array.dtype, np.integer) and not any(
-                node.layer.kind == "rescaling" and any(t is tensor for t in node.inputs) for node in model.nodes):
+                node.layer.kind == "rescaling" and any(t is tensor for t in node.inputs) for node in model.nodes) \
+                and not _feeds_attention_mask(model, tensor):
             # Keras casts such pixels silently and PyTorch refuses them; a model trained on 0..255
             # where it was meant for 0..1 only shows as a large loss.
             warnings.warn(f"{who}: input {tensor.name!r} is {array.dtype}, taken as {dtype} values as they are, "
                           f"unscaled; divide it first (images / 255) if the model expects 0..1, or give the model "
                           f"a Rescaling layer", stacklevel=4)
     check_input_values(model, arrays, who)
+
+
+def model_input_arrays(model: Model, given: Any, dtype: str, who: str) -> list[np.ndarray]:
+    """``given`` as one array per input of ``model``, checked as predict and Trainer check them
+    (:func:`check_batch_inputs`, naming the input), token ids of any integer type as int64."""
+    arrays = per_input(given, len(model.inputs), "input", who)
+    dtypes = [v.dtype for v in model.input_vars(1, dtype)]
+    check_batch_inputs(model, [np.asarray(a) for a in arrays], dtypes, who)
+    return [np.asarray(a).astype(np.int64, copy=False) if t == "int64" else a for a, t in zip(arrays, dtypes)]
 
 
 def check_input_values(model: Model, arrays: Sequence[np.ndarray], who: str) -> None:
@@ -593,6 +606,20 @@ def check_input_values(model: Model, arrays: Sequence[np.ndarray], who: str) -> 
                     and array.size and (array.min() < 0 or array.max() >= size):
                 raise ValueError(f"{who}: input {tensor.name!r} feeds layer {node.layer.describe()}, whose ids lie in "
                                  f"0..{size - 1}; got values in {array.min()}..{array.max()}")
+        layer = _feeds_attention_mask(model, tensor)
+        if layer is not None and array.size and not np.isin(array, (0, 1)).all():
+            raise ValueError(f"{who}: input {tensor.name!r} is the padding mask of layer {layer.describe()}: 1 for a "
+                             "token and 0 for padding; got other values (PyTorch's additive 0 / -inf masks and "
+                             "True-for-padding key_padding_mask are other conventions: pass (mask == 0) or ~mask)")
+
+
+def _feeds_attention_mask(model: Model, tensor: Any) -> Any:
+    """The MultiHeadAttention layer whose padding mask ``tensor`` (a model input) is, else None."""
+    for node in model.nodes:
+        if node.layer.kind == "multiheadattention" and getattr(node.layer, "padding_mask", False) \
+                and node.inputs[-1] is tensor:
+            return node.layer
+    return None
 
 
 def per_input(arrays: Any, count: int, what: str, who: str = "the model") -> list[np.ndarray]:
