@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import warnings
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 from optional import require
+from trainers import steps_against_torch
 
 torch = require("torch", "attention is compared with torch.nn.MultiheadAttention (pip install torch==2.13.0)")
 
@@ -89,17 +91,14 @@ def test_a_transformer_encoder_block_trains_as_torchs(backend: str) -> None:
     opt = torch.optim.Adam(every, lr=0.01)
     step = nn.TrainStep(model, nn.Adam(), batch_size=4, backend=backend)
     state = nn.Adam().init_state(params)
-    for _ in range(3):
-        result = step(tokens, labels, params, state, 0.01)
-        params, state = result.params, result.state
-        opt.zero_grad()
+
+    def torch_loss() -> Any:
         x = emb(torch.tensor(tokens))
         x = ln1(x + mha(x, x, x, need_weights=False)[0])
         x = ln2(x + ff2(torch.nn.functional.gelu(ff1(x))))
-        loss = torch.nn.functional.cross_entropy(head(x.mean(dim=1)), torch.tensor(labels))
-        loss.backward()
-        opt.step()
-        np.testing.assert_allclose(result.loss, loss.item(), rtol=2e-5)
+        return torch.nn.functional.cross_entropy(head(x.mean(dim=1)), torch.tensor(labels))
+
+    params, state = steps_against_torch(step, tokens, labels, params, state, 0.01, torch_loss, opt, rel=2e-5)
     np.testing.assert_allclose(params["att.in_proj_weight"], mha.in_proj_weight.detach().numpy(), atol=2e-5)
     np.testing.assert_allclose(params["head.weight"], head.weight.detach().numpy(), atol=2e-5)
 
@@ -289,17 +288,14 @@ def test_a_language_model_with_tied_embedding_trains_as_torchs(backend: str, tmp
     mask = torch.nn.Transformer.generate_square_subsequent_mask(length, dtype=torch.float64)
     step = nn.TrainStep(model, nn.Adam(), batch_size=n, dtype="float64", backend=backend)
     state = nn.Adam().init_state(params)
-    for _ in range(3):
-        result = step(ids, targets, params, state, 0.01)
-        params, state = result.params, result.state
-        optimizer.zero_grad()
+
+    def torch_loss() -> Any:
         h = emb(torch.tensor(ids))
         h = h + mha(h, h, h, need_weights=False, attn_mask=mask, is_causal=True)[0]  # type: ignore[operator]
         logits = head(norm(h))
-        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, vocab), torch.tensor(targets).reshape(-1))
-        loss.backward()
-        optimizer.step()
-        assert result.loss == pytest.approx(loss.item(), rel=1e-10)
+        return torch.nn.functional.cross_entropy(logits.reshape(-1, vocab), torch.tensor(targets).reshape(-1))
+
+    params, state = steps_against_torch(step, ids, targets, params, state, 0.01, torch_loss, optimizer)
     np.testing.assert_allclose(params["emb.weight"], emb.weight.detach().numpy(), rtol=1e-8, atol=1e-10)
     model.params = params
     model.save(tmp_path / "tied.npz")

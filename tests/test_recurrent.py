@@ -9,6 +9,7 @@ from typing import Any
 import numpy as np
 import pytest
 from optional import require
+from trainers import steps_against_torch
 
 from opgrad import nn
 from opgrad.errors import ShapeError
@@ -97,14 +98,9 @@ def test_adam_steps_and_a_save_load_round_trip(kind: str, tmp_path: Path) -> Non
     step = nn.TrainStep(model, nn.Adam(), batch_size=8, dtype="float64", backend="llvm")
     params, state = model.params, nn.Adam().init_state(model.params)
     optimizer = torch.optim.Adam([*rnn.parameters(), *head.parameters()], lr=0.01)
-    for _ in range(3):
-        result = step(x, y, params, state, 0.01)
-        params, state = result.params, result.state
-        optimizer.zero_grad()
-        loss = torch.nn.functional.cross_entropy(torch_logits(rnn, head, x, False), torch.tensor(y))
-        loss.backward()
-        optimizer.step()
-        assert result.loss == pytest.approx(loss.item(), rel=1e-10)
+    params, state = steps_against_torch(
+        step, x, y, params, state, 0.01,
+        lambda: torch.nn.functional.cross_entropy(torch_logits(rnn, head, x, False), torch.tensor(y)), optimizer)
     np.testing.assert_allclose(params["rnn.weight_hh"], rnn.weight_hh_l0.detach().numpy(), rtol=1e-9, atol=1e-12)
     model.params = params
     model.save(tmp_path / "rnn.npz")

@@ -16,3 +16,21 @@ def assert_split_trains_as_plain(plain: Any, split: Any, inputs: Any, labels: np
     for name in plain.params:
         np.testing.assert_array_equal(plain.params[name], split.params[name])
     assert plain.evaluate(inputs, labels) == split.evaluate(inputs, labels)
+
+
+def steps_against_torch(step: Any, inputs: Any, labels: Any, params: dict[str, np.ndarray],
+                        state: dict[str, np.ndarray], lr: float, torch_loss: Any, optimizer: Any, *, steps: int = 3,
+                        rel: float = 1e-10) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+    """``steps`` opgrad training steps and as many of PyTorch's (``torch_loss()`` on its module,
+    then ``optimizer``), each step's loss equal to ``rel``; returns opgrad's params and state."""
+    import pytest
+
+    for _ in range(steps):
+        result = step(inputs, labels, params, state, lr)
+        params, state = result.params, result.state
+        optimizer.zero_grad()
+        loss = torch_loss()
+        loss.backward()
+        optimizer.step()
+        assert result.loss == pytest.approx(loss.item(), rel=rel)
+    return params, state
