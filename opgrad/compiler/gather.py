@@ -29,10 +29,12 @@ def rows_addressable(*views: View) -> bool:
     return all(v.is_memory and v.is_contiguous for v in views)
 
 
-def _row(f: FunctionEmitter, index_type: str, pointer: str) -> str:
-    """The index at ``pointer`` as i64."""
-    index = f.load(index_type, pointer)
-    return index if index_type == "i64" else f.val(f"sext {index_type} {index} to i64")
+def _row(f: FunctionEmitter, indices: View, pick: str, rows: int) -> str:
+    """The table row that pick ``pick`` of ``indices`` names, as i64, held to ``[0, rows)``."""
+    index_type = elem_type(indices.dtype)
+    index = f.load(index_type, f.gep(index_type, "%p2", f.add(pick, indices.offset)))
+    wide = index if index_type == "i64" else f.val(f"sext {index_type} {index} to i64")
+    return f.smin(f.smax(wide, 0), rows - 1)
 
 
 def gather_rows(kb: KernelBuilder, out: View, table: View, indices: View) -> None:
@@ -42,9 +44,9 @@ def gather_rows(kb: KernelBuilder, out: View, table: View, indices: View) -> Non
     width = table.size // rows if rows else 0
     name = kb.fresh("gather")
     f = kb.loop_function(name, 3)
-    t, it = LLVM_TYPE[table.dtype], elem_type(indices.dtype)
+    t = LLVM_TYPE[table.dtype]
     with f.loop("%lo", "%hi", hint="pick") as i:
-        row = f.smin(f.smax(_row(f, it, f.gep(it, "%p2", f.add(i, indices.offset))), 0), rows - 1)
+        row = _row(f, indices, i, rows)
         source = f.gep(t, "%p1", f.add(f.mul(row, width), table.offset))
         target = f.gep(t, "%p0", f.add(f.mul(i, width), out.offset))
         with f.loop(0, width, hint="col") as c:
@@ -62,13 +64,13 @@ def scatter_add_rows(kb: KernelBuilder, out: View, grad: View, indices: View) ->
     width = out.size // rows if rows else 0
     name = kb.fresh("scatter_add")
     f = kb.loop_function(name, 3)
-    t, it = LLVM_TYPE[out.dtype], elem_type(indices.dtype)
+    t = LLVM_TYPE[out.dtype]
     with f.loop(0, rows, hint="row") as r:
         target = f.gep(t, "%p0", f.add(f.mul(r, width), out.offset))
         with f.loop("%lo", "%hi", hint="col") as c:
             f.store(t, "0.0", f.gep(t, target, c))
     with f.loop(0, picks, hint="pick") as i:
-        row = f.smin(f.smax(_row(f, it, f.gep(it, "%p2", f.add(i, indices.offset))), 0), rows - 1)
+        row = _row(f, indices, i, rows)
         target = f.gep(t, "%p0", f.add(f.mul(row, width), out.offset))
         source = f.gep(t, "%p1", f.add(f.mul(i, width), grad.offset))
         with f.loop("%lo", "%hi", hint="col") as c:

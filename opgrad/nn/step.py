@@ -248,7 +248,7 @@ class TrainStep:
         the arrays passed, as PyTorch's optimizers update in place: the returned dicts then hold
         those arrays (the caller gives them up), and the step needs no second copy of the model.
         Without it nothing passed is modified. The reference backend always returns new arrays."""
-        inputs = self.model_inputs(images, f"TrainStep of model {self.model.name!r}")
+        inputs = model_input_arrays(self.model, images, self.dtype, f"TrainStep of model {self.model.name!r}")
         self.check_batch(inputs, self.batch_size, "TrainStep")
         arrays = (
             *inputs,
@@ -263,10 +263,6 @@ class TrainStep:
             params=dict(zip(self.param_names, outputs[1 : 1 + k])),
             state=dict(zip(self.state_names, outputs[1 + k :])),
         )
-
-    def model_inputs(self, given: Any, who: str) -> list[np.ndarray]:
-        """One array per model input, checked (:func:`model_input_arrays`)."""
-        return model_input_arrays(self.model, given, self.dtype, who)
 
     def check_batch(self, inputs: Sequence[np.ndarray], rows: int, who: str) -> None:
         """A ``ShapeError`` naming the model, the input and ``batch_size`` where an input array is
@@ -296,7 +292,8 @@ class TrainStep:
         model with several inputs or outputs takes lists, as :meth:`__call__` does.
         """
         b = self.batch_size
-        inputs = self.model_inputs(images, f"TrainStep.run_steps of model {self.model.name!r}")
+        inputs = model_input_arrays(self.model, images, self.dtype,
+                                    f"TrainStep.run_steps of model {self.model.name!r}")
         label_arrays = per_output(labels, len(self.model.outputs))
         rows_given = len(label_arrays[0])
         if rows_given % b:

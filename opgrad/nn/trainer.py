@@ -48,6 +48,7 @@ from opgrad.nn.step import (
     check_loss_weights,
     check_optimizer,
     dataset_loss,
+    per_output,
     resolve_losses,
 )
 
@@ -353,13 +354,13 @@ class Trainer:
         Not cast yet: a dataset is cast batch by batch, so uint8 pixels are never all held as floats.
         """
         outputs = self.model.outputs
-        per_output = [labels] * len(outputs) if isinstance(labels, np.ndarray) else list(labels)
-        if len(per_output) != len(outputs) or not all(isinstance(y, np.ndarray) for y in per_output):
+        label_arrays = [labels] * len(outputs) if isinstance(labels, np.ndarray) else list(labels)
+        if len(label_arrays) != len(outputs) or not all(isinstance(y, np.ndarray) for y in label_arrays):
             raise TypeError(f"Trainer.{who}: labels must be one array, which serves every output, or a list "
                             f"of {len(outputs)} (one per output of model {self.model.name!r}); got "
-                            f"{type(labels).__name__} of {len(per_output)}")
+                            f"{type(labels).__name__} of {len(label_arrays)}")
         rows = label_rows(labels)
-        for tensor, y, loss in zip(outputs, per_output, self.losses, strict=True):
+        for tensor, y, loss in zip(outputs, label_arrays, self.losses, strict=True):
             node = tensor.node
             head = f" (output {node.layer.describe()})" if node is not None and len(outputs) > 1 else ""
             if loss != CLASS_LABEL_LOSS:
@@ -585,12 +586,9 @@ class Trainer:
     def step_labels(self, labels: Labels) -> Labels:
         """Labels as the training step takes them: class indices int64 (int32, uint8 cast, as the
         float inputs are to the dtype), the targets of other losses in the trainer's dtype."""
-        per_output = [labels] * len(self.losses) if isinstance(labels, np.ndarray) else list(labels)
         cast = [y.astype(np.int64 if loss == CLASS_LABEL_LOSS else self.dtype, copy=False)
-                for y, loss in zip(per_output, self.losses, strict=True)]
-        if isinstance(labels, np.ndarray) and len({id(y) for y in cast}) == 1:
-            return cast[0]
-        return cast
+                for y, loss in zip(per_output(labels, len(self.losses)), self.losses, strict=True)]
+        return cast[0] if len(cast) == 1 else cast
 
     def evaluate(self, inputs: Inputs, labels: Labels) -> tuple[float, float]:
         """``(accuracy, mean cross-entropy)`` of the current parameters on the first output, dropout off,
@@ -624,8 +622,7 @@ class Trainer:
         if not label_rows(labels):
             raise ValueError("Trainer.evaluate_loss: no examples; a mean loss needs at least one")
         outputs = self.eval_step.outputs(arrays, {**self.params, **self.model.buffers})
-        per_output = [labels] * len(outputs) if isinstance(labels, np.ndarray) else list(labels)
-        return dataset_loss(self.model, outputs, per_output, self.losses, self.loss_weights)
+        return dataset_loss(self.model, outputs, per_output(labels, len(outputs)), self.losses, self.loss_weights)
 
     # ----- checkpoints -----
 
